@@ -1,0 +1,47 @@
+"""The shell's wiring: config, store and event log for one process, created lazily."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TextIO
+
+from orchestrator.config import Config, load_config
+from orchestrator.events import EventLog, Redactor
+from state.store import Store
+
+
+@dataclass
+class App:
+    config_path: str | None = None
+    state_dir_override: str | None = None
+    console: TextIO | None = None
+    _closers: list = field(default_factory=list)
+
+    @cached_property
+    def config(self) -> Config:
+        return load_config(self.config_path, self.state_dir_override)
+
+    @cached_property
+    def store(self) -> Store:
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.config.state_dir, 0o700)
+        st = Store(self.config.database_url)
+        self._closers.append(st.close)
+        return st
+
+    @cached_property
+    def redactor(self) -> Redactor:
+        return Redactor(self.config.secret_env_names())
+
+    @cached_property
+    def events(self) -> EventLog:
+        log = EventLog(self.store, self.config.state_dir, self.redactor, console=self.console)
+        self._closers.append(log.close)
+        return log
+
+    def close(self) -> None:
+        for c in reversed(self._closers):
+            c()
+        self._closers.clear()

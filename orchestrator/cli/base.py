@@ -1,0 +1,63 @@
+"""The `burstctl` command group and the conventions every command follows.
+
+- Human tables by default (rich), `--json` for scripts.
+- Exit 0 on success, 1 on an operational failure, 2 on bad input: always one line on stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.app import App
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+out = Console(highlight=False, soft_wrap=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--config", "config_path", type=str, default=None, help="Config file (else $BURSTCTL_CONFIG, "
+              "./burstctl.toml, ~/.config/burstctl/config.toml, built-in defaults).")
+@click.option("--state-dir", type=str, default=None, help="Override the state directory.")
+@click.version_option(package_name="burstctl")
+@click.pass_context
+def cli(ctx: click.Context, config_path: str | None, state_dir: str | None) -> None:
+    """burstctl: decide whether each training job runs locally or bursts to a rented GPU, then run it."""
+    app = App(config_path=config_path, state_dir_override=state_dir)
+    ctx.obj = app
+    ctx.call_on_close(app.close)
+
+
+pass_app = click.make_pass_decorator(App)
+
+
+def json_option(f: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")(f)
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*("" if v is None else str(v) for v in r))
+    out.print(t)
+
+
+def fmt_usd(v: float | None) -> str:
+    return "—" if v is None else f"${v:,.2f}"
+
+
+def fmt_h(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f} h"

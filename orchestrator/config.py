@@ -1,0 +1,259 @@
+"""burstctl's configuration: one pydantic model whose field descriptions are the reference docs.
+
+Resolution order: ``--config``, ``$BURSTCTL_CONFIG``, ``./burstctl.toml``, ``~/.config/burstctl/config.toml``;
+with none of them, built-in defaults that need no cloud (the simulated cloud only).
+
+Secrets are never inline: a provider names the *environment variable* that holds its key (``*_env``).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from datetime import time
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from orchestrator.errors import BadInput, format_validation_error
+
+Market = Literal["auto", "spot", "on-demand"]
+JobKind = Literal["train", "eval", "embed", "serve"]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HourWindow(Strict):
+    """A daily window of wall-clock hours, e.g. 22:00-08:00 (may wrap past midnight)."""
+
+    start: time
+    end: time
+
+    def contains(self, t: time) -> bool:
+        if self.start == self.end:
+            return True
+        if self.start < self.end:
+            return self.start <= t < self.end
+        return t >= self.start or t < self.end
+
+
+def _parse_window(value: object) -> object:
+    if isinstance(value, str):
+        try:
+            a, b = value.split("-")
+            return {"start": time.fromisoformat(a.strip()), "end": time.fromisoformat(b.strip())}
+        except ValueError as exc:
+            raise ValueError(f"expected 'HH:MM-HH:MM', got {value!r}") from exc
+    return value
+
+
+class LocalMachine(Strict):
+    gpu: str = Field("RTX 5080", description="Local GPU name, for records and tables.")
+    vram_gib: PositiveFloat = Field(16.0, description="Local GPU memory in GiB.")
+    board_power_w: PositiveFloat = Field(360.0, description="GPU board power under training load, in watts.")
+    electricity_usd_per_kwh: NonNegFloat = Field(
+        0.28, description="Electricity price; with board power it gives the local $/h."
+    )
+    safety_margin_gib: NonNegFloat = Field(
+        1.0, description="VRAM kept free for the CUDA context and fragmentation when judging fit."
+    )
+    available_hours: list[HourWindow] = Field(
+        default_factory=list,
+        description="Daily windows when the local GPU may train (e.g. ['22:00-08:00'] if it serves by day). "
+        "Empty means always.",
+    )
+
+    @field_validator("available_hours", mode="before")
+    @classmethod
+    def _windows(cls, v: object) -> object:
+        if isinstance(v, list):
+            return [_parse_window(x) for x in v]
+        return v
+
+    @property
+    def usd_per_hour(self) -> float:
+        return self.board_power_w / 1000.0 * self.electricity_usd_per_kwh
+
+    @property
+    def vram_gb(self) -> float:
+        return self.vram_gib * 2**30 / 1e9
+
+    def available_at(self, t: time) -> bool:
+        return not self.available_hours or any(w.contains(t) for w in self.available_hours)
+
+
+class Budget(Strict):
+    monthly_cap_usd: NonNegFloat = Field(15.0, description="Hard cap on cloud spend per calendar month (UTC).")
+    cycle_gpu_hours: PositiveFloat = Field(
+        1.5, description="GPU-hours of one typical training cycle, for the cycles-left estimate of `budget`."
+    )
+
+
+class Policy(Strict):
+    max_auto_delta_usd: NonNegFloat = Field(
+        5.0,
+        description="Largest price of a deadline (ΔC = C_R − C_L, USD) the daemon approves without asking.",
+    )
+    default_market: Market = Field("auto", description="Market for jobs that do not choose: auto|spot|on-demand.")
+    cloud_kinds: list[JobKind] = Field(
+        default_factory=lambda: ["train"],
+        description="Job kinds the cloud may run. Only 'train' unless you document a fallback here.",
+    )
+    overhead_h: NonNegFloat = Field(
+        0.5, description="Provisioning + sync + teardown overhead t_ovh used until burstctl has measured it."
+    )
+    spot_preemptions_per_hour: NonNegFloat = Field(
+        0.05, description="Expected spot preemptions per hour, until history or traces say otherwise."
+    )
+    hybrid_margin_h: NonNegFloat = Field(
+        1.0, description="Slack kept before the deadline by hybrid local-then-burst plans (provisioning, no capacity)."
+    )
+
+
+class GpuPrice(Strict):
+    on_demand_usd_h: PositiveFloat = Field(description="On-demand $/GPU-hour.")
+    spot_usd_h: PositiveFloat | None = Field(None, description="Spot $/GPU-hour, if a spot market exists.")
+    vram_gib: PositiveFloat = Field(80.0, description="Memory per GPU.")
+
+
+def _default_prices() -> dict[str, GpuPrice]:
+    return {
+        "H100": GpuPrice(on_demand_usd_h=3.00, spot_usd_h=1.00, vram_gib=80),
+        "A100": GpuPrice(on_demand_usd_h=1.80, spot_usd_h=0.65, vram_gib=80),
+        "A10": GpuPrice(on_demand_usd_h=0.75, spot_usd_h=0.25, vram_gib=24),
+    }
+
+
+class SimProvider(Strict):
+    enabled: bool = Field(True, description="Use the project's simulated cloud (simcloud).")
+    base_url: str = Field("http://127.0.0.1:8790/api/v1", description="simcloud's Lambda-compatible API root.")
+    api_key_env: str = Field("BURSTCTL_SIM_API_KEY", description="Env var holding simcloud's API key.")
+    ssh_key_name: str = Field("burstctl", description="SSH key name registered with the provider.")
+
+
+class LambdaProvider(Strict):
+    enabled: bool = Field(False, description="Use Lambda Cloud.")
+    base_url: str = Field("https://cloud.lambdalabs.com/api/v1", description="API root (a test server in tests).")
+    api_key_env: str = Field("LAMBDA_API_KEY", description="Env var holding the Lambda Cloud API key.")
+    ssh_key_name: str = Field("burstctl", description="Name of an SSH key already registered with Lambda.")
+    regions: list[str] = Field(default_factory=list, description="Allowed regions in preference order; empty = any.")
+    instance_types: list[str] = Field(
+        default_factory=list, description="Allowed instance types in preference order; empty = any."
+    )
+
+
+class Ec2Provider(Strict):
+    enabled: bool = Field(False, description="Use AWS EC2.")
+    region: str = Field("us-east-1", description="AWS region.")
+    profile: str | None = Field(None, description="AWS profile of the standard credential chain.")
+    endpoint_url: str | None = Field(None, description="Override endpoint (moto's server); AWS_ENDPOINT_URL works too.")
+    ami: str = Field("ami-12c6146b", description="Image with the GPU driver and Python.")
+    key_name: str = Field("burstctl", description="EC2 key pair name.")
+    security_group_ids: list[str] = Field(default_factory=list, description="Security groups (SSH inbound).")
+    subnet_ids: dict[str, str] = Field(default_factory=dict, description="Subnet per availability zone.")
+    instance_profile: str | None = Field(None, description="IAM instance profile name (e.g. for S3 checkpoints).")
+    instance_types: list[str] = Field(
+        default_factory=lambda: ["p3.2xlarge"], description="Instance types in fallback order."
+    )
+    zones: list[str] = Field(default_factory=list, description="Availability zones in fallback order; empty = all.")
+    on_demand_usd_h: dict[str, PositiveFloat] = Field(
+        default_factory=lambda: {"p3.2xlarge": 3.06}, description="On-demand $/h per instance type."
+    )
+    ssh_user: str = Field("ubuntu", description="Login user on the image.")
+    checkpoint_bucket: str | None = Field(None, description="S3 bucket for checkpoints (alternative store).")
+
+
+class Providers(Strict):
+    sim: SimProvider = Field(default_factory=SimProvider)
+    lambda_: LambdaProvider = Field(default_factory=LambdaProvider, alias="lambda")
+    ec2: Ec2Provider = Field(default_factory=Ec2Provider)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "burstctl"
+
+
+class StateSettings(Strict):
+    dir: Path = Field(default_factory=default_state_dir, description="State directory: database, logs, records.")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL; default sqlite:///<dir>/burstctl.db. PostgreSQL works too."
+    )
+
+
+class Config(Strict):
+    local: LocalMachine = Field(default_factory=LocalMachine)
+    budget: Budget = Field(default_factory=Budget)
+    policy: Policy = Field(default_factory=Policy)
+    prices: dict[str, GpuPrice] = Field(
+        default_factory=_default_prices,
+        description="Reference $/GPU-hour per GPU type, used for decisions when no live offer is known.",
+    )
+    providers: Providers = Field(default_factory=Providers)
+    state: StateSettings = Field(default_factory=StateSettings)
+    orchestrator_id: str = Field("burstctl", description="Owner tag on every instance this install creates.")
+
+    source: str | None = Field(None, exclude=True, description="Where this config came from (set by the loader).")
+
+    @property
+    def state_dir(self) -> Path:
+        return self.state.dir.expanduser()
+
+    @property
+    def database_url(self) -> str:
+        return self.state.database_url or f"sqlite:///{self.state_dir / 'burstctl.db'}"
+
+    def secret_env_names(self) -> list[str]:
+        p = self.providers
+        names = [p.sim.api_key_env, p.lambda_.api_key_env, "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"]
+        return [n for n in names if n]
+
+
+def config_candidates(explicit: str | None) -> list[tuple[Path, bool]]:
+    """(path, must_exist) in resolution order."""
+    out: list[tuple[Path, bool]] = []
+    if explicit:
+        out.append((Path(explicit), True))
+    env = os.environ.get("BURSTCTL_CONFIG")
+    if env:
+        out.append((Path(env), True))
+    out.append((Path("burstctl.toml"), False))
+    out.append((Path.home() / ".config" / "burstctl" / "config.toml", False))
+    return out
+
+
+def read_toml(path: Path) -> dict:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise BadInput("file not found", source=path) from None
+    except IsADirectoryError:
+        raise BadInput("is a directory, expected a TOML file", source=path) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise BadInput(f"not valid TOML ({exc})", source=path) from None
+    except UnicodeDecodeError:
+        raise BadInput("not valid TOML (not UTF-8 text)", source=path) from None
+
+
+def load_config(explicit: str | None = None, state_dir: str | None = None) -> Config:
+    for path, must_exist in config_candidates(explicit):
+        if path.exists() or must_exist:
+            data = read_toml(path)
+            try:
+                cfg = Config.model_validate({**data, "source": str(path)})
+            except ValidationError as exc:
+                raise format_validation_error(exc, path) from None
+            break
+    else:
+        cfg = Config()
+    if state_dir:
+        cfg = cfg.model_copy(update={"state": cfg.state.model_copy(update={"dir": Path(state_dir)})})
+    return cfg

@@ -1,0 +1,94 @@
+"""The two gates, exactly the seed's break-even model. Pure: numbers in, a verdict out.
+
+Gate 1, feasibility: a job that does not fit on the local GPU bursts, no dollar argument.
+Gate 2, deadline: T_L = W/s_L, C_L = p_L·T_L. If T_L ≤ D the job runs locally: renting is waste.
+Otherwise T_R = W/(s_R·g) + t_ovh and C_R = r·g·T_R. If T_R > D neither makes it (rethink scope);
+else the deadline has a price: ΔC = C_R − C_L to save T_L − T_R hours.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Verdict(StrEnum):
+    LOCAL = "local"
+    BURST = "burst"
+    PRICED = "priced"
+    RETHINK = "rethink"
+
+
+@dataclass(frozen=True)
+class GateInputs:
+    work: float  # W, work units
+    s_local: float  # units/h on the local GPU; 0 = does not fit
+    s_rented: float  # units/h per rented GPU
+    deadline_h: float  # D
+    rate_usd_per_gpu_h: float  # r
+    gpus: int = 1  # g
+    overhead_h: float = 0.5  # t_ovh
+    local_usd_h: float = 0.10  # p_L
+    fits_locally: bool | None = None  # from sizing; None = judge by s_local alone
+
+
+@dataclass(frozen=True)
+class GateResult:
+    verdict: Verdict
+    fits_locally: bool
+    t_local_h: float | None
+    c_local_usd: float | None
+    t_rented_h: float | None
+    c_rented_usd: float | None
+    delta_cost_usd: float | None
+    hours_saved: float | None
+    reasons: list[str] = field(default_factory=list)
+
+
+def rented_time_h(work: float, s_rented: float, gpus: int, overhead_h: float) -> float:
+    if s_rented <= 0:
+        return math.inf
+    return work / (s_rented * gpus) + overhead_h
+
+
+def evaluate(x: GateInputs) -> GateResult:
+    fits = x.s_local > 0 and x.fits_locally is not False
+    t_r = rented_time_h(x.work, x.s_rented, x.gpus, x.overhead_h)
+    c_r = x.rate_usd_per_gpu_h * x.gpus * t_r if math.isfinite(t_r) else math.inf
+    reasons: list[str] = []
+
+    if not fits:
+        why = "local throughput is 0" if x.s_local <= 0 else "the memory estimate exceeds local VRAM"
+        reasons.append(f"Gate 1: does not fit locally ({why}): burst, no dollar argument")
+        if t_r > x.deadline_h:
+            reasons.append(f"rented T_R {t_r:.2f} h also misses the {x.deadline_h:.2f} h deadline")
+        return GateResult(Verdict.BURST, False, None, None, _f(t_r), _f(c_r), None, None, reasons)
+
+    t_l = x.work / x.s_local
+    c_l = x.local_usd_h * t_l
+    reasons.append("Gate 1: fits locally")
+    if t_l <= x.deadline_h:
+        reasons.append(
+            f"Gate 2: local finishes in {t_l:.2f} h within the {x.deadline_h:.2f} h deadline: run local"
+        )
+        return GateResult(Verdict.LOCAL, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons)
+
+    if t_r > x.deadline_h:
+        reasons.append(
+            f"Gate 2: local {t_l:.2f} h and rented {t_r:.2f} h both miss {x.deadline_h:.2f} h: "
+            "rethink scope, not hardware"
+        )
+        return GateResult(Verdict.RETHINK, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons)
+
+    delta = c_r - c_l
+    saved = t_l - t_r
+    reasons.append(
+        f"Gate 2: local misses ({t_l:.2f} h > {x.deadline_h:.2f} h); renting meets it for "
+        f"ΔC = ${delta:.2f} to save {saved:.2f} h"
+    )
+    return GateResult(Verdict.PRICED, True, t_l, c_l, t_r, c_r, delta, saved, reasons)
+
+
+def _f(v: float) -> float | None:
+    return v if math.isfinite(v) else None

@@ -1,0 +1,54 @@
+"""The CLI's two failure kinds: bad input (exit 2) and operational failure (exit 1).
+
+Both carry one human line. Neither ever carries a secret: messages are built from field names and
+environment-variable *names*, never from their values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class BurstctlError(Exception):
+    exit_code = 1
+
+
+class BadInput(BurstctlError):
+    """Malformed config, job spec or arguments. Nothing has been changed when this is raised."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, source: str | Path | None = None, field: str | None = None):
+        self.source = str(source) if source is not None else None
+        self.field = field
+        parts = []
+        if self.source:
+            parts.append(self.source)
+        if field:
+            parts.append(f"field '{field}'")
+        prefix = ": ".join(parts)
+        super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+class OperationalError(BurstctlError):
+    """Something outside the input went wrong (a provider, SSH, the disk)."""
+
+    exit_code = 1
+
+
+def format_validation_error(exc: Any, source: str | Path) -> BadInput:
+    """Turn a pydantic ValidationError into one BadInput line: file, field, what is expected."""
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    kind = first["type"]
+    msg = first["msg"]
+    if kind == "missing":
+        msg = "is required but missing"
+    elif kind == "extra_forbidden":
+        msg = "is not a known field"
+        if any(s in loc.lower() for s in ("key", "secret", "token", "password")):
+            msg += " (secrets are never written inline: name an environment variable in a '*_env' field)"
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return BadInput(f"{msg}{more}", source=source, field=loc)

@@ -1,0 +1,89 @@
+"""The written trail: every event goes to the events table and, as a JSON line, to <state>/events.jsonl.
+
+Secrets never reach either: the values of every credential environment variable the config names are
+scrubbed from an event before it is stored or printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+from state.store import Store
+
+REDACTED = "***"
+
+
+class Redactor:
+    """Replaces known secret values anywhere inside nested event data."""
+
+    def __init__(self, env_names: Iterable[str]):
+        self.secrets = sorted(
+            {v for n in env_names if (v := os.environ.get(n)) and len(v) >= 4}, key=len, reverse=True
+        )
+
+    def __call__(self, value: Any) -> Any:
+        if not self.secrets:
+            return value
+        if isinstance(value, str):
+            for s in self.secrets:
+                if s in value:
+                    value = value.replace(s, REDACTED)
+            return value
+        if isinstance(value, dict):
+            return {k: self(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self(v) for v in value]
+        return value
+
+
+class EventLog:
+    def __init__(self, store: Store, state_dir: Path, redactor: Redactor, console: TextIO | None = None):
+        self.store = store
+        self.redact = redactor
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = state_dir / "events.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+        self._json = structlog.wrap_logger(
+            structlog.PrintLogger(self._file),
+            processors=[structlog.processors.JSONRenderer(sort_keys=False, default=str)],
+        )
+        self._console = (
+            structlog.wrap_logger(
+                structlog.PrintLogger(console),
+                processors=[structlog.dev.ConsoleRenderer(colors=console.isatty(), sort_keys=False)],
+            )
+            if console is not None
+            else None
+        )
+
+    def emit(self, type_: str, *, job_id: str | None = None, attempt_id: str | None = None,
+             conn: Any = None, **data: Any) -> int:
+        data = self.redact(data)
+        ts = time.time()
+        event_id = self.store.append_event(type_, _jsonable(data), job_id=job_id, attempt_id=attempt_id,
+                                           ts=ts, conn=conn)
+        ids = {k: v for k, v in (("job", job_id), ("attempt", attempt_id)) if v}
+        self._json.msg(event=type_, id=event_id, ts=ts, **ids, **data)
+        self._file.flush()
+        if self._console is not None:
+            self._console.msg(type_, **ids, **data)
+        return event_id
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(data, default=str))
+
+
+def stderr_console() -> TextIO:
+    return sys.stderr

@@ -1,0 +1,138 @@
+"""The job spec: a TOML file (or a few flags) describing one training job.
+
+Every field is documented by its description; `burstctl enqueue` validates the whole file before anything is
+written, so a bad spec never reaches the queue.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from orchestrator.config import JobKind, Market, read_toml
+from orchestrator.errors import BadInput, format_validation_error
+
+Method = Literal["full", "lora", "qlora"]
+Dtype = Literal["fp32", "bf16", "fp16", "int8", "int4"]
+Parallelism = Literal["ddp", "fsdp"]
+
+
+class ModelSpec(BaseModel):
+    """Sizing inputs; gate 1 is derived from them instead of a hand-given local throughput of 0."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    preset: str | None = Field(None, description="Known architecture, e.g. qwen2.5-7b, llama-3.1-8b.")
+    params: Annotated[float, Field(gt=0)] | None = Field(None, description="Parameter count, if no preset.")
+    layers: Annotated[int, Field(gt=0)] | None = Field(None, description="Transformer layers.")
+    hidden_size: Annotated[int, Field(gt=0)] | None = Field(None, description="Model width.")
+    attention_heads: Annotated[int, Field(gt=0)] | None = Field(None, description="Query heads.")
+    kv_heads: Annotated[int, Field(gt=0)] | None = Field(None, description="KV heads (grouped-query attention).")
+    head_dim: Annotated[int, Field(gt=0)] | None = Field(None, description="Dimension per head.")
+    intermediate_size: Annotated[int, Field(gt=0)] | None = Field(None, description="MLP width.")
+    method: Method = Field("full", description="full | lora | qlora.")
+    dtype: Dtype = Field("bf16", description="Weights dtype (qlora implies 4-bit base weights).")
+    lora_rank: Annotated[int, Field(gt=0)] = Field(16, description="LoRA rank r.")
+    lora_targets: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Matrices that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj).",
+    )
+    group_size: Annotated[int, Field(ge=0)] = Field(0, description="GRPO group size G (0 = not GRPO).")
+    prompts_per_step: Annotated[int, Field(ge=0)] = Field(0, description="GRPO prompts per step.")
+    context: Annotated[int, Field(gt=0)] = Field(2048, description="Sequence / rollout context length.")
+    micro_batch: Annotated[int, Field(gt=0)] = Field(1, description="Micro-batch size per GPU.")
+    parallelism: Parallelism = Field("ddp", description="ddp (everything replicated) | fsdp (sharded).")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations in the backward pass.")
+
+
+class CheckpointSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dir: str = Field("checkpoints", description="Checkpoint directory, relative to workdir.")
+    interval_minutes: Annotated[float, Field(gt=0)] = Field(30.0, description="How often the job checkpoints.")
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=48, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")] = Field(
+        description="Job name: letters, digits, '.', '_' and '-'."
+    )
+    kind: JobKind = Field("train", description="train | eval | embed | serve.")
+    command: list[str] = Field(description="The command, as an argument list (a string is split shell-style).")
+    workdir: str = Field(".", description="Directory pushed to the instance; relative to the spec file.")
+    deadline: datetime | None = Field(None, description="ISO 8601 instant by which the job must be done.")
+    deadline_hours: Annotated[float, Field(gt=0)] | None = Field(None, description="Or: hours from now.")
+    work_units: Annotated[float, Field(gt=0)] = Field(1.0, description="W: work in units (1 = the whole job).")
+    local_throughput: Annotated[float, Field(ge=0)] = Field(
+        description="s_L: units/h on the local GPU; 0 = does not fit."
+    )
+    rented_throughput: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        description="s_R per GPU type: units/h per GPU, e.g. {H100 = 0.17}."
+    )
+    gpus: Annotated[int, Field(ge=1, le=64)] = Field(1, description="g: GPUs to rent.")
+    market: Market | None = Field(None, description="auto | spot | on-demand; default from config.")
+    deadline_critical: bool = Field(False, description="This run's completion is critical: on-demand, no spot.")
+    torchrun: bool = Field(False, description="With gpus > 1, launch with torchrun --nproc_per_node=g.")
+    max_run_hours: Annotated[float, Field(gt=0)] | None = Field(None, description="Guard: stop after this long.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the command.")
+    model: ModelSpec | None = Field(None, description="Sizing inputs for gate 1.")
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, v: object) -> object:
+        if isinstance(v, str):
+            return shlex.split(v)
+        return v
+
+    @field_validator("command")
+    @classmethod
+    def _nonempty(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("rented_throughput")
+    @classmethod
+    def _some_rented(cls, v: dict[str, float]) -> dict[str, float]:
+        if not v:
+            raise ValueError("name at least one GPU type with its units/h per GPU, e.g. {H100 = 0.17}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_deadline(self) -> JobSpec:
+        if (self.deadline is None) == (self.deadline_hours is None):
+            raise ValueError("give exactly one of 'deadline' (ISO 8601) or 'deadline_hours'")
+        if self.deadline is not None and self.deadline.tzinfo is None:
+            raise ValueError("'deadline' needs a time zone, e.g. 2026-12-01T09:00:00Z")
+        return self
+
+    def deadline_at(self, now: float) -> float:
+        if self.deadline is not None:
+            return self.deadline.timestamp()
+        assert self.deadline_hours is not None
+        return now + self.deadline_hours * 3600.0
+
+
+def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float]:
+    """Parse and validate a job file; returns the spec and its absolute deadline (unix seconds)."""
+    path = Path(path)
+    data = read_toml(path)
+    now = time.time() if now is None else now
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise format_validation_error(exc, path) from None
+    deadline_at = spec.deadline_at(now)
+    if deadline_at <= now:
+        when = datetime.fromtimestamp(deadline_at, UTC).isoformat()
+        raise BadInput(f"is in the past ({when}); expected a future instant", source=path, field="deadline")
+    if not Path(path.parent, spec.workdir).is_dir():
+        raise BadInput(f"directory '{spec.workdir}' does not exist", source=path, field="workdir")
+    return spec, deadline_at

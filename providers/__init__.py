@@ -1,0 +1,1 @@
+"""Cloud provider adapters behind one interface (see providers.base)."""

@@ -1,0 +1,229 @@
+"""The one interface every cloud adapter implements, and the one error taxonomy the lifecycle sees.
+
+An adapter is a small module with one method per lifecycle verb: offers, launch, describe, terminate,
+list_owned. It maps its vendor's error *codes* to the taxonomy below, so the lifecycle never parses a
+vendor's strings. Throttled and Transient calls are retried here (bounded, jittered); nothing else is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, TypeVar
+
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+T = TypeVar("T")
+
+
+# --- error taxonomy ---------------------------------------------------------------------------------------
+class ProviderError(Exception):
+    """Base of the taxonomy. `code` is the vendor's error code (never its free-text message)."""
+
+    retryable = False
+
+    def __init__(self, message: str, *, provider: str = "", code: str | None = None):
+        super().__init__(message)
+        self.provider = provider
+        self.code = code
+
+
+class NoCapacity(ProviderError):
+    """No capacity for this type/market in this region or zone now; try another or wait."""
+
+
+class QuotaExceeded(ProviderError):
+    """An account limit blocks the launch; retrying will not help."""
+
+
+class AuthFailed(ProviderError):
+    """Credentials missing, wrong or without permission."""
+
+
+class Throttled(ProviderError):
+    """Rate limited; retried with backoff."""
+
+    retryable = True
+
+
+class Transient(ProviderError):
+    """5xx, timeout or connection failure; retried with backoff. The effect of the call is unknown."""
+
+    retryable = True
+
+
+class InvalidRequest(ProviderError):
+    """The request is wrong (unknown type, bad parameter); a bug or a config error."""
+
+
+# --- data -------------------------------------------------------------------------------------------------
+class Market(StrEnum):
+    SPOT = "spot"
+    ON_DEMAND = "on-demand"
+
+
+class InstanceState(StrEnum):
+    PENDING = "pending"
+    BOOTING = "booting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    TERMINATING = "terminating"
+    TERMINATED = "terminated"
+    FAILED = "failed"
+
+    @property
+    def gone(self) -> bool:
+        return self in (InstanceState.PREEMPTED, InstanceState.TERMINATED, InstanceState.FAILED)
+
+
+@dataclass(frozen=True)
+class Offer:
+    provider: str
+    instance_type: str
+    gpu_model: str  # normalized short name: H100, A100, A10, V100, ...
+    gpu_count: int
+    vram_gib: float  # per GPU
+    vcpus: int
+    on_demand_usd_h: float  # per instance
+    spot_usd_h: float | None  # per instance; None when there is no spot market
+    regions: tuple[str, ...]  # regions/zones with capacity now
+    billing_minimum_s: float = 60.0
+    billing_increment_s: float = 1.0
+
+    def price(self, market: Market) -> float | None:
+        return self.spot_usd_h if market is Market.SPOT else self.on_demand_usd_h
+
+
+@dataclass(frozen=True)
+class OwnerTags:
+    orchestrator: str
+    job_id: str
+    attempt_id: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"burstctl:orchestrator": self.orchestrator, "burstctl:job": self.job_id,
+                "burstctl:attempt": self.attempt_id}
+
+    @property
+    def instance_name(self) -> str:
+        # Deterministic name, for providers without idempotency keys (find by name after a timeout).
+        return f"burst-{self.attempt_id}"[:64]
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    instance_type: str
+    market: Market
+    tags: OwnerTags
+    idempotency_key: str  # derived from the attempt id
+    ssh_public_key: str  # OpenSSH public key line
+    ssh_key_name: str | None = None
+    region: str | None = None  # None: the adapter chooses among regions with capacity, in config order
+    image: str | None = None
+    user_data: str | None = None
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    id: str
+    state: InstanceState
+    instance_type: str
+    market: Market
+    region: str | None = None
+    reason: str | None = None  # the provider's reason for the state (e.g. Server.SpotInstanceTermination)
+    host: str | None = None
+    ssh_port: int = 22
+    ssh_user: str = "ubuntu"
+    host_key: str | None = None  # "ssh-ed25519 AAAA..." when the provider pins it
+    tags: dict[str, str] = field(default_factory=dict)
+    launched_at: float | None = None
+
+    @property
+    def attempt_id(self) -> str | None:
+        return self.tags.get("burstctl:attempt")
+
+
+class Provider(Protocol):
+    name: str
+
+    def offers(self) -> list[Offer]: ...
+
+    def launch(self, request: LaunchRequest) -> InstanceInfo: ...
+
+    def describe(self, ids: Sequence[str]) -> dict[str, InstanceInfo]:
+        """Instances by id. An id the provider no longer knows maps to state TERMINATED."""
+        ...
+
+    def terminate(self, ids: Sequence[str]) -> None:
+        """Idempotent: terminating an instance that is already gone is success."""
+        ...
+
+    def list_owned(self) -> list[InstanceInfo]:
+        """Every instance carrying this orchestrator's tags or names, including terminated-but-visible ones."""
+        ...
+
+    def find_attempt(self, attempt_id: str) -> InstanceInfo | None:
+        """The live instance of an attempt, if one exists (look up before any second launch)."""
+        ...
+
+
+# --- calls: retry + one structured event each ---------------------------------------------------------------
+EventSink = Callable[..., Any]  # emit(type, **data)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 5
+    max_total_s: float = 60.0
+    initial_s: float = 0.5
+    max_wait_s: float = 10.0
+
+
+def call(provider: str, verb: str, fn: Callable[[], T], *, sink: EventSink | None = None,
+         retry: RetryPolicy = RetryPolicy(), sleep: Callable[[float], None] = time.sleep) -> T:
+    """Run one provider call with bounded retries for Throttled/Transient, emitting `provider.call`."""
+    started = time.monotonic()
+    tries = 0
+
+    def _before_sleep(state: RetryCallState) -> None:
+        if sink is not None and state.outcome is not None:
+            exc = state.outcome.exception()
+            sink("provider.retry", provider=provider, call=verb, attempt=state.attempt_number,
+                 error=type(exc).__name__, code=getattr(exc, "code", None))
+
+    retrying = Retrying(
+        retry=retry_if_exception_type((Throttled, Transient)),
+        stop=stop_after_attempt(retry.attempts) | stop_after_delay(retry.max_total_s),
+        wait=wait_random_exponential(multiplier=retry.initial_s, max=retry.max_wait_s),
+        reraise=True,
+        sleep=sleep,
+        before_sleep=_before_sleep,
+    )
+    outcome = "ok"
+    error: ProviderError | None = None
+    try:
+        for attempt in retrying:
+            with attempt:
+                tries += 1
+                return fn()
+    except ProviderError as exc:
+        outcome = type(exc).__name__
+        error = exc
+        raise
+    finally:
+        if sink is not None:
+            data: dict[str, Any] = {"provider": provider, "call": verb, "outcome": outcome, "tries": tries,
+                                    "duration_s": round(time.monotonic() - started, 4)}
+            if error is not None and error.code:
+                data["code"] = error.code
+            sink("provider.call", **data)
+    raise AssertionError("unreachable")  # pragma: no cover

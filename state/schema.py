@@ -1,0 +1,156 @@
+"""Tables and versioned migrations. Add a migration; never edit an applied one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    Connection,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+metadata = MetaData()
+
+schema_version = Table("schema_version", metadata, Column("version", Integer, primary_key=True))
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("name", String(200), nullable=False, index=True),
+    Column("kind", String(16), nullable=False),
+    Column("state", String(32), nullable=False),
+    Column("verdict", String(16), nullable=False),
+    Column("placement", String(16), nullable=False),  # local | cloud | none
+    Column("approved", Boolean, nullable=False, default=False),
+    Column("spec", JSON, nullable=False),
+    Column("decision", JSON, nullable=False),
+    Column("reason", Text, nullable=True),
+    Column("deadline_at", Float, nullable=False),  # unix seconds
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("record_path", Text, nullable=True),
+    Column("checkpoint", Text, nullable=True),  # newest complete local checkpoint, if any
+)
+Index("ix_jobs_state", jobs.c.state)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("id", String(48), primary_key=True),  # <job>-a<n>
+    Column("job_id", String(32), ForeignKey("jobs.id"), nullable=False, index=True),
+    Column("n", Integer, nullable=False),
+    Column("where", String(16), nullable=False),  # local | cloud
+    Column("state", String(32), nullable=False),
+    Column("provider", String(32), nullable=True),
+    Column("instance_type", String(64), nullable=True),
+    Column("region", String(64), nullable=True),
+    Column("market", String(16), nullable=True),
+    Column("idempotency_key", String(64), nullable=True, unique=True),
+    Column("instance_id", String(128), nullable=True),
+    Column("info", JSON, nullable=False),  # host, port, host key, pid, timings
+    Column("reason", Text, nullable=True),
+    Column("lost_work_h", Float, nullable=True),
+    Column("created_at", Float, nullable=False),
+    Column("started_at", Float, nullable=True),
+    Column("ended_at", Float, nullable=True),
+)
+Index("ix_attempts_state", attempts.c.state)
+
+instances = Table(
+    "instances",
+    metadata,
+    Column("provider", String(32), primary_key=True),
+    Column("id", String(128), primary_key=True),
+    Column("attempt_id", String(48), nullable=True, index=True),
+    Column("state", String(32), nullable=False),
+    Column("instance_type", String(64), nullable=True),
+    Column("market", String(16), nullable=True),
+    Column("rate_usd_h", Float, nullable=True),
+    Column("host", String(128), nullable=True),
+    Column("port", Integer, nullable=True),
+    Column("host_key", Text, nullable=True),
+    Column("launched_at", Float, nullable=True),
+    Column("gone_at", Float, nullable=True),
+    Column("verified_gone", Boolean, nullable=False, default=False),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("ts", Float, nullable=False),
+    Column("type", String(64), nullable=False),
+    Column("job_id", String(32), nullable=True),
+    Column("attempt_id", String(48), nullable=True),
+    Column("data", JSON, nullable=False),
+)
+Index("ix_events_job", events.c.job_id, events.c.id)
+Index("ix_events_type", events.c.type, events.c.id)
+
+ledger = Table(
+    "ledger",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("month", String(7), nullable=False, index=True),  # YYYY-MM (UTC) the charge counts against
+    Column("job_id", String(32), nullable=True),
+    Column("attempt_id", String(48), nullable=True),
+    Column("provider", String(32), nullable=False),
+    Column("instance_id", String(128), nullable=True),
+    Column("instance_type", String(64), nullable=True),
+    Column("market", String(16), nullable=True),
+    Column("rate_usd_h", Float, nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("ended_at", Float, nullable=True),  # open while the instance runs
+    Column("billed_seconds", Float, nullable=True),
+    Column("cost_usd", Float, nullable=True),
+)
+
+settings = Table(
+    "settings",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", JSON, nullable=False),
+)
+
+measurements = Table(
+    "measurements",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("ts", Float, nullable=False),
+    Column("provider", String(32), nullable=False),
+    Column("instance_type", String(64), nullable=False),
+    Column("metric", String(32), nullable=False),  # boot_s | sync_s | teardown_s | throughput_units_h
+    Column("value", Float, nullable=False),
+)
+Index("ix_measurements_key", measurements.c.provider, measurements.c.instance_type, measurements.c.metric)
+
+
+def _v1(conn: Connection) -> None:
+    metadata.create_all(conn)
+
+
+# (version, migration). Each runs once, in order, inside a transaction.
+MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
+    (1, _v1),
+]
+
+
+def current_version(conn: Connection) -> int:
+    schema_version.create(conn, checkfirst=True)
+    v = conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar()
+    return int(v or 0)
+
+
+LATEST = MIGRATIONS[-1][0]

@@ -1,0 +1,199 @@
+"""Store: the one place that reads and writes burstctl's state.
+
+SQLite in WAL mode lets the CLI and the daemon use the database at the same time; a busy timeout makes
+writers wait for each other instead of failing. Any SQLAlchemy URL works (PostgreSQL in production).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, func, insert, select, update
+from sqlalchemy.engine import make_url
+
+from state import schema as s
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _ensure_private_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+
+
+class Store:
+    def __init__(self, url: str):
+        self.url = url
+        u = make_url(url)
+        self.is_sqlite = u.get_backend_name() == "sqlite"
+        if self.is_sqlite and u.database and u.database != ":memory:":
+            _ensure_private_file(Path(u.database))
+        self.engine: Engine = create_engine(url, future=True)
+        if self.is_sqlite:
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self.migrate()
+
+    # --- plumbing -------------------------------------------------------------------------------------
+    @contextmanager
+    def tx(self) -> Iterator[Connection]:
+        with self.engine.begin() as conn:
+            yield conn
+
+    def migrate(self) -> int:
+        with self.tx() as conn:
+            have = s.current_version(conn)
+            for version, step in s.MIGRATIONS:
+                if version > have:
+                    step(conn)
+                    conn.execute(insert(s.schema_version).values(version=version))
+                    have = version
+        return have
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # --- jobs -----------------------------------------------------------------------------------------
+    def insert_job(self, row: dict[str, Any], conn: Connection | None = None) -> None:
+        now = time.time()
+        values = {"created_at": now, "updated_at": now, "approved": False, **row}
+        if conn is not None:
+            conn.execute(insert(s.jobs).values(**values))
+            return
+        with self.tx() as c:
+            c.execute(insert(s.jobs).values(**values))
+
+    def get_job(self, ref: str) -> dict[str, Any] | None:
+        """By id, or by name when exactly one job has that name (the newest if several)."""
+        with self.engine.connect() as c:
+            row = c.execute(select(s.jobs).where(s.jobs.c.id == ref)).mappings().first()
+            if row is None:
+                row = (
+                    c.execute(select(s.jobs).where(s.jobs.c.name == ref).order_by(s.jobs.c.created_at.desc()))
+                    .mappings()
+                    .first()
+                )
+            return dict(row) if row else None
+
+    def list_jobs(self, states: Sequence[str] | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        q = select(s.jobs).order_by(s.jobs.c.created_at)
+        if states:
+            q = q.where(s.jobs.c.state.in_(list(states)))
+        if limit:
+            q = q.limit(limit)
+        with self.engine.connect() as c:
+            return [dict(r) for r in c.execute(q).mappings()]
+
+    def update_job(self, job_id: str, conn: Connection | None = None, *, expect_state: str | None = None,
+                   **fields: Any) -> bool:
+        """Update a job; with expect_state, only if it is still in that state (compare-and-set)."""
+        q = update(s.jobs).where(s.jobs.c.id == job_id)
+        if expect_state is not None:
+            q = q.where(s.jobs.c.state == expect_state)
+        q = q.values(updated_at=time.time(), **fields)
+        if conn is not None:
+            return conn.execute(q).rowcount == 1
+        with self.tx() as c:
+            return c.execute(q).rowcount == 1
+
+    def count_jobs_by_state(self) -> dict[str, int]:
+        with self.engine.connect() as c:
+            rows = c.execute(select(s.jobs.c.state, func.count()).group_by(s.jobs.c.state)).all()
+        return {st: n for st, n in rows}
+
+    # --- events ---------------------------------------------------------------------------------------
+    def append_event(self, type_: str, data: dict[str, Any], *, job_id: str | None = None,
+                     attempt_id: str | None = None, ts: float | None = None,
+                     conn: Connection | None = None) -> int:
+        values = {"ts": ts or time.time(), "type": type_, "job_id": job_id, "attempt_id": attempt_id,
+                  "data": data}
+        if conn is not None:
+            return int(conn.execute(insert(s.events).values(**values)).inserted_primary_key[0])
+        with self.tx() as c:
+            return int(c.execute(insert(s.events).values(**values)).inserted_primary_key[0])
+
+    def events(self, *, after_id: int = 0, job_id: str | None = None, type_prefix: str | None = None,
+               limit: int | None = None) -> list[dict[str, Any]]:
+        q = select(s.events).where(s.events.c.id > after_id).order_by(s.events.c.id)
+        if job_id:
+            q = q.where(s.events.c.job_id == job_id)
+        if type_prefix:
+            q = q.where(s.events.c.type.startswith(type_prefix))
+        if limit:
+            q = q.limit(limit)
+        with self.engine.connect() as c:
+            return [dict(r) for r in c.execute(q).mappings()]
+
+    # --- settings -------------------------------------------------------------------------------------
+    def get_setting(self, key: str, default: Any = None) -> Any:
+        with self.engine.connect() as c:
+            v = c.execute(select(s.settings.c.value).where(s.settings.c.key == key)).scalar()
+        return default if v is None else v
+
+    def set_setting(self, key: str, value: Any, conn: Connection | None = None) -> None:
+        def _do(c: Connection) -> None:
+            if c.execute(update(s.settings).where(s.settings.c.key == key).values(value=value)).rowcount == 0:
+                c.execute(insert(s.settings).values(key=key, value=value))
+
+        if conn is not None:
+            _do(conn)
+            return
+        with self.tx() as c:
+            _do(c)
+
+    # --- ledger ---------------------------------------------------------------------------------------
+    def month_spend(self, month: str, now: float | None = None) -> float:
+        """Closed charges plus open ones accrued up to now, for the month (YYYY-MM, UTC)."""
+        now = now or time.time()
+        with self.engine.connect() as c:
+            rows = c.execute(select(s.ledger).where(s.ledger.c.month == month)).mappings().all()
+        total = 0.0
+        for r in rows:
+            if r["cost_usd"] is not None:
+                total += r["cost_usd"]
+            else:
+                total += r["rate_usd_h"] * max(0.0, now - r["started_at"]) / 3600.0
+        return total
+
+    def ledger_rows(self, month: str | None = None) -> list[dict[str, Any]]:
+        q = select(s.ledger).order_by(s.ledger.c.id)
+        if month:
+            q = q.where(s.ledger.c.month == month)
+        with self.engine.connect() as c:
+            return [dict(r) for r in c.execute(q).mappings()]
+
+    def open_charge(self, row: dict[str, Any], conn: Connection | None = None) -> int:
+        if conn is not None:
+            return int(conn.execute(insert(s.ledger).values(**row)).inserted_primary_key[0])
+        with self.tx() as c:
+            return int(c.execute(insert(s.ledger).values(**row)).inserted_primary_key[0])
+
+    def close_charge(self, charge_id: int, *, ended_at: float, billed_seconds: float, cost_usd: float,
+                     conn: Connection | None = None) -> None:
+        q = (
+            update(s.ledger)
+            .where(s.ledger.c.id == charge_id)
+            .values(ended_at=ended_at, billed_seconds=billed_seconds, cost_usd=cost_usd)
+        )
+        if conn is not None:
+            conn.execute(q)
+            return
+        with self.tx() as c:
+            c.execute(q)
+
+
+def open_store(url: str) -> Store:
+    return Store(url)
