@@ -157,6 +157,9 @@ class Ec2Provider(Strict):
     security_group_ids: list[str] = Field(default_factory=list, description="Security groups (SSH inbound).")
     subnet_ids: dict[str, str] = Field(default_factory=dict, description="Subnet per availability zone.")
     instance_profile: str | None = Field(None, description="IAM instance profile name (e.g. for S3 checkpoints).")
+    user_data: str | None = Field(
+        None, description="cloud-init user data for every instance (plain text; boto3 base64-encodes it)."
+    )
     instance_types: list[str] = Field(
         default_factory=lambda: ["p3.2xlarge"], description="Instance types in fallback order."
     )
