@@ -35,6 +35,7 @@ class ModelSpec(BaseModel):
     kv_heads: Annotated[int, Field(gt=0)] | None = Field(None, description="KV heads (grouped-query attention).")
     head_dim: Annotated[int, Field(gt=0)] | None = Field(None, description="Dimension per head.")
     intermediate_size: Annotated[int, Field(gt=0)] | None = Field(None, description="MLP width.")
+    vocab_size: Annotated[int, Field(gt=0)] | None = Field(None, description="Vocabulary (sizes the output logits).")
     method: Method = Field("full", description="full | lora | qlora.")
     dtype: Dtype = Field("bf16", description="Weights dtype (qlora implies 4-bit base weights).")
     lora_rank: Annotated[int, Field(gt=0)] = Field(16, description="LoRA rank r.")

@@ -1,0 +1,373 @@
+"""Training-memory sizing: gate 1's input. Pure: a ModelSpec in, a per-term budget in GB (10^9 bytes) out.
+
+The terms, all per model replica:
+
+- weights: base parameters × bytes per parameter of the weights dtype (qlora: 4-bit, 0.55 B/param including the
+  quantization constants);
+- gradients: trained parameters only (all for full, adapters for lora/qlora) × compute-dtype bytes;
+- optimizer: Adam, 12 B per trained parameter (fp32 master copy + two fp32 moments); 8 B when the weights are already
+  fp32, because then there is no separate master copy;
+- adapters: the LoRA adapter weights themselves, r × (d_in + d_out) per targeted matrix per layer, with the
+  architecture's real matrix shapes (grouped-query k/v are narrower than q/o);
+- activations: what the backward pass keeps, see `activation_bytes`;
+- kv_cache: GRPO rollouts, layers × 2 × kv_heads × head_dim × context × bytes × (G × prompts per step).
+
+Per GPU on g GPUs: DDP replicates everything; FSDP shards weights, gradients, optimizer state and adapters over g
+while activations and the rollout KV cache stay whole on every GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from orchestrator.errors import BadInput
+from orchestrator.jobspec import ModelSpec
+
+GB = 1e9
+COMMON_GPU_SIZES_GB: tuple[int, ...] = (16, 24, 40, 48, 80, 141)
+# Headroom kept free on every card for the CUDA context, allocator fragmentation and the terms this model leaves out.
+# A policy, not a measurement: a "fits" verdict means the estimate plus 10% of the card's memory is within the card.
+FIT_MARGIN_FRACTION = 0.10
+
+WEIGHT_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.55}
+QLORA_BASE_BYTES = 0.55  # NF4 weights (0.5 B) plus per-block scales and constants
+ADAM_BYTES_MIXED = 12.0  # fp32 master copy 4 + first moment 4 + second moment 4
+ADAM_BYTES_FP32 = 8.0  # the weights are the fp32 master copy already
+LOSS_LOGIT_BYTES = 4.0  # the logits are upcast to fp32 for the cross-entropy
+
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_ALL_LINEAR = "all-linear"
+
+TERM_KEYS: tuple[str, ...] = ("weights", "gradients", "optimizer", "adapters", "activations", "kv_cache")
+SHARDED_BY_FSDP: frozenset[str] = frozenset({"weights", "gradients", "optimizer", "adapters"})
+
+KV_CACHE_FORMULA = "layers × 2 × kv_heads × head_dim × context × bytes × (G × prompts per step)"
+KV_CACHE_NAIVE_FORMULA = "layers × 2 × hidden_size × context × bytes × (G × prompts per step)"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The shapes sizing needs. vocab_size may be unknown for a hand-described model (then logits are not counted)."""
+
+    params: float
+    layers: int
+    hidden_size: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int | None
+
+    @property
+    def q_dim(self) -> int:
+        return self.attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Preset:
+    arch: Architecture
+    tied_embeddings: bool  # lm_head shares the input embedding matrix
+    qkv_bias: bool  # q/k/v projections carry a bias (Qwen2) or not (Llama)
+    source: str
+
+
+# Numbers from each model's published config.json on the Hugging Face Hub; params are the published counts, which
+# `count_params` reproduces from the shapes (tests check the two agree).
+PRESETS: dict[str, Preset] = {
+    # https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json (same shapes as Qwen2.5-7B-Instruct); 7.61 B.
+    "qwen2.5-7b": Preset(
+        Architecture(params=7.61e9, layers=28, hidden_size=3584, attention_heads=28, kv_heads=4, head_dim=128,
+                     intermediate_size=18944, vocab_size=152064),
+        tied_embeddings=False, qkv_bias=True, source="https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json",
+    ),
+    # https://huggingface.co/Qwen/Qwen2.5-1.5B/blob/main/config.json; 1.54 B, tied embeddings.
+    "qwen2.5-1.5b": Preset(
+        Architecture(params=1.54e9, layers=28, hidden_size=1536, attention_heads=12, kv_heads=2, head_dim=128,
+                     intermediate_size=8960, vocab_size=151936),
+        tied_embeddings=True, qkv_bias=True, source="https://huggingface.co/Qwen/Qwen2.5-1.5B/blob/main/config.json",
+    ),
+    # https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json; 8.03 B.
+    "llama-3.1-8b": Preset(
+        Architecture(params=8.03e9, layers=32, hidden_size=4096, attention_heads=32, kv_heads=8, head_dim=128,
+                     intermediate_size=14336, vocab_size=128256),
+        tied_embeddings=False, qkv_bias=False,
+        source="https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json",
+    ),
+    # https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json; 1.24 B, tied embeddings, head_dim 64.
+    "llama-3.2-1b": Preset(
+        Architecture(params=1.24e9, layers=16, hidden_size=2048, attention_heads=32, kv_heads=8, head_dim=64,
+                     intermediate_size=8192, vocab_size=128256),
+        tied_embeddings=True, qkv_bias=False,
+        source="https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json",
+    ),
+}
+
+# ModelSpec field -> Architecture field; a spec without a preset must give all of these (head_dim and vocab_size
+# are optional: head_dim defaults to hidden_size / attention_heads).
+_REQUIRED_WITHOUT_PRESET: tuple[str, ...] = (
+    "params", "layers", "hidden_size", "attention_heads", "kv_heads", "intermediate_size",
+)
+_ARCH_FIELDS: tuple[str, ...] = (*_REQUIRED_WITHOUT_PRESET, "head_dim", "vocab_size")
+
+
+@dataclass(frozen=True)
+class SizingEstimate:
+    terms: dict[str, float]  # the six TERM_KEYS, GB for one unsharded replica
+    total_gb: float  # sum of the terms: what a single GPU needs
+    per_gpu_gb: float  # on `gpus` GPUs with `parallelism`
+    fits: dict[int, bool]  # common GPU size (GB) -> per_gpu_gb fits with FIT_MARGIN_FRACTION kept free
+    notes: list[str] = field(default_factory=list)
+    gpus: int = 1
+    parallelism: str = "ddp"
+    params: float = 0.0
+    trained_params: float = 0.0
+    kv_cache_formula: str = KV_CACHE_FORMULA
+    kv_cache_naive_gb: float = 0.0  # the hidden-size formula, for comparison only
+    fit_margin_fraction: float = FIT_MARGIN_FRACTION
+
+    def to_json(self) -> dict[str, Any]:
+        """The `burstctl size --json` document."""
+        return {
+            "terms": {k: round(v, 4) for k, v in self.terms.items()},
+            "total_gb": round(self.total_gb, 4),
+            "per_gpu_gb": round(self.per_gpu_gb, 4),
+            "gpus": self.gpus,
+            "parallelism": self.parallelism,
+            "fits": {str(size): ok for size, ok in self.fits.items()},
+            "fit_margin_fraction": self.fit_margin_fraction,
+            "params": self.params,
+            "trained_params": self.trained_params,
+            "kv_cache_formula": self.kv_cache_formula,
+            "kv_cache_naive_formula": KV_CACHE_NAIVE_FORMULA,
+            "kv_cache_naive_gb": round(self.kv_cache_naive_gb, 4),
+            "notes": self.notes,
+        }
+
+
+def count_params(preset: Preset) -> int:
+    """Parameters of a Llama/Qwen2-style decoder from its shapes: embeddings, per-layer attention + SwiGLU MLP + two
+    RMSNorms, final norm, and an untied lm_head when not tied."""
+    a = preset.arch
+    attention = 2 * a.hidden_size * a.q_dim + 2 * a.hidden_size * a.kv_dim
+    if preset.qkv_bias:
+        attention += a.q_dim + 2 * a.kv_dim
+    mlp = 3 * a.hidden_size * a.intermediate_size
+    per_layer = attention + mlp + 2 * a.hidden_size
+    vocab = a.vocab_size or 0
+    embeddings = vocab * a.hidden_size * (1 if preset.tied_embeddings else 2)
+    return a.layers * per_layer + embeddings + a.hidden_size
+
+
+def resolve_architecture(model: ModelSpec) -> tuple[Architecture, list[str]]:
+    """The preset's architecture with any explicitly given field overriding it, or the explicit fields alone."""
+    given = {name: getattr(model, name) for name in _ARCH_FIELDS if getattr(model, name) is not None}
+    notes: list[str] = []
+    if model.preset is not None:
+        preset = PRESETS.get(model.preset.lower())
+        if preset is None:
+            raise BadInput(f"unknown preset '{model.preset}'; known presets: {', '.join(sorted(PRESETS))}",
+                           field="model.preset")
+        arch = replace(preset.arch, **given)
+        if given:
+            notes.append(f"{model.preset.lower()} with overrides: "
+                         + ", ".join(f"{k}={_fmt_count(v)}" for k, v in given.items()))
+        return arch, notes
+
+    missing = [name for name in _REQUIRED_WITHOUT_PRESET if name not in given]
+    if missing:
+        raise BadInput(f"needs a preset ({', '.join(sorted(PRESETS))}) or the architecture fields "
+                       f"{', '.join(missing)}", field="model")
+    head_dim = given.get("head_dim")
+    if head_dim is None:
+        if given["hidden_size"] % given["attention_heads"]:
+            raise BadInput(f"hidden_size {given['hidden_size']} is not a multiple of attention_heads "
+                           f"{given['attention_heads']}; give head_dim", field="model.head_dim")
+        head_dim = given["hidden_size"] // given["attention_heads"]
+    if given["attention_heads"] % given["kv_heads"]:
+        raise BadInput(f"attention_heads {given['attention_heads']} is not a multiple of kv_heads "
+                       f"{given['kv_heads']}", field="model.kv_heads")
+    arch = Architecture(params=float(given["params"]), layers=given["layers"], hidden_size=given["hidden_size"],
+                        attention_heads=given["attention_heads"], kv_heads=given["kv_heads"], head_dim=head_dim,
+                        intermediate_size=given["intermediate_size"], vocab_size=given.get("vocab_size"))
+    return arch, notes
+
+
+def lora_matrix_shapes(arch: Architecture) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of each adaptable matrix in one layer."""
+    h, inter = arch.hidden_size, arch.intermediate_size
+    return {
+        "q_proj": (h, arch.q_dim),
+        "k_proj": (h, arch.kv_dim),
+        "v_proj": (h, arch.kv_dim),
+        "o_proj": (arch.q_dim, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+
+
+def normalize_lora_targets(targets: list[str]) -> list[str]:
+    """Validated target names, de-duplicated in the order given; 'all-linear' means all seven matrices."""
+    result: list[str] = []
+    for raw in targets:
+        name = raw.strip().lower()
+        names = list(LORA_TARGETS) if name == LORA_ALL_LINEAR else [name]
+        for n in names:
+            if n not in LORA_TARGETS:
+                raise BadInput(f"unknown LoRA target '{raw}'; expected some of {', '.join(LORA_TARGETS)} "
+                               f"or {LORA_ALL_LINEAR}", field="model.lora_targets")
+            if n not in result:
+                result.append(n)
+    if not result:
+        raise BadInput(f"is empty; name at least one of {', '.join(LORA_TARGETS)}", field="model.lora_targets")
+    return result
+
+
+def lora_adapter_params(arch: Architecture, rank: int, targets: list[str]) -> int:
+    """r × (d_in + d_out) per targeted matrix per layer."""
+    shapes = lora_matrix_shapes(arch)
+    per_layer = sum(rank * (shapes[t][0] + shapes[t][1]) for t in normalize_lora_targets(targets))
+    return arch.layers * per_layer
+
+
+def activation_elements_per_token_layer(arch: Architecture) -> int:
+    """Tensors one decoder layer keeps for its backward pass, in elements per token.
+
+    Attention half: the RMSNorm input (h), the normed input to q/k/v (h), q, k, v (q_dim + 2·kv_dim) and the
+    attention output fed to o_proj (q_dim); a fused (flash / SDPA) kernel keeps only per-row softmax statistics, not
+    the context × context score matrix. MLP half: the RMSNorm input (h), the normed input to gate/up (h), the gate and
+    up outputs (2·I), SiLU(gate) (I) and the product fed to down_proj (I).
+    Total 4h + 2·q_dim + 2·kv_dim + 4·I: the same accounting as Korthikanti et al. 2022 (34·s·b·h bytes for a GPT
+    layer), redone for SwiGLU, grouped-query attention and no dropout.
+    """
+    return 4 * arch.hidden_size + 2 * arch.q_dim + 2 * arch.kv_dim + 4 * arch.intermediate_size
+
+
+def activation_bytes(arch: Architecture, micro_batch: int, context: int, compute_bytes: float,
+                     checkpointing: bool) -> float:
+    """Activations of one micro-batch of `micro_batch` sequences of `context` tokens.
+
+    Without checkpointing every layer keeps its full set. With (per-layer) checkpointing only each layer's input
+    (h per token) is kept, plus one layer's full set while it is recomputed in the backward pass. Either way the
+    output logits are kept, in the compute dtype and upcast to fp32 for the loss: b·s·V·(bytes + 4).
+    """
+    tokens = micro_batch * context
+    full_layer = activation_elements_per_token_layer(arch)
+    kept_per_layer = arch.hidden_size if checkpointing else full_layer
+    elements = arch.layers * kept_per_layer + (full_layer if checkpointing else 0)
+    logits = tokens * (arch.vocab_size or 0) * (compute_bytes + LOSS_LOGIT_BYTES)
+    return tokens * elements * compute_bytes + logits
+
+
+def kv_cache_bytes(arch: Architecture, context: int, sequences: int, compute_bytes: float) -> float:
+    """Grouped-query attention KV cache: only kv_heads × head_dim per token per layer for each of K and V."""
+    return arch.layers * 2 * arch.kv_heads * arch.head_dim * context * compute_bytes * sequences
+
+
+def kv_cache_bytes_naive(arch: Architecture, context: int, sequences: int, compute_bytes: float) -> float:
+    """The textbook hidden-size formula; right only for plain multi-head attention."""
+    return arch.layers * 2 * arch.hidden_size * context * compute_bytes * sequences
+
+
+def estimate(model: ModelSpec, gpus: int = 1) -> SizingEstimate:
+    """The per-term memory budget of training `model`, and what it needs per GPU on `gpus` GPUs."""
+    if gpus < 1:
+        raise BadInput(f"must be at least 1, got {gpus}", field="gpus")
+    arch, notes = resolve_architecture(model)
+    if model.method == "full" and model.dtype in ("int8", "int4"):
+        raise BadInput(f"full fine-tuning trains the weights themselves and needs fp32, bf16 or fp16, not "
+                       f"{model.dtype}; quantized base weights go with method lora or qlora", field="model.dtype")
+
+    # Activations, KV cache, adapters and their gradients live in the compute dtype: fp32 only for fp32 models,
+    # else 16-bit (a quantized base is dequantized to bf16 for the matmuls).
+    compute_bytes = 4.0 if model.dtype == "fp32" else 2.0
+    base_bytes = QLORA_BASE_BYTES if model.method == "qlora" else WEIGHT_BYTES[model.dtype]
+    adam_bytes = ADAM_BYTES_FP32 if compute_bytes == 4.0 else ADAM_BYTES_MIXED
+
+    if model.method == "full":
+        adapter_params = 0
+        trained = arch.params
+        notes.append(f"full fine-tuning: gradients and Adam ({adam_bytes:g} B/param) on all "
+                     f"{_fmt_count(arch.params)} parameters")
+    else:
+        targets = normalize_lora_targets(model.lora_targets)
+        adapter_params = lora_adapter_params(arch, model.lora_rank, targets)
+        trained = float(adapter_params)
+        base = "4-bit base weights (0.55 B/param)" if model.method == "qlora" else f"{model.dtype} base weights"
+        notes.append(f"{model.method}: frozen {base}; {_fmt_count(adapter_params)} adapter parameters "
+                     f"(r={model.lora_rank} on {', '.join(targets)}) carry the gradients and Adam state")
+
+    sequences = 0
+    if model.group_size > 0:
+        prompts = model.prompts_per_step
+        if prompts == 0:
+            prompts = 1
+            notes.append("GRPO prompts per step not given: assuming 1")
+        sequences = model.group_size * prompts
+
+    terms = {
+        "weights": arch.params * base_bytes / GB,
+        "gradients": trained * compute_bytes / GB,
+        "optimizer": trained * adam_bytes / GB,
+        "adapters": adapter_params * compute_bytes / GB,
+        "activations": activation_bytes(arch, model.micro_batch, model.context, compute_bytes,
+                                         model.gradient_checkpointing) / GB,
+        "kv_cache": kv_cache_bytes(arch, model.context, sequences, compute_bytes) / GB,
+    }
+    naive_kv = kv_cache_bytes_naive(arch, model.context, sequences, compute_bytes) / GB
+
+    recompute = "gradient checkpointing: layer inputs + one layer recomputed" if model.gradient_checkpointing \
+        else "no checkpointing: every layer's activations kept"
+    notes.append(f"activations: micro-batch {model.micro_batch} × {model.context} tokens, {recompute} "
+                 f"(4h + 2·q_dim + 2·kv_dim + 4·I elements per token per full layer) + output logits")
+    if arch.vocab_size is None:
+        notes.append("vocab size unknown: the output logits (often GBs at long context) are not counted")
+    if sequences:
+        ratio = naive_kv / terms["kv_cache"]
+        notes.append(f"rollout KV cache for {sequences} concurrent sequences (G={model.group_size}) at "
+                     f"{model.context} tokens: {terms['kv_cache']:.2f} GB with {arch.kv_heads} KV heads × "
+                     f"{arch.head_dim}; the hidden-size formula would say {naive_kv:.2f} GB ({ratio:.1f}× more)")
+        notes.append("not counted: a frozen reference model for the GRPO KL term (another copy of the weights "
+                      "when beta > 0) and the rollout engine's own overhead")
+
+    total = sum(terms.values())
+    if model.parallelism == "fsdp":
+        per_gpu = sum(v / gpus if k in SHARDED_BY_FSDP else v for k, v in terms.items())
+        if gpus == 1:
+            notes.append("fsdp on 1 GPU shards nothing")
+        else:
+            notes.append(f"fsdp over {gpus} GPUs: weights, gradients, optimizer and adapters sharded; "
+                         "activations and KV cache stay per GPU")
+    else:
+        per_gpu = total
+        if gpus > 1:
+            notes.append(f"ddp over {gpus} GPUs: every GPU holds everything, per-GPU memory does not shrink "
+                         "(fsdp shards it)")
+
+    fits = {size: per_gpu + size * FIT_MARGIN_FRACTION <= size for size in COMMON_GPU_SIZES_GB}
+    return SizingEstimate(terms=terms, total_gb=total, per_gpu_gb=per_gpu, fits=fits, notes=notes, gpus=gpus,
+                          parallelism=model.parallelism, params=arch.params, trained_params=trained,
+                          kv_cache_naive_gb=naive_kv)
+
+
+def fits_in(model: ModelSpec, vram_gb: float, margin_gb: float, gpus: int = 1) -> bool:
+    """Gate 1: does training `model` on `gpus` GPUs of `vram_gb` each leave at least `margin_gb` free per GPU?"""
+    if vram_gb <= 0:
+        raise BadInput(f"must be positive, got {vram_gb}", field="vram_gb")
+    if margin_gb < 0:
+        raise BadInput(f"must not be negative, got {margin_gb}", field="margin_gb")
+    return estimate(model, gpus).per_gpu_gb + margin_gb <= vram_gb
+
+
+def _fmt_count(v: float) -> str:
+    """7.6e9 -> '7.60 B', 2.5e7 -> '25.0 M', 28 -> '28'."""
+    if v >= 1e9:
+        return f"{v / 1e9:.2f} B"
+    if v >= 1e6:
+        return f"{v / 1e6:.1f} M"
+    return f"{v:g}"
