@@ -329,7 +329,8 @@ def estimate(model: ModelSpec, gpus: int = 1) -> SizingEstimate:
         notes.append("vocab size unknown: the output logits (often GBs at long context) are not counted")
     if sequences:
         ratio = naive_kv / terms["kv_cache"]
-        notes.append(f"rollout KV cache for {sequences} concurrent sequences (G={model.group_size}) at "
+        notes.append(f"rollout KV cache for {sequences} concurrent sequences (G={model.group_size} × "
+                     f"{sequences // model.group_size} prompts) at "
                      f"{model.context} tokens: {terms['kv_cache']:.2f} GB with {arch.kv_heads} KV heads × "
                      f"{arch.head_dim}; the hidden-size formula would say {naive_kv:.2f} GB ({ratio:.1f}× more)")
         notes.append("not counted: a frozen reference model for the GRPO KL term (another copy of the weights "
