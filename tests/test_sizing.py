@@ -1,0 +1,321 @@
+"""Memory sizing (gate 1's input) and `burstctl size`.
+
+Reference figures: the seed chapter's budget for a 7.6 B-parameter model (weights 15.2 GB in bf16, gradients
+15.2 GB, Adam ≈ 91 GB, QLoRA base ≈ 4.2 GB), and PEFT `print_trainable_parameters()` outputs published for
+Qwen2.5-7B-Instruct (r=16 on q/k/v/o: 10,092,544 trainable of 7,625,709,056) and Llama-3.1-8B (r=16 on all seven
+linear layers: 41,943,040 trainable of 8,072,204,288). Those "all params" include the adapters, so the base counts
+are 7,615,616,512 and 8,030,261,248.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.core.sizing import (
+    ADAM_BYTES_MIXED,
+    COMMON_GPU_SIZES_GB,
+    FIT_MARGIN_FRACTION,
+    PRESETS,
+    TERM_KEYS,
+    activation_elements_per_token_layer,
+    count_params,
+    estimate,
+    fits_in,
+    lora_adapter_params,
+)
+from orchestrator.errors import BadInput
+from orchestrator.jobspec import ModelSpec
+
+QWEN7B = PRESETS["qwen2.5-7b"].arch
+
+
+def _seed_model(**kw: object) -> ModelSpec:
+    """The seed's example: the Qwen2.5-7B shapes with the seed's round 7.6 B parameters."""
+    return ModelSpec(preset="qwen2.5-7b", params=7.6e9, **kw)
+
+
+# --- the seed's budget -------------------------------------------------------------------------------------------
+
+
+def test_full_bf16_reproduces_the_seed_budget_for_7_6b_parameters() -> None:
+    terms = estimate(_seed_model(method="full", dtype="bf16")).terms
+    assert terms["weights"] == pytest.approx(15.2)
+    assert terms["gradients"] == pytest.approx(15.2)
+    assert terms["optimizer"] == pytest.approx(91.2)  # 12 B × 7.6e9; the seed rounds to 91
+    assert terms["adapters"] == 0.0
+
+
+def test_qlora_base_weights_are_4_2_gb_for_7_6b_parameters() -> None:
+    est = estimate(_seed_model(method="qlora"))
+    assert est.terms["weights"] == pytest.approx(4.18)  # 0.55 B × 7.6e9
+    assert round(est.terms["weights"], 1) == 4.2
+
+
+def test_lora_moves_gradients_and_adam_from_the_base_to_the_adapters() -> None:
+    full = estimate(_seed_model(method="full"))
+    lora = estimate(_seed_model(method="lora"))
+    adapters = lora_adapter_params(QWEN7B, 16, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert lora.trained_params == adapters
+    assert lora.terms["weights"] == full.terms["weights"]  # bf16 base, frozen but still resident
+    assert lora.terms["gradients"] == pytest.approx(adapters * 2 / 1e9)
+    assert lora.terms["optimizer"] == pytest.approx(adapters * ADAM_BYTES_MIXED / 1e9)
+    assert lora.terms["adapters"] == pytest.approx(adapters * 2 / 1e9)
+    assert lora.terms["optimizer"] < 1.0 < full.terms["optimizer"]  # the seed: 91 GB collapses to well under 1 GB
+
+
+def test_fp32_weights_need_no_separate_master_copy() -> None:
+    terms = estimate(_seed_model(dtype="fp32")).terms
+    assert terms["weights"] == pytest.approx(30.4)
+    assert terms["gradients"] == pytest.approx(30.4)
+    assert terms["optimizer"] == pytest.approx(60.8)  # two fp32 moments, 8 B/param
+
+
+# --- presets and parameter counts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "llama-3.1-8b", "qwen2.5-1.5b", "llama-3.2-1b"])
+def test_preset_published_parameter_count_matches_its_shapes(name: str) -> None:
+    preset = PRESETS[name]
+    assert count_params(preset) == pytest.approx(preset.arch.params, rel=0.005)
+
+
+def test_parameter_counts_match_peft_printouts() -> None:
+    assert count_params(PRESETS["qwen2.5-7b"]) == 7_625_709_056 - 10_092_544
+    assert count_params(PRESETS["llama-3.1-8b"]) == 8_072_204_288 - 41_943_040
+    assert QWEN7B.params == 7.61e9
+
+
+def test_lora_adapter_counts_match_peft_printouts() -> None:
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert lora_adapter_params(QWEN7B, 16, attention) == 10_092_544
+    assert lora_adapter_params(PRESETS["llama-3.1-8b"].arch, 16, ["all-linear"]) == 41_943_040
+
+
+def test_lora_uses_the_narrow_grouped_query_kv_shapes() -> None:
+    # Qwen2.5-7B: q is 3584 -> 28·128 = 3584 wide, k is 3584 -> 4·128 = 512 wide.
+    assert lora_adapter_params(QWEN7B, 8, ["q_proj"]) == 28 * 8 * (3584 + 3584)
+    assert lora_adapter_params(QWEN7B, 8, ["k_proj"]) == 28 * 8 * (3584 + 512)
+    assert lora_adapter_params(QWEN7B, 8, ["down_proj"]) == 28 * 8 * (18944 + 3584)
+
+
+def test_an_explicit_architecture_sizes_like_the_preset_it_describes() -> None:
+    explicit = ModelSpec(params=7.61e9, layers=28, hidden_size=3584, attention_heads=28, kv_heads=4,
+                         intermediate_size=18944, vocab_size=152064, group_size=8, prompts_per_step=2)
+    from_preset = ModelSpec(preset="qwen2.5-7b", group_size=8, prompts_per_step=2)
+    assert estimate(explicit).terms == estimate(from_preset).terms
+
+
+def test_preset_names_are_case_insensitive_and_overrides_are_noted() -> None:
+    est = estimate(ModelSpec(preset="Qwen2.5-7B", params=7.6e9))
+    assert est.params == 7.6e9
+    assert any("override" in n and "params" in n for n in est.notes)
+
+
+# --- activations and the rollout KV cache -------------------------------------------------------------------------
+
+
+def test_activation_formula_without_checkpointing() -> None:
+    spec = ModelSpec(preset="qwen2.5-7b", context=1024, micro_batch=2, gradient_checkpointing=False)
+    per_token_layer = 4 * 3584 + 2 * 3584 + 2 * 512 + 4 * 18944
+    assert activation_elements_per_token_layer(QWEN7B) == per_token_layer
+    layers_bytes = 2 * 1024 * 28 * per_token_layer * 2
+    logits_bytes = 2 * 1024 * 152064 * (2 + 4)
+    assert estimate(spec).terms["activations"] == pytest.approx((layers_bytes + logits_bytes) / 1e9)
+
+
+def test_checkpointing_keeps_layer_inputs_plus_one_layer() -> None:
+    kept = estimate(ModelSpec(preset="qwen2.5-7b", gradient_checkpointing=False)).terms["activations"]
+    ckpt = estimate(ModelSpec(preset="qwen2.5-7b", gradient_checkpointing=True)).terms["activations"]
+    logits = 2048 * 152064 * 6 / 1e9
+    expected = 2048 * (28 * 3584 + activation_elements_per_token_layer(QWEN7B)) * 2 / 1e9 + logits
+    assert ckpt == pytest.approx(expected)
+    assert ckpt < kept / 3
+
+
+def test_activations_scale_with_micro_batch_and_context() -> None:
+    one = estimate(ModelSpec(preset="llama-3.1-8b", micro_batch=1, context=1024)).terms["activations"]
+    assert estimate(ModelSpec(preset="llama-3.1-8b", micro_batch=4, context=1024)).terms["activations"] \
+        == pytest.approx(4 * one)
+    assert estimate(ModelSpec(preset="llama-3.1-8b", micro_batch=1, context=4096)).terms["activations"] \
+        == pytest.approx(4 * one)
+
+
+def test_unknown_vocab_leaves_the_logits_out_and_says_so() -> None:
+    spec = ModelSpec(params=7.61e9, layers=28, hidden_size=3584, attention_heads=28, kv_heads=4,
+                     intermediate_size=18944)
+    est = estimate(spec)
+    with_vocab = estimate(spec.model_copy(update={"vocab_size": 152064}))
+    assert with_vocab.terms["activations"] - est.terms["activations"] == pytest.approx(2048 * 152064 * 6 / 1e9)
+    assert any("vocab" in n for n in est.notes)
+
+
+def test_rollout_kv_cache_uses_kv_heads_and_reports_the_naive_figure() -> None:
+    est = estimate(ModelSpec(preset="qwen2.5-7b", method="qlora", group_size=8, prompts_per_step=2, context=4096))
+    sequences = 8 * 2
+    assert est.terms["kv_cache"] == pytest.approx(28 * 2 * 4 * 128 * 4096 * 2 * sequences / 1e9)
+    assert est.kv_cache_naive_gb == pytest.approx(28 * 2 * 3584 * 4096 * 2 * sequences / 1e9)
+    assert est.kv_cache_naive_gb / est.terms["kv_cache"] == pytest.approx(3584 / 512)  # 7× overstated
+    assert "kv_heads" in est.kv_cache_formula
+    assert any("hidden-size formula" in n for n in est.notes)
+
+
+def test_no_grpo_means_no_kv_cache_term() -> None:
+    est = estimate(ModelSpec(preset="qwen2.5-7b"))
+    assert est.terms["kv_cache"] == 0.0
+    assert set(est.terms) == set(TERM_KEYS)
+
+
+def test_grpo_without_prompts_per_step_assumes_one_prompt() -> None:
+    est = estimate(ModelSpec(preset="llama-3.2-1b", group_size=8))
+    assert est.terms["kv_cache"] == pytest.approx(16 * 2 * 8 * 64 * 2048 * 2 * 8 / 1e9)
+    assert any("assuming 1" in n for n in est.notes)
+
+
+# --- per GPU: DDP vs FSDP, and which cards fit --------------------------------------------------------------------
+
+
+def test_ddp_replicates_everything() -> None:
+    one = estimate(ModelSpec(preset="llama-3.1-8b", parallelism="ddp"), gpus=1)
+    four = estimate(ModelSpec(preset="llama-3.1-8b", parallelism="ddp"), gpus=4)
+    assert four.per_gpu_gb == four.total_gb == one.per_gpu_gb
+    assert any("does not shrink" in n for n in four.notes)
+
+
+def test_fsdp_shards_model_state_but_not_activations_or_kv_cache() -> None:
+    spec = ModelSpec(preset="llama-3.1-8b", parallelism="fsdp", group_size=4, prompts_per_step=2)
+    est = estimate(spec, gpus=4)
+    t = est.terms
+    sharded = (t["weights"] + t["gradients"] + t["optimizer"] + t["adapters"]) / 4
+    assert est.per_gpu_gb == pytest.approx(sharded + t["activations"] + t["kv_cache"])
+    assert estimate(spec, gpus=1).per_gpu_gb == pytest.approx(est.total_gb)
+
+
+def test_fits_keeps_the_stated_margin_on_every_common_card() -> None:
+    est = estimate(_seed_model(method="full"))
+    assert set(est.fits) == set(COMMON_GPU_SIZES_GB)
+    for size, ok in est.fits.items():
+        assert ok == (est.per_gpu_gb <= size * (1 - FIT_MARGIN_FRACTION))
+    # The seed: a full 7.6 B fine-tune is past one 80 GB H100 on its own.
+    assert est.fits[80] is False
+    assert estimate(ModelSpec(preset="qwen2.5-1.5b", method="qlora")).fits[16] is True
+
+
+def test_fits_in_compares_per_gpu_memory_plus_margin_with_vram() -> None:
+    spec = ModelSpec(preset="qwen2.5-7b", method="qlora", group_size=8, prompts_per_step=1, context=4096)
+    need = estimate(spec).per_gpu_gb
+    assert fits_in(spec, vram_gb=need + 2.0, margin_gb=2.0)
+    assert not fits_in(spec, vram_gb=need + 1.9, margin_gb=2.0)
+    full = ModelSpec(preset="llama-3.1-8b", parallelism="fsdp")
+    assert not fits_in(full, vram_gb=80, margin_gb=4)
+    assert fits_in(full, vram_gb=80, margin_gb=4, gpus=4)
+
+
+# --- bad input ----------------------------------------------------------------------------------------------------
+
+
+def test_unknown_preset_names_the_field_and_the_known_presets() -> None:
+    with pytest.raises(BadInput) as info:
+        estimate(ModelSpec(preset="gpt-5"))
+    assert info.value.field == "model.preset"
+    for name in PRESETS:
+        assert name in str(info.value)
+
+
+def test_missing_architecture_fields_are_named() -> None:
+    with pytest.raises(BadInput) as info:
+        estimate(ModelSpec(params=7.6e9, layers=28))
+    message = str(info.value)
+    for missing in ("hidden_size", "attention_heads", "kv_heads", "intermediate_size"):
+        assert missing in message
+    assert "layers," not in message
+
+
+def test_full_fine_tuning_of_quantized_weights_is_rejected() -> None:
+    with pytest.raises(BadInput) as info:
+        estimate(_seed_model(method="full", dtype="int4"))
+    assert info.value.field == "model.dtype"
+
+
+def test_unknown_lora_target_is_rejected() -> None:
+    with pytest.raises(BadInput) as info:
+        estimate(_seed_model(method="lora", lora_targets=["q_proj", "qkv"]))
+    assert info.value.field == "model.lora_targets"
+    assert "'qkv'" in str(info.value)
+
+
+def test_bad_gpu_count_and_vram_are_rejected() -> None:
+    with pytest.raises(BadInput):
+        estimate(_seed_model(), gpus=0)
+    with pytest.raises(BadInput):
+        fits_in(_seed_model(), vram_gb=80, margin_gb=-1)
+
+
+# --- `burstctl size` through the real entry point -----------------------------------------------------------------
+
+
+def _burstctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", "from orchestrator.cli import entry; entry()", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_size_json_reports_the_six_terms_fits_and_the_kv_formula() -> None:
+    args = ["--model", "qwen2.5-7b", "--method", "qlora", "--group-size", "8", "--prompts", "2",
+            "--context", "4096", "--gpus", "2", "--parallelism", "fsdp"]
+    res = _burstctl("size", *args, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    expected = estimate(ModelSpec(preset="qwen2.5-7b", method="qlora", group_size=8, prompts_per_step=2,
+                                  context=4096, parallelism="fsdp"), gpus=2)
+    assert set(doc["terms"]) == set(TERM_KEYS)
+    for key in TERM_KEYS:
+        assert doc["terms"][key] == pytest.approx(expected.terms[key], abs=1e-4)
+    assert doc["total_gb"] == pytest.approx(expected.total_gb, abs=1e-4)
+    assert doc["per_gpu_gb"] == pytest.approx(expected.per_gpu_gb, abs=1e-4)
+    assert doc["fits"] == {str(s): expected.fits[s] for s in COMMON_GPU_SIZES_GB}
+    assert "kv_heads" in doc["kv_cache_formula"]
+    assert doc["kv_cache_naive_gb"] > doc["terms"]["kv_cache"]
+    assert doc["notes"]
+
+
+def test_size_from_explicit_params_and_shapes_prints_a_table() -> None:
+    res = _burstctl("size", "--params", "7.6e9", "--layers", "28", "--hidden", "3584", "--heads", "28",
+                    "--kv-heads", "4", "--intermediate", "18944", "--vocab", "152064")
+    assert res.returncode == 0, res.stderr
+    for line_start in ("weights", "gradients", "optimizer", "total", "per GPU"):
+        assert any(line.strip("│ ").startswith(line_start) for line in res.stdout.splitlines()), line_start
+    assert "15.20" in res.stdout and "91.20" in res.stdout
+    assert "80 GB no" in res.stdout and "141 GB yes" in res.stdout
+
+
+def test_size_reads_the_model_table_of_a_job_file(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('name = "grpo"\ncommand = "python train.py"\n\n'
+                   '[model]\npreset = "llama-3.2-1b"\nmethod = "lora"\ngroup_size = 4\n')
+    res = _burstctl("size", "--job", str(job), "--context", "1024", "--json")
+    assert res.returncode == 0, res.stderr
+    expected = estimate(ModelSpec(preset="llama-3.2-1b", method="lora", group_size=4, context=1024))
+    assert json.loads(res.stdout)["total_gb"] == pytest.approx(expected.total_gb, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "mentions"),
+    [
+        (["--model", "gpt-5"], "model.preset"),
+        (["--model", "qwen2.5-7b", "--context", "-5"], "--context"),
+        (["--params", "-7e9"], "--params"),
+        (["--layers", "28", "--hidden", "3584"], "params"),
+        (["--model", "qwen2.5-7b", "--method", "lora", "--lora-targets", "q_proj,nope"], "nope"),
+    ],
+)
+def test_size_bad_input_exits_2_with_one_line(args: list[str], mentions: str) -> None:
+    res = _burstctl("size", *args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert mentions in lines[0]
+    assert "Traceback" not in res.stderr
