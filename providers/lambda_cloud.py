@@ -1,0 +1,457 @@
+"""The Lambda Cloud adapter (and, pointed at simcloud, the simulated cloud's): `providers.base.Provider` over
+Lambda's v1 REST API.
+
+- Every HTTP exchange runs inside `providers.base.call()`: Throttled/Transient are retried there, and each
+  call emits one `provider.call` event. Errors are mapped from the API's error *codes* and HTTP statuses,
+  never from its messages.
+- Lambda has no idempotency key. Instances are named `OwnerTags.instance_name` and tagged with the owner
+  tags; after a launch whose outcome is unknown (timeout, 5xx, dropped connection) the next try looks the
+  name up before launching again, so one attempt never gets two instances.
+- Client-side pacing keeps to Lambda's limits (about 1 request/s, 1 launch per 12 s); the clock and sleep
+  are injectable so tests need not wait.
+- The API key lives only in the `Authorization` header of the HTTP client. It is never part of a message,
+  an event or this object's repr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from orchestrator.config import LambdaProvider, SimProvider
+from providers.base import (
+    AuthFailed,
+    EventSink,
+    InstanceInfo,
+    InstanceState,
+    InvalidRequest,
+    LaunchRequest,
+    Market,
+    NoCapacity,
+    Offer,
+    ProviderError,
+    QuotaExceeded,
+    RetryPolicy,
+    Throttled,
+    Transient,
+    call,
+)
+
+# Lambda's published limits.
+REQUEST_INTERVAL_S = 1.0
+LAUNCH_INTERVAL_S = 12.0
+DEFAULT_RETRY = RetryPolicy()
+
+_STATES = {
+    "booting": InstanceState.BOOTING,
+    "active": InstanceState.RUNNING,
+    "unhealthy": InstanceState.FAILED,
+    "terminating": InstanceState.TERMINATING,
+    "terminated": InstanceState.TERMINATED,
+    "preempted": InstanceState.PREEMPTED,
+}
+
+
+class InstanceGone(InvalidRequest):
+    """`global/object-does-not-exist`: on terminate or describe, the instance is gone (a success there)."""
+
+
+class Pacer:
+    """At most one event per `interval_s`: waits (with the injected sleep) until the interval has passed."""
+
+    def __init__(self, interval_s: float, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.interval_s = interval_s
+        self._clock = clock
+        self._sleep = sleep
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def wait(self) -> float:
+        """Block until the next event may happen; returns how long it waited."""
+        with self._lock:
+            waited = 0.0
+            if self._last is not None:
+                waited = max(0.0, self._last + self.interval_s - self._clock())
+                if waited > 0:
+                    self._sleep(waited)
+            self._last = self._clock()
+            return waited
+
+
+class LambdaCloud:
+    """A Lambda-API cloud: Lambda Cloud itself (`name="lambda"`) or simcloud (`name="sim"`)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        base_url: str,
+        api_key: str,
+        ssh_key_name: str = "burstctl",
+        regions: Sequence[str] = (),
+        instance_types: Sequence[str] = (),
+        orchestrator_id: str = "burstctl",
+        sink: EventSink | None = None,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        request_interval_s: float = REQUEST_INTERVAL_S,
+        launch_interval_s: float = LAUNCH_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self.ssh_key_name = ssh_key_name
+        self.regions = tuple(regions)
+        self.instance_types = tuple(instance_types)
+        self.orchestrator_id = orchestrator_id
+        self.sink = sink
+        self.retry = retry
+        self._sleep = sleep
+        self._request_pacer = Pacer(request_interval_s, clock=clock, sleep=sleep)
+        self._launch_pacer = Pacer(launch_interval_s, clock=clock, sleep=sleep)
+        self._key_names: dict[str, str] = {}  # public key -> the name it is registered under
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {api_key}", "Accept": "application/json"},
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+        )
+
+    def __repr__(self) -> str:
+        return f"LambdaCloud(name={self.name!r}, base_url={self.base_url!r})"
+
+    def close(self) -> None:
+        self._http.close()
+
+    # --- Provider ---------------------------------------------------------------------------------------------
+    def offers(self) -> list[Offer]:
+        """One offer per on-demand GPU type, with the spot price of its spot sibling when simcloud lists one.
+
+        `regions` are the regions where either market has capacity now (launch re-checks per market).
+        """
+        types = self._call("offers", lambda: self._request("GET", "/instance-types"))
+        spot_of = {_on_demand_type(item): item for item in types.values() if _is_spot(item)}
+        offers = []
+        for type_name, item in types.items():
+            if _is_spot(item) or (self.instance_types and type_name not in self.instance_types):
+                continue
+            it = item["instance_type"]
+            specs = it["specs"]
+            if int(specs.get("gpus", 0)) <= 0:
+                continue  # CPU-only types train nothing
+            model, vram = parse_gpu_description(it.get("gpu_description", ""))
+            spot = spot_of.get(type_name)
+            regions = self._order_regions(_capacity_regions(item) + (_capacity_regions(spot) if spot else []))
+            offers.append(Offer(
+                provider=self.name, instance_type=type_name, gpu_model=model, gpu_count=int(specs["gpus"]),
+                vram_gib=vram, vcpus=int(specs.get("vcpus", 0)),
+                on_demand_usd_h=int(it["price_cents_per_hour"]) / 100.0,
+                spot_usd_h=int(spot["instance_type"]["price_cents_per_hour"]) / 100.0 if spot else None,
+                regions=tuple(regions),
+            ))
+        order = {t: i for i, t in enumerate(self.instance_types)}
+        offers.sort(key=lambda o: (order.get(o.instance_type, len(order)), o.instance_type))
+        return offers
+
+    def launch(self, request: LaunchRequest) -> InstanceInfo:
+        """Launch in the first (type, region) with capacity: the requested type, then the other configured
+        types in config order; within a type, regions listing capacity, in config order."""
+        types = self._call("instance-types", lambda: self._request("GET", "/instance-types"))
+        if request.instance_type not in types:
+            raise InvalidRequest(f"unknown instance type {request.instance_type!r}", provider=self.name)
+        candidates = [request.instance_type, *(t for t in self.instance_types if t != request.instance_type)]
+        tried: list[str] = []
+        for base_type in candidates:
+            market_type = _type_for_market(types, base_type, request.market)
+            if market_type is None:
+                continue
+            regions = self._order_regions(_capacity_regions(types[market_type]))
+            if request.region is not None:
+                regions = [r for r in regions if r == request.region]
+            for region in regions:
+                tried.append(f"{market_type}@{region}")
+                try:
+                    return self._launch_in(request, market_type, region)
+                except NoCapacity:
+                    continue  # capacity went between listing and launching: next region, then next type
+        if not tried and _type_for_market(types, request.instance_type, request.market) is None:
+            raise InvalidRequest(f"{request.instance_type!r} has no {request.market} market", provider=self.name)
+        where = ", ".join(tried) if tried else "no region lists capacity"
+        raise NoCapacity(f"no {request.market} capacity for {', '.join(candidates)} (tried: {where})",
+                         provider=self.name, code="instance-operations/launch/insufficient-capacity")
+
+    def describe(self, ids: Sequence[str]) -> dict[str, InstanceInfo]:
+        if not ids:
+            return {}
+        if len(ids) == 1:
+            instance_id = ids[0]
+
+            def get_one() -> dict[str, Any] | None:
+                try:
+                    return self._request("GET", f"/instances/{instance_id}")
+                except InstanceGone:
+                    return None
+
+            found = self._call("describe", get_one)
+            return {instance_id: self._info(found) if found is not None else _gone(instance_id)}
+        listed = {i["id"]: i for i in self._call("describe", lambda: self._request("GET", "/instances"))}
+        return {i: self._info(listed[i]) if i in listed else _gone(i) for i in ids}
+
+    def terminate(self, ids: Sequence[str]) -> None:
+        """Idempotent: an instance that is already gone (404 object-does-not-exist) counts as terminated."""
+        if not ids:
+            return
+
+        def terminate_all() -> None:
+            try:
+                self._request("POST", "/instance-operations/terminate", {"instance_ids": list(ids)})
+            except InstanceGone:
+                # One unknown id fails the whole batch: end the others one by one.
+                for instance_id in ids if len(ids) > 1 else ():
+                    with contextlib.suppress(InstanceGone):
+                        self._request("POST", "/instance-operations/terminate", {"instance_ids": [instance_id]})
+
+        self._call("terminate", terminate_all)
+
+    def list_owned(self) -> list[InstanceInfo]:
+        listed = self._call("list", lambda: self._request("GET", "/instances"))
+        return [self._info(i) for i in listed if self._owned(i)]
+
+    def find_attempt(self, attempt_id: str) -> InstanceInfo | None:
+        listed = self._call("find", lambda: self._request("GET", "/instances"))
+        found = _live_of_attempt(listed, attempt_id)
+        return self._info(found) if found is not None else None
+
+    # --- launch ------------------------------------------------------------------------------------------------
+    def _launch_in(self, request: LaunchRequest, instance_type: str, region: str) -> InstanceInfo:
+        key_name = self._ensure_ssh_key(request)
+        body: dict[str, Any] = {
+            "region_name": region,
+            "instance_type_name": instance_type,
+            "ssh_key_names": [key_name],
+            "name": request.tags.instance_name,
+            "tags": [{"key": k, "value": v} for k, v in request.tags.as_dict().items()],
+        }
+        if request.user_data:
+            body["user_data"] = request.user_data
+        if request.image:
+            body["image"] = {"family": request.image}
+        outcome_unknown = False
+
+        def launch_once() -> str:
+            nonlocal outcome_unknown
+            if outcome_unknown:
+                # The previous try may have launched before failing: find it by name before launching again.
+                existing = _live_of_attempt(self._request("GET", "/instances"), request.tags.attempt_id)
+                if existing is not None:
+                    return str(existing["id"])
+            self._launch_pacer.wait()
+            try:
+                data = self._request("POST", "/instance-operations/launch", body)
+            except Transient:
+                outcome_unknown = True
+                raise
+            return str(data["instance_ids"][0])
+
+        instance_id = self._call("launch", launch_once)
+        return self.describe([instance_id])[instance_id]
+
+    def _ensure_ssh_key(self, request: LaunchRequest) -> str:
+        """The name under which the request's public key is registered, registering it if needed.
+
+        A different key already holding the wanted name is left alone: ours goes under `<name>-<hash>`.
+        """
+        wanted = request.ssh_key_name or self.ssh_key_name
+        public_key = request.ssh_public_key.strip()
+        if not public_key:
+            return wanted  # a key registered by hand (real Lambda): trust the configured name
+        if public_key in self._key_names:
+            return self._key_names[public_key]
+        digest = hashlib.sha256(_key_body(public_key).encode()).hexdigest()[:10]
+
+        def ensure() -> str:
+            registered = {k["name"]: k.get("public_key", "") for k in self._request("GET", "/ssh-keys")}
+            for name in (wanted, f"{wanted}-{digest}"[:64]):
+                if name not in registered:
+                    self._request("POST", "/ssh-keys", {"name": name, "public_key": public_key})
+                    return name
+                if _key_body(registered[name]) == _key_body(public_key):
+                    return name
+            raise InvalidRequest(f"SSH key names {wanted!r} and its variant hold other keys", provider=self.name)
+
+        name = self._call("ssh-key", ensure)
+        self._key_names[public_key] = name
+        return name
+
+    # --- HTTP ----------------------------------------------------------------------------------------------------
+    def _call(self, verb: str, fn: Callable[[], Any]) -> Any:
+        return call(self.name, verb, fn, sink=self.sink, retry=self.retry, sleep=self._sleep)
+
+    def _request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        """One HTTP exchange; returns the response's `data` or raises the taxonomy's error."""
+        self._request_pacer.wait()
+        what = f"{method} {path}"
+        try:
+            resp = self._http.request(method, path, json=body) if body is not None else self._http.request(method, path)
+        except httpx.TimeoutException as exc:
+            raise Transient(f"{what}: timed out ({type(exc).__name__})", provider=self.name, code="timeout") from None
+        except httpx.TransportError as exc:
+            raise Transient(f"{what}: connection failed ({type(exc).__name__})", provider=self.name,
+                            code="connection") from None
+        payload = _json_or_none(resp)
+        if resp.is_success:
+            if not isinstance(payload, dict) or "data" not in payload:
+                raise Transient(f"{what}: HTTP {resp.status_code} without a JSON data body", provider=self.name,
+                                code=f"http-{resp.status_code}")
+            return payload["data"]
+        raise self._error(what, resp.status_code, payload)
+
+    def _error(self, what: str, status: int, payload: Any) -> ProviderError:
+        err = payload.get("error") if isinstance(payload, dict) else None
+        code = str(err.get("code")) if isinstance(err, dict) and err.get("code") else None
+        message = str(err.get("message", "")) if isinstance(err, dict) else ""
+        text = f"{what}: HTTP {status} {code or '(no JSON error body)'}" + (f": {message}" if message else "")
+        kw = {"provider": self.name, "code": code or f"http-{status}"}
+        if status == 429:
+            return Throttled(text, **kw)  # often an HTML page from the CDN: the status alone decides
+        if status >= 500 or code == "global/internal-error" or (code or "").startswith("provider/"):
+            return Transient(text, **kw)
+        if code == "instance-operations/launch/insufficient-capacity":
+            return NoCapacity(text, **kw)
+        if code == "global/quota-exceeded":
+            return QuotaExceeded(text, **kw)
+        if code == "global/invalid-api-key" or status in (401, 403):
+            return AuthFailed(text, **kw)
+        if code == "global/object-does-not-exist" or status == 404:
+            return InstanceGone(text, **kw)
+        return InvalidRequest(text, **kw)
+
+    # --- mapping -------------------------------------------------------------------------------------------------
+    def _order_regions(self, regions: Sequence[str]) -> list[str]:
+        unique = list(dict.fromkeys(regions))
+        if not self.regions:
+            return unique
+        return [r for r in self.regions if r in unique]
+
+    def _owned(self, inst: Mapping[str, Any]) -> bool:
+        tags = _tags(inst)
+        if "burstctl:orchestrator" in tags:
+            return tags["burstctl:orchestrator"] == self.orchestrator_id
+        return str(inst.get("name", "")).startswith("burst-")
+
+    def _info(self, inst: Mapping[str, Any]) -> InstanceInfo:
+        status = str(inst.get("status", ""))
+        # An unknown status is not "gone": reporting it as pending keeps the lifecycle from launching again.
+        state = _STATES.get(status, InstanceState.PENDING)
+        reason = inst.get("status_reason")
+        if state in (InstanceState.FAILED, InstanceState.PREEMPTED) and not reason:
+            reason = status
+        itype = inst.get("instance_type") or {}
+        return InstanceInfo(
+            id=str(inst["id"]),
+            state=state,
+            instance_type=str(itype.get("name", "")),
+            market=Market.SPOT if itype.get("market") == "spot" else Market.ON_DEMAND,
+            region=(inst.get("region") or {}).get("name"),
+            reason=reason,
+            host=inst.get("ip"),
+            ssh_port=int(inst.get("ssh_port") or 22),
+            ssh_user=str(inst.get("ssh_user") or "ubuntu"),
+            host_key=inst.get("ssh_host_key"),
+            tags=_tags(inst),
+        )
+
+
+def from_config(section: LambdaProvider | SimProvider, api_key: str | None, *, sink: EventSink | None = None,
+                orchestrator_id: str = "burstctl", **tuning: Any) -> LambdaCloud:
+    """The adapter for a config section. The caller reads the key from the env var the section names
+    (`api_key_from_env`); `tuning` passes through to `LambdaCloud` (timeouts, pacing, retry, clock, sleep)."""
+    if not api_key:
+        raise AuthFailed(f"no API key: set the environment variable {section.api_key_env}",
+                         provider="sim" if isinstance(section, SimProvider) else "lambda")
+    if isinstance(section, SimProvider):
+        return LambdaCloud(name="sim", base_url=section.base_url, api_key=api_key, ssh_key_name=section.ssh_key_name,
+                           orchestrator_id=orchestrator_id, sink=sink, **tuning)
+    return LambdaCloud(name="lambda", base_url=section.base_url, api_key=api_key, ssh_key_name=section.ssh_key_name,
+                       regions=section.regions, instance_types=section.instance_types,
+                       orchestrator_id=orchestrator_id, sink=sink, **tuning)
+
+
+def api_key_from_env(section: LambdaProvider | SimProvider, environ: Mapping[str, str] = os.environ) -> str:
+    """The API key from the environment variable the section names; AuthFailed naming the variable if unset."""
+    value = environ.get(section.api_key_env, "")
+    if not value:
+        raise AuthFailed(f"no API key: set the environment variable {section.api_key_env}",
+                         provider="sim" if isinstance(section, SimProvider) else "lambda")
+    return value
+
+
+def parse_gpu_description(text: str) -> tuple[str, float]:
+    """'H100 (80 GB SXM5)' -> ('H100', 80.0); 'Tesla V100 (16 GB)' -> ('V100', 16.0)."""
+    model = text.split("(")[0].strip().removeprefix("Tesla ").removeprefix("NVIDIA ").strip()
+    vram = re.search(r"(\d+(?:\.\d+)?)\s*GB", text)
+    return model or text, float(vram.group(1)) if vram else 0.0
+
+
+def _is_spot(item: Mapping[str, Any] | None) -> bool:
+    return bool(item) and item["instance_type"].get("market") == "spot"
+
+
+def _on_demand_type(item: Mapping[str, Any]) -> str | None:
+    return item["instance_type"].get("on_demand_type")
+
+
+def _type_for_market(types: Mapping[str, Any], base_type: str, market: Market) -> str | None:
+    """The type to launch for `base_type` in `market`: itself on demand, its spot sibling for spot."""
+    if base_type not in types:
+        return None
+    if _is_spot(types[base_type]):  # the caller named the spot type itself
+        return base_type if market is Market.SPOT else _on_demand_type(types[base_type])
+    if market is Market.ON_DEMAND:
+        return base_type
+    return next((name for name, item in types.items() if _is_spot(item) and _on_demand_type(item) == base_type), None)
+
+
+def _capacity_regions(item: Mapping[str, Any]) -> list[str]:
+    return [r["name"] for r in item.get("regions_with_capacity_available", [])]
+
+
+def _tags(inst: Mapping[str, Any]) -> dict[str, str]:
+    return {str(t["key"]): str(t["value"]) for t in inst.get("tags") or [] if "key" in t}
+
+
+def _live_of_attempt(listed: Sequence[Mapping[str, Any]], attempt_id: str) -> Mapping[str, Any] | None:
+    name = f"burst-{attempt_id}"[:64]
+    for inst in listed:
+        if inst.get("status") in ("terminated", "terminating", "preempted"):
+            continue
+        if _tags(inst).get("burstctl:attempt") == attempt_id or inst.get("name") == name:
+            return inst
+    return None
+
+
+def _gone(instance_id: str) -> InstanceInfo:
+    return InstanceInfo(id=instance_id, state=InstanceState.TERMINATED, instance_type="", market=Market.ON_DEMAND,
+                        reason="not-found")
+
+
+def _key_body(public_key: str) -> str:
+    """'ssh-ed25519 AAAA... comment' -> 'ssh-ed25519 AAAA...': comments do not make a different key."""
+    return " ".join(public_key.split()[:2])
+
+
+def _json_or_none(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return None
