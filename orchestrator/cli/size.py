@@ -17,6 +17,7 @@ from orchestrator.core.sizing import (
     PRESETS,
     SizingEstimate,
     estimate,
+    missing_architecture_fields,
 )
 from orchestrator.errors import BadInput, format_validation_error
 from orchestrator.jobspec import ModelSpec
@@ -108,9 +109,16 @@ def _model_from(job_path: str | None, flags: dict[str, Any]) -> ModelSpec:
     if "lora_targets" in given:
         given["lora_targets"] = [t for t in given["lora_targets"].split(",") if t.strip()]
     try:
-        return ModelSpec.model_validate({**base, **given})
+        model = ModelSpec.model_validate({**base, **given})
     except ValidationError as exc:
         raise format_validation_error(exc, source) from None
+    missing = missing_architecture_fields(model)
+    if missing and job_path is None:
+        # Name the flags the user can type rather than ModelSpec's field names.
+        flag_of = {field: "--" + opt.replace("_", "-") for opt, field in _FLAG_FIELDS.items()}
+        raise BadInput(f"give --model ({', '.join(sorted(PRESETS))}) or all of "
+                       f"{', '.join(flag_of[m] for m in missing)}")
+    return model
 
 
 def _print_human(est: SizingEstimate) -> None:

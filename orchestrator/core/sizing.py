@@ -163,6 +163,13 @@ def count_params(preset: Preset) -> int:
     return a.layers * per_layer + embeddings + a.hidden_size
 
 
+def missing_architecture_fields(model: ModelSpec) -> list[str]:
+    """ModelSpec fields an estimate still needs: none with a preset, else the required architecture fields not given."""
+    if model.preset is not None:
+        return []
+    return [name for name in _REQUIRED_WITHOUT_PRESET if getattr(model, name) is None]
+
+
 def resolve_architecture(model: ModelSpec) -> tuple[Architecture, list[str]]:
     """The preset's architecture with any explicitly given field overriding it, or the explicit fields alone."""
     given = {name: getattr(model, name) for name in _ARCH_FIELDS if getattr(model, name) is not None}
@@ -178,7 +185,7 @@ def resolve_architecture(model: ModelSpec) -> tuple[Architecture, list[str]]:
                          + ", ".join(f"{k}={_fmt_count(v)}" for k, v in given.items()))
         return arch, notes
 
-    missing = [name for name in _REQUIRED_WITHOUT_PRESET if name not in given]
+    missing = missing_architecture_fields(model)
     if missing:
         raise BadInput(f"needs a preset ({', '.join(sorted(PRESETS))}) or the architecture fields "
                        f"{', '.join(missing)}", field="model")
