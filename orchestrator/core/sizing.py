@@ -73,7 +73,6 @@ class Preset:
     arch: Architecture
     tied_embeddings: bool  # lm_head shares the input embedding matrix
     qkv_bias: bool  # q/k/v projections carry a bias (Qwen2) or not (Llama)
-    source: str
 
 
 # Numbers from each model's published config.json on the Hugging Face Hub; params are the published counts, which
@@ -83,32 +82,30 @@ PRESETS: dict[str, Preset] = {
     "qwen2.5-7b": Preset(
         Architecture(params=7.61e9, layers=28, hidden_size=3584, attention_heads=28, kv_heads=4, head_dim=128,
                      intermediate_size=18944, vocab_size=152064),
-        tied_embeddings=False, qkv_bias=True, source="https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json",
+        tied_embeddings=False, qkv_bias=True,
     ),
     # https://huggingface.co/Qwen/Qwen2.5-1.5B/blob/main/config.json; 1.54 B, tied embeddings.
     "qwen2.5-1.5b": Preset(
         Architecture(params=1.54e9, layers=28, hidden_size=1536, attention_heads=12, kv_heads=2, head_dim=128,
                      intermediate_size=8960, vocab_size=151936),
-        tied_embeddings=True, qkv_bias=True, source="https://huggingface.co/Qwen/Qwen2.5-1.5B/blob/main/config.json",
+        tied_embeddings=True, qkv_bias=True,
     ),
     # https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json; 8.03 B.
     "llama-3.1-8b": Preset(
         Architecture(params=8.03e9, layers=32, hidden_size=4096, attention_heads=32, kv_heads=8, head_dim=128,
                      intermediate_size=14336, vocab_size=128256),
         tied_embeddings=False, qkv_bias=False,
-        source="https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json",
     ),
     # https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json; 1.24 B, tied embeddings, head_dim 64.
     "llama-3.2-1b": Preset(
         Architecture(params=1.24e9, layers=16, hidden_size=2048, attention_heads=32, kv_heads=8, head_dim=64,
                      intermediate_size=8192, vocab_size=128256),
         tied_embeddings=True, qkv_bias=False,
-        source="https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json",
     ),
 }
 
-# ModelSpec field -> Architecture field; a spec without a preset must give all of these (head_dim and vocab_size
-# are optional: head_dim defaults to hidden_size / attention_heads).
+# Fields shared by ModelSpec and Architecture. Without a preset the first six are required; head_dim defaults to
+# hidden_size / attention_heads and vocab_size may stay unknown.
 _REQUIRED_WITHOUT_PRESET: tuple[str, ...] = (
     "params", "layers", "hidden_size", "attention_heads", "kv_heads", "intermediate_size",
 )
