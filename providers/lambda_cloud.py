@@ -86,6 +86,11 @@ class Pacer:
             self._last = self._clock()
             return waited
 
+    def mark(self) -> None:
+        """Record an event now (when another pacer's wait delayed it past this pacer's own stamp)."""
+        with self._lock:
+            self._last = self._clock()
+
 
 class LambdaCloud:
     """A Lambda-API cloud: Lambda Cloud itself (`name="lambda"`) or simcloud (`name="sim"`)."""
@@ -255,9 +260,8 @@ class LambdaCloud:
                 existing = _live_of_attempt(self._request("GET", "/instances"), request.tags.attempt_id)
                 if existing is not None:
                     return str(existing["id"])
-            self._launch_pacer.wait()
             try:
-                data = self._request("POST", "/instance-operations/launch", body)
+                data = self._request("POST", "/instance-operations/launch", body, launch=True)
             except Transient:
                 outcome_unknown = True
                 raise
@@ -297,9 +301,13 @@ class LambdaCloud:
     def _call(self, verb: str, fn: Callable[[], Any]) -> Any:
         return call(self.name, verb, fn, sink=self.sink, retry=self.retry, sleep=self._sleep)
 
-    def _request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+    def _request(self, method: str, path: str, body: Mapping[str, Any] | None = None, *, launch: bool = False) -> Any:
         """One HTTP exchange; returns the response's `data` or raises the taxonomy's error."""
         self._request_pacer.wait()
+        if launch:
+            # Both limits apply; stamp the request pacer again so both count from the moment of sending.
+            self._launch_pacer.wait()
+            self._request_pacer.mark()
         what = f"{method} {path}"
         try:
             resp = self._http.request(method, path, json=body) if body is not None else self._http.request(method, path)

@@ -272,7 +272,9 @@ class SimCloudServer:
 
     def start(self) -> SimCloudServer:
         self._reboot_loaded_instances()
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="simcloud-http", daemon=True)
+        # A short poll interval: stop() returns within it (tests start and stop many servers).
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="simcloud-http", daemon=True)
         self._thread.start()
         return self
 
