@@ -14,7 +14,7 @@ from datetime import time
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import BadInput, format_validation_error
 
@@ -55,9 +55,9 @@ def _parse_window(value: object) -> object:
 class LocalMachine(Strict):
     gpu: str = Field("RTX 5080", description="Local GPU name, for records and tables.")
     vram_gib: PositiveFloat = Field(16.0, description="Local GPU memory in GiB.")
-    board_power_w: PositiveFloat = Field(360.0, description="GPU board power under training load, in watts.")
+    board_power_w: PositiveFloat = Field(400.0, description="GPU board power under training load, in watts.")
     electricity_usd_per_kwh: NonNegFloat = Field(
-        0.28, description="Electricity price; with board power it gives the local $/h."
+        0.25, description="Electricity price; with board power it gives the local $/h."
     )
     safety_margin_gib: NonNegFloat = Field(
         1.0, description="VRAM kept free for the CUDA context and fragmentation when judging fit."
@@ -92,6 +92,7 @@ class Budget(Strict):
     cycle_gpu_hours: PositiveFloat = Field(
         1.5, description="GPU-hours of one typical training cycle, for the cycles-left estimate of `budget`."
     )
+    cycle_gpu: str = Field("H100", description="GPU type (a key of [prices]) a typical cycle runs on.")
 
 
 class Policy(Strict):
@@ -111,7 +112,7 @@ class Policy(Strict):
         0.05, description="Expected spot preemptions per hour, until history or traces say otherwise."
     )
     hybrid_margin_h: NonNegFloat = Field(
-        1.0, description="Slack kept before the deadline by hybrid local-then-burst plans (provisioning, no capacity)."
+        0.25, description="Slack kept before the deadline by hybrid local-then-burst plans (provisioning, no capacity)."
     )
 
 
@@ -204,6 +205,13 @@ class Config(Strict):
     orchestrator_id: str = Field("burstctl", description="Owner tag on every instance this install creates.")
 
     source: str | None = Field(None, exclude=True, description="Where this config came from (set by the loader).")
+
+    @model_validator(mode="after")
+    def _cycle_gpu_priced(self) -> Config:
+        if self.budget.cycle_gpu not in self.prices:
+            raise ValueError(f"budget.cycle_gpu '{self.budget.cycle_gpu}' has no entry in [prices] "
+                             f"(known: {', '.join(sorted(self.prices))})")
+        return self
 
     @property
     def state_dir(self) -> Path:

@@ -22,6 +22,7 @@ class BadInput(BurstctlError):
     def __init__(self, message: str, *, source: str | Path | None = None, field: str | None = None):
         self.source = str(source) if source is not None else None
         self.field = field
+        self.detail = message
         parts = []
         if self.source:
             parts.append(self.source)
@@ -29,6 +30,11 @@ class BadInput(BurstctlError):
             parts.append(f"field '{field}'")
         prefix = ": ".join(parts)
         super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+    def in_file(self, source: str | Path) -> BadInput:
+        """The same problem, attributed to the file it came from (when the raiser did not know it)."""
+        return self if self.source else BadInput(self.detail, source=source, field=self.field)
 
 
 class OperationalError(BurstctlError):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,3 +20,61 @@ def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BURSTCTL_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)
     os.makedirs(tmp_path / "home", exist_ok=True)
+
+
+def run_burstctl(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the real `burstctl` entry point in a subprocess."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def burstctl(tmp_path: Path):
+    """`burstctl(...)` with a private state dir; returns the CompletedProcess."""
+    state = tmp_path / "state"
+
+    def _run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+             state_dir: Path | None = state) -> subprocess.CompletedProcess[str]:
+        pre = ["--state-dir", str(state_dir)] if state_dir is not None else []
+        return run_burstctl(*pre, *args, cwd=cwd or tmp_path, env=env)
+
+    _run.state_dir = state  # type: ignore[attr-defined]
+    return _run
+
+
+def write_job(folder: Path, name: str = "job", **fields: object) -> Path:
+    """Write a job spec TOML; fields override a valid default job."""
+    base: dict[str, object] = {
+        "name": name, "kind": "train", "command": ["python", "train.py"], "workdir": ".",
+        "deadline_hours": 24, "work_units": 1, "local_throughput": 0.33, "rented_throughput": {"H100": 2.0},
+    }
+    base.update(fields)
+    lines = []
+    tables = []
+    for k, v in base.items():
+        if v is None:
+            continue
+        if isinstance(v, dict) and k in ("checkpoint", "env", "model"):
+            tables.append((k, v))
+        else:
+            lines.append(f"{k} = {_toml(v)}")
+    for k, v in tables:
+        lines.append(f"[{k}]")
+        lines.extend(f"{kk} = {_toml(vv)}" for kk, vv in v.items())
+    path = folder / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _toml(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f'"{k}" = {_toml(x)}' for k, x in v.items()) + " }"
+    return str(v)

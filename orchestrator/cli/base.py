@@ -19,7 +19,8 @@ from orchestrator.app import App
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-out = Console(highlight=False, soft_wrap=True)
+# Pipes and CI get a wide fixed width so tables are not squeezed into 80 columns.
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

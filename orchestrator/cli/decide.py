@@ -1,1 +1,134 @@
-"""`burstctl decide`."""
+"""`burstctl decide`: the two gates for a job file, or for quick what-ifs by the seed script's flags."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import click
+
+from orchestrator.app import App
+from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
+from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
+from orchestrator.errors import BadInput
+from orchestrator.jobspec import load_job
+from orchestrator.queue import context, facts, record_decision
+
+FLAG_GPU = "rented"
+
+
+def _positive(name: str, v: float | None, allow_zero: bool = False) -> None:
+    if v is None:
+        return
+    if math.isnan(v) or v < 0 or (v == 0 and not allow_zero):
+        raise BadInput(f"expected a {'non-negative' if allow_zero else 'positive'} number, got {v}",
+                       field=name)
+
+
+@cli.command("decide")
+@click.argument("job_file", required=False)
+@click.option("--work", type=float, default=None, help="W: work units (default 1).")
+@click.option("--s-local", type=float, default=None, help="Local units/h; 0 means it does not fit locally.")
+@click.option("--s-rented", type=float, default=None, help="Rented units/h per GPU (default 5).")
+@click.option("--deadline-h", type=float, default=None, help="Hours from now until the result is needed.")
+@click.option("--rate", type=float, default=None, help="Rented $/GPU-hour on the run date.")
+@click.option("--gpus", type=int, default=None, help="Rented GPUs (default 1).")
+@click.option("--overhead-h", type=float, default=None, help="Boot + sync + teardown hours (default 0.5).")
+@click.option("--local-usd-h", type=float, default=None, help="Local $/h (default 0.10).")
+@click.option("--name", default="what-if", show_default=True, help="Name for the decision record (flags mode).")
+@click.option("--no-record", is_flag=True, help="Do not write a decision record.")
+@json_option
+@pass_app
+def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: float | None, s_rented: float | None,
+               deadline_h: float | None, rate: float | None, gpus: int | None, overhead_h: float | None,
+               local_usd_h: float | None, name: str, no_record: bool, as_json: bool) -> None:
+    """Run the two gates and print the verdict; writes a decision record.
+
+    JOB_FILE is a job spec (TOML). Without it, the seed script's flags describe the job:
+    --s-local, --deadline-h and --rate are required.
+    """
+    now = time.time()
+    flags = {"--work": work, "--s-local": s_local, "--s-rented": s_rented, "--deadline-h": deadline_h,
+             "--rate": rate, "--gpus": gpus, "--overhead-h": overhead_h, "--local-usd-h": local_usd_h}
+    if job_file:
+        given = [k for k, v in flags.items() if v is not None and k not in ("--overhead-h", "--local-usd-h")]
+        if given:
+            raise BadInput(f"{', '.join(given)} cannot be combined with a job file; edit the file instead")
+        spec, deadline_at = load_job(job_file, now)
+        job = facts(spec, deadline_at, now, app.config, job_file)
+        ctx = context(app, now)
+        if overhead_h is not None:
+            _positive("--overhead-h", overhead_h, allow_zero=True)
+            ctx = _replace(ctx, overhead_h=overhead_h)
+        if local_usd_h is not None:
+            _positive("--local-usd-h", local_usd_h, allow_zero=True)
+            ctx = _replace(ctx, local_usd_h=local_usd_h)
+    else:
+        missing = [k for k in ("--s-local", "--deadline-h", "--rate") if flags[k] is None]
+        if missing:
+            raise BadInput(f"give a job file, or the flags {', '.join(missing)} (see --help)")
+        for k in ("--work", "--s-rented", "--deadline-h", "--rate"):
+            _positive(k, flags[k])
+        for k in ("--s-local", "--overhead-h", "--local-usd-h"):
+            _positive(k, flags[k], allow_zero=True)
+        if gpus is not None and gpus < 1:
+            raise BadInput(f"expected an integer ≥ 1, got {gpus}", field="--gpus")
+        job = JobFacts(name=name, kind="train", work=work or 1.0, s_local=s_local or 0.0,
+                       rented={FLAG_GPU: s_rented or 5.0}, gpus=gpus or 1, deadline_h=deadline_h or 0.0,
+                       market="on-demand")
+        assert rate is not None
+        ctx = DecisionContext(local_usd_h=0.10 if local_usd_h is None else local_usd_h,
+                              offers={FLAG_GPU: GpuOffer(FLAG_GPU, rate, None, math.inf)},
+                              overhead_h=0.5 if overhead_h is None else overhead_h,
+                              max_auto_delta_usd=app.config.policy.max_auto_delta_usd,
+                              hybrid_margin_h=app.config.policy.hybrid_margin_h)
+    decision = decide(job, ctx)
+    d = decision.to_dict()
+    record = None if no_record else record_decision(app, job, d, now, None)
+    if as_json:
+        print_json({"job": job.name, **d, "deadline_h": round(job.deadline_h, 4),
+                    "record": str(record) if record else None})
+        return
+    _print_human(job, d)
+    if record:
+        out.print(f"[dim]decision record: {record}[/dim]")
+
+
+def _replace(ctx: DecisionContext, **kw: Any) -> DecisionContext:
+    from dataclasses import replace
+
+    return replace(ctx, **kw)
+
+
+def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
+    """The seed script's wording, then what burstctl adds (market, plan, budget, approval)."""
+    p = out.print
+    D = job.deadline_h
+    if not d["fits_locally"]:
+        p("GATE 1: does NOT fit locally -> BURST (no local option).")
+        if d["t_rented_h"] is not None:
+            p(f"  rented wall-clock ~ {d['t_rented_h']:.2f} h, cost ~ ${d['c_rented_usd']:.2f}")
+    else:
+        p(f"GATE 1: fits locally. local wall-clock ~ {d['t_local_h']:.2f} h, cost ~ ${d['c_local_usd']:.2f} "
+          "(electricity).")
+        if d["verdict"] == "local":
+            p(f"GATE 2: local MAKES the deadline ({d['t_local_h']:.2f} h <= {D:.2f} h) -> RUN LOCAL. "
+              "Renting is waste.")
+        else:
+            p(f"GATE 2: local MISSES the deadline ({d['t_local_h']:.2f} h > {D:.2f} h).")
+            if d["verdict"] == "rethink":
+                tr = d["t_rented_h"]
+                p(f"  ...but rented also misses ({tr:.2f} h). Rethink scope, not hardware." if tr is not None
+                  else "  ...and no rented GPU can run it. Rethink scope, not hardware.")
+            else:
+                p(f"  rented makes it: {d['t_rented_h']:.2f} h <= {D:.2f} h.")
+                p(f"  price of the deadline: dC ~ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h.")
+    p(f"[bold]verdict: {d['verdict'].upper()}[/bold] → {d['action']}")
+    if d.get("plan"):
+        phases = "; ".join(f"{ph['where']}{' ' + ph['market'] if ph['market'] else ''} {ph['hours']:.2f} h "
+                           f"(${ph['cost_usd']:.2f})" for ph in d["plan"])
+        p(f"plan ({d['plan_kind']}): {phases}; total ${d['plan_cost_usd']:.2f}")
+    for r in d["reasons"]:
+        if not r.startswith("Gate"):
+            p(f"  · {r}")

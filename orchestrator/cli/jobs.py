@@ -1,1 +1,217 @@
-"""Queue commands."""
+"""Queue commands: enqueue, list, show, cancel, approve, budget, events."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from orchestrator.app import App
+from orchestrator.cli.base import cli, fmt_h, fmt_usd, json_option, out, pass_app, print_json, table
+from orchestrator.core.budget import BudgetView, cycle_prices, month_key
+from orchestrator.errors import BadInput
+from orchestrator.lifecycle.states import JobState, check_transition
+from orchestrator.queue import enqueue
+
+
+def _when(ts: float | None) -> str:
+    return "—" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def _job_or_fail(app: App, ref: str) -> dict[str, Any]:
+    job = app.store.get_job(ref)
+    if job is None:
+        raise BadInput(f"no job with id or name '{ref}'", field="JOB")
+    return job
+
+
+def _public(job: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": job["id"], "name": job["name"], "kind": job["kind"], "state": job["state"],
+        "verdict": job["verdict"], "placement": job["placement"], "approved": bool(job["approved"]),
+        "reason": job["reason"], "deadline": datetime.fromtimestamp(job["deadline_at"], UTC).isoformat(),
+        "created": datetime.fromtimestamp(job["created_at"], UTC).isoformat(),
+        "record": job["record_path"],
+    }
+
+
+@cli.command("enqueue")
+@click.argument("job_file")
+@json_option
+@pass_app
+def enqueue_cmd(app: App, job_file: str, as_json: bool) -> None:
+    """Validate JOB_FILE, decide it, write its decision record and queue it. Prints the job id."""
+    job_id, decision, record = enqueue(app, job_file)
+    d = decision.to_dict()
+    job = app.store.get_job(job_id)
+    assert job is not None
+    if as_json:
+        print_json({**_public(job), "decision": d})
+        return
+    out.print(job_id)
+    out.print(f"[dim]{job['name']}: {d['verdict']} → {job['state']}; {job['reason'] or ''}[/dim]")
+    out.print(f"[dim]decision record: {record}[/dim]")
+
+
+@cli.command("list")
+@click.option("--state", "states", multiple=True, type=click.Choice([s.value for s in JobState]),
+              help="Only jobs in this state (repeatable).")
+@json_option
+@pass_app
+def list_cmd(app: App, states: tuple[str, ...], as_json: bool) -> None:
+    """List jobs, oldest first."""
+    jobs = app.store.list_jobs(states or None)
+    if as_json:
+        print_json([_public(j) for j in jobs])
+        return
+    if not jobs:
+        out.print("no jobs")
+        return
+    table(None, ["id", "name", "kind", "verdict", "state", "placement", "ΔC", "deadline"],
+          [(j["id"], j["name"], j["kind"], j["verdict"], j["state"], j["placement"],
+            fmt_usd(j["decision"].get("delta_cost_usd")), _when(j["deadline_at"])) for j in jobs])
+
+
+@cli.command("show")
+@click.argument("job")
+@json_option
+@pass_app
+def show_cmd(app: App, job: str, as_json: bool) -> None:
+    """Show one job: its decision, state and recent events."""
+    j = _job_or_fail(app, job)
+    evs = app.store.events(job_id=j["id"])
+    if as_json:
+        print_json({**_public(j), "spec": j["spec"], "decision": j["decision"],
+                    "events": [_event_public(e) for e in evs]})
+        return
+    d = j["decision"]
+    out.print(f"[bold]{j['name']}[/bold] ({j['id']}) — {j['kind']}, {j['state']}")
+    out.print(f"verdict {d['verdict']} → {d['action']}; T_L {fmt_h(d['t_local_h'])}, T_R {fmt_h(d['t_rented_h'])}, "
+              f"ΔC {fmt_usd(d['delta_cost_usd'])}, market {d.get('market') or '—'}, "
+              f"plan {d.get('plan_kind') or '—'} {fmt_usd(d.get('plan_cost_usd'))}")
+    for r in d["reasons"]:
+        out.print(f"  · {r}")
+    out.print(f"deadline {_when(j['deadline_at'])} UTC; record {j['record_path']}")
+    if evs:
+        table("events", ["time", "type", "data"],
+              [(_when(e["ts"]), e["type"], _short(e["data"])) for e in evs[-15:]])
+
+
+def _short(data: dict[str, Any], limit: int = 90) -> str:
+    s = json.dumps({k: v for k, v in data.items() if k not in ("decision", "inputs")}, default=str)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def _event_public(e: dict[str, Any]) -> dict[str, Any]:
+    return {"id": e["id"], "ts": datetime.fromtimestamp(e["ts"], UTC).isoformat(), "type": e["type"],
+            "job": e["job_id"], "attempt": e["attempt_id"], **e["data"]}
+
+
+def _set_state(app: App, ref: str, target: JobState, event: str, **extra: Any) -> dict[str, Any]:
+    j = _job_or_fail(app, ref)
+    check_transition(j["state"], target.value, j["id"])
+    with app.store.tx() as conn:
+        if not app.store.update_job(j["id"], conn, expect_state=j["state"], state=target.value, **extra):
+            raise BadInput(f"job {j['id']} changed state meanwhile; try again", field="JOB")
+        app.events.emit(event, job_id=j["id"], conn=conn, previous=j["state"], state=target.value)
+    new = app.store.get_job(j["id"])
+    assert new is not None
+    return new
+
+
+@cli.command("cancel")
+@click.argument("job")
+@json_option
+@pass_app
+def cancel_cmd(app: App, job: str, as_json: bool) -> None:
+    """Cancel a job that has not finished. A running job is stopped by the daemon on its next tick."""
+    j = _set_state(app, job, JobState.CANCELLED, "job.cancelled", reason="cancelled by the user")
+    print_json(_public(j)) if as_json else out.print(f"{j['id']} cancelled")
+
+
+@cli.command("approve")
+@click.argument("job")
+@json_option
+@pass_app
+def approve_cmd(app: App, job: str, as_json: bool) -> None:
+    """Approve the price of a job's deadline (ΔC above the configured ceiling); it is queued to burst."""
+    j = _job_or_fail(app, job)
+    if j["state"] != JobState.AWAITING_APPROVAL.value:
+        raise BadInput(f"job {j['id']} is {j['state']}, not awaiting approval", field="JOB")
+    j = _set_state(app, job, JobState.QUEUED, "job.approved", approved=True, reason="deadline price approved")
+    print_json(_public(j)) if as_json else out.print(f"{j['id']} approved: queued to burst")
+
+
+@cli.command("budget")
+@json_option
+@pass_app
+def budget_cmd(app: App, as_json: bool) -> None:
+    """Month-to-date spend, cycles, $/cycle on spot and on-demand, and the cycles the rest buys."""
+    cfg = app.config
+    now = time.time()
+    month = month_key(now)
+    rows = app.store.ledger_rows(month)
+    cycles = len({r["job_id"] for r in rows if r["job_id"]})
+    ref_gpu = cfg.budget.cycle_gpu
+    price = cfg.prices[ref_gpu]
+    spot, od = cycle_prices(cfg.budget.cycle_gpu_hours, price.on_demand_usd_h, price.spot_usd_h)
+    view = BudgetView(month, cfg.budget.monthly_cap_usd, app.store.month_spend(month, now), cycles, spot, od)
+    data = {"month": month, "cap_usd": view.cap_usd, "spent_usd": round(view.spent_usd, 4),
+            "remaining_usd": round(view.remaining_usd, 4), "cycles_this_month": cycles,
+            "cycle_gpu_hours": cfg.budget.cycle_gpu_hours, "reference_gpu": ref_gpu,
+            "usd_per_cycle_spot": spot, "usd_per_cycle_on_demand": od,
+            "cycles_left_spot": view.cycles_left_spot, "cycles_left_on_demand": view.cycles_left_on_demand}
+    if as_json:
+        print_json(data)
+        return
+    table(f"budget {month}", ["", "value"], [
+        ("monthly cap", fmt_usd(view.cap_usd)),
+        ("spent", fmt_usd(view.spent_usd)),
+        ("left", fmt_usd(view.remaining_usd)),
+        ("cycles this month", cycles),
+        (f"$/cycle on spot ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h)", fmt_usd(spot)),
+        (f"$/cycle on-demand ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h)", fmt_usd(od)),
+        ("cycles left on spot", "—" if view.cycles_left_spot is None else view.cycles_left_spot),
+        ("cycles left on-demand", view.cycles_left_on_demand),
+    ])
+
+
+@cli.command("events")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events as they happen.")
+@click.option("--job", "job_ref", default=None, help="Only this job's events.")
+@click.option("--type", "type_prefix", default=None, help="Only events whose type starts with this.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many (the newest).")
+@click.option("--interval", type=float, default=0.5, show_default=True, help="Poll interval with --follow.")
+@json_option
+@pass_app
+def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | None, limit: int | None,
+               interval: float, as_json: bool) -> None:
+    """Print the event log (JSON lines with --json), optionally following it live."""
+    job_id = _job_or_fail(app, job_ref)["id"] if job_ref else None
+    evs = app.store.events(job_id=job_id, type_prefix=type_prefix)
+    if limit:
+        evs = evs[-limit:]
+    last = _print_events(evs, as_json, 0)
+    if not follow:
+        return
+    try:
+        while True:
+            time.sleep(interval)
+            last = _print_events(app.store.events(after_id=last, job_id=job_id, type_prefix=type_prefix),
+                                 as_json, last)
+    except KeyboardInterrupt:
+        return
+
+
+def _print_events(evs: list[dict[str, Any]], as_json: bool, last: int) -> int:
+    for e in evs:
+        if as_json:
+            click.echo(json.dumps(_event_public(e), default=str))
+        else:
+            ids = " ".join(f"{k}={v}" for k, v in (("job", e["job_id"]), ("attempt", e["attempt_id"])) if v)
+            click.echo(f"{_when(e['ts'])}  {e['type']:<22} {ids} {_short(e['data'], 120)}")
+        last = e["id"]
+    return last

@@ -1,0 +1,51 @@
+"""The monthly budget: a hard cap, and the cadence of cycles it buys. Pure."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+
+def month_key(ts: float) -> str:
+    """The calendar month (UTC) a charge counts against, as YYYY-MM."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m")
+
+
+@dataclass(frozen=True)
+class BudgetView:
+    month: str
+    cap_usd: float
+    spent_usd: float
+    cycles_this_month: int
+    usd_per_cycle_spot: float | None
+    usd_per_cycle_on_demand: float
+
+    @property
+    def remaining_usd(self) -> float:
+        return max(0.0, self.cap_usd - self.spent_usd)
+
+    @property
+    def cycles_left_spot(self) -> int | None:
+        if not self.usd_per_cycle_spot:
+            return None
+        return math.floor(self.remaining_usd / self.usd_per_cycle_spot + 1e-9)
+
+    @property
+    def cycles_left_on_demand(self) -> int:
+        return math.floor(self.remaining_usd / self.usd_per_cycle_on_demand + 1e-9)
+
+
+def cycle_prices(cycle_gpu_hours: float, od_usd_per_gpu_h: float,
+                 spot_usd_per_gpu_h: float | None) -> tuple[float | None, float]:
+    spot = cycle_gpu_hours * spot_usd_per_gpu_h if spot_usd_per_gpu_h else None
+    return spot, cycle_gpu_hours * od_usd_per_gpu_h
+
+
+def admits(projected_usd: float, cap_usd: float, spent_usd: float) -> tuple[bool, str]:
+    """The hard cap: a job whose projected cost exceeds what is left is refused, with the reason."""
+    left = max(0.0, cap_usd - spent_usd)
+    if projected_usd > left + 1e-9:
+        return False, (f"projected ${projected_usd:.2f} exceeds the ${left:.2f} left of the ${cap_usd:.2f} "
+                       f"monthly budget (${spent_usd:.2f} spent)")
+    return True, f"projected ${projected_usd:.2f} fits the ${left:.2f} left this month"

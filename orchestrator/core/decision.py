@@ -1,0 +1,212 @@
+"""One job's full decision: gate 1 (sizing), gate 2 (deadline), offer, market, plan, budget, approval. Pure.
+
+The shell gathers the facts (config, measured overhead, month-to-date spend, the kill switch) into a
+`DecisionContext`; this module turns a job's facts into a `Decision` with its reasons. The daemon, the CLI
+and the simulator all call it, so what is reported is what runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from orchestrator.core.budget import admits
+from orchestrator.core.gates import GateInputs, GateResult, Verdict, evaluate
+from orchestrator.core.market import MarketChoice, MarketInputs, choose_market
+from orchestrator.core.plan import Phase, Plan, hybrid_plan
+
+Action = Literal["run-local", "burst", "await-approval", "blocked", "rethink"]
+
+
+@dataclass(frozen=True)
+class GpuOffer:
+    gpu: str
+    od_usd_per_gpu_h: float
+    spot_usd_per_gpu_h: float | None
+    vram_gb: float
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    name: str
+    kind: str
+    work: float
+    s_local: float
+    rented: dict[str, float]  # GPU type → units/h per GPU
+    gpus: int
+    deadline_h: float
+    market: Literal["auto", "spot", "on-demand"] = "auto"
+    deadline_critical: bool = False
+    checkpoint_interval_h: float = 0.5
+    checkpoints: bool = True
+    fits_local_memory: bool | None = None  # from sizing; None when no [model] table
+    per_gpu_gb: float | None = None  # from sizing, on the rented GPU count
+
+
+@dataclass(frozen=True)
+class DecisionContext:
+    local_usd_h: float
+    offers: dict[str, GpuOffer]
+    overhead_h: float
+    preemptions_per_h: float = 0.05
+    max_auto_delta_usd: float = 5.0
+    cloud_kinds: tuple[str, ...] = ("train",)
+    hybrid_margin_h: float = 0.25
+    budget_cap_usd: float = math.inf
+    spent_usd: float = 0.0
+    burst_enabled: bool = True
+    local_available_fraction: float = 1.0  # share of wall-clock hours the local GPU may train
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    action: Action
+    gates: GateResult
+    gpu: str | None
+    rate_usd_per_gpu_h: float | None
+    market: MarketChoice | None
+    plan: Plan | None
+    reasons: list[str] = field(default_factory=list)
+    overhead_h: float = 0.0
+
+    @property
+    def placement(self) -> str:
+        if self.action == "run-local":
+            return "local"
+        if self.plan is not None and self.plan.kind == "hybrid":
+            return "hybrid"
+        if self.action in ("burst", "await-approval") or (self.action == "blocked" and self.gpu):
+            return "cloud"
+        return "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        g = self.gates
+        m = self.market
+        return {
+            "verdict": self.verdict.value,
+            "action": self.action,
+            "placement": self.placement,
+            "fits_locally": g.fits_locally,
+            "t_local_h": _r(g.t_local_h),
+            "c_local_usd": _r(g.c_local_usd),
+            "t_rented_h": _r(g.t_rented_h),
+            "c_rented_usd": _r(g.c_rented_usd),
+            "delta_cost_usd": _r(g.delta_cost_usd),
+            "hours_saved": _r(g.hours_saved),
+            "gpu": self.gpu,
+            "rate_usd_per_gpu_h": self.rate_usd_per_gpu_h,
+            "overhead_h": self.overhead_h,
+            "market": m.market if m else None,
+            "market_costs": None if m is None else {
+                "on_demand_usd": _r(m.od_cost_usd), "on_demand_h": _r(m.od_hours),
+                "spot_expected_usd": _r(m.spot_cost_usd), "spot_expected_h": _r(m.spot_hours),
+                "expected_preemptions": _r(m.expected_preemptions),
+            },
+            "plan": None if self.plan is None else [p.as_dict() for p in self.plan.phases],
+            "plan_kind": None if self.plan is None else self.plan.kind,
+            "plan_cost_usd": None if self.plan is None else _r(self.plan.cost_usd),
+            "reasons": list(g.reasons) + list(self.reasons),
+        }
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
+
+
+def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
+    reasons: list[str] = []
+    s_local = job.s_local * ctx.local_available_fraction
+    if ctx.local_available_fraction < 1.0 and job.s_local > 0:
+        reasons.append(f"local GPU free {ctx.local_available_fraction:.0%} of the day: "
+                       f"effective s_L {s_local:.4g} units/h")
+
+    # Candidate rented GPU types: priced, and big enough when sizing says how much memory a GPU needs.
+    candidates: list[tuple[str, float, GpuOffer]] = []
+    for gpu, s_r in job.rented.items():
+        offer = ctx.offers.get(gpu)
+        if offer is None:
+            reasons.append(f"no price known for GPU type {gpu}: skipped")
+            continue
+        if job.per_gpu_gb is not None and job.per_gpu_gb > offer.vram_gb:
+            reasons.append(f"{gpu}: needs {job.per_gpu_gb:.1f} GB per GPU, has {offer.vram_gb:.0f} GB: skipped")
+            continue
+        candidates.append((gpu, s_r, offer))
+
+    def gate(s_r: float, rate: float) -> GateResult:
+        return evaluate(GateInputs(work=job.work, s_local=s_local, s_rented=s_r, deadline_h=job.deadline_h,
+                                   rate_usd_per_gpu_h=rate, gpus=job.gpus, overhead_h=ctx.overhead_h,
+                                   local_usd_h=ctx.local_usd_h, fits_locally=job.fits_local_memory))
+
+    if not candidates:
+        g = gate(0.0, 0.0)
+        if g.verdict is Verdict.LOCAL:
+            return Decision(Verdict.LOCAL, "run-local", g, None, None, None,
+                            Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),)),
+                            reasons, ctx.overhead_h)
+        reasons.append("no rented GPU type can run this job: rethink scope")
+        return Decision(Verdict.RETHINK, "rethink", g, None, None, None, None, reasons, ctx.overhead_h)
+
+    # Cheapest type that meets the deadline on-demand; if none does, the fastest.
+    evaluated = [(gate(s_r, o.od_usd_per_gpu_h), gpu, s_r, o) for gpu, s_r, o in candidates]
+    meeting = [e for e in evaluated if (e[0].t_rented_h or math.inf) <= job.deadline_h]
+    pool = meeting or evaluated
+    key = (lambda e: e[0].c_rented_usd or math.inf) if meeting else (lambda e: e[0].t_rented_h or math.inf)
+    g, gpu, s_r, offer = min(pool, key=key)
+    if len(candidates) > 1:
+        reasons.append(f"GPU type {gpu}: {'cheapest that meets the deadline' if meeting else 'fastest'} "
+                       f"of {', '.join(c[0] for c in candidates)}")
+
+    if g.verdict is Verdict.LOCAL:
+        plan = Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),))
+        return Decision(g.verdict, "run-local", g, gpu, offer.od_usd_per_gpu_h, None, plan, reasons, ctx.overhead_h)
+    if g.verdict is Verdict.RETHINK:
+        return Decision(g.verdict, "rethink", g, gpu, offer.od_usd_per_gpu_h, None, None, reasons, ctx.overhead_h)
+
+    t_r = g.t_rented_h or math.inf
+    market = choose_market(MarketInputs(
+        run_h=t_r, gpus=job.gpus, od_usd_per_gpu_h=offer.od_usd_per_gpu_h,
+        spot_usd_per_gpu_h=offer.spot_usd_per_gpu_h, preemptions_per_h=ctx.preemptions_per_h,
+        checkpoint_interval_h=job.checkpoint_interval_h, restart_overhead_h=ctx.overhead_h,
+        deadline_h=job.deadline_h, deadline_critical=job.deadline_critical, preference=job.market))
+    reasons.extend(f"market: {r}" for r in market.reasons)
+    rate = offer.spot_usd_per_gpu_h if market.market == "spot" and offer.spot_usd_per_gpu_h else \
+        offer.od_usd_per_gpu_h
+
+    plan = Plan("burst", (Phase("cloud", market.hours, market.cost_usd, market=market.market, gpu=gpu,
+                                work_units=job.work),))
+    if g.verdict is Verdict.PRICED and job.checkpoints:
+        # Price the hybrid at on-demand rates in the deadline arithmetic; the rented phase may still run on spot.
+        hybrid = hybrid_plan(work=job.work, s_local=s_local, s_rented=s_r, gpus=job.gpus, overhead_h=ctx.overhead_h,
+                             deadline_h=job.deadline_h, margin_h=ctx.hybrid_margin_h, local_usd_h=ctx.local_usd_h,
+                             rented_usd_per_gpu_h=market.rate_usd_per_gpu_h, market=market.market, gpu=gpu)
+        if hybrid is not None and hybrid.cost_usd < plan.cost_usd:
+            reasons.append(f"plan: local {hybrid.phases[0].hours:.2f} h first, then burst the rest "
+                           f"({hybrid.phases[1].hours:.2f} h): ${hybrid.cost_usd:.2f} instead of ${plan.cost_usd:.2f}")
+            plan = hybrid
+
+    action: Action = "burst"
+    if job.kind not in ctx.cloud_kinds:
+        action = "blocked"
+        reasons.append(f"kind '{job.kind}' may not run in the cloud (policy.cloud_kinds = "
+                       f"{list(ctx.cloud_kinds)}): the cloud's role is bounded to training")
+    elif not ctx.burst_enabled:
+        action = "blocked"
+        reasons.append("bursting is disabled (revert-local): the job waits; `burstctl burst-enable` lifts it")
+    else:
+        ok, why = admits(plan.rented_cost_usd, ctx.budget_cap_usd, ctx.spent_usd)
+        if math.isfinite(ctx.budget_cap_usd):
+            reasons.append(f"budget: {why}")
+        if not ok:
+            action = "blocked"
+        elif g.verdict is Verdict.PRICED and not job.deadline_critical:
+            extra = plan.cost_usd - (g.c_local_usd or 0.0)
+            if extra > ctx.max_auto_delta_usd:
+                action = "await-approval"
+                reasons.append(f"the deadline costs ${extra:.2f} more than local, above the "
+                               f"${ctx.max_auto_delta_usd:.2f} approved without asking: `burstctl approve`")
+            else:
+                reasons.append(f"the deadline costs ${extra:.2f} more than local: within the "
+                               f"${ctx.max_auto_delta_usd:.2f} approved without asking")
+    return Decision(g.verdict, action, g, gpu, rate, market, plan, reasons, ctx.overhead_h)

@@ -1,0 +1,82 @@
+"""Spot or on-demand for one rented run. Pure.
+
+Expected spot cost = spot price × g × (T + E[preemptions] × (work since the last checkpoint + restart overhead)),
+with E[preemptions] = λ·T and the work lost per preemption averaging half a checkpoint interval.
+Spot wins unless the run is deadline-critical, spot's expected time misses the deadline, or its expected cost is
+not lower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+MarketName = Literal["spot", "on-demand"]
+
+
+@dataclass(frozen=True)
+class MarketInputs:
+    run_h: float  # T: rented wall-clock hours including overhead, with no preemption
+    gpus: int
+    od_usd_per_gpu_h: float
+    spot_usd_per_gpu_h: float | None
+    preemptions_per_h: float  # λ
+    checkpoint_interval_h: float
+    restart_overhead_h: float  # a new instance + pulling the checkpoint
+    deadline_h: float
+    deadline_critical: bool = False
+    preference: Literal["auto", "spot", "on-demand"] = "auto"
+
+
+@dataclass(frozen=True)
+class MarketChoice:
+    market: MarketName
+    od_cost_usd: float
+    od_hours: float
+    spot_cost_usd: float | None  # expected
+    spot_hours: float | None  # expected
+    expected_preemptions: float | None
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def cost_usd(self) -> float:
+        if self.market == "spot" and self.spot_cost_usd is not None:
+            return self.spot_cost_usd
+        return self.od_cost_usd
+
+    @property
+    def hours(self) -> float:
+        if self.market == "spot" and self.spot_hours is not None:
+            return self.spot_hours
+        return self.od_hours
+
+    @property
+    def rate_usd_per_gpu_h(self) -> float:
+        return self.cost_usd / self.hours if self.hours else 0.0
+
+
+def choose_market(x: MarketInputs) -> MarketChoice:
+    od_cost = x.od_usd_per_gpu_h * x.gpus * x.run_h
+    if x.spot_usd_per_gpu_h is None:
+        return MarketChoice("on-demand", od_cost, x.run_h, None, None, None, ["no spot market for this GPU type"])
+
+    n = x.preemptions_per_h * x.run_h
+    lost_per = x.checkpoint_interval_h / 2.0 + x.restart_overhead_h
+    spot_h = x.run_h + n * lost_per
+    spot_cost = x.spot_usd_per_gpu_h * x.gpus * spot_h
+    base = dict(od_cost_usd=od_cost, od_hours=x.run_h, spot_cost_usd=spot_cost, spot_hours=spot_h,
+                expected_preemptions=n)
+    figures = (f"spot ≈ ${spot_cost:.2f} over {spot_h:.2f} h ({n:.2f} expected preemptions) "
+               f"vs on-demand ${od_cost:.2f} over {x.run_h:.2f} h")
+
+    if x.preference == "on-demand":
+        return MarketChoice("on-demand", **base, reasons=["job asks for on-demand", figures])
+    if x.deadline_critical:
+        return MarketChoice("on-demand", **base, reasons=["deadline-critical: no preemption risk taken", figures])
+    if x.preference == "spot":
+        return MarketChoice("spot", **base, reasons=["job asks for spot", figures])
+    if spot_h > x.deadline_h:
+        return MarketChoice("on-demand", **base, reasons=["spot's expected time misses the deadline", figures])
+    if spot_cost >= od_cost:
+        return MarketChoice("on-demand", **base, reasons=["spot is not cheaper once preemptions are counted", figures])
+    return MarketChoice("spot", **base, reasons=["spot is cheaper with checkpoints", figures])

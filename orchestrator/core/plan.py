@@ -1,0 +1,72 @@
+"""Hybrid plans: run locally first (nearly free), burst only the remainder, as late as is safe. Pure.
+
+When local alone misses the deadline D but the job checkpoints, local for x hours then rented for the rest
+meets D when  x + (W − s_L·x)/(s_R·g) + t_ovh + margin ≤ D,  so the latest safe switch is
+    x* = (D − margin − t_ovh − W/(s_R·g)) / (1 − s_L/(s_R·g)).
+Any x ≤ x* is safe; the largest x is cheapest, since local hours cost less than rented ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Phase:
+    where: str  # local | cloud
+    hours: float
+    cost_usd: float
+    market: str | None = None  # for cloud phases
+    gpu: str | None = None
+    start_after_h: float = 0.0
+    work_units: float = 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"where": self.where, "market": self.market, "gpu": self.gpu, "hours": round(self.hours, 4),
+                "start_after_h": round(self.start_after_h, 4), "work_units": round(self.work_units, 6),
+                "cost_usd": round(self.cost_usd, 4)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str  # local | burst | hybrid
+    phases: tuple[Phase, ...]
+
+    @property
+    def cost_usd(self) -> float:
+        return sum(p.cost_usd for p in self.phases)
+
+    @property
+    def hours(self) -> float:
+        return sum(p.hours for p in self.phases)
+
+    @property
+    def rented_cost_usd(self) -> float:
+        return sum(p.cost_usd for p in self.phases if p.where == "cloud")
+
+
+def latest_switch_h(work: float, s_local: float, s_rented: float, gpus: int, overhead_h: float,
+                    deadline_h: float, margin_h: float) -> float | None:
+    """Local hours before bursting the rest still meets the deadline; None when no positive x is safe."""
+    speed = s_rented * gpus
+    if s_local <= 0 or speed <= s_local:
+        return None
+    x = (deadline_h - margin_h - overhead_h - work / speed) / (1.0 - s_local / speed)
+    x = min(x, work / s_local)
+    return x if x > 0 else None
+
+
+def hybrid_plan(*, work: float, s_local: float, s_rented: float, gpus: int, overhead_h: float, deadline_h: float,
+                margin_h: float, local_usd_h: float, rented_usd_per_gpu_h: float, market: str,
+                gpu: str) -> Plan | None:
+    x = latest_switch_h(work, s_local, s_rented, gpus, overhead_h, deadline_h, margin_h)
+    if x is None:
+        return None
+    done = s_local * x
+    rest = work - done
+    rented_h = rest / (s_rented * gpus) + overhead_h
+    return Plan("hybrid", (
+        Phase("local", x, local_usd_h * x, work_units=done),
+        Phase("cloud", rented_h, rented_usd_per_gpu_h * gpus * rented_h, market=market, gpu=gpu,
+              start_after_h=x, work_units=rest),
+    ))

@@ -1,0 +1,1 @@
+"""The lifecycle shell: the job state machine and the work that moves jobs through it."""

@@ -1,0 +1,65 @@
+"""The job state machine, in one place. Every change of a job's state goes through `transition()`.
+
+    queued ──────────────► running ──► done
+      │  ▲                   │  ▲
+      │  └── approve ──┐     │  └──── resuming ◄── (preempted attempt)
+      ▼                │     ▼
+    awaiting_approval ─┘   failed
+    blocked (budget / kind / kill switch; re-decided every tick)
+    rethink (neither local nor rented meets the deadline; never runs)
+    cancelled (from any non-final state)
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from orchestrator.errors import BadInput
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    AWAITING_APPROVAL = "awaiting_approval"
+    BLOCKED = "blocked"
+    RETHINK = "rethink"
+    RUNNING = "running"
+    RESUMING = "resuming"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in FINAL
+
+
+FINAL = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED, JobState.RETHINK})
+
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.BLOCKED, JobState.AWAITING_APPROVAL,
+                                JobState.CANCELLED, JobState.FAILED}),
+    JobState.AWAITING_APPROVAL: frozenset({JobState.QUEUED, JobState.BLOCKED, JobState.CANCELLED}),
+    JobState.BLOCKED: frozenset({JobState.QUEUED, JobState.AWAITING_APPROVAL, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.DONE, JobState.FAILED, JobState.RESUMING, JobState.QUEUED,
+                                 JobState.CANCELLED}),
+    JobState.RESUMING: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RETHINK: frozenset(),
+    JobState.DONE: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+# What a fresh decision's action puts a new job in.
+STATE_FOR_ACTION: dict[str, JobState] = {
+    "run-local": JobState.QUEUED,
+    "burst": JobState.QUEUED,
+    "await-approval": JobState.AWAITING_APPROVAL,
+    "blocked": JobState.BLOCKED,
+    "rethink": JobState.RETHINK,
+}
+
+
+def check_transition(current: str, target: str, job: str) -> None:
+    cur, tgt = JobState(current), JobState(target)
+    if tgt not in JOB_TRANSITIONS[cur]:
+        raise BadInput(f"job {job} is {cur.value}; it cannot become {tgt.value}")

@@ -1,0 +1,126 @@
+"""The shell around the decision core: gather facts (config, store), decide, record, persist.
+
+`enqueue` validates and decides everything before the one transaction that writes the job, its first event
+and nothing else; a bad spec or a failed decision leaves the queue untouched.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from orchestrator import records
+from orchestrator.app import App
+from orchestrator.config import Config
+from orchestrator.core.budget import month_key
+from orchestrator.core.decision import Decision, DecisionContext, GpuOffer, JobFacts, decide
+from orchestrator.errors import BadInput
+from orchestrator.jobspec import JobSpec, load_job
+from orchestrator.lifecycle.states import STATE_FOR_ACTION
+
+BURST_ENABLED_KEY = "burst_enabled"
+
+
+def local_available_fraction(cfg: Config) -> float:
+    windows = cfg.local.available_hours
+    if not windows:
+        return 1.0
+    total = 0.0
+    for w in windows:
+        a = w.start.hour * 60 + w.start.minute
+        b = w.end.hour * 60 + w.end.minute
+        total += (b - a) % (24 * 60) or 24 * 60
+    return min(1.0, total / (24 * 60))
+
+
+def reference_offers(cfg: Config) -> dict[str, GpuOffer]:
+    return {gpu: GpuOffer(gpu, p.on_demand_usd_h, p.spot_usd_h, p.vram_gib * 2**30 / 1e9)
+            for gpu, p in cfg.prices.items()}
+
+
+def burst_enabled(app: App) -> bool:
+    return bool(app.store.get_setting(BURST_ENABLED_KEY, True))
+
+
+def context(app: App, now: float) -> DecisionContext:
+    cfg = app.config
+    return DecisionContext(
+        local_usd_h=cfg.local.usd_per_hour,
+        offers=reference_offers(cfg),
+        overhead_h=cfg.policy.overhead_h,
+        preemptions_per_h=cfg.policy.spot_preemptions_per_hour,
+        max_auto_delta_usd=cfg.policy.max_auto_delta_usd,
+        cloud_kinds=tuple(cfg.policy.cloud_kinds),
+        hybrid_margin_h=cfg.policy.hybrid_margin_h,
+        budget_cap_usd=cfg.budget.monthly_cap_usd,
+        spent_usd=app.store.month_spend(month_key(now), now),
+        burst_enabled=burst_enabled(app),
+        local_available_fraction=local_available_fraction(cfg),
+    )
+
+
+def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: str | Path | None = None) -> JobFacts:
+    fits_local: bool | None = None
+    per_gpu: float | None = None
+    if spec.model is not None:
+        from orchestrator.core import sizing  # the sizing module is optional input to gate 1
+
+        try:
+            local = sizing.estimate(spec.model, gpus=1)
+            per_gpu = sizing.estimate(spec.model, gpus=spec.gpus).per_gpu_gb
+        except BadInput as exc:
+            raise exc.in_file(source) if source else exc from None
+        fits_local = local.per_gpu_gb <= cfg.local.vram_gb - cfg.local.safety_margin_gib * 2**30 / 1e9
+    return JobFacts(
+        name=spec.name, kind=spec.kind, work=spec.work_units, s_local=spec.local_throughput,
+        rented=dict(spec.rented_throughput), gpus=spec.gpus, deadline_h=(deadline_at - now) / 3600.0,
+        market=spec.market or cfg.policy.default_market, deadline_critical=spec.deadline_critical,
+        checkpoint_interval_h=spec.checkpoint.interval_minutes / 60.0, checkpoints=True,
+        fits_local_memory=fits_local, per_gpu_gb=per_gpu,
+    )
+
+
+def new_job_id() -> str:
+    return "j" + secrets.token_hex(4)
+
+
+def record_decision(app: App, job: JobFacts, decision: dict[str, Any], now: float, job_id: str | None) -> Path:
+    text = records.render(job.name, job_id, decision, now=now, deadline_h=job.deadline_h, work=job.work,
+                          s_local=job.s_local, gpus=job.gpus, local_gpu=app.config.local.gpu)
+    return records.write(app.config.state_dir, job.name, job_id, text, now)
+
+
+def enqueue(app: App, path: str | Path, now: float | None = None) -> tuple[str, Decision, Path]:
+    now = time.time() if now is None else now
+    spec, deadline_at = load_job(path, now)
+    cfg = app.config
+    job = facts(spec, deadline_at, now, cfg, path)
+    decision = decide(job, context(app, now))
+    d = decision.to_dict()
+    job_id = new_job_id()
+    workdir = (Path(path).parent / spec.workdir).resolve()
+    record_path = record_decision(app, job, d, now, job_id)
+    state = STATE_FOR_ACTION[decision.action]
+    spec_data = {**spec.model_dump(mode="json"), "workdir": str(workdir), "source": str(Path(path).resolve())}
+    with app.store.tx() as conn:
+        app.store.insert_job({
+            "id": job_id, "name": spec.name, "kind": spec.kind, "state": state.value,
+            "verdict": decision.verdict.value, "placement": decision.placement, "spec": spec_data,
+            "decision": d, "reason": d["reasons"][-1] if d["reasons"] else None, "deadline_at": deadline_at,
+            "record_path": str(record_path),
+        }, conn=conn)
+        app.events.emit("job.enqueued", job_id=job_id, conn=conn, name=spec.name, state=state.value,
+                        deadline=datetime.fromtimestamp(deadline_at).astimezone().isoformat())
+        app.events.emit("job.decided", job_id=job_id, conn=conn, verdict=d["verdict"], action=d["action"],
+                        inputs=_inputs(job), decision=d)
+    return job_id, decision, record_path
+
+
+def _inputs(job: JobFacts) -> dict[str, Any]:
+    return {"work": job.work, "s_local": job.s_local, "s_rented": job.rented, "gpus": job.gpus,
+            "deadline_h": round(job.deadline_h, 4), "kind": job.kind, "market": job.market,
+            "deadline_critical": job.deadline_critical, "fits_local_memory": job.fits_local_memory,
+            "per_gpu_gb": job.per_gpu_gb}

@@ -1,0 +1,83 @@
+"""Decision records: one markdown file per decision, expected figures before, measured ones after."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+MEASURED_PLACEHOLDER = "- **Measured:** _(filled in after the run)_"
+
+
+def _h(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f} h"
+
+
+def _usd(v: float | None) -> str:
+    return "—" if v is None else f"${v:.2f}"
+
+
+def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, deadline_h: float,
+           work: float, s_local: float, gpus: int, local_gpu: str) -> str:
+    when = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d %H:%M UTC")
+    plan = d.get("plan") or []
+    plan_txt = "; ".join(
+        f"{p['where']}{' ' + p['gpu'] if p.get('gpu') else ''}{' ' + p['market'] if p.get('market') else ''} "
+        f"{p['hours']:.2f} h" for p in plan) or "—"
+    gate1 = ("fits locally" if d["fits_locally"] else "does not fit locally → burst")
+    if d["verdict"] == "local":
+        gate2 = f"T_L = {_h(d['t_local_h'])} ≤ D = {deadline_h:.2f} h → local"
+    elif d["verdict"] == "burst":
+        gate2 = f"not reached (gate 1 decides); T_R = {_h(d['t_rented_h'])}"
+    elif d["verdict"] == "rethink":
+        gate2 = (f"T_L = {_h(d['t_local_h'])} and T_R = {_h(d['t_rented_h'])} both exceed D = {deadline_h:.2f} h "
+                 "→ rethink scope")
+    else:
+        gate2 = (f"T_L = {_h(d['t_local_h'])} > D = {deadline_h:.2f} h; T_R = {_h(d['t_rented_h'])} ≤ D; "
+                 f"ΔC = {_usd(d['delta_cost_usd'])} to save {_h(d['hours_saved'])}")
+    mc = d.get("market_costs") or {}
+    lines = [
+        f"# Decision: {job_name}",
+        "",
+        f"- **Job:** {job_name}{f' ({job_id})' if job_id else ''}, W = {work:g} units, s_L = {s_local:g} units/h "
+        f"on {local_gpu}, {gpus} GPU(s), deadline {deadline_h:.2f} h; decided {when}",
+        f"- **Gate 1 (feasibility):** {gate1}",
+        f"- **Gate 2 (deadline):** {gate2}",
+        f"- **Verdict:** {d['verdict']} → {d['action']}",
+        f"- **Instance:** {d.get('gpu') or '—'} × {gpus}, market {d.get('market') or '—'}",
+        f"- **Rate used:** {_usd(d.get('rate_usd_per_gpu_h'))}/GPU-h"
+        + (f" (on-demand {_usd(mc.get('on_demand_usd'))}, spot expected {_usd(mc.get('spot_expected_usd'))})"
+           if mc else ""),
+        f"- **Expected run time and overhead:** T_R = {_h(d['t_rented_h'])} including t_ovh = {d['overhead_h']:.2f} h;"
+        f" plan: {plan_txt}; plan cost {_usd(d.get('plan_cost_usd'))}",
+        MEASURED_PLACEHOLDER,
+        "",
+        "## Rationale",
+        "",
+        *[f"- {r}" for r in d["reasons"]],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write(state_dir: Path, job_name: str, job_id: str | None, text: str, now: float) -> Path:
+    folder = state_dir / "decisions"
+    folder.mkdir(parents=True, exist_ok=True)
+    day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+    path = folder / f"{day}-{job_name}.md"
+    if path.exists() and job_id:
+        path = folder / f"{day}-{job_name}-{job_id}.md"
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def fill_measured(path: Path, measured: str) -> None:
+    """Replace the Measured line once the run is over (idempotent: the last measurement wins)."""
+    text = path.read_text(encoding="utf-8")
+    new = re.sub(r"^- \*\*Measured:\*\*.*$", f"- **Measured:** {measured}", text, count=1, flags=re.M)
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(new, encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,205 @@
+"""The CLI through its real entry point: decide, enqueue, list, show, approve, cancel, budget, events."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, write_job
+
+SEED_FLAGS = ["--rate", "3.00"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "verdict", "figures"),
+    [
+        (["--s-local", "0.33", "--s-rented", "2.0", "--deadline-h", "24"], "local", {"t_local_h": 3.0303}),
+        (["--s-local", "0", "--s-rented", "0.17", "--deadline-h", "48"], "burst",
+         {"t_rented_h": 6.3824, "c_rented_usd": 19.1471}),
+        (["--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12"], "priced",
+         {"t_local_h": 30.303, "t_rented_h": 6.3824, "delta_cost_usd": 16.1167, "hours_saved": 23.9206}),
+    ],
+    ids=["A-local", "B-burst", "C-priced"],
+)
+def test_decide_by_the_seed_scripts_flags(burstctl, flags, verdict, figures) -> None:
+    r = burstctl("decide", *flags, *SEED_FLAGS, "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["verdict"] == verdict
+    for k, v in figures.items():
+        assert d[k] == pytest.approx(v, abs=1e-3), k
+    assert Path(d["record"]).exists()
+
+
+def test_decide_prints_the_gates_in_the_seed_scripts_words(burstctl) -> None:
+    r = burstctl("decide", "--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12", *SEED_FLAGS)
+    assert r.returncode == 0
+    assert "GATE 2: local MISSES the deadline (30.30 h > 12.00 h)." in r.stdout
+    assert "price of the deadline: dC ~ $16.12 to save 23.92 h." in r.stdout
+
+
+def test_decide_on_candidate_c_reports_the_cheaper_hybrid_plan(burstctl) -> None:
+    r = burstctl("decide", "--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12", *SEED_FLAGS, "--json")
+    d = json.loads(r.stdout)
+    assert d["plan_kind"] == "hybrid"
+    assert [p["where"] for p in d["plan"]] == ["local", "cloud"]
+    assert d["plan_cost_usd"] < d["c_rented_usd"]
+
+
+def test_decision_record_has_every_section(burstctl) -> None:
+    r = burstctl("decide", "--s-local", "0", "--s-rented", "0.17", "--deadline-h", "48", *SEED_FLAGS, "--json",
+                 "--name", "full-grpo")
+    text = Path(json.loads(r.stdout)["record"]).read_text()
+    for heading in ("**Job:**", "**Gate 1 (feasibility):**", "**Gate 2 (deadline):**", "**Verdict:**",
+                    "**Instance:**", "**Rate used:**", "**Expected run time and overhead:**", "**Measured:**",
+                    "## Rationale"):
+        assert heading in text
+    assert Path(json.loads(r.stdout)["record"]).name.endswith("-full-grpo.md")
+
+
+def test_enqueue_the_seed_examples_then_list_show_and_events(burstctl) -> None:
+    ids = {}
+    for name in ("a-grpo-smoke", "b-full-grpo-7b", "c-big-local-deadline"):
+        r = burstctl("enqueue", str(REPO / "examples" / "seed" / f"{name}.toml"), "--json")
+        assert r.returncode == 0, r.stderr
+        ids[name] = json.loads(r.stdout)
+    assert ids["a-grpo-smoke"]["verdict"] == "local" and ids["a-grpo-smoke"]["state"] == "queued"
+    assert ids["b-full-grpo-7b"]["verdict"] == "burst" and ids["b-full-grpo-7b"]["state"] == "queued"
+    assert ids["c-big-local-deadline"]["verdict"] == "priced"
+    assert ids["c-big-local-deadline"]["decision"]["delta_cost_usd"] == pytest.approx(16.12, abs=0.01)
+
+    listed = json.loads(burstctl("list", "--json").stdout)
+    assert [j["name"] for j in listed] == ["a-grpo-smoke", "b-full-grpo-7b", "c-big-local-deadline"]
+    shown = json.loads(burstctl("show", "b-full-grpo-7b", "--json").stdout)
+    assert shown["decision"]["verdict"] == "burst"
+    assert {e["type"] for e in shown["events"]} == {"job.enqueued", "job.decided"}
+
+    events = [json.loads(line) for line in burstctl("events", "--json", "--type", "job.decided").stdout.splitlines()]
+    assert len(events) == 3
+    assert all("inputs" in e and "decision" in e for e in events)
+    jsonl = (burstctl.state_dir / "events.jsonl").read_text().splitlines()
+    assert sum(1 for line in jsonl if json.loads(line)["event"] == "job.decided") == 3
+
+
+def test_approve_queues_a_priced_job_and_cancel_ends_it(burstctl, tmp_path: Path) -> None:
+    job = write_job(tmp_path, "priced", local_throughput=0.033, rented_throughput={"H100": 0.17},
+                    deadline_hours=12, market="on-demand")
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text("[budget]\nmonthly_cap_usd = 100\n")
+    r = burstctl("enqueue", str(job), "--json")
+    assert json.loads(r.stdout)["state"] == "awaiting_approval"
+    r = burstctl("approve", "priced", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["state"] == "queued" and json.loads(r.stdout)["approved"]
+    r = burstctl("approve", "priced")
+    assert r.returncode == 2 and "not awaiting approval" in r.stderr
+    assert burstctl("cancel", "priced").returncode == 0
+    r = burstctl("cancel", "priced")
+    assert r.returncode == 2 and "cannot become cancelled" in r.stderr
+
+
+def test_budget_shows_the_cadence_the_rest_of_the_month_buys(burstctl) -> None:
+    b = json.loads(burstctl("budget", "--json").stdout)
+    assert b["cap_usd"] == 15.0 and b["spent_usd"] == 0
+    assert b["usd_per_cycle_spot"] == pytest.approx(1.5) and b["usd_per_cycle_on_demand"] == pytest.approx(4.5)
+    assert b["cycles_left_spot"] == 10 and b["cycles_left_on_demand"] == 3
+
+
+def test_state_database_is_private_and_in_wal_mode(burstctl) -> None:
+    burstctl("budget")
+    db = burstctl.state_dir / "burstctl.db"
+    assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+    assert sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_config_resolution_prefers_flag_then_env_then_cwd(burstctl, tmp_path: Path) -> None:
+    (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 30\n")
+    env_cfg = tmp_path / "env.toml"
+    env_cfg.write_text("[budget]\nmonthly_cap_usd = 45\n")
+    flag_cfg = tmp_path / "flag.toml"
+    flag_cfg.write_text("[budget]\nmonthly_cap_usd = 60\n")
+    assert json.loads(burstctl("budget", "--json").stdout)["cap_usd"] == 30
+    assert json.loads(burstctl("budget", "--json", env={"BURSTCTL_CONFIG": str(env_cfg)}).stdout)["cap_usd"] == 45
+    r = burstctl("--config", str(flag_cfg), "budget", "--json", env={"BURSTCTL_CONFIG": str(env_cfg)})
+    assert json.loads(r.stdout)["cap_usd"] == 60
+
+
+def test_config_example_is_valid(burstctl) -> None:
+    r = burstctl("--config", str(REPO / "config.example.toml"), "budget", "--json")
+    assert r.returncode == 0, r.stderr
+
+
+# --- bad input: exit 2, one line naming file and field, no traceback, nothing queued ----------------------------
+BAD_JOBS = {
+    "missing-field": ({"local_throughput": None}, "local_throughput", "required"),
+    "unknown-field": ({"colour": "blue"}, "colour", "not a known field"),
+    "wrong-type": ({"gpus": "two"}, "gpus", "integer"),
+    "zero-work": ({"work_units": 0}, "work_units", "greater than 0"),
+    "negative-work": ({"work_units": -3}, "work_units", "greater than 0"),
+    "past-deadline": ({"deadline_hours": None, "deadline": "2020-01-01T00:00:00Z"}, "deadline", "past"),
+    "zero-gpus": ({"gpus": 0}, "gpus", "greater than or equal to 1"),
+    "non-numeric-throughput": ({"local_throughput": "fast"}, "local_throughput", "number"),
+    "bad-kind": ({"kind": "finetune"}, "kind", "train"),
+    "unknown-preset": ({"model": {"preset": "gpt-17"}}, "model.preset", "qwen2.5-7b"),
+    "no-workdir": ({"workdir": "nope"}, "workdir", "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_JOBS))
+def test_bad_job_specs_exit_2_with_one_line_and_queue_nothing(burstctl, tmp_path: Path, case: str) -> None:
+    fields, field, expected = BAD_JOBS[case]
+    path = write_job(tmp_path, case, **fields)
+    r = burstctl("enqueue", str(path))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert str(path) in lines[0] and field in lines[0] and expected in lines[0], lines[0]
+    assert json.loads(burstctl("list", "--json").stdout) == []
+
+
+def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> None:
+    r = burstctl("enqueue", str(tmp_path / "nope.toml"))
+    assert r.returncode == 2 and "file not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    junk = tmp_path / "junk.toml"
+    junk.write_text("this is = = not toml")
+    r = burstctl("enqueue", str(junk))
+    assert r.returncode == 2 and "not valid TOML" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("[policy]\ndefault_market = 'cheap'\n", "policy.default_market"),
+        ("[providers.lambda]\napi_key = 'sk-live-123'\n", "providers.lambda.api_key"),
+        ("[providers.gcp]\nenabled = true\n", "providers.gcp"),
+        ("[local]\nvram_gib = -4\n", "local.vram_gib"),
+        ("[budget]\ncycle_gpu = 'TPU'\n", "(top level)"),
+    ],
+    ids=["bad-market", "inline-secret", "unknown-provider", "negative-vram", "unpriced-cycle-gpu"],
+)
+def test_bad_config_exits_2_naming_the_field(burstctl, tmp_path: Path, text: str, field: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    r = burstctl("--config", str(cfg), "budget")
+    assert r.returncode == 2
+    line = r.stderr.strip()
+    assert "\n" not in line and str(cfg) in line and field in line, line
+    assert "sk-live-123" not in line
+
+
+def test_unknown_job_is_bad_input(burstctl) -> None:
+    r = burstctl("show", "no-such-job")
+    assert r.returncode == 2 and "no job with id or name" in r.stderr
+
+
+def test_usage_errors_are_one_line(burstctl) -> None:
+    r = burstctl("decide", "--s-local", "x", "--deadline-h", "1", "--rate", "3")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    r = burstctl("decide", "--s-local", "0.1")
+    assert r.returncode == 2 and "--deadline-h" in r.stderr

@@ -1,0 +1,94 @@
+"""A job's whole decision: offer choice, market, plan, budget, approval, the cloud's bounded role."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
+from orchestrator.core.gates import Verdict
+
+OFFERS = {
+    "H100": GpuOffer("H100", 3.00, 1.00, 85.9),
+    "A10": GpuOffer("A10", 0.75, 0.25, 25.8),
+}
+CTX = DecisionContext(local_usd_h=0.10, offers=OFFERS, overhead_h=0.5, budget_cap_usd=100.0)
+C = JobFacts(name="c", kind="train", work=1, s_local=0.033, rented={"H100": 0.17}, gpus=1, deadline_h=12,
+             market="on-demand")
+
+
+def test_priced_job_above_the_ceiling_waits_for_approval() -> None:
+    d = decide(C, CTX)
+    assert d.verdict is Verdict.PRICED and d.action == "await-approval"
+    assert d.plan is not None and d.plan.kind == "hybrid"
+
+
+def test_priced_job_within_the_ceiling_bursts_by_itself() -> None:
+    d = decide(C, replace(CTX, max_auto_delta_usd=50.0))
+    assert d.action == "burst"
+
+
+def test_deadline_critical_job_bursts_without_asking_and_on_demand() -> None:
+    d = decide(replace(C, deadline_critical=True, market="auto"), CTX)
+    assert d.action == "burst" and d.market is not None and d.market.market == "on-demand"
+
+
+def test_budget_cap_blocks_a_burst_whose_projection_exceeds_what_is_left() -> None:
+    d = decide(replace(C, s_local=0.0), replace(CTX, budget_cap_usd=15.0, spent_usd=10.0))
+    assert d.verdict is Verdict.BURST and d.action == "blocked"
+    assert any("exceeds" in r for r in d.reasons)
+
+
+def test_non_training_kinds_never_go_to_the_cloud_by_default() -> None:
+    d = decide(replace(C, kind="eval", s_local=0.0), CTX)
+    assert d.action == "blocked"
+    assert any("cloud_kinds" in r for r in d.reasons)
+    assert decide(replace(C, kind="eval", s_local=0.0), replace(CTX, cloud_kinds=("train", "eval"))).action == "burst"
+
+
+def test_the_kill_switch_blocks_bursting_but_not_local_runs() -> None:
+    off = replace(CTX, burst_enabled=False)
+    assert decide(replace(C, s_local=0.0), off).action == "blocked"
+    assert decide(replace(C, deadline_h=40), off).action == "run-local"
+
+
+def test_cheapest_gpu_type_that_meets_the_deadline_is_chosen() -> None:
+    job = replace(C, s_local=0.0, rented={"H100": 0.17, "A10": 0.05}, deadline_h=48)
+    d = decide(job, CTX)
+    # A10: 1/0.05 + 0.5 = 20.5 h at $0.75 = $15.4 < H100 $19.15, and meets 48 h.
+    assert d.gpu == "A10"
+    d = decide(replace(job, deadline_h=10), CTX)
+    assert d.gpu == "H100"
+
+
+def test_gpu_types_too_small_for_the_per_gpu_memory_are_skipped() -> None:
+    job = replace(C, s_local=0.0, rented={"H100": 0.17, "A10": 0.05}, deadline_h=48, per_gpu_gb=40.0)
+    assert decide(job, CTX).gpu == "H100"
+    d = decide(replace(job, per_gpu_gb=200.0), CTX)
+    assert d.verdict is Verdict.RETHINK
+
+
+def test_spot_is_the_default_market_for_a_checkpointing_burst() -> None:
+    d = decide(replace(C, s_local=0.0, market="auto", deadline_h=48), CTX)
+    assert d.market is not None and d.market.market == "spot"
+    assert d.rate_usd_per_gpu_h == pytest.approx(1.0)
+    assert d.to_dict()["market_costs"]["on_demand_usd"] == pytest.approx(19.147, abs=0.01)
+
+
+def test_local_availability_windows_slow_the_local_wall_clock() -> None:
+    d = decide(replace(C, s_local=0.33, deadline_h=24), replace(CTX, local_available_fraction=0.25))
+    # 3.03 h of GPU time at 25 % availability is 12.1 h of wall clock: still within 24 h.
+    assert d.verdict is Verdict.LOCAL
+    assert d.gates.t_local_h == pytest.approx(1 / (0.33 * 0.25))
+    assert decide(replace(C, s_local=0.33, deadline_h=10),
+                  replace(CTX, local_available_fraction=0.25)).verdict is Verdict.PRICED
+
+
+def test_decision_json_has_the_documented_keys() -> None:
+    d = decide(C, CTX).to_dict()
+    for key in ("verdict", "fits_locally", "t_local_h", "c_local_usd", "t_rented_h", "c_rented_usd",
+                "delta_cost_usd", "hours_saved", "market", "reasons", "plan", "plan_cost_usd"):
+        assert key in d
+    assert not any(isinstance(v, float) and math.isnan(v) for v in d.values())

@@ -1,0 +1,57 @@
+"""The two gates reproduce the seed's three candidates exactly (rate $3.00/GPU-h, t_ovh 0.5 h, local $0.10/h)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.core.gates import GateInputs, Verdict, evaluate
+
+SEED = dict(work=1.0, rate_usd_per_gpu_h=3.00, overhead_h=0.5, local_usd_h=0.10, gpus=1)
+
+
+def test_candidate_a_fits_and_makes_the_deadline_so_it_runs_local() -> None:
+    r = evaluate(GateInputs(s_local=0.33, s_rented=2.0, deadline_h=24, **SEED))
+    assert r.verdict is Verdict.LOCAL
+    assert r.t_local_h == pytest.approx(3.03, abs=0.005)
+    assert r.delta_cost_usd is None  # renting is waste: no dollar argument is made
+
+
+def test_candidate_b_does_not_fit_so_it_bursts_without_a_dollar_argument() -> None:
+    r = evaluate(GateInputs(s_local=0.0, s_rented=0.17, deadline_h=48, **SEED))
+    assert r.verdict is Verdict.BURST
+    assert not r.fits_locally
+    assert r.t_rented_h == pytest.approx(6.38, abs=0.005)
+    assert r.c_rented_usd == pytest.approx(19.15, abs=0.005)
+    assert r.delta_cost_usd is None
+
+
+def test_candidate_c_misses_locally_and_prices_the_deadline() -> None:
+    r = evaluate(GateInputs(s_local=0.033, s_rented=0.17, deadline_h=12, **SEED))
+    assert r.verdict is Verdict.PRICED
+    assert r.t_local_h == pytest.approx(30.30, abs=0.005)
+    assert r.t_rented_h == pytest.approx(6.38, abs=0.005)
+    assert r.delta_cost_usd == pytest.approx(16.12, abs=0.005)
+    assert r.hours_saved == pytest.approx(23.92, abs=0.005)
+
+
+def test_when_rented_also_misses_the_verdict_is_rethink_scope() -> None:
+    r = evaluate(GateInputs(s_local=0.033, s_rented=0.17, deadline_h=5, **SEED))
+    assert r.verdict is Verdict.RETHINK
+    assert any("rethink" in reason for reason in r.reasons)
+
+
+def test_local_wins_whatever_the_rented_speedup() -> None:
+    r = evaluate(GateInputs(s_local=0.5, s_rented=1000.0, deadline_h=2.0, **SEED))
+    assert r.verdict is Verdict.LOCAL
+
+
+def test_a_memory_estimate_over_local_vram_forces_the_burst_even_with_local_throughput() -> None:
+    r = evaluate(GateInputs(s_local=0.33, s_rented=2.0, deadline_h=24, fits_locally=False, **SEED))
+    assert r.verdict is Verdict.BURST
+    assert "memory" in r.reasons[0]
+
+
+def test_more_gpus_divide_the_compute_but_not_the_overhead() -> None:
+    r = evaluate(GateInputs(s_local=0.0, s_rented=0.17, deadline_h=48, **{**SEED, "gpus": 4}))
+    assert r.t_rented_h == pytest.approx(1 / (0.17 * 4) + 0.5)
+    assert r.c_rented_usd == pytest.approx(3.0 * 4 * r.t_rented_h)

@@ -1,0 +1,79 @@
+"""Spot vs on-demand, the monthly budget's cadence, and hybrid local-then-burst plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.core.budget import BudgetView, admits, cycle_prices, month_key
+from orchestrator.core.market import MarketInputs, choose_market
+from orchestrator.core.plan import hybrid_plan, latest_switch_h
+
+RUN = dict(run_h=6.38, gpus=1, od_usd_per_gpu_h=3.0, spot_usd_per_gpu_h=1.0, preemptions_per_h=0.05,
+           checkpoint_interval_h=0.5, restart_overhead_h=0.5, deadline_h=48.0)
+
+
+def test_spot_with_checkpoints_is_chosen_and_both_figures_are_reported() -> None:
+    m = choose_market(MarketInputs(**RUN))
+    assert m.market == "spot"
+    n = 0.05 * 6.38
+    assert m.expected_preemptions == pytest.approx(n)
+    assert m.spot_hours == pytest.approx(6.38 + n * (0.25 + 0.5))
+    assert m.spot_cost_usd == pytest.approx(1.0 * m.spot_hours)
+    assert m.od_cost_usd == pytest.approx(3.0 * 6.38)
+
+
+def test_a_deadline_critical_run_goes_on_demand_even_though_spot_is_cheaper() -> None:
+    m = choose_market(MarketInputs(**{**RUN, "deadline_critical": True}))
+    assert m.market == "on-demand"
+    assert m.spot_cost_usd is not None and m.spot_cost_usd < m.od_cost_usd
+
+
+def test_spot_loses_when_preemptions_eat_the_discount() -> None:
+    m = choose_market(MarketInputs(**{**RUN, "preemptions_per_h": 2.0, "checkpoint_interval_h": 4.0}))
+    assert m.market == "on-demand"
+    assert m.spot_cost_usd is not None and m.spot_cost_usd >= m.od_cost_usd
+
+
+def test_spot_loses_when_its_expected_time_misses_the_deadline() -> None:
+    m = choose_market(MarketInputs(**{**RUN, "deadline_h": 6.5, "preemptions_per_h": 0.5}))
+    assert m.market == "on-demand"
+
+
+def test_no_spot_market_means_on_demand() -> None:
+    assert choose_market(MarketInputs(**{**RUN, "spot_usd_per_gpu_h": None})).market == "on-demand"
+
+
+def test_the_seed_budget_picture_15_dollars_buys_10_spot_cycles_or_3_on_demand() -> None:
+    spot, od = cycle_prices(1.5, 3.0, 1.0)
+    assert (spot, od) == (pytest.approx(1.5), pytest.approx(4.5))
+    view = BudgetView("2026-11", 15.0, 0.0, 0, spot, od)
+    assert view.cycles_left_spot == 10
+    assert view.cycles_left_on_demand == 3
+
+
+def test_the_cap_is_hard() -> None:
+    assert admits(4.99, 15.0, 10.0)[0]
+    ok, why = admits(5.01, 15.0, 10.0)
+    assert not ok and "exceeds" in why
+
+
+def test_month_key_is_utc() -> None:
+    assert month_key(1764547199.0) == "2025-11"  # 2025-11-30T23:59:59Z
+    assert month_key(1764547200.0) == "2025-12"
+
+
+def test_hybrid_for_seed_candidate_c_runs_local_first_and_bursts_the_rest() -> None:
+    plan = hybrid_plan(work=1, s_local=0.033, s_rented=0.17, gpus=1, overhead_h=0.5, deadline_h=12, margin_h=0.25,
+                       local_usd_h=0.10, rented_usd_per_gpu_h=3.0, market="on-demand", gpu="H100")
+    assert plan is not None
+    local, cloud = plan.phases
+    assert local.hours == pytest.approx(6.7, abs=0.2)  # the issue's "about 6.9 h local"
+    assert cloud.hours == pytest.approx(5.1, abs=0.1)  # "then about 5.1 h rented"
+    assert local.hours + cloud.hours + 0.25 == pytest.approx(12.0)  # as late as is safe, margin kept
+    assert cloud.cost_usd == pytest.approx(15.3, abs=0.1)
+    assert plan.cost_usd < 19.15
+
+
+def test_no_hybrid_when_local_is_as_fast_as_rented_or_too_late() -> None:
+    assert latest_switch_h(1, 0.2, 0.1, 1, 0.5, 12, 0.25) is None
+    assert latest_switch_h(1, 0.033, 0.17, 1, 0.5, 6.4, 0.25) is None
