@@ -98,6 +98,25 @@ class Contract:
         where = "/".join(str(p) for p in first.absolute_path) or "(body)"
         return f"{op.method} {op.template}: {where}: {first.message}"
 
+    def check_response(self, method: str, path: str, status: int, body: Any) -> str | None:
+        """None when `body` matches the operation's documented JSON response for `status`."""
+        op = self.match(method, path)
+        if op is None:
+            return f"{method.upper()} {path} is not an operation of the contract"
+        raw = self.document["paths"][op.template][op.method.lower()]
+        response = raw.get("responses", {}).get(str(status))
+        if response is None:
+            return f"{op.method} {op.template} documents no {status} response"
+        schema = response.get("content", {}).get("application/json", {}).get("schema")
+        if schema is None:
+            return None
+        validator = self._validator_cls(_rebase_refs(schema), registry=self._registry)
+        errors = sorted(validator.iter_errors(body), key=lambda e: list(e.absolute_path))
+        if not errors:
+            return None
+        where = "/".join(str(p) for p in errors[0].absolute_path) or "(body)"
+        return f"{op.method} {op.template} {status}: {where}: {errors[0].message}"
+
     def _validator_for(self, op: _Operation) -> Any:
         key = (op.method, op.template)
         if key not in self._validators:
