@@ -14,6 +14,7 @@ from orchestrator.errors import BurstctlError
 # Each module adds its commands to `cli`.
 from orchestrator.cli import decide as _decide  # noqa: F401  isort: skip
 from orchestrator.cli import jobs as _jobs  # noqa: F401  isort: skip
+from orchestrator.cli import simulate as _simulate  # noqa: F401  isort: skip
 from orchestrator.cli import size as _size  # noqa: F401  isort: skip
 from orchestrator.cli import simcloud as _simcloud  # noqa: F401  isort: skip
 

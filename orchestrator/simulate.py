@@ -1,0 +1,495 @@
+"""Replay spot/on-demand policies against real spot availability traces, and the offline optimum to judge them.
+
+Semantics are those of the simulator of Wu et al., "Can't Be Late: Optimizing Spot Instance Savings under
+Deadlines" (NSDI 2024), as restated in `shared/spot-traces/README.md`, so our figures compare with the paper's:
+tick by tick, bill the tick at the price of what ran, count progress (a tick minus any changeover delay left),
+preempt spot when the trace says it is gone, then ask the policy. Every switch into spot or on-demand costs d.
+
+Policies are the pure functions of `orchestrator.core.spot_policy`; the replay feeds them only what has happened
+by the current tick (availability now and before, the run's own progress), never the trace's future.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.core.spot_policy import (
+    POLICIES,
+    AvailabilityStats,
+    Market,
+    Policy,
+    SpotState,
+    safety_net_engaged,
+)
+from orchestrator.errors import BadInput
+
+_EPS_S = 1e-6  # seconds; float progress sums are compared with this tolerance
+
+
+@dataclass(frozen=True)
+class JobSetting:
+    """The job and prices of one simulation setting (hours and $/h)."""
+
+    job_hours: float  # C
+    deadline_hours: float  # R
+    changeover_hours: float  # d
+    od_price: float
+    spot_price: float
+
+    def validate(self) -> None:
+        for name in ("job_hours", "deadline_hours"):
+            if not getattr(self, name) > 0:
+                raise BadInput("must be > 0", field=name)
+        for name in ("changeover_hours", "od_price", "spot_price"):
+            if getattr(self, name) < 0 or not math.isfinite(getattr(self, name)):
+                raise BadInput("must be a finite number >= 0", field=name)
+        if self.deadline_hours < self.job_hours:
+            raise BadInput(f"deadline {self.deadline_hours} h is shorter than the job's {self.job_hours} h of "
+                           "compute: no policy can make it", field="deadline_hours")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One zone's spot availability: `available[i]` says whether spot is usable during tick i."""
+
+    name: str
+    path: Path
+    gap_seconds: float
+    available: np.ndarray  # bool, one entry per tick
+
+    def __len__(self) -> int:
+        return int(self.available.shape[0])
+
+
+def _trace_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.json") if p.is_file())
+        if not files:
+            raise BadInput("directory holds no *.json trace", source=path)
+        return files
+    if not path.exists():
+        raise BadInput("no such trace file or directory", source=path)
+    return [path]
+
+
+def load_trace(path: str | Path, *, nodes: int = 1, window: int | None = None) -> Trace:
+    """Read one trace file. Spot is usable in tick i when data[i] == nodes (a gang job needs all its nodes)."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise BadInput("no such trace file", source=p) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"not a JSON trace ({type(exc).__name__})", source=p) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list) or not doc["data"]:
+        raise BadInput("expected a non-empty list of per-tick counts", source=p, field="data")
+    gap = (doc.get("metadata") or {}).get("gap_seconds") if isinstance(doc.get("metadata"), dict) else None
+    if not isinstance(gap, int | float) or isinstance(gap, bool) or gap <= 0:
+        raise BadInput("expected a positive number of seconds per tick", source=p, field="metadata.gap_seconds")
+    try:
+        counts = np.asarray(doc["data"], dtype=float)
+    except (TypeError, ValueError):
+        raise BadInput("expected numbers only", source=p, field="data") from None
+    if window is not None:
+        if window <= 0:
+            raise BadInput("must be a positive number of ticks", field="window")
+        if window > counts.shape[0]:
+            raise BadInput(f"window of {window} ticks is longer than the trace ({counts.shape[0]} ticks)",
+                           source=p, field="window")
+        counts = counts[:window]
+    return Trace(name=p.stem, path=p, gap_seconds=float(gap), available=counts == nodes)
+
+
+def load_traces(paths: Iterable[str | Path], *, nodes: int = 1, window: int | None = None) -> list[Trace]:
+    """Files as given, directories expanded to their *.json files (sorted)."""
+    traces = [load_trace(f, nodes=nodes, window=window) for p in paths for f in _trace_files(Path(p))]
+    if not traces:
+        raise BadInput("no trace given", field="trace")
+    return traces
+
+
+# --- what a policy may know: statistics of the trace up to (and including) the current tick --------------------
+
+
+@dataclass(frozen=True)
+class TraceHistory:
+    """Per-tick running statistics of one trace, each computed from ticks 0..i only (so no look-ahead).
+
+    `stats_at(i)` is what an operator who had watched the zone since the trace began would know at tick i.
+    """
+
+    gap_h: float
+    up_fraction: np.ndarray
+    mean_outage_h: np.ndarray
+    mean_uptime_h: np.ndarray
+    run_age_h: np.ndarray  # how long spot has been in its tick-i state, counting tick i
+
+    @classmethod
+    def of(cls, available: np.ndarray, gap_seconds: float) -> TraceHistory:
+        a = available.astype(bool)
+        n = a.shape[0]
+        gap_h = gap_seconds / 3600.0
+        ticks = np.arange(1, n + 1)
+        up_fraction = np.cumsum(a) / ticks
+        # Runs of equal availability; a run is "completed" at tick i once a later state was seen by tick i.
+        change = np.flatnonzero(a[1:] != a[:-1]) + 1
+        starts = np.concatenate(([0], change))
+        ends = np.concatenate((change, [n]))  # exclusive
+        lengths_h = (ends - starts) * gap_h
+        is_up = a[starts]
+        run_id = np.repeat(np.arange(starts.shape[0]), ends - starts)
+        run_age_h = (np.arange(n) - starts[run_id] + 1) * gap_h
+
+        def running_mean(mask: np.ndarray) -> np.ndarray:
+            # Mean length of the runs of this kind that ended strictly before tick i (end <= i).
+            total = np.zeros(n + 1)
+            count = np.zeros(n + 1)
+            np.add.at(total, ends[mask], lengths_h[mask])
+            np.add.at(count, ends[mask], 1)
+            total, count = np.cumsum(total)[:n], np.cumsum(count)[:n]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+        return cls(gap_h=gap_h, up_fraction=up_fraction, mean_outage_h=running_mean(~is_up),
+                   mean_uptime_h=running_mean(is_up), run_age_h=run_age_h)
+
+    def stats_at(self, i: int) -> AvailabilityStats:
+        return AvailabilityStats(
+            up_fraction=float(self.up_fraction[i]),
+            mean_outage_h=float(self.mean_outage_h[i]),
+            mean_uptime_h=float(self.mean_uptime_h[i]),
+            observed_h=(i + 1) * self.gap_h,
+        )
+
+
+# --- the replay ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    cost_usd: float
+    spot_hours: float  # billed hours on spot (including changeovers)
+    od_hours: float  # billed hours on on-demand (including changeovers)
+    spot_work_hours: float  # progress made on spot
+    od_work_hours: float  # progress made on on-demand
+    missed: bool
+    finished_h: float | None  # wall-clock hours from start to completion, None if missed
+
+
+def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: TraceHistory | None = None
+           ) -> RunOutcome:
+    """Run one job from tick `start` of `trace` under `policy`, by the paper's replay semantics."""
+    gap = trace.gap_seconds
+    gap_h = gap / 3600.0
+    need = job.job_hours * 3600.0
+    deadline = job.deadline_hours * 3600.0
+    delay = job.changeover_hours * 3600.0
+    avail = trace.available
+    n = len(trace)
+    price = {Market.SPOT: job.spot_price, Market.ON_DEMAND: job.od_price}
+    billed = {Market.SPOT: 0.0, Market.ON_DEMAND: 0.0}
+    work = {Market.SPOT: 0.0, Market.ON_DEMAND: 0.0}
+    cost = 0.0
+    done = 0.0
+    changeover_left = 0.0
+    market = Market.IDLE
+    forced_od = False  # the safety net has engaged: on-demand to the end, no more questions to ask
+    k = 0
+    missed = False
+    while done < need - _EPS_S:
+        elapsed = k * gap
+        t = start + k
+        if elapsed >= deadline - _EPS_S or t >= n:
+            missed = True
+            break
+        up = bool(avail[t])
+        if market is Market.SPOT and not up:
+            market, changeover_left = Market.IDLE, 0.0  # preempted: the tick before still counted
+        if forced_od:
+            action = Market.ON_DEMAND
+        else:
+            state = SpotState(
+                job_hours=job.job_hours,
+                deadline_hours=job.deadline_hours,
+                elapsed_h=elapsed / 3600.0,
+                progress_h=done / 3600.0,
+                market=market,
+                spot_available=up,
+                changeover_left_h=changeover_left / 3600.0,
+                changeover_h=job.changeover_hours,
+                tick_h=gap_h,
+                od_price=job.od_price,
+                spot_price=job.spot_price,
+                spot_state_for_h=float(history.run_age_h[t]) if history is not None else 0.0,
+                stats=history.stats_at(t) if history is not None else None,
+            )
+            action = policy.decide(state)
+            if action is Market.SPOT and not up:
+                raise ValueError(f"policy {policy.name!r} chose spot while spot is unavailable")
+            forced_od = action is Market.ON_DEMAND and safety_net_engaged(state)
+        if action is not market:
+            changeover_left = delay if action is not Market.IDLE else 0.0
+            market = action
+        if market is not Market.IDLE:
+            cost += price[market] * gap_h
+            billed[market] += gap_h
+            progress = min(max(gap - changeover_left, 0.0), need - done)
+            changeover_left = max(changeover_left - gap, 0.0)
+            done += progress
+            work[market] += progress / 3600.0
+        k += 1
+    return RunOutcome(
+        cost_usd=cost,
+        spot_hours=billed[Market.SPOT],
+        od_hours=billed[Market.ON_DEMAND],
+        spot_work_hours=work[Market.SPOT],
+        od_work_hours=work[Market.ON_DEMAND],
+        missed=missed,
+        finished_h=None if missed else k * gap_h,
+    )
+
+
+def deadline_ticks(job: JobSetting, gap_seconds: float) -> int:
+    """Ticks a run may use: those starting before R."""
+    return math.ceil(job.deadline_hours * 3600.0 / gap_seconds - 1e-9)
+
+
+def sample_starts(trace: Trace, job: JobSetting, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` uniformly random start ticks, each with at least R of trace left."""
+    span = deadline_ticks(job, trace.gap_seconds)
+    last = len(trace) - span
+    if last < 0:
+        raise BadInput(f"trace has {len(trace)} ticks, fewer than the deadline's {span}", source=trace.path,
+                       field="deadline_hours")
+    return rng.integers(0, last + 1, size=count)
+
+
+# --- the offline optimum ------------------------------------------------------------------------------------------
+
+
+def offline_optimum(trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSetting,
+                    *, max_work_units: int = 2000) -> tuple[np.ndarray, bool]:
+    """Least cost of finishing by R for each start, knowing the whole trace (dynamic programming).
+
+    State: tick, work left, and what the job is on including how far into its changeover it is. Progress is
+    counted in units dividing both a full tick and the partial tick that ends a changeover, which is exact.
+    When that needs more than `max_work_units` units the partial tick is counted as a full one instead: an
+    optimistic relaxation, so the result is then a lower bound. Returns (costs, exact).
+    """
+    gap = round(trace.gap_seconds)  # traces use whole seconds per tick
+    delay = round(job.changeover_hours * 3600.0)
+    need = job.job_hours * 3600.0
+    zero_ticks, rem = divmod(delay, gap)  # ticks of a changeover with no progress, then one with gap - rem
+    partial = gap - rem
+    unit = math.gcd(gap, partial)
+    exact = math.ceil(need / unit - 1e-9) <= max_work_units
+    if not exact:
+        unit, partial = gap, gap
+    full_u, partial_u = gap // unit, partial // unit
+    total_u = math.ceil(need / unit - 1e-9)
+    span = deadline_ticks(job, trace.gap_seconds)
+    starts_arr = np.asarray(starts, dtype=np.int64)
+    windows = trace.available[starts_arr[:, None] + np.arange(span)[None, :]]  # (S, span)
+    n_runs = starts_arr.shape[0]
+    phases = zero_ticks + 2  # ticks since the switch: 0..zero_ticks+1 (the last means "changeover over")
+    inf = np.float64(np.inf)
+
+    def progress_at(phase: int) -> int:
+        return 0 if phase < zero_ticks else (partial_u if phase == zero_ticks else full_u)
+
+    def advance(v: np.ndarray, units: int) -> np.ndarray:
+        """Value after making `units` of progress: column w reads column max(w - units, 0)."""
+        if units == 0:
+            return v
+        out = np.zeros_like(v)
+        if units <= total_u:
+            out[:, units:] = v[:, :-units]
+        return out
+
+    terminal = np.full((n_runs, total_u + 1), inf)
+    terminal[:, 0] = 0.0
+    idle = terminal
+    spot = [terminal] * phases
+    od = [terminal] * phases
+    spot_tick = job.spot_price * gap / 3600.0
+    od_tick = job.od_price * gap / 3600.0
+    for k in range(span - 1, -1, -1):
+        up = windows[:, k][:, None]
+        start_od = od_tick + advance(od[min(1, phases - 1)], progress_at(0))
+        start_spot = np.where(up, spot_tick + advance(spot[min(1, phases - 1)], progress_at(0)), inf)
+        new_idle = np.minimum(np.minimum(idle, start_od), start_spot)
+        new_od = []
+        new_spot = []
+        for h in range(phases):
+            nxt = min(h + 1, phases - 1)
+            keep_od = od_tick + advance(od[nxt], progress_at(h))
+            new_od.append(np.minimum(np.minimum(keep_od, idle), start_spot))
+            keep_spot = spot_tick + advance(spot[nxt], progress_at(h))
+            on_spot = np.minimum(np.minimum(keep_spot, idle), start_od)
+            new_spot.append(np.where(up, on_spot, new_idle))  # preempted: as if idle
+        for v in (new_idle, *new_od, *new_spot):
+            v[:, 0] = 0.0
+        idle, od, spot = new_idle, new_od, new_spot
+    return idle[:, total_u], exact
+
+
+def availability_bound(trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSetting) -> np.ndarray:
+    """A looser, changeover-free lower bound: spot for all the spot time in [0, R), on-demand for the rest."""
+    span = deadline_ticks(job, trace.gap_seconds)
+    starts_arr = np.asarray(starts, dtype=np.int64)
+    spot_h = trace.available[starts_arr[:, None] + np.arange(span)[None, :]].sum(axis=1) * trace.gap_seconds / 3600
+    on_spot = np.minimum(spot_h, job.job_hours)
+    return on_spot * job.spot_price + (job.job_hours - on_spot) * job.od_price
+
+
+# --- many runs ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PolicySummary:
+    name: str
+    runs: int = 0
+    misses: int = 0
+    total_cost: float = 0.0
+    total_spot_h: float = 0.0
+    total_od_h: float = 0.0
+    total_spot_work_h: float = 0.0
+    total_od_work_h: float = 0.0
+    costs: list[float] = field(default_factory=list)
+
+    def add(self, r: RunOutcome) -> None:
+        self.runs += 1
+        self.misses += int(r.missed)
+        self.total_cost += r.cost_usd
+        self.total_spot_h += r.spot_hours
+        self.total_od_h += r.od_hours
+        self.total_spot_work_h += r.spot_work_hours
+        self.total_od_work_h += r.od_work_hours
+        self.costs.append(r.cost_usd)
+
+    @property
+    def mean_cost(self) -> float:
+        return self.total_cost / self.runs if self.runs else math.nan
+
+
+@dataclass
+class SimulationReport:
+    job: JobSetting
+    policies: dict[str, PolicySummary]
+    offline_mean_cost: float
+    offline_exact: bool
+    availability_bound_mean_cost: float
+    od_only_cost: float  # what the job costs on on-demand alone (C * price): the savings baseline
+    traces: list[str]
+    starts_per_trace: int
+
+    def as_json(self, default_policy: str) -> dict:
+        policies = {}
+        for name, s in self.policies.items():
+            mean = s.mean_cost
+            policies[name] = {
+                "mean_cost_usd": round(mean, 4),
+                "mean_savings_vs_od": round(1.0 - mean / self.od_only_cost, 4) if self.od_only_cost else None,
+                "spot_hours": round(s.total_spot_h / s.runs, 3),
+                "od_hours": round(s.total_od_h / s.runs, 3),
+                "spot_work_hours": round(s.total_spot_work_h / s.runs, 3),
+                "od_work_hours": round(s.total_od_work_h / s.runs, 3),
+                "misses": s.misses,
+                "runs": s.runs,
+                "ratio_to_offline": round(mean / self.offline_mean_cost, 4) if self.offline_mean_cost else None,
+            }
+        return {
+            "default_policy": default_policy,
+            "policies": policies,
+            "offline": {"mean_cost_usd": round(self.offline_mean_cost, 4), "exact": self.offline_exact,
+                        "availability_bound_usd": round(self.availability_bound_mean_cost, 4)},
+            "od_only_cost_usd": round(self.od_only_cost, 4),
+            "traces": self.traces,
+            "starts_per_trace": self.starts_per_trace,
+        }
+
+
+def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSetting) -> list[RunOutcome]:
+    policy = POLICIES[policy_name]
+    history = TraceHistory.of(trace.available, trace.gap_seconds) if getattr(policy, "uses_history", False) else None
+    return [replay(policy, trace, int(s), job, history) for s in starts]
+
+
+def _offline_all(trace: Trace, starts: np.ndarray, job: JobSetting) -> tuple[float, bool, float]:
+    costs, exact = offline_optimum(trace, starts, job)
+    return float(costs.sum()), exact, float(availability_bound(trace, starts, job).sum())
+
+
+def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetting, *, starts: int = 300,
+             seed: int = 0, workers: int | None = None, on_step: Callable[[int], None] | None = None
+             ) -> SimulationReport:
+    """Replay each policy over the same `starts` random start ticks of every trace (paired comparison).
+
+    Start ticks are drawn in the calling process from `seed`, so results do not depend on `workers` (processes
+    for the per-trace, per-policy batches; 1 = in this process). `on_step()` is called once per finished batch
+    (len(traces) * (len(policy_names) + 1) batches, the +1 being the offline optimum).
+    """
+    job.validate()
+    unknown = [p for p in policy_names if p not in POLICIES]
+    if unknown:
+        raise BadInput(f"unknown policy {unknown[0]!r} (known: {', '.join(sorted(POLICIES))})", field="policy")
+    if starts <= 0:
+        raise BadInput("must be a positive number of runs per trace", field="starts")
+    rng = np.random.default_rng(seed)
+    trace_starts = [sample_starts(t, job, starts, rng) for t in traces]
+    summaries = {name: PolicySummary(name) for name in policy_names}
+    offline_total = bound_total = 0.0
+    all_exact = True
+    workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
+
+    def collect_runs(name: str, runs: list[RunOutcome]) -> None:
+        for r in runs:
+            summaries[name].add(r)
+        if on_step:
+            on_step()
+
+    def collect_offline(result: tuple[float, bool, float]) -> None:
+        nonlocal offline_total, bound_total, all_exact
+        offline_total += result[0]
+        all_exact &= result[1]
+        bound_total += result[2]
+        if on_step:
+            on_step()
+
+    if workers <= 1:
+        for trace, ts in zip(traces, trace_starts, strict=True):
+            for name in policy_names:
+                collect_runs(name, _replay_all(name, trace, ts, job))
+            collect_offline(_offline_all(trace, ts, job))
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            futures = {}
+            for trace, ts in zip(traces, trace_starts, strict=True):
+                futures[pool.submit(_offline_all, trace, ts, job)] = None
+                for name in policy_names:
+                    futures[pool.submit(_replay_all, name, trace, ts, job)] = name
+            for fut in as_completed(futures):
+                name = futures[fut]
+                if name is None:
+                    collect_offline(fut.result())
+                else:
+                    collect_runs(name, fut.result())
+    n = starts * len(traces)
+    return SimulationReport(
+        job=job,
+        policies=summaries,
+        offline_mean_cost=offline_total / n,
+        offline_exact=all_exact,
+        availability_bound_mean_cost=bound_total / n,
+        od_only_cost=job.job_hours * job.od_price,
+        traces=[str(t.path) for t in traces],
+        starts_per_trace=starts,
+    )
