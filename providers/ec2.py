@@ -482,23 +482,28 @@ class Ec2Adapter:
         return call(self.name, "RunInstances", attempt, sink=self.sink, retry=self.retry, sleep=self.sleep)
 
     # --- describe / terminate / list ----------------------------------------------------------------------
-    def describe(self, ids: Sequence[str]) -> dict[str, InstanceInfo]:
-        wanted = list(dict.fromkeys(ids))
-        found: dict[str, InstanceInfo] = {}
+    def _raw_by_id(self, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = {}
         # An instance-id *filter* skips unknown ids, where InstanceIds= fails the whole call on one of them.
-        for chunk in _chunks(wanted, FILTER_VALUES_MAX):
+        for chunk in _chunks(list(dict.fromkeys(ids)), FILTER_VALUES_MAX):
             for raw in self._describe_raw("DescribeInstances", [{"Name": "instance-id", "Values": chunk}]):
-                found[raw["InstanceId"]] = self._to_info(raw)
-        for instance_id in wanted:
-            if instance_id not in found:
-                found[instance_id] = InstanceInfo(id=instance_id, state=InstanceState.TERMINATED, instance_type="",
-                                                  market=Market.ON_DEMAND, reason=NOT_FOUND_INSTANCE,
-                                                  ssh_user=self.config.ssh_user)
-        return {i: found[i] for i in wanted}
+                found[raw["InstanceId"]] = raw
+        return found
+
+    def describe(self, ids: Sequence[str]) -> dict[str, InstanceInfo]:
+        found = self._raw_by_id(ids)
+        out: dict[str, InstanceInfo] = {}
+        for instance_id in dict.fromkeys(ids):
+            raw = found.get(instance_id)
+            out[instance_id] = self._to_info(raw) if raw is not None else InstanceInfo(
+                id=instance_id, state=InstanceState.TERMINATED, instance_type="", market=Market.ON_DEMAND,
+                reason=NOT_FOUND_INSTANCE, ssh_user=self.config.ssh_user)
+        return out
 
     def terminate(self, ids: Sequence[str]) -> None:
-        known = self.describe(ids)
-        live = [i for i, info in known.items() if info.state is not InstanceState.TERMINATED]
+        found = self._raw_by_id(ids)
+        # Already-terminated and unknown ids are done; a preempted one that is still shutting down is not.
+        live = [i for i, raw in found.items() if (raw.get("State") or {}).get("Name") != "terminated"]
         for chunk in _chunks(live, FILTER_VALUES_MAX):
             try:
                 self._call("TerminateInstances", lambda c=chunk: self.client.terminate_instances(InstanceIds=c))

@@ -492,14 +492,20 @@ def test_describe_normalizes_running_stopped_terminated_and_unknown(mocked: None
 
 
 def test_terminate_is_idempotent_including_unknown_ids(mocked: None, ssh_public_key: str) -> None:
-    adapter, _, _ = make_adapter()
+    adapter, sink, _ = make_adapter()
     info = adapter.launch(request_for("att-t", ssh_public_key))
+    preempted = adapter.launch(request_for("att-t2", ssh_public_key))
+    interrupt_spot(preempted.id)
 
     adapter.terminate([info.id])
-    adapter.terminate([info.id, "i-0123456789abcdef0"])
+    adapter.terminate([info.id, preempted.id, "i-0123456789abcdef0"])
     adapter.terminate([])
 
-    assert adapter.describe([info.id])[info.id].state is InstanceState.TERMINATED
+    states = adapter.describe([info.id, preempted.id])
+    assert states[info.id].state is InstanceState.TERMINATED
+    assert states[preempted.id].state is InstanceState.PREEMPTED  # terminating again must not rewrite history
+    # Only the first call had anything left to terminate.
+    assert [e["outcome"] for e in sink.of("provider.call") if e["call"] == "TerminateInstances"] == ["ok"]
 
 
 def test_terminate_copes_with_an_instance_vanishing_between_look_up_and_terminate(
