@@ -365,3 +365,13 @@ def test_state_survives_a_restart(tmp_path: Path) -> None:
         assert backend.started == [(kept, PUBKEY)]  # its machine came back (a reboot: no processes survive)
         assert {b["instance_id"] for b in s.billing()} == {kept, ended}
         assert c.get(f"/instances/{ended}").status_code == 404
+
+
+def test_stop_is_idempotent_and_safe_before_start() -> None:
+    backend = RecordingBackend()
+    never_started = make_server(backend=backend)
+    never_started.stop()
+    never_started.stop()
+    assert backend.closed
+    with make_server() as s:
+        s.stop()  # the context manager's stop afterwards is a no-op

@@ -255,6 +255,7 @@ class SimCloudServer:
         self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self._httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
+        self._serving = False
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     @property
@@ -271,6 +272,7 @@ class SimCloudServer:
         return self.url + API_PREFIX
 
     def start(self) -> SimCloudServer:
+        self._serving = True
         self._reboot_loaded_instances()
         # A short poll interval: stop() returns within it (tests start and stop many servers).
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
@@ -279,13 +281,19 @@ class SimCloudServer:
         return self
 
     def serve_forever(self) -> None:
-        """Serve on the calling thread until `stop()` (from another thread or a signal handler)."""
+        """Serve on the calling thread until `stop()` is called from *another* thread (not from a signal
+        handler on this one: socketserver's shutdown() would wait for this very loop)."""
+        self._serving = True
         self._reboot_loaded_instances()
         self._httpd.serve_forever()
 
     def stop(self) -> None:
+        """Idempotent; safe before `start()` (socketserver's shutdown() would wait forever then)."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()  # wakes handlers sleeping in timeout faults and pending boots
-        self._httpd.shutdown()
+        if self._serving:
+            self._httpd.shutdown()
         self._httpd.server_close()
         if self._thread is not None:
             self._thread.join(timeout=5)
