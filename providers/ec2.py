@@ -29,6 +29,7 @@ from botocore.exceptions import (
     NoRegionError,
     ParamValidationError,
     PartialCredentialsError,
+    ProfileNotFound,
 )
 from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
@@ -188,7 +189,11 @@ class Ec2Adapter:
         self.sink = sink
         self.retry = retry or RetryPolicy()
         self.sleep = sleep
-        self._session = session or boto3.Session(profile_name=config.profile, region_name=config.region)
+        try:
+            self._session = session or boto3.Session(profile_name=config.profile, region_name=config.region)
+        except ProfileNotFound:
+            raise AuthFailed(f"AWS profile {config.profile!r} not found in the shared config files",
+                             provider=self.name, code="ProfileNotFound") from None
         boto_config = BotoConfig(
             region_name=config.region,
             connect_timeout=connect_timeout_s,
@@ -199,6 +204,7 @@ class Ec2Adapter:
         # endpoint_url=None lets botocore apply AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_EC2 itself.
         self.client = self._session.client("ec2", endpoint_url=config.endpoint_url or None, config=boto_config)
         self._zones: list[str] | None = None
+        self._key_pairs_present: set[str] = set()  # names known to exist: one look-up per adapter, not per launch
 
     @classmethod
     def from_config(cls, config: Config, sink: EventSink | None = None, **kwargs: Any) -> Ec2Adapter:
@@ -406,21 +412,21 @@ class Ec2Adapter:
 
     def _ensure_key_pair(self, key_name: str, public_key: str) -> None:
         """Import the request's public key under `key_name` when no key pair of that name exists yet."""
-        if not public_key:
+        if not public_key or key_name in self._key_pairs_present:
             return
         try:
             self._call("DescribeKeyPairs", lambda: self.client.describe_key_pairs(KeyNames=[key_name]))
-            return
         except InvalidRequest as exc:
             if exc.code != "InvalidKeyPair.NotFound":
                 raise
-        try:
-            self._call("ImportKeyPair", lambda: self.client.import_key_pair(
-                KeyName=key_name, PublicKeyMaterial=public_key.encode()))
-        except InvalidRequest as exc:
-            # Another launch imported it between our look-up and import: that is the outcome we wanted.
-            if exc.code != "InvalidKeyPair.Duplicate":
-                raise
+            try:
+                self._call("ImportKeyPair", lambda: self.client.import_key_pair(
+                    KeyName=key_name, PublicKeyMaterial=public_key.encode()))
+            except InvalidRequest as dup:
+                # Another launch imported it between our look-up and import: that is the outcome we wanted.
+                if dup.code != "InvalidKeyPair.Duplicate":
+                    raise
+        self._key_pairs_present.add(key_name)
 
     def _run_params(self, request: LaunchRequest, itype: str, zone: str, key_name: str,
                     token: str) -> dict[str, Any]:

@@ -576,3 +576,24 @@ def test_credentials_never_reach_events_or_errors(mocked: None, ssh_public_key: 
     for text in texts:
         assert PLANTED_SECRET not in text
     assert PLANTED_KEY_ID not in str(errors[0])
+
+
+# --- credentials chain and key pairs ------------------------------------------------------------------------------
+def test_a_missing_aws_profile_is_an_auth_failure(aws_env: None) -> None:
+    with pytest.raises(AuthFailed) as raised:
+        Ec2Adapter(Ec2Provider(profile="no-such-profile"), orchestrator_id=ORCH)
+    assert raised.value.code == "ProfileNotFound"
+
+
+def test_an_existing_key_pair_is_used_as_is_and_looked_up_once(mocked: None, ssh_public_key: str) -> None:
+    adapter, sink, _ = make_adapter()
+    fingerprint = adapter.client.create_key_pair(KeyName="burstctl")["KeyFingerprint"]
+
+    first = adapter.launch(request_for("att-k1", ssh_public_key))
+    second = adapter.launch(request_for("att-k2", ssh_public_key))
+
+    assert instances_of_attempt(adapter, "att-k1")[0]["KeyName"] == "burstctl"
+    assert first.id != second.id
+    assert adapter.client.describe_key_pairs(KeyNames=["burstctl"])["KeyPairs"][0]["KeyFingerprint"] == fingerprint
+    key_calls = [e["call"] for e in sink.of("provider.call") if "KeyPair" in e["call"]]
+    assert key_calls == ["DescribeKeyPairs"]
