@@ -1,0 +1,156 @@
+"""`burstctl simulate` and the replay engine: the offline optimum bounds every policy, bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES
+from orchestrator.simulate import (
+    JobSetting,
+    Trace,
+    TraceHistory,
+    load_traces,
+    offline_optimum,
+    replay,
+    sample_starts,
+    simulate,
+)
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "spot-traces"
+SETTING_A_DIR = TRACES / "availability" / "1-node" / "aws-10-26-2022"
+SETTING_B_DIR = TRACES / "availability" / "1-node" / "aws-02-15-2023"
+PAPER_JOB = JobSetting(job_hours=48, deadline_hours=60, changeover_hours=0.2, od_price=3.06, spot_price=0.9731)
+needs_traces = pytest.mark.skipif(not SETTING_A_DIR.is_dir(), reason="shared spot traces not present")
+
+
+def burstctl(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("burstctl") or str(Path(sys.executable).parent / "burstctl")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300)
+
+
+def write_trace(path: Path, data: list[int], gap: int = 600) -> Path:
+    path.write_text(json.dumps({"metadata": {"gap_seconds": gap}, "data": data}))
+    return path
+
+
+JOB_ARGS = ["--job-hours", "4", "--deadline-hours", "6", "--changeover-hours", "0.2", "--od-price", "3.06",
+            "--spot-price", "0.9731"]
+
+
+def test_on_demand_only_pays_the_job_plus_one_changeover_in_whole_ticks(tmp_path: Path) -> None:
+    trace = load_traces([write_trace(tmp_path / "z.json", [0, 1] * 40)])[0]
+    job = JobSetting(job_hours=4, deadline_hours=6, changeover_hours=0.2, od_price=3.0, spot_price=1.0)
+    outcome = replay(POLICIES["on-demand"], trace, 0, job)
+    # 4 h + 0.2 h changeover = 4.2 h, billed in 10-minute ticks: 26 ticks = 4h20m.
+    assert outcome.od_hours == pytest.approx(26 / 6)
+    assert outcome.cost_usd == pytest.approx(3.0 * 26 / 6)
+    assert not outcome.missed
+
+
+def test_all_spot_trace_costs_spot_only(tmp_path: Path) -> None:
+    trace = load_traces([write_trace(tmp_path / "z.json", [1] * 80)])[0]
+    job = JobSetting(job_hours=4, deadline_hours=6, changeover_hours=0.2, od_price=3.0, spot_price=1.0)
+    for name in ("greedy", "uniform-progress", DEFAULT_POLICY):
+        outcome = replay(POLICIES[name], trace, 0, job)
+        assert outcome.od_hours == 0 and outcome.spot_hours == pytest.approx(26 / 6)
+    costs, exact = offline_optimum(trace, [0, 10], job)
+    assert exact and costs == pytest.approx([26 / 6, 26 / 6])
+
+
+@needs_traces
+def test_offline_optimum_never_costs_more_than_any_policy_on_the_same_start() -> None:
+    traces = load_traces([SETTING_A_DIR / "us-west-2a_v100_1.json", SETTING_A_DIR / "us-west-2b_k80_8.json"],
+                         window=1781)
+    rng = np.random.default_rng(3)
+    for trace in traces:
+        starts = sample_starts(trace, PAPER_JOB, 15, rng)
+        optimum, exact = offline_optimum(trace, starts, PAPER_JOB)
+        assert exact
+        history = TraceHistory.of(trace.available, trace.gap_seconds)
+        for name in POLICIES:
+            costs = [replay(POLICIES[name], trace, int(s), PAPER_JOB, history).cost_usd for s in starts]
+            assert np.all(optimum <= np.array(costs) + 1e-9), name
+
+
+def test_history_statistics_only_look_backwards(tmp_path: Path) -> None:
+    a = np.array([1, 1, 0, 0, 0, 1, 1, 1, 1, 0], dtype=bool)
+    h = TraceHistory.of(a, 3600)
+    # At tick 4 the outage that started at tick 2 is still running: no outage has completed yet.
+    assert np.isnan(h.mean_outage_h[4])
+    assert h.mean_outage_h[5] == pytest.approx(3.0)
+    assert h.up_fraction[4] == pytest.approx(2 / 5)
+    assert h.run_age_h[4] == pytest.approx(3.0)
+    # Changing the future must not change what tick 5 knows.
+    b = a.copy()
+    b[6:] = False
+    assert TraceHistory.of(b, 3600).stats_at(5) == h.stats_at(5)
+
+
+def test_cli_json_reports_every_policy(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "zone-a.json", ([1] * 20 + [0] * 7) * 6)
+    result = burstctl("simulate", "--trace", str(trace), *JOB_ARGS, "--starts", "20", "--workers", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["default_policy"] == DEFAULT_POLICY
+    assert set(doc["policies"]) == set(POLICIES)
+    for p in doc["policies"].values():
+        assert p["runs"] == 20 and p["misses"] == 0
+        assert p["ratio_to_offline"] >= 1.0
+        assert set(p) >= {"mean_cost_usd", "mean_savings_vs_od", "spot_hours", "od_hours", "misses", "runs",
+                          "ratio_to_offline"}
+    assert doc["policies"]["on-demand"]["spot_hours"] == 0
+
+
+def test_cli_is_deterministic_for_a_seed_whatever_the_worker_count(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "zone-a.json", ([1] * 13 + [0] * 5) * 9)
+    runs = [burstctl("simulate", "--trace", str(trace), *JOB_ARGS, "--starts", "10", "--seed", "5",
+                     "--policy", "greedy", "--workers", w, "--json") for w in ("1", "2")]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)
+
+
+@pytest.mark.parametrize(("extra", "expect"), [
+    (["--trace", "missing.json"], "no such trace"),
+    (["--trace", "bad.json"], "not a JSON trace"),
+    (["--trace", "ok.json", "--window", "5000"], "window"),
+    (["--trace", "ok.json", "--deadline-hours", "3"], "deadline"),
+    (["--trace", "ok.json", "--od-price", "-1"], "od-price"),
+    (["--trace", "ok.json", "--policy", "psychic"], "unknown policy"),
+])
+def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, extra: list[str], expect: str) -> None:
+    write_trace(tmp_path / "ok.json", [1, 0] * 60)
+    (tmp_path / "bad.json").write_text("{not json")
+    args = [*JOB_ARGS]
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, str(tmp_path / value) if flag == "--trace" else value]
+    result = burstctl("simulate", *args, "--starts", "5", "--workers", "1")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0] and "Traceback" not in result.stderr
+
+
+@needs_traces
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["a", "b"])
+def test_default_policy_beats_uniform_progress_with_no_misses(setting: str) -> None:
+    traces = (load_traces([SETTING_A_DIR], window=1781) if setting == "a" else load_traces([SETTING_B_DIR]))
+    report = simulate(traces, ["uniform-progress", DEFAULT_POLICY], PAPER_JOB, starts=100, seed=11, workers=2)
+    up, default = report.policies["uniform-progress"], report.policies[DEFAULT_POLICY]
+    assert up.misses == 0 and default.misses == 0
+    assert default.mean_cost < up.mean_cost
+
+
+def test_trace_type_carries_gang_availability(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "gang.json", [0, 4, 3, 4, 4])
+    assert load_traces([path], nodes=4)[0].available.tolist() == [False, True, False, True, True]
+    assert isinstance(load_traces([path])[0], Trace)
