@@ -1,0 +1,339 @@
+"""SSH to burst instances with verified host keys.
+
+Host keys are never auto-added. A target's key is either pinned (the provider reported it at launch) or
+trusted on first use and recorded per *instance id* through `HostKeyTrust` (the daemon backs it with its
+database). Any other key raises `HostKeyMismatch` before authentication. The OpenSSH command line built for
+rsync (`rsync_ssh_command`) pins the very same key through a private known_hosts file.
+
+Errors are split so the caller can decide what to retry:
+- `SshUnavailable`: connection refused, timed out or dropped (the instance may still be booting, or gone);
+- `RemoteCommandFailed`: the command ran and exited non-zero (or outlived its timeout);
+- `HostKeyMismatch`: the host is not the machine we launched; never retried.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import shlex
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import fabric
+import invoke
+import paramiko
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
+from orchestrator.errors import OperationalError
+
+_STDERR_TAIL_CHARS = 2000
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+class RemoteError(OperationalError):
+    """Base of every failure talking to an instance."""
+
+
+class HostKeyMismatch(RemoteError):
+    """The host presented a key other than the pinned or first-seen one: possibly not our machine."""
+
+
+class SshUnavailable(RemoteError):
+    """No usable SSH session: refused, timed out, dropped, or the handshake failed."""
+
+
+class RemoteCommandFailed(RemoteError):
+    """A remote command exited non-zero or ran past its timeout. The message names the program, not its args."""
+
+    def __init__(self, message: str, *, argv: list[str], exit_code: int | None, stderr_tail: str) -> None:
+        super().__init__(message)
+        self.argv = argv
+        self.exit_code = exit_code  # None when it timed out
+        self.stderr_tail = stderr_tail
+
+
+# --- targets and host-key trust ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """One instance's SSH endpoint, as the provider reported it."""
+
+    host: str
+    port: int
+    user: str
+    key_path: Path  # the orchestrator's private key file (mode 0600)
+    host_key: str | None  # pinned OpenSSH public key line ("ssh-ed25519 AAAA..."), None → trust on first use
+    instance_id: str
+
+    @property
+    def known_hosts_name(self) -> str:
+        """The host's name as OpenSSH and paramiko write it in known_hosts."""
+        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+
+
+class HostKeyTrust(Protocol):
+    """Where first-seen host keys are recorded, per instance id."""
+
+    def get(self, instance_id: str) -> str | None: ...
+
+    def put(self, instance_id: str, key: str) -> None: ...
+
+
+class MemoryHostKeyTrust:
+    """In-process trust store (tests, one-shot tools)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def get(self, instance_id: str) -> str | None:
+        with self._lock:
+            return self._keys.get(instance_id)
+
+    def put(self, instance_id: str, key: str) -> None:
+        with self._lock:
+            self._keys[instance_id] = key
+
+
+class JsonFileHostKeyTrust:
+    """Trust store in a JSON file `{instance_id: key line}`, rewritten atomically on every put."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def _load(self) -> dict[str, str]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        if not isinstance(data, dict):
+            raise RemoteError(f"{self.path}: expected a JSON object of instance id → host key")
+        return {str(k): str(v) for k, v in data.items()}
+
+    def get(self, instance_id: str) -> str | None:
+        with self._lock:
+            return self._load().get(instance_id)
+
+    def put(self, instance_id: str, key: str) -> None:
+        with self._lock:
+            keys = self._load()
+            keys[instance_id] = key
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(keys, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+
+
+def normalize_key_line(line: str) -> str:
+    """'type base64' from an OpenSSH public key line (drops a trailing comment); ValueError if malformed."""
+    parts = line.strip().split()
+    if len(parts) < 2:
+        raise ValueError("a host key line is 'TYPE BASE64 [comment]'")
+    try:
+        base64.b64decode(parts[1], validate=True)
+    except ValueError as e:
+        raise ValueError("the host key's base64 blob does not decode") from e
+    return f"{parts[0]} {parts[1]}"
+
+
+def _pkey_from_line(line: str) -> paramiko.PKey:
+    key_type, blob = normalize_key_line(line).split()
+    return paramiko.PKey.from_type_string(key_type, base64.b64decode(blob))
+
+
+def expected_host_key(target: Target, trust: HostKeyTrust) -> str | None:
+    """The key this target must present: the pinned one, else the one recorded at first use, else None."""
+    if target.host_key:
+        return normalize_key_line(target.host_key)
+    recorded = trust.get(target.instance_id)
+    return normalize_key_line(recorded) if recorded else None
+
+
+class _TrustOnFirstUse(paramiko.MissingHostKeyPolicy):
+    """Only reached when no key is known for the instance: record the first key seen."""
+
+    def __init__(self, target: Target, trust: HostKeyTrust) -> None:
+        self.target = target
+        self.trust = trust
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        line = f"{key.get_name()} {key.get_base64()}"
+        # Another connection may have recorded a key meanwhile: it wins, and this one must match it.
+        recorded = self.trust.get(self.target.instance_id)
+        if recorded is not None and normalize_key_line(recorded) != line:
+            raise HostKeyMismatch(f"instance {self.target.instance_id} at {self.target.known_hosts_name} "
+                                  f"presented a {key.get_name()} host key that differs from the one recorded")
+        if recorded is None:
+            self.trust.put(self.target.instance_id, line)
+
+
+# --- connections and commands --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Result:
+    argv: list[str]
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+def connect(target: Target, *, trust: HostKeyTrust, timeout_s: float = 10.0) -> fabric.Connection:
+    """An open fabric Connection whose host key was verified (pinned, or trusted on first use)."""
+    expected = expected_host_key(target, trust)
+    # An explicit empty ssh_config: the user's ~/.ssh/config must not redirect or relax anything.
+    config = fabric.Config(ssh_config=paramiko.SSHConfig())
+    conn = fabric.Connection(
+        target.host, user=target.user, port=target.port, config=config,
+        connect_timeout=max(1, int(timeout_s)),
+        connect_kwargs={"key_filename": [str(target.key_path)], "look_for_keys": False, "allow_agent": False,
+                        "banner_timeout": timeout_s, "auth_timeout": timeout_s})
+    client = conn.client
+    if expected is not None:
+        # A known key also makes paramiko negotiate that key type first; any other key is BadHostKeyException.
+        client.get_host_keys().add(target.known_hosts_name, expected.split()[0], _pkey_from_line(expected))
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    else:
+        client.set_missing_host_key_policy(_TrustOnFirstUse(target, trust))
+    try:
+        conn.open()
+    except paramiko.BadHostKeyException as e:
+        conn.close()
+        origin = "pinned" if target.host_key else "recorded at first use"
+        raise HostKeyMismatch(f"instance {target.instance_id} at {target.known_hosts_name} presented a "
+                              f"{e.key.get_name()} host key that differs from the one {origin}") from None
+    except HostKeyMismatch:
+        conn.close()
+        raise
+    except paramiko.AuthenticationException as e:
+        conn.close()
+        raise SshUnavailable(f"instance {target.instance_id}: SSH authentication as {target.user} with "
+                             f"{target.key_path} failed ({type(e).__name__})") from None
+    except (OSError, EOFError, paramiko.SSHException) as e:
+        conn.close()
+        raise SshUnavailable(f"instance {target.instance_id}: no SSH session to {target.known_hosts_name}: "
+                             f"{_describe(e)}") from None
+    return conn
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, socket.timeout | TimeoutError):
+        return "timed out"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):  # one error per address tried
+        reasons = {_describe(e) for e in exc.errors.values()}
+        return ", ".join(sorted(reasons))
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:200]
+
+
+def wait_for_ssh(target: Target, trust: HostKeyTrust, timeout_s: float, interval_s: float = 1.0) -> None:
+    """Return once an SSH session opens; SshUnavailable after timeout_s. A wrong host key fails at once."""
+    deadline = time.monotonic() + timeout_s
+    last = "no attempt"
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            conn = connect(target, trust=trust, timeout_s=max(1.0, min(10.0, remaining)))
+        except SshUnavailable as e:
+            last = str(e)
+        else:
+            conn.close()
+            return
+        if time.monotonic() + interval_s > deadline:
+            raise SshUnavailable(f"instance {target.instance_id}: SSH not ready after {timeout_s:g} s ({last})")
+        time.sleep(interval_s)
+
+
+def run(conn: fabric.Connection, argv: list[str], *, timeout: float | None = 300.0, check: bool = True,
+        stdin: str | None = None) -> Result:
+    """Run argv on the instance (quoted with shlex.join: no word is ever re-interpreted by the shell)."""
+    if not argv:
+        raise ValueError("argv must name a program")
+    command = shlex.join(argv)
+    program = os.path.basename(argv[0])
+    try:
+        res = conn.run(command, hide=True, warn=True, timeout=timeout, pty=False,
+                       in_stream=(io.StringIO(stdin) if stdin is not None else False))
+    except invoke.CommandTimedOut as e:
+        tail = (e.result.stderr or "")[-_STDERR_TAIL_CHARS:]
+        raise RemoteCommandFailed(f"{program} on {conn.host} ran past its {timeout:g} s timeout",
+                                  argv=argv, exit_code=None, stderr_tail=tail) from None
+    except (OSError, EOFError, paramiko.SSHException, invoke.exceptions.ThreadException) as e:
+        raise SshUnavailable(f"SSH session to {conn.host}:{conn.port} dropped while running {program}: "
+                             f"{_describe(e)}") from None
+    result = Result(argv=list(argv), exit_code=int(res.exited), stdout=res.stdout, stderr=res.stderr)
+    if res.exited == -1 or not conn.is_connected:
+        # paramiko reports -1 when the channel closed without an exit status: the session went away.
+        raise SshUnavailable(f"SSH session to {conn.host}:{conn.port} dropped while running {program}")
+    if check and result.exit_code != 0:
+        tail = result.stderr[-_STDERR_TAIL_CHARS:].strip()
+        last_line = tail.splitlines()[-1] if tail else "no stderr"
+        raise RemoteCommandFailed(f"{program} on {conn.host} exited {result.exit_code}: {last_line}",
+                                  argv=list(argv), exit_code=result.exit_code, stderr_tail=tail)
+    return result
+
+
+# --- OpenSSH command line for rsync --------------------------------------------------------------------------
+def ssh_argv(target: Target, known_hosts: Path, *, connect_timeout_s: int = 10) -> list[str]:
+    """`ssh` options that pin the host key in `known_hosts` and never prompt, guess or fall back."""
+    return ["ssh", "-F", "none", "-p", str(target.port), "-i", str(target.key_path), "-l", target.user,
+            "-o", "IdentitiesOnly=yes", "-o", f"UserKnownHostsFile={known_hosts}",
+            "-o", "GlobalKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=yes", "-o", "UpdateHostKeys=no",
+            "-o", "BatchMode=yes", "-o", f"ConnectTimeout={connect_timeout_s}", "-o", "ServerAliveInterval=15",
+            "-o", "ServerAliveCountMax=4", "-o", "LogLevel=ERROR"]
+
+
+@contextlib.contextmanager
+def rsync_ssh_command(target: Target, trust: HostKeyTrust, *, connect_timeout_s: int = 10) -> Iterator[str]:
+    """The string for `rsync -e`, with a private known_hosts file holding exactly the expected key.
+
+    The key must already be known (pinned, or recorded by a first `connect`); the file is removed on exit.
+    """
+    expected = expected_host_key(target, trust)
+    if expected is None:
+        raise HostKeyMismatch(f"instance {target.instance_id}: no host key pinned or recorded yet; "
+                              "connect() once first so it is trusted on first use")
+    fd, path = tempfile.mkstemp(prefix="burstctl-known-hosts-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{target.known_hosts_name} {expected}\n")
+        argv = ssh_argv(target, Path(path), connect_timeout_s=connect_timeout_s)
+        # Offer the pinned key type first, so a host with several keys cannot fail on the "wrong" one.
+        argv[1:1] = ["-o", f"HostKeyAlgorithms={expected.split()[0]}"]
+        yield shlex.join(argv)  # rsync splits -e on whitespace and honours these quotes
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+# --- the orchestrator's own key --------------------------------------------------------------------------------
+def generate_keypair(path: str | Path, comment: str = "burstctl") -> str:
+    """Write a new ed25519 private key (OpenSSH format, mode 0600) at `path`; return its public key line.
+
+    The public line is also written to `path`.pub. Refuses to overwrite an existing key.
+    """
+    path = Path(path)
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(Encoding.PEM, PrivateFormat.OpenSSH, NoEncryption())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    os.chmod(path, 0o600)  # os.open's mode is filtered by the umask; say it explicitly
+    public = key.public_key().public_bytes(Encoding.OpenSSH, PublicFormat.OpenSSH).decode()
+    line = f"{public} {comment}" if comment else public
+    Path(f"{path}.pub").write_text(line + "\n")
+    return line
