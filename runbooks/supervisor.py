@@ -1,0 +1,636 @@
+"""The job supervisor: runs one attempt of a training command on the instance (or locally) and reports through files.
+
+    python3 supervisor.py --run-dir RUN --job-id J --attempt A --checkpoint-dir CKPT [--resume-from PATH]
+        [--metadata-url URL] [--heartbeat-s 2] [--notice-poll-s 1] [--grace-s 30] [--gpus N] [--torchrun]
+        [--env-file F] [--workdir W] [--max-run-s S] [--daemonize] [--dry-run] -- CMD ARGS...
+    python3 supervisor.py status --run-dir RUN          # one JSON line: heartbeat, exit record, liveness, metrics
+    python3 supervisor.py stop --run-dir RUN [--grace-s 30]
+
+Files in RUN: supervisor.pid, supervisor.lock (held for the supervisor's life), heartbeat (JSON, atomically
+replaced every heartbeat period), exit.json (at the end), stdout.log/stderr.log (the command's output, appended),
+metrics.json (written by the trainer via $BURST_METRICS_FILE), supervisor.log (the supervisor's own notes).
+
+On a spot notice (polled from --metadata-url), on SIGTERM/SIGINT, or at --max-run-s, the command's process group
+gets SIGTERM so the trainer can write a last checkpoint, then SIGKILL after --grace-s. If the supervisor itself is
+SIGKILLed it cannot forward anything: the command keeps running in its own process group, whose id is in the
+heartbeat (`child_pgid`) so `supervisor.py stop` or the daemon can end it.
+
+Stdlib-only and Python 3.8+ compatible: the instance may have nothing but a plain `python3`. The daemon also
+imports it (`from runbooks import supervisor`) for `launcher_argv`, `read_env_file` and `read_status`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+PID_FILE = "supervisor.pid"
+LOCK_FILE = "supervisor.lock"
+HEARTBEAT_FILE = "heartbeat"
+EXIT_FILE = "exit.json"
+METRICS_FILE = "metrics.json"
+STDOUT_LOG = "stdout.log"
+STDERR_LOG = "stderr.log"
+SUPERVISOR_LOG = "supervisor.log"
+MANIFEST = "manifest.json"  # burst_checkpoint's manifest, written last inside a checkpoint
+
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TICK_S = 0.1  # how often the main loop looks at the child, the flags and the clock
+
+
+class BadArgs(Exception):
+    """Bad command line or input file: exit 2 with one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]  # one line, not usage + error
+        raise BadArgs(message)
+
+
+# --- small helpers --------------------------------------------------------------------------------------------
+
+
+def _now() -> float:
+    return time.time()
+
+
+def write_json_atomic(path: Path, obj: object, *, durable: bool = False) -> None:
+    """Readers polling `path` see the old or the new content, never a torn write."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(obj, sort_keys=True) + "\n")
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(str(tmp), str(path))
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (index 0 = state), or None without /proc or process."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2:].split()
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The kernel's start time of PID: with the pid it identifies a process even after pid reuse (Linux)."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def pid_alive(pid: int | None, start_ticks: int | None = None) -> bool:
+    """True if PID runs (not a zombie) and, when known, is the same process that had `start_ticks`."""
+    if not pid or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    fields = _proc_stat(pid)
+    if fields is None:
+        return not os.path.isdir("/proc")  # no /proc (not Linux): kill(0) is all we have
+    if fields[0] == "Z":
+        return False
+    return start_ticks is None or int(fields[19]) == start_ticks
+
+
+def group_alive(pgid: int | None) -> bool:
+    """True if process group PGID has a member that is not a zombie."""
+    if not pgid or pgid <= 0:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _proc_stat(int(entry))
+            if fields and int(fields[3]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """KEY=VALUE lines (the job's `env` table). Blank lines and lines starting with '#' are skipped; the value is
+    everything after the first '=', taken literally (no quotes, no expansion). Errors never echo a value."""
+    out = {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError as exc:
+        raise BadArgs(f"--env-file {path}: cannot read ({exc.strerror})") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not _ENV_KEY_RE.match(key):
+            raise BadArgs(f"--env-file {path}:{lineno}: expected KEY=VALUE with KEY a shell variable name")
+        out[key] = value
+    return out
+
+
+def launcher_argv(command: list[str], gpus: int = 1, torchrun: bool = False) -> list[str]:
+    """The argv the supervisor executes: the command as given, or under torchrun for several GPUs."""
+    if torchrun and gpus > 1:
+        return ["torchrun", f"--nproc_per_node={gpus}", *command]
+    return list(command)
+
+
+def latest_checkpoint_name(ckpt_dir: Path) -> str | None:
+    """Newest visible checkpoint with a manifest whose file sizes match (no hashing: this runs every heartbeat;
+    the manifest is written last and the directory renamed into place, so this is enough to be complete)."""
+    try:
+        names = sorted((p.name for p in ckpt_dir.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                       reverse=True)
+    except OSError:
+        return None
+    for name in names:
+        manifest = read_json(ckpt_dir / name / MANIFEST)
+        files = manifest.get("files") if manifest else None
+        if not isinstance(files, dict):
+            continue
+        try:
+            if all((ckpt_dir / name / rel).stat().st_size == entry.get("size") for rel, entry in files.items()):
+                return name
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+# --- the spot notice ------------------------------------------------------------------------------------------
+
+
+def fetch_notice(url: str, timeout: float = 2.0) -> dict | None:
+    """The instance-action notice at `url`, or None (404, unreachable, or not a notice). EC2 semantics: 404 until
+    a notice exists, then {"action": "terminate", "time": ...}. A 401 means IMDSv2: get a token and ask again."""
+    headers = {}
+    for _ in range(2):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
+                body = json.loads(resp.read().decode("utf-8"))
+            return body if isinstance(body, dict) and body.get("action") else None
+        except urllib.error.HTTPError as exc:
+            if exc.code != 401 or headers:
+                return None
+            token = _imds_token(url, timeout)
+            if token is None:
+                return None
+            headers = {"X-aws-ec2-metadata-token": token}
+        except (OSError, ValueError):  # metadata service gone, timeouts, garbage: no notice as far as we know
+            return None
+    return None
+
+
+def _imds_token(url: str, timeout: float) -> str | None:
+    parts = urllib.parse.urlsplit(url)
+    token_url = f"{parts.scheme}://{parts.netloc}/latest/api/token"
+    req = urllib.request.Request(token_url, method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.read().decode("utf-8").strip() or None
+    except (OSError, ValueError):
+        return None
+
+
+class NoticePoller(threading.Thread):
+    """Polls the metadata URL in the background so a slow or dead metadata service never stalls the heartbeat."""
+
+    def __init__(self, url: str, period_s: float) -> None:
+        super().__init__(name="notice-poller", daemon=True)
+        self.url = url
+        self.period_s = period_s
+        self.notice: dict | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            notice = fetch_notice(self.url, timeout=max(0.5, min(2.0, self.period_s)))
+            if notice is not None:
+                self.notice = notice
+                return
+            self._stop_event.wait(self.period_s)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+# --- running one attempt --------------------------------------------------------------------------------------
+
+
+def _positive(kind: type) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return value
+    return parse
+
+
+def parse_run_args(argv: list[str]) -> argparse.Namespace:
+    if "--" in argv:
+        split = argv.index("--")
+        opts, command = argv[:split], argv[split + 1:]
+    else:
+        opts, command = argv, []
+    p = _Parser(prog="supervisor.py", description="Run one attempt of a job under supervision.")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--job-id", required=True)
+    p.add_argument("--attempt", required=True, type=int)
+    p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument("--resume-from", default="")
+    p.add_argument("--metadata-url", default="")
+    p.add_argument("--heartbeat-s", type=_positive(float), default=2.0)
+    p.add_argument("--notice-poll-s", type=_positive(float), default=1.0)
+    p.add_argument("--grace-s", type=_positive(float), default=30.0)
+    p.add_argument("--gpus", type=_positive(int), default=1)
+    p.add_argument("--torchrun", action="store_true")
+    p.add_argument("--env-file", default="")
+    p.add_argument("--workdir", default=".")
+    p.add_argument("--max-run-s", type=_positive(float), default=None)
+    p.add_argument("--daemonize", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="print what would run (argv, cwd, env names) as JSON")
+    args = p.parse_args(opts)
+    if not command:
+        raise BadArgs("no command: give it after '--', e.g. -- python3 train.py")
+    args.command = command
+    args.run_dir = Path(args.run_dir).resolve()
+    args.checkpoint_dir = Path(args.checkpoint_dir).resolve()
+    args.workdir = Path(args.workdir).resolve()
+    if not args.workdir.is_dir():
+        raise BadArgs(f"--workdir: directory '{args.workdir}' does not exist")
+    if args.resume_from:
+        args.resume_from = str(Path(args.resume_from).resolve())
+        if not Path(args.resume_from).is_dir():
+            raise BadArgs(f"--resume-from: checkpoint directory '{args.resume_from}' does not exist")
+    if args.metadata_url and urllib.parse.urlsplit(args.metadata_url).scheme not in ("http", "https"):
+        raise BadArgs("--metadata-url: expected a full http:// URL")
+    args.env_extra = read_env_file(args.env_file) if args.env_file else {}
+    return args
+
+
+def burst_env(args: argparse.Namespace) -> dict[str, str]:
+    """The variables of the job contract (the env file's come first, so the contract's cannot be overridden)."""
+    return {
+        "BURST_JOB_ID": args.job_id,
+        "BURST_ATTEMPT": str(args.attempt),
+        "BURST_CHECKPOINT_DIR": str(args.checkpoint_dir),
+        "BURST_RESUME_FROM": args.resume_from or "",
+        "BURST_METRICS_FILE": str(args.run_dir / METRICS_FILE),
+    }
+
+
+def dry_run_plan(args: argparse.Namespace) -> dict:
+    """What a start would execute. Env-file values are left out: they may be secrets."""
+    return {
+        "argv": launcher_argv(args.command, args.gpus, args.torchrun),
+        "cwd": str(args.workdir),
+        "env": burst_env(args),
+        "env_file_keys": sorted(args.env_extra),
+        "run_dir": str(args.run_dir),
+    }
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run_dir: Path = args.run_dir
+        self.stop_signal: int | None = None
+        self.seq = 0
+        self.child: subprocess.Popen | None = None
+        self.state = "starting"
+        self.started_at = _now()
+        self.notice: dict | None = None
+        self.my_start_ticks = process_start_ticks(os.getpid())
+        self._log_fh = open(self.run_dir / SUPERVISOR_LOG, "a")  # noqa: SIM115  # open for the whole run
+
+    def log(self, message: str) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._log_fh.write(f"{stamp} [{os.getpid()}] {message}\n")
+        self._log_fh.flush()
+
+    def heartbeat(self) -> None:
+        self.seq += 1
+        child_pid = self.child.pid if self.child else None
+        record = {
+            "ts": _now(), "seq": self.seq, "state": self.state,
+            "supervisor_pid": os.getpid(), "supervisor_start_ticks": self.my_start_ticks,
+            "child_pid": child_pid, "child_pgid": child_pid,  # the child leads its own group (new session)
+            "job_id": self.args.job_id, "attempt": self.args.attempt, "started_at": self.started_at,
+            "last_checkpoint": latest_checkpoint_name(self.args.checkpoint_dir), "notice": self.notice,
+        }
+        try:
+            write_json_atomic(self.run_dir / HEARTBEAT_FILE, record)
+        except OSError as exc:  # a full disk must not kill the job; the daemon sees a stale heartbeat instead
+            self.log(f"heartbeat write failed: {exc}")
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+
+    def run(self) -> int:
+        """Start the command and supervise it to the end; returns the exit code to mirror (128+N for signal N)."""
+        args = self.args
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup semantics: a closing SSH session is not a stop
+        self.heartbeat()
+        argv = launcher_argv(args.command, args.gpus, args.torchrun)
+        env = dict(os.environ)
+        env.update(args.env_extra)
+        env.update(burst_env(args))
+        args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.log(f"attempt {args.attempt} of job {args.job_id}: starting {json.dumps(argv)} in {args.workdir} "
+                 f"(env file keys: {sorted(args.env_extra)})")
+        try:
+            with open(self.run_dir / STDOUT_LOG, "ab") as out, open(self.run_dir / STDERR_LOG, "ab") as err:
+                self.child = subprocess.Popen(argv, cwd=str(args.workdir), env=env, stdin=subprocess.DEVNULL,
+                                              stdout=out, stderr=err, start_new_session=True)
+        except OSError as exc:
+            self.log(f"cannot start the command: {exc.strerror}")
+            return self._finish(127 if isinstance(exc, FileNotFoundError) else 126, None, "failed",
+                                error=f"cannot start {argv[0]!r}: {exc.strerror}")
+        self.state = "running"
+        self.heartbeat()
+        return self._supervise()
+
+    def _supervise(self) -> int:
+        args, child = self.args, self.child
+        assert child is not None
+        poller = NoticePoller(args.metadata_url, args.notice_poll_s) if args.metadata_url else None
+        if poller:
+            poller.start()
+        child_started = _now()
+        next_heartbeat = child_started + args.heartbeat_s
+        stop_reason: str | None = None
+        kill_at: float | None = None
+        while True:
+            # Look without reaping: while the exited leader is a zombie its pid (= the group id) cannot be reused,
+            # so the straggler kill below cannot hit a stranger's group.
+            if os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                break
+            now = _now()
+            if stop_reason is None:
+                if self.stop_signal is not None:
+                    stop_reason = "terminated"
+                elif poller is not None and poller.notice is not None:
+                    stop_reason, self.notice = "notice", poller.notice
+                elif args.max_run_s is not None and now - child_started >= args.max_run_s:
+                    stop_reason = "max-run-time"
+                if stop_reason is not None:
+                    self.log(f"stopping ({stop_reason}): SIGTERM to process group {child.pid}, "
+                             f"SIGKILL in {args.grace_s:g}s")
+                    self.state = "stopping"
+                    _signal_group(child.pid, signal.SIGTERM)
+                    kill_at = now + args.grace_s
+                    next_heartbeat = now
+            elif kill_at is not None and now >= kill_at:
+                self.log(f"grace period over: SIGKILL to process group {child.pid}")
+                _signal_group(child.pid, signal.SIGKILL)
+                kill_at = None
+            if now >= next_heartbeat:
+                self.heartbeat()
+                next_heartbeat = now + args.heartbeat_s
+            time.sleep(_TICK_S)
+        if poller:
+            poller.stop()
+        if group_alive(child.pid):  # the command left processes behind in its group: end them with it
+            _signal_group(child.pid, signal.SIGKILL)
+            self.log(f"killed leftover processes of group {child.pid}")
+        code = child.wait()
+        exit_code, sig = (code, None) if code >= 0 else (None, -code)
+        reason = stop_reason or ("completed" if code == 0 else "failed")
+        return self._finish(exit_code, sig, reason)
+
+    def _finish(self, exit_code: int | None, sig: int | None, reason: str, error: str | None = None) -> int:
+        record = {
+            "job_id": self.args.job_id, "attempt": self.args.attempt,
+            "exit_code": exit_code, "signal": sig,
+            "signal_name": signal.Signals(sig).name if sig else None,
+            "reason": reason, "started_at": self.started_at, "ended_at": _now(),
+            "last_checkpoint": latest_checkpoint_name(self.args.checkpoint_dir),
+            "notice": self.notice, "child_pid": self.child.pid if self.child else None,
+        }
+        if error:
+            record["error"] = error
+        write_json_atomic(self.run_dir / EXIT_FILE, record, durable=True)
+        self.state = "exited"
+        self.heartbeat()
+        self.log(f"exited: reason={reason} exit_code={exit_code} signal={sig}")
+        print(json.dumps(record, sort_keys=True), flush=True)
+        return exit_code if exit_code is not None else 128 + (sig or 0)
+
+
+def _claim_run_dir(args: argparse.Namespace) -> tuple[dict, int | None]:
+    """Take the run dir's lock or find out who holds it. Returns (report, lock fd); fd None means do not run."""
+    run_dir: Path = args.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(str(run_dir / LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        # A live supervisor holds the lock. Which attempt? Its first heartbeat may still be on its way.
+        deadline = _now() + 5.0
+        beat = read_json(run_dir / HEARTBEAT_FILE)
+        while (beat is None or not pid_alive(beat.get("supervisor_pid"))) and _now() < deadline:
+            time.sleep(0.05)
+            beat = read_json(run_dir / HEARTBEAT_FILE)
+        same = bool(beat) and beat.get("attempt") == args.attempt and beat.get("job_id") == args.job_id
+        return ({"status": "already-running" if same else "busy",
+                 "supervisor_pid": beat.get("supervisor_pid") if beat else None,
+                 "attempt": beat.get("attempt") if beat else None}, None)
+    beat = read_json(run_dir / HEARTBEAT_FILE)
+    if beat and beat.get("state") != "exited" and group_alive(beat.get("child_pgid")):
+        # Its supervisor was killed but the command still runs: a second copy would write the same checkpoints.
+        os.close(fd)
+        return {"status": "orphaned-child", "child_pgid": beat.get("child_pgid"), "attempt": beat.get("attempt")}, None
+    previous = read_json(run_dir / EXIT_FILE)
+    if previous and previous.get("attempt") == args.attempt and previous.get("job_id") == args.job_id:
+        os.close(fd)
+        return {"status": "already-exited", "exit": previous}, None
+    if previous:  # an earlier attempt in the same run dir: keep its record, out of the way of `status`
+        os.replace(str(run_dir / EXIT_FILE), str(run_dir / f"exit-attempt-{previous.get('attempt')}.json"))
+    write_json_atomic(run_dir / HEARTBEAT_FILE, {"ts": _now(), "seq": 0, "state": "starting",
+                                                 "supervisor_pid": os.getpid(), "job_id": args.job_id,
+                                                 "attempt": args.attempt})
+    with open(run_dir / f".{PID_FILE}.tmp", "w") as fh:
+        fh.write(f"{os.getpid()}\n")
+    os.replace(str(run_dir / f".{PID_FILE}.tmp"), str(run_dir / PID_FILE))
+    return {"status": "started", "supervisor_pid": os.getpid(), "attempt": args.attempt}, fd
+
+
+def _report_code(report: dict) -> int:
+    """0 when the attempt is (or was) running as asked; 1 when the run dir belongs to something else."""
+    if report["status"] in ("busy", "orphaned-child"):
+        print(f"supervisor: error: run dir in use ({report['status']}, attempt {report.get('attempt')}); "
+              f"`supervisor.py stop` ends it", file=sys.stderr)
+        return 1
+    return 0
+
+
+def start(args: argparse.Namespace) -> int:
+    """Foreground start: claim the run dir, print the start report, supervise, mirror the command's exit code."""
+    report, fd = _claim_run_dir(args)
+    print(json.dumps(report, sort_keys=True), flush=True)
+    if fd is None:
+        return _report_code(report)
+    return Supervisor(args).run()
+
+
+def start_daemonized(args: argparse.Namespace) -> int:
+    """Double fork and setsid so the starting SSH session may close; the caller gets the start report on stdout
+    once the supervisor has claimed the run dir (or found it claimed)."""
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    first = os.fork()
+    if first > 0:
+        os.close(write_fd)
+        chunks = []
+        while True:
+            chunk = os.read(read_fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(read_fd)
+        os.waitpid(first, 0)
+        try:
+            report = json.loads(b"".join(chunks).decode())
+        except ValueError:
+            print(f"supervisor: error: the daemonized supervisor died before starting; see "
+                  f"{args.run_dir / SUPERVISOR_LOG}", file=sys.stderr)
+            return 1
+        print(json.dumps(report, sort_keys=True), flush=True)
+        return _report_code(report)
+
+    os.close(read_fd)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    code = 1
+    try:
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        log_fd = os.open(str(args.run_dir / SUPERVISOR_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        report, fd = _claim_run_dir(args)
+        os.write(write_fd, json.dumps(report).encode())
+        os.close(write_fd)
+        code = Supervisor(args).run() if fd is not None else _report_code(report)
+    except BaseException:  # the traceback goes to supervisor.log; never return into the caller's code
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+# --- status and stop ------------------------------------------------------------------------------------------
+
+
+def read_status(run_dir: str | os.PathLike[str]) -> dict:
+    """Everything the daemon polls, in one dict: heartbeat, exit record, metrics, and who is still alive."""
+    run = Path(run_dir)
+    beat = read_json(run / HEARTBEAT_FILE)
+    try:
+        pid: int | None = int((run / PID_FILE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pid = None
+    ticks = beat.get("supervisor_start_ticks") if beat and beat.get("supervisor_pid") == pid else None
+    pgid = beat.get("child_pgid") if beat else None
+    return {
+        "run_dir": str(run), "now": _now(),
+        "supervisor_pid": pid, "supervisor_alive": pid_alive(pid, ticks),
+        "child_pgid": pgid, "child_alive": group_alive(pgid),
+        "heartbeat": beat, "exit": read_json(run / EXIT_FILE), "metrics": read_json(run / METRICS_FILE),
+    }
+
+
+def stop(run_dir: Path, grace_s: float) -> dict:
+    """Ask for a last checkpoint and an end: SIGTERM the live supervisor (it forwards and escalates), or, if the
+    supervisor is gone, SIGTERM the orphaned command group, wait up to `grace_s`, then SIGKILL it."""
+    status = read_status(run_dir)
+    if status["supervisor_alive"]:
+        os.kill(status["supervisor_pid"], signal.SIGTERM)
+        return {"signalled": "supervisor", "pid": status["supervisor_pid"]}
+    pgid = status["child_pgid"]
+    if not status["child_alive"]:
+        return {"signalled": None}
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = _now() + grace_s
+    while group_alive(pgid) and _now() < deadline:
+        time.sleep(_TICK_S)
+    killed = group_alive(pgid) and _signal_group(pgid, signal.SIGKILL)
+    return {"signalled": "child-group", "pgid": pgid, "killed": bool(killed)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] in (["status"], ["stop"]):
+            p = _Parser(prog=f"supervisor.py {argv[0]}")
+            p.add_argument("--run-dir", required=True)
+            if argv[0] == "stop":
+                p.add_argument("--grace-s", type=_positive(float), default=30.0)
+            sub = p.parse_args(argv[1:])
+            run_dir = Path(sub.run_dir)
+            if not run_dir.is_dir():
+                raise BadArgs(f"--run-dir: directory '{run_dir}' does not exist")
+            result = read_status(run_dir) if argv[0] == "status" else stop(run_dir, sub.grace_s)
+            print(json.dumps(result, sort_keys=True), flush=True)
+            return 0
+        args = parse_run_args(argv)
+        if args.dry_run:
+            print(json.dumps(dry_run_plan(args), sort_keys=True), flush=True)
+            return 0
+        return start_daemonized(args) if args.daemonize else start(args)
+    except BadArgs as exc:
+        print(f"supervisor: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
