@@ -180,6 +180,24 @@ class Providers(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class DaemonSettings(Strict):
+    tick_s: PositiveFloat = Field(5.0, description="Reconcile tick: every job advances one step per tick.")
+    sweep_s: PositiveFloat = Field(120.0, description="How often every provider is swept for orphaned instances.")
+    heartbeat_timeout_s: PositiveFloat = Field(
+        60.0, description="A running attempt whose heartbeat is older than this is treated as preempted."
+    )
+    boot_timeout_s: PositiveFloat = Field(900.0, description="Give up on an instance that is not reachable by SSH.")
+    max_cloud_attempts: Annotated[int, Field(ge=1)] = Field(4, description="Cloud attempts running at once.")
+    max_launch_failures: Annotated[int, Field(ge=1)] = Field(
+        3, description="Consecutive failed launches before a job waits (blocked, with the reason)."
+    )
+    launch_backoff_s: NonNegFloat = Field(60.0, description="Wait after a failed launch before trying again.")
+    redecide_per_tick: Annotated[int, Field(ge=1)] = Field(
+        50, description="Blocked jobs re-decided per tick (budget freed, kill switch lifted)."
+    )
+    local_concurrency: Annotated[int, Field(ge=0)] = Field(1, description="Local GPU jobs at once (one GPU: 1).")
+
+
 def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "burstctl"
@@ -202,6 +220,7 @@ class Config(Strict):
     )
     providers: Providers = Field(default_factory=Providers)
     state: StateSettings = Field(default_factory=StateSettings)
+    daemon: DaemonSettings = Field(default_factory=DaemonSettings)
     orchestrator_id: str = Field("burstctl", description="Owner tag on every instance this install creates.")
 
     source: str | None = Field(None, exclude=True, description="Where this config came from (set by the loader).")

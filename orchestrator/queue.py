@@ -124,3 +124,29 @@ def _inputs(job: JobFacts) -> dict[str, Any]:
             "deadline_h": round(job.deadline_h, 4), "kind": job.kind, "market": job.market,
             "deadline_critical": job.deadline_critical, "fits_local_memory": job.fits_local_memory,
             "per_gpu_gb": job.per_gpu_gb}
+
+
+
+
+def spec_of(job: dict[str, Any]) -> JobSpec:
+    """The validated spec of a stored job (its workdir already resolved to an absolute path)."""
+    data = {k: v for k, v in job["spec"].items() if k not in ("source", "_retry_at")}
+    return JobSpec.model_validate(data)
+
+
+def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float) -> str | None:
+    """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state."""
+    spec = spec_of(job)
+    decision = decide(facts(spec, job["deadline_at"], now, app.config), ctx)
+    target = STATE_FOR_ACTION[decision.action]
+    if target.value == job["state"]:
+        return None
+    d = decision.to_dict()
+    with app.store.tx() as conn:
+        if not app.store.update_job(job["id"], conn, expect_state=job["state"], state=target.value,
+                                    verdict=decision.verdict.value, placement=decision.placement, decision=d,
+                                    reason=d["reasons"][-1] if d["reasons"] else None):
+            return None
+        app.events.emit("job.redecided", job_id=job["id"], conn=conn, previous=job["state"], state=target.value,
+                        verdict=d["verdict"], action=d["action"])
+    return target.value

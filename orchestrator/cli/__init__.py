@@ -17,6 +17,8 @@ from orchestrator.cli import jobs as _jobs  # noqa: F401  isort: skip
 from orchestrator.cli import simulate as _simulate  # noqa: F401  isort: skip
 from orchestrator.cli import size as _size  # noqa: F401  isort: skip
 from orchestrator.cli import simcloud as _simcloud  # noqa: F401  isort: skip
+from orchestrator.cli import providers as _providers  # noqa: F401  isort: skip
+from orchestrator.cli import daemon as _daemon  # noqa: F401  isort: skip
 
 
 def main(argv: list[str] | None = None) -> int:

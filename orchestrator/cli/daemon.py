@@ -1,0 +1,86 @@
+"""`burstctl daemon` and `burstctl status`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import click
+from sqlalchemy import select
+
+from orchestrator.app import App
+from orchestrator.cli.base import cli, fmt_usd, json_option, out, pass_app, print_json, table
+from orchestrator.core.budget import month_key
+from orchestrator.daemon import daemon_running, run_daemon
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
+from orchestrator.lifecycle.states import JobState
+from orchestrator.queue import burst_enabled
+from state import schema as s
+
+
+@cli.command("daemon")
+@click.option("--tick", "tick_s", type=click.FloatRange(min=0.05), default=None,
+              help="Reconcile tick in seconds (default from config, 5).")
+@click.option("--max-ticks", type=click.IntRange(min=1), default=None, help="Stop after this many ticks.")
+@click.option("--exit-when-idle", is_flag=True, help="Stop once no job is queued or running.")
+@pass_app
+def daemon_cmd(app: App, tick_s: float | None, max_ticks: int | None, exit_when_idle: bool) -> None:
+    """Run the orchestrator: take queued jobs, run them locally or in the cloud, until SIGTERM.
+
+    Logs go to stderr (readable) and to <state>/events.jsonl (JSON lines)."""
+    app.console = sys.stderr
+    run_daemon(app, tick_s=tick_s, max_ticks=max_ticks, exit_when_idle=exit_when_idle)
+
+
+def status_data(app: App) -> dict[str, Any]:
+    running, pid = daemon_running(app.config.state_dir)
+    now = time.time()
+    with app.store.engine.connect() as c:
+        attempts = [dict(r) for r in c.execute(select(s.attempts).where(
+            s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
+        instances = [dict(r) for r in c.execute(select(s.instances).where(
+            s.instances.c.verified_gone.is_(False))).mappings()]
+    counts = app.store.count_jobs_by_state()
+    active_states = (JobState.QUEUED, JobState.RUNNING, JobState.RESUMING, JobState.AWAITING_APPROVAL,
+                     JobState.BLOCKED)
+    return {
+        "daemon": {"running": running, "pid": pid},
+        "mode": "burst-enabled" if burst_enabled(app) else "local-only",
+        "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
+        "active_jobs": sum(counts.get(st.value, 0) for st in active_states),
+        "attempts": [{"id": a["id"], "job": a["job_id"], "where": a["where"], "state": a["state"],
+                      "provider": a["provider"], "instance": a["instance_id"], "market": a["market"]}
+                     for a in attempts],
+        "instances": [{"provider": i["provider"], "id": i["id"], "attempt": i["attempt_id"], "state": i["state"],
+                       "type": i["instance_type"], "market": i["market"]} for i in instances],
+        "month": month_key(now),
+        "month_to_date_usd": round(app.store.month_spend(month_key(now), now), 4),
+        "budget_cap_usd": app.config.budget.monthly_cap_usd,
+        "state_dir": str(app.config.state_dir),
+    }
+
+
+@cli.command("status")
+@json_option
+@pass_app
+def status_cmd(app: App, as_json: bool) -> None:
+    """Whether the daemon runs, the mode (burst enabled or local-only), active jobs and instances, spend."""
+    d = status_data(app)
+    if as_json:
+        print_json(d)
+        return
+    dmn = d["daemon"]
+    out.print(f"daemon: {'running (pid ' + str(dmn['pid']) + ')' if dmn['running'] else 'not running'}")
+    mode = d["mode"]
+    out.print(f"mode: [bold]{mode}[/bold]" + ("  (revert-local is in force; `burstctl burst-enable` lifts it)"
+                                              if mode == "local-only" else ""))
+    out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in d["jobs"].items() if v) if d["active_jobs"] or any(
+        d["jobs"].values()) else "jobs: none")
+    out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'])}")
+    if d["attempts"]:
+        table("active attempts", ["attempt", "where", "state", "provider", "instance", "market"],
+              [(a["id"], a["where"], a["state"], a["provider"], a["instance"], a["market"]) for a in d["attempts"]])
+    if d["instances"]:
+        table("instances not yet confirmed gone", ["provider", "instance", "attempt", "state", "type", "market"],
+              [(i["provider"], i["id"], i["attempt"], i["state"], i["type"], i["market"]) for i in d["instances"]])

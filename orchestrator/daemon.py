@@ -1,0 +1,142 @@
+"""`burstctl daemon`: APScheduler drives the reconcile tick and the periodic orphan sweep.
+
+One daemon per state directory (an flock'd lock file holding its pid). SIGTERM/SIGINT stop the ticking and leave
+instances and jobs as they are: everything is in the database, and the next daemon adopts it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.schedulers.blocking import BlockingScheduler
+
+from orchestrator.app import App
+from orchestrator.errors import OperationalError
+
+LOCK_NAME = "daemon.lock"
+
+
+class DaemonLock:
+    """An exclusive flock on <state>/daemon.lock; released by the kernel if the daemon dies."""
+
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OperationalError(f"another daemon holds {self.path} (pid {read_lock_pid(self.path)})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "started_at": time.time()}).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_lock_pid(path: Path) -> int | None:
+    try:
+        return int(json.loads(path.read_text() or "{}").get("pid") or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def daemon_running(state_dir: Path) -> tuple[bool, int | None]:
+    """Whether some process holds the lock (and its pid), without taking it."""
+    path = state_dir / LOCK_NAME
+    if not path.exists():
+        return False, None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True, read_lock_pid(path)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False, None
+    finally:
+        os.close(fd)
+
+
+def run_daemon(app: App, *, tick_s: float | None = None, max_ticks: int | None = None,
+               exit_when_idle: bool = False, on_tick: Callable[[int], None] | None = None) -> int:
+    """Run until SIGTERM/SIGINT (or `max_ticks`, or no active work with `exit_when_idle`). Returns ticks run."""
+    from orchestrator.lifecycle.service import build_reconciler, has_active_work
+
+    lock = DaemonLock(app.config.state_dir)
+    lock.acquire()
+    stop = threading.Event()
+    ticks = 0
+    try:
+        reconciler = build_reconciler(app)
+        tick_s = tick_s or app.config.daemon.tick_s
+        app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
+                        providers=sorted(reconciler.providers), mode=reconciler.mode())
+        scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
+                                      job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
+
+        def tick() -> None:
+            nonlocal ticks
+            if stop.is_set():
+                return
+            try:
+                reconciler.tick()
+            except Exception as exc:  # the loop survives a bad tick; the next one starts from the database
+                app.events.emit("daemon.tick_failed", error=f"{type(exc).__name__}: {exc}")
+            ticks += 1
+            if on_tick is not None:
+                on_tick(ticks)
+            if (max_ticks is not None and ticks >= max_ticks) or (exit_when_idle and not has_active_work(app)):
+                stop.set()
+                threading.Thread(target=scheduler.shutdown, kwargs={"wait": False}, daemon=True).start()
+
+        def sweep() -> None:
+            if stop.is_set():
+                return
+            try:
+                reconciler.sweep()
+            except Exception as exc:
+                app.events.emit("daemon.sweep_failed", error=f"{type(exc).__name__}: {exc}")
+
+        scheduler.add_job(tick, "interval", seconds=tick_s, id="tick", next_run_time=_now_dt())
+        scheduler.add_job(sweep, "interval", seconds=app.config.daemon.sweep_s, id="sweep",
+                          next_run_time=_now_dt())
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            stop.set()
+            app.events.emit("daemon.stopping", signal=signal.Signals(signum).name)
+            threading.Thread(target=scheduler.shutdown, kwargs={"wait": True}, daemon=True).start()
+
+        old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            scheduler.start()
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        app.events.emit("daemon.stopped", ticks=ticks)
+        return ticks
+    finally:
+        lock.release()
+
+
+def _now_dt() -> Any:
+    from datetime import datetime
+
+    return datetime.now().astimezone()

@@ -1,0 +1,80 @@
+"""What an ended attempt means for its job: done, resume elsewhere, back to the queue, blocked, or failed.
+
+Called inside the transaction that closes the attempt, so the job's state and the attempt's end are one change.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, func, select
+
+from orchestrator import records
+from orchestrator.app import App
+from orchestrator.lifecycle import checkpoints
+from orchestrator.lifecycle.machine import AttemptState
+from orchestrator.lifecycle.states import JobState
+from state import schema as s
+
+A = AttemptState
+
+
+def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
+                      reason: str | None, now: float) -> None:
+    store = app.store
+    current = store.get_job(job["id"]) or job
+    if current["state"] in (JobState.CANCELLED.value, JobState.DONE.value, JobState.FAILED.value):
+        return
+    stop_reason = att["info"].get("stop_reason") or reason or ""
+
+    def to(state: JobState, why: str, event: str, **data: Any) -> None:
+        store.update_job(job["id"], conn, state=state.value, reason=why, **data.pop("_fields", {}))
+        app.events.emit(event, job_id=job["id"], attempt_id=att["id"], conn=conn, reason=why, **data)
+
+    if outcome is A.SUCCEEDED:
+        to(JobState.DONE, "completed", "job.done", where=att["where"])
+        _fill_measured(app, conn, job, att, now)
+    elif outcome is A.LAUNCH_FAILED:
+        back = JobState.RESUMING if checkpoints.latest(app.config, job["id"]) else JobState.QUEUED
+        to(back, f"launch failed: {reason}", "job.waiting")
+    elif outcome is A.PREEMPTED:
+        if att["where"] == "local" and stop_reason == "hybrid-switch":
+            to(JobState.QUEUED, "local phase done: bursting the rest", "job.switching",
+               _fields={"placement": "cloud"})
+            return
+        ckpt = checkpoints.latest(app.config, job["id"])
+        to(JobState.RESUMING, f"preempted: {stop_reason}", "job.resuming",
+           checkpoint=ckpt.name if ckpt else None, lost_work_h=att.get("lost_work_h"),
+           instance=att.get("instance_id"))
+    elif outcome is A.ABORTED:
+        if stop_reason == "revert-local":
+            to(JobState.QUEUED, "revert-local: requeued locally from the newest checkpoint", "job.requeued_local",
+               _fields={"placement": "local"})
+        elif stop_reason == "budget-cap":
+            to(JobState.BLOCKED, "stopped before the monthly budget cap", "job.blocked")
+        elif stop_reason == "max-run-time":
+            to(JobState.FAILED, "exceeded max_run_hours", "job.failed")
+        else:
+            to(JobState.QUEUED, f"attempt aborted: {stop_reason}", "job.waiting")
+    else:
+        to(JobState.FAILED, stop_reason or "failed", "job.failed")
+
+
+def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[str, Any], now: float) -> None:
+    rows = conn.execute(select(s.attempts).where(s.attempts.c.job_id == job["id"])).mappings().all()
+    run_h = sum(((r["ended_at"] or now) - r["started_at"]) / 3600.0 for r in rows if r["started_at"])
+    cost = conn.execute(select(func.coalesce(func.sum(s.ledger.c.cost_usd), 0.0))
+                        .where(s.ledger.c.job_id == job["id"])).scalar() or 0.0
+    where = ", ".join(sorted({f"{r['provider']} {r['instance_type']} {r['market']}" if r["where"] == "cloud"
+                              else "local" for r in rows if r["started_at"]}))
+    preemptions = sum(1 for r in rows if r["state"] == A.PREEMPTED.value and r["where"] == "cloud")
+    peak = att["info"].get("metrics", {}).get("peak_vram_gb")
+    date = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+    text = (f"run {run_h:.2f} h, cost ${cost:.2f}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
+            f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else ""))
+    if job.get("record_path") and Path(job["record_path"]).exists():
+        records.fill_measured(Path(job["record_path"]), text)
+    app.events.emit("job.measured", job_id=job["id"], conn=conn, run_h=round(run_h, 4), cost_usd=round(cost, 4),
+                    where=where, preemptions=preemptions, peak_vram_gb=peak)

@@ -1,0 +1,97 @@
+"""The attempt state machine, in one place: its states, its transitions, and the one function that moves an
+attempt (compare-and-set in the database, plus an event). The reconciler decides *when*; this says *what may*.
+
+A cloud attempt:
+
+    intent ─launch─► provisioning ─ssh up─► bootstrapping ─started─► running ─exit 0─► finishing
+      │                 │                      │                       │                 │
+      │ no capacity     │ gone                 │ ssh lost / gone       │ preempted /     │ final sync
+      ▼                 ▼                      ▼                       │ notice /        ▼
+    launch_failed     terminating ◄────────────┴───────────────────────┴─ heartbeat ──► terminating
+                        │ confirmed gone (ledger closed)
+                        ▼
+          succeeded | failed | preempted | aborted
+
+A local attempt:   running ─► succeeded | failed | preempted (stopped for a planned burst) | aborted
+
+`intent` is written *before* the launch call, with the idempotency key; a daemon that dies right after the call
+finds the instance by its tags on restart (no second launch). `terminating` records the outcome to end with, so the
+attempt is closed only once the provider confirms the instance is gone.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Connection, select, update
+
+from state import schema as s
+
+
+class AttemptState(StrEnum):
+    INTENT = "intent"
+    PROVISIONING = "provisioning"
+    BOOTSTRAPPING = "bootstrapping"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    TERMINATING = "terminating"
+    LAUNCH_FAILED = "launch_failed"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+    ABORTED = "aborted"
+
+    @property
+    def final(self) -> bool:
+        return self in FINAL_ATTEMPT_STATES
+
+
+FINAL_ATTEMPT_STATES = frozenset({AttemptState.LAUNCH_FAILED, AttemptState.SUCCEEDED, AttemptState.FAILED,
+                                  AttemptState.PREEMPTED, AttemptState.ABORTED})
+ACTIVE_ATTEMPT_STATES = tuple(a.value for a in AttemptState if not a.final)
+
+# Outcomes an attempt may end with once its instance is confirmed gone.
+OUTCOMES = frozenset({AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.PREEMPTED, AttemptState.ABORTED})
+
+A = AttemptState
+TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
+    A.INTENT: frozenset({A.PROVISIONING, A.LAUNCH_FAILED, A.ABORTED, A.RUNNING}),  # local attempts start running
+    A.PROVISIONING: frozenset({A.BOOTSTRAPPING, A.TERMINATING}),
+    A.BOOTSTRAPPING: frozenset({A.RUNNING, A.TERMINATING}),
+    A.RUNNING: frozenset({A.FINISHING, A.TERMINATING, A.SUCCEEDED, A.FAILED, A.PREEMPTED, A.ABORTED}),
+    A.FINISHING: frozenset({A.TERMINATING}),
+    A.TERMINATING: OUTCOMES,
+    A.LAUNCH_FAILED: frozenset(),
+    A.SUCCEEDED: frozenset(),
+    A.FAILED: frozenset(),
+    A.PREEMPTED: frozenset(),
+    A.ABORTED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def move(conn: Connection, attempt: dict[str, Any], target: AttemptState, **fields: Any) -> bool:
+    """Move an attempt from its current state to `target` if still there (compare-and-set). Returns False when
+    another actor (a CLI command, a previous daemon) moved it first; raises on a transition the machine forbids."""
+    current = AttemptState(attempt["state"])
+    if target not in TRANSITIONS[current]:
+        raise IllegalTransition(f"attempt {attempt['id']}: {current.value} → {target.value} is not a transition")
+    values: dict[str, Any] = {"state": target.value, **fields}
+    if target.final and "ended_at" not in fields:
+        values["ended_at"] = time.time()
+    res = conn.execute(update(s.attempts).where(s.attempts.c.id == attempt["id"])
+                       .where(s.attempts.c.state == current.value).values(**values))
+    if res.rowcount == 1:
+        attempt.update(values)
+        return True
+    return False
+
+
+def active_attempts(conn: Connection) -> list[dict[str, Any]]:
+    q = select(s.attempts).where(s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES)).order_by(s.attempts.c.created_at)
+    return [dict(r) for r in conn.execute(q).mappings()]

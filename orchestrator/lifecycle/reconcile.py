@@ -1,0 +1,612 @@
+"""The reconcile loop: every tick, compare what the database says should be happening with what is observed
+(the provider, the instance over SSH, the local supervisor) and take at most one idempotent step per attempt.
+
+Level-triggered, like a Kubernetes controller: a tick knows nothing the database does not, so a daemon killed at any
+point and restarted carries on where it was. Every step is a compare-and-set on the attempt's state
+(`machine.move`), so a step repeated after a crash is harmless: a launch is preceded by a look-up by tag/name, a
+terminate of a gone instance is success, a supervisor start is idempotent on the instance.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+
+from orchestrator.app import App
+from orchestrator.core.budget import month_key
+from orchestrator.lifecycle import checkpoints
+from orchestrator.lifecycle.local import LocalRunner
+from orchestrator.lifecycle.machine import AttemptState, active_attempts, move
+from orchestrator.lifecycle.states import JobState
+from orchestrator.queue import burst_enabled
+from providers.base import (
+    AuthFailed,
+    InstanceInfo,
+    InstanceState,
+    InvalidRequest,
+    LaunchRequest,
+    Market,
+    NoCapacity,
+    Offer,
+    OwnerTags,
+    Provider,
+    ProviderError,
+    QuotaExceeded,
+)
+from state import schema as s
+
+A = AttemptState
+LAUNCH_REFUSALS = (NoCapacity, QuotaExceeded, AuthFailed, InvalidRequest)
+
+
+@dataclass
+class OfferCache:
+    """Offers per provider, refreshed at most every `ttl_s` (a cache of observed state, not state)."""
+
+    ttl_s: float = 60.0
+    _at: dict[str, float] = field(default_factory=dict)
+    _offers: dict[str, list[Offer]] = field(default_factory=dict)
+
+    def get(self, name: str, provider: Provider, now: float) -> list[Offer]:
+        if now - self._at.get(name, -math.inf) > self.ttl_s:
+            self._offers[name] = provider.offers()
+            self._at[name] = now
+        return self._offers[name]
+
+    def forget(self, name: str) -> None:
+        self._at.pop(name, None)
+
+
+class Reconciler:
+    def __init__(self, app: App, providers: Mapping[str, Provider], *, cloud: Any | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.app = app
+        self.cfg = app.config
+        self.store = app.store
+        self.providers = dict(providers)
+        self.clock = clock
+        self.local = LocalRunner(app)
+        self.cloud = cloud  # CloudSteps: SSH, runbooks, syncs (None: the cloud is not configured)
+        self.offers = OfferCache()
+
+    # --- the tick -----------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        with self.store.tx() as conn:
+            attempts = active_attempts(conn)
+        jobs = {j["id"]: j for j in self._jobs_of(attempts)}
+        for att in attempts:
+            job = jobs.get(att["job_id"])
+            if job is None:
+                continue
+            try:
+                if att["where"] == "local":
+                    self.local.step(att, job)
+                else:
+                    self._cloud_step(att, job)
+            except Exception as exc:  # one attempt's trouble never stops the others
+                self.emit("attempt.error", job_id=att["job_id"], attempt_id=att["id"], state=att["state"],
+                          error=f"{type(exc).__name__}: {exc}")
+        self._schedule()
+
+    def emit(self, type_: str, **data: Any) -> None:
+        self.app.events.emit(type_, **data)
+
+    def mode(self) -> str:
+        return "burst-enabled" if burst_enabled(self.app) else "local-only"
+
+    def sweep(self) -> dict[str, list[str]]:
+        return sweep_orphans(self)
+
+    def _jobs_of(self, attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        ids = sorted({a["job_id"] for a in attempts})
+        if not ids:
+            return []
+        with self.store.engine.connect() as c:
+            return [dict(r) for r in c.execute(select(s.jobs).where(s.jobs.c.id.in_(ids))).mappings()]
+
+    # --- scheduling -------------------------------------------------------------------------------------------
+    def _schedule(self) -> None:
+        now = self.clock()
+        with self.store.engine.connect() as c:
+            busy_jobs = {r[0] for r in c.execute(
+                select(s.attempts.c.job_id).where(s.attempts.c.state.in_([a.value for a in A if not a.final])))}
+            n_local = c.execute(select(func.count()).select_from(s.attempts).where(
+                s.attempts.c.where == "local", s.attempts.c.state.in_([a.value for a in A if not a.final]))).scalar()
+            n_cloud = c.execute(select(func.count()).select_from(s.attempts).where(
+                s.attempts.c.where == "cloud", s.attempts.c.state.in_([a.value for a in A if not a.final]))).scalar()
+            # Earliest deadline first; only as many candidates as there are free slots (plus a margin) are read,
+            # so a tick stays cheap with 10,000 queued jobs.
+            limit = self.cfg.daemon.max_cloud_attempts + self.cfg.daemon.local_concurrency + 20
+            ready = [dict(r) for r in c.execute(
+                select(s.jobs).where(s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]))
+                .order_by(s.jobs.c.deadline_at).limit(limit)).mappings()]
+        local_free = self.cfg.daemon.local_concurrency - int(n_local or 0)
+        cloud_free = self.cfg.daemon.max_cloud_attempts - int(n_cloud or 0)
+        for job in ready:
+            if job["id"] in busy_jobs:
+                continue
+            if job["placement"] in ("local", "hybrid") and local_free > 0:
+                if not self.cfg.local.available_at(_clock_time(now)):
+                    continue
+                if self.local.start(job):
+                    local_free -= 1
+            elif job["placement"] == "cloud" and cloud_free > 0 and self._start_cloud_attempt(job, now):
+                cloud_free -= 1
+        self._redecide_blocked(now)
+
+    def _redecide_blocked(self, now: float) -> None:
+        """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
+        from orchestrator.queue import context, reconsider
+
+        with self.store.engine.connect() as c:
+            blocked = [dict(r) for r in c.execute(
+                select(s.jobs).where(s.jobs.c.state == JobState.BLOCKED.value)
+                .order_by(s.jobs.c.updated_at).limit(self.cfg.daemon.redecide_per_tick)).mappings()]
+        if not blocked:
+            return
+        ctx = context(self.app, now)
+        for job in blocked:
+            if job["spec"].get("_retry_at", 0) > now:
+                continue
+            reconsider(self.app, job, ctx, now)
+
+    # --- starting a cloud attempt ------------------------------------------------------------------------------
+    def _start_cloud_attempt(self, job: dict[str, Any], now: float) -> bool:
+        if self.cloud is None or not self.providers:
+            self._block(job, "no cloud provider is usable (check `burstctl providers`)")
+            return False
+        if not burst_enabled(self.app):
+            self._block(job, "bursting is disabled (revert-local): `burstctl burst-enable` lifts it")
+            return False
+        failures = self._recent_launch_failures(job["id"])
+        if failures and now < failures[0]["ended_at"] + self.cfg.daemon.launch_backoff_s:
+            return False
+        if len(failures) >= self.cfg.daemon.max_launch_failures:
+            self._block(job, f"{len(failures)} launches failed in a row ({failures[0]['reason']}); "
+                             f"retrying in {self.cfg.daemon.launch_backoff_s:.0f} s", retry_at=now +
+                        self.cfg.daemon.launch_backoff_s, reset_failures=True)
+            return False
+        choice = self._choose_offer(job, now)
+        if choice is None:
+            return False
+        provider_name, offer, market = choice
+        rate = offer.price(market) or offer.on_demand_usd_h
+        left = self.cfg.budget.monthly_cap_usd - self.store.month_spend(month_key(now), now)
+        expected_h = self._expected_remaining_h(job)
+        if rate * expected_h > left + 1e-9:
+            self._block(job, f"budget: ${rate * expected_h:.2f} projected for the rest exceeds the ${left:.2f} "
+                             "left this month")
+            return False
+        n = self._next_attempt_number(job["id"])
+        attempt_id = f"{job['id']}-a{n}"
+        with self.store.tx() as conn:
+            conn.execute(insert(s.attempts).values(
+                id=attempt_id, job_id=job["id"], n=n, where="cloud", state=A.INTENT.value, provider=provider_name,
+                instance_type=offer.instance_type, region=None, market=market.value,
+                idempotency_key=f"{self.cfg.orchestrator_id}-{attempt_id}",
+                info={"rate_usd_h": rate, "billing_minimum_s": offer.billing_minimum_s, "launch_tried": False,
+                      "gpu": offer.gpu_model},
+                created_at=now))
+            prev = job["state"]
+            self.store.update_job(job["id"], conn, expect_state=prev, state=JobState.RUNNING.value,
+                                  reason=f"bursting to {provider_name} {offer.instance_type} ({market.value})")
+            self.app.events.emit("attempt.intent", job_id=job["id"], attempt_id=attempt_id, conn=conn,
+                                 provider=provider_name, instance_type=offer.instance_type, market=market.value,
+                                 rate_usd_h=rate, resuming=prev == JobState.RESUMING.value)
+        return True
+
+    def _choose_offer(self, job: dict[str, Any], now: float) -> tuple[str, Offer, Market] | None:
+        """The cheapest offer, across usable providers, of a GPU type the job names, with capacity now."""
+        from orchestrator.lifecycle.market_switch import market_for_attempt
+
+        spec = job["spec"]
+        wanted = {g.upper(): s_r for g, s_r in spec["rented_throughput"].items()}
+        want_market = market_for_attempt(self.app, job, now)
+        best: tuple[float, str, Offer, Market] | None = None
+        problems: list[str] = []
+        for name, provider in self.providers.items():
+            try:
+                offers = self.offers.get(name, provider, now)
+            except ProviderError as exc:
+                problems.append(f"{name}: {type(exc).__name__}")
+                continue
+            for o in offers:
+                if o.gpu_model.upper() not in wanted or o.gpu_count != spec["gpus"] or not o.regions:
+                    continue
+                market = want_market
+                if market is Market.SPOT and o.spot_usd_h is None:
+                    market = Market.ON_DEMAND
+                price = o.price(market) or o.on_demand_usd_h
+                speed = wanted[o.gpu_model.upper()]
+                cost = price / speed  # $ per unit of work
+                if best is None or cost < best[0]:
+                    best = (cost, name, o, market)
+        if best is None:
+            why = "no offer with capacity for " + ", ".join(f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
+            if problems:
+                why += f" ({'; '.join(problems)})"
+            self._note(job, why)
+            return None
+        return best[1], best[2], best[3]
+
+    def _expected_remaining_h(self, job: dict[str, Any]) -> float:
+        d = job["decision"]
+        plan = d.get("plan") or []
+        cloud = [p for p in plan if p["where"] == "cloud"]
+        hours = cloud[0]["hours"] if cloud else (d.get("t_rented_h") or 0.0)
+        done = self._cloud_progress_h(job["id"])
+        return max(hours - done, d.get("overhead_h") or 0.0)
+
+    def _cloud_progress_h(self, job_id: str) -> float:
+        with self.store.engine.connect() as c:
+            rows = c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id)).mappings().all()
+        total = 0.0
+        for r in rows:
+            if r["started_at"] and r["ended_at"]:
+                total += max(0.0, (r["ended_at"] - r["started_at"]) / 3600.0 - (r["lost_work_h"] or 0.0))
+        return total
+
+    def _recent_launch_failures(self, job_id: str) -> list[dict[str, Any]]:
+        """Consecutive launch failures since the last attempt that got an instance, newest first."""
+        with self.store.engine.connect() as c:
+            rows = [dict(r) for r in c.execute(
+                select(s.attempts).where(s.attempts.c.job_id == job_id, s.attempts.c.where == "cloud")
+                .order_by(s.attempts.c.n.desc())).mappings()]
+        out = []
+        for r in rows:
+            if r["state"] != A.LAUNCH_FAILED.value or r["info"].get("failure_counted") is False:
+                break
+            out.append(r)
+        return out
+
+    def _next_attempt_number(self, job_id: str) -> int:
+        with self.store.engine.connect() as c:
+            n = c.execute(select(func.max(s.attempts.c.n)).where(s.attempts.c.job_id == job_id)).scalar()
+        return int(n or 0) + 1
+
+    def _block(self, job: dict[str, Any], reason: str, *, retry_at: float | None = None,
+               reset_failures: bool = False) -> None:
+        with self.store.tx() as conn:
+            spec = dict(job["spec"])
+            if retry_at is not None:
+                spec["_retry_at"] = retry_at
+            if self.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.BLOCKED.value,
+                                     reason=reason, spec=spec):
+                self.app.events.emit("job.blocked", job_id=job["id"], conn=conn, reason=reason)
+            if reset_failures:
+                for r in self._recent_launch_failures(job["id"]):
+                    info = {**r["info"], "failure_counted": False}
+                    conn.execute(update(s.attempts).where(s.attempts.c.id == r["id"]).values(info=info))
+
+    def _note(self, job: dict[str, Any], reason: str) -> None:
+        if job["reason"] == reason:
+            return
+        with self.store.tx() as conn:
+            self.store.update_job(job["id"], conn, reason=reason)
+            self.app.events.emit("job.waiting", job_id=job["id"], conn=conn, reason=reason)
+
+    # --- one step of a cloud attempt ---------------------------------------------------------------------------
+    def _cloud_step(self, att: dict[str, Any], job: dict[str, Any]) -> None:
+        provider = self.providers.get(att["provider"])
+        if provider is None:
+            self.emit("attempt.provider_unavailable", job_id=job["id"], attempt_id=att["id"],
+                      provider=att["provider"])
+            return
+        st = A(att["state"])
+        stop_reason = self._stop_reason(att, job)
+        if st is A.INTENT:
+            self._step_intent(att, job, provider, stop_reason)
+        elif st is A.TERMINATING:
+            self._step_terminating(att, job, provider)
+        elif stop_reason is not None:
+            self._stop(att, job, provider, stop_reason)
+        elif st is A.PROVISIONING:
+            self._step_provisioning(att, job, provider)
+        elif st is A.BOOTSTRAPPING:
+            self._step_bootstrapping(att, job, provider)
+        elif st is A.RUNNING:
+            self._step_running(att, job, provider)
+        elif st is A.FINISHING:
+            self._step_finishing(att, job, provider)
+
+    def _stop_reason(self, att: dict[str, Any], job: dict[str, Any]) -> str | None:
+        """Why an attempt must stop now, whatever its state: cancel, kill switch, budget, max run time."""
+        now = self.clock()
+        if job["state"] == JobState.CANCELLED.value:
+            return "cancelled"
+        if not burst_enabled(self.app):
+            return "revert-local"
+        spec = job["spec"]
+        if spec.get("max_run_hours") and att["started_at"] and now - att["started_at"] > spec["max_run_hours"] * 3600:
+            return "max-run-time"
+        if att["state"] in (A.RUNNING.value, A.BOOTSTRAPPING.value, A.PROVISIONING.value):
+            rate = att["info"].get("rate_usd_h", 0.0)
+            spent = self.store.month_spend(month_key(now), now)
+            # Stop while there is still room to checkpoint, sync and terminate before the cap is crossed.
+            horizon_h = (3 * self.cfg.daemon.tick_s + 120) / 3600.0
+            if spent + rate * horizon_h >= self.cfg.budget.monthly_cap_usd:
+                return "budget-cap"
+        return None
+
+    def _step_intent(self, att: dict[str, Any], job: dict[str, Any], provider: Provider,
+                     stop_reason: str | None) -> None:
+        info = dict(att["info"])
+        # Any launch that may have happened is looked up before another is made (no idempotency in every cloud).
+        found = provider.find_attempt(att["id"]) if info.get("launch_tried") else None
+        if found is None and stop_reason is not None:
+            with self.store.tx() as conn:
+                if move(conn, att, A.ABORTED, reason=stop_reason):
+                    self._after_attempt(conn, att, job, A.ABORTED, stop_reason)
+            return
+        if found is None:
+            info["launch_tried"] = True
+            with self.store.tx() as conn:
+                conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+            att["info"] = info
+            tags = OwnerTags(self.cfg.orchestrator_id, job["id"], att["id"])
+            req = LaunchRequest(instance_type=att["instance_type"], market=Market(att["market"]), tags=tags,
+                                idempotency_key=att["idempotency_key"], ssh_public_key=self.cloud.public_key,
+                                ssh_key_name=None)
+            try:
+                found = provider.launch(req)
+            except LAUNCH_REFUSALS as exc:
+                reason = f"{type(exc).__name__}: {self.app.redactor(str(exc))}"
+                with self.store.tx() as conn:
+                    if move(conn, att, A.LAUNCH_FAILED, reason=reason):
+                        self.app.events.emit("attempt.launch_failed", job_id=job["id"], attempt_id=att["id"],
+                                             conn=conn, provider=att["provider"], error=type(exc).__name__,
+                                             code=exc.code, reason=reason)
+                        self._after_attempt(conn, att, job, A.LAUNCH_FAILED, reason)
+                return
+            except ProviderError as exc:  # throttled/transient after retries: the outcome is unknown
+                self.emit("attempt.launch_unknown", job_id=job["id"], attempt_id=att["id"],
+                          error=type(exc).__name__)
+                return
+        self._adopt(att, job, found, "launched" if not info.get("adopted") else "adopted")
+
+    def _adopt(self, att: dict[str, Any], job: dict[str, Any], inst: InstanceInfo, how: str) -> None:
+        now = self.clock()
+        launched = inst.launched_at or now
+        with self.store.tx() as conn:
+            if not move(conn, att, A.PROVISIONING, instance_id=inst.id, region=inst.region):
+                return
+            exists = conn.execute(select(s.instances.c.id).where(s.instances.c.provider == att["provider"],
+                                                                 s.instances.c.id == inst.id)).first()
+            if exists is None:
+                conn.execute(insert(s.instances).values(
+                    provider=att["provider"], id=inst.id, attempt_id=att["id"], state=inst.state.value,
+                    instance_type=inst.instance_type, market=inst.market.value,
+                    rate_usd_h=att["info"].get("rate_usd_h"), host=inst.host, port=inst.ssh_port,
+                    host_key=inst.host_key, launched_at=launched, verified_gone=False))
+                self.store.open_charge({
+                    "month": month_key(launched), "job_id": job["id"], "attempt_id": att["id"],
+                    "provider": att["provider"], "instance_id": inst.id, "instance_type": inst.instance_type,
+                    "market": inst.market.value, "rate_usd_h": att["info"].get("rate_usd_h", 0.0),
+                    "started_at": launched}, conn=conn)
+            self.app.events.emit(f"instance.{how}", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                 provider=att["provider"], instance=inst.id, instance_type=inst.instance_type,
+                                 market=inst.market.value, region=inst.region)
+
+    def _step_provisioning(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+        inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
+        now = self.clock()
+        if inst is None or inst.state.gone:
+            self._lost(att, job, provider, inst, "instance gone while provisioning")
+            return
+        if inst.state is not InstanceState.RUNNING or not inst.host:
+            if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
+                self._stop(att, job, provider, "boot-timeout", outcome=A.FAILED)
+            return
+        target = self.cloud.target(att, inst)
+        if not self.cloud.reachable(target):
+            if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
+                self._stop(att, job, provider, "ssh-timeout", outcome=A.FAILED)
+            return
+        boot_s = now - att["created_at"]
+        with self.store.tx() as conn:
+            info = {**att["info"], "host": inst.host, "port": inst.ssh_port, "user": inst.ssh_user, "boot_s": boot_s}
+            if move(conn, att, A.BOOTSTRAPPING, info=info):
+                self._measure(conn, att, "boot_s", boot_s)
+                self.app.events.emit("instance.ready", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                     instance=att["instance_id"], boot_s=round(boot_s, 3))
+
+    def _step_bootstrapping(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+        resume_from = checkpoints.latest(self.cfg, job["id"])
+        timings = self.cloud.bootstrap_and_start(att, job, resume_from)
+        now = self.clock()
+        with self.store.tx() as conn:
+            info = {**att["info"], "timings": timings, "resume_from": resume_from.name if resume_from else None,
+                    "last_sync_at": now, "last_seen_at": now,
+                    "last_checkpoint_at": now}
+            if move(conn, att, A.RUNNING, info=info, started_at=now):
+                for k, v in timings.items():
+                    self._measure(conn, att, f"{k}_s", v)
+                if resume_from is not None:
+                    self.app.events.emit("job.resumed", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                         instance=att["instance_id"], checkpoint=resume_from.name,
+                                         provider=att["provider"], market=att["market"])
+                self.app.events.emit("attempt.running", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                     instance=att["instance_id"], timings=timings)
+
+    def _step_running(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+        now = self.clock()
+        inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
+        if inst is None or inst.state.gone:
+            self._lost(att, job, provider, inst, f"provider reports {inst.state.value if inst else 'unknown'}"
+                       + (f" ({inst.reason})" if inst and inst.reason else ""))
+            return
+        status = self.cloud.status(att)
+        info = dict(att["info"])
+        if status is None:  # SSH unreachable
+            if now - info.get("last_seen_at", now) > self.cfg.daemon.heartbeat_timeout_s:
+                self._lost(att, job, provider, inst, "heartbeat lost (SSH unreachable)")
+            return
+        info["last_seen_at"] = now
+        hb = status.get("heartbeat") or {}
+        ex = status.get("exit")
+        if ex is None and hb and now - float(hb.get("ts", now)) > self.cfg.daemon.heartbeat_timeout_s:
+            self._lost(att, job, provider, inst, "heartbeat lost (stale)")
+            return
+        interval = float(job["spec"]["checkpoint"]["interval_minutes"]) * 60.0
+        sync_every = min(interval, max(self.cfg.daemon.tick_s, interval / 2))
+        if ex is not None or now - info.get("last_sync_at", 0) >= sync_every:
+            self._pull(att, job, info)
+        if ex is not None:
+            reason = ex.get("reason")
+            if reason == "completed" and ex.get("exit_code") == 0:
+                with self.store.tx() as conn:
+                    move(conn, att, A.FINISHING, info=info)
+            elif reason == "notice":
+                self._lost(att, job, provider, inst, "spot interruption notice", info=info)
+            else:
+                self._stop(att, job, provider, f"job exited: {reason} (code {ex.get('exit_code')})",
+                           outcome=A.FAILED, info=info)
+            return
+        with self.store.tx() as conn:
+            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+
+    def _pull(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
+        started = time.monotonic()
+        try:
+            new = self.cloud.pull(att, job)
+        except Exception as exc:
+            self.emit("checkpoint.sync_failed", job_id=job["id"], attempt_id=att["id"],
+                      error=f"{type(exc).__name__}: {exc}")
+            return
+        took = time.monotonic() - started
+        info["last_sync_at"] = self.clock()
+        if new:
+            info["last_checkpoint_at"] = self.clock()
+            with self.store.tx() as conn:
+                self.store.update_job(job["id"], conn, checkpoint=new[-1].name)
+                self._measure(conn, att, "sync_s", took)
+                self.app.events.emit("checkpoint.synced", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                     checkpoints=[p.name for p in new], seconds=round(took, 3))
+
+    def _step_finishing(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+        info = dict(att["info"])
+        self._pull(att, job, info)
+        self._stop(att, job, provider, "completed", outcome=A.SUCCEEDED, info=info)
+
+    def _lost(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, inst: InstanceInfo | None,
+              reason: str, info: dict[str, Any] | None = None) -> None:
+        """A preemption, seen by the provider's state, the notice, or heartbeat loss."""
+        now = self.clock()
+        info = dict(info or att["info"])
+        if inst is not None and not inst.state.gone and reason == "spot interruption notice":
+            self._pull(att, job, info)  # the supervisor made the trainer write a last checkpoint: fetch it
+        last_ckpt = info.get("last_checkpoint_at") or att["started_at"] or now
+        lost_h = max(0.0, now - last_ckpt) / 3600.0 if att["started_at"] else 0.0
+        with self.store.tx() as conn:
+            if move(conn, att, A.TERMINATING, info={**info, "outcome": A.PREEMPTED.value, "stop_reason": reason},
+                    lost_work_h=lost_h, reason=reason):
+                self.app.events.emit("instance.preempted", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                     instance=att["instance_id"], provider=att["provider"],
+                                     lost_work_h=round(lost_h, 4), reason=reason)
+        self._step_terminating(att, job, provider)
+
+    def _stop(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, reason: str, *,
+              outcome: AttemptState = A.ABORTED, info: dict[str, Any] | None = None) -> None:
+        info = dict(info or att["info"])
+        if att["state"] == A.RUNNING.value and outcome is A.ABORTED:
+            # Ask for a last checkpoint (SIGTERM through the supervisor) and bring it home, bounded in time.
+            try:
+                self.cloud.request_checkpoint(att)
+                self.cloud.wait_exit(att, timeout_s=60)
+            except Exception as exc:
+                self.emit("attempt.last_checkpoint_failed", job_id=job["id"], attempt_id=att["id"],
+                          error=f"{type(exc).__name__}: {exc}")
+            self._pull(att, job, info)
+        with self.store.tx() as conn:
+            if move(conn, att, A.TERMINATING, info={**info, "outcome": outcome.value, "stop_reason": reason},
+                    reason=reason):
+                self.app.events.emit("attempt.stopping", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                     reason=reason, outcome=outcome.value)
+        self._step_terminating(att, job, provider)
+
+    def _step_terminating(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+        started = time.monotonic()
+        inst_id = att["instance_id"]
+        if inst_id:
+            provider.terminate([inst_id])
+            inst = provider.describe([inst_id]).get(inst_id)
+            if inst is not None and not inst.state.gone:
+                return  # confirmed next tick
+        now = self.clock()
+        outcome = A(att["info"].get("outcome", A.ABORTED.value))
+        with self.store.tx() as conn:
+            if not move(conn, att, outcome):
+                return
+            if inst_id:
+                self._close_instance(conn, att, inst_id, now)
+                self._measure(conn, att, "teardown_s", time.monotonic() - started)
+            self.app.events.emit("instance.terminated", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                 instance=inst_id, outcome=outcome.value)
+            self._after_attempt(conn, att, job, outcome, att.get("reason"))
+
+    def _close_instance(self, conn: Any, att: dict[str, Any], inst_id: str, now: float) -> None:
+        conn.execute(update(s.instances).where(s.instances.c.provider == att["provider"], s.instances.c.id == inst_id)
+                     .values(state=InstanceState.TERMINATED.value, gone_at=now, verified_gone=True))
+        rows = conn.execute(select(s.ledger).where(s.ledger.c.attempt_id == att["id"],
+                                                   s.ledger.c.ended_at.is_(None))).mappings().all()
+        minimum = float(att["info"].get("billing_minimum_s", 60.0))
+        for r in rows:
+            billed = max(minimum, now - r["started_at"])
+            self.store.close_charge(r["id"], ended_at=now, billed_seconds=billed,
+                                    cost_usd=r["rate_usd_h"] * billed / 3600.0, conn=conn)
+
+    def _after_attempt(self, conn: Any, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
+                       reason: str | None) -> None:
+        """What an ended attempt means for its job."""
+        from orchestrator.lifecycle.finish import job_after_attempt
+
+        job_after_attempt(self.app, conn, att, job, outcome, reason, self.clock())
+
+    def _measure(self, conn: Any, att: dict[str, Any], metric: str, value: float) -> None:
+        conn.execute(insert(s.measurements).values(ts=self.clock(), provider=att["provider"] or "local",
+                                                   instance_type=att["instance_type"] or "local", metric=metric,
+                                                   value=float(value)))
+
+
+def _clock_time(now: float) -> Any:
+    from datetime import datetime
+
+    return datetime.fromtimestamp(now).time()
+
+
+def sweep_orphans(reconciler: Reconciler) -> dict[str, list[str]]:
+    """Every owned instance whose attempt is unknown or over is terminated (a leaked instance is money lost).
+    Returns, per provider, the ids terminated; an unreachable provider is reported and skipped."""
+    app = reconciler.app
+    terminated: dict[str, list[str]] = {}
+    for name, provider in reconciler.providers.items():
+        try:
+            owned = provider.list_owned()
+        except ProviderError as exc:
+            app.events.emit("provider.unreachable", provider=name, error=type(exc).__name__, during="sweep")
+            continue
+        with app.store.engine.connect() as c:
+            attempts = {r["id"]: dict(r) for r in c.execute(select(s.attempts).where(
+                s.attempts.c.id.in_([i.attempt_id for i in owned if i.attempt_id]))).mappings()}
+        for inst in owned:
+            if inst.state.gone:
+                continue
+            att = attempts.get(inst.attempt_id or "")
+            if att is not None and not AttemptState(att["state"]).final and att["instance_id"] in (None, inst.id):
+                continue  # live: the tick drives it (an intent adopts it by tag)
+            why = "no attempt" if att is None else f"attempt {att['state']}"
+            try:
+                provider.terminate([inst.id])
+            except ProviderError as exc:
+                app.events.emit("instance.orphan_terminate_failed", provider=name, instance=inst.id,
+                                error=type(exc).__name__)
+                continue
+            terminated.setdefault(name, []).append(inst.id)
+            app.events.emit("instance.orphan_terminated", provider=name, instance=inst.id,
+                            attempt_id=inst.attempt_id, reason=why)
+    return terminated

@@ -1,0 +1,33 @@
+"""Wiring for the daemon and one-shot commands: the reconciler with the configured providers and SSH steps."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+
+from orchestrator.app import App
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
+from orchestrator.lifecycle.reconcile import Reconciler
+from orchestrator.lifecycle.states import JobState
+from providers.registry import build, usable
+from state import schema as s
+
+
+def build_reconciler(app: App) -> Reconciler:
+    from orchestrator.lifecycle.cloud_steps import CloudSteps
+
+    slots = build(app.config, sink=lambda t, **d: app.events.emit(t, **d))
+    for slot in slots.values():
+        if slot.enabled and slot.provider is None:
+            app.events.emit("provider.unavailable", provider=slot.name, problem=slot.problem)
+    providers = usable(slots)
+    return Reconciler(app, providers, cloud=CloudSteps(app, providers) if providers else None)
+
+
+def has_active_work(app: App) -> bool:
+    """Anything still to do: an active attempt, or a job waiting to run."""
+    with app.store.engine.connect() as c:
+        attempts = c.execute(select(func.count()).select_from(s.attempts)
+                             .where(s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).scalar()
+        jobs = c.execute(select(func.count()).select_from(s.jobs).where(s.jobs.c.state.in_(
+            [JobState.QUEUED.value, JobState.RESUMING.value, JobState.RUNNING.value]))).scalar()
+    return bool(attempts or jobs)

@@ -1,0 +1,73 @@
+"""Build the configured providers. The only place that knows which adapter serves which config section."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.config import Config
+from providers.base import AuthFailed, EventSink, Provider
+
+PROVIDER_NAMES = ("sim", "lambda", "ec2")
+
+
+@dataclass(frozen=True)
+class ProviderSlot:
+    """A configured provider: the adapter when it could be built, or why it could not."""
+
+    name: str
+    enabled: bool
+    credential: str  # what holds the credential: an env var's *name*, or the AWS chain
+    credential_present: bool
+    provider: Provider | None
+    problem: str | None = None
+
+
+def _aws_credentials_present(profile: str | None) -> bool:
+    import boto3
+
+    try:
+        return boto3.Session(profile_name=profile).get_credentials() is not None
+    except Exception:  # a broken profile is "not present", reported by name below
+        return False
+
+
+def build(cfg: Config, *, sink: EventSink | None = None, environ: Mapping[str, str] = os.environ,
+          tuning: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, ProviderSlot]:
+    """Every provider section, enabled or not; adapters only for enabled ones with credentials."""
+    from providers import lambda_cloud
+
+    tuning = tuning or {}
+    slots: dict[str, ProviderSlot] = {}
+    for name, section in (("sim", cfg.providers.sim), ("lambda", cfg.providers.lambda_)):
+        present = bool(environ.get(section.api_key_env))
+        provider = None
+        problem = None
+        if section.enabled:
+            try:
+                key = lambda_cloud.api_key_from_env(section, environ)
+                provider = lambda_cloud.from_config(section, key, sink=sink, orchestrator_id=cfg.orchestrator_id,
+                                                    **tuning.get(name, {}))
+            except AuthFailed as exc:
+                problem = str(exc)
+        slots[name] = ProviderSlot(name, section.enabled, f"${section.api_key_env}", present, provider, problem)
+
+    ec2 = cfg.providers.ec2
+    present = _aws_credentials_present(ec2.profile) if ec2.enabled else False
+    provider = None
+    problem = None
+    if ec2.enabled:
+        if not present:
+            problem = "no AWS credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile"
+        else:
+            from providers.ec2 import Ec2Adapter
+
+            provider = Ec2Adapter.from_config(cfg, sink=sink, **tuning.get("ec2", {}))
+    slots["ec2"] = ProviderSlot("ec2", ec2.enabled, "AWS credential chain", present, provider, problem)
+    return slots
+
+
+def usable(slots: Mapping[str, ProviderSlot]) -> dict[str, Provider]:
+    return {n: s.provider for n, s in slots.items() if s.provider is not None}

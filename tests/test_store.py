@@ -1,0 +1,72 @@
+"""The store: versioned migrations, private SQLite in WAL mode, safe concurrent writers (CLI + daemon)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import stat
+from pathlib import Path
+
+from sqlalchemy import select
+
+from state import schema
+from state.store import Store
+
+
+def test_migrations_run_once_and_record_the_version(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    st = Store(url)
+    assert st.migrate() == schema.LATEST
+    with st.engine.connect() as c:
+        versions = [r[0] for r in c.execute(select(schema.schema_version.c.version))]
+    assert versions == [v for v, _ in schema.MIGRATIONS]
+    Store(url)  # a second open applies nothing again
+    with st.engine.connect() as c:
+        assert len(list(c.execute(select(schema.schema_version.c.version)))) == len(schema.MIGRATIONS)
+
+
+def test_database_file_is_private(tmp_path: Path) -> None:
+    Store(f"sqlite:///{tmp_path / 'b.db'}")
+    assert stat.S_IMODE(os.stat(tmp_path / "b.db").st_mode) == 0o600
+
+
+def _writer(url: str, worker: int, n: int) -> None:
+    st = Store(url)
+    for i in range(n):
+        st.append_event("test.write", {"worker": worker, "i": i})
+        st.set_setting(f"w{worker}", i)
+
+
+def test_concurrent_writers_in_separate_processes_lose_nothing(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    Store(url)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(url, w, 100)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    st = Store(url)
+    evs = st.events(type_prefix="test.")
+    assert len(evs) == 400
+    assert {(e["data"]["worker"], e["data"]["i"]) for e in evs} == {(w, i) for w in range(4) for i in range(100)}
+    assert all(st.get_setting(f"w{w}") == 99 for w in range(4))
+
+
+def test_job_updates_are_compare_and_set(tmp_path: Path) -> None:
+    st = Store(f"sqlite:///{tmp_path / 'b.db'}")
+    st.insert_job({"id": "j1", "name": "x", "kind": "train", "state": "queued", "verdict": "local",
+                   "placement": "local", "spec": {}, "decision": {}, "deadline_at": 0.0})
+    assert st.update_job("j1", expect_state="queued", state="running")
+    assert not st.update_job("j1", expect_state="queued", state="cancelled")
+    assert st.get_job("j1")["state"] == "running"
+    assert st.get_job("x")["id"] == "j1"  # by name too
+
+
+def test_open_charges_accrue_until_closed(tmp_path: Path) -> None:
+    st = Store(f"sqlite:///{tmp_path / 'b.db'}")
+    cid = st.open_charge({"month": "2026-11", "provider": "sim", "rate_usd_h": 3.6, "started_at": 1000.0})
+    assert abs(st.month_spend("2026-11", now=1000.0 + 1800) - 1.8) < 1e-9
+    st.close_charge(cid, ended_at=1000.0 + 3600, billed_seconds=3600, cost_usd=3.6)
+    assert abs(st.month_spend("2026-11", now=99999.0) - 3.6) < 1e-9
