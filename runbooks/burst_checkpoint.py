@@ -198,14 +198,23 @@ def latest_complete(ckpt_dir: str | os.PathLike[str], *, deep: bool = True) -> P
 
 
 def prune(ckpt_dir: str | os.PathLike[str], keep: int = 2) -> list[Path]:
-    """Remove complete checkpoints older than the newest `keep`, and temporary directories whose writer process
-    is gone. Incomplete visible directories are left alone (they are not ours to judge). Returns what was removed."""
+    """Remove complete checkpoints older than the newest `keep` fully verified ones, and temporary directories whose
+    writer process is gone. Directories that do not verify are left alone (not ours to judge) and never count as
+    kept, so a corrupted newest checkpoint cannot cost the good ones before it. Returns what was removed."""
     if keep < 1:
         raise ValueError("keep must be at least 1: pruning the last complete checkpoint loses the resume point")
     root = Path(ckpt_dir)
     removed = []
-    complete = list_complete(root, deep=False)
-    for path in complete[:-keep]:
+    candidates = _candidates(root)
+    kept = 0
+    older = []
+    for index in range(len(candidates) - 1, -1, -1):  # hash only the newest ones, until `keep` of them verify
+        if verify(candidates[index]):
+            kept += 1
+            if kept == keep:
+                older = candidates[:index]
+                break
+    for path in (p for p in older if verify(p, deep=False)):
         # Hide it first, so a concurrent reader never sees a half-deleted checkpoint.
         doomed = root / f".tmp-{path.name}-{os.getpid()}-pruned"
         os.rename(str(path), str(doomed))
