@@ -179,6 +179,7 @@ class Trainer:
                 print(f"trainer: error: {exc}", file=sys.stderr)
                 return 2
         args = self.args
+        print(f"training from step {self.state['step']} to {args.steps}", flush=True)  # SIGTERM handled from here
         loss = float("nan")
         while self.state["step"] < args.steps and not self.stop_requested:
             loss = sgd_step(self.state, self.xs, self.ys, args.steps, args.lr)
