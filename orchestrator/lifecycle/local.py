@@ -7,10 +7,7 @@ checkpoints go straight into the local store <state>/checkpoints/<job>/.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +21,7 @@ from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.finish import job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState, move
 from orchestrator.lifecycle.states import JobState
+from runbooks import supervisor
 from state import schema as s
 
 A = AttemptState
@@ -32,11 +30,8 @@ SUPERVISOR = RUNBOOKS / "supervisor.py"
 
 
 def supervisor_status(run_dir: Path) -> dict[str, Any]:
-    """The supervisor's own view (heartbeat, exit record, liveness), read with its `status` subcommand."""
-    out = subprocess.run([sys.executable, str(SUPERVISOR), "status", "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=30)
-    line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "{}"
-    return json.loads(line)
+    """The supervisor's own view (heartbeat, exit record, liveness, metrics)."""
+    return supervisor.read_status(run_dir)
 
 
 def write_env_file(path: Path, env: dict[str, str]) -> None:
@@ -73,7 +68,8 @@ class LocalRunner:
             if not self.app.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.RUNNING.value,
                                              reason="running locally"):
                 raise RuntimeError(f"job {job['id']} changed state while starting")
-        att = {"id": attempt_id, "job_id": job["id"], "state": A.INTENT.value, "info": info, "where": "local",
+        att = {"id": attempt_id, "n": n + 1, "job_id": job["id"], "state": A.INTENT.value, "info": info,
+               "where": "local",
                "started_at": None, "instance_id": None}
         self._spawn(att, job)
         return True
@@ -88,8 +84,9 @@ class LocalRunner:
         resume = checkpoints.latest(self.cfg, job["id"])
         env_file = run / "job.env"
         write_env_file(env_file, {**spec.get("env", {}), "PYTHONPATH": str(RUNBOOKS)})
-        argv = [sys.executable, str(SUPERVISOR), "--run-dir", str(run), "--job-id", job["id"], "--attempt", att["id"],
-                "--checkpoint-dir", str(ckpt), "--workdir", spec["workdir"], "--env-file", str(env_file),
+        argv = [sys.executable, str(SUPERVISOR), "--run-dir", str(run), "--job-id", job["id"],
+                "--attempt", str(att["n"]), "--checkpoint-dir", str(ckpt), "--workdir", spec["workdir"],
+                "--env-file", str(env_file),
                 "--daemonize"]
         if resume is not None:
             argv += ["--resume-from", str(resume)]
@@ -120,7 +117,7 @@ class LocalRunner:
         ex = st.get("exit")
         now = time.time()
         if ex is None:
-            if not st.get("alive"):
+            if not st.get("supervisor_alive"):
                 self._end(att, job, A.PREEMPTED, "local supervisor died", info)
                 return
             wanted = None
@@ -129,7 +126,7 @@ class LocalRunner:
             elif info.get("switch_at") and now >= info["switch_at"]:
                 wanted = "hybrid-switch"
             if wanted and not info.get("stop_requested"):
-                self._signal(st, signal.SIGTERM)
+                supervisor.stop(run, grace_s=30.0)  # SIGTERM: the trainer writes a last checkpoint
                 info["stop_requested"] = now
                 info["stop_reason"] = wanted
                 self.app.events.emit("attempt.stop_requested", job_id=job["id"], attempt_id=att["id"], reason=wanted)
@@ -145,12 +142,6 @@ class LocalRunner:
             self._end(att, job, A.ABORTED, "cancelled", info)
         else:
             self._end(att, job, A.FAILED, f"exited: {reason} (code {ex.get('exit_code')})", info)
-
-    def _signal(self, st: dict[str, Any], sig: signal.Signals) -> None:
-        pid = (st.get("heartbeat") or {}).get("supervisor_pid") or st.get("pid")
-        if pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), sig)
 
     def _end(self, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState, reason: str,
              info: dict[str, Any]) -> None:

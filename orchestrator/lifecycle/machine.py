@@ -57,7 +57,7 @@ OUTCOMES = frozenset({AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.
 
 A = AttemptState
 TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
-    A.INTENT: frozenset({A.PROVISIONING, A.LAUNCH_FAILED, A.ABORTED, A.RUNNING}),  # local attempts start running
+    A.INTENT: frozenset({A.PROVISIONING, A.LAUNCH_FAILED, A.ABORTED, A.RUNNING, A.FAILED}),  # local: → running
     A.PROVISIONING: frozenset({A.BOOTSTRAPPING, A.TERMINATING}),
     A.BOOTSTRAPPING: frozenset({A.RUNNING, A.TERMINATING}),
     A.RUNNING: frozenset({A.FINISHING, A.TERMINATING, A.SUCCEEDED, A.FAILED, A.PREEMPTED, A.ABORTED}),

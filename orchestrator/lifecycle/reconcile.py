@@ -41,6 +41,7 @@ from providers.base import (
 from state import schema as s
 
 A = AttemptState
+MAX_STEP_ERRORS = 5
 LAUNCH_REFUSALS = (NoCapacity, QuotaExceeded, AuthFailed, InvalidRequest)
 
 
@@ -89,9 +90,38 @@ class Reconciler:
                 else:
                     self._cloud_step(att, job)
             except Exception as exc:  # one attempt's trouble never stops the others
-                self.emit("attempt.error", job_id=att["job_id"], attempt_id=att["id"], state=att["state"],
-                          error=f"{type(exc).__name__}: {exc}")
+                self._step_failed(att, job, exc)
         self._schedule()
+
+    def _step_failed(self, att: dict[str, Any], job: dict[str, Any], exc: Exception) -> None:
+        """Count consecutive failures of the same step; after MAX_STEP_ERRORS the attempt is given up."""
+        error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:500]
+        info = dict(att["info"])
+        same = info.get("last_error") == error
+        info["errors"] = int(info.get("errors", 0)) + 1
+        info["last_error"] = error
+        with self.store.tx() as conn:
+            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+            if not same:  # repeated identical errors are counted, not re-logged every tick
+                self.app.events.emit("attempt.error", job_id=att["job_id"], attempt_id=att["id"], conn=conn,
+                                     state=att["state"], error=error, count=info["errors"])
+        att["info"] = info
+        if info["errors"] < MAX_STEP_ERRORS:
+            return
+        reason = f"gave up after {info['errors']} failed steps: {error}"
+        if att["where"] == "local" or att["state"] == A.INTENT.value:
+            outcome = A.LAUNCH_FAILED if att["where"] == "cloud" else A.FAILED
+            with self.store.tx() as conn:
+                if move(conn, att, outcome, reason=reason):
+                    self._after_attempt(conn, att, job, outcome, reason)
+            return
+        provider = self.providers.get(att["provider"])
+        if provider is not None and att["state"] != A.TERMINATING.value:
+            try:
+                self._stop(att, job, provider, reason, outcome=A.FAILED)
+            except Exception as exc2:
+                self.emit("attempt.error", job_id=att["job_id"], attempt_id=att["id"], state=att["state"],
+                          error=f"{type(exc2).__name__}: {exc2}")
 
     def emit(self, type_: str, **data: Any) -> None:
         self.app.events.emit(type_, **data)
@@ -403,7 +433,7 @@ class Reconciler:
                 self._stop(att, job, provider, "boot-timeout", outcome=A.FAILED)
             return
         target = self.cloud.target(att, inst)
-        if not self.cloud.reachable(target):
+        if not self.cloud.reachable(att, target):
             if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
                 self._stop(att, job, provider, "ssh-timeout", outcome=A.FAILED)
             return
