@@ -169,7 +169,8 @@ def _admin_root(app: App, url: str | None) -> str:
     return root.removesuffix("/api/v1")
 
 
-def _admin(method: str, root: str, path: str, body: dict[str, Any] | None = None) -> Any:
+def _admin(method: str, root: str, path: str, body: dict[str, Any] | None = None, *, field: str = "--url") -> Any:
+    """One admin-route call; 400/404 are the caller's input (`field`), anything else is operational."""
     try:
         resp = httpx.request(method, root + path, json=body, timeout=30.0)
     except httpx.HTTPError as exc:
@@ -182,7 +183,7 @@ def _admin(method: str, root: str, path: str, body: dict[str, Any] | None = None
         err = (doc or {}).get("error", {}) if isinstance(doc, dict) else {}
         message = err.get("message") or f"HTTP {resp.status_code}"
         if resp.status_code in (400, 404):
-            raise BadInput(message, field="INSTANCE")
+            raise BadInput(message, field=field)
         raise OperationalError(f"simcloud at {root}: {message}")
     return doc.get("data") if isinstance(doc, dict) else doc
 
@@ -217,11 +218,13 @@ def preempt_cmd(app: App, instance_id: str, notice_seconds: float, url: str | No
                        field="INSTANCE")
     if record["status"] == "preempted":
         raise BadInput(f"instance {instance_id} is already preempted", field="INSTANCE")
-    notice = _admin("POST", root, f"/_sim/instances/{instance_id}/notice", {"seconds": notice_seconds})
+    notice = _admin("POST", root, f"/_sim/instances/{instance_id}/notice", {"seconds": notice_seconds},
+                    field="INSTANCE")
     if not as_json:
         out.print(f"notice posted: {instance_id} will be reclaimed at {notice['time']}")
     time.sleep(notice_seconds)
-    _admin("POST", root, f"/_sim/instances/{instance_id}/preempt", {"reason": "spot-preempted (forced)"})
+    _admin("POST", root, f"/_sim/instances/{instance_id}/preempt", {"reason": "spot-preempted (forced)"},
+           field="INSTANCE")
     after = next((r for r in _records(root) if r["id"] == instance_id), record)
     if as_json:
         print_json({"instance_id": instance_id, "notice_time": notice["time"], "status": after["status"],
