@@ -1,0 +1,473 @@
+"""Moving a job's workdir and its checkpoints between this machine and a burst instance.
+
+Transport: rsync over SSH when rsync exists on both sides (checked once per target), SFTP otherwise; either
+can be forced with `transport=`. Both pin the host key exactly as `ssh.connect` does.
+
+Checkpoints follow `runbooks.burst_checkpoint`: `CKPT/<name>/` is complete when its `manifest.json` (written
+last) is present and every listed file matches its size and sha256. Pulling never makes a partial checkpoint
+visible: each one is fetched into a hidden staging dir `CKPT/.incoming-<name>` on the same filesystem,
+verified against the manifest, fsynced, then renamed into place in one step. A transfer killed midway leaves
+only the staging dir, which the next pull resumes (rsync `--partial-dir`, SFTP appends from the last byte).
+Files a new checkpoint shares with the newest local one do not cross the wire: rsync uses `--link-dest`
+against it (delta transfer when only the mtime differs), SFTP hard-links files whose size and sha256 match.
+Hard links are safe because a complete checkpoint is never modified in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fnmatch
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+import fabric
+import paramiko
+
+from orchestrator.remote.ssh import (
+    HostKeyMismatch,
+    HostKeyTrust,
+    RemoteError,
+    SshUnavailable,
+    Target,
+    connect,
+    rsync_ssh_command,
+    run,
+)
+from runbooks import burst_checkpoint
+
+Transport = Literal["auto", "rsync", "sftp"]
+
+MANIFEST = burst_checkpoint.MANIFEST
+STAGING_PREFIX = ".incoming-"  # hidden: burst_checkpoint never lists it, and its prune never deletes it
+_RSYNC_PARTIAL_DIR = ".rsync-partial"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_CHUNK = 1024 * 1024
+_LIST_COMPLETE_SH = 'cd -- "$1" 2>/dev/null || exit 0; for d in *; do [ -f "$d/manifest.json" ] && ' \
+                    "printf '%s\\n' \"$d\"; done; exit 0"
+
+
+class SyncError(RemoteError):
+    """A sync did not complete (transfer failed, local disk full, ...). Nothing partial was made visible."""
+
+
+@dataclass
+class SyncStats:
+    """What one sync cost: the daemon stores these as measured overhead."""
+
+    transport: Literal["rsync", "sftp"]
+    bytes_sent: int = 0  # rsync: wire bytes incl. protocol; sftp: file payload bytes
+    bytes_received: int = 0
+    files_transferred: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_sent + self.bytes_received
+
+    def add(self, other: SyncStats) -> None:
+        self.bytes_sent += other.bytes_sent
+        self.bytes_received += other.bytes_received
+        self.files_transferred += other.files_transferred
+
+
+class PulledCheckpoints(list[Path]):
+    """The new complete local checkpoints (oldest first), plus what the pull cost and what it refused."""
+
+    def __init__(self, paths: Iterable[Path], stats: SyncStats, rejected: dict[str, str]) -> None:
+        super().__init__(paths)
+        self.stats = stats
+        self.rejected = rejected  # checkpoint name → why it was not made visible (e.g. a sha256 mismatch)
+
+
+@dataclass
+class PushedCheckpoint:
+    name: str
+    local_path: Path
+    remote_path: str
+    stats: SyncStats
+    already_there: bool = False
+
+
+# --- transport choice ----------------------------------------------------------------------------------------
+_transport_cache: dict[tuple[str, str, int], Literal["rsync", "sftp"]] = {}
+_transport_lock = threading.Lock()
+
+
+def choose_transport(target: Target, conn: fabric.Connection, transport: Transport = "auto"
+                     ) -> Literal["rsync", "sftp"]:
+    """rsync when both sides have it (asked once per target), else SFTP; a forced choice is returned as is."""
+    if transport != "auto":
+        return transport
+    cache_key = (target.instance_id, target.host, target.port)
+    with _transport_lock:
+        cached = _transport_cache.get(cache_key)
+    if cached is not None:
+        return cached
+    chosen: Literal["rsync", "sftp"] = "sftp"
+    if shutil.which("rsync") is not None and shutil.which("ssh") is not None:
+        probe = run(conn, ["sh", "-c", "command -v rsync"], check=False, timeout=30)
+        if probe.exit_code == 0:
+            chosen = "rsync"
+    with _transport_lock:
+        _transport_cache[cache_key] = chosen
+    return chosen
+
+
+# --- public operations ----------------------------------------------------------------------------------------
+def push_dir(target: Target, trust: HostKeyTrust, local_dir: str | Path, remote_dir: str, *,
+             exclude: Sequence[str] = (), transport: Transport = "auto") -> SyncStats:
+    """Copy `local_dir`'s contents into `remote_dir` on the instance (created if needed).
+
+    `exclude` holds rsync-style glob patterns matched against each path's name and its path relative to
+    `local_dir`. Files already there with the same size and mtime are skipped; nothing remote is deleted.
+    """
+    local = Path(local_dir)
+    if not local.is_dir():
+        raise SyncError(f"workdir {local} is not a directory")
+    started = time.monotonic()
+    with connect(target, trust=trust) as conn:
+        chosen = choose_transport(target, conn, transport)
+        run(conn, ["mkdir", "-p", "--", remote_dir], timeout=60)
+        if chosen == "rsync":
+            extra = [f"--exclude={p}" for p in exclude]
+            stats = _rsync(target, trust, [*extra, f"{local}/", _remote_spec(target, remote_dir) + "/"],
+                           what=f"pushing {local}")
+        else:
+            stats = _sftp_push_tree(conn.sftp(), local, remote_dir, exclude)
+    stats.seconds = time.monotonic() - started
+    return stats
+
+
+def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | Path, remote_ckpt_dir: str, *,
+                    transport: Transport = "auto") -> PushedCheckpoint | None:
+    """Put the newest complete local checkpoint into `remote_ckpt_dir` (for resume); None if there is none.
+
+    It lands in a hidden remote dir and is renamed into place, so the trainer never resumes from half of it.
+    Files shared with the instance's newest complete checkpoint are hard-linked there, not sent (rsync).
+    """
+    newest = burst_checkpoint.latest_complete(local_ckpt_dir)  # deep: a corrupt local one must not spread
+    if newest is None:
+        return None
+    name = newest.name
+    remote_final = f"{remote_ckpt_dir}/{name}"
+    remote_staging = f"{remote_ckpt_dir}/{STAGING_PREFIX}{name}"
+    started = time.monotonic()
+    with connect(target, trust=trust) as conn:
+        chosen = choose_transport(target, conn, transport)
+        remote_complete = _remote_complete(conn, remote_ckpt_dir)
+        if name in remote_complete:
+            return PushedCheckpoint(name, newest, remote_final, SyncStats(chosen), already_there=True)
+        run(conn, ["mkdir", "-p", "--", remote_staging], timeout=60)
+        if chosen == "rsync":
+            basis = [f"--link-dest=../{remote_complete[-1]}"] if remote_complete else []
+            stats = _rsync(target, trust, [*basis, "--checksum", "--delete", f"{newest}/",
+                                           _remote_spec(target, remote_staging) + "/"],
+                           what=f"pushing checkpoint {name}")
+        else:
+            stats = _sftp_push_tree(conn.sftp(), newest, remote_staging, (), manifest_last=True)
+        # The final name is free or holds an incomplete leftover (no manifest): replace it in one rename.
+        run(conn, ["sh", "-c", 'if [ -e "$2" ]; then rm -rf -- "$2"; fi; mv -- "$1" "$2"', "sh",
+                   remote_staging, remote_final], timeout=300)
+    stats.seconds = time.monotonic() - started
+    return PushedCheckpoint(name, newest, remote_final, stats)
+
+
+def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, local_ckpt_dir: str | Path, *,
+                     transport: Transport = "auto", bwlimit_kib: int | None = None) -> PulledCheckpoints:
+    """Bring back every complete remote checkpoint not yet complete locally; return the new local ones.
+
+    Each is verified (sizes + sha256 against its manifest) before it becomes visible. One that fails
+    verification stays invisible and is listed in `.rejected`; transport failures raise SyncError (retry to
+    resume) and a full local disk raises SyncError after removing that checkpoint's staging dir.
+    `bwlimit_kib` caps the transfer rate (KiB/s) so a pull does not starve the trainer's own traffic.
+    """
+    local_root = Path(local_ckpt_dir)
+    local_root.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    pulled: list[Path] = []
+    rejected: dict[str, str] = {}
+    with connect(target, trust=trust) as conn:
+        chosen = choose_transport(target, conn, transport)
+        total = SyncStats(chosen)
+        for name in _remote_complete(conn, remote_ckpt_dir):
+            final = local_root / name
+            if burst_checkpoint.verify(final, deep=False):
+                continue  # only verified checkpoints are ever renamed into place: sizes suffice here
+            basis = burst_checkpoint.latest_complete(local_root, deep=False)
+            staging = local_root / f"{STAGING_PREFIX}{name}"
+            staging.mkdir(exist_ok=True)
+            remote_path = f"{remote_ckpt_dir}/{name}"
+            try:
+                if chosen == "rsync":
+                    # --checksum: a trainer rewrites same-sized shards within one second, which rsync's
+                    # size+mtime quick check would take for unchanged and hard-link from the basis.
+                    args = ["--checksum", "--delete", f"--partial-dir={_RSYNC_PARTIAL_DIR}"]
+                    args += [f"--link-dest={basis.resolve()}"] if basis is not None else []
+                    args += [f"--bwlimit={bwlimit_kib}"] if bwlimit_kib else []
+                    stats = _rsync(target, trust, [*args, _remote_spec(target, remote_path) + "/", f"{staging}/"],
+                                   what=f"pulling checkpoint {name} into {local_root}")
+                else:
+                    stats = _sftp_pull_checkpoint(conn.sftp(), remote_path, staging, basis, bwlimit_kib)
+                total.add(stats)
+                problem = _verify_and_sync(staging)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    raise SyncError(f"local disk full while pulling checkpoint {name} into {local_root}; "
+                                    "nothing was made visible") from None
+                raise SyncError(f"pulling checkpoint {name} into {local_root} failed: {e.strerror or e}") from None
+            except (EOFError, paramiko.SSHException):
+                raise SshUnavailable(f"instance {target.instance_id}: SSH dropped while pulling checkpoint "
+                                     f"{name}; retry to resume") from None
+            except SyncError as e:
+                if "No space left on device" in str(e):
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise
+            if problem is not None:
+                shutil.rmtree(staging, ignore_errors=True)  # a fresh attempt refetches everything
+                rejected[name] = problem
+                continue
+            if final.exists():
+                shutil.rmtree(final)  # a leftover without a verified manifest is not a checkpoint
+            os.rename(staging, final)
+            _fsync_dir(local_root)
+            pulled.append(final)
+    total.seconds = time.monotonic() - started
+    return PulledCheckpoints(pulled, total, rejected)
+
+
+# --- remote listing ---------------------------------------------------------------------------------------------
+def _remote_complete(conn: fabric.Connection, remote_ckpt_dir: str) -> list[str]:
+    """Names under remote_ckpt_dir holding a manifest, oldest first; hidden (temporary) dirs are never listed."""
+    res = run(conn, ["sh", "-c", _LIST_COMPLETE_SH, "sh", remote_ckpt_dir], timeout=60)
+    return sorted(n for n in res.stdout.splitlines() if _NAME.match(n))
+
+
+def _remote_spec(target: Target, path: str) -> str:
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    return f"{target.user}@{host}:{path}"
+
+
+# --- rsync --------------------------------------------------------------------------------------------------------
+_STAT_LINE = re.compile(r"^(Total bytes sent|Total bytes received|Number of regular files transferred): (\d+)",
+                        re.MULTILINE)
+
+
+def _rsync(target: Target, trust: HostKeyTrust, args: list[str], *, what: str) -> SyncStats:
+    with rsync_ssh_command(target, trust) as rsh:
+        argv = ["rsync", "-rlpt", "--stats", "--no-human-readable", "-e", rsh, *args]
+        # C locale: --stats and error texts are parsed; no secrets are in this environment's use.
+        proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"},
+                              stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        err = proc.stderr.strip()
+        if "Host key verification failed" in err:
+            raise HostKeyMismatch(f"instance {target.instance_id}: rsync's ssh refused the host key while {what}")
+        if proc.returncode < 0:
+            raise SyncError(f"rsync was killed by signal {-proc.returncode} while {what}; retry to resume")
+        if proc.returncode == 255:
+            raise SshUnavailable(f"instance {target.instance_id}: rsync's ssh connection failed while {what}")
+        if "No space left on device" in err:
+            raise SyncError(f"local disk full (No space left on device) while {what}")
+        last = err.splitlines()[-1] if err else "no stderr"
+        raise SyncError(f"rsync exited {proc.returncode} while {what}: {last}")
+    found = {m.group(1): int(m.group(2)) for m in _STAT_LINE.finditer(proc.stdout)}
+    return SyncStats("rsync", bytes_sent=found.get("Total bytes sent", 0),
+                     bytes_received=found.get("Total bytes received", 0),
+                     files_transferred=found.get("Number of regular files transferred", 0))
+
+
+# --- SFTP ----------------------------------------------------------------------------------------------------------
+class _RateLimit:
+    """Sleeps so that bytes/elapsed stays under the cap (None: no cap)."""
+
+    def __init__(self, kib_per_s: int | None) -> None:
+        self.rate = kib_per_s * 1024 if kib_per_s else None
+        self.started = time.monotonic()
+        self.done = 0
+
+    def account(self, n: int) -> None:
+        if self.rate is None:
+            return
+        self.done += n
+        ahead = self.done / self.rate - (time.monotonic() - self.started)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def _safe_relpath(rel: str) -> str:
+    parts = PurePosixPath(rel).parts
+    if not rel or rel.startswith("/") or ".." in parts or rel == MANIFEST:
+        raise SyncError(f"the manifest lists {rel!r}, which is not a relative path inside the checkpoint")
+    return PurePosixPath(rel).as_posix()
+
+
+def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: Path, basis: Path | None,
+                          bwlimit_kib: int | None) -> SyncStats:
+    stats = SyncStats("sftp")
+    limit = _RateLimit(bwlimit_kib)
+    with sftp.open(f"{remote_path}/{MANIFEST}", "rb") as f:
+        manifest_bytes = f.read()
+    stats.bytes_received += len(manifest_bytes)
+    try:
+        manifest: dict[str, Any] = json.loads(manifest_bytes)
+        files: dict[str, dict[str, Any]] = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        raise SyncError(f"{remote_path}/{MANIFEST} is not a checkpoint manifest") from None
+    basis_files: dict[str, Any] = {}
+    if basis is not None:
+        with contextlib.suppress(OSError, ValueError):
+            basis_files = burst_checkpoint.read_manifest(basis)["files"]
+    for rel in sorted(files):
+        entry = files[rel]
+        dest = staging / _safe_relpath(rel)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        size = int(entry["size"])
+        if basis is not None and basis_files.get(rel) == entry and _link_or_copy(basis / rel, dest):
+            continue  # same size and sha256 as the newest local checkpoint's file: nothing to send
+        have = dest.stat().st_size if dest.exists() else 0
+        if have == size:
+            continue  # finished by an earlier, interrupted pull; the final verification checks it
+        offset = have if have < size else 0
+        with sftp.open(f"{remote_path}/{rel}", "rb") as remote, open(dest, "ab" if offset else "wb") as local:
+            remote.seek(offset)
+            remote.prefetch(size)
+            while True:
+                block = remote.read(_CHUNK)
+                if not block:
+                    break
+                local.write(block)
+                stats.bytes_received += len(block)
+                limit.account(len(block))
+        stats.files_transferred += 1
+    (staging / MANIFEST).write_bytes(manifest_bytes)  # last, as the trainer wrote it
+    return stats
+
+
+def _link_or_copy(src: Path, dest: Path) -> bool:
+    """Hard-link src to dest (copy across filesystems); False if src is missing."""
+    if dest.exists():
+        dest.unlink()
+    try:
+        os.link(src, dest)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+        shutil.copy2(src, dest)
+    return True
+
+
+def _excluded(rel: str, patterns: Sequence[str]) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(rel, p.lstrip("/")) for p in patterns)
+
+
+def _sftp_push_tree(sftp: paramiko.SFTPClient, local: Path, remote_dir: str, exclude: Sequence[str], *,
+                    manifest_last: bool = False) -> SyncStats:
+    stats = SyncStats("sftp")
+    _sftp_makedirs(sftp, remote_dir)
+    deferred: list[tuple[Path, str]] = []
+    for dirpath, dirnames, filenames in os.walk(local):
+        base = Path(dirpath)
+        rel_base = base.relative_to(local).as_posix()
+        rel_base = "" if rel_base == "." else rel_base + "/"
+        dirnames[:] = sorted(d for d in dirnames if not _excluded(rel_base + d, exclude))
+        for d in dirnames:
+            _sftp_makedirs(sftp, f"{remote_dir}/{rel_base}{d}")
+        for fname in sorted(filenames):
+            rel = rel_base + fname
+            if _excluded(rel, exclude):
+                continue
+            if manifest_last and rel == MANIFEST:
+                deferred.append((base / fname, f"{remote_dir}/{rel}"))
+                continue
+            _sftp_put_if_changed(sftp, base / fname, f"{remote_dir}/{rel}", stats)
+    for src, dest in deferred:
+        _sftp_put_if_changed(sftp, src, dest, stats)
+    return stats
+
+
+def _sftp_put_if_changed(sftp: paramiko.SFTPClient, src: Path, dest: str, stats: SyncStats) -> None:
+    st = src.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        with contextlib.suppress(OSError):
+            sftp.remove(dest)
+        sftp.symlink(os.readlink(src), dest)
+        return
+    if not stat.S_ISREG(st.st_mode):
+        return
+    try:
+        there = sftp.stat(dest)
+        if there.st_size == st.st_size and there.st_mtime == int(st.st_mtime):
+            return  # rsync's quick check: same size and mtime
+    except FileNotFoundError:
+        pass
+    sftp.put(str(src), dest)
+    sftp.chmod(dest, stat.S_IMODE(st.st_mode))
+    sftp.utime(dest, (int(st.st_atime), int(st.st_mtime)))
+    stats.bytes_sent += st.st_size
+    stats.files_transferred += 1
+
+
+def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
+    parts = PurePosixPath(path).parts
+    for i in range(1, len(parts) + 1):
+        partial = str(PurePosixPath(*parts[:i]))
+        try:
+            sftp.stat(partial)
+        except FileNotFoundError:
+            sftp.mkdir(partial)
+
+
+# --- verification and durability -------------------------------------------------------------------------------
+def _verify_and_sync(staging: Path) -> str | None:
+    """None when staging is a complete checkpoint, now durable on disk; else why it is not."""
+    shutil.rmtree(staging / _RSYNC_PARTIAL_DIR, ignore_errors=True)
+    if not burst_checkpoint.verify(staging):
+        try:
+            burst_checkpoint.read_manifest(staging)
+        except (OSError, ValueError):
+            return "its manifest is missing or malformed"
+        return "a file's size or sha256 differs from the manifest"
+    for path in staging.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for directory in [staging, *(p for p in staging.rglob("*") if p.is_dir() and not p.is_symlink())]:
+        _fsync_dir(directory)
+    return None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = [
+    "STAGING_PREFIX",
+    "PulledCheckpoints",
+    "PushedCheckpoint",
+    "SyncError",
+    "SyncStats",
+    "Transport",
+    "choose_transport",
+    "pull_checkpoints",
+    "push_checkpoint",
+    "push_dir",
+]

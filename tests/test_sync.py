@@ -1,0 +1,281 @@
+"""Workdir and checkpoint sync with a burst instance: rsync over SSH and SFTP, against real simcloud machines.
+
+The instance's "trainer" writes checkpoints with `runbooks.burst_checkpoint` straight into the sandbox (the
+instance's disk, on this machine); everything crossing between the two sides goes over real SSH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from orchestrator.remote.ssh import MemoryHostKeyTrust, Target, generate_keypair
+from orchestrator.remote.ssh import connect as ssh_connect
+from orchestrator.remote.sync import (
+    STAGING_PREFIX,
+    PulledCheckpoints,
+    SyncError,
+    choose_transport,
+    pull_checkpoints,
+    push_checkpoint,
+    push_dir,
+)
+from providers.simcloud.ssh_backend import SshBackend, openssh_available
+from runbooks import burst_checkpoint
+
+pytestmark = pytest.mark.slow
+
+HAVE_RSYNC = shutil.which("rsync") is not None and shutil.which("ssh") is not None
+SERVERS = [pytest.param("openssh", marks=pytest.mark.skipif(not openssh_available(), reason="sshd not installed")),
+           "paramiko"]
+TRANSPORTS = [pytest.param("rsync", marks=pytest.mark.skipif(not HAVE_RSYNC, reason="rsync/ssh not installed")),
+              "sftp"]
+MiB = 1024 * 1024
+
+
+@dataclass
+class Instance:
+    target: Target
+    sandbox: Path
+    trust: MemoryHostKeyTrust
+    transport: str
+
+
+@pytest.fixture(params=SERVERS)
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SshBackend]:
+    b = SshBackend(tmp_path / "simcloud", prefer=request.param)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def key_path(tmp_path: Path) -> Path:
+    path = tmp_path / "keys" / "id_ed25519"
+    generate_keypair(path)
+    return path
+
+
+def start(backend: SshBackend, key_path: Path, instance_id: str, transport: str) -> Instance:
+    ep = backend.start(instance_id, Path(f"{key_path}.pub").read_text())
+    assert ep.sandbox is not None
+    target = Target(ep.host, ep.port, ep.user, key_path, ep.host_key, instance_id)
+    return Instance(target, Path(ep.sandbox), MemoryHostKeyTrust(), transport)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def instance(request: pytest.FixtureRequest, backend: SshBackend, key_path: Path) -> Instance:
+    return start(backend, key_path, "i-sync", request.param)
+
+
+def pull(inst: Instance, local: Path, **kwargs: object) -> PulledCheckpoints:
+    return pull_checkpoints(inst.target, inst.trust, "ckpt", local, transport=inst.transport,  # type: ignore[arg-type]
+                            **kwargs)  # type: ignore[arg-type]
+
+
+def shards(n: int, size: int) -> dict[str, bytes]:
+    return {f"model-{i:05d}.safetensors": os.urandom(size) for i in range(n)}
+
+
+def visible(directory: Path) -> list[str]:
+    """What a resume would consider: non-hidden entries."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) if directory.exists() else []
+
+
+def test_push_workdir_then_pull_checkpoints_round_trip(instance: Instance, tmp_path: Path) -> None:
+    workdir = tmp_path / "work"
+    (workdir / "data").mkdir(parents=True)
+    (workdir / "train.py").write_text("print('train')\n")
+    (workdir / "data" / "tokens.bin").write_bytes(os.urandom(300_000))
+    (workdir / ".venv").mkdir()
+    (workdir / ".venv" / "big").write_bytes(b"x" * 1000)
+    (workdir / "run.log").write_text("local log\n")
+
+    pushed = push_dir(instance.target, instance.trust, workdir, "job/work", exclude=[".venv", "*.log"],
+                      transport=instance.transport)  # type: ignore[arg-type]
+    remote_work = instance.sandbox / "job" / "work"
+    assert (remote_work / "train.py").read_text() == "print('train')\n"
+    assert (remote_work / "data" / "tokens.bin").read_bytes() == (workdir / "data" / "tokens.bin").read_bytes()
+    assert not (remote_work / ".venv").exists() and not (remote_work / "run.log").exists()
+    assert pushed.transport == instance.transport and pushed.bytes_sent >= 300_000 and pushed.seconds > 0
+    again = push_dir(instance.target, instance.trust, workdir, "job/work", exclude=[".venv", "*.log"],
+                     transport=instance.transport)  # type: ignore[arg-type]
+    assert again.files_transferred == 0  # unchanged files are not sent twice
+
+    written = burst_checkpoint.write_checkpoint(instance.sandbox / "ckpt", "step-00000100",
+                                                {"model.bin": os.urandom(200_000), "opt/adam.bin": b"m" * 5000},
+                                                meta={"step": 100})
+    local = tmp_path / "local-ckpt"
+    got = pull(instance, local)
+    assert got == [local / "step-00000100"]
+    assert burst_checkpoint.verify(got[0])
+    assert (got[0] / "opt" / "adam.bin").read_bytes() == (written / "opt" / "adam.bin").read_bytes()
+    assert burst_checkpoint.read_manifest(got[0]) == burst_checkpoint.read_manifest(written)
+    assert got.stats.transport == instance.transport and got.stats.bytes_received >= 205_000
+    assert got.rejected == {}
+    assert os.listdir(local) == ["step-00000100"]  # no staging left behind
+    assert pull(instance, local) == []  # already complete locally: nothing to do
+
+
+def test_push_checkpoint_sends_the_newest_complete_one_under_a_hidden_name_then_renames(
+        backend: SshBackend, key_path: Path, tmp_path: Path) -> None:
+    for transport in [p for p in ("rsync", "sftp") if p == "sftp" or HAVE_RSYNC]:
+        inst = start(backend, key_path, f"i-resume-{transport}", transport)
+        local = tmp_path / f"local-{transport}"
+        assert push_checkpoint(inst.target, inst.trust, local, "ckpt", transport=transport) is None  # type: ignore[arg-type]
+        burst_checkpoint.write_checkpoint(local, "step-00000100", {"w.bin": os.urandom(10_000)})
+        burst_checkpoint.write_checkpoint(local, "step-00000200", {"w.bin": os.urandom(10_000)})
+        (local / "step-00000300").mkdir()  # incomplete: no manifest
+        (local / "step-00000300" / "w.bin").write_bytes(b"half")
+
+        pushed = push_checkpoint(inst.target, inst.trust, local, "ckpt", transport=transport)  # type: ignore[arg-type]
+        assert pushed is not None and pushed.name == "step-00000200" and not pushed.already_there
+        assert pushed.stats.bytes_sent >= 10_000
+        remote = inst.sandbox / "ckpt"
+        assert os.listdir(remote) == ["step-00000200"]
+        assert burst_checkpoint.verify(remote / "step-00000200")
+        again = push_checkpoint(inst.target, inst.trust, local, "ckpt", transport=transport)  # type: ignore[arg-type]
+        assert again is not None and again.already_there and again.stats.bytes_moved == 0
+
+
+def test_incremental_pull_moves_only_the_changed_shard(instance: Instance, tmp_path: Path) -> None:
+    shard_size = 2 * MiB
+    files = shards(4, shard_size)
+    remote = instance.sandbox / "ckpt"
+    burst_checkpoint.write_checkpoint(remote, "step-00000100", files)
+    local = tmp_path / "local"
+    first = pull(instance, local)
+    assert first.stats.bytes_received >= 4 * shard_size
+
+    # The trainer rewrites every file of the next checkpoint (fresh mtimes); only one shard's bytes changed.
+    files["model-00002.safetensors"] = os.urandom(shard_size)
+    burst_checkpoint.write_checkpoint(remote, "step-00000200", files)
+    second = pull(instance, local)
+
+    assert second.rejected == {}
+    assert second == [local / "step-00000200"] and burst_checkpoint.verify(second[0])
+    assert shard_size <= second.stats.bytes_received < 1.25 * shard_size
+    if instance.transport == "sftp":
+        # Unchanged shards are hard links to the previous checkpoint's files: no second copy on disk either.
+        same = (local / "step-00000100" / "model-00000.safetensors").stat().st_ino
+        assert (local / "step-00000200" / "model-00000.safetensors").stat().st_ino == same
+
+
+def test_remote_checkpoints_without_a_manifest_or_still_hidden_are_ignored(
+        instance: Instance, tmp_path: Path) -> None:
+    remote = instance.sandbox / "ckpt"
+    burst_checkpoint.write_checkpoint(remote, "step-00000100", {"w.bin": b"complete"})
+    (remote / "step-00000200").mkdir()  # the trainer died before writing the manifest
+    (remote / "step-00000200" / "w.bin").write_bytes(b"partial")
+    hidden = remote / ".tmp-step-00000300-4242"  # being written: manifest there, rename not done yet
+    hidden.mkdir()
+    (hidden / "manifest.json").write_text('{"files": {}}')
+    local = tmp_path / "local"
+    got = pull(instance, local)
+    assert got == [local / "step-00000100"] and got.rejected == {}
+    assert visible(local) == ["step-00000100"]
+
+
+def test_a_corrupted_remote_file_fails_verification_and_is_never_made_visible(
+        instance: Instance, tmp_path: Path) -> None:
+    remote = instance.sandbox / "ckpt"
+    burst_checkpoint.write_checkpoint(remote, "step-00000100", {"w.bin": b"a" * 50_000})
+    bad = burst_checkpoint.write_checkpoint(remote, "step-00000200", {"w.bin": b"b" * 50_000})
+    (bad / "w.bin").write_bytes(b"B" * 50_000)  # same size, different bytes: a bit rot or a torn write
+    local = tmp_path / "local"
+    got = pull(instance, local)
+    assert got == [local / "step-00000100"]
+    assert got.rejected == {"step-00000200": "a file's size or sha256 differs from the manifest"}
+    assert os.listdir(local) == ["step-00000100"]  # nor is its staging dir kept
+
+
+def test_auto_transport_is_rsync_when_both_sides_have_it(backend: SshBackend, key_path: Path) -> None:
+    inst = start(backend, key_path, "i-auto", "auto")
+    with ssh_connect(inst.target, trust=inst.trust) as conn:
+        assert choose_transport(inst.target, conn) == ("rsync" if HAVE_RSYNC else "sftp")
+        assert choose_transport(inst.target, conn, "sftp") == "sftp"
+
+
+def _children_named(name: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat_line = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        comm = stat_line[stat_line.index("(") + 1:stat_line.rindex(")")]
+        ppid = int(stat_line[stat_line.rindex(")") + 2:].split()[1])
+        if comm == name and ppid == os.getpid():
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not HAVE_RSYNC, reason="rsync/ssh not installed")
+def test_rsync_killed_mid_pull_leaves_nothing_visible_and_a_retry_resumes(
+        backend: SshBackend, key_path: Path, tmp_path: Path) -> None:
+    inst = start(backend, key_path, "i-kill", "rsync")
+    shard_size = 2 * MiB
+    burst_checkpoint.write_checkpoint(inst.sandbox / "ckpt", "step-00000100", shards(4, shard_size))
+    local = tmp_path / "local"
+    staging = local / f"{STAGING_PREFIX}step-00000100"
+    outcome: dict[str, object] = {}
+
+    def slow_pull() -> None:
+        try:
+            outcome["result"] = pull(inst, local, bwlimit_kib=1024)  # ~8 s in all at 1 MiB/s
+        except SyncError as e:
+            outcome["error"] = e
+
+    puller = threading.Thread(target=slow_pull)
+    puller.start()
+    deadline = time.monotonic() + 120
+    while not (staging / "model-00000.safetensors").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # rsync renames a file into place only once it is whole
+    rsyncs = _children_named("rsync")
+    assert rsyncs, "the pull's rsync process was not found"
+    for pid in rsyncs:
+        os.kill(pid, signal.SIGKILL)
+    puller.join(60)
+
+    assert "killed by signal 9" in str(outcome.get("error"))
+    assert visible(local) == []  # resume logic would find no checkpoint, not a partial one
+    assert (staging / "model-00000.safetensors").stat().st_size == shard_size
+
+    retry = pull(inst, local)
+    assert retry == [local / "step-00000100"] and burst_checkpoint.verify(retry[0])
+    assert retry.stats.bytes_received < 3.5 * shard_size  # the finished shard was not fetched again
+    assert os.listdir(local) == ["step-00000100"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs (needs root and mount(2)); skipped with the reason when it cannot be mounted."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {res.stderr.strip() or res.returncode}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_local_disk_full_raises_sync_error_and_leaves_nothing_visible(
+        instance: Instance, tiny_disk: Path) -> None:
+    burst_checkpoint.write_checkpoint(instance.sandbox / "ckpt", "step-00000100", shards(1, 3 * MiB))
+    local = tiny_disk / "ckpt"
+    with pytest.raises(SyncError, match="disk full"):
+        pull(instance, local)
+    assert os.listdir(local) == []  # the staging dir went too, giving the space back
