@@ -136,7 +136,7 @@ def group_alive(pgid: int | None) -> bool:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             fields = _proc_stat(int(entry))
-            if fields and int(fields[3]) == pgid and fields[0] != "Z":
+            if fields and int(fields[2]) == pgid and fields[0] != "Z":
                 return True
     return False
 
