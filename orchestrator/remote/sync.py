@@ -65,8 +65,8 @@ class SyncError(RemoteError):
 class SyncStats:
     """What one sync cost: the daemon stores these as measured overhead."""
 
-    transport: Literal["rsync", "sftp"]
-    bytes_sent: int = 0  # rsync: wire bytes incl. protocol; sftp: file payload bytes
+    transport: Literal["rsync", "sftp", "s3"]
+    bytes_sent: int = 0  # rsync: wire bytes incl. protocol; sftp and s3: file payload bytes
     bytes_received: int = 0
     files_transferred: int = 0
     seconds: float = 0.0

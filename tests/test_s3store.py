@@ -1,0 +1,132 @@
+"""Checkpoints through S3: multipart concurrent transfers, manifest last, verified atomic downloads (moto)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from boto3.s3.transfer import TransferConfig
+from moto import mock_aws
+
+from orchestrator.remote.s3store import S3CheckpointStore
+from orchestrator.remote.sync import SyncError
+from runbooks import burst_checkpoint
+
+MiB = 1024 * 1024
+BUCKET = "burstctl-ckpt"
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(var, "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with mock_aws():
+        client = boto3.client("s3", region_name="us-east-1")
+        client.create_bucket(Bucket=BUCKET)
+        yield client
+
+
+@pytest.fixture
+def store(s3: Any) -> S3CheckpointStore:
+    # 5 MiB parts (S3's minimum) so a 12 MiB shard goes up in three concurrent parts.
+    config = TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=4)
+    return S3CheckpointStore(s3, BUCKET, "jobs/job-1/ckpt", transfer_config=config)
+
+
+def recorded_calls(client: Any) -> list[tuple[str, str]]:
+    """(operation, key) of every S3 request the client makes from now on, in order."""
+    calls: list[tuple[str, str]] = []
+
+    def record(params: dict[str, Any], model: Any, **_: Any) -> None:
+        calls.append((model.name, params.get("Key", "")))
+
+    client.meta.events.register("provide-client-params.s3.*", record)
+    return calls
+
+
+def test_upload_is_multipart_with_the_manifest_last_and_download_round_trips(
+        store: S3CheckpointStore, s3: Any, tmp_path: Path) -> None:
+    files = {"model.safetensors": os.urandom(12 * MiB), "config.json": b'{"layers": 2}'}
+    local = burst_checkpoint.write_checkpoint(tmp_path / "trainer", "step-00000100", files, meta={"step": 100})
+    calls = recorded_calls(s3)
+
+    up = store.upload(local)
+
+    prefix = "jobs/job-1/ckpt/step-00000100/"
+    assert up.stats.bytes_sent == 12 * MiB + len(b'{"layers": 2}') + (local / "manifest.json").stat().st_size
+    assert s3.head_object(Bucket=BUCKET, Key=prefix + "model.safetensors")["ETag"].endswith('-3"')
+    assert sum(op == "UploadPart" for op, _ in calls) == 3
+    writes = [key for op, key in calls if op in ("PutObject", "CompleteMultipartUpload", "CopyObject")]
+    assert writes[-1] == prefix + "manifest.json"  # the checkpoint becomes complete only after every file
+    assert store.list_complete() == ["step-00000100"]
+
+    path, stats = store.download("step-00000100", tmp_path / "local")
+    assert path == tmp_path / "local" / "step-00000100" and burst_checkpoint.verify(path)
+    assert (path / "model.safetensors").read_bytes() == files["model.safetensors"]
+    assert stats.bytes_received >= 12 * MiB
+    assert os.listdir(tmp_path / "local") == ["step-00000100"]
+    assert store.upload(local).already_there
+
+
+def test_a_checkpoint_without_its_manifest_object_is_not_complete(
+        store: S3CheckpointStore, s3: Any, tmp_path: Path) -> None:
+    done = burst_checkpoint.write_checkpoint(tmp_path / "trainer", "step-00000100", {"w.bin": b"w" * 1000})
+    store.upload(done)
+    # An upload interrupted before its manifest: the files are there, the manifest is not.
+    s3.put_object(Bucket=BUCKET, Key="jobs/job-1/ckpt/step-00000200/w.bin", Body=b"v" * 1000)
+    assert store.list_complete() == ["step-00000100"]
+    got = store.pull_new(tmp_path / "local")
+    assert got == [tmp_path / "local" / "step-00000100"]
+    with pytest.raises(SyncError, match="not complete"):
+        store.download("step-00000200", tmp_path / "local")
+    assert os.listdir(tmp_path / "local") == ["step-00000100"]
+
+
+def test_upload_refuses_a_local_checkpoint_that_does_not_match_its_manifest(
+        store: S3CheckpointStore, tmp_path: Path) -> None:
+    local = burst_checkpoint.write_checkpoint(tmp_path / "trainer", "step-00000100", {"w.bin": b"a" * 100})
+    (local / "w.bin").write_bytes(b"b" * 100)
+    with pytest.raises(SyncError, match="not a complete checkpoint"):
+        store.upload(local)
+    assert store.list_complete() == []
+
+
+def test_incremental_checkpoints_send_only_changed_files_both_ways(
+        store: S3CheckpointStore, s3: Any, tmp_path: Path) -> None:
+    files = {f"shard-{i}.bin": os.urandom(1 * MiB) for i in range(4)}
+    trainer = tmp_path / "trainer"
+    store.upload(burst_checkpoint.write_checkpoint(trainer, "step-00000100", files))
+    local = tmp_path / "local"
+    store.pull_new(local)
+
+    files["shard-2.bin"] = os.urandom(1 * MiB)
+    second = burst_checkpoint.write_checkpoint(trainer, "step-00000200", files)
+    up = store.upload(second)
+    manifest_size = (second / "manifest.json").stat().st_size
+    assert up.stats.bytes_sent == 1 * MiB + manifest_size and up.files_copied_in_s3 == 3
+    body = s3.get_object(Bucket=BUCKET, Key="jobs/job-1/ckpt/step-00000200/shard-0.bin")["Body"].read()
+    assert body == files["shard-0.bin"]  # the server-side copy is the real bytes
+
+    got = store.pull_new(local)
+    assert got == [local / "step-00000200"] and burst_checkpoint.verify(got[0])
+    assert got.stats.bytes_received == 1 * MiB + manifest_size
+    assert (local / "step-00000200" / "shard-0.bin").stat().st_ino == \
+        (local / "step-00000100" / "shard-0.bin").stat().st_ino
+
+
+def test_a_corrupted_object_fails_verification_and_nothing_becomes_visible(
+        store: S3CheckpointStore, s3: Any, tmp_path: Path) -> None:
+    store.upload(burst_checkpoint.write_checkpoint(tmp_path / "trainer", "step-00000100", {"w.bin": b"a" * 4096}))
+    s3.put_object(Bucket=BUCKET, Key="jobs/job-1/ckpt/step-00000100/w.bin", Body=b"A" * 4096)
+    local = tmp_path / "local"
+    with pytest.raises(SyncError, match="failed verification"):
+        store.download("step-00000100", local)
+    assert os.listdir(local) == []
+    got = store.pull_new(local)
+    assert got == [] and list(got.rejected) == ["step-00000100"]
+    assert os.listdir(local) == []
