@@ -39,7 +39,8 @@ def build(cfg: Config, *, sink: EventSink | None = None, environ: Mapping[str, s
     """Every provider section, enabled or not; adapters only for enabled ones with credentials."""
     from providers import lambda_cloud
 
-    tuning = tuning or {}
+    # simcloud is a local process: Lambda's client-side pacing (1 req/s, 1 launch/12 s) would only slow it down.
+    tuning = {"sim": {"request_interval_s": 0.0, "launch_interval_s": 0.0}, **(tuning or {})}
     slots: dict[str, ProviderSlot] = {}
     for name, section in (("sim", cfg.providers.sim), ("lambda", cfg.providers.lambda_)):
         present = bool(environ.get(section.api_key_env))

@@ -1,0 +1,149 @@
+"""End to end on simcloud with real SSH and real processes: a checkpointing trainer bursts to spot, is preempted,
+resumes on another instance from its checkpoint, finishes bit-identical to an uninterrupted run, and every instance
+is gone with the meter matching simcloud's billing. A daemon killed with SIGKILL mid-run is restarted and carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import (
+    SIM_KEY,
+    Daemon,
+    cli,
+    events,
+    job,
+    preempt,
+    sim_billing,
+    sim_instances,
+    simcloud,
+    wait_for,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+STEPS, EVERY, STEP_S = 160, 10, 0.1
+
+
+def trainer_job(tmp: Path, name: str = "trainer", **extra: str) -> Path:
+    work = tmp / "work"
+    work.mkdir(exist_ok=True)
+    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
+    lines = [
+        f'name = "{name}"',
+        f'command = ["python3", "trainer.py", "--steps", "{STEPS}", "--checkpoint-every", "{EVERY}", '
+        f'"--step-seconds", "{STEP_S}"]',
+        'workdir = "work"', "deadline_hours = 10", "local_throughput = 0", "rented_throughput = { H100 = 0.5 }",
+        *[f"{k} = {v}" for k, v in extra.items()],
+        "[checkpoint]", "interval_minutes = 0.02",
+    ]
+    path = tmp / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def uninterrupted_final_state(tmp: Path) -> bytes:
+    """The same trainer, run once locally with no interruption: the reference final checkpoint."""
+    ckpt = tmp / "reference" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    env = {"BURST_CHECKPOINT_DIR": str(ckpt), "BURST_RESUME_FROM": "", "PYTHONPATH": str(REPO / "runbooks"),
+           "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, str(REPO / "examples" / "trainer.py"), "--steps", str(STEPS),
+                    "--checkpoint-every", str(EVERY), "--step-seconds", "0"], env=env, check=True, timeout=120,
+                   capture_output=True)
+    return (ckpt / f"step-{STEPS:08d}" / "state.json").read_bytes()
+
+
+def running_instance(state: Path, after: int = 0) -> str:
+    evs = [e for e in events(state, "attempt.running") if e["id"] > after and e["data"].get("instance")]
+    return evs[-1]["data"]["instance"] if evs else ""
+
+
+def synced(state: Path, after: int = 0) -> bool:
+    return any(e["id"] > after for e in events(state, "checkpoint.synced"))
+
+
+def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        r = cli(config, state, "enqueue", str(trainer_job(tmp_path)), "--json")
+        assert r.returncode == 0, r.stderr
+        job_id = json.loads(r.stdout)["id"]
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            first = wait_for(lambda: running_instance(state), 90, "the first attempt to run")
+            wait_for(lambda: synced(state), 60, "a first checkpoint to come home")
+            preempt(url, first, notice_s=1.0)
+            wait_for(lambda: events(state, "job.resumed"), 120, "the job to resume elsewhere")
+            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
+        finally:
+            assert daemon.stop() == 0
+        instances = sim_instances(url)
+        billing = sim_billing(url)
+
+    types = [e["type"] for e in events(state)]
+    for a, b in [("instance.preempted", "job.resuming"), ("job.resuming", "job.resumed"), ("job.resumed", "job.done")]:
+        assert types.index(a) < types.index(b), (a, b)
+    pre = events(state, "instance.preempted")[0]["data"]
+    assert pre["instance"] == first and pre["lost_work_h"] >= 0
+    resumed = events(state, "job.resumed")[0]["data"]
+    assert resumed["instance"] != first and resumed["checkpoint"].startswith("step-")
+
+    # The final state is bit-identical to an uninterrupted run's.
+    final = state / "checkpoints" / job_id / f"step-{STEPS:08d}" / "state.json"
+    assert final.read_bytes() == uninterrupted_final_state(tmp_path)
+
+    # Nothing is left running, and the meter agrees with the provider's billing record.
+    assert len(instances) == 2 and all(i["status"] in ("terminated", "preempted") for i in instances)
+    ledger = _ledger(state)
+    assert {r["instance_id"] for r in ledger} == {i["id"] for i in instances}
+    assert all(r["cost_usd"] is not None for r in ledger)
+    billed = {b["instance_id"]: b for b in billing}
+    for r in ledger:
+        b = billed[r["instance_id"]]
+        # within one tick (0.5 s) of simcloud's own record, at the same rate
+        assert abs(r["billed_seconds"] - b["billed_s"]) <= 1.5, (r, b)
+        assert r["rate_usd_h"] == pytest.approx(b["rate_usd_h"])
+        assert abs(r["cost_usd"] - b["cost_usd"]) <= b["rate_usd_h"] * 1.5 / 3600
+    record = Path(job(state, job_id)["record_path"]).read_text()
+    assert "preemption(s)" in record and "_(filled in after the run)_" not in record
+    assert SIM_KEY not in (state / "events.jsonl").read_text()
+
+
+def test_a_daemon_killed_mid_run_is_restarted_and_carries_on(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        job_id = json.loads(cli(config, state, "enqueue", str(trainer_job(tmp_path)), "--json").stdout)["id"]
+        daemon = Daemon(tmp_path, config, state).start()
+        first = wait_for(lambda: running_instance(state), 90, "the attempt to run")
+        daemon.kill(signal.SIGKILL)
+        # The instance and the trainer keep running without a daemon; a new one adopts them.
+        daemon.start()
+        try:
+            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
+        finally:
+            assert daemon.stop() == 0
+        instances = sim_instances(url)
+    assert [i["id"] for i in instances] == [first]  # adopted, not launched again
+    assert instances[0]["status"] == "terminated"
+    assert len(events(state, "daemon.started")) == 2
+
+
+def _ledger(state: Path) -> list[dict]:
+    from state.store import Store
+
+    st = Store(f"sqlite:///{state / 'burstctl.db'}")
+    try:
+        return st.ledger_rows()
+    finally:
+        st.close()
