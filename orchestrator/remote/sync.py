@@ -210,10 +210,11 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
             remote_path = f"{remote_ckpt_dir}/{name}"
             try:
                 if chosen == "rsync":
-                    # --checksum: a trainer rewrites same-sized shards within one second, which rsync's
-                    # size+mtime quick check would take for unchanged and hard-link from the basis.
-                    args = ["--checksum", "--delete", f"--partial-dir={_RSYNC_PARTIAL_DIR}"]
-                    args += [f"--link-dest={basis.resolve()}"] if basis is not None else []
+                    args = ["--delete", f"--partial-dir={_RSYNC_PARTIAL_DIR}"]
+                    # --checksum with a basis: a trainer rewrites same-sized shards within one second, which
+                    # rsync's size+mtime quick check would take for unchanged and hard-link from the basis.
+                    # Without one, the only files compared are those rsync itself wrote into staging.
+                    args += ["--checksum", f"--link-dest={basis.resolve()}"] if basis is not None else []
                     args += [f"--bwlimit={bwlimit_kib}"] if bwlimit_kib else []
                     stats = _rsync(target, trust, [*args, _remote_spec(target, remote_path) + "/", f"{staging}/"],
                                    what=f"pulling checkpoint {name} into {local_root}")
