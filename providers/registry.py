@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.config import Config
-from providers.base import AuthFailed, EventSink, Provider
+from providers.base import AuthFailed, EventSink, Provider, RetryPolicy
 
 PROVIDER_NAMES = ("sim", "lambda", "ec2")
 
@@ -40,7 +40,11 @@ def build(cfg: Config, *, sink: EventSink | None = None, environ: Mapping[str, s
     from providers import lambda_cloud
 
     # simcloud is a local process: Lambda's client-side pacing (1 req/s, 1 launch/12 s) would only slow it down.
-    tuning = {"sim": {"request_interval_s": 0.0, "launch_interval_s": 0.0}, **(tuning or {})}
+    # The daemon must never block long on a cloud call: tighter timeouts and retries than the adapters' defaults.
+    quick = {"retry": RetryPolicy(attempts=3, max_total_s=15.0, initial_s=0.2, max_wait_s=2.0)}
+    tuning = {"sim": {**quick, "timeout_s": 10.0, "request_interval_s": 0.0, "launch_interval_s": 0.0},
+              "lambda": {**quick, "timeout_s": 15.0}, "ec2": {**quick, "read_timeout_s": 20.0},
+              **(tuning or {})}
     slots: dict[str, ProviderSlot] = {}
     for name, section in (("sim", cfg.providers.sim), ("lambda", cfg.providers.lambda_)):
         present = bool(environ.get(section.api_key_env))

@@ -46,7 +46,8 @@ def status_data(app: App) -> dict[str, Any]:
                      JobState.BLOCKED)
     return {
         "daemon": {"running": running, "pid": pid},
-        "mode": "burst-enabled" if burst_enabled(app) else "local-only",
+        "mode": _mode(app),
+        "cloud_health": app.store.get_setting("cloud_health", {}),
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
         "active_jobs": sum(counts.get(st.value, 0) for st in active_states),
         "attempts": [{"id": a["id"], "job": a["job_id"], "where": a["where"], "state": a["state"],
@@ -59,6 +60,16 @@ def status_data(app: App) -> dict[str, Any]:
         "budget_cap_usd": app.config.budget.monthly_cap_usd,
         "state_dir": str(app.config.state_dir),
     }
+
+
+def _mode(app: App) -> str:
+    """burst-enabled; local-only (the kill switch); or local-only because no cloud answered lately."""
+    if not burst_enabled(app):
+        return "local-only"
+    health = app.store.get_setting("cloud_health", {})
+    if health and not any(health.values()):
+        return "local-only (no cloud reachable)"
+    return "burst-enabled"
 
 
 @cli.command("status")
@@ -75,6 +86,9 @@ def status_cmd(app: App, as_json: bool) -> None:
     mode = d["mode"]
     out.print(f"mode: [bold]{mode}[/bold]" + ("  (revert-local is in force; `burstctl burst-enable` lifts it)"
                                               if mode == "local-only" else ""))
+    if d["cloud_health"]:
+        health = d["cloud_health"].items()
+        out.print("cloud: " + ", ".join(f"{k} {'answers' if v else 'UNREACHABLE'}" for k, v in health))
     out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in d["jobs"].items() if v) if d["active_jobs"] or any(
         d["jobs"].values()) else "jobs: none")
     out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'])}")

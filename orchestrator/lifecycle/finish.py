@@ -50,8 +50,12 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
            instance=att.get("instance_id"))
     elif outcome is A.ABORTED:
         if stop_reason == "revert-local":
-            to(JobState.QUEUED, "revert-local: requeued locally from the newest checkpoint", "job.requeued_local",
-               _fields={"placement": "local"})
+            if current["decision"].get("fits_locally"):
+                to(JobState.QUEUED, "revert-local: requeued locally from the newest checkpoint",
+                   "job.requeued_local", _fields={"placement": "local"})
+            else:
+                to(JobState.BLOCKED, "revert-local: does not fit locally, waits for `burstctl burst-enable`",
+                   "job.blocked")
         elif stop_reason == "budget-cap":
             to(JobState.BLOCKED, "stopped before the monthly budget cap", "job.blocked")
         elif stop_reason == "max-run-time":

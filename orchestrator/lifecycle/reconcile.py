@@ -51,13 +51,23 @@ class OfferCache:
 
     ttl_s: float = 60.0
     _at: dict[str, float] = field(default_factory=dict)
-    _offers: dict[str, list[Offer]] = field(default_factory=dict)
+    _offers: dict[str, list[Offer] | ProviderError] = field(default_factory=dict)
 
     def get(self, name: str, provider: Provider, now: float) -> list[Offer]:
+        """Offers, or the provider's error, at most once per ttl: an unreachable cloud is not asked every tick."""
         if now - self._at.get(name, -math.inf) > self.ttl_s:
-            self._offers[name] = provider.offers()
+            try:
+                self._offers[name] = provider.offers()
+            except ProviderError as exc:
+                self._offers[name] = exc
             self._at[name] = now
-        return self._offers[name]
+        got = self._offers[name]
+        if isinstance(got, ProviderError):
+            raise got
+        return got
+
+    def health(self) -> dict[str, bool]:
+        return {n: not isinstance(v, ProviderError) for n, v in self._offers.items()}
 
     def forget(self, name: str) -> None:
         self._at.pop(name, None)
@@ -157,17 +167,23 @@ class Reconciler:
                 .order_by(s.jobs.c.deadline_at).limit(limit)).mappings()]
         local_free = self.cfg.daemon.local_concurrency - int(n_local or 0)
         cloud_free = self.cfg.daemon.max_cloud_attempts - int(n_cloud or 0)
-        for job in ready:
-            if job["id"] in busy_jobs:
-                continue
-            if job["placement"] in ("local", "hybrid") and local_free > 0:
-                if not self.cfg.local.available_at(_clock_time(now)):
-                    continue
-                if self.local.start(job):
+        # Local work first: it must never wait behind a slow or unreachable cloud.
+        ready = [j for j in ready if j["id"] not in busy_jobs]
+        if local_free > 0 and self.cfg.local.available_at(_clock_time(now)):
+            for job in ready:
+                if job["placement"] in ("local", "hybrid") and local_free > 0 and self.local.start(job):
                     local_free -= 1
-            elif job["placement"] == "cloud" and cloud_free > 0 and self._start_cloud_attempt(job, now):
+        for job in ready:
+            if job["placement"] == "cloud" and cloud_free > 0 and self._start_cloud_attempt(job, now):
                 cloud_free -= 1
         self._redecide_blocked(now)
+        self._record_health(now)
+
+    def _record_health(self, now: float) -> None:
+        health = self.offers.health()
+        if health and self.store.get_setting("cloud_health") != health:
+            self.store.set_setting("cloud_health", health)
+            self.emit("cloud.health", providers=health)
 
     def _redecide_blocked(self, now: float) -> None:
         """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
@@ -187,8 +203,9 @@ class Reconciler:
 
     # --- starting a cloud attempt ------------------------------------------------------------------------------
     def _start_cloud_attempt(self, job: dict[str, Any], now: float) -> bool:
+        retry_at = now + max(30.0, self.cfg.daemon.launch_backoff_s)
         if self.cloud is None or not self.providers:
-            self._block(job, "no cloud provider is usable (check `burstctl providers`)")
+            self._block(job, "no cloud provider is usable (check `burstctl providers`)", retry_at=retry_at)
             return False
         if not burst_enabled(self.app):
             self._block(job, "bursting is disabled (revert-local): `burstctl burst-enable` lifts it")
@@ -639,4 +656,33 @@ def sweep_orphans(reconciler: Reconciler) -> dict[str, list[str]]:
             terminated.setdefault(name, []).append(inst.id)
             app.events.emit("instance.orphan_terminated", provider=name, instance=inst.id,
                             attempt_id=inst.attempt_id, reason=why)
+    _retry_unverified(reconciler)
     return terminated
+
+
+def _retry_unverified(reconciler: Reconciler) -> None:
+    """Instances left unverified (e.g. by revert-local while their cloud was unreachable) are retried every sweep."""
+    app = reconciler.app
+    with app.store.engine.connect() as c:
+        pending = [dict(r) for r in c.execute(select(s.instances).where(s.instances.c.state == "unverified"))
+                   .mappings()]
+    for inst in pending:
+        provider = reconciler.providers.get(inst["provider"])
+        outcome = "provider unavailable"
+        if provider is not None:
+            try:
+                provider.terminate([inst["id"]])
+                seen = provider.describe([inst["id"]]).get(inst["id"])
+                if seen is None or seen.state.gone:
+                    with app.store.tx() as c:
+                        c.execute(update(s.instances).where(s.instances.c.provider == inst["provider"],
+                                                            s.instances.c.id == inst["id"])
+                                  .values(state=InstanceState.TERMINATED.value, verified_gone=True,
+                                          gone_at=reconciler.clock()))
+                    outcome = "gone"
+                else:
+                    outcome = seen.state.value
+            except ProviderError as exc:
+                outcome = type(exc).__name__
+        app.events.emit("instance.terminate_retry", provider=inst["provider"], instance=inst["id"],
+                        outcome=outcome)

@@ -1,0 +1,53 @@
+"""`burstctl revert-local` and `burstctl burst-enable`: the kill switch, on and off."""
+
+from __future__ import annotations
+
+import click
+
+from orchestrator.app import App
+from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.errors import OperationalError
+from orchestrator.lifecycle.revert import revert_local, set_burst_enabled
+from orchestrator.lifecycle.service import build_reconciler
+
+
+@cli.command("revert-local")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=180.0, show_default=True,
+              help="Bound on the last checkpoints, syncs and terminations.")
+@json_option
+@pass_app
+def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
+    """Go back to local-only in one command: stop launching, bring checkpoints home, terminate every owned
+    instance (orphans too), requeue bursted jobs locally. Works with or without the daemon running.
+
+    Exit 0 when every owned instance is confirmed gone, 1 otherwise (naming what is left)."""
+    report = revert_local(app, build_reconciler(app), timeout_s=timeout_s)
+    if as_json:
+        print_json(report.as_dict())
+    else:
+        out.print("[bold]mode: local-only[/bold] — nothing will be launched until `burstctl burst-enable`")
+        if report.rows:
+            table("instances", ["job", "checkpoint synced", "provider", "instance", "terminated"],
+                  [(r.job or "—", r.checkpoint or "—", r.provider, r.instance or "—", r.terminated)
+                   for r in report.rows])
+        else:
+            out.print("no instance was running")
+        if report.requeued_local:
+            out.print(f"requeued locally: {', '.join(report.requeued_local)}")
+        if report.held:
+            out.print(f"held (do not fit locally): {', '.join(report.held)}")
+    if report.left:
+        left = ", ".join(f"{r.provider}:{r.instance} ({r.terminated})" for r in report.left)
+        raise OperationalError(f"not confirmed gone: {left}; the daemon keeps retrying (`burstctl status`)")
+
+
+@cli.command("burst-enable")
+@json_option
+@pass_app
+def burst_enable_cmd(app: App, as_json: bool) -> None:
+    """Lift the kill switch: queued jobs may burst again."""
+    changed = set_burst_enabled(app, True, "burst-enable")
+    if as_json:
+        print_json({"mode": "burst-enabled", "changed": changed})
+    else:
+        out.print("mode: burst-enabled" + ("" if changed else " (it already was)"))

@@ -1,0 +1,224 @@
+"""`burstctl revert-local`: the kill switch. The cloud is additive, never required.
+
+1. Persist the switch first: from then on nobody launches anything (the daemon reads it every tick).
+2. Every active cloud attempt: a last checkpoint (SIGTERM through the supervisor), synced home within a bounded
+   time, then terminate and confirm the instance is gone.
+3. Sweep every configured provider for instances owned by this orchestrator, orphans included, and terminate them.
+4. Requeue the bursted jobs as local jobs resuming from their newest complete checkpoint (or hold those that
+   cannot fit locally until `burstctl burst-enable`).
+
+A provider that cannot be reached leaves its instances *unverified*: recorded, retried by the daemon's sweep with
+an event each time, and reported (exit 1) so nothing is silently left running.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import insert, select, update
+
+from orchestrator.app import App
+from orchestrator.lifecycle import checkpoints
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
+from orchestrator.lifecycle.reconcile import Reconciler
+from orchestrator.lifecycle.states import JobState
+from orchestrator.queue import BURST_ENABLED_KEY
+from providers.base import InstanceState, ProviderError
+from state import schema as s
+
+
+@dataclass
+class RevertRow:
+    job: str | None
+    provider: str
+    instance: str | None
+    checkpoint: str | None
+    terminated: str  # yes | no | unverified
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "provider": self.provider, "instance": self.instance,
+                "checkpoint_synced": self.checkpoint, "terminated": self.terminated}
+
+
+@dataclass
+class RevertReport:
+    rows: list[RevertRow] = field(default_factory=list)
+    requeued_local: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)
+
+    @property
+    def left(self) -> list[RevertRow]:
+        return [r for r in self.rows if r.terminated != "yes"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": "local-only", "instances": [r.as_dict() for r in self.rows],
+                "requeued_local": self.requeued_local, "held_until_burst_enable": self.held,
+                "unreachable_providers": self.unreachable, "left": [r.as_dict() for r in self.left],
+                "all_gone": not self.left}
+
+
+def set_burst_enabled(app: App, enabled: bool, why: str) -> bool:
+    """Persist the switch; returns whether it changed."""
+    was = bool(app.store.get_setting(BURST_ENABLED_KEY, True))
+    with app.store.tx() as conn:
+        app.store.set_setting(BURST_ENABLED_KEY, enabled, conn=conn)
+        if was != enabled:
+            app.events.emit("burst.enabled" if enabled else "burst.disabled", conn=conn, reason=why)
+    return was != enabled
+
+
+def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) -> RevertReport:
+    set_burst_enabled(app, False, "revert-local")
+    report = RevertReport()
+    deadline = time.monotonic() + timeout_s
+
+    with app.store.engine.connect() as c:
+        active = [dict(r) for r in c.execute(select(s.attempts).where(
+            s.attempts.c.where == "cloud", s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
+    for att in active:
+        report.rows.append(_wind_down(app, reconciler, att, deadline, report))
+
+    # Sweep: anything owned and alive, known to the database or not.
+    seen = {(r.provider, r.instance) for r in report.rows}
+    for name, provider in reconciler.providers.items():
+        try:
+            owned = [i for i in provider.list_owned() if not i.state.gone]
+        except ProviderError:
+            if name not in report.unreachable:
+                report.unreachable.append(name)
+            app.events.emit("provider.unreachable", provider=name, during="revert-local")
+            continue
+        for inst in owned:
+            if (name, inst.id) in seen:
+                continue
+            status = _terminate_confirm(provider, inst.id, deadline)
+            _record_instance(app, name, inst.id, inst.attempt_id, status)
+            app.events.emit("instance.orphan_terminated" if status == "yes" else "instance.terminate_unverified",
+                            provider=name, instance=inst.id, attempt_id=inst.attempt_id, during="revert-local")
+            report.rows.append(RevertRow(inst.tags.get("burstctl:job"), name, inst.id, None, status))
+
+    # Instances recorded earlier as unverified (a previous run, an unreachable provider) are retried too.
+    with app.store.engine.connect() as c:
+        pending = [dict(r) for r in c.execute(select(s.instances).where(s.instances.c.verified_gone.is_(False)))
+                   .mappings()]
+    for inst in pending:
+        if any(r.instance == inst["id"] and r.terminated == "yes" for r in report.rows):
+            continue
+        provider = reconciler.providers.get(inst["provider"])
+        status = "unverified" if provider is None else _terminate_confirm(provider, inst["id"], deadline)
+        _record_instance(app, inst["provider"], inst["id"], inst["attempt_id"], status)
+        if not any(r.instance == inst["id"] for r in report.rows):
+            report.rows.append(RevertRow(None, inst["provider"], inst["id"], None, status))
+        else:
+            for r in report.rows:
+                if r.instance == inst["id"]:
+                    r.terminated = status
+
+    _requeue_local(app, report)
+    app.events.emit("revert_local.done", instances=len(report.rows), left=len(report.left),
+                    requeued_local=report.requeued_local, held=report.held, unreachable=report.unreachable)
+    return report
+
+
+def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, report: RevertReport) -> RevertRow:
+    job = app.store.get_job(att["job_id"]) or {"id": att["job_id"], "state": "running", "spec": {}}
+    provider = rec.providers.get(att["provider"])
+    if provider is None:
+        if att["provider"] not in report.unreachable:
+            report.unreachable.append(att["provider"])
+        if att["instance_id"]:
+            _record_instance(app, att["provider"], att["instance_id"], att["id"], "unverified")
+        return RevertRow(att["job_id"], att["provider"], att["instance_id"], None, "unverified")
+    before = checkpoints.latest(app.config, att["job_id"])
+    try:
+        if att["state"] == AttemptState.INTENT.value:
+            rec._step_intent(att, job, provider, "revert-local")
+        elif att["state"] == AttemptState.TERMINATING.value:
+            rec._step_terminating(att, job, provider)
+        else:
+            rec._stop(att, job, provider, "revert-local")
+        while time.monotonic() < deadline:
+            current = _attempt(app, att["id"])
+            if AttemptState(current["state"]).final:
+                break
+            if current["state"] == AttemptState.PROVISIONING.value and current["instance_id"]:
+                rec._stop(current, job, provider, "revert-local")
+            else:
+                rec._step_terminating(current, job, provider)
+            time.sleep(0.5)
+    except ProviderError:
+        if att["provider"] not in report.unreachable:
+            report.unreachable.append(att["provider"])
+    current = _attempt(app, att["id"])
+    after = checkpoints.latest(app.config, att["job_id"])
+    synced = after.name if after is not None and after != before else (after.name if after else None)
+    if AttemptState(current["state"]).final:
+        status = "yes"
+    else:
+        status = "unverified" if att["provider"] in report.unreachable else "no"
+        if current["instance_id"]:
+            _record_instance(app, att["provider"], current["instance_id"], att["id"], status)
+    return RevertRow(att["job_id"], att["provider"], current["instance_id"], synced, status)
+
+
+def _attempt(app: App, attempt_id: str) -> dict[str, Any]:
+    with app.store.engine.connect() as c:
+        return dict(c.execute(select(s.attempts).where(s.attempts.c.id == attempt_id)).mappings().one())
+
+
+def _terminate_confirm(provider: Any, instance_id: str, deadline: float) -> str:
+    try:
+        provider.terminate([instance_id])
+        while True:
+            inst = provider.describe([instance_id]).get(instance_id)
+            if inst is None or inst.state.gone:
+                return "yes"
+            if time.monotonic() > deadline:
+                return "no"
+            time.sleep(0.5)
+    except ProviderError:
+        return "unverified"
+
+
+def _record_instance(app: App, provider: str, instance_id: str, attempt_id: str | None, status: str) -> None:
+    now = time.time()
+    gone = status == "yes"
+    with app.store.tx() as c:
+        res = c.execute(update(s.instances).where(s.instances.c.provider == provider, s.instances.c.id == instance_id)
+                        .values(verified_gone=gone, state=InstanceState.TERMINATED.value if gone else "unverified",
+                                gone_at=now if gone else None))
+        if res.rowcount == 0:
+            c.execute(insert(s.instances).values(provider=provider, id=instance_id, attempt_id=attempt_id,
+                                                 state=InstanceState.TERMINATED.value if gone else "unverified",
+                                                 gone_at=now if gone else None, verified_gone=gone))
+
+
+def _requeue_local(app: App, report: RevertReport) -> None:
+    """Jobs bound for the cloud come home: local if they fit, else held until bursting is enabled again."""
+    with app.store.engine.connect() as c:
+        jobs = [dict(r) for r in c.execute(select(s.jobs).where(
+            s.jobs.c.placement.in_(["cloud", "hybrid"]),
+            s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value, JobState.BLOCKED.value,
+                                JobState.AWAITING_APPROVAL.value]))).mappings()]
+        local_now = [dict(r) for r in c.execute(select(s.jobs).where(
+            s.jobs.c.state == JobState.QUEUED.value, s.jobs.c.reason.like("revert-local%"))).mappings()]
+    for job in jobs:
+        fits = bool(job["decision"].get("fits_locally"))
+        with app.store.tx() as conn:
+            if fits:
+                app.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.QUEUED.value,
+                                     placement="local",
+                                     reason="revert-local: requeued locally from the newest checkpoint")
+                app.events.emit("job.requeued_local", job_id=job["id"], conn=conn)
+                report.requeued_local.append(job["id"])
+            elif job["state"] != JobState.BLOCKED.value:
+                app.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.BLOCKED.value,
+                                     reason="does not fit locally: waits for `burstctl burst-enable`")
+                app.events.emit("job.blocked", job_id=job["id"], conn=conn, reason="revert-local, does not fit")
+                report.held.append(job["id"])
+            else:
+                report.held.append(job["id"])
+    report.requeued_local.extend(j["id"] for j in local_now if j["id"] not in report.requeued_local)

@@ -1,0 +1,112 @@
+"""The kill switch and reversibility, end to end with real processes: `revert-local` brings a running burst home
+(last checkpoint, terminate, confirm, requeue locally) and the job finishes locally from that checkpoint; with the
+cloud unreachable nothing is silently left, and the local platform keeps working."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import SIM_KEY, Daemon, cli, events, free_port, job, sim_instances, simcloud, wait_for, write_config
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+
+
+def priced_job(tmp: Path, name: str, steps: int = 400) -> Path:
+    """Fits locally but misses its deadline there; the price of the deadline is within the auto-approve ceiling."""
+    work = tmp / "work"
+    work.mkdir(exist_ok=True)
+    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
+    path = tmp / f"{name}.toml"
+    path.write_text("\n".join([
+        f'name = "{name}"',
+        f'command = ["python3", "trainer.py", "--steps", "{steps}", "--checkpoint-every", "10", '
+        '"--step-seconds", "0.1"]',
+        'workdir = "work"', "deadline_hours = 2", "local_throughput = 0.1", "rented_throughput = { H100 = 10 }",
+        "[checkpoint]", "interval_minutes = 0.02",
+    ]) + "\n")
+    return path
+
+
+def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url, policy={"hybrid_margin_h": 5.0})
+        r = cli(config, state, "enqueue", str(priced_job(tmp_path, "deadline-job")), "--json")
+        job_id = json.loads(r.stdout)["id"]
+        assert json.loads(r.stdout)["decision"]["verdict"] == "priced"
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: events(state, "checkpoint.synced"), 120, "a checkpoint from the cloud")
+            r = cli(config, state, "revert-local", "--json")
+            assert r.returncode == 0, r.stdout + r.stderr
+            report = json.loads(r.stdout)
+            assert report["all_gone"] and report["mode"] == "local-only"
+            (row,) = report["instances"]
+            assert row["terminated"] == "yes" and row["checkpoint_synced"].startswith("step-")
+            assert all(i["status"] in ("terminated", "preempted") for i in sim_instances(url))
+
+            status = json.loads(cli(config, state, "status", "--json").stdout)
+            assert status["mode"] == "local-only"
+            # A second run is a no-op.
+            again = cli(config, state, "revert-local", "--json")
+            assert again.returncode == 0 and json.loads(again.stdout)["instances"] == []
+
+            wait_for(lambda: job(state, job_id)["state"] == "done", 240, "the job to finish locally")
+        finally:
+            assert daemon.stop() == 0
+    resumed = [e for e in events(state, "job.resumed") if e["data"].get("where") == "local"]
+    assert resumed and resumed[0]["data"]["checkpoint"] == row["checkpoint_synced"]
+    assert not any(e["type"] == "attempt.intent" for e in events(state) if e["id"] > resumed[0]["id"])
+
+    assert cli(config, state, "burst-enable").returncode == 0
+    assert json.loads(cli(config, state, "status", "--json").stdout)["mode"] == "burst-enabled"
+
+
+def test_revert_local_with_the_cloud_gone_reports_what_is_unverified(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        cli(config, state, "enqueue", str(priced_job(tmp_path, "burst-job", steps=2000)))
+        daemon = Daemon(tmp_path, config, state).start()
+        wait_for(lambda: events(state, "attempt.running"), 120, "the attempt to run")
+        daemon.kill(signal.SIGTERM)
+    # simcloud is gone now (its instances died with it): nothing can confirm the instance is gone.
+    r = cli(config, state, "revert-local", "--json", "--timeout", "20")
+    assert r.returncode == 1
+    report = json.loads(r.stdout)
+    assert not report["all_gone"] and report["left"][0]["terminated"] == "unverified"
+    assert "not confirmed gone" in r.stderr and report["left"][0]["instance"] in r.stderr
+    assert SIM_KEY not in r.stdout + r.stderr
+
+
+def test_with_every_cloud_unreachable_local_work_goes_on(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens here
+    config = write_config(tmp_path, dead)
+    work = tmp_path / "w"
+    work.mkdir()
+    local = tmp_path / "local.toml"
+    local.write_text('name = "local-one"\ncommand = ["python3", "-c", "print(42)"]\nworkdir = "w"\n'
+                     'deadline_hours = 5\nlocal_throughput = 1\nrented_throughput = { H100 = 2 }\n')
+    cloudy = tmp_path / "cloudy.toml"
+    cloudy.write_text('name = "needs-cloud"\ncommand = ["python3", "-c", "print(1)"]\nworkdir = "w"\n'
+                      'deadline_hours = 5\nlocal_throughput = 0\nrented_throughput = { H100 = 2 }\n')
+    assert cli(config, state, "enqueue", str(cloudy)).returncode == 0
+    daemon = Daemon(tmp_path, config, state).start()
+    try:
+        t0 = time.monotonic()
+        assert cli(config, state, "enqueue", str(local)).returncode == 0  # deciding and queueing still work
+        wait_for(lambda: job(state, "local-one")["state"] == "done", 60, "the local job to finish")
+        assert time.monotonic() - t0 < 60
+        wait_for(lambda: json.loads(cli(config, state, "status", "--json").stdout)["mode"]
+                 == "local-only (no cloud reachable)", 60, "status to report local-only")
+        assert job(state, "needs-cloud")["state"] in ("queued", "blocked")
+    finally:
+        assert daemon.stop() == 0
