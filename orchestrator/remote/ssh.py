@@ -264,6 +264,7 @@ def run(conn: fabric.Connection, argv: list[str], *, timeout: float | None = 300
         raise ValueError("argv must name a program")
     command = shlex.join(argv)
     program = os.path.basename(argv[0])
+    started = time.monotonic()
     try:
         res = conn.run(command, hide=True, warn=True, timeout=timeout, pty=False,
                        in_stream=(io.StringIO(stdin) if stdin is not None else False))
@@ -272,6 +273,11 @@ def run(conn: fabric.Connection, argv: list[str], *, timeout: float | None = 300
         raise RemoteCommandFailed(f"{program} on {conn.host} ran past its {timeout:g} s timeout",
                                   argv=argv, exit_code=None, stderr_tail=tail) from None
     except (OSError, EOFError, paramiko.SSHException, invoke.exceptions.ThreadException) as e:
+        # invoke's timeout closes the channel under its IO threads, which then may fail instead of it reporting
+        # CommandTimedOut: a live transport past the deadline means a timeout, not a dropped session.
+        if timeout is not None and time.monotonic() - started >= timeout and conn.is_connected:
+            raise RemoteCommandFailed(f"{program} on {conn.host} ran past its {timeout:g} s timeout",
+                                      argv=argv, exit_code=None, stderr_tail="") from None
         raise SshUnavailable(f"SSH session to {conn.host}:{conn.port} dropped while running {program}: "
                              f"{_describe(e)}") from None
     result = Result(argv=list(argv), exit_code=int(res.exited), stdout=res.stdout, stderr=res.stderr)
