@@ -37,6 +37,7 @@ def market_for_attempt(app: App, job: dict[str, Any], now: float | None = None) 
     state = SpotState(
         job_hours=job_h, deadline_hours=deadline_h, elapsed_h=(now - t0) / 3600.0, progress_h=min(progress, job_h),
         market=PolicyMarket.IDLE, spot_available=True, changeover_left_h=0.0, changeover_h=overhead,
-        tick_h=app.config.daemon.tick_s / 3600.0, od_price=1.0, spot_price=0.33)
+        tick_h=max(app.config.daemon.tick_s, 60.0) / 3600.0,  # a market is chosen per attempt, not per second
+        od_price=1.0, spot_price=0.33)
     choice = get_policy(DEFAULT_POLICY).decide(state)
     return Market.ON_DEMAND if choice is PolicyMarket.ON_DEMAND else Market.SPOT

@@ -1,0 +1,43 @@
+"""`burstctl demo`: the whole story on the embedded simulated cloud, in under three minutes."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from orchestrator.cli.base import cli, fmt_h, fmt_usd, json_option, out, print_json, table
+from orchestrator.demo import run_demo
+from orchestrator.errors import OperationalError
+
+
+@cli.command("demo")
+@click.option("--keep", is_flag=True, help="Keep simcloud's sandboxes and logs too.")
+@json_option
+def demo_cmd(keep: bool, as_json: bool) -> None:
+    """Run the seed's candidates through the gates, burst a trainer to simulated spot, preempt and resume it,
+    then bring everything home with revert-local. Real processes, real SSH, nothing left running."""
+
+    def say(line: str) -> None:
+        if as_json:
+            print(line, file=sys.stderr)
+        else:
+            out.print(f"[dim]·[/dim] {line}")
+
+    res = run_demo(say, keep=keep)
+    if as_json:
+        print_json(res.as_dict())
+    else:
+        table("the seed's three candidates (rate $3.00/GPU-h, t_ovh 0.5 h, local $0.10/h)",
+              ["job", "verdict", "T_L", "T_R", "ΔC", "hours saved"],
+              [(c["job"], c["verdict"], fmt_h(c["t_local_h"]), fmt_h(c["t_rented_h"]), fmt_usd(c["delta_cost_usd"]),
+                fmt_h(c["hours_saved"])) for c in res.candidates])
+        table("what ran", ["job", "verdict", "where it ran", "attempts", "preemptions", "cost", "state"],
+              [(j["job"], j["verdict"], j["where"], j["attempts"], j["preemptions"], fmt_usd(j["cost_usd"]),
+                j["state"]) for j in res.jobs])
+        out.print(f"instances left: {res.instances_left}   ({res.seconds:.0f} s)")
+        out.print(f"decision records: {res.records_dir}")
+        out.print(f"event log:        {res.event_log}")
+        out.print(f"look around:      burstctl --state-dir {res.state_dir} events | list | status")
+    if res.instances_left != 0:
+        raise OperationalError(f"{res.instances_left} simulated instance(s) were left running")

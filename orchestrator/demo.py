@@ -1,0 +1,261 @@
+"""`burstctl demo`: the whole story on the embedded simulated cloud, with real processes and real SSH.
+
+1. The seed's three candidate jobs get their verdicts (local, burst, priced with its ΔC).
+2. A checkpointing trainer that does not fit locally bursts to simulated spot, is preempted (notice first), resumes
+   on another instance from its checkpoint, finishes, and its instance is torn down.
+3. A second trainer that fits locally but misses its deadline bursts within the auto-approve ceiling; then
+   `burstctl revert-local` brings it home: last checkpoint synced, instance terminated, the job finishes locally.
+Everything runs in a throwaway state directory; simcloud and the daemon are child processes stopped at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import func, select
+
+from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
+from orchestrator.errors import OperationalError
+from state import schema as s
+from state.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = REPO / "examples" / "trainer.py"
+SEED_CANDIDATES = [  # name, s_local, s_rented, deadline_h — the seed's lab, at $3.00/GPU-h
+    ("A-grpo-smoke", 0.33, 2.0, 24.0),
+    ("B-full-grpo-7b", 0.0, 0.17, 48.0),
+    ("C-big-local-job", 0.033, 0.17, 12.0),
+]
+
+
+@dataclass
+class DemoResult:
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    instances_left: int = -1
+    state_dir: str = ""
+    records_dir: str = ""
+    event_log: str = ""
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"candidates": self.candidates, "jobs": self.jobs, "instances_left": self.instances_left,
+                "state_dir": self.state_dir, "decision_records": self.records_dir, "event_log": self.event_log,
+                "seconds": round(self.seconds, 1)}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.3)
+    raise OperationalError(f"demo: timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Demo:
+    def __init__(self, workdir: Path, say: Callable[[str], None]):
+        self.dir = workdir
+        self.state = workdir / "state"
+        self.say = say
+        self.key = "demo-" + secrets.token_hex(12)  # simcloud's API key, only in the children's environment
+        self.env = {**os.environ, "BURSTCTL_SIM_API_KEY": self.key}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = workdir / "burstctl.toml"
+
+    # --- processes --------------------------------------------------------------------------------------------
+    def _burstctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--config", str(self.config), "--state-dir",
+                            str(self.state), *args], env=self.env, capture_output=True, text=True, timeout=600)
+        if check and r.returncode != 0:
+            raise OperationalError(f"demo: burstctl {' '.join(args)} failed: {r.stderr.strip()}")
+        return r
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = (self.dir / f"{name}.log").open("w")
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+
+    # --- the story --------------------------------------------------------------------------------------------
+    def run(self) -> DemoResult:
+        started = time.monotonic()
+        res = DemoResult(state_dir=str(self.state), records_dir=str(self.state / "decisions"),
+                         event_log=str(self.state / "events.jsonl"))
+        self._write_config()
+        res.candidates = self.candidates()
+
+        self.say("starting simcloud (real SSH endpoints on 127.0.0.1) and the daemon")
+        self._spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.dir / "sim"))
+        _wait(self._sim_answers, 60, "simcloud to answer")
+        self._spawn("daemon", "--config", str(self.config), "--state-dir", str(self.state), "daemon")
+
+        work = self.dir / "work"
+        work.mkdir()
+        shutil.copy(TRAINER, work / "trainer.py")
+        spot_job = self._enqueue("spot-trainer", steps=150, s_local=0.0, deadline_h=10)
+        self.say("spot-trainer does not fit locally: bursting to simulated spot")
+        instance = _wait(lambda: self._running_instance(spot_job), 120, "spot-trainer to run in the cloud")
+        _wait(lambda: self._count("checkpoint.synced", spot_job), 120, "a first checkpoint to come home")
+        self.say(f"preempting {instance[:12]}… (an interruption notice first, as EC2 gives)")
+        self._preempt(instance)
+        _wait(lambda: self._count("job.resumed", spot_job), 120, "spot-trainer to resume on another instance")
+        self.say("resumed on a new instance from its newest complete checkpoint")
+        _wait(lambda: self._job(spot_job)["state"] == "done", 180, "spot-trainer to finish")
+        self.say("spot-trainer finished; its instance is torn down")
+
+        home_job = self._enqueue("deadline-trainer", steps=220, s_local=0.1, deadline_h=2)
+        self.say("deadline-trainer misses its deadline locally; the deadline's price is within the ceiling: burst")
+        _wait(lambda: self._count("checkpoint.synced", home_job), 120, "deadline-trainer's first checkpoint")
+        self.say("burstctl revert-local: everything back to local-only")
+        revert = json.loads(self._burstctl("revert-local", "--json").stdout)
+        for row in revert["instances"]:
+            self.say(f"  {row['job']}: checkpoint {row['checkpoint_synced']}, instance {str(row['instance'])[:12]}… "
+                     f"terminated: {row['terminated']}")
+        _wait(lambda: self._job(home_job)["state"] == "done", 180, "deadline-trainer to finish locally")
+        self.say("deadline-trainer finished locally from its cloud checkpoint")
+
+        res.instances_left = sum(1 for i in self._sim_instances() if i["status"] not in ("terminated", "preempted"))
+        res.jobs = [self._summary(j) for j in (spot_job, home_job)]
+        self.stop_all()
+        res.seconds = time.monotonic() - started
+        return res
+
+    def candidates(self) -> list[dict[str, Any]]:
+        out = []
+        for name, s_local, s_rented, deadline_h in SEED_CANDIDATES:
+            job = JobFacts(name=name, kind="train", work=1.0, s_local=s_local, rented={"H100": s_rented}, gpus=1,
+                           deadline_h=deadline_h, market="on-demand")
+            ctx = DecisionContext(local_usd_h=0.10, offers={"H100": GpuOffer("H100", 3.00, None, 85.9)},
+                                  overhead_h=0.5, hybrid_margin_h=0.25)
+            d = decide(job, ctx).to_dict()
+            out.append({"job": name, "verdict": d["verdict"], "t_local_h": d["t_local_h"],
+                        "t_rented_h": d["t_rented_h"], "delta_cost_usd": d["delta_cost_usd"],
+                        "hours_saved": d["hours_saved"], "plan_cost_usd": d["plan_cost_usd"]})
+        return out
+
+    def _write_config(self) -> None:
+        self.config.write_text("\n".join([
+            "[providers.sim]", f'base_url = "{self.url}/api/v1"', "",
+            "[daemon]", "tick_s = 0.5", "heartbeat_timeout_s = 20.0", "sweep_s = 10.0", "",
+            "[policy]", "hybrid_margin_h = 5.0  # keep the demo's deadline job a plain burst", "",
+        ]))
+
+    def _enqueue(self, name: str, *, steps: int, s_local: float, deadline_h: float) -> str:
+        spec = self.dir / f"{name}.toml"
+        spec.write_text("\n".join([
+            f'name = "{name}"',
+            f'command = ["python3", "trainer.py", "--steps", "{steps}", "--checkpoint-every", "10", '
+            '"--step-seconds", "0.1"]',
+            'workdir = "work"', f"deadline_hours = {deadline_h}", f"local_throughput = {s_local}",
+            "rented_throughput = { H100 = 10 }", "[checkpoint]", "interval_minutes = 0.02", ""]))
+        return json.loads(self._burstctl("enqueue", str(spec), "--json").stdout)["id"]
+
+    # --- observations -----------------------------------------------------------------------------------------
+    def _store(self) -> Store:
+        return Store(f"sqlite:///{self.state / 'burstctl.db'}")
+
+    def _job(self, job_id: str) -> dict[str, Any]:
+        st = self._store()
+        try:
+            return st.get_job(job_id) or {}
+        finally:
+            st.close()
+
+    def _count(self, type_: str, job_id: str) -> int:
+        st = self._store()
+        try:
+            with st.engine.connect() as c:
+                return int(c.execute(select(func.count()).select_from(s.events).where(
+                    s.events.c.type == type_, s.events.c.job_id == job_id)).scalar() or 0)
+        finally:
+            st.close()
+
+    def _running_instance(self, job_id: str) -> str | None:
+        st = self._store()
+        try:
+            evs = st.events(job_id=job_id, type_prefix="attempt.running")
+        finally:
+            st.close()
+        return evs[-1]["data"].get("instance") if evs else None
+
+    def _sim_answers(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/_sim/instances", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _sim_instances(self) -> list[dict[str, Any]]:
+        return httpx.get(f"{self.url}/_sim/instances", timeout=10).json()["data"]
+
+    def _preempt(self, instance: str) -> None:
+        httpx.post(f"{self.url}/_sim/instances/{instance}/notice", json={"seconds": 2}, timeout=10).raise_for_status()
+        time.sleep(2)
+        httpx.post(f"{self.url}/_sim/instances/{instance}/preempt", json={}, timeout=10).raise_for_status()
+
+    def _summary(self, job_id: str) -> dict[str, Any]:
+        st = self._store()
+        try:
+            job = st.get_job(job_id) or {}
+            with st.engine.connect() as c:
+                atts = [dict(r) for r in c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id)
+                                                   .order_by(s.attempts.c.n)).mappings()]
+                cost = c.execute(select(func.coalesce(func.sum(s.ledger.c.cost_usd), 0.0))
+                                 .where(s.ledger.c.job_id == job_id)).scalar()
+        finally:
+            st.close()
+        where = []
+        for a in atts:
+            w = "local" if a["where"] == "local" else f"{a['provider']} {a['market']}"
+            if not where or where[-1] != w:
+                where.append(w)
+        return {"job": job.get("name"), "id": job_id, "verdict": job.get("verdict"), "state": job.get("state"),
+                "where": " → ".join(where), "attempts": len(atts),
+                "preemptions": sum(1 for a in atts if a["state"] == "preempted" and a["where"] == "cloud"),
+                "cost_usd": round(float(cost or 0.0), 4)}
+
+
+def run_demo(say: Callable[[str], None], keep: bool = False) -> DemoResult:
+    workdir = Path(tempfile.mkdtemp(prefix="burstctl-demo-"))
+    demo = Demo(workdir, say)
+    try:
+        return demo.run()
+    finally:
+        demo.stop_all()
+        if not keep:
+            # The state (records, event log) stays for reading; simcloud's sandboxes and logs go.
+            shutil.rmtree(workdir / "sim", ignore_errors=True)
