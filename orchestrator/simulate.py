@@ -22,12 +22,22 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.core.spot_policy import (
+    AGE_EDGES_H,
+    DEFAULT_POLICY,
+    IDLE_CODE,
+    OD_CODE,
     POLICIES,
+    SPOT_CODE,
     AvailabilityStats,
     Market,
     Policy,
+    SemiMarkovDP,
+    SpotBatch,
+    SpotModel,
     SpotState,
+    age_bucket,
     safety_net_engaged,
+    safety_net_engaged_batch,
 )
 from orchestrator.errors import BadInput
 
@@ -170,6 +180,33 @@ class TraceHistory:
         )
 
 
+# --- a zone's availability model, learned from what has been observed ----------------------------------------------
+
+
+def hazard_counts(available: np.ndarray, run_age_h: np.ndarray, before: int, since: int = 0
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Per (spot up/down, age bucket): ticks observed, and how many of them ended that state, in [since, before).
+
+    A tick counts once the tick after it has been seen too, so only history strictly before `before` is used.
+    """
+    n_buckets = len(AGE_EDGES_H) + 1
+    last = max(min(before, available.shape[0]) - 1, 0)
+    first = min(max(since, 0), last)
+    a = available[first:last].astype(np.int64)
+    left = available[first + 1:last + 1] != available[first:last]
+    cell = a * n_buckets + age_bucket(run_age_h[first:last])
+    seen = np.bincount(cell, minlength=2 * n_buckets).reshape(2, n_buckets).astype(float)
+    ended = np.bincount(cell, weights=left, minlength=2 * n_buckets).reshape(2, n_buckets)
+    return seen, ended
+
+
+def blend_model(tick_h: float, seen: np.ndarray, ended: np.ndarray, prior: np.ndarray, prior_ticks: float
+                ) -> SpotModel:
+    """Hazards from the zone's own counts, each shrunk towards `prior` with the weight of `prior_ticks` ticks."""
+    leave = (ended + prior_ticks * prior) / (seen + prior_ticks)
+    return SpotModel(tick_h=tick_h, leave=(tuple(leave[0].tolist()), tuple(leave[1].tolist())))
+
+
 # --- the replay ---------------------------------------------------------------------------------------------------
 
 
@@ -184,9 +221,12 @@ class RunOutcome:
     finished_h: float | None  # wall-clock hours from start to completion, None if missed
 
 
-def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: TraceHistory | None = None
-           ) -> RunOutcome:
-    """Run one job from tick `start` of `trace` under `policy`, by the paper's replay semantics."""
+def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: TraceHistory | None = None,
+           stats: AvailabilityStats | None = None) -> RunOutcome:
+    """Run one job from tick `start` of `trace` under `policy`, by the paper's replay semantics.
+
+    The policy sees `stats` if given, else the running statistics of `history` at each tick.
+    """
     gap = trace.gap_seconds
     gap_h = gap / 3600.0
     need = job.job_hours * 3600.0
@@ -229,7 +269,7 @@ def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: T
                 od_price=job.od_price,
                 spot_price=job.spot_price,
                 spot_state_for_h=float(history.run_age_h[t]) if history is not None else 0.0,
-                stats=history.stats_at(t) if history is not None else None,
+                stats=stats if stats is not None else history.stats_at(t) if history is not None else None,
             )
             action = policy.decide(state)
             if action is Market.SPOT and not up:
@@ -255,6 +295,110 @@ def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: T
         missed=missed,
         finished_h=None if missed else k * gap_h,
     )
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """`RunOutcome`s of many runs as arrays (one entry per start)."""
+
+    cost_usd: np.ndarray
+    spot_hours: np.ndarray
+    od_hours: np.ndarray
+    spot_work_hours: np.ndarray
+    od_work_hours: np.ndarray
+    missed: np.ndarray
+    finished_h: np.ndarray  # nan if missed
+
+    @classmethod
+    def concat(cls, parts: Sequence[tuple[np.ndarray, BatchOutcome]], runs: int) -> BatchOutcome:
+        """Reassemble outcomes of subsets (index arrays, outcomes) into one, in the original order."""
+        names = ("cost_usd", "spot_hours", "od_hours", "spot_work_hours", "od_work_hours", "missed", "finished_h")
+        out = {n: np.zeros(runs, dtype=bool if n == "missed" else float) for n in names}
+        for idx, part in parts:
+            for n in names:
+                out[n][idx] = getattr(part, n)
+        return cls(**out)
+
+    def outcome(self, i: int) -> RunOutcome:
+        return RunOutcome(cost_usd=float(self.cost_usd[i]), spot_hours=float(self.spot_hours[i]),
+                          od_hours=float(self.od_hours[i]), spot_work_hours=float(self.spot_work_hours[i]),
+                          od_work_hours=float(self.od_work_hours[i]), missed=bool(self.missed[i]),
+                          finished_h=None if self.missed[i] else float(self.finished_h[i]))
+
+
+def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSetting,
+                 run_age_h: np.ndarray | None = None, stats: AvailabilityStats | None = None) -> BatchOutcome:
+    """`replay` for many starts at once: all runs advance tick by tick together, the policy decides on arrays.
+
+    Same semantics and arithmetic as `replay`, run for run. `run_age_h` (from `TraceHistory`) gives the policy
+    how long spot has been in its state; `stats` is what the policy knows of the zone, shared by these runs.
+    """
+    gap = trace.gap_seconds
+    gap_h = gap / 3600.0
+    need = job.job_hours * 3600.0
+    deadline = job.deadline_hours * 3600.0
+    delay = job.changeover_hours * 3600.0
+    avail = trace.available
+    n = len(trace)
+    starts_arr = np.asarray(starts, dtype=np.int64)
+    runs = starts_arr.shape[0]
+    price = np.array([0.0, job.spot_price, job.od_price])
+    billed = np.zeros((3, runs))
+    work = np.zeros((3, runs))
+    cost = np.zeros(runs)
+    done = np.zeros(runs)
+    changeover_left = np.zeros(runs)
+    market = np.full(runs, IDLE_CODE, dtype=np.int8)
+    forced_od = np.zeros(runs, dtype=bool)
+    missed = np.zeros(runs, dtype=bool)
+    finished = np.full(runs, np.nan)
+    active = done < need - _EPS_S
+    k = 0
+    while active.any():
+        elapsed = k * gap
+        t = starts_arr + k
+        out_of_time = active & ((elapsed >= deadline - _EPS_S) | (t >= n))
+        missed |= out_of_time
+        active &= ~out_of_time
+        if not active.any():
+            break
+        t = np.minimum(t, n - 1)
+        up = avail[t]
+        preempted = (market == SPOT_CODE) & ~up
+        market[preempted] = IDLE_CODE
+        changeover_left[preempted] = 0.0
+        batch = SpotBatch(
+            job_hours=job.job_hours, deadline_hours=job.deadline_hours, changeover_h=job.changeover_hours,
+            tick_h=gap_h, od_price=job.od_price, spot_price=job.spot_price,
+            elapsed_h=np.full(runs, elapsed / 3600.0), progress_h=done / 3600.0, market=market.copy(),
+            spot_available=up, changeover_left_h=changeover_left / 3600.0,
+            spot_state_for_h=run_age_h[t] if run_age_h is not None else np.zeros(runs), stats=stats)
+        action = np.asarray(policy.decide_batch(batch), dtype=np.int8)
+        bad = active & ~forced_od & (action == SPOT_CODE) & ~up
+        if bad.any():
+            raise ValueError(f"policy {policy.name!r} chose spot while spot is unavailable")
+        forced_od |= active & (action == OD_CODE) & safety_net_engaged_batch(batch)
+        action = np.where(forced_od, OD_CODE, action).astype(np.int8)
+        action[~active] = market[~active]  # finished or missed runs stay as they are (and are not billed)
+        switched = active & (action != market)
+        changeover_left[switched] = np.where(action[switched] != IDLE_CODE, delay, 0.0)
+        market = action
+        running = active & (market != IDLE_CODE)
+        idx = np.flatnonzero(running)
+        m = market[idx]
+        cost[idx] += price[m] * gap_h
+        billed[m, idx] += gap_h
+        progress = np.minimum(np.maximum(gap - changeover_left[idx], 0.0), need - done[idx])
+        changeover_left[idx] = np.maximum(changeover_left[idx] - gap, 0.0)
+        done[idx] += progress
+        work[m, idx] += progress / 3600.0
+        k += 1
+        now_done = active & (done >= need - _EPS_S)
+        finished[now_done] = k * gap_h
+        active &= ~now_done
+    return BatchOutcome(cost_usd=cost, spot_hours=billed[SPOT_CODE], od_hours=billed[OD_CODE],
+                        spot_work_hours=work[SPOT_CODE], od_work_hours=work[OD_CODE], missed=missed,
+                        finished_h=finished)
 
 
 def deadline_ticks(job: JobSetting, gap_seconds: float) -> int:
@@ -375,6 +519,10 @@ class PolicySummary:
         self.total_od_work_h += r.od_work_hours
         self.costs.append(r.cost_usd)
 
+    def add_batch(self, b: BatchOutcome) -> None:
+        for i in range(b.cost_usd.shape[0]):
+            self.add(b.outcome(i))
+
     @property
     def mean_cost(self) -> float:
         return self.total_cost / self.runs if self.runs else math.nan
@@ -417,10 +565,48 @@ class SimulationReport:
         }
 
 
-def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSetting) -> list[RunOutcome]:
+# How a replay teaches a history-using policy its zone: re-estimate the model every REFIT_H hours of trace from
+# everything before that point (a run uses the estimate made at or before its start, never later data), each
+# hazard shrunk towards the pooled hazards of the *other* traces given with the weight of PRIOR_TICKS ticks.
+# Chosen on setting (a) with seed 5 (docs/simulate.md); 48 h keeps the number of plans, and the time, small.
+REFIT_H = 48.0
+PRIOR_TICKS = 20.0
+
+
+def pooled_prior(counts: Sequence[tuple[np.ndarray, np.ndarray]], tick_h: float) -> np.ndarray:
+    """Pooled per-(state, age bucket) hazards of these traces; memoryless defaults where none were observed."""
+    fallback = POLICIES[DEFAULT_POLICY] if isinstance(POLICIES.get(DEFAULT_POLICY), SemiMarkovDP) else SemiMarkovDP()
+    geometric = np.asarray(fallback.model_for(None, tick_h).leave)
+    if not counts:
+        return geometric
+    seen = sum(c[0] for c in counts)
+    ended = sum(c[1] for c in counts)
+    return np.where(seen > 0, ended / np.maximum(seen, 1), geometric)
+
+
+def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSetting,
+                prior: np.ndarray | None = None) -> BatchOutcome:
     policy = POLICIES[policy_name]
-    history = TraceHistory.of(trace.available, trace.gap_seconds) if getattr(policy, "uses_history", False) else None
-    return [replay(policy, trace, int(s), job, history) for s in starts]
+    history = TraceHistory.of(trace.available, trace.gap_seconds)
+    if not getattr(policy, "uses_history", False):
+        return replay_batch(policy, trace, starts, job, history.run_age_h)
+    gap_h = trace.gap_seconds / 3600.0
+    prior = pooled_prior([], gap_h) if prior is None else prior
+    refit = max(1, round(REFIT_H / gap_h))
+    checkpoints = (starts // refit) * refit
+    parts = []
+    for checkpoint in np.unique(checkpoints):
+        idx = np.flatnonzero(checkpoints == checkpoint)
+        seen, ended = hazard_counts(trace.available, history.run_age_h, int(checkpoint))
+        observed = history.stats_at(int(checkpoint) - 1) if checkpoint > 0 else None
+        stats = AvailabilityStats(
+            up_fraction=observed.up_fraction if observed else math.nan,
+            mean_outage_h=observed.mean_outage_h if observed else math.nan,
+            mean_uptime_h=observed.mean_uptime_h if observed else math.nan,
+            observed_h=observed.observed_h if observed else 0.0,
+            model=blend_model(gap_h, seen, ended, prior, PRIOR_TICKS))
+        parts.append((idx, replay_batch(policy, trace, starts[idx], job, history.run_age_h, stats)))
+    return BatchOutcome.concat(parts, starts.shape[0])
 
 
 def _offline_all(trace: Trace, starts: np.ndarray, job: JobSetting) -> tuple[float, bool, float]:
@@ -449,10 +635,14 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
     offline_total = bound_total = 0.0
     all_exact = True
     workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
+    # Leave-one-out priors: each trace's model starts from what the other traces (same tick) show.
+    counts = [hazard_counts(t.available, TraceHistory.of(t.available, t.gap_seconds).run_age_h, len(t))
+              for t in traces]
+    priors = [pooled_prior([c for j, c in enumerate(counts) if j != i and traces[j].gap_seconds == t.gap_seconds],
+                           t.gap_seconds / 3600.0) for i, t in enumerate(traces)]
 
-    def collect_runs(name: str, runs: list[RunOutcome]) -> None:
-        for r in runs:
-            summaries[name].add(r)
+    def collect_runs(name: str, runs: BatchOutcome) -> None:
+        summaries[name].add_batch(runs)
         if on_step:
             on_step()
 
@@ -465,17 +655,17 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
             on_step()
 
     if workers <= 1:
-        for trace, ts in zip(traces, trace_starts, strict=True):
+        for trace, ts, prior in zip(traces, trace_starts, priors, strict=True):
             for name in policy_names:
-                collect_runs(name, _replay_all(name, trace, ts, job))
+                collect_runs(name, _replay_all(name, trace, ts, job, prior))
             collect_offline(_offline_all(trace, ts, job))
     else:
         with ProcessPoolExecutor(max_workers=workers) as pool:
             futures = {}
-            for trace, ts in zip(traces, trace_starts, strict=True):
+            for trace, ts, prior in zip(traces, trace_starts, priors, strict=True):
                 futures[pool.submit(_offline_all, trace, ts, job)] = None
                 for name in policy_names:
-                    futures[pool.submit(_replay_all, name, trace, ts, job)] = name
+                    futures[pool.submit(_replay_all, name, trace, ts, job, prior)] = name
             for fut in as_completed(futures):
                 name = futures[fut]
                 if name is None:

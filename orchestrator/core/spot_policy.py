@@ -14,9 +14,12 @@ to whole ticks) the job runs on on-demand to the end, so no deadline is missed w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import lru_cache
 from typing import Protocol
+
+import numpy as np
 
 # Float hours accumulate rounding error tick by tick; comparisons of time budgets allow this much (~4 ms).
 _EPS_H = 1e-6
@@ -26,6 +29,41 @@ class Market(StrEnum):
     IDLE = "idle"
     SPOT = "spot"
     ON_DEMAND = "on-demand"
+
+
+# Integer codes of the markets in the array (batch) interface; `MARKETS[code]` is the Market.
+IDLE_CODE, SPOT_CODE, OD_CODE = 0, 1, 2
+MARKETS: tuple[Market, Market, Market] = (Market.IDLE, Market.SPOT, Market.ON_DEMAND)
+MARKET_CODE: dict[Market, int] = {m: i for i, m in enumerate(MARKETS)}
+
+# Upper edges (hours) of the age buckets of the semi-Markov availability model; the last bucket is open-ended.
+# Log-spaced: the chance an outage ends soon falls steeply with its age over the first hours, then flattens.
+AGE_EDGES_H: tuple[float, ...] = (1 / 3, 2 / 3, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 24.0)
+
+
+def age_bucket(age_h: np.ndarray | float) -> np.ndarray:
+    """Bucket of a spot state that has lasted `age_h` hours (counting the current tick)."""
+    return np.searchsorted(np.asarray(AGE_EDGES_H), np.asarray(age_h) - 1e-9, side="left")
+
+
+@dataclass(frozen=True)
+class SpotModel:
+    """Semi-Markov model of one zone's spot availability, per tick of `tick_h` hours.
+
+    `leave[a][b]` is the chance that spot, having been up (a=1) or down (a=0) for an age in bucket b
+    (`AGE_EDGES_H`), changes state after the next tick. Hashable, so plans built from it can be cached.
+    """
+
+    tick_h: float
+    leave: tuple[tuple[float, ...], tuple[float, ...]]
+
+    @classmethod
+    def geometric(cls, tick_h: float, mean_uptime_h: float, mean_outage_h: float) -> SpotModel:
+        """Memoryless model from mean up-time and outage length (what is left when no history is at hand)."""
+        down = min(tick_h / max(mean_outage_h, tick_h), 1.0)
+        up = min(tick_h / max(mean_uptime_h, tick_h), 1.0)
+        n = len(AGE_EDGES_H) + 1
+        return cls(tick_h=tick_h, leave=((down,) * n, (up,) * n))
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +78,7 @@ class AvailabilityStats:
     mean_outage_h: float
     mean_uptime_h: float
     observed_h: float
+    model: SpotModel | None = None  # per-age hazards of spot going away / coming back, when the caller has them
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +113,43 @@ class SpotState:
         return self.time_left_h - self.work_left_h
 
 
+@dataclass(frozen=True)
+class SpotBatch:
+    """Many runs of one job setting at once, for replays: per-run arrays, shared scalars, shared stats.
+
+    The arrays mirror the per-run fields of `SpotState`; `market` holds `MARKET_CODE`s.
+    """
+
+    job_hours: float
+    deadline_hours: float
+    changeover_h: float
+    tick_h: float
+    od_price: float
+    spot_price: float
+    elapsed_h: np.ndarray
+    progress_h: np.ndarray
+    market: np.ndarray
+    spot_available: np.ndarray
+    changeover_left_h: np.ndarray
+    spot_state_for_h: np.ndarray
+    stats: AvailabilityStats | None = None
+
+    def state(self, i: int) -> SpotState:
+        """Run i as the `SpotState` the scalar path sees."""
+        return SpotState(
+            job_hours=self.job_hours, deadline_hours=self.deadline_hours, elapsed_h=float(self.elapsed_h[i]),
+            progress_h=float(self.progress_h[i]), market=MARKETS[int(self.market[i])],
+            spot_available=bool(self.spot_available[i]), changeover_left_h=float(self.changeover_left_h[i]),
+            changeover_h=self.changeover_h, tick_h=self.tick_h, od_price=self.od_price, spot_price=self.spot_price,
+            spot_state_for_h=float(self.spot_state_for_h[i]), stats=self.stats)
+
+
 class Policy(Protocol):
     name: str
 
     def decide(self, state: SpotState) -> Market: ...
+
+    def decide_batch(self, batch: SpotBatch) -> np.ndarray: ...
 
 
 def safety_net_engaged(s: SpotState) -> bool:
@@ -97,6 +169,16 @@ def safety_net_engaged(s: SpotState) -> bool:
     return left - tick < work_left + s.changeover_h + _EPS_H
 
 
+def safety_net_engaged_batch(b: SpotBatch) -> np.ndarray:
+    """`safety_net_engaged` for every run of a batch (same arithmetic, elementwise)."""
+    work_left = b.job_hours - b.progress_h
+    left = b.deadline_hours - b.elapsed_h
+    tick = b.tick_h
+    first = left <= np.ceil((work_left + 2 * b.changeover_h) / tick - _EPS_H) * tick + _EPS_H
+    second = left - tick < work_left + b.changeover_h + _EPS_H
+    return (work_left > 0) & (first | second)
+
+
 def _spot_or_idle(s: SpotState) -> Market:
     return Market.SPOT if s.spot_available else Market.IDLE
 
@@ -109,6 +191,9 @@ class OnDemandOnly:
 
     def decide(self, state: SpotState) -> Market:
         return Market.IDLE if state.work_left_h <= 0 else Market.ON_DEMAND
+
+    def decide_batch(self, batch: SpotBatch) -> np.ndarray:
+        return np.where(batch.job_hours - batch.progress_h <= 0, IDLE_CODE, OD_CODE).astype(np.int8)
 
 
 @dataclass(frozen=True)
@@ -123,6 +208,12 @@ class Greedy:
         if safety_net_engaged(state):
             return Market.ON_DEMAND
         return _spot_or_idle(state)
+
+    def decide_batch(self, batch: SpotBatch) -> np.ndarray:
+        out = np.where(batch.spot_available, SPOT_CODE, IDLE_CODE).astype(np.int8)
+        out[safety_net_engaged_batch(batch)] = OD_CODE
+        out[batch.job_hours - batch.progress_h <= 0] = IDLE_CODE
+        return out
 
 
 @dataclass(frozen=True)
@@ -154,73 +245,223 @@ class UniformProgress:
             return Market.SPOT
         return Market.ON_DEMAND if behind else Market.IDLE
 
+    def decide_batch(self, batch: SpotBatch) -> np.ndarray:
+        rate = batch.job_hours / batch.deadline_hours
+        up = batch.spot_available
+        on_od = batch.market == OD_CODE
+        behind = batch.progress_h < rate * batch.elapsed_h - _EPS_H
+        hold_od = on_od & (batch.progress_h < rate * (batch.elapsed_h + 2 * batch.changeover_h) - _EPS_H)
+        out = np.where(behind, OD_CODE, IDLE_CODE).astype(np.int8)
+        out[up] = SPOT_CODE
+        out[hold_od] = OD_CODE
+        out[up & ~(behind & on_od)] = SPOT_CODE
+        out[safety_net_engaged_batch(batch)] = OD_CODE
+        out[batch.progress_h >= batch.job_hours] = IDLE_CODE
+        return out
+
 
 @dataclass(frozen=True)
-class SlackAware:
-    """The project's default: Uniform Progress's straight line replaced by what this zone's spot can supply.
+class DPPlan:
+    """The optimal action of the stochastic DP for every (ticks left, slack, market+phase, spot up/down, age).
 
-    UP assumes spot will carry C/R of the remaining time. This policy estimates the share of time spot is up
-    from history seen so far (`stats`, blended with a weak prior while history is short) and counts the job as
-    behind only when the work left exceeds what that share of the remaining usable time would deliver:
-        behind  <=>  work_left > q * (time_left - reserve),   reserve = 2d + one tick (the safety net's margin)
-    Behind and spot down: run on-demand (the shortfall has to be bought anyway, and buying it during an outage
-    wastes no spot). Spot down and not behind: wait, unless the slack left cannot cover a typical outage.
-    On on-demand when spot returns: go back to spot once not behind and the slack can pay two changeovers
-    (this switch, and the one a later preemption forces). Under it all, the shared safety net.
+    Time runs in DP steps of `step_h` (the decision tick); work and slack in units of step_h / `units_per_step`.
+    `actions[k, s, j, a, b]` is a `MARKET_CODE`: k steps left, s units of slack, j the market index (0 idle,
+    1..phases spot, phases+1..2*phases on-demand, by ticks since the switch), a spot up now, b age bucket.
     """
 
-    name: str = "slack-aware"
-    prior_up_fraction: float = 0.6  # before any history: a middling zone
-    prior_weight_h: float = 24.0  # hours of history the prior counts as
+    step_h: float
+    units_per_step: int
+    changeover_units: int
+    phases: int
+    actions: np.ndarray = field(repr=False)
+
+    def lookup(self, elapsed_h: np.ndarray, progress_h: np.ndarray, market: np.ndarray, spot_available: np.ndarray,
+               changeover_left_h: np.ndarray, age_h: np.ndarray, deadline_hours: float, job_hours: float
+               ) -> np.ndarray:
+        """The planned action for runs in these states (arrays or scalars broadcast together)."""
+        m, unit = self.units_per_step, self.step_h / self.units_per_step
+        k_max, s_max = self.actions.shape[0] - 1, self.actions.shape[1] - 1
+        # Round against the job: whole steps left rounded down, work left rounded up.
+        k = np.clip(np.floor((deadline_hours - elapsed_h) / self.step_h + 1e-6).astype(np.int64), 0, k_max)
+        w = np.ceil(np.maximum(job_hours - progress_h, 0.0) / unit - 1e-6).astype(np.int64)
+        s = np.clip(k * m - w, 0, s_max)
+        # Phase: steps since the switch into the current market, from the changeover still to sit through.
+        left_units = np.ceil(np.asarray(changeover_left_h) / unit - 1e-6).astype(np.int64)
+        phase = np.clip(-((left_units - self.changeover_units) // m), 0, self.phases - 1)
+        market = np.asarray(market)
+        j = np.where(market == SPOT_CODE, 1 + phase, np.where(market == OD_CODE, 1 + self.phases + phase, 0))
+        return self.actions[k, s, j, np.asarray(spot_available).astype(np.int64), age_bucket(age_h)]
+
+
+_MISS_USD = 1e6  # value of a state that cannot finish by R: far above any real cost, so the DP avoids it
+
+
+def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, changeover_h: float, step_h: float,
+               od_price: float, spot_price: float, max_slack_units: int = 240) -> DPPlan:
+    """Backward induction over the semi-Markov availability model: the least expected cost to finish by R.
+
+    Each step: bill the price of what runs, progress one step minus any changeover left, preempt spot if the
+    model turns it off. The shared safety net is part of the model (once engaged, on-demand to the end), so the
+    plan never counts on what the net forbids. The slack (time left - work left, which never grows) replaces
+    the work left as the state, so the table is small: the job's R - C at most.
+    """
+    exact_units = max(round(step_h * 3600), 1) // max(math.gcd(round(step_h * 3600), round(changeover_h * 3600)), 1)
+    slack_h = deadline_hours - job_hours
+    m = 1
+    for cand in range(max(exact_units, 1), 0, -1):  # the finest resolution that keeps the table small
+        if slack_h / (step_h / cand) <= max_slack_units:
+            m = cand
+            break
+    unit = step_h / m
+    k_max = math.floor(deadline_hours / step_h + 1e-6)
+    s_max = max(math.ceil(slack_h / unit - 1e-6) + m, m)
+    d_units = math.ceil(changeover_h / unit - 1e-6)
+    phases = (-(-d_units // m) + 1) if d_units > 0 else 1
+    progress = np.clip(m * (np.arange(phases) + 1) - d_units, 0, m)  # units of work done in a step at each phase
+    loss = m - progress  # slack spent in that step
+    nxt = np.minimum(np.arange(phases) + 1, phases - 1)
+    n_buckets = len(AGE_EDGES_H) + 1
+    n_markets = 1 + 2 * phases
+    spot_step, od_step = np.float32(spot_price * step_h), np.float32(od_price * step_h)
+
+    # Transition of the availability state over one step, converted from the model's tick to the DP's step.
+    leave = 1.0 - (1.0 - np.clip(np.asarray(model.leave, dtype=float), 0.0, 1.0)) ** (step_h / model.tick_h)
+    widths_h = np.diff(np.concatenate(([0.0], AGE_EDGES_H)))
+    advance = np.zeros((2, n_buckets))
+    advance[:, :-1] = np.minimum(step_h / widths_h, 1.0)  # uniform ages within a bucket
+    # float32: the values are dollars with cents to spare, and half the memory traffic makes planning faster.
+    stay_same = ((1 - leave) * (1 - advance)).astype(np.float32)
+    stay_next = ((1 - leave) * advance).astype(np.float32)
+    leave = leave.astype(np.float32)
+
+    s_idx = np.arange(s_max + 1)
+    # Changeover units an on-demand finish still pays, per market index: all of d unless already on on-demand.
+    chg_left = np.full(n_markets, d_units)
+    chg_left[1 + phases:] = np.maximum(d_units - m * np.arange(phases), 0)
+
+    spot_phase_of = np.zeros(n_markets, dtype=np.int64)  # per market index: the spot phase a spot step runs in
+    spot_phase_of[1:1 + phases] = np.arange(phases)
+    od_phase_of = np.zeros(n_markets, dtype=np.int64)
+    od_phase_of[1 + phases:] = np.arange(phases)
+    actions = np.empty((k_max + 1, s_max + 1, n_markets, 2, n_buckets), dtype=np.int8)
+    actions[0] = IDLE_CODE
+    value = np.zeros((s_max + 1, n_markets, 2, n_buckets), dtype=np.float32)  # k = 0: s >= 0 means done
+    inf = np.inf
+
+    def shift(v: np.ndarray, by: int) -> np.ndarray:
+        """v at slack s - by (a step that spends `by` units of slack); below zero is a miss."""
+        if by == 0:
+            return v
+        out = np.empty_like(v)
+        out[:by] = _MISS_USD
+        out[by:] = v[:-by]
+        return out
+
+    for k in range(1, k_max + 1):
+        # Expected value after the step, given the availability state before it.
+        nxt_bucket = np.concatenate((value[..., 1:], value[..., -1:]), axis=-1)
+        flipped = value[..., ::-1, :1]  # the other availability state, age bucket 0
+        ev = stay_same * value + stay_next * nxt_bucket + leave * flipped
+        # On spot, spot going away means preemption: the next step starts idle.
+        ev_spot_up = (stay_same[1] * value[:, 1:1 + phases, 1, :] + stay_next[1] * nxt_bucket[:, 1:1 + phases, 1, :]
+                      + leave[1] * value[:, :1, 0, :1])
+        q_idle = shift(ev[:, 0], m)[:, None]  # broadcasts over the current market
+        q_spot = np.full((s_max + 1, phases, 2, n_buckets), inf, dtype=np.float32)
+        q_od = np.empty((s_max + 1, phases, 2, n_buckets), dtype=np.float32)
+        for p in range(phases):
+            q_spot[:, p, 1] = spot_step + shift(ev_spot_up[:, nxt[p]], int(loss[p]))
+            q_od[:, p] = od_step + shift(ev[:, 1 + phases + nxt[p]], int(loss[p]))
+        # Per current market: staying continues its phase, switching starts at phase 0.
+        sp = q_spot[:, spot_phase_of]
+        od = q_od[:, od_phase_of]
+        best_other = np.minimum(q_idle, od)
+        new_value = np.minimum(sp, best_other)
+        new_actions = np.where(sp <= best_other, SPOT_CODE, np.where(q_idle <= od, IDLE_CODE, OD_CODE)
+                               ).astype(np.int8)  # ties go to spot, then idle
+        # Done (work left <= 0): nothing more to pay. Safety net: on-demand to the end, whatever the plan says.
+        work = k * m - s_idx
+        done = work <= 0
+        time_left = k * step_h
+        work_h = np.maximum(work, 0) * unit
+        net = ~done & ((time_left <= np.ceil((work_h + 2 * changeover_h) / step_h - _EPS_H) * step_h + _EPS_H)
+                       | (time_left - step_h < work_h + changeover_h + _EPS_H))
+        forced = od_step * np.ceil((np.maximum(work, 0)[:, None] + chg_left[None, :]) / m)  # (s, market)
+        new_value[net] = forced[net][:, :, None, None]
+        new_actions[net] = OD_CODE
+        new_value[done] = 0.0
+        new_actions[done] = IDLE_CODE
+        value = new_value
+        actions[k] = new_actions
+    return DPPlan(step_h=step_h, units_per_step=m, changeover_units=d_units, phases=phases, actions=actions)
+
+
+@lru_cache(maxsize=16)
+def cached_plan(model: SpotModel, job_hours: float, deadline_hours: float, changeover_h: float, step_h: float,
+                od_price: float, spot_price: float, max_slack_units: int) -> DPPlan:
+    """`solve_plan`, remembered: the daemon asks every tick with the same job and model."""
+    return solve_plan(model, job_hours, deadline_hours, changeover_h, step_h, od_price, spot_price, max_slack_units)
+
+
+@dataclass(frozen=True)
+class SemiMarkovDP:
+    """The project's default: act as the optimal plan of a stochastic DP over a semi-Markov model of the zone.
+
+    The model (`AvailabilityStats.model`: per-age chances that spot goes away or comes back) is estimated by the
+    caller from history it has already seen. Given it, backward induction over (steps left, slack, market and
+    changeover phase, spot up/down, age of that state) finds the least expected cost of finishing by R; the
+    policy plays the plan's action for the current state. It waits out outages that are likely to end soon,
+    buys on-demand early in outages that are likely to be long, and only pays a changeover when the expected
+    saving covers it. Without a model it uses a memoryless one from `prior_uptime_h` / `prior_outage_h`.
+    Under it all, the shared safety net (also modelled inside the DP).
+    """
+
+    name: str = "semi-markov-dp"
+    prior_uptime_h: float = 1.5
     prior_outage_h: float = 1.0
-    rate_scale: float = 1.0  # shrinks q: < 1 buys on-demand earlier
-    outage_cover: float = 1.0  # wait through an outage only if slack > this * expected outage
-    return_changeovers: float = 2.0  # slack needed (in d) to leave on-demand for spot
-    hold_h: float = 2.0  # on on-demand, stay until this far ahead before going idle
-    patience_h: float = 0.5  # while behind, wait this long into an outage before paying an on-demand changeover
+    max_steps: int = 400  # longer horizons are planned on a coarser step (a multiple of the tick)
+    max_slack_units: int = 240  # resolution of the slack axis: finer is closer to exact, slower to plan
     uses_history: bool = True
 
-    def supply_rate(self, state: SpotState) -> float:
-        st = state.stats
-        if st is None or not st.observed_h > 0:
-            return self.prior_up_fraction
-        w = self.prior_weight_h
-        return (st.up_fraction * st.observed_h + self.prior_up_fraction * w) / (st.observed_h + w)
+    def model_for(self, stats: AvailabilityStats | None, tick_h: float) -> SpotModel:
+        if stats is not None and stats.model is not None:
+            return stats.model
+        return SpotModel.geometric(tick_h, self.prior_uptime_h, self.prior_outage_h)
 
-    def expected_outage_h(self, state: SpotState) -> float:
-        st = state.stats
-        if st is None or math.isnan(st.mean_outage_h):  # no completed outage seen yet
-            return self.prior_outage_h
-        return st.mean_outage_h
+    def plan_for(self, job_hours: float, deadline_hours: float, changeover_h: float, tick_h: float,
+                 od_price: float, spot_price: float, stats: AvailabilityStats | None) -> DPPlan:
+        step_h = tick_h * max(1, math.ceil(deadline_hours / tick_h / self.max_steps))
+        return cached_plan(self.model_for(stats, tick_h), job_hours, deadline_hours, changeover_h, step_h,
+                           od_price, spot_price, self.max_slack_units)
 
     def decide(self, state: SpotState) -> Market:
-        work_left = state.job_hours - state.progress_h
-        if work_left <= 0:
+        if state.progress_h >= state.job_hours:
             return Market.IDLE
         if safety_net_engaged(state):
             return Market.ON_DEMAND
-        d = state.changeover_h
-        time_left = state.deadline_hours - state.elapsed_h
-        reserve = 2 * d + state.tick_h
-        usable_slack = time_left - work_left - reserve
-        q = min(max(self.supply_rate(state) * self.rate_scale, 0.02), 1.0)
-        shortfall = work_left - q * (time_left - reserve)  # > 0: spot alone is not expected to finish in time
-        if state.spot_available:
-            if state.market is Market.ON_DEMAND and usable_slack < self.return_changeovers * d:
-                return Market.ON_DEMAND
-            return Market.SPOT
-        if state.market is Market.ON_DEMAND:
-            return Market.ON_DEMAND if shortfall > -self.hold_h else Market.IDLE
-        if shortfall > 0 and (state.spot_state_for_h >= self.patience_h or usable_slack < self.patience_h):
-            return Market.ON_DEMAND
-        if usable_slack < self.outage_cover * self.expected_outage_h(state):
-            return Market.ON_DEMAND
-        return Market.IDLE
+        plan = self.plan_for(state.job_hours, state.deadline_hours, state.changeover_h, state.tick_h,
+                             state.od_price, state.spot_price, state.stats)
+        code = int(plan.lookup(state.elapsed_h, state.progress_h, MARKET_CODE[state.market], state.spot_available,
+                               state.changeover_left_h, state.spot_state_for_h, state.deadline_hours,
+                               state.job_hours))
+        if code == SPOT_CODE and not state.spot_available:
+            return Market.IDLE  # the plan's rounding can not make spot appear
+        return MARKETS[code]
+
+    def decide_batch(self, batch: SpotBatch) -> np.ndarray:
+        plan = self.plan_for(batch.job_hours, batch.deadline_hours, batch.changeover_h, batch.tick_h,
+                             batch.od_price, batch.spot_price, batch.stats)
+        out = plan.lookup(batch.elapsed_h, batch.progress_h, batch.market, batch.spot_available,
+                          batch.changeover_left_h, batch.spot_state_for_h, batch.deadline_hours,
+                          batch.job_hours).astype(np.int8)
+        out[(out == SPOT_CODE) & ~batch.spot_available] = IDLE_CODE
+        out[safety_net_engaged_batch(batch)] = OD_CODE
+        out[batch.progress_h >= batch.job_hours] = IDLE_CODE
+        return out
 
 
-DEFAULT_POLICY = "slack-aware"
+DEFAULT_POLICY = "semi-markov-dp"
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (OnDemandOnly(), Greedy(), UniformProgress(), SlackAware())}
+POLICIES: dict[str, Policy] = {p.name: p for p in (OnDemandOnly(), Greedy(), UniformProgress(), SemiMarkovDP())}
 
 
 def get_policy(name: str) -> Policy:
