@@ -449,39 +449,44 @@ def offline_optimum(trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSe
     def progress_at(phase: int) -> int:
         return 0 if phase < zero_ticks else (partial_u if phase == zero_ticks else full_u)
 
-    def advance(v: np.ndarray, units: int) -> np.ndarray:
-        """Value after making `units` of progress: column w reads column max(w - units, 0)."""
-        if units == 0:
-            return v
-        out = np.zeros_like(v)
-        if units <= total_u:
-            out[:, units:] = v[:, :-units]
-        return out
-
-    terminal = np.full((n_runs, total_u + 1), inf)
-    terminal[:, 0] = 0.0
-    idle = terminal
-    spot = [terminal] * phases
-    od = [terminal] * phases
+    # Values are kept for every work-left column, but each tick only updates the band that matters: at tick k
+    # at most k ticks of work are done (w >= total - k*full) and what is more than the ticks left can do is a
+    # miss (inf, never written). The band is the slack wide, not the job wide.
+    idle = np.full((n_runs, total_u + 1), inf)
+    idle[:, 0] = 0.0
+    spot = [idle.copy() for _ in range(phases)]
+    od = [idle.copy() for _ in range(phases)]
     spot_tick = job.spot_price * gap / 3600.0
     od_tick = job.od_price * gap / 3600.0
     for k in range(span - 1, -1, -1):
+        lo = max(total_u - k * full_u, 1)
+        hi = min((span - k) * full_u, total_u)
+        if lo > hi:
+            continue
+        band = np.arange(lo, hi + 1)
+
+        def advance(v: np.ndarray, units: int, band: np.ndarray = band) -> np.ndarray:
+            """Value after making `units` of progress, for the band: column w reads column max(w - units, 0)."""
+            return v[:, np.maximum(band - units, 0)]
+
         up = windows[:, k][:, None]
+        idle_b = idle[:, lo:hi + 1]
         start_od = od_tick + advance(od[min(1, phases - 1)], progress_at(0))
         start_spot = np.where(up, spot_tick + advance(spot[min(1, phases - 1)], progress_at(0)), inf)
-        new_idle = np.minimum(np.minimum(idle, start_od), start_spot)
+        new_idle = np.minimum(np.minimum(idle_b, start_od), start_spot)
         new_od = []
         new_spot = []
         for h in range(phases):
             nxt = min(h + 1, phases - 1)
             keep_od = od_tick + advance(od[nxt], progress_at(h))
-            new_od.append(np.minimum(np.minimum(keep_od, idle), start_spot))
+            new_od.append(np.minimum(np.minimum(keep_od, idle_b), start_spot))
             keep_spot = spot_tick + advance(spot[nxt], progress_at(h))
-            on_spot = np.minimum(np.minimum(keep_spot, idle), start_od)
+            on_spot = np.minimum(np.minimum(keep_spot, idle_b), start_od)
             new_spot.append(np.where(up, on_spot, new_idle))  # preempted: as if idle
-        for v in (new_idle, *new_od, *new_spot):
-            v[:, 0] = 0.0
-        idle, od, spot = new_idle, new_od, new_spot
+        idle[:, lo:hi + 1] = new_idle
+        for h in range(phases):
+            od[h][:, lo:hi + 1] = new_od[h]
+            spot[h][:, lo:hi + 1] = new_spot[h]
     return idle[:, total_u], exact
 
 
