@@ -7,6 +7,8 @@ from pathlib import Path
 from orchestrator.config import Config
 from runbooks import burst_checkpoint
 
+KEEP = 3  # complete checkpoints kept per job in the local store
+
 
 def store_dir(cfg: Config, job_id: str) -> Path:
     return cfg.state_dir / "checkpoints" / job_id

@@ -24,6 +24,7 @@ from orchestrator.app import App
 from orchestrator.lifecycle import checkpoints
 from orchestrator.remote import ssh, sync
 from providers.base import InstanceInfo, Provider
+from runbooks import burst_checkpoint
 from state import schema as s
 
 RUNBOOKS = Path(__file__).resolve().parents[2] / "runbooks"
@@ -189,8 +190,11 @@ class CloudSteps:
 
     def pull(self, att: dict[str, Any], job: dict[str, Any]) -> list[Path]:
         base, _ = self._remote(att)
+        store = checkpoints.store_dir(self.app.config, job["id"])
         pulled = sync.pull_checkpoints(self.target(att), self.trust(att), f"{base}/{job['id']}/checkpoints",
-                                       checkpoints.store_dir(self.app.config, job["id"]))
+                                       store, newest_only=True)
+        if pulled:
+            burst_checkpoint.prune(store, keep=checkpoints.KEEP)  # multi-GB checkpoints: keep the newest few
         return list(pulled)
 
     def request_checkpoint(self, att: dict[str, Any]) -> None:

@@ -184,8 +184,12 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
 
 
 def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, local_ckpt_dir: str | Path, *,
-                     transport: Transport = "auto", bwlimit_kib: int | None = None) -> PulledCheckpoints:
+                     transport: Transport = "auto", bwlimit_kib: int | None = None,
+                     newest_only: bool = False) -> PulledCheckpoints:
     """Bring back every complete remote checkpoint not yet complete locally; return the new local ones.
+
+    With `newest_only`, just the newest: older ones are superseded, and a trainer pruning them while they are
+    being copied would otherwise fail the whole pull.
 
     Each is verified (sizes + sha256 against its manifest) before it becomes visible. One that fails
     verification stays invisible and is listed in `.rejected`; transport failures raise SyncError (retry to
@@ -200,7 +204,8 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
     with connect(target, trust=trust) as conn:
         chosen = choose_transport(target, conn, transport)
         total = SyncStats(chosen)
-        for name in _remote_complete(conn, remote_ckpt_dir):
+        names = _remote_complete(conn, remote_ckpt_dir)
+        for name in names[-1:] if newest_only else names:
             final = local_root / name
             if burst_checkpoint.verify(final, deep=False):
                 continue  # only verified checkpoints are ever renamed into place: sizes suffice here
