@@ -9,7 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES, Market, SpotState, get_policy
+from orchestrator.core.spot_policy import (
+    DEFAULT_POLICY,
+    MARKETS,
+    POLICIES,
+    AvailabilityStats,
+    Market,
+    SpotBatch,
+    SpotModel,
+    SpotState,
+    get_policy,
+)
 from orchestrator.simulate import JobSetting, Trace, load_traces, replay, sample_starts
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "spot-traces"
@@ -94,3 +104,37 @@ def test_baselines_reproduce_the_papers_hours_on_setting_a(name: str, paper_od_h
     assert not any(r.missed for r in runs)
     assert abs(np.mean([r.od_work_hours for r in runs]) - paper_od_h) <= 1.0
     assert abs(np.mean([r.spot_work_hours for r in runs]) - paper_spot_h) <= 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.floats(0, 14), st.floats(0, 10), st.sampled_from([0, 1, 2]), st.booleans(),
+                            st.sampled_from([0.0, 0.05, 0.1, 0.2]), st.floats(0.1, 30)), min_size=1, max_size=30),
+    name=st.sampled_from(sorted(POLICIES)),
+)
+def test_array_path_decides_exactly_as_the_scalar_path(
+    runs: list[tuple[float, float, int, bool, float, float]], name: str
+) -> None:
+    # The daemon calls decide(state); replays call decide_batch(arrays). They must agree run for run.
+    cols = list(zip(*runs, strict=True))
+    batch = SpotBatch(job_hours=10.0, deadline_hours=14.0, changeover_h=0.2, tick_h=0.1, od_price=3.0,
+                      spot_price=1.0, elapsed_h=np.array(cols[0]), progress_h=np.array(cols[1]),
+                      market=np.array(cols[2], dtype=np.int8), spot_available=np.array(cols[3]),
+                      changeover_left_h=np.array(cols[4]), spot_state_for_h=np.array(cols[5]))
+    policy = POLICIES[name]
+    batched = [MARKETS[c] for c in policy.decide_batch(batch)]
+    assert batched == [policy.decide(batch.state(i)) for i in range(len(runs))]
+
+
+def test_dp_policy_waits_out_a_brief_outage_but_keeps_on_demand_when_spot_is_not_coming_back() -> None:
+    # A zone whose outages mostly end within a tick or two: with slack to spare, a fresh outage is waited out.
+    dp = POLICIES[DEFAULT_POLICY]
+    brief = SpotModel(tick_h=0.1, leave=((0.6,) * 12, (0.02,) * 12))
+    stats = AvailabilityStats(0.9, 0.2, 5.0, 100.0, model=brief)
+    assert dp.decide(state(elapsed_h=1.0, progress_h=0.8, spot_available=False, stats=stats,
+                           spot_state_for_h=0.1)) is Market.IDLE
+    # Spot almost never comes back: already on on-demand, going idle would only buy a second changeover later.
+    dead = SpotModel(tick_h=0.1, leave=((0.001,) * 12, (0.02,) * 12))
+    stats = AvailabilityStats(0.1, 50.0, 1.0, 100.0, model=dead)
+    assert dp.decide(state(elapsed_h=3.0, progress_h=2.0, market=Market.ON_DEMAND, spot_available=False,
+                           stats=stats, spot_state_for_h=3.0)) is Market.ON_DEMAND
