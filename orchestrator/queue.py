@@ -134,7 +134,7 @@ def spec_of(job: dict[str, Any]) -> JobSpec:
     return JobSpec.model_validate(data)
 
 
-def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float) -> str | None:
+def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None) -> str | None:
     """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state."""
     spec = spec_of(job)
     decision = decide(facts(spec, job["deadline_at"], now, app.config), ctx)
@@ -142,11 +142,17 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float) 
     if target.value == job["state"]:
         return None
     d = decision.to_dict()
-    with app.store.tx() as conn:
-        if not app.store.update_job(job["id"], conn, expect_state=job["state"], state=target.value,
+
+    def _apply(c: Any) -> str | None:
+        if not app.store.update_job(job["id"], c, expect_state=job["state"], state=target.value,
                                     verdict=decision.verdict.value, placement=decision.placement, decision=d,
                                     reason=d["reasons"][-1] if d["reasons"] else None):
             return None
-        app.events.emit("job.redecided", job_id=job["id"], conn=conn, previous=job["state"], state=target.value,
+        app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=target.value,
                         verdict=d["verdict"], action=d["action"])
-    return target.value
+        return target.value
+
+    if conn is not None:
+        return _apply(conn)
+    with app.store.tx() as c:
+        return _apply(c)

@@ -196,10 +196,13 @@ class Reconciler:
         if not blocked:
             return
         ctx = context(self.app, now)
-        for job in blocked:
-            if job["spec"].get("_retry_at", 0) > now:
-                continue
-            reconsider(self.app, job, ctx, now)
+        # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
+        # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
+        with self.store.tx() as conn:
+            unchanged = [job["id"] for job in blocked
+                         if job["spec"].get("_retry_at", 0) > now or reconsider(self.app, job, ctx, now, conn) is None]
+            if unchanged:
+                conn.execute(update(s.jobs).where(s.jobs.c.id.in_(unchanged)).values(updated_at=now))
 
     # --- starting a cloud attempt ------------------------------------------------------------------------------
     def _start_cloud_attempt(self, job: dict[str, Any], now: float) -> bool:

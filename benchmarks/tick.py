@@ -1,0 +1,79 @@
+"""Scheduler tick time against queue size: 100, 1,000 and 10,000 queued jobs (run by hand).
+
+    .venv/bin/python benchmarks/tick.py [--sizes 100 1000 10000] [--ticks 30]
+
+The scheduling half of a tick is what grows with the queue: it reads the queued jobs in deadline order (only as
+many as there are free slots), and re-decides up to `daemon.redecide_per_tick` blocked jobs. Here every slot is
+taken (the cloud slots by running attempts, the local slot is configured to 0), 10 % of the jobs are blocked, and
+the rest are queued, the steady state of a long queue. Attempt steps are not included: they scale with the number
+of *running* attempts (bounded by `max_cloud_attempts`), not with the queue.
+Reported: median tick in ms per size, and the growth against the smallest size measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from sqlalchemy import insert
+
+from orchestrator.app import App
+from orchestrator.lifecycle.reconcile import Reconciler
+from state import schema as s
+
+
+def populate(app: App, n: int) -> None:
+    now = time.time()
+    decision = {"verdict": "burst", "action": "burst", "fits_locally": False, "plan": [], "t_rented_h": 1.0,
+                "overhead_h": 0.5, "reasons": []}
+    spec = {"name": "x", "kind": "train", "command": ["true"], "workdir": "/tmp", "deadline_hours": 48,
+            "work_units": 1, "local_throughput": 0, "rented_throughput": {"H100": 1.0}, "gpus": 1,
+            "checkpoint": {"dir": "checkpoints", "interval_minutes": 30}, "env": {}}
+    rows = []
+    for i in range(n):
+        blocked = i % 10 == 0
+        rows.append({"id": f"j{i:06d}", "name": f"job-{i}", "kind": "train",
+                     "state": "blocked" if blocked else "queued", "verdict": "burst", "placement": "cloud",
+                     "approved": False, "spec": spec, "decision": decision, "reason": None,
+                     "deadline_at": now + 3600 * (24 + i % 100), "created_at": now, "updated_at": now})
+    with app.store.tx() as c:
+        c.execute(insert(s.jobs), rows)
+        for k in range(app.config.daemon.max_cloud_attempts):  # every cloud slot busy
+            c.execute(insert(s.attempts).values(id=f"j{k:06d}-a1", job_id=f"j{k:06d}", n=1, where="cloud",
+                                                state="running", provider="sim", info={}, created_at=now))
+
+
+def measure(n: int, ticks: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "burstctl.toml"
+        # The budget is spent, so blocked jobs stay blocked when re-decided: the steady state of a long queue.
+        cfg.write_text("[daemon]\nlocal_concurrency = 0\n[budget]\nmonthly_cap_usd = 0\n")
+        app = App(config_path=str(cfg), state_dir_override=str(Path(tmp) / "state"))
+        populate(app, n)
+        rec = Reconciler(app, {}, cloud=None)
+        times = []
+        for _ in range(ticks):
+            t = time.perf_counter()
+            rec._schedule()
+            times.append(time.perf_counter() - t)
+        app.close()
+        return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
+    p.add_argument("--ticks", type=int, default=30)
+    a = p.parse_args()
+    results = {n: measure(n, a.ticks) for n in a.sizes}
+    base = results[a.sizes[0]]
+    print(f"{'queued jobs':>12} {'median tick':>12} {'vs ' + str(a.sizes[0]):>10}")
+    for n, t in results.items():
+        print(f"{n:>12,} {t * 1000:>10.2f} ms {t / base:>9.2f}×")
+
+
+if __name__ == "__main__":
+    main()
