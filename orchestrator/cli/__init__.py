@@ -21,6 +21,7 @@ from orchestrator.cli import providers as _providers  # noqa: F401  isort: skip
 from orchestrator.cli import daemon as _daemon  # noqa: F401  isort: skip
 from orchestrator.cli import revert as _revert  # noqa: F401  isort: skip
 from orchestrator.cli import demo as _demo  # noqa: F401  isort: skip
+from orchestrator.cli import rehearse as _rehearse  # noqa: F401  isort: skip
 
 
 def main(argv: list[str] | None = None) -> int:
