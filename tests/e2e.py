@@ -150,3 +150,44 @@ def preempt(url: str, instance_id: str, notice_s: float = 1.0) -> None:
     httpx.post(f"{url}/_sim/instances/{instance_id}/notice", json={"seconds": notice_s}, timeout=10).raise_for_status()
     time.sleep(notice_s)
     httpx.post(f"{url}/_sim/instances/{instance_id}/preempt", json={}, timeout=10).raise_for_status()
+
+
+# --- chaos, faults and secrets helpers (tests/test_chaos.py, test_faults.py, test_secrets.py) -------------------
+class EnvDaemon(Daemon):
+    """A `Daemon` started with extra environment (e.g. BURSTCTL_CHAOS_KILL_AT for one run)."""
+
+    def start(self, *extra: str, env: dict[str, str] | None = None) -> EnvDaemon:
+        self.n += 1
+        log = (self.tmp / f"daemon-{self.n}.log").open("w")
+        self.proc = subprocess.Popen(
+            burstctl_argv("--config", str(self.config), "--state-dir", str(self.state), "daemon", *extra),
+            env={**os.environ, "BURSTCTL_SIM_API_KEY": SIM_KEY, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+
+def instances_per_attempt(url: str) -> dict[str, list[str]]:
+    """simcloud's instances (all ever launched) grouped by the attempt tag burstctl gave them."""
+    out: dict[str, list[str]] = {}
+    for inst in sim_instances(url):
+        tags = {t["key"]: t["value"] for t in inst["tags"]}
+        out.setdefault(tags.get("burstctl:attempt", inst["name"]), []).append(inst["id"])
+    return out
+
+
+def ledger(state: Path) -> list[dict[str, Any]]:
+    st = Store(f"sqlite:///{state / 'burstctl.db'}")
+    try:
+        return st.ledger_rows()
+    finally:
+        st.close()
+
+
+def sim_admin(url: str, route: str, body: dict[str, Any]) -> Any:
+    """POST to one of simcloud's /_sim admin routes (faults, capacity, quota...)."""
+    r = httpx.post(f"{url}/_sim/{route}", json=body, timeout=10)
+    r.raise_for_status()
+    return r.json()["data"]

@@ -10,6 +10,7 @@ terminate of a gone instance is success, a supervisor start is idempotent on the
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,15 @@ from state import schema as s
 A = AttemptState
 MAX_STEP_ERRORS = 5
 LAUNCH_REFUSALS = (NoCapacity, QuotaExceeded, AuthFailed, InvalidRequest)
+CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
+CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
+
+
+def chaos_point(name: str) -> None:
+    """Test-only crash injection (tests/test_chaos.py): the process dies on the spot, like SIGKILL, when
+    BURSTCTL_CHAOS_KILL_AT names this point. Inert unless that variable is set."""
+    if os.environ.get(CHAOS_ENV) == name:
+        os._exit(137)
 
 
 @dataclass
@@ -226,11 +236,10 @@ class Reconciler:
             return False
         provider_name, offer, market = choice
         rate = offer.price(market) or offer.on_demand_usd_h
-        left = self.cfg.budget.monthly_cap_usd - self.store.month_spend(month_key(now), now)
-        expected_h = self._expected_remaining_h(job)
-        if rate * expected_h > left + 1e-9:
-            self._block(job, f"budget: ${rate * expected_h:.2f} projected for the rest exceeds the ${left:.2f} "
-                             "left this month")
+        problem = self.budget_problem(now, rate_usd_h=rate, minimum_s=offer.billing_minimum_s,
+                                      expected_h=self._expected_remaining_h(job))
+        if problem is not None:
+            self._block(job, problem)
             return False
         n = self._next_attempt_number(job["id"])
         attempt_id = f"{job['id']}-a{n}"
@@ -374,13 +383,57 @@ class Reconciler:
         spec = job["spec"]
         if spec.get("max_run_hours") and att["started_at"] and now - att["started_at"] > spec["max_run_hours"] * 3600:
             return "max-run-time"
-        if att["state"] in (A.RUNNING.value, A.BOOTSTRAPPING.value, A.PROVISIONING.value):
-            rate = att["info"].get("rate_usd_h", 0.0)
-            spent = self.store.month_spend(month_key(now), now)
-            # Stop while there is still room to checkpoint, sync and terminate before the cap is crossed.
-            horizon_h = (3 * self.cfg.daemon.tick_s + 120) / 3600.0
-            if spent + rate * horizon_h >= self.cfg.budget.monthly_cap_usd:
-                return "budget-cap"
+        live = att["state"] in (A.RUNNING.value, A.BOOTSTRAPPING.value, A.PROVISIONING.value)
+        if live and self.budget_problem(now) is not None:
+            return "budget-cap"  # stopped while there is still room to checkpoint, sync and terminate
+        return None
+
+    # --- the budget: month-to-date spend never crosses budget.monthly_cap_usd (tests/test_budget_property.py) --
+    def budget_horizon_h(self) -> float:
+        """How long a stop may take to end the spending: three ticks to notice and act, 120 s to checkpoint,
+        sync and terminate. Also covers a daemon down for less than 120 s."""
+        return (3 * self.cfg.daemon.tick_s + 120) / 3600.0
+
+    def budget_exposure(self, now: float) -> dict[str, tuple[float, float]]:
+        """Per month that can still grow: (USD committed, USD/h still accruing). Committed counts closed
+        charges at cost and open ones at no less than their billing minimum (what stopping now would cost). An
+        open charge counts against the month it opened in, even after the calendar has moved on."""
+        with self.store.engine.connect() as c:
+            open_months = {r[0] for r in c.execute(select(s.ledger.c.month).where(s.ledger.c.ended_at.is_(None)))}
+            months = open_months | {month_key(now)}
+            rows = c.execute(select(s.ledger, s.attempts.c.info).select_from(
+                s.ledger.outerjoin(s.attempts, s.attempts.c.id == s.ledger.c.attempt_id))
+                .where(s.ledger.c.month.in_(sorted(months)))).mappings().all()
+        out = {m: (0.0, 0.0) for m in months}
+        for r in rows:
+            committed, accruing = out[r["month"]]
+            if r["cost_usd"] is not None:
+                committed += r["cost_usd"]
+            else:
+                minimum_s = float((r["info"] or {}).get("billing_minimum_s", 0.0))
+                committed += r["rate_usd_h"] * max(minimum_s, now - r["started_at"]) / 3600.0
+                accruing += r["rate_usd_h"]
+            out[r["month"]] = (committed, accruing)
+        return out
+
+    def budget_problem(self, now: float, *, rate_usd_h: float = 0.0, minimum_s: float = 0.0,
+                       expected_h: float = 0.0) -> str | None:
+        """Why spending must not go on (or a launch at `rate_usd_h` must not start), or None. Every running
+        instance may go on accruing for one stop horizon after this check, so that is reserved for all of them;
+        a new one must also fit its billing minimum and the work expected of it."""
+        cap = self.cfg.budget.monthly_cap_usd
+        horizon_h = self.budget_horizon_h()
+        this_month = month_key(now)
+        for month, (committed, accruing) in sorted(self.budget_exposure(now).items()):
+            reserved = committed + accruing * horizon_h
+            if month == this_month and rate_usd_h > 0:
+                new_h = max(expected_h, minimum_s / 3600.0) + horizon_h
+                left = cap - reserved
+                if rate_usd_h * new_h > left + 1e-9:
+                    return (f"budget: ${rate_usd_h * new_h:.2f} projected for the rest exceeds the "
+                            f"${max(left, 0.0):.2f} left this month")
+            elif reserved >= cap:
+                return f"budget: ${reserved:.2f} committed in {month} reaches the ${cap:.2f} cap"
         return None
 
     def _step_intent(self, att: dict[str, Any], job: dict[str, Any], provider: Provider,
@@ -388,6 +441,7 @@ class Reconciler:
         info = dict(att["info"])
         # Any launch that may have happened is looked up before another is made (no idempotency in every cloud).
         found = provider.find_attempt(att["id"]) if info.get("launch_tried") else None
+        adopted = found is not None  # launched by a daemon that died before recording it
         if found is None and stop_reason is not None:
             with self.store.tx() as conn:
                 if move(conn, att, A.ABORTED, reason=stop_reason):
@@ -402,8 +456,10 @@ class Reconciler:
             req = LaunchRequest(instance_type=att["instance_type"], market=Market(att["market"]), tags=tags,
                                 idempotency_key=att["idempotency_key"], ssh_public_key=self.cloud.public_key,
                                 ssh_key_name=None)
+            chaos_point("before-launch")  # intent and launch_tried are written; the call is not made
             try:
                 found = provider.launch(req)
+                chaos_point("after-launch")  # the instance exists; the database does not know its id
             except LAUNCH_REFUSALS as exc:
                 reason = f"{type(exc).__name__}: {self.app.redactor(str(exc))}"
                 with self.store.tx() as conn:
@@ -417,7 +473,7 @@ class Reconciler:
                 self.emit("attempt.launch_unknown", job_id=job["id"], attempt_id=att["id"],
                           error=type(exc).__name__)
                 return
-        self._adopt(att, job, found, "launched" if not info.get("adopted") else "adopted")
+        self._adopt(att, job, found, "adopted" if adopted else "launched")
 
     def _adopt(self, att: dict[str, Any], job: dict[str, Any], inst: InstanceInfo, how: str) -> None:
         now = self.clock()
@@ -540,6 +596,7 @@ class Reconciler:
 
     def _step_finishing(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         info = dict(att["info"])
+        chaos_point("finishing")
         self._pull(att, job, info)
         self._stop(att, job, provider, "completed", outcome=A.SUCCEEDED, info=info)
 
@@ -584,6 +641,7 @@ class Reconciler:
         inst_id = att["instance_id"]
         if inst_id:
             provider.terminate([inst_id])
+            chaos_point("terminating")  # asked to terminate, not yet confirmed gone nor billed
             inst = provider.describe([inst_id]).get(inst_id)
             if inst is not None and not inst.state.gone:
                 return  # confirmed next tick
