@@ -1,0 +1,152 @@
+"""`burstctl rehearse` through the real entry point: a private simcloud and daemon as child processes, real SSH,
+real trainer processes, injected spot preemptions. It must pass a trainer that resumes from its checkpoint and
+catch one that ignores BURST_RESUME_FROM or never checkpoints; bad input exits 2 with one line before anything
+starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SIM_RATE_USD_H = 1.00  # simcloud's H100 spot list price, which a rehearsal always rents
+STEPS, EVERY, STEP_S = 160, 10, 0.1  # about 16 s of training, a checkpoint every second
+
+
+def burstctl(*args: str, timeout: float = 400, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", "from orchestrator.cli import entry; entry()", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def job_file(tmp: Path, name: str, command: list[str]) -> Path:
+    lines = [
+        f'name = "{name}"', f"command = {json.dumps(command)}", 'workdir = "work"', "deadline_hours = 10",
+        "local_throughput = 0.5", "rented_throughput = { A10 = 0.5 }",  # would run locally: rehearse forces spot
+        "[checkpoint]", "interval_minutes = 0.02",
+    ]
+    path = tmp / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def workdir(tmp: Path) -> Path:
+    work = tmp / "work"
+    work.mkdir(exist_ok=True)
+    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
+    return work
+
+
+def trainer_argv(script: str = "trainer.py") -> list[str]:
+    return ["python3", script, "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--step-seconds", str(STEP_S)]
+
+
+def rehearse_json(spec: Path, *extra: str) -> tuple[int, dict, str]:
+    r = burstctl("rehearse", str(spec), "--json", *extra)
+    assert r.stdout.strip(), r.stderr
+    return r.returncode, json.loads(r.stdout), r.stderr
+
+
+@pytest.mark.slow
+def test_the_example_trainer_resumes_correctly_after_two_preemptions(tmp_path: Path) -> None:
+    workdir(tmp_path)
+    rc, res, err = rehearse_json(job_file(tmp_path, "trainer", trainer_argv()), "--preemptions", "2", "--seed", "7")
+    assert rc == 0, err
+    assert res["verdict"] == "resumes correctly" and res["ok"] is True
+    assert res["preemptions_injected"] == 2 and res["state"] == "done" and res["finished"] is True
+    assert res["attempts"] == 3  # the first attempt and one per preemption
+    assert res["instances_left"] == 0
+    for p in res["preemptions"]:
+        assert p["had_checkpoint"] is True and p["resumed_correctly"] is True
+        assert p["resumed_from"].startswith("step-") and p["checkpoint_before"].startswith("step-")
+        # It resumed from a checkpoint at or before the furthest step it had reached, and moved past it.
+        assert 0 < p["resumed_step"] <= p["step_before"] and p["lost_steps"] == p["step_before"] - p["resumed_step"]
+        assert int(p["first_checkpoint_after"].removeprefix("step-")) > p["resumed_step"]
+        assert p["lost_work_s"] >= 0 and p["resume_s"] > 0
+        assert p["next_attempt"] != p["attempt_id"]
+        # The timeline is in order: detected, then the old instance is gone, then the new attempt runs.
+        t = p["timeline"]
+        assert t["detected"] <= t["terminated"] <= t["launched"] <= t["ready"] <= t["running"] == p["resume_s"]
+        assert {"bootstrap", "push_workdir", "push_checkpoint", "start"} <= set(p["timings"])
+    # The second preemption hit the attempt the first one resumed.
+    assert res["preemptions"][1]["attempt_id"] == res["preemptions"][0]["next_attempt"]
+    # The meter agrees with simcloud's own billing, within a tick per instance.
+    assert res["cost_usd"] > 0
+    assert abs(res["cost_usd"] - res["billed_usd"]) <= res["attempts"] * 1.5 * SIM_RATE_USD_H / 3600
+    assert not re.search(r"rehearse-[0-9a-f]{24}", json.dumps(res) + err)  # simcloud's API key never shows
+
+
+@pytest.mark.slow
+def test_a_trainer_that_ignores_burst_resume_from_is_caught(tmp_path: Path) -> None:
+    work = workdir(tmp_path)
+    # The example trainer with its resume input thrown away: it starts over from step 0 on every attempt.
+    (work / "ignores_resume.py").write_text(
+        "import os, runpy, sys\n"
+        "os.environ['BURST_RESUME_FROM'] = ''\n"
+        "sys.argv[0] = 'trainer.py'\n"
+        "runpy.run_path('trainer.py', run_name='__main__')\n")
+    spec = job_file(tmp_path, "forgetful", trainer_argv("ignores_resume.py"))
+    rc, res, _ = rehearse_json(spec, "--preemptions", "1")
+    assert rc == 1
+    assert res["verdict"] == "ignores BURST_RESUME_FROM" and res["ok"] is False
+    (p,) = res["preemptions"]
+    assert p["had_checkpoint"] is True and p["resumed_from"].startswith("step-")
+    assert p["resumed_correctly"] is False
+    # Its first checkpoint after the resume is not past the step it was handed.
+    assert int(p["first_checkpoint_after"].removeprefix("step-")) <= p["resumed_step"]
+    assert res["instances_left"] == 0
+
+
+@pytest.mark.slow
+def test_a_job_that_never_checkpoints_is_caught(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "no_checkpoints.py").write_text("import time\nfor _ in range(100):\n    time.sleep(0.1)\n")
+    rc, res, _ = rehearse_json(job_file(tmp_path, "amnesiac", ["python3", "no_checkpoints.py"]),
+                               "--preemptions", "1")
+    assert rc == 1
+    assert res["verdict"] == "loses all work on preemption: no checkpoint" and res["ok"] is False
+    (p,) = res["preemptions"]
+    assert p["had_checkpoint"] is False and p["resumed_from"] is None and p["checkpoint_before"] is None
+    # Everything the attempt did was lost: the work lost is the whole time it ran.
+    assert p["lost_work_s"] >= p["ran_s"]
+    assert res["state"] == "done" and res["instances_left"] == 0  # it finished by starting over
+
+
+@pytest.mark.parametrize(("make_args", "needle"), [
+    (lambda t: [str(t / "nope.toml")], "nope.toml"),
+    (lambda t: [str(_spec(t, 'name = "x"\n'))], "command"),
+    (lambda t: [str(_spec(t, "this is not toml\n"))], "bad.toml"),
+    (lambda t: [str(_spec(t, _VALID)), "--preemptions", "0"], "--preemptions"),
+    (lambda t: [str(_spec(t, _VALID)), "--every-s", "-1"], "--every-s"),
+    (lambda t: [str(_spec(t, _VALID)), "--timeout", "0"], "--timeout"),
+    (lambda t: [str(_spec(t, _VALID)), "--seed", "x"], "--seed"),
+])
+def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path: Path, make_args: Callable[[Path], list[str]],
+                                                            needle: str) -> None:
+    scratch = tmp_path / "scratch"  # where a rehearsal would make its throwaway directory
+    scratch.mkdir()
+    r = burstctl("rehearse", *make_args(tmp_path), timeout=60, env={**os.environ, "TMPDIR": str(scratch)})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr and needle in lines[0], r.stderr
+    assert r.stdout == ""
+    assert not list(scratch.iterdir())  # no simcloud, no daemon, no state was started
+
+
+_VALID = ('name = "ok"\ncommand = ["python3", "-c", "pass"]\nworkdir = "."\ndeadline_hours = 1\n'
+          "local_throughput = 1\nrented_throughput = { H100 = 1 }\n")
+
+
+def _spec(tmp: Path, text: str) -> Path:
+    path = tmp / "bad.toml"
+    path.write_text(text)
+    return path
