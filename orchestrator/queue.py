@@ -45,12 +45,37 @@ def burst_enabled(app: App) -> bool:
     return bool(app.store.get_setting(BURST_ENABLED_KEY, True))
 
 
+# The parts of t_ovh a burst attempt pays once: boot (launch → SSH), the runbook steps, one sync, teardown.
+OVERHEAD_METRICS = ("boot_s", "bootstrap_s", "push_workdir_s", "push_checkpoint_s", "start_s", "sync_s",
+                    "teardown_s")
+
+
+def measured_overhead_h(app: App, recent: int = 20) -> float | None:
+    """t_ovh as measured on this installation's recent attempts (median of each part), once any boot was timed."""
+    from statistics import median
+
+    from sqlalchemy import select
+
+    from state import schema as s
+
+    parts: dict[str, float] = {}
+    with app.store.engine.connect() as c:
+        for metric in OVERHEAD_METRICS:
+            values = [r[0] for r in c.execute(select(s.measurements.c.value).where(s.measurements.c.metric == metric)
+                                              .order_by(s.measurements.c.id.desc()).limit(recent))]
+            if values:
+                parts[metric] = median(values)
+    if "boot_s" not in parts:
+        return None
+    return sum(parts.values()) / 3600.0
+
+
 def context(app: App, now: float) -> DecisionContext:
     cfg = app.config
     return DecisionContext(
         local_usd_h=cfg.local.usd_per_hour,
         offers=reference_offers(cfg),
-        overhead_h=cfg.policy.overhead_h,
+        overhead_h=measured_overhead_h(app) or cfg.policy.overhead_h,
         preemptions_per_h=cfg.policy.spot_preemptions_per_hour,
         max_auto_delta_usd=cfg.policy.max_auto_delta_usd,
         cloud_kinds=tuple(cfg.policy.cloud_kinds),

@@ -1,0 +1,28 @@
+"""Measured boot, sync and teardown times replace the configured t_ovh in later decisions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import insert
+
+from orchestrator.app import App
+from orchestrator.queue import context, measured_overhead_h
+from state import schema as s
+
+
+def test_decisions_use_the_configured_overhead_until_something_was_measured(tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    assert measured_overhead_h(app) is None
+    assert context(app, 0.0).overhead_h == app.config.policy.overhead_h
+    with app.store.tx() as c:
+        for boot in (100.0, 120.0, 110.0):
+            c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type="t", metric="boot_s",
+                                                    value=boot))
+        for metric, value in (("push_workdir_s", 30.0), ("sync_s", 20.0), ("teardown_s", 10.0)):
+            c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type="t", metric=metric,
+                                                    value=value))
+    assert measured_overhead_h(app) == pytest.approx((110.0 + 30.0 + 20.0 + 10.0) / 3600.0)
+    assert context(app, 0.0).overhead_h == pytest.approx(170.0 / 3600.0)
+    app.close()
