@@ -25,6 +25,7 @@ from orchestrator.lifecycle.local import LocalRunner
 from orchestrator.lifecycle.machine import AttemptState, active_attempts, move
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import burst_enabled
+from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
     AuthFailed,
     InstanceInfo,
@@ -94,6 +95,7 @@ class Reconciler:
         self.local = LocalRunner(app)
         self.cloud = cloud  # CloudSteps: SSH, runbooks, syncs (None: the cloud is not configured)
         self.offers = OfferCache()
+        self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
 
     # --- the tick -----------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -109,9 +111,25 @@ class Reconciler:
                     self.local.step(att, job)
                 else:
                     self._cloud_step(att, job)
+            except HostKeyMismatch as exc:
+                self._host_key_changed(att, job, exc)
             except Exception as exc:  # one attempt's trouble never stops the others
                 self._step_failed(att, job, exc)
         self._schedule()
+
+    def _host_key_changed(self, att: dict[str, Any], job: dict[str, Any], exc: HostKeyMismatch) -> None:
+        """Not the machine we launched (or someone in the middle): never retried, never trusted. The attempt is
+        aborted at once (its instance terminated) and the job goes back to the queue."""
+        error = self.app.redactor(str(exc))[:500]
+        self.emit("attempt.host_key_mismatch", job_id=job["id"], attempt_id=att["id"], instance=att["instance_id"],
+                  error=error)
+        provider = self.providers.get(att["provider"])
+        if provider is None or att["state"] == A.TERMINATING.value:
+            return
+        try:
+            self._stop(att, job, provider, "host key changed", outcome=A.ABORTED)
+        except Exception as exc2:
+            self._step_failed(att, job, exc2)
 
     def _step_failed(self, att: dict[str, Any], job: dict[str, Any], exc: Exception) -> None:
         """Count consecutive failures of the same step; after MAX_STEP_ERRORS the attempt is given up."""
@@ -555,12 +573,20 @@ class Reconciler:
         info["last_seen_at"] = now
         hb = status.get("heartbeat") or {}
         ex = status.get("exit")
-        if ex is None and hb and now - float(hb.get("ts", now)) > self.cfg.daemon.heartbeat_timeout_s:
+        # Staleness is how long, on this process's monotonic clock, the instance's heartbeat has not changed:
+        # comparing its timestamp with the wall clock calls a healthy run lost when either clock jumps. A
+        # restarted daemon watches for a full timeout again.
+        mono = time.monotonic()
+        seen = self._heartbeats.get(att["id"])
+        if seen is None or seen[0] != hb.get("ts"):
+            seen = self._heartbeats[att["id"]] = (hb.get("ts"), mono)
+        if ex is None and hb and mono - seen[1] > self.cfg.daemon.heartbeat_timeout_s:
             self._lost(att, job, provider, inst, "heartbeat lost (stale)")
             return
         interval = float(job["spec"]["checkpoint"]["interval_minutes"]) * 60.0
         sync_every = min(interval, max(self.cfg.daemon.tick_s, interval / 2))
-        if ex is not None or now - info.get("last_sync_at", 0) >= sync_every:
+        since_sync = now - info.get("last_sync_at", 0)
+        if ex is not None or since_sync >= sync_every or since_sync < 0:  # < 0: our clock went back, sync now
             self._pull(att, job, info)
         if ex is not None:
             reason = ex.get("reason")

@@ -1,0 +1,243 @@
+"""Fault injection, end to end with real processes: a misbehaving provider API (429 JSON and HTML, 5xx, dropped
+connections), no capacity, SSH dropping mid-run, a locked state database, and the daemon's own clock jumping.
+Each test states what must still hold: the job completes (or waits with a clear reason), nothing is launched twice,
+nothing crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from orchestrator.app import App
+from orchestrator.lifecycle.service import build_reconciler
+from tests.e2e import (
+    SIM_KEY,
+    Daemon,
+    EnvDaemon,
+    cli,
+    events,
+    free_port,
+    instances_per_attempt,
+    job,
+    ledger,
+    sim_admin,
+    sim_instances,
+    simcloud,
+    wait_for,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+
+
+def trainer_job(tmp: Path, name: str, steps: int = 40) -> Path:
+    work = tmp / "work"
+    work.mkdir(exist_ok=True)
+    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
+    path = tmp / f"{name}.toml"
+    path.write_text("\n".join([
+        f'name = "{name}"',
+        f'command = ["python3", "trainer.py", "--steps", "{steps}", "--checkpoint-every", "5", '
+        '"--step-seconds", "0.1"]',
+        'workdir = "work"', "deadline_hours = 10", "local_throughput = 0", "rented_throughput = { H100 = 0.5 }",
+        "[checkpoint]", "interval_minutes = 0.01",
+    ]) + "\n")
+    return path
+
+
+def enqueue(config: Path, state: Path, path: Path) -> str:
+    r = cli(config, state, "enqueue", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    return str(json.loads(r.stdout)["id"])
+
+
+def assert_one_instance_per_attempt_and_all_gone(url: str) -> None:
+    for attempt, ids in instances_per_attempt(url).items():
+        assert len(ids) == 1, f"attempt {attempt} launched {len(ids)} instances"
+    assert all(i["status"] in ("terminated", "preempted") for i in sim_instances(url))
+
+
+def test_a_throttling_failing_and_dropping_provider_api_still_gets_the_job_done_without_a_double_launch(
+        tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        # Every kind of API trouble, on launch, describe/list and terminate; each consumed by the next matching call.
+        for route in ("instance-operations/launch", "instances", "instance-operations/terminate"):
+            for fault in ({"kind": "throttle"}, {"kind": "throttle-html"}, {"kind": "server-error", "status": 500},
+                          {"kind": "server-error", "status": 502}, {"kind": "server-error", "status": 503},
+                          {"kind": "timeout", "delay_s": 0.5}):
+                sim_admin(url, "faults", {**fault, "route": route, "count": 1})
+        config = write_config(tmp_path, url)
+        job_id = enqueue(config, state, trainer_job(tmp_path, "faulty"))
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: job(state, job_id)["state"] == "done", 240, "the job to finish despite the faults")
+            wait_for(lambda: all(i["status"] == "terminated" for i in sim_instances(url)), 60, "nothing left")
+        finally:
+            assert daemon.stop() == 0
+        pending = httpx.get(f"{url}/_sim/faults", timeout=10).json()["data"]
+        assert_one_instance_per_attempt_and_all_gone(url)
+        assert len(sim_instances(url)) == 1, "one attempt, one instance"
+    assert len(pending) < 18, "the faults were met"
+    assert not events(state, "daemon.tick_failed")
+    (row,) = ledger(state)
+    assert row["cost_usd"] is not None and row["billed_seconds"] > 0
+
+
+def test_with_no_capacity_the_job_waits_with_a_clear_reason_and_runs_when_capacity_returns(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        sim_admin(url, "faults", {"kind": "insufficient-capacity", "route": "instance-operations/launch",
+                                  "count": 10_000})
+        config = write_config(tmp_path, url, daemon={"max_launch_failures": 2, "launch_backoff_s": 1.0})
+        job_id = enqueue(config, state, trainer_job(tmp_path, "starved"))
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: job(state, job_id)["state"] == "blocked", 120, "the job to be blocked")
+            shown = cli(config, state, "show", job_id, "--json")
+            assert shown.returncode == 0, shown.stderr
+            reason = json.loads(shown.stdout)["reason"]
+            assert "launches failed in a row" in reason and "NoCapacity" in reason, reason
+            assert "launches failed in a row" in cli(config, state, "show", job_id).stdout
+            assert not [i for i in sim_instances(url) if i["status"] not in ("terminated",)]
+            httpx.delete(f"{url}/_sim/faults", timeout=10).raise_for_status()
+            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to run once capacity is back")
+        finally:
+            assert daemon.stop() == 0
+        assert_one_instance_per_attempt_and_all_gone(url)
+
+
+def _sshd_pids(sim_state: Path, instance_id: str) -> list[int]:
+    """The pids of the instance's sshd listener (its command line names the instance's own sshd_config)."""
+    needle = str(sim_state / "instances" / instance_id / "machine").encode()
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmdline = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"sshd" in cmdline and needle in cmdline:
+                pids.append(int(p.name))
+    return pids
+
+
+def test_ssh_dropping_mid_run_ends_the_attempt_as_lost_and_the_job_resumes_elsewhere(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url, daemon={"heartbeat_timeout_s": 3.0})
+        job_id = enqueue(config, state, trainer_job(tmp_path, "dropped", steps=120))
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            first = wait_for(lambda: [e["data"]["instance"] for e in events(state, "attempt.running")], 90,
+                             "the attempt to run")[0]
+            wait_for(lambda: events(state, "checkpoint.synced"), 60, "a checkpoint to come home")
+            pids = _sshd_pids(tmp_path / "sim", first)
+            if not pids:
+                pytest.skip("simcloud runs the paramiko SSH backend here (no sshd to stop)")
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)  # the listener: no new SSH session reaches the instance
+            wait_for(lambda: events(state, "job.resumed"), 120, "the job to resume on another instance")
+            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
+        finally:
+            assert daemon.stop() == 0
+        assert_one_instance_per_attempt_and_all_gone(url)
+    lost = events(state, "instance.preempted")[0]["data"]
+    assert lost["instance"] == first and "heartbeat lost" in lost["reason"]
+    resumed = events(state, "job.resumed")[0]["data"]
+    assert resumed["instance"] != first and resumed["checkpoint"].startswith("step-")
+
+
+HOLD_LOCK = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+db.execute("COMMIT")
+"""
+
+
+def test_a_locked_state_database_makes_the_cli_and_the_daemon_wait_not_crash(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    config = write_config(tmp_path, f"http://127.0.0.1:{free_port()}")  # no cloud: local work only
+    work = tmp_path / "w"
+    work.mkdir()
+    local = tmp_path / "local.toml"
+    local.write_text('name = "local-one"\ncommand = ["python3", "-c", "print(42)"]\nworkdir = "w"\n'
+                     'deadline_hours = 5\nlocal_throughput = 1\nrented_throughput = { H100 = 2 }\n')
+    assert cli(config, state, "status", "--json").returncode == 0  # creates the database
+    daemon = EnvDaemon(tmp_path, config, state).start()
+    try:
+        wait_for(lambda: events(state, "daemon.started"), 30, "the daemon to start")
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(state / "burstctl.db"), "4"],
+                                  stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        t0 = time.monotonic()
+        enq = cli(config, state, "enqueue", str(local), "--json")
+        waited = time.monotonic() - t0
+        status = cli(config, state, "status", "--json")
+        assert holder.wait(30) == 0
+        assert enq.returncode == 0 and "Traceback" not in enq.stderr, enq.stderr
+        assert status.returncode == 0 and json.loads(status.stdout)["daemon"]
+        assert waited > 0, "the write waited for the lock instead of failing"
+        wait_for(lambda: job(state, "local-one")["state"] == "done", 60, "the job to run after the lock")
+        assert daemon.proc is not None and daemon.proc.poll() is None, "the daemon is still alive"
+    finally:
+        assert daemon.stop() == 0
+    assert not [e for e in events(state, "daemon.tick_failed") if "locked" in e["data"]["error"]]
+    with sqlite3.connect(state / "burstctl.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_the_daemon_clock_jumping_forward_and_back_causes_no_budget_stop_no_loss_and_no_negative_bill(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BURSTCTL_SIM_API_KEY", SIM_KEY)
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        job_id = enqueue(config, state, trainer_job(tmp_path, "clocked", steps=300))
+        daemon = Daemon(tmp_path, config, state).start()
+        wait_for(lambda: events(state, "checkpoint.synced"), 120, "the attempt to run and sync")
+        daemon.kill(signal.SIGKILL)
+        # The rest runs in-process: the real reconciler, providers and SSH, with a clock that jumps.
+        app = App(config_path=str(config), state_dir_override=str(state))
+        offset = [0.0]
+        reconciler = build_reconciler(app)
+        reconciler.clock = lambda: time.time() + offset[0]
+        assert "sim" in reconciler.providers
+        try:
+            for jump_h in (2.0, -2.0, -5.0, 0.0):  # forward two hours, back to four before now... then back to true
+                offset[0] = jump_h * 3600
+                mark = max(e["id"] for e in events(state))
+                for _ in range(6):
+                    reconciler.tick()
+                    time.sleep(0.5)
+                after = [e for e in events(state) if e["id"] > mark]
+                assert not [e for e in after if e["type"] in ("instance.preempted", "attempt.error")
+                            or (e["type"] == "attempt.stopping" and e["data"]["reason"] != "completed")], jump_h
+                assert job(state, job_id)["state"] in ("running", "done"), jump_h
+                if jump_h < 0:  # our clock went back: checkpoints must keep coming home
+                    assert [e for e in after if e["type"] == "checkpoint.synced"], f"syncing stalled at {jump_h} h"
+            offset[0] = 0.0
+            deadline = time.monotonic() + 120
+            while job(state, job_id)["state"] != "done" and time.monotonic() < deadline:
+                reconciler.tick()
+                time.sleep(0.5)
+        finally:
+            app.close()
+        assert job(state, job_id)["state"] == "done"
+        assert_one_instance_per_attempt_and_all_gone(url)
+    (row,) = ledger(state)
+    assert row["billed_seconds"] > 0 and row["cost_usd"] > 0
