@@ -1,0 +1,160 @@
+"""Secrets and the attack surface, end to end with real processes: planted API keys never appear in any output,
+log, event, record or database page; the SSH private key and the database are private (0600); job commands are
+argument lists, never shell lines; and an instance whose host key changes after first use is not trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+
+from orchestrator.remote import ssh
+from state import schema as s
+from state.store import Store
+from tests.e2e import (
+    EnvDaemon,
+    burstctl_argv,
+    events,
+    job,
+    preempt,
+    sim_instances,
+    simcloud,
+    wait_for,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+SIM_SECRET = "sk-PLANTED-sim-7f3e9a1c0b2d"
+AWS_SECRET = "PLANTED/aws+secret/9b8c7d6e5f4a3b2c1d0e"
+LAMBDA_SECRET = "PLANTED-lambda-4d5e6f7a8b9c"
+SECRETS = (SIM_SECRET, AWS_SECRET, LAMBDA_SECRET)
+ENV = {"BURSTCTL_SIM_API_KEY": SIM_SECRET, "AWS_SECRET_ACCESS_KEY": AWS_SECRET, "LAMBDA_API_KEY": LAMBDA_SECRET}
+
+
+def run(config: Path, state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(burstctl_argv("--config", str(config), "--state-dir", str(state), *args),
+                          env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)
+
+
+def job_file(tmp: Path, name: str, command: list[str], local_throughput: float = 0) -> Path:
+    work = tmp / "work"
+    work.mkdir(exist_ok=True)
+    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
+    path = tmp / f"{name}.toml"
+    path.write_text("\n".join([
+        f'name = "{name}"', f"command = {json.dumps(command)}", 'workdir = "work"', "deadline_hours = 10",
+        f"local_throughput = {local_throughput}", "rented_throughput = { H100 = 0.5 }",
+        "[checkpoint]", "interval_minutes = 0.02",
+    ]) + "\n")
+    return path
+
+
+def trainer(steps: int) -> list[str]:
+    return ["python3", "trainer.py", "--steps", str(steps), "--checkpoint-every", "5", "--step-seconds", "0.1"]
+
+
+def running_instance(state: Path, job_id: str) -> str:
+    evs = [e for e in events(state, "attempt.running") if e["job_id"] == job_id]
+    return evs[-1]["data"]["instance"] if evs else ""
+
+
+def test_planted_keys_never_appear_in_any_output_log_event_record_or_database(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    outputs: list[str] = []
+
+    def cmd(*args: str) -> subprocess.CompletedProcess[str]:
+        r = run(config, state, *args)
+        outputs.extend([r.stdout, r.stderr])
+        return r
+
+    marker = tmp_path / "pwned"
+    with simcloud(tmp_path, env={"BURSTCTL_SIM_API_KEY": SIM_SECRET}) as url:
+        # Lambda is pointed at simcloud with the wrong key: its 401s go through every error path too.
+        config = write_config(tmp_path, url, **{"providers.lambda": {"enabled": True, "base_url": f"{url}/api/v1"}})
+        burst = json.loads(cmd("enqueue", str(job_file(tmp_path, "burst", trainer(80))), "--json").stdout)["id"]
+        # One argument that a shell would split into a second command, on the cloud and on the local runner.
+        hostile = ["python3", "-c", "import sys; print(sys.argv[1:])", f"x; touch {marker}", f"$(touch {marker})"]
+        cloud_argv = cmd("enqueue", str(job_file(tmp_path, "argv-cloud", hostile)), "--json")
+        local_argv = cmd("enqueue", str(job_file(tmp_path, "argv-local", hostile, local_throughput=1)), "--json")
+        assert cloud_argv.returncode == 0 and local_argv.returncode == 0, cloud_argv.stderr + local_argv.stderr
+        daemon = EnvDaemon(tmp_path, config, state).start(env=ENV)
+        try:
+            first = wait_for(lambda: running_instance(state, burst), 90, "the burst to run")
+            wait_for(lambda: any(e["job_id"] == burst for e in events(state, "checkpoint.synced")), 60,
+                     "a checkpoint to come home")
+            preempt(url, first, notice_s=1.0)
+            wait_for(lambda: any(e["job_id"] == burst for e in events(state, "job.resumed")), 120, "the resume")
+            for name in ("argv-cloud", "argv-local"):
+                wait_for(lambda n=name: job(state, n)["state"] in ("done", "failed"), 120, f"{name} to end")
+            assert cmd("revert-local", "--json").returncode == 0
+            for args in (("status", "--json"), ("events", "--json"), ("providers", "--json"), ("show", burst),
+                         ("show", burst, "--json"), ("budget", "--json")):
+                cmd(*args)
+        finally:
+            assert daemon.stop() == 0
+        assert all(i["status"] in ("terminated", "preempted") for i in sim_instances(url))
+
+    assert job(state, "argv-cloud")["state"] == "done" and job(state, "argv-local")["state"] == "done"
+    assert not marker.exists(), "an argument was run by a shell"
+    assert len(events(state, "instance.preempted")) >= 1
+
+    # Every output, and every byte of every file the run left: events.jsonl, the database (and its WAL), decision
+    # records, daemon logs, run logs, simcloud's state.
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.name == "events.jsonl" for p in files) and any(p.suffix == ".md" for p in files)
+    st = Store(f"sqlite:///{state / 'burstctl.db'}")
+    try:
+        table = json.dumps(st.events(), default=str)
+    finally:
+        st.close()
+    for secret in SECRETS:
+        assert not any(secret in o for o in outputs), f"{secret} in a command's output"
+        assert secret not in table
+        for p in files:
+            assert secret.encode() not in p.read_bytes(), f"{secret} in {p.relative_to(tmp_path)}"
+
+    # Private files are private.
+    assert (state / "ssh" / "id_ed25519").stat().st_mode & 0o777 == 0o600
+    assert (state / "burstctl.db").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_host_key_that_changes_after_first_use_aborts_the_attempt(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path, env={"BURSTCTL_SIM_API_KEY": SIM_SECRET}) as url:
+        config = write_config(tmp_path, url)
+        r = run(config, state, "enqueue", str(job_file(tmp_path, "long", trainer(2000))), "--json")
+        job_id = json.loads(r.stdout)["id"]
+        daemon = EnvDaemon(tmp_path, config, state).start(env=ENV)
+        try:
+            instance = wait_for(lambda: running_instance(state, job_id), 90, "the attempt to run")
+            # From the daemon's side a changed host key and a changed pin are the same: the machine at the
+            # recorded address no longer proves it is the one we launched.
+            other = tmp_path / "other_host_key"
+            ssh.generate_keypair(other)
+            st = Store(f"sqlite:///{state / 'burstctl.db'}")
+            try:
+                with st.tx() as c:
+                    c.execute(update(s.instances).where(s.instances.c.id == instance)
+                              .values(host_key=Path(f"{other}.pub").read_text().strip()))
+            finally:
+                st.close()
+            wait_for(lambda: [e for e in events(state, "attempt.host_key_mismatch")], 30, "the mismatch")
+            wait_for(lambda: [e for e in events(state, "instance.terminated") if e["data"]["instance"] == instance],
+                     30, "the instance to be terminated")
+        finally:
+            daemon.kill(signal.SIGTERM)
+        gone = {i["id"]: i["status"] for i in sim_instances(url)}
+    assert gone[instance] == "terminated"
+    stopped = [e for e in events(state, "attempt.stopping") if e["data"]["reason"] == "host key changed"]
+    assert stopped and stopped[0]["data"]["outcome"] == "aborted"
+    # never trusted: no step ran against the changed key after the mismatch (no sync, no restart of the trainer)
+    mismatch_id = events(state, "attempt.host_key_mismatch")[0]["id"]
+    assert not [e for e in events(state, "checkpoint.synced") if e["id"] > mismatch_id
+                and e["attempt_id"] == stopped[0]["attempt_id"]]
