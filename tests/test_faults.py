@@ -100,16 +100,19 @@ def test_with_no_capacity_the_job_waits_with_a_clear_reason_and_runs_when_capaci
     with simcloud(tmp_path) as url:
         sim_admin(url, "faults", {"kind": "insufficient-capacity", "route": "instance-operations/launch",
                                   "count": 10_000})
-        config = write_config(tmp_path, url, daemon={"max_launch_failures": 2, "launch_backoff_s": 1.0})
+        # A long backoff, so the job sits blocked (with its reason) long enough to be read.
+        config = write_config(tmp_path, url, daemon={"max_launch_failures": 2, "launch_backoff_s": 20.0})
         job_id = enqueue(config, state, trainer_job(tmp_path, "starved"))
         daemon = Daemon(tmp_path, config, state).start()
         try:
-            wait_for(lambda: job(state, job_id)["state"] == "blocked", 120, "the job to be blocked")
-            shown = cli(config, state, "show", job_id, "--json")
-            assert shown.returncode == 0, shown.stderr
-            reason = json.loads(shown.stdout)["reason"]
+            def blocked_with_reason() -> str | None:
+                shown = cli(config, state, "show", job_id, "--json")
+                assert shown.returncode == 0, shown.stderr
+                data = json.loads(shown.stdout)
+                return data["reason"] if data["state"] == "blocked" else None
+
+            reason = wait_for(blocked_with_reason, 180, "the job to be blocked")
             assert "launches failed in a row" in reason and "NoCapacity" in reason, reason
-            assert "launches failed in a row" in cli(config, state, "show", job_id).stdout
             assert not [i for i in sim_instances(url) if i["status"] not in ("terminated",)]
             httpx.delete(f"{url}/_sim/faults", timeout=10).raise_for_status()
             wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to run once capacity is back")

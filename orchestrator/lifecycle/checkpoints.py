@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from orchestrator.config import Config
@@ -14,9 +18,23 @@ def store_dir(cfg: Config, job_id: str) -> Path:
     return cfg.state_dir / "checkpoints" / job_id
 
 
+@contextmanager
+def store_lock(cfg: Config, job_id: str) -> Iterator[None]:
+    """An exclusive lock on a job's store while checkpoints are pulled into it or one is chosen to resume from."""
+    folder = store_dir(cfg, job_id)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder.parent / f".{job_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def latest(cfg: Config, job_id: str) -> Path | None:
     """The newest complete (manifest-verified) local checkpoint of a job, if any. Never a partial one."""
     folder = store_dir(cfg, job_id)
     if not folder.is_dir():
         return None
-    return burst_checkpoint.latest_complete(folder)
+    with store_lock(cfg, job_id):
+        return burst_checkpoint.latest_complete(folder)

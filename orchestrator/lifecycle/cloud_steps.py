@@ -191,10 +191,12 @@ class CloudSteps:
     def pull(self, att: dict[str, Any], job: dict[str, Any]) -> list[Path]:
         base, _ = self._remote(att)
         store = checkpoints.store_dir(self.app.config, job["id"])
-        pulled = sync.pull_checkpoints(self.target(att), self.trust(att), f"{base}/{job['id']}/checkpoints",
-                                       store, newest_only=True)
-        if pulled:
-            burst_checkpoint.prune(store, keep=checkpoints.KEEP)  # multi-GB checkpoints: keep the newest few
+        # The daemon and `revert-local` may pull the same job at once: one at a time per job's store.
+        with checkpoints.store_lock(self.app.config, job["id"]):
+            pulled = sync.pull_checkpoints(self.target(att), self.trust(att), f"{base}/{job['id']}/checkpoints",
+                                           store, newest_only=True)
+            if pulled:
+                burst_checkpoint.prune(store, keep=checkpoints.KEEP)  # multi-GB checkpoints: keep the newest few
         return list(pulled)
 
     def request_checkpoint(self, att: dict[str, Any]) -> None:

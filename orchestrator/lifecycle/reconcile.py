@@ -44,6 +44,7 @@ from state import schema as s
 
 A = AttemptState
 MAX_STEP_ERRORS = 5
+MAX_STEPS_PER_TICK = 4  # intent → provisioning → bootstrapping → running in one tick when nothing waits
 LAUNCH_REFUSALS = (NoCapacity, QuotaExceeded, AuthFailed, InvalidRequest)
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
 CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
@@ -104,8 +105,16 @@ class Reconciler:
         jobs = {j["id"]: j for j in self._jobs_of(attempts)}
         for att in attempts:
             job = jobs.get(att["job_id"])
-            if job is None:
-                continue
+            if job is not None:
+                self._advance(att, job)
+        self._schedule()
+
+    def _advance(self, att: dict[str, Any], job: dict[str, Any]) -> None:
+        """Step an attempt, and keep stepping it within this tick while each step moves it on: a launch is
+        followed at once by the look at the instance, a reachable instance at once by its bootstrap. A step that
+        leaves the state as it was is waiting on the outside world; the next tick looks again."""
+        for _ in range(MAX_STEPS_PER_TICK):
+            before = att["state"]
             try:
                 if att["where"] == "local":
                     self.local.step(att, job)
@@ -113,9 +122,16 @@ class Reconciler:
                     self._cloud_step(att, job)
             except HostKeyMismatch as exc:
                 self._host_key_changed(att, job, exc)
+                return
             except Exception as exc:  # one attempt's trouble never stops the others
                 self._step_failed(att, job, exc)
-        self._schedule()
+                return
+            with self.store.engine.connect() as c:
+                row = c.execute(select(s.attempts).where(s.attempts.c.id == att["id"])).mappings().first()
+                fresh_job = c.execute(select(s.jobs).where(s.jobs.c.id == job["id"])).mappings().first()
+            if row is None or row["state"] == before or AttemptState(row["state"]).final or fresh_job is None:
+                return
+            att, job = dict(row), dict(fresh_job)
 
     def _host_key_changed(self, att: dict[str, Any], job: dict[str, Any], exc: HostKeyMismatch) -> None:
         """Not the machine we launched (or someone in the middle): never retried, never trusted. The attempt is
@@ -204,6 +220,7 @@ class Reconciler:
         for job in ready:
             if job["placement"] == "cloud" and cloud_free > 0 and self._start_cloud_attempt(job, now):
                 cloud_free -= 1
+                self._advance_new_attempt(job["id"])
         self._redecide_blocked(now)
         self._record_health(now)
 
@@ -233,6 +250,14 @@ class Reconciler:
                 conn.execute(update(s.jobs).where(s.jobs.c.id.in_(unchanged)).values(updated_at=now))
 
     # --- starting a cloud attempt ------------------------------------------------------------------------------
+    def _advance_new_attempt(self, job_id: str) -> None:
+        with self.store.engine.connect() as c:
+            row = c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id, s.attempts.c.state ==
+                                                     A.INTENT.value)).mappings().first()
+            job = c.execute(select(s.jobs).where(s.jobs.c.id == job_id)).mappings().first()
+        if row is not None and job is not None:
+            self._advance(dict(row), dict(job))
+
     def _start_cloud_attempt(self, job: dict[str, Any], now: float) -> bool:
         retry_at = now + max(30.0, self.cfg.daemon.launch_backoff_s)
         if self.cloud is None or not self.providers:

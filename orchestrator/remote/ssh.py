@@ -281,6 +281,10 @@ def run(conn: fabric.Connection, argv: list[str], *, timeout: float | None = 300
         raise SshUnavailable(f"SSH session to {conn.host}:{conn.port} dropped while running {program}: "
                              f"{_describe(e)}") from None
     result = Result(argv=list(argv), exit_code=int(res.exited), stdout=res.stdout, stderr=res.stderr)
+    if res.exited == -1 and timeout is not None and time.monotonic() - started >= timeout and conn.is_connected:
+        # Under load invoke may also hand back a result with no exit status once the timeout closed the channel.
+        raise RemoteCommandFailed(f"{program} on {conn.host} ran past its {timeout:g} s timeout",
+                                  argv=argv, exit_code=None, stderr_tail=res.stderr[-_STDERR_TAIL_CHARS:])
     if res.exited == -1 or not conn.is_connected:
         # paramiko reports -1 when the channel closed without an exit status: the session went away.
         raise SshUnavailable(f"SSH session to {conn.host}:{conn.port} dropped while running {program}")
