@@ -87,7 +87,30 @@ def context(app: App, now: float) -> DecisionContext:
     )
 
 
-def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: str | Path | None = None) -> JobFacts:
+def measured_rented_throughput(app: App, job_name: str, recent: int = 10) -> dict[str, float]:
+    """s_R per GPU type as measured on this job name's earlier cloud runs (median of the recent ones)."""
+    from statistics import median
+
+    from sqlalchemy import select
+
+    from state import schema as s
+
+    suffix = f":{job_name}"
+    by_gpu: dict[str, list[float]] = {}
+    with app.store.engine.connect() as c:
+        rows = c.execute(select(s.measurements.c.instance_type, s.measurements.c.value)
+                         .where(s.measurements.c.metric == "throughput_units_h",
+                                s.measurements.c.instance_type.endswith(suffix))
+                         .order_by(s.measurements.c.id.desc())).all()
+    for key, value in rows:
+        values = by_gpu.setdefault(key[: -len(suffix)], [])
+        if len(values) < recent:
+            values.append(value)
+    return {gpu: median(v) for gpu, v in by_gpu.items()}
+
+
+def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: str | Path | None = None,
+          measured: dict[str, float] | None = None) -> JobFacts:
     fits_local: bool | None = None
     per_gpu: float | None = None
     if spec.model is not None:
@@ -101,7 +124,8 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         fits_local = local.per_gpu_gb <= cfg.local.vram_gb - cfg.local.safety_margin_gib * 2**30 / 1e9
     return JobFacts(
         name=spec.name, kind=spec.kind, work=spec.work_units, s_local=spec.local_throughput,
-        rented=dict(spec.rented_throughput), gpus=spec.gpus, deadline_h=(deadline_at - now) / 3600.0,
+        rented={gpu: (measured or {}).get(gpu, s_r) for gpu, s_r in spec.rented_throughput.items()},
+        gpus=spec.gpus, deadline_h=(deadline_at - now) / 3600.0,
         market=spec.market or cfg.policy.default_market, deadline_critical=spec.deadline_critical,
         checkpoint_interval_h=spec.checkpoint.interval_minutes / 60.0, checkpoints=True,
         fits_local_memory=fits_local, per_gpu_gb=per_gpu,
@@ -122,7 +146,7 @@ def enqueue(app: App, path: str | Path, now: float | None = None) -> tuple[str, 
     now = time.time() if now is None else now
     spec, deadline_at = load_job(path, now)
     cfg = app.config
-    job = facts(spec, deadline_at, now, cfg, path)
+    job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec.name))
     decision = decide(job, context(app, now))
     d = decision.to_dict()
     job_id = new_job_id()
@@ -162,7 +186,8 @@ def spec_of(job: dict[str, Any]) -> JobSpec:
 def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None) -> str | None:
     """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state."""
     spec = spec_of(job)
-    decision = decide(facts(spec, job["deadline_at"], now, app.config), ctx)
+    decision = decide(facts(spec, job["deadline_at"], now, app.config,
+                            measured=measured_rented_throughput(app, spec.name)), ctx)
     target = STATE_FOR_ACTION[decision.action]
     if target.value == job["state"]:
         return None

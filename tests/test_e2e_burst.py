@@ -114,6 +114,13 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path) -> None:
         assert abs(r["billed_seconds"] - b["billed_s"]) <= 1.5, (r, b)
         assert r["rate_usd_h"] == pytest.approx(b["rate_usd_h"])
         assert abs(r["cost_usd"] - b["cost_usd"]) <= b["rate_usd_h"] * 1.5 / 3600
+    # The trainer's measured throughput is kept as this job's s_R on that GPU type, for its next decision.
+    from orchestrator.app import App
+    from orchestrator.queue import measured_rented_throughput
+
+    app = App(state_dir_override=str(state))
+    assert measured_rented_throughput(app, "trainer").get("H100", 0) > 0
+    app.close()
     record = Path(job(state, job_id)["record_path"]).read_text()
     assert "preemption(s)" in record and "_(filled in after the run)_" not in record
     assert SIM_KEY not in (state / "events.jsonl").read_text()

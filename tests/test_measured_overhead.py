@@ -26,3 +26,25 @@ def test_decisions_use_the_configured_overhead_until_something_was_measured(tmp_
     assert measured_overhead_h(app) == pytest.approx((110.0 + 30.0 + 20.0 + 10.0) / 3600.0)
     assert context(app, 0.0).overhead_h == pytest.approx(170.0 / 3600.0)
     app.close()
+
+
+def test_a_jobs_measured_cloud_throughput_replaces_its_guess_in_later_decisions(tmp_path: Path) -> None:
+    from orchestrator.jobspec import JobSpec
+    from orchestrator.queue import facts, measured_rented_throughput
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    spec = JobSpec.model_validate({"name": "weekly-finetune", "command": ["true"], "deadline_hours": 10,
+                                   "local_throughput": 0, "rented_throughput": {"H100": 0.17, "A100": 0.09}})
+    assert facts(spec, 36000.0, 0.0, app.config, measured=measured_rented_throughput(app, spec.name)).rented == \
+        {"H100": 0.17, "A100": 0.09}
+    with app.store.tx() as c:
+        for v in (0.21, 0.25, 0.23):
+            c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type="H100:weekly-finetune",
+                                                    metric="throughput_units_h", value=v))
+        c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type="H100:another-job",
+                                                metric="throughput_units_h", value=9.0))
+    measured = measured_rented_throughput(app, spec.name)
+    assert measured == {"H100": pytest.approx(0.23)}
+    assert facts(spec, 36000.0, 0.0, app.config, measured=measured).rented == {"H100": pytest.approx(0.23),
+                                                                               "A100": 0.09}
+    app.close()

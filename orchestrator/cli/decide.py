@@ -13,7 +13,7 @@ from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import load_job
-from orchestrator.queue import context, facts, record_decision
+from orchestrator.queue import context, facts, measured_rented_throughput, record_decision
 
 FLAG_GPU = "rented"
 
@@ -56,7 +56,7 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
         if given:
             raise BadInput(f"{', '.join(given)} cannot be combined with a job file; edit the file instead")
         spec, deadline_at = load_job(job_file, now)
-        job = facts(spec, deadline_at, now, app.config, job_file)
+        job = facts(spec, deadline_at, now, app.config, job_file, measured_rented_throughput(app, spec.name))
         ctx = context(app, now)
         if overhead_h is not None:
             _positive("--overhead-h", overhead_h, allow_zero=True)

@@ -596,6 +596,8 @@ class Reconciler:
                 self._lost(att, job, provider, inst, "heartbeat lost (SSH unreachable)")
             return
         info["last_seen_at"] = now
+        if status.get("metrics"):
+            info["metrics"] = status["metrics"]  # what the trainer reports: progress, throughput, peak VRAM
         hb = status.get("heartbeat") or {}
         ex = status.get("exit")
         # Staleness is how long, on this process's monotonic clock, the instance's heartbeat has not changed:
@@ -649,6 +651,13 @@ class Reconciler:
         info = dict(att["info"])
         chaos_point("finishing")
         self._pull(att, job, info)
+        speed = (info.get("metrics") or {}).get("throughput_units_h")
+        if speed and info.get("gpu"):
+            # Measured s_R (per GPU) for this job's name on this GPU type: later decisions of the same job use it.
+            with self.store.tx() as conn:
+                conn.execute(insert(s.measurements).values(
+                    ts=self.clock(), provider=att["provider"], instance_type=f"{info['gpu']}:{job['name']}"[:64],
+                    metric="throughput_units_h", value=float(speed) / max(1, int(job["spec"].get("gpus", 1)))))
         self._stop(att, job, provider, "completed", outcome=A.SUCCEEDED, info=info)
 
     def _lost(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, inst: InstanceInfo | None,
