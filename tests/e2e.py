@@ -149,7 +149,9 @@ def preempt(url: str, instance_id: str, notice_s: float = 1.0) -> None:
     """An EC2-style interruption: the notice first, then the instance is reclaimed and its processes die."""
     httpx.post(f"{url}/_sim/instances/{instance_id}/notice", json={"seconds": notice_s}, timeout=10).raise_for_status()
     time.sleep(notice_s)
-    httpx.post(f"{url}/_sim/instances/{instance_id}/preempt", json={}, timeout=10).raise_for_status()
+    r = httpx.post(f"{url}/_sim/instances/{instance_id}/preempt", json={}, timeout=10)
+    if r.status_code != 404:  # 404: on the notice, burstctl already checkpointed and terminated the instance
+        r.raise_for_status()
 
 
 # --- chaos, faults and secrets helpers (tests/test_chaos.py, test_faults.py, test_secrets.py) -------------------

@@ -1,0 +1,44 @@
+"""`burstctl demo --json`: the newcomer's whole story runs, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_burstctl
+
+pytestmark = pytest.mark.slow
+
+
+def _our_processes() -> set[int]:
+    """Processes running simcloud, a daemon or a per-instance sshd started from a burstctl demo."""
+    found = set()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"burstctl-demo-" in cmd or (b"orchestrator.cli" in cmd and b"demo" in cmd):
+            found.add(int(p.name))
+    found.discard(os.getpid())
+    return found
+
+
+def test_demo_plays_the_whole_story_and_leaves_nothing_running() -> None:
+    before = _our_processes()
+    r = run_burstctl("demo", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout)
+    assert [c["verdict"] for c in summary["candidates"]] == ["local", "burst", "priced"]
+    assert summary["candidates"][2]["delta_cost_usd"] == pytest.approx(16.12, abs=0.01)
+    spot, home = summary["jobs"]
+    assert spot["state"] == "done" and spot["preemptions"] == 1 and spot["attempts"] == 2
+    assert home["state"] == "done" and home["where"].endswith("local")
+    assert summary["instances_left"] == 0
+    assert Path(summary["event_log"]).exists() and any(Path(summary["decision_records"]).iterdir())
+    assert _our_processes() <= before
