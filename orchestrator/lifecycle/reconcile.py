@@ -45,6 +45,7 @@ from state import schema as s
 A = AttemptState
 MAX_STEP_ERRORS = 5
 MAX_STEPS_PER_TICK = 4  # intent → provisioning → bootstrapping → running in one tick when nothing waits
+BOOT_WAIT_S, BOOT_POLL_S, BOOT_WAIT_WINDOW_S = 1.0, 0.2, 15.0  # brief in-tick polling of a just-launched instance
 LAUNCH_REFUSALS = (NoCapacity, QuotaExceeded, AuthFailed, InvalidRequest)
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
 CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
@@ -113,7 +114,8 @@ class Reconciler:
         """Step an attempt, and keep stepping it within this tick while each step moves it on: a launch is
         followed at once by the look at the instance, a reachable instance at once by its bootstrap. A step that
         leaves the state as it was is waiting on the outside world; the next tick looks again."""
-        for _ in range(MAX_STEPS_PER_TICK):
+        waited = 0.0
+        for _ in range(MAX_STEPS_PER_TICK + int(BOOT_WAIT_S / BOOT_POLL_S)):
             before = att["state"]
             try:
                 if att["where"] == "local":
@@ -129,8 +131,16 @@ class Reconciler:
             with self.store.engine.connect() as c:
                 row = c.execute(select(s.attempts).where(s.attempts.c.id == att["id"])).mappings().first()
                 fresh_job = c.execute(select(s.jobs).where(s.jobs.c.id == job["id"])).mappings().first()
-            if row is None or row["state"] == before or AttemptState(row["state"]).final or fresh_job is None:
+            if row is None or AttemptState(row["state"]).final or fresh_job is None:
                 return
+            if row["state"] == before:
+                # An instance launched a moment ago is often up within a second: look again briefly rather than
+                # a whole tick later (bounded, so other attempts are not held up).
+                if before != A.PROVISIONING.value or waited >= BOOT_WAIT_S or \
+                        self.clock() - float(row["created_at"]) > BOOT_WAIT_WINDOW_S:
+                    return
+                time.sleep(BOOT_POLL_S)
+                waited += BOOT_POLL_S
             att, job = dict(row), dict(fresh_job)
 
     def _host_key_changed(self, att: dict[str, Any], job: dict[str, Any], exc: HostKeyMismatch) -> None:
