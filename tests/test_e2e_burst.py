@@ -33,13 +33,13 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS, EVERY, STEP_S = 160, 10, 0.1
 
 
-def trainer_job(tmp: Path, name: str = "trainer", **extra: str) -> Path:
+def trainer_job(tmp: Path, name: str = "trainer", steps_override: int | None = None, **extra: str) -> Path:
     work = tmp / "work"
     work.mkdir(exist_ok=True)
     shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
     lines = [
         f'name = "{name}"',
-        f'command = ["python3", "trainer.py", "--steps", "{STEPS}", "--checkpoint-every", "{EVERY}", '
+        f'command = ["python3", "trainer.py", "--steps", "{steps_override or STEPS}", "--checkpoint-every", "{EVERY}", '
         f'"--step-seconds", "{STEP_S}"]',
         'workdir = "work"', "deadline_hours = 10", "local_throughput = 0", "rented_throughput = { H100 = 0.5 }",
         *[f"{k} = {v}" for k, v in extra.items()],
@@ -154,3 +154,23 @@ def _ledger(state: Path) -> list[dict]:
         return st.ledger_rows()
     finally:
         st.close()
+
+
+def test_cancelling_a_running_burst_brings_its_last_checkpoint_home_and_terminates_it(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        job_id = json.loads(cli(config, state, "enqueue", str(trainer_job(tmp_path, steps_override=2000)),
+                                "--json").stdout)["id"]
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: synced(state), 120, "a first checkpoint to come home")
+            assert cli(config, state, "cancel", job_id).returncode == 0
+            wait_for(lambda: events(state, "instance.terminated"), 120, "the instance to be terminated")
+        finally:
+            assert daemon.stop() == 0
+        instances = sim_instances(url)
+    assert job(state, job_id)["state"] == "cancelled"
+    assert [i["status"] for i in instances] == ["terminated"]
+    stopping = events(state, "attempt.stopping")[0]["data"]
+    assert stopping["reason"] == "cancelled" and stopping["outcome"] == "aborted"
