@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
+from orchestrator.children import Children
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import OperationalError
 from state import schema as s
@@ -81,7 +81,7 @@ class Demo:
         self.say = say
         self.key = "demo-" + secrets.token_hex(12)  # simcloud's API key, only in the children's environment
         self.env = {**os.environ, "BURSTCTL_SIM_API_KEY": self.key}
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.children = Children(workdir, self.env)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = workdir / "burstctl.toml"
@@ -94,22 +94,8 @@ class Demo:
             raise OperationalError(f"demo: burstctl {' '.join(args)} failed: {r.stderr.strip()}")
         return r
 
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = (self.dir / f"{name}.log").open("w")
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
     def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
+        self.children.stop_all()
 
     # --- the story --------------------------------------------------------------------------------------------
     def run(self) -> DemoResult:
@@ -120,9 +106,9 @@ class Demo:
         res.candidates = self.candidates()
 
         self.say("starting simcloud (real SSH endpoints on 127.0.0.1) and the daemon")
-        self._spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.dir / "sim"))
+        self.children.spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.dir / "sim"))
         _wait(self._sim_answers, 60, "simcloud to answer")
-        self._spawn("daemon", "--config", str(self.config), "--state-dir", str(self.state), "daemon")
+        self.children.spawn("daemon", "--config", str(self.config), "--state-dir", str(self.state), "daemon")
 
         work = self.dir / "work"
         work.mkdir()

@@ -22,10 +22,7 @@ import os
 import random
 import secrets
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,6 +33,7 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
+from orchestrator.children import Children
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.jobspec import JobSpec, load_job
 from runbooks import burst_checkpoint
@@ -229,7 +227,7 @@ class Rehearsal:
         self.url = f"http://127.0.0.1:{self.port}"
         # simcloud's API key lives only in the children's environment; it is never printed.
         self.env = {**os.environ, "BURSTCTL_SIM_API_KEY": "rehearse-" + secrets.token_hex(12)}
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.children = Children(self.dir, self.env)
         self.http = httpx.Client(timeout=10)
         self.store: Store | None = None
         self.attempts: dict[str, AttemptWatch] = {}
@@ -237,24 +235,9 @@ class Rehearsal:
         self.notes: list[str] = []
 
     # --- processes --------------------------------------------------------------------------------------------
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        with (self.dir / f"{name}.log").open("w") as log:
-            proc = subprocess.Popen([sys.executable, "-c", "from orchestrator.cli import entry; entry()", *args],
-                                    env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
     def stop_all(self) -> None:
         """The daemon first (so it does not see simcloud vanish), then simcloud, which stops every machine."""
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
-        self.procs.clear()
+        self.children.stop_all()
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -404,11 +387,11 @@ class Rehearsal:
         delays = [every * rng.uniform(0.75, 1.25) for _ in range(self.opts.preemptions)]
         self._write_config()
         self.say(f"starting a private simcloud and daemon in {self.dir}")
-        self._spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.sim_state),
+        self.children.spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.sim_state),
                     "--boot-delay", str(self.opts.boot_delay_s))
         self._wait(self._sim_answers, 60, "simcloud to answer")
         job_id = self._enqueue(spec)
-        self._spawn("daemon", "--config", str(self.config), "--state-dir", str(self.state), "daemon")
+        self.children.spawn("daemon", "--config", str(self.config), "--state-dir", str(self.state), "daemon")
         self.store = Store(f"sqlite:///{self.state / 'burstctl.db'}")
         self.say(f"{spec.name} forced to burst to simulated spot; {self.opts.preemptions} preemption(s), "
                  f"about every {every:.1f} s of running")
