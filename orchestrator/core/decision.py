@@ -145,7 +145,8 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
             return Decision(Verdict.LOCAL, "run-local", g, None, None, None,
                             Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),)),
                             reasons, ctx.overhead_h)
-        reasons.append("no rented GPU type can run this job: rethink scope")
+        reasons.append("no rented GPU type can run this job: rethink scope (e.g. LoRA/QLoRA, or FSDP over more "
+                       "GPUs: `burstctl size --gpus N --parallelism fsdp`)")
         return Decision(Verdict.RETHINK, "rethink", g, None, None, None, None, reasons, ctx.overhead_h)
 
     # Cheapest type that meets the deadline on-demand; if none does, the fastest.

@@ -61,7 +61,7 @@ def evaluate(x: GateInputs) -> GateResult:
     if not fits:
         why = "local throughput is 0" if x.s_local <= 0 else "the memory estimate exceeds local VRAM"
         reasons.append(f"Gate 1: does not fit locally ({why}): burst, no dollar argument")
-        if t_r > x.deadline_h:
+        if math.isfinite(t_r) and t_r > x.deadline_h:
             reasons.append(f"rented T_R {t_r:.2f} h also misses the {x.deadline_h:.2f} h deadline")
         return GateResult(Verdict.BURST, False, None, None, _f(t_r), _f(c_r), None, None, reasons)
 
