@@ -5,10 +5,33 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import OperationalError
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a child server."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    """pred()'s first truthy value; OperationalError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(interval)
+    raise OperationalError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Children:

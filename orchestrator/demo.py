@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from orchestrator.children import Children
+from orchestrator.children import Children, free_port, wait_until
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import OperationalError
 from state import schema as s
@@ -58,22 +57,6 @@ class DemoResult:
                 "seconds": round(self.seconds, 1)}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.3)
-    raise OperationalError(f"demo: timed out after {timeout:.0f} s waiting for {what}")
-
-
 class Demo:
     def __init__(self, workdir: Path, say: Callable[[str], None]):
         self.dir = workdir
@@ -82,7 +65,7 @@ class Demo:
         self.key = "demo-" + secrets.token_hex(12)  # simcloud's API key, only in the children's environment
         self.env = {**os.environ, "BURSTCTL_SIM_API_KEY": self.key}
         self.children = Children(workdir, self.env)
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = workdir / "burstctl.toml"
 
@@ -107,7 +90,7 @@ class Demo:
 
         self.say("starting simcloud (real SSH endpoints on 127.0.0.1) and the daemon")
         self.children.spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.dir / "sim"))
-        _wait(self._sim_answers, 60, "simcloud to answer")
+        wait_until(self._sim_answers, 60, "simcloud to answer")
         self.children.spawn("daemon", "--config", str(self.config), "--state-dir", str(self.state), "daemon")
 
         work = self.dir / "work"
@@ -115,24 +98,24 @@ class Demo:
         shutil.copy(TRAINER, work / "trainer.py")
         spot_job = self._enqueue("spot-trainer", steps=150, s_local=0.0, deadline_h=10)
         self.say("spot-trainer does not fit locally: bursting to simulated spot")
-        instance = _wait(lambda: self._running_instance(spot_job), 120, "spot-trainer to run in the cloud")
-        _wait(lambda: self._count("checkpoint.synced", spot_job), 120, "a first checkpoint to come home")
+        instance = wait_until(lambda: self._running_instance(spot_job), 120, "spot-trainer to run in the cloud")
+        wait_until(lambda: self._count("checkpoint.synced", spot_job), 120, "a first checkpoint to come home")
         self.say(f"preempting {instance[:12]}… (an interruption notice first, as EC2 gives)")
         self._preempt(instance)
-        _wait(lambda: self._count("job.resumed", spot_job), 120, "spot-trainer to resume on another instance")
+        wait_until(lambda: self._count("job.resumed", spot_job), 120, "spot-trainer to resume on another instance")
         self.say("resumed on a new instance from its newest complete checkpoint")
-        _wait(lambda: self._job(spot_job)["state"] == "done", 180, "spot-trainer to finish")
+        wait_until(lambda: self._job(spot_job)["state"] == "done", 180, "spot-trainer to finish")
         self.say("spot-trainer finished; its instance is torn down")
 
         home_job = self._enqueue("deadline-trainer", steps=220, s_local=0.1, deadline_h=2)
         self.say("deadline-trainer misses its deadline locally; the deadline's price is within the ceiling: burst")
-        _wait(lambda: self._count("checkpoint.synced", home_job), 120, "deadline-trainer's first checkpoint")
+        wait_until(lambda: self._count("checkpoint.synced", home_job), 120, "deadline-trainer's first checkpoint")
         self.say("burstctl revert-local: everything back to local-only")
         revert = json.loads(self._burstctl("revert-local", "--json").stdout)
         for row in revert["instances"]:
             self.say(f"  {row['job']}: checkpoint {row['checkpoint_synced']}, instance {str(row['instance'])[:12]}… "
                      f"terminated: {row['terminated']}")
-        _wait(lambda: self._job(home_job)["state"] == "done", 180, "deadline-trainer to finish locally")
+        wait_until(lambda: self._job(home_job)["state"] == "done", 180, "deadline-trainer to finish locally")
         self.say("deadline-trainer finished locally from its cloud checkpoint")
 
         res.instances_left = sum(1 for i in self._sim_instances() if i["status"] not in ("terminated", "preempted"))

@@ -22,7 +22,6 @@ import os
 import random
 import secrets
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from orchestrator.children import Children
+from orchestrator.children import Children, free_port, wait_until
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.jobspec import JobSpec, load_job
 from runbooks import burst_checkpoint
@@ -158,12 +157,6 @@ def _r(v: float | None, nd: int = 3) -> float | None:
     return None if v is None else round(v, nd)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def default_every_s(spec: JobSpec) -> float:
     """Long enough for two checkpoint intervals, so a job that checkpoints has written one before it is hit."""
     return max(3.0, 2.0 * spec.checkpoint.interval_minutes * 60.0)
@@ -223,7 +216,7 @@ class Rehearsal:
         self.state = workdir / "state"
         self.sim_state = workdir / "sim"
         self.config = workdir / "burstctl.toml"
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # simcloud's API key lives only in the children's environment; it is never printed.
         self.env = {**os.environ, "BURSTCTL_SIM_API_KEY": "rehearse-" + secrets.token_hex(12)}
@@ -244,13 +237,7 @@ class Rehearsal:
         self.http.close()
 
     def _wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = pred()
-            if got:
-                return got
-            time.sleep(0.2)
-        raise OperationalError(f"rehearse: timed out after {timeout:.0f} s waiting for {what} (logs in {self.dir})")
+        return wait_until(pred, timeout, f"{what} (logs in {self.dir})")
 
     def _sim_answers(self) -> bool:
         try:

@@ -15,24 +15,32 @@ from providers.base import Market
 from state import schema as s
 
 
+def cloud_attempts(app: App, job_id: str) -> list[dict[str, Any]]:
+    with app.store.engine.connect() as c:
+        return [dict(r) for r in c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id,
+                                                                    s.attempts.c.where == "cloud")).mappings()]
+
+
+def cloud_hours_done(rows: list[dict[str, Any]], now: float) -> float:
+    """Useful cloud hours so far: each started attempt's running time, less the work its preemption lost."""
+    return sum(max(0.0, ((r["ended_at"] or now) - r["started_at"]) / 3600.0 - (r["lost_work_h"] or 0.0))
+               for r in rows if r["started_at"])
+
+
 def market_for_attempt(app: App, job: dict[str, Any], now: float | None = None) -> Market:
     now = time.time() if now is None else now
     d = job["decision"]
     first = Market.SPOT if d.get("market") == "spot" else Market.ON_DEMAND
     if first is Market.ON_DEMAND:
         return first  # deadline-critical, asked for, or spot not worth it: never downgraded to spot
-    with app.store.engine.connect() as c:
-        rows = [dict(r) for r in c.execute(select(s.attempts).where(s.attempts.c.job_id == job["id"],
-                                                                    s.attempts.c.where == "cloud")).mappings()]
-    started = [r for r in rows if r["started_at"]]
-    if not started:
+    rows = cloud_attempts(app, job["id"])
+    if not any(r["started_at"] for r in rows):
         return first
     plan_cloud = [p for p in (d.get("plan") or []) if p["where"] == "cloud"]
     overhead = float(d.get("overhead_h") or 0.0)
     job_h = max((plan_cloud[0]["hours"] if plan_cloud else d.get("t_rented_h") or 0.0) - overhead, 1e-6)
     t0 = min(r["created_at"] for r in rows)
-    progress = sum(max(0.0, ((r["ended_at"] or now) - r["started_at"]) / 3600.0 - (r["lost_work_h"] or 0.0))
-                   for r in started)
+    progress = cloud_hours_done(rows, now)
     deadline_h = (job["deadline_at"] - t0) / 3600.0
     state = SpotState(
         job_hours=job_h, deadline_hours=deadline_h, elapsed_h=(now - t0) / 3600.0, progress_h=min(progress, job_h),

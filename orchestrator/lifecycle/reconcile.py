@@ -23,6 +23,7 @@ from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.local import LocalRunner
 from orchestrator.lifecycle.machine import AttemptState, active_attempts, move
+from orchestrator.lifecycle.market_switch import cloud_attempts, cloud_hours_done
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import burst_enabled
 from orchestrator.remote.ssh import HostKeyMismatch
@@ -351,17 +352,9 @@ class Reconciler:
         plan = d.get("plan") or []
         cloud = [p for p in plan if p["where"] == "cloud"]
         hours = cloud[0]["hours"] if cloud else (d.get("t_rented_h") or 0.0)
-        done = self._cloud_progress_h(job["id"])
+        # Only cloud hours count against the plan's cloud phase (a hybrid's local phase is already outside it).
+        done = cloud_hours_done(cloud_attempts(self.app, job["id"]), self.clock())
         return max(hours - done, d.get("overhead_h") or 0.0)
-
-    def _cloud_progress_h(self, job_id: str) -> float:
-        with self.store.engine.connect() as c:
-            rows = c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id)).mappings().all()
-        total = 0.0
-        for r in rows:
-            if r["started_at"] and r["ended_at"]:
-                total += max(0.0, (r["ended_at"] - r["started_at"]) / 3600.0 - (r["lost_work_h"] or 0.0))
-        return total
 
     def _recent_launch_failures(self, job_id: str) -> list[dict[str, Any]]:
         """Consecutive launch failures since the last attempt that got an instance, newest first."""
