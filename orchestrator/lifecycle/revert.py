@@ -132,7 +132,6 @@ def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, 
         if att["instance_id"]:
             _record_instance(app, att["provider"], att["instance_id"], att["id"], "unverified")
         return RevertRow(att["job_id"], att["provider"], att["instance_id"], None, "unverified")
-    before = checkpoints.latest(app.config, att["job_id"])
     try:
         if att["state"] == AttemptState.INTENT.value:
             rec._step_intent(att, job, provider, "revert-local")
@@ -153,8 +152,7 @@ def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, 
         if att["provider"] not in report.unreachable:
             report.unreachable.append(att["provider"])
     current = _attempt(app, att["id"])
-    after = checkpoints.latest(app.config, att["job_id"])
-    synced = after.name if after is not None and after != before else (after.name if after else None)
+    synced = _last_synced(app, att)
     if AttemptState(current["state"]).final:
         status = "yes"
     else:
@@ -162,6 +160,17 @@ def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, 
         if current["instance_id"]:
             _record_instance(app, att["provider"], current["instance_id"], att["id"], status)
     return RevertRow(att["job_id"], att["provider"], current["instance_id"], synced, status)
+
+
+def _last_synced(app: App, att: dict[str, Any]) -> str | None:
+    """The newest checkpoint this attempt brought home (from its events: once the attempt ends, a local run of the
+    same job may already be writing newer ones into the store)."""
+    synced = [e for e in app.store.events(job_id=att["job_id"], type_prefix="checkpoint.synced")
+              if e["attempt_id"] == att["id"]]
+    if synced:
+        return synced[-1]["data"]["checkpoints"][-1]
+    latest = checkpoints.latest(app.config, att["job_id"])
+    return latest.name if latest else None
 
 
 def _attempt(app: App, attempt_id: str) -> dict[str, Any]:

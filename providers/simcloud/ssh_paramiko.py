@@ -283,7 +283,7 @@ class ParamikoMachine:
         rc = proc.wait()
         for t in outs:
             # A backgrounded grandchild may hold stdout open forever; the exit status must not wait for it.
-            t.join(timeout=1.0)
+            t.join(timeout=3.0)
         with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
             channel.send_exit_status(rc if rc >= 0 else 128 - rc)
             channel.shutdown_write()
