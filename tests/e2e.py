@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,6 +61,25 @@ def _answers(url: str) -> bool:
         return httpx.get(f"{url}/_sim/instances", timeout=2).status_code < 500
     except httpx.HTTPError:
         return False
+
+
+def trainer_job(tmp: Path, name: str, *, steps: int, every: int, step_s: float = 0.1, local_throughput: float = 0,
+                rented_h100: float = 0.5, deadline_hours: float = 10, work_units: float = 1,
+                interval_minutes: float = 0.02) -> Path:
+    """A job spec running the example checkpointing trainer (copied into <tmp>/work), the e2e tests' workload."""
+    work = tmp / "work"
+    work.mkdir(exist_ok=True)
+    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
+    path = tmp / f"{name}.toml"
+    path.write_text("\n".join([
+        f'name = "{name}"',
+        f'command = ["python3", "trainer.py", "--steps", "{steps}", "--checkpoint-every", "{every}", '
+        f'"--step-seconds", "{step_s}"]',
+        'workdir = "work"', f"deadline_hours = {deadline_hours}", f"work_units = {work_units}",
+        f"local_throughput = {local_throughput}", f"rented_throughput = {{ H100 = {rented_h100} }}",
+        "[checkpoint]", f"interval_minutes = {interval_minutes}",
+    ]) + "\n")
+    return path
 
 
 def write_config(tmp: Path, sim_url: str, **sections: dict[str, Any]) -> Path:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -30,30 +29,19 @@ from tests.e2e import (
     sim_billing,
     sim_instances,
     simcloud,
+    trainer_job,
     wait_for,
     write_config,
 )
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
 TICK_S = 0.4
 STEPS, EVERY, STEP_S = 40, 5, 0.1  # a 4 s trainer that checkpoints every 0.5 s
 KILL_ON_EVENT = {"provisioning": "instance.launched", "bootstrapping": "instance.ready", "running": "attempt.running"}
 
 
 def short_job(tmp: Path, name: str) -> Path:
-    work = tmp / "work"
-    work.mkdir(exist_ok=True)
-    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
-    path = tmp / f"{name}.toml"
-    path.write_text("\n".join([
-        f'name = "{name}"',
-        f'command = ["python3", "trainer.py", "--steps", "{STEPS}", "--checkpoint-every", "{EVERY}", '
-        f'"--step-seconds", "{STEP_S}"]',
-        'workdir = "work"', "deadline_hours = 10", "local_throughput = 0", "rented_throughput = { H100 = 0.5 }",
-        "[checkpoint]", "interval_minutes = 0.01",
-    ]) + "\n")
-    return path
+    return trainer_job(tmp, name, steps=STEPS, every=EVERY, step_s=STEP_S, interval_minutes=0.01)
 
 
 def enqueue(tmp: Path, config: Path, state: Path, name: str) -> str:

@@ -6,7 +6,6 @@ is gone with the meter matching simcloud's billing. A daemon killed with SIGKILL
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from tests.e2e import (
     sim_billing,
     sim_instances,
     simcloud,
+    trainer_job,
     wait_for,
     write_config,
 )
@@ -33,21 +33,9 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS, EVERY, STEP_S = 160, 10, 0.1
 
 
-def trainer_job(tmp: Path, name: str = "trainer", steps_override: int | None = None, **extra: str) -> Path:
-    work = tmp / "work"
-    work.mkdir(exist_ok=True)
-    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
-    lines = [
-        f'name = "{name}"',
-        f'command = ["python3", "trainer.py", "--steps", "{steps_override or STEPS}", "--checkpoint-every", "{EVERY}", '
-        f'"--step-seconds", "{STEP_S}"]',
-        'workdir = "work"', "deadline_hours = 10", "local_throughput = 0", "rented_throughput = { H100 = 0.5 }",
-        *[f"{k} = {v}" for k, v in extra.items()],
-        "[checkpoint]", "interval_minutes = 0.02",
-    ]
-    path = tmp / f"{name}.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+def spot_job(tmp: Path, steps: int = STEPS) -> Path:
+    """The trainer, which does not fit locally: it bursts."""
+    return trainer_job(tmp, "trainer", steps=steps, every=EVERY, step_s=STEP_S)
 
 
 def uninterrupted_final_state(tmp: Path) -> bytes:
@@ -75,7 +63,7 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with simcloud(tmp_path) as url:
         config = write_config(tmp_path, url)
-        r = cli(config, state, "enqueue", str(trainer_job(tmp_path)), "--json")
+        r = cli(config, state, "enqueue", str(spot_job(tmp_path)), "--json")
         assert r.returncode == 0, r.stderr
         job_id = json.loads(r.stdout)["id"]
         daemon = Daemon(tmp_path, config, state).start()
@@ -130,7 +118,7 @@ def test_a_daemon_killed_mid_run_is_restarted_and_carries_on(tmp_path: Path) -> 
     state = tmp_path / "state"
     with simcloud(tmp_path) as url:
         config = write_config(tmp_path, url)
-        job_id = json.loads(cli(config, state, "enqueue", str(trainer_job(tmp_path)), "--json").stdout)["id"]
+        job_id = json.loads(cli(config, state, "enqueue", str(spot_job(tmp_path)), "--json").stdout)["id"]
         daemon = Daemon(tmp_path, config, state).start()
         first = wait_for(lambda: running_instance(state), 90, "the attempt to run")
         daemon.kill(signal.SIGKILL)
@@ -160,7 +148,7 @@ def test_cancelling_a_running_burst_brings_its_last_checkpoint_home_and_terminat
     state = tmp_path / "state"
     with simcloud(tmp_path) as url:
         config = write_config(tmp_path, url)
-        job_id = json.loads(cli(config, state, "enqueue", str(trainer_job(tmp_path, steps_override=2000)),
+        job_id = json.loads(cli(config, state, "enqueue", str(spot_job(tmp_path, steps=2000)),
                                 "--json").stdout)["id"]
         daemon = Daemon(tmp_path, config, state).start()
         try:

@@ -5,30 +5,21 @@ the cloud from that checkpoint."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.e2e import Daemon, cli, events, job, sim_instances, simcloud, wait_for, write_config
+from tests.e2e import Daemon, cli, events, job, sim_instances, simcloud, trainer_job, wait_for, write_config
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    work = tmp_path / "work"
-    work.mkdir()
-    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
     # W = 0.1, s_L = 2, s_R = 10, D = 0.03 h, t_ovh = 0.005 h, no margin: local misses (T_L = 0.05 h), renting
     # meets it (T_R = 0.015 h), and the latest safe switch is x* = (0.03 − 0.005 − 0.01) / (1 − 0.2) = 67.5 s.
-    spec = tmp_path / "hybrid.toml"
-    spec.write_text("\n".join([
-        'name = "hybrid"',
-        'command = ["python3", "trainer.py", "--steps", "1000", "--checkpoint-every", "20", "--step-seconds", "0.1"]',
-        'workdir = "work"', "deadline_hours = 0.03", "work_units = 0.1", "local_throughput = 2",
-        "rented_throughput = { H100 = 10 }", "[checkpoint]", "interval_minutes = 0.02", ""]))
+    spec = trainer_job(tmp_path, "hybrid", steps=1000, every=20, work_units=0.1, local_throughput=2, rented_h100=10,
+                       deadline_hours=0.03)
     with simcloud(tmp_path) as url:
         config = write_config(tmp_path, url, policy={"overhead_h": 0.005, "hybrid_margin_h": 0.0})
         r = cli(config, state, "enqueue", str(spec), "--json")

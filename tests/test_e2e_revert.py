@@ -5,33 +5,32 @@ cloud unreachable nothing is silently left, and the local platform keeps working
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e import SIM_KEY, Daemon, cli, events, free_port, job, sim_instances, simcloud, wait_for, write_config
+from tests.e2e import (
+    SIM_KEY,
+    Daemon,
+    cli,
+    events,
+    free_port,
+    job,
+    sim_instances,
+    simcloud,
+    trainer_job,
+    wait_for,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
 
 
 def priced_job(tmp: Path, name: str, steps: int = 400) -> Path:
     """Fits locally but misses its deadline there; the price of the deadline is within the auto-approve ceiling."""
-    work = tmp / "work"
-    work.mkdir(exist_ok=True)
-    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
-    path = tmp / f"{name}.toml"
-    path.write_text("\n".join([
-        f'name = "{name}"',
-        f'command = ["python3", "trainer.py", "--steps", "{steps}", "--checkpoint-every", "10", '
-        '"--step-seconds", "0.1"]',
-        'workdir = "work"', "deadline_hours = 2", "local_throughput = 0.1", "rented_throughput = { H100 = 10 }",
-        "[checkpoint]", "interval_minutes = 0.02",
-    ]) + "\n")
-    return path
+    return trainer_job(tmp, name, steps=steps, every=10, local_throughput=0.1, rented_h100=10, deadline_hours=2)
 
 
 def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(tmp_path: Path) -> None:

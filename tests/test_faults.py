@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -36,24 +35,15 @@ from tests.e2e import (
     wait_for,
     write_config,
 )
+from tests.e2e import (
+    trainer_job as e2e_trainer_job,
+)
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
 
 
 def trainer_job(tmp: Path, name: str, steps: int = 40) -> Path:
-    work = tmp / "work"
-    work.mkdir(exist_ok=True)
-    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
-    path = tmp / f"{name}.toml"
-    path.write_text("\n".join([
-        f'name = "{name}"',
-        f'command = ["python3", "trainer.py", "--steps", "{steps}", "--checkpoint-every", "5", '
-        '"--step-seconds", "0.1"]',
-        'workdir = "work"', "deadline_hours = 10", "local_throughput = 0", "rented_throughput = { H100 = 0.5 }",
-        "[checkpoint]", "interval_minutes = 0.01",
-    ]) + "\n")
-    return path
+    return e2e_trainer_job(tmp, name, steps=steps, every=5, interval_minutes=0.01)
 
 
 def enqueue(config: Path, state: Path, path: Path) -> str:
