@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -84,6 +83,3 @@ class EventLog:
 def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(data, default=str))
 
-
-def stderr_console() -> TextIO:
-    return sys.stderr

@@ -1,5 +1,5 @@
 """The persistent store: SQLite (WAL) by default, PostgreSQL by URL. The daemon keeps nothing only in memory."""
 
-from state.store import Store, open_store
+from state.store import Store
 
-__all__ = ["Store", "open_store"]
+__all__ = ["Store"]

@@ -194,6 +194,3 @@ class Store:
         with self.tx() as c:
             c.execute(q)
 
-
-def open_store(url: str) -> Store:
-    return Store(url)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -60,10 +61,10 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
         ctx = context(app, now)
         if overhead_h is not None:
             _positive("--overhead-h", overhead_h, allow_zero=True)
-            ctx = _replace(ctx, overhead_h=overhead_h)
+            ctx = replace(ctx, overhead_h=overhead_h)
         if local_usd_h is not None:
             _positive("--local-usd-h", local_usd_h, allow_zero=True)
-            ctx = _replace(ctx, local_usd_h=local_usd_h)
+            ctx = replace(ctx, local_usd_h=local_usd_h)
     else:
         missing = [k for k in ("--s-local", "--deadline-h", "--rate") if flags[k] is None]
         if missing:
@@ -93,12 +94,6 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
     _print_human(job, d)
     if record:
         out.print(f"[dim]decision record: {record}[/dim]")
-
-
-def _replace(ctx: DecisionContext, **kw: Any) -> DecisionContext:
-    from dataclasses import replace
-
-    return replace(ctx, **kw)
 
 
 def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
