@@ -107,6 +107,12 @@ def state_hash(state: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def shard_bytes(state: dict, mib: int) -> bytes:
+    """A stand-in for a model shard of `mib` MiB: a function of the state (so a resumed run writes the same bytes as
+    an uninterrupted one) that differs at every step (so every checkpoint really crosses the wire)."""
+    return hashlib.sha256(state_hash(state).encode()).digest() * (mib * 32768)  # 32 B × 32768 = 1 MiB
+
+
 def write_json_atomic(path: Path, obj: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -144,7 +150,10 @@ class Trainer:
     def save(self) -> None:
         step = self.state["step"]
         name = f"step-{step:08d}"
-        self.ckpt.write_checkpoint(self.ckpt_dir, name, {"state.json": json.dumps(self.state).encode()},
+        files = {"state.json": json.dumps(self.state).encode()}
+        if self.args.shard_mib > 0:
+            files["shard.bin"] = shard_bytes(self.state, self.args.shard_mib)
+        self.ckpt.write_checkpoint(self.ckpt_dir, name, files,
                                    meta={"step": step, "seed": self.args.seed, "steps": self.args.steps})
         self.saved_step = step
         if self.args.keep > 0:
@@ -212,10 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--keep", type=int, default=3, help="complete checkpoints kept on disk (0 = all)")
+    p.add_argument("--shard-mib", type=int, default=0,
+                   help="also write a shard.bin of this many MiB per checkpoint, like a model's weights")
     p.add_argument("--out", default="", help="result.json path (default: $BURST_CHECKPOINT_DIR/../result.json)")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.checkpoint_every < 1 or args.step_seconds < 0 or args.keep < 0:
-        p.error("--steps and --checkpoint-every must be >= 1, --step-seconds and --keep >= 0")
+    if args.steps < 1 or args.checkpoint_every < 1 or args.step_seconds < 0 or args.keep < 0 or args.shard_mib < 0:
+        p.error("--steps and --checkpoint-every must be >= 1, --step-seconds, --keep and --shard-mib >= 0")
     return Trainer(args, load_checkpoint_lib()).run()
 
 

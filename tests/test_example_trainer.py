@@ -204,6 +204,21 @@ def test_resuming_a_finished_run_with_more_steps_continues_from_it(tmp_path: Pat
     assert json.loads((tmp_path / "result.json").read_text())["step"] == 30
 
 
+def test_shard_mib_adds_a_shard_that_differs_per_step_and_resumes_bit_identical(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train = ["--steps", "20", "--checkpoint-every", "10", "--shard-mib", "2"]
+    for root in (straight, resumed):
+        root.mkdir()
+        assert run_trainer(root, *train).returncode == 0
+    shutil.rmtree(resumed / "ckpt" / "step-00000020")  # as if preempted after step 10's checkpoint
+    proc = run_trainer(resumed, *train, env={"BURST_RESUME_FROM": str(resumed / "ckpt" / "step-00000010")})
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr
+    first, final = (bc.read_manifest(straight / "ckpt" / n)["files"] for n in ("step-00000010", "step-00000020"))
+    assert first["shard.bin"]["size"] == final["shard.bin"]["size"] == 2 * 1024 * 1024
+    assert first["shard.bin"]["sha256"] != final["shard.bin"]["sha256"]  # a new checkpoint's shard really changes
+    assert bc.read_manifest(resumed / "ckpt" / "step-00000020")["files"] == final  # every byte, shard included
+
+
 def test_runs_on_a_bare_python_with_burst_checkpoint_shipped_next_to_it(tmp_path: Path) -> None:
     shipped = tmp_path / "workdir"
     shipped.mkdir()
@@ -224,7 +239,8 @@ def test_the_example_job_spec_is_accepted_by_burstctl_enqueue(tmp_path: Path) ->
     assert "example-trainer" in proc.stdout
 
 
-@pytest.mark.parametrize("bad", [["--steps", "0"], ["--checkpoint-every", "0"], ["--step-seconds", "-1"]])
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--checkpoint-every", "0"], ["--step-seconds", "-1"],
+                                 ["--shard-mib", "-1"]])
 def test_bad_arguments_exit_2(tmp_path: Path, bad: list[str]) -> None:
     proc = run_trainer(tmp_path, *bad)
     assert proc.returncode == 2
