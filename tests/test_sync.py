@@ -197,6 +197,20 @@ def test_a_corrupted_remote_file_fails_verification_and_is_never_made_visible(
     assert os.listdir(local) == ["step-00000100"]  # nor is its staging dir kept
 
 
+def test_the_staging_dir_of_a_superseded_checkpoint_is_removed_by_the_next_pull(
+        instance: Instance, tmp_path: Path) -> None:
+    remote = instance.sandbox / "ckpt"
+    burst_checkpoint.write_checkpoint(remote, "step-00000100", {"w.bin": b"a" * 50_000})
+    burst_checkpoint.write_checkpoint(remote, "step-00000200", {"w.bin": b"b" * 50_000})
+    local = tmp_path / "local"
+    interrupted = local / f"{STAGING_PREFIX}step-00000100"  # a pull of step 100 killed midway
+    interrupted.mkdir(parents=True)
+    (interrupted / "w.bin").write_bytes(b"a" * 20_000)
+    got = pull(instance, local, newest_only=True)
+    assert got == [local / "step-00000200"]
+    assert os.listdir(local) == ["step-00000200"]  # step 100 will never be fetched: its partial bytes are freed
+
+
 def test_auto_transport_is_rsync_when_both_sides_have_it(backend: SshBackend, key_path: Path) -> None:
     inst = start(backend, key_path, "i-auto", "auto")
     with ssh_connect(inst.target, trust=inst.trust) as conn:

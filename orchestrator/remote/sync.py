@@ -7,7 +7,8 @@ Checkpoints follow `runbooks.burst_checkpoint`: `CKPT/<name>/` is complete when 
 last) is present and every listed file matches its size and sha256. Pulling never makes a partial checkpoint
 visible: each one is fetched into a hidden staging dir `CKPT/.incoming-<name>` on the same filesystem,
 verified against the manifest, fsynced, then renamed into place in one step. A transfer killed midway leaves
-only the staging dir, which the next pull resumes (rsync `--partial-dir`, SFTP appends from the last byte).
+only the staging dir, which the next pull resumes (rsync `--partial-dir`, SFTP appends from the last byte), or
+removes when that checkpoint is no longer wanted (a newer one superseded it).
 Files a new checkpoint shares with the newest local one do not cross the wire: rsync uses `--link-dest`
 against it (delta transfer when only the mtime differs), SFTP hard-links files whose size and sha256 match.
 Hard links are safe because a complete checkpoint is never modified in place.
@@ -205,7 +206,9 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
         chosen = choose_transport(target, conn, transport)
         total = SyncStats(chosen)
         names = _remote_complete(conn, remote_ckpt_dir)
-        for name in names[-1:] if newest_only else names:
+        wanted = names[-1:] if newest_only else names
+        _drop_stale_staging(local_root, wanted)
+        for name in wanted:
             final = local_root / name
             if burst_checkpoint.verify(final, deep=False):
                 continue  # only verified checkpoints are ever renamed into place: sizes suffice here
@@ -230,8 +233,8 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     shutil.rmtree(staging, ignore_errors=True)
-                    raise SyncError(f"local disk full while pulling checkpoint {name} into {local_root}; "
-                                    "nothing was made visible") from None
+                    raise SyncError(f"local disk full (No space left on device) while pulling checkpoint {name} "
+                                    f"into {local_root}; nothing was made visible") from None
                 raise SyncError(f"pulling checkpoint {name} into {local_root} failed: {e.strerror or e}") from None
             except (EOFError, paramiko.SSHException):
                 raise SshUnavailable(f"instance {target.instance_id}: SSH dropped while pulling checkpoint "
@@ -251,6 +254,16 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
             pulled.append(final)
     total.seconds = time.monotonic() - started
     return PulledCheckpoints(pulled, total, rejected)
+
+
+def _drop_stale_staging(local_root: Path, wanted: Sequence[str]) -> None:
+    """Remove the staging dirs of checkpoints this pull will not fetch (superseded, or gone remotely): nothing
+    resumes them, and each would otherwise keep the partial bytes of an interrupted multi-GB pull forever.
+    Callers serialize pulls into one store (`checkpoints.store_lock`), so none of these is being written."""
+    keep = {f"{STAGING_PREFIX}{name}" for name in wanted}
+    for path in local_root.iterdir():
+        if path.name.startswith(STAGING_PREFIX) and path.name not in keep:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # --- remote listing ---------------------------------------------------------------------------------------------
