@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import click
+from rich.markup import escape
 from sqlalchemy import select
 
 from orchestrator.app import App
@@ -51,7 +52,8 @@ def status_data(app: App) -> dict[str, Any]:
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
         "active_jobs": sum(counts.get(st.value, 0) for st in active_states),
         "attempts": [{"id": a["id"], "job": a["job_id"], "where": a["where"], "state": a["state"],
-                      "provider": a["provider"], "instance": a["instance_id"], "market": a["market"]}
+                      "provider": a["provider"], "instance": a["instance_id"], "market": a["market"],
+                      "problem": _problem(a["info"] or {})}
                      for a in attempts],
         "instances": [{"provider": i["provider"], "id": i["id"], "attempt": i["attempt_id"], "state": i["state"],
                        "type": i["instance_type"], "market": i["market"]} for i in instances],
@@ -60,6 +62,13 @@ def status_data(app: App) -> dict[str, Any]:
         "budget_cap_usd": app.config.budget.monthly_cap_usd,
         "state_dir": str(app.config.state_dir),
     }
+
+
+def _problem(info: dict[str, Any]) -> str | None:
+    """What keeps a live attempt from doing its job right now (e.g. checkpoints not coming home), or None."""
+    if info.get("sync_error"):
+        return f"{info.get('sync_failures', 1)} checkpoint pull(s) failed in a row: {info['sync_error']}"
+    return None
 
 
 def _mode(app: App) -> str:
@@ -95,6 +104,9 @@ def status_cmd(app: App, as_json: bool) -> None:
     if d["attempts"]:
         table("active attempts", ["attempt", "where", "state", "provider", "instance", "market"],
               [(a["id"], a["where"], a["state"], a["provider"], a["instance"], a["market"]) for a in d["attempts"]])
+        for a in d["attempts"]:
+            if a["problem"]:
+                out.print(f"[yellow]{escape(a['id'])}: {escape(a['problem'])}[/yellow]")
     if d["instances"]:
         table("instances not yet confirmed gone", ["provider", "instance", "attempt", "state", "type", "market"],
               [(i["provider"], i["id"], i["attempt"], i["state"], i["type"], i["market"]) for i in d["instances"]])

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import click
+from rich.markup import escape
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, fmt_h, fmt_usd, json_option, out, pass_app, print_json, table
@@ -88,7 +89,8 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
                     "events": [_event_public(e) for e in evs]})
         return
     d = j["decision"]
-    out.print(f"[bold]{j['name']}[/bold] ({j['id']}) — {j['kind']}, {j['state']}")
+    out.print(f"[bold]{j['name']}[/bold] ({j['id']}) — {j['kind']}, {j['state']}"
+              + (f": {escape(j['reason'])}" if j["reason"] else ""))
     out.print(f"verdict {d['verdict']} → {d['action']}; T_L {fmt_h(d['t_local_h'])}, T_R {fmt_h(d['t_rented_h'])}, "
               f"ΔC {fmt_usd(d['delta_cost_usd'])}, market {d.get('market') or '—'}, "
               f"plan {d.get('plan_kind') or '—'} {fmt_usd(d.get('plan_cost_usd'))}")

@@ -48,6 +48,7 @@ MAX_STEP_ERRORS = 5
 MAX_STEPS_PER_TICK = 4  # intent → provisioning → bootstrapping → running in one tick when nothing waits
 BOOT_WAIT_S, BOOT_POLL_S, BOOT_WAIT_WINDOW_S = 1.0, 0.2, 15.0  # brief in-tick polling of a just-launched instance
 LAUNCH_REFUSALS = (NoCapacity, QuotaExceeded, AuthFailed, InvalidRequest)
+SYNC_FAILING = "checkpoints are not coming home (the instance is kept and the pull retried)"  # a job's reason
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
 CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
 
@@ -632,16 +633,22 @@ class Reconciler:
         with self.store.tx() as conn:
             conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
 
-    def _pull(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
+    def _pull(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
+        """Bring the newest checkpoint home; False when the pull failed (nothing partial is visible). `info` is
+        the attempt's, persisted by the caller."""
         started = time.monotonic()
         try:
             new = self.cloud.pull(att, job)
         except Exception as exc:
-            self.emit("checkpoint.sync_failed", job_id=job["id"], attempt_id=att["id"],
-                      error=f"{type(exc).__name__}: {exc}")
-            return
+            self._pull_failed(att, job, info, exc)
+            return False
         took = time.monotonic() - started
         info["last_sync_at"] = self.clock()
+        if info.pop("sync_error", None) is not None:
+            info.pop("sync_failures", None)
+            with self.store.tx() as conn:  # the job's reason as it was, unless something else set one since
+                conn.execute(update(s.jobs).where(s.jobs.c.id == job["id"], s.jobs.c.reason.startswith(SYNC_FAILING))
+                             .values(reason=info.pop("reason_before_sync_error", None), updated_at=time.time()))
         if new:
             info["last_checkpoint_at"] = self.clock()
             with self.store.tx() as conn:
@@ -649,11 +656,32 @@ class Reconciler:
                 self._measure(conn, att, "sync_s", took)
                 self.app.events.emit("checkpoint.synced", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      checkpoints=[p.name for p in new], seconds=round(took, 3))
+        return True
+
+    def _pull_failed(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], exc: Exception) -> None:
+        """A failed pull (rsync killed, local disk full, SSH dropped...) keeps the attempt going and is retried at
+        the next sync, not at once: a full disk would be filled and emptied every tick. Its reason is the job's
+        until a pull succeeds; the event is logged once per distinct error, the failures are counted."""
+        error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:500]
+        same = info.get("sync_error") == error
+        if "sync_error" not in info:
+            info["reason_before_sync_error"] = job["reason"]
+        info["sync_error"] = error
+        info["sync_failures"] = int(info.get("sync_failures", 0)) + 1
+        info["last_sync_at"] = self.clock()
+        with self.store.tx() as conn:
+            self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value,
+                                  reason=f"{SYNC_FAILING}: {error}")
+            if not same:
+                self.app.events.emit("checkpoint.sync_failed", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                     error=error, failures=info["sync_failures"])
 
     def _step_finishing(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         info = dict(att["info"])
         chaos_point("finishing")
-        self._pull(att, job, info)
+        if not self._pull(att, job, info):
+            self._final_pull_failed(att, job, provider, info)
+            return
         speed = (info.get("metrics") or {}).get("throughput_units_h")
         if speed and info.get("gpu"):
             # Measured s_R (per GPU) for this job's name on this GPU type: later decisions of the same job use it.
@@ -662,6 +690,25 @@ class Reconciler:
                     ts=self.clock(), provider=att["provider"], instance_type=f"{info['gpu']}:{job['name']}"[:64],
                     metric="throughput_units_h", value=float(speed) / max(1, int(job["spec"].get("gpus", 1)))))
         self._stop(att, job, provider, "completed", outcome=A.SUCCEEDED, info=info)
+
+    def _final_pull_failed(self, att: dict[str, Any], job: dict[str, Any], provider: Provider,
+                           info: dict[str, Any]) -> None:
+        """The job finished on the instance but its final checkpoint is not home: the instance is kept and the
+        pull retried every tick (the budget cap and max_run_hours still stop it), unless the instance is gone or
+        unreachable past the heartbeat timeout, which is a loss: the job resumes from what is home."""
+        now = self.clock()
+        inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
+        if inst is None or inst.state.gone:
+            self._lost(att, job, provider, inst, "instance gone before its final checkpoint came home", info=info)
+            return
+        if self.cloud.status(att) is not None:
+            info["last_seen_at"] = now
+        elif now - info.get("last_seen_at", now) > self.cfg.daemon.heartbeat_timeout_s:
+            self._lost(att, job, provider, inst, "heartbeat lost (SSH unreachable) before the final checkpoint "
+                                                 "came home", info=info)
+            return
+        with self.store.tx() as conn:
+            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
 
     def _lost(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, inst: InstanceInfo | None,
               reason: str, info: dict[str, Any] | None = None) -> None:
