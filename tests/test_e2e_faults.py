@@ -26,6 +26,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.lifecycle import checkpoints
 from orchestrator.remote.sync import STAGING_PREFIX
+from providers.simcloud.ssh_backend import openssh_available
 from runbooks import burst_checkpoint
 from tests.e2e import (
     REPO,
@@ -40,9 +41,7 @@ from tests.e2e import (
     write_config,
 )
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("rsync") is None or shutil.which("ssh") is None,
-                                 reason="rsync/ssh not installed")]
+pytestmark = pytest.mark.slow
 MiB = 1024 * 1024
 
 
@@ -120,6 +119,8 @@ def kill_a_pull_mid_transfer(daemon_pid: int, timeout: float) -> str:
     raise AssertionError(f"no checkpoint pull was caught mid-transfer within {timeout:.0f} s")
 
 
+@pytest.mark.skipif(not openssh_available() or shutil.which("rsync") is None,
+                    reason="needs sshd and rsync (simcloud's paramiko SSH falls back to SFTP)")
 def test_rsync_killed_mid_pull_is_retried_and_the_partial_checkpoint_is_never_used(tmp_path: Path) -> None:
     steps, every, shard_mib = 40, 10, 128  # a 128 MiB shard: a pull over loopback SSH takes long enough to kill
     state = tmp_path / "state"
