@@ -327,11 +327,14 @@ class BatchOutcome:
 
 
 def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSetting,
-                 run_age_h: np.ndarray | None = None, stats: AvailabilityStats | None = None) -> BatchOutcome:
+                 run_age_h: np.ndarray | None = None, stats: AvailabilityStats | None = None,
+                 refits: Sequence[tuple[int, AvailabilityStats]] = ()) -> BatchOutcome:
     """`replay` for many starts at once: all runs advance tick by tick together, the policy decides on arrays.
 
     Same semantics and arithmetic as `replay`, run for run. `run_age_h` (from `TraceHistory`) gives the policy
     how long spot has been in its state; `stats` is what the policy knows of the zone, shared by these runs.
+    `refits` — (tick, stats) sorted by tick — replaces `stats`: at trace tick t a run is decided with the stats
+    of the last refit at or before t (learned from ticks before it), so a run's knowledge grows as it runs.
     """
     gap = trace.gap_seconds
     gap_h = gap / 3600.0
@@ -353,6 +356,7 @@ def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarra
     missed = np.zeros(runs, dtype=bool)
     finished = np.full(runs, np.nan)
     active = done < need - _EPS_S
+    refit_ticks = np.array([tick for tick, _ in refits], dtype=np.int64)
     k = 0
     while active.any():
         elapsed = k * gap
@@ -373,7 +377,14 @@ def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarra
             elapsed_h=np.full(runs, elapsed / 3600.0), progress_h=done / 3600.0, market=market.copy(),
             spot_available=up, changeover_left_h=changeover_left / 3600.0,
             spot_state_for_h=run_age_h[t] if run_age_h is not None else np.zeros(runs), stats=stats)
-        action = np.asarray(policy.decide_batch(batch), dtype=np.int8)
+        if refits:
+            action = np.empty(runs, dtype=np.int8)
+            which = np.searchsorted(refit_ticks, t, side="right") - 1
+            for g in np.unique(which):
+                sel = which == g
+                action[sel] = policy.decide_batch(batch.subset(sel, refits[max(int(g), 0)][1]))
+        else:
+            action = np.asarray(policy.decide_batch(batch), dtype=np.int8)
         bad = active & ~forced_od & (action == SPOT_CODE) & ~up
         if bad.any():
             raise ValueError(f"policy {policy.name!r} chose spot while spot is unavailable")
@@ -571,9 +582,10 @@ class SimulationReport:
 
 
 # How a replay teaches a history-using policy its zone: re-estimate the model every REFIT_H hours of trace from
-# everything before that point (a run uses the estimate made at or before its start, never later data), each
-# hazard shrunk towards the pooled hazards of the *other* traces given with the weight of PRIOR_TICKS ticks.
-# Chosen on setting (a) with seed 5 (docs/simulate.md); 48 h keeps the number of plans, and the time, small.
+# everything before that point, each hazard shrunk towards the pooled hazards of the *other* traces given with
+# the weight of PRIOR_TICKS ticks. A run switches to each new estimate as its clock passes the refit (as the
+# daemon would), so it never uses data from after the tick being decided. Chosen on setting (a) with seed 5
+# (docs/simulate.md); refitting every 12 or 24 h gained nothing over 48 h and costs more plans.
 REFIT_H = 48.0
 PRIOR_TICKS = 20.0
 
@@ -589,6 +601,19 @@ def pooled_prior(counts: Sequence[tuple[np.ndarray, np.ndarray]], tick_h: float)
     return np.where(seen > 0, ended / np.maximum(seen, 1), geometric)
 
 
+def refit_stats(trace: Trace, history: TraceHistory, prior: np.ndarray, tick: int) -> AvailabilityStats:
+    """What an operator who had watched this zone until just before `tick` knows of it."""
+    gap_h = trace.gap_seconds / 3600.0
+    seen, ended = hazard_counts(trace.available, history.run_age_h, tick)
+    observed = history.stats_at(tick - 1) if tick > 0 else None
+    return AvailabilityStats(
+        up_fraction=observed.up_fraction if observed else math.nan,
+        mean_outage_h=observed.mean_outage_h if observed else math.nan,
+        mean_uptime_h=observed.mean_uptime_h if observed else math.nan,
+        observed_h=observed.observed_h if observed else 0.0,
+        model=blend_model(gap_h, seen, ended, prior, PRIOR_TICKS))
+
+
 def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSetting,
                 prior: np.ndarray | None = None) -> BatchOutcome:
     policy = POLICIES[policy_name]
@@ -598,19 +623,20 @@ def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSett
     gap_h = trace.gap_seconds / 3600.0
     prior = pooled_prior([], gap_h) if prior is None else prior
     refit = max(1, round(REFIT_H / gap_h))
+    span = deadline_ticks(job, trace.gap_seconds)
     checkpoints = (starts // refit) * refit
+    known: dict[int, AvailabilityStats] = {}
     parts = []
+    # Runs are replayed in groups by the refit before their start, so the few models a group passes through
+    # are planned once each (all runs at once would cycle through every model of the trace, every tick).
     for checkpoint in np.unique(checkpoints):
         idx = np.flatnonzero(checkpoints == checkpoint)
-        seen, ended = hazard_counts(trace.available, history.run_age_h, int(checkpoint))
-        observed = history.stats_at(int(checkpoint) - 1) if checkpoint > 0 else None
-        stats = AvailabilityStats(
-            up_fraction=observed.up_fraction if observed else math.nan,
-            mean_outage_h=observed.mean_outage_h if observed else math.nan,
-            mean_uptime_h=observed.mean_uptime_h if observed else math.nan,
-            observed_h=observed.observed_h if observed else 0.0,
-            model=blend_model(gap_h, seen, ended, prior, PRIOR_TICKS))
-        parts.append((idx, replay_batch(policy, trace, starts[idx], job, history.run_age_h, stats)))
+        ticks = range(int(checkpoint), int(starts[idx].max()) + span + 1, refit)
+        for tick in ticks:
+            if tick not in known:
+                known[tick] = refit_stats(trace, history, prior, tick)
+        refits = [(tick, known[tick]) for tick in ticks]
+        parts.append((idx, replay_batch(policy, trace, starts[idx], job, history.run_age_h, refits=refits)))
     return BatchOutcome.concat(parts, starts.shape[0])
 
 
