@@ -34,6 +34,7 @@ from tests.e2e import (
     cli,
     events,
     job,
+    sim_admin,
     sim_instances,
     simcloud,
     trainer_job,
@@ -262,3 +263,34 @@ def test_a_full_checkpoint_disk_keeps_the_instance_and_the_pull_retrying_until_s
     assert f"step-{steps:08d}" in visible and all_verify and staging == []
     assert final_files == reference_final_files(tmp_path, steps=steps, every=every, shard_mib=shard_mib)
     assert job(state, job_id)["reason"] == "completed"
+
+
+def test_a_finished_attempt_whose_instance_is_reclaimed_before_its_final_pull_resumes_from_what_is_home(
+        tmp_path: Path) -> None:
+    steps, every, shard_mib = 30, 10, 8
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        job_id = enqueue(config, state, trainer_job(tmp_path, "disk-full-reclaimed", steps=steps, every=every,
+                                                    step_s=0.1, shard_mib=shard_mib))
+        with small_tmpfs(state / "checkpoints" / job_id, 40) as store:
+            filler = fill(store)
+            daemon = Daemon(tmp_path, config, state).start()
+            try:
+                wait_for(lambda: events(state, "checkpoint.sync_failed"), 90, "a pull to fail on the full disk")
+                wait_for(lambda: live_attempt(config, state)["state"] == "finishing", 90,
+                         "the trainer to finish on the instance while the disk is full")
+                (first,) = [i["id"] for i in sim_instances(url)]
+                sim_admin(url, f"instances/{first}/preempt", {})  # the only copy of the final checkpoint goes
+                wait_for(lambda: events(state, "job.resuming"), 60, "the job to resume elsewhere")
+                filler.unlink()
+                wait_for(lambda: job(state, job_id)["state"] == "done", 120, "the job to finish on another instance")
+            finally:
+                assert daemon.stop() == 0
+            instances = sim_instances(url)
+            final_files = burst_checkpoint.read_manifest(store / f"step-{steps:08d}")["files"]
+
+    lost = events(state, "instance.preempted")[0]["data"]
+    assert lost["instance"] == first and lost["reason"] == "instance gone before its final checkpoint came home"
+    assert len(instances) == 2 and all(i["status"] in ("terminated", "preempted") for i in instances)
+    assert final_files == reference_final_files(tmp_path, steps=steps, every=every, shard_mib=shard_mib)
