@@ -197,6 +197,18 @@ def latest_checkpoint_name(ckpt_dir: Path) -> str | None:
 
 
 # --- the spot notice ------------------------------------------------------------------------------------------
+EC2_IMDS_ROOT = "http://169.254.169.254"
+# The AWS SDKs' override of the metadata service's address; honoured the same way here (a VPC endpoint, or the
+# simulated EC2, which gives each instance its own metadata root).
+IMDS_ENDPOINT_VAR = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
+
+
+def resolve_metadata_url(url: str, env: dict | None = None) -> str:
+    """`url` with EC2's fixed metadata root replaced by $AWS_EC2_METADATA_SERVICE_ENDPOINT when that is set."""
+    override = (os.environ if env is None else env).get(IMDS_ENDPOINT_VAR, "").strip()
+    if override and url.startswith(EC2_IMDS_ROOT + "/"):
+        return override.rstrip("/") + url[len(EC2_IMDS_ROOT):]
+    return url
 
 
 def fetch_notice(url: str, timeout: float = 2.0) -> dict | None:
@@ -221,8 +233,10 @@ def fetch_notice(url: str, timeout: float = 2.0) -> dict | None:
 
 
 def _imds_token(url: str, timeout: float) -> str | None:
+    # The token lives beside meta-data under the same root (which may carry a path prefix).
     parts = urllib.parse.urlsplit(url)
-    token_url = f"{parts.scheme}://{parts.netloc}/latest/api/token"
+    root = url.split("/latest/", 1)[0] if "/latest/" in url else f"{parts.scheme}://{parts.netloc}"
+    token_url = f"{root}/latest/api/token"
     req = urllib.request.Request(token_url, method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -398,7 +412,8 @@ class Supervisor:
     def _supervise(self) -> int:
         args, child = self.args, self.child
         assert child is not None
-        poller = NoticePoller(args.metadata_url, args.notice_poll_s) if args.metadata_url else None
+        poller = (NoticePoller(resolve_metadata_url(args.metadata_url), args.notice_poll_s)
+                  if args.metadata_url else None)
         if poller:
             poller.start()
         child_started = _now()

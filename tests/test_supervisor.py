@@ -127,10 +127,11 @@ class MetadataServer:
 
     PATH = "/latest/meta-data/spot/instance-action"
 
-    def __init__(self, imdsv2: bool = False) -> None:
+    def __init__(self, imdsv2: bool = False, prefix: str = "") -> None:
         self.notice: dict | None = None
         self.requests: list[tuple[str, str, int]] = []
         self.imdsv2 = imdsv2
+        self.prefix = prefix  # a metadata root with a path, as $AWS_EC2_METADATA_SERVICE_ENDPOINT may give
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -143,13 +144,13 @@ class MetadataServer:
                 self.wfile.write(body)
 
             def do_PUT(self) -> None:
-                if self.path == "/latest/api/token":
+                if self.path == server.prefix + "/latest/api/token":
                     self._reply(200, b"token-123")
                 else:
                     self._reply(404, b"Not Found")
 
             def do_GET(self) -> None:
-                if self.path != MetadataServer.PATH:
+                if self.path != server.prefix + MetadataServer.PATH:
                     self._reply(404, b"Not Found")
                 elif server.imdsv2 and self.headers.get("X-aws-ec2-metadata-token") != "token-123":
                     self._reply(401, b"Unauthorized")
@@ -162,7 +163,8 @@ class MetadataServer:
                 pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}{self.PATH}"
+        self.root = f"http://127.0.0.1:{self.httpd.server_address[1]}{prefix}"
+        self.url = f"{self.root}{self.PATH}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
@@ -388,6 +390,27 @@ def test_imdsv2_token_is_fetched_when_the_metadata_service_demands_it(job: Job) 
     assert job.exit_record()["reason"] == "notice"
     assert ("PUT", "/latest/api/token", 200) in server.requests
     assert server.requests[0] == ("GET", MetadataServer.PATH, 401)
+
+
+def test_ec2s_fixed_metadata_address_follows_the_sdk_endpoint_override_prefix_and_token_included(job: Job) -> None:
+    server = MetadataServer(imdsv2=True, prefix="/i-0abc")
+    try:
+        server.post_notice()
+        ec2_url = sv.EC2_IMDS_ROOT + MetadataServer.PATH
+        proc = subprocess.run(job.argv("--metadata-url", ec2_url, "--notice-poll-s", "0.1", command=job.waiter()),
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, sv.IMDS_ENDPOINT_VAR: server.root + "/"})
+    finally:
+        server.close()
+    assert proc.returncode == 143
+    assert job.exit_record()["reason"] == "notice"
+    assert ("PUT", "/i-0abc/latest/api/token", 200) in server.requests
+
+
+def test_the_endpoint_override_leaves_other_metadata_urls_alone() -> None:
+    url = "http://127.0.0.1:9/_sim/instances/x/latest/meta-data/spot/instance-action"
+    assert sv.resolve_metadata_url(url, {sv.IMDS_ENDPOINT_VAR: "http://10.0.0.1"}) == url
+    assert sv.resolve_metadata_url(sv.EC2_IMDS_ROOT + "/latest/x", {}) == sv.EC2_IMDS_ROOT + "/latest/x"
 
 
 def test_an_unreachable_metadata_service_is_ignored(job: Job) -> None:
