@@ -7,6 +7,7 @@ vendor's strings. Throttled and Transient calls are retried here (bounded, jitte
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -174,6 +175,16 @@ class Provider(Protocol):
     def find_attempt(self, attempt_id: str) -> InstanceInfo | None:
         """The live instance of an attempt, if one exists (look up before any second launch)."""
         ...
+
+
+def public_key_body(public_key: str) -> str:
+    """'ssh-ed25519 AAAA... comment' -> 'ssh-ed25519 AAAA...': comments do not make a different key."""
+    return " ".join(public_key.split()[:2])
+
+
+def key_name_variant(name: str, public_key: str) -> str:
+    """Where our key goes when another key already holds `name`: `<name>-<hash of our key>`, stable per key."""
+    return f"{name}-{hashlib.sha256(public_key_body(public_key).encode()).hexdigest()[:10]}"[:64]
 
 
 # --- calls: retry + one structured event each ---------------------------------------------------------------

@@ -52,6 +52,8 @@ from providers.base import (
     Throttled,
     Transient,
     call,
+    key_name_variant,
+    public_key_body,
 )
 
 T = TypeVar("T")
@@ -204,7 +206,8 @@ class Ec2Adapter:
         # endpoint_url=None lets botocore apply AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_EC2 itself.
         self.client = self._session.client("ec2", endpoint_url=config.endpoint_url or None, config=boto_config)
         self._zones: list[str] | None = None
-        self._key_pairs_present: set[str] = set()  # names known to exist: one look-up per adapter, not per launch
+        # public key -> the key pair name holding it: one look-up per adapter, not per launch
+        self._key_pair_names: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, config: Config, sink: EventSink | None = None, **kwargs: Any) -> Ec2Adapter:
@@ -289,7 +292,8 @@ class Ec2Adapter:
     def _to_info(self, raw: dict[str, Any]) -> InstanceInfo:
         state_name = str((raw.get("State") or {}).get("Name", ""))
         reason_code = str((raw.get("StateReason") or {}).get("Code") or "")
-        host = raw.get("PublicIpAddress") or raw.get("PrivateIpAddress") or None
+        private = raw.get("PrivateIpAddress") or None
+        host = private if self.config.ssh_address == "private" else (raw.get("PublicIpAddress") or private)
         launch_time = raw.get("LaunchTime")
         return InstanceInfo(
             id=raw["InstanceId"],
@@ -299,7 +303,7 @@ class Ec2Adapter:
             region=(raw.get("Placement") or {}).get("AvailabilityZone"),
             reason=reason_code or None,
             host=host,
-            ssh_port=22,
+            ssh_port=self.config.ssh_port,
             ssh_user=self.config.ssh_user,
             tags={t["Key"]: t["Value"] for t in raw.get("Tags") or []},
             launched_at=launch_time.timestamp() if isinstance(launch_time, datetime) else None,
@@ -389,8 +393,7 @@ class Ec2Adapter:
             self._emit("provider.launch_found_existing", provider=self.name, instance=existing.id,
                        job_id=request.tags.job_id, attempt_id=request.tags.attempt_id)
             return existing
-        key_name = request.ssh_key_name or self.config.key_name
-        self._ensure_key_pair(key_name, request.ssh_public_key)
+        key_name = self._ensure_key_pair(request.ssh_key_name or self.config.key_name, request.ssh_public_key)
         candidates = self.candidates(request)
         last_error: NoCapacity | None = None
         for index, (itype, zone) in enumerate(candidates):
@@ -410,23 +413,45 @@ class Ec2Adapter:
         raise NoCapacity(f"RunInstances: no capacity in any candidate ({tried})", provider=self.name,
                          code=last_error.code if last_error else None)
 
-    def _ensure_key_pair(self, key_name: str, public_key: str) -> None:
-        """Import the request's public key under `key_name` when no key pair of that name exists yet."""
-        if not public_key or key_name in self._key_pairs_present:
-            return
+    def _ensure_key_pair(self, wanted: str, public_key: str) -> str:
+        """The name of a key pair holding `public_key`, importing it if needed.
+
+        A key pair of the wanted name holding another key (made by hand, or by another burstctl) is left alone:
+        launching with it would give instances nobody here can log into. Ours goes under `<name>-<hash>`.
+        """
+        if not public_key:
+            return wanted  # a key pair managed by hand: trust the configured name
+        if public_key in self._key_pair_names:
+            return self._key_pair_names[public_key]
+        ours = public_key_body(public_key)
+        for name in (wanted, key_name_variant(wanted, public_key)):
+            held = self._key_pair_public_key(name)
+            if held is None:
+                try:
+                    self._call("ImportKeyPair", lambda n=name: self.client.import_key_pair(
+                        KeyName=n, PublicKeyMaterial=public_key.encode()))
+                    break
+                except InvalidRequest as dup:
+                    if dup.code != "InvalidKeyPair.Duplicate":
+                        raise
+                    held = self._key_pair_public_key(name)  # imported meanwhile by someone: whose key is it?
+            if held is not None and public_key_body(held) == ours:
+                break
+        else:
+            raise InvalidRequest(f"EC2 key pairs {wanted!r} and its variant hold other keys", provider=self.name)
+        self._key_pair_names[public_key] = name
+        return name
+
+    def _key_pair_public_key(self, name: str) -> str | None:
+        """The public key a key pair holds ("" when EC2 does not say), or None when there is no such key pair."""
         try:
-            self._call("DescribeKeyPairs", lambda: self.client.describe_key_pairs(KeyNames=[key_name]))
+            found = self._call("DescribeKeyPairs", lambda: self.client.describe_key_pairs(
+                KeyNames=[name], IncludePublicKey=True))["KeyPairs"]
         except InvalidRequest as exc:
             if exc.code != "InvalidKeyPair.NotFound":
                 raise
-            try:
-                self._call("ImportKeyPair", lambda: self.client.import_key_pair(
-                    KeyName=key_name, PublicKeyMaterial=public_key.encode()))
-            except InvalidRequest as dup:
-                # Another launch imported it between our look-up and import: that is the outcome we wanted.
-                if dup.code != "InvalidKeyPair.Duplicate":
-                    raise
-        self._key_pairs_present.add(key_name)
+            return None
+        return str(found[0].get("PublicKey", "")) if found else None
 
     def _run_params(self, request: LaunchRequest, itype: str, zone: str, key_name: str,
                     token: str) -> dict[str, Any]:

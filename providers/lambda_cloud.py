@@ -16,7 +16,6 @@ Lambda's v1 REST API.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import threading
@@ -43,6 +42,8 @@ from providers.base import (
     Throttled,
     Transient,
     call,
+    key_name_variant,
+    public_key_body,
 )
 
 # Lambda's published limits.
@@ -281,15 +282,13 @@ class LambdaCloud:
             return wanted  # a key registered by hand (real Lambda): trust the configured name
         if public_key in self._key_names:
             return self._key_names[public_key]
-        digest = hashlib.sha256(_key_body(public_key).encode()).hexdigest()[:10]
-
         def ensure() -> str:
             registered = {k["name"]: k.get("public_key", "") for k in self._request("GET", "/ssh-keys")}
-            for name in (wanted, f"{wanted}-{digest}"[:64]):
+            for name in (wanted, key_name_variant(wanted, public_key)):
                 if name not in registered:
                     self._request("POST", "/ssh-keys", {"name": name, "public_key": public_key})
                     return name
-                if _key_body(registered[name]) == _key_body(public_key):
+                if public_key_body(registered[name]) == public_key_body(public_key):
                     return name
             raise InvalidRequest(f"SSH key names {wanted!r} and its variant hold other keys", provider=self.name)
 
@@ -451,11 +450,6 @@ def _live_of_attempt(listed: Sequence[Mapping[str, Any]], attempt_id: str) -> Ma
 def _gone(instance_id: str) -> InstanceInfo:
     return InstanceInfo(id=instance_id, state=InstanceState.TERMINATED, instance_type="", market=Market.ON_DEMAND,
                         reason="not-found")
-
-
-def _key_body(public_key: str) -> str:
-    """'ssh-ed25519 AAAA... comment' -> 'ssh-ed25519 AAAA...': comments do not make a different key."""
-    return " ".join(public_key.split()[:2])
 
 
 def _json_or_none(resp: httpx.Response) -> Any:

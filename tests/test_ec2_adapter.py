@@ -38,6 +38,8 @@ from providers.base import (
     RetryPolicy,
     Throttled,
     Transient,
+    key_name_variant,
+    public_key_body,
 )
 from providers.ec2 import Ec2Adapter, client_token
 
@@ -585,15 +587,29 @@ def test_a_missing_aws_profile_is_an_auth_failure(aws_env: None) -> None:
     assert raised.value.code == "ProfileNotFound"
 
 
-def test_an_existing_key_pair_is_used_as_is_and_looked_up_once(mocked: None, ssh_public_key: str) -> None:
+def test_a_key_pair_already_holding_our_key_is_used_and_looked_up_once(mocked: None, ssh_public_key: str) -> None:
     adapter, sink, _ = make_adapter()
-    fingerprint = adapter.client.create_key_pair(KeyName="burstctl")["KeyFingerprint"]
+    adapter.client.import_key_pair(KeyName="burstctl", PublicKeyMaterial=f"{ssh_public_key} another-comment".encode())
 
     first = adapter.launch(request_for("att-k1", ssh_public_key))
     second = adapter.launch(request_for("att-k2", ssh_public_key))
 
     assert instances_of_attempt(adapter, "att-k1")[0]["KeyName"] == "burstctl"
     assert first.id != second.id
-    assert adapter.client.describe_key_pairs(KeyNames=["burstctl"])["KeyPairs"][0]["KeyFingerprint"] == fingerprint
     key_calls = [e["call"] for e in sink.of("provider.call") if "KeyPair" in e["call"]]
     assert key_calls == ["DescribeKeyPairs"]
+
+
+def test_a_key_pair_of_our_name_holding_another_key_is_left_alone_and_ours_goes_beside_it(
+        mocked: None, ssh_public_key: str) -> None:
+    """Launching with someone else's key would give an instance nobody here can log into."""
+    adapter, _, _ = make_adapter()
+    fingerprint = adapter.client.create_key_pair(KeyName="burstctl")["KeyFingerprint"]
+
+    adapter.launch(request_for("att-k3", ssh_public_key))
+
+    used = instances_of_attempt(adapter, "att-k3")[0]["KeyName"]
+    assert used.startswith("burstctl-") and used == key_name_variant("burstctl", ssh_public_key)
+    held = adapter.client.describe_key_pairs(KeyNames=[used], IncludePublicKey=True)["KeyPairs"][0]["PublicKey"]
+    assert public_key_body(held) == public_key_body(ssh_public_key)
+    assert adapter.client.describe_key_pairs(KeyNames=["burstctl"])["KeyPairs"][0]["KeyFingerprint"] == fingerprint
