@@ -169,6 +169,10 @@ class Ec2Provider(Strict):
         default_factory=lambda: {"p3.2xlarge": 3.06}, description="On-demand $/h per instance type."
     )
     ssh_user: str = Field("ubuntu", description="Login user on the image.")
+    ssh_address: Literal["public", "private"] = Field(
+        "public", description="Which instance address to SSH to: `public`, or `private` from inside the VPC (a VPN, "
+        "a bastion, or the simulated EC2, whose instances have 127.x private addresses).")
+    ssh_port: Annotated[int, Field(ge=1, le=65535)] = Field(22, description="SSH port on the instances.")
     checkpoint_bucket: str | None = Field(None, description="S3 bucket for checkpoints (alternative store).")
 
 

@@ -13,10 +13,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
+from providers.simcloud.ec2_sim import SimEc2
 from state.store import Store
 
 SIM_KEY = "sim-e2e-secret-key-5f2c"
@@ -64,7 +65,7 @@ def _answers(url: str) -> bool:
 
 
 def trainer_job(tmp: Path, name: str, *, steps: int, every: int, step_s: float = 0.1, local_throughput: float = 0,
-                rented_h100: float = 0.5, deadline_hours: float = 10, work_units: float = 1,
+                rented: float = 0.5, gpu: str = "H100", deadline_hours: float = 10, work_units: float = 1,
                 interval_minutes: float = 0.02, shard_mib: int = 0) -> Path:
     """A job spec running the example checkpointing trainer (copied into <tmp>/work), the e2e tests' workload."""
     work = tmp / "work"
@@ -76,19 +77,28 @@ def trainer_job(tmp: Path, name: str, *, steps: int, every: int, step_s: float =
         f'command = ["python3", "trainer.py", "--steps", "{steps}", "--checkpoint-every", "{every}", '
         f'"--step-seconds", "{step_s}", "--shard-mib", "{shard_mib}"]',
         'workdir = "work"', f"deadline_hours = {deadline_hours}", f"work_units = {work_units}",
-        f"local_throughput = {local_throughput}", f"rented_throughput = {{ H100 = {rented_h100} }}",
+        f"local_throughput = {local_throughput}", f"rented_throughput = {{ {gpu} = {rented} }}",
         "[checkpoint]", f"interval_minutes = {interval_minutes}",
     ]) + "\n")
     return path
 
 
-def write_config(tmp: Path, sim_url: str, **sections: dict[str, Any]) -> Path:
+def toml_value(v: Any) -> str:
+    """A TOML literal: JSON's scalars and arrays are TOML too; tables become inline tables."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
+    return json.dumps(v)
+
+
+def write_config(tmp: Path, sim_url: str | None, **sections: dict[str, Any]) -> Path:
+    """burstctl.toml for a test: simcloud at `sim_url` (None: simcloud off), a fast daemon, and `sections`."""
     daemon = {"tick_s": 0.5, "heartbeat_timeout_s": 20.0, "sweep_s": 5.0, "launch_backoff_s": 1.0,
               **sections.pop("daemon", {})}
-    lines = ["[providers.sim]", f'base_url = "{sim_url}/api/v1"', "", "[daemon]"]
-    lines += [f"{k} = {json.dumps(v)}" for k, v in daemon.items()]
+    sim = [f'base_url = "{sim_url}/api/v1"'] if sim_url else ["enabled = false"]
+    lines = ["[providers.sim]", *sim, "", "[daemon]"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in daemon.items()]
     for name, values in sections.items():
-        lines += ["", f"[{name}]"] + [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        lines += ["", f"[{name}]"] + [f"{k} = {toml_value(v)}" for k, v in values.items()]
     path = tmp / "burstctl.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -191,10 +201,10 @@ class EnvDaemon(Daemon):
         return self.proc.wait(timeout)
 
 
-def instances_per_attempt(url: str) -> dict[str, list[str]]:
-    """simcloud's instances (all ever launched) grouped by the attempt tag burstctl gave them."""
+def instances_per_attempt(instances: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """A cloud's instances (all ever launched) grouped by the attempt tag burstctl gave them."""
     out: dict[str, list[str]] = {}
-    for inst in sim_instances(url):
+    for inst in instances:
         tags = {t["key"]: t["value"] for t in inst["tags"]}
         out.setdefault(tags.get("burstctl:attempt", inst["name"]), []).append(inst["id"])
     return out
@@ -213,3 +223,93 @@ def sim_admin(url: str, route: str, body: dict[str, Any]) -> Any:
     r = httpx.post(f"{url}/_sim/{route}", json=body, timeout=10)
     r.raise_for_status()
     return r.json()["data"]
+
+
+# --- either cloud: simcloud (Lambda-style REST) or the simulated EC2 (moto's server) -------------------------
+GONE = ("terminated", "preempted")
+AWS_TEST_SECRET = "E2ePlantedAwsSecret/abc+0123456789XYZ"
+P3_OD, P3_SPOT = 3.06, 0.9731  # the paper's p3.2xlarge prices (setting (a) of `burstctl simulate`)
+
+
+class CloudView(Protocol):
+    """What a test sees of the cloud burstctl drives, whichever it is."""
+
+    gpu: str  # the GPU its offers carry, for the job's rented_throughput
+    admin_url: str  # root of the /_sim admin routes (notice, preempt)
+
+    def config(self, tmp: Path, **sections: dict[str, Any]) -> Path: ...
+
+    def instances(self) -> list[dict[str, Any]]: ...
+
+    def billing(self) -> list[dict[str, Any]]: ...
+
+
+class SimcloudView:
+    gpu = "H100"
+
+    def __init__(self, url: str) -> None:
+        self.admin_url = url
+
+    def config(self, tmp: Path, **sections: dict[str, Any]) -> Path:
+        return write_config(tmp, self.admin_url, **sections)
+
+    def instances(self) -> list[dict[str, Any]]:
+        return sim_instances(self.admin_url)
+
+    def billing(self) -> list[dict[str, Any]]:
+        return sim_billing(self.admin_url)
+
+
+class Ec2View:
+    gpu = "V100"
+
+    def __init__(self, sim: SimEc2) -> None:
+        self.sim = sim
+        self.admin_url = sim.admin_url
+
+    def config(self, tmp: Path, **sections: dict[str, Any]) -> Path:
+        return write_config(
+            tmp, None, **{"providers.ec2": {**self.sim.provider_config(), "instance_types": ["p3.2xlarge"],
+                                            "on_demand_usd_h": {"p3.2xlarge": P3_OD}},
+                          "prices.V100": {"on_demand_usd_h": P3_OD, "spot_usd_h": P3_SPOT, "vram_gib": 16},
+                          "budget": {"cycle_gpu": "V100"}, **sections})
+
+    def instances(self) -> list[dict[str, Any]]:
+        return self.sim.instances()
+
+    def billing(self) -> list[dict[str, Any]]:
+        return self.sim.billing()
+
+
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "AKIAE2ETESTKEY000000", "AWS_SECRET_ACCESS_KEY": AWS_TEST_SECRET,
+           "AWS_EC2_METADATA_DISABLED": "true"}
+AWS_ENV_UNSET = ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_EC2")
+
+
+@contextmanager
+def sim_ec2(tmp: Path) -> Iterator[Ec2View]:
+    """The simulated EC2 in this process, with this process's environment (inherited by the daemon and CLI
+    processes) pointing the standard AWS chain at test credentials and nothing real."""
+    saved = dict(os.environ)
+    os.environ.update({**AWS_ENV, "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-credentials"),
+                       "AWS_CONFIG_FILE": str(tmp / "no-config")})
+    for name in AWS_ENV_UNSET:
+        os.environ.pop(name, None)
+    sim = SimEc2(tmp / "ec2", spot_prices={"p3.2xlarge": P3_SPOT}, on_demand_prices={"p3.2xlarge": P3_OD}).start()
+    try:
+        yield Ec2View(sim)
+    finally:
+        sim.close()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextmanager
+def cloud(kind: str, tmp: Path) -> Iterator[CloudView]:
+    """`simcloud` (its own process) or `ec2` (moto's server in this process), as a CloudView."""
+    if kind == "ec2":
+        with sim_ec2(tmp) as view:
+            yield view
+    else:
+        with simcloud(tmp) as url:
+            yield SimcloudView(url)

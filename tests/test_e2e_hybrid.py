@@ -18,7 +18,7 @@ def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Pat
     state = tmp_path / "state"
     # W = 0.1, s_L = 2, s_R = 10, D = 0.03 h, t_ovh = 0.005 h, no margin: local misses (T_L = 0.05 h), renting
     # meets it (T_R = 0.015 h), and the latest safe switch is x* = (0.03 − 0.005 − 0.01) / (1 − 0.2) = 67.5 s.
-    spec = trainer_job(tmp_path, "hybrid", steps=1000, every=20, work_units=0.1, local_throughput=2, rented_h100=10,
+    spec = trainer_job(tmp_path, "hybrid", steps=1000, every=20, work_units=0.1, local_throughput=2, rented=10,
                        deadline_hours=0.03)
     with simcloud(tmp_path) as url:
         config = write_config(tmp_path, url, policy={"overhead_h": 0.005, "hybrid_margin_h": 0.0})

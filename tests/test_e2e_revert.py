@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 def priced_job(tmp: Path, name: str, steps: int = 400) -> Path:
     """Fits locally but misses its deadline there; the price of the deadline is within the auto-approve ceiling."""
-    return trainer_job(tmp, name, steps=steps, every=10, local_throughput=0.1, rented_h100=10, deadline_hours=2)
+    return trainer_job(tmp, name, steps=steps, every=10, local_throughput=0.1, rented=10, deadline_hours=2)
 
 
 def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(tmp_path: Path) -> None:

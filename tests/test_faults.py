@@ -53,7 +53,7 @@ def enqueue(config: Path, state: Path, path: Path) -> str:
 
 
 def assert_one_instance_per_attempt_and_all_gone(url: str) -> None:
-    for attempt, ids in instances_per_attempt(url).items():
+    for attempt, ids in instances_per_attempt(sim_instances(url)).items():
         assert len(ids) == 1, f"attempt {attempt} launched {len(ids)} instances"
     assert all(i["status"] in ("terminated", "preempted") for i in sim_instances(url))
 

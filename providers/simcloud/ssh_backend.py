@@ -36,6 +36,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -110,7 +111,11 @@ class SshBackend:
         self._closed = False
 
     # --- the InstanceBackend protocol ------------------------------------------------------------------
-    def start(self, instance_id: str, ssh_public_key: str) -> Endpoint:
+    def start(self, instance_id: str, ssh_public_key: str, *, host: str = "127.0.0.1", port: int | None = None,
+              env: Mapping[str, str] | None = None) -> Endpoint:
+        """Bring the machine up. `host` is a loopback address (the simulated EC2 gives each instance its own
+        127.x private IP) and `port` a fixed port (else a free one); `env` is added to every session's environment
+        (e.g. the instance's metadata-service endpoint)."""
         if not _INSTANCE_ID.match(instance_id):
             raise ValueError(f"instance id {instance_id!r} is not a safe name (letters, digits, . _ -)")
         keys = parse_public_keys(ssh_public_key)
@@ -129,18 +134,19 @@ class SshBackend:
             host_key_path = machine_dir / "ssh_host_ed25519_key"
             host_key = write_ed25519_host_key(host_key_path)
             marker = f"{self.token}/{instance_id}"
+            extra_env = dict(env or {})
             try:
                 if self.mode == "openssh":
                     (machine_dir / "authorized_keys").write_text("".join(k.line + "\n" for k in keys))
-                    proc, port = self._start_sshd(machine_dir, sandbox, marker)
+                    proc, bound = self._start_sshd(machine_dir, sandbox, marker, host, port, extra_env)
                     machine = _Machine(instance_id, marker, root, sandbox,
-                                       Endpoint("127.0.0.1", port, host_key, self.user, str(sandbox)), sshd=proc)
+                                       Endpoint(host, bound, host_key, self.user, str(sandbox)), sshd=proc)
                 else:
                     server = ParamikoMachine(sandbox=sandbox, host_key_path=host_key_path, authorized=keys,
-                                             user=self.user, env=self._session_env(sandbox, marker),
-                                             shell=self.shell)
+                                             user=self.user, env={**self._session_env(sandbox, marker), **extra_env},
+                                             shell=self.shell, host=host, port=port or 0)
                     machine = _Machine(instance_id, marker, root, sandbox,
-                                       Endpoint("127.0.0.1", server.port, host_key, self.user, str(sandbox)),
+                                       Endpoint(host, server.port, host_key, self.user, str(sandbox)),
                                        paramiko=server)
             except BaseException:
                 kill_instance(marker, sandbox)
@@ -210,7 +216,8 @@ class SshBackend:
                 shutil.rmtree(machine.root, ignore_errors=True)
             machine.stopped = True
 
-    def _write_sshd_config(self, machine_dir: Path, sandbox: Path, marker: str, port: int) -> Path:
+    def _write_sshd_config(self, machine_dir: Path, sandbox: Path, marker: str, host: str, port: int,
+                           env: Mapping[str, str]) -> Path:
         sftp_server = find_sftp_server()
         entry = machine_dir / "session.sh"
         # The client's command arrives in SSH_ORIGINAL_COMMAND; the subsystem's too (see module docstring).
@@ -225,7 +232,7 @@ class SshBackend:
         path_env = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
         config = machine_dir / "sshd_config"
         config.write_text("\n".join([
-            "ListenAddress 127.0.0.1",
+            f"ListenAddress {host}",
             f"Port {port}",
             f'HostKey "{machine_dir / "ssh_host_ed25519_key"}"',
             f'AuthorizedKeysFile "{machine_dir / "authorized_keys"}"',
@@ -243,7 +250,8 @@ class SshBackend:
             "PrintLastLog no",
             "X11Forwarding no",
             "LogLevel INFO",
-            f'SetEnv "{MARKER_VAR}={marker}" "HOME={sandbox}" "PATH={path_env}"',
+            "SetEnv " + " ".join(f'"{k}={v}"' for k, v in
+                                 {MARKER_VAR: marker, "HOME": str(sandbox), "PATH": path_env, **env}.items()),
             f'ForceCommand "{entry}"',
             f'Subsystem sftp "{sftp_server}" -d "{sandbox}"',
             "",
@@ -264,14 +272,15 @@ class SshBackend:
         lines = res.stderr.strip().splitlines()
         raise MachineStartError(f"sshd rejected its config: {lines[-1] if lines else 'exit ' + str(res.returncode)}")
 
-    def _start_sshd(self, machine_dir: Path, sandbox: Path, marker: str) -> tuple[subprocess.Popen[bytes], int]:
+    def _start_sshd(self, machine_dir: Path, sandbox: Path, marker: str, host: str, fixed_port: int | None,
+                    env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], int]:
         sshd = find_sshd()
         assert sshd is not None
         log_path = machine_dir / "sshd.log"
         last_error = "no attempt"
-        for _ in range(3):  # a free port can be taken between our probe and sshd's bind: retry on a new one
-            port = _free_port()
-            config = self._write_sshd_config(machine_dir, sandbox, marker, port)
+        for _ in range(1 if fixed_port else 3):  # a probed free port can be taken before sshd binds: try another
+            port = fixed_port or _free_port(host)
+            config = self._write_sshd_config(machine_dir, sandbox, marker, host, port, env)
             if not self._sshd_checked:
                 self._check_sshd_config(sshd, config)
             with open(log_path, "ab") as log:
@@ -279,7 +288,7 @@ class SshBackend:
                     [sshd, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                     env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), MARKER_VAR: marker},
                     start_new_session=True)
-            if _wait_for_sshd(proc, port, log_path, self.start_timeout_s):
+            if _wait_for_sshd(proc, host, port, log_path, self.start_timeout_s):
                 return proc, port
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -289,22 +298,22 @@ class SshBackend:
         raise MachineStartError(f"sshd did not start: {last_error}")
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def _wait_for_sshd(proc: subprocess.Popen[bytes], port: int, log_path: Path, timeout_s: float) -> bool:
+def _wait_for_sshd(proc: subprocess.Popen[bytes], host: str, port: int, log_path: Path, timeout_s: float) -> bool:
     """True once *this* sshd logged that it listens and the port answers with an SSH banner."""
     deadline = time.monotonic() + timeout_s
-    listening = f"Server listening on 127.0.0.1 port {port}"
+    listening = f"Server listening on {host} port {port}"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         if listening in log_path.read_text(errors="replace"):
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=2.0) as s:
+                with socket.create_connection((host, port), timeout=2.0) as s:
                     if s.recv(4).startswith(b"SSH-"):
                         return True
             except OSError:

@@ -202,7 +202,7 @@ class ParamikoMachine:
     """One instance's SSH endpoint: a listening socket, its connections and the processes they started."""
 
     def __init__(self, *, sandbox: Path, host_key_path: Path, authorized: list[PublicKey], user: str,
-                 env: Mapping[str, str], shell: str) -> None:
+                 env: Mapping[str, str], shell: str, host: str = "127.0.0.1", port: int = 0) -> None:
         self.sandbox = sandbox
         self.user = user
         self.authorized = authorized
@@ -215,7 +215,7 @@ class ParamikoMachine:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
+        self._listener.bind((host, port))
         self._listener.listen(32)
         self._listener.settimeout(0.2)  # so the accept loop notices stop()
         self.port: int = self._listener.getsockname()[1]
