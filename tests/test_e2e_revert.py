@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import (
+    GONE,
     SIM_KEY,
     Daemon,
     cli,
+    cloud,
     events,
     free_port,
     job,
-    sim_instances,
     simcloud,
     trainer_job,
     wait_for,
@@ -28,16 +29,17 @@ from tests.e2e import (
 pytestmark = pytest.mark.slow
 
 
-def priced_job(tmp: Path, name: str, steps: int = 400) -> Path:
+def priced_job(tmp: Path, name: str, steps: int = 400, gpu: str = "H100") -> Path:
     """Fits locally but misses its deadline there; the price of the deadline is within the auto-approve ceiling."""
-    return trainer_job(tmp, name, steps=steps, every=10, local_throughput=0.1, rented=10, deadline_hours=2)
+    return trainer_job(tmp, name, steps=steps, every=10, local_throughput=0.1, rented=10, deadline_hours=2, gpu=gpu)
 
 
-def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["simcloud", "ec2"])
+def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(tmp_path: Path, kind: str) -> None:
     state = tmp_path / "state"
-    with simcloud(tmp_path) as url:
-        config = write_config(tmp_path, url, policy={"hybrid_margin_h": 5.0})
-        r = cli(config, state, "enqueue", str(priced_job(tmp_path, "deadline-job")), "--json")
+    with cloud(kind, tmp_path) as c:
+        config = c.config(tmp_path, policy={"hybrid_margin_h": 5.0})
+        r = cli(config, state, "enqueue", str(priced_job(tmp_path, "deadline-job", gpu=c.gpu)), "--json")
         job_id = json.loads(r.stdout)["id"]
         assert json.loads(r.stdout)["decision"]["verdict"] == "priced"
         daemon = Daemon(tmp_path, config, state).start()
@@ -49,7 +51,7 @@ def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(tmp_pa
             assert report["all_gone"] and report["mode"] == "local-only"
             (row,) = report["instances"]
             assert row["terminated"] == "yes" and row["checkpoint_synced"].startswith("step-")
-            assert all(i["status"] in ("terminated", "preempted") for i in sim_instances(url))
+            assert all(i["status"] in GONE for i in c.instances())
 
             status = json.loads(cli(config, state, "status", "--json").stdout)
             assert status["mode"] == "local-only"
