@@ -63,6 +63,20 @@ class EventLog:
             else None
         )
 
+    def provider_sink(self, type_: str, **data: Any) -> int | None:
+        """Where provider adapters report. A call that succeeded on its first try is routine (the daemon makes one
+        every tick per running instance: ~17,000 a day): it goes to the console log only. Retries, failures and
+        everything else are kept in the trail."""
+        if type_ == "provider.call" and data.get("outcome") == "ok" and data.get("tries") == 1:
+            self.console(type_, **data)
+            return None
+        return self.emit(type_, **data)
+
+    def console(self, type_: str, **data: Any) -> None:
+        """To the console log only (not the events table, not events.jsonl)."""
+        if self._console is not None:
+            self._console.msg(type_, **self.redact(data))
+
     def emit(self, type_: str, *, job_id: str | None = None, attempt_id: str | None = None,
              conn: Any = None, **data: Any) -> int:
         data = self.redact(data)

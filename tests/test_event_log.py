@@ -1,0 +1,65 @@
+"""The written trail: what is kept (the events table and events.jsonl) and what only reaches the console log."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.events import EventLog, Redactor
+from providers.base import RetryPolicy, Throttled, call
+from state.store import Store
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Iterator[tuple[EventLog, io.StringIO, Store]]:
+    store = Store(f"sqlite:///{tmp_path / 'burstctl.db'}")
+    console = io.StringIO()
+    yield EventLog(store, tmp_path, Redactor([]), console=console), console, store
+    store.close()
+
+
+def kept(tmp_path: Path, store: Store) -> tuple[list[str], list[str]]:
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    return [e["type"] for e in store.events()], [json.loads(line)["event"] for line in lines]
+
+
+def test_a_provider_call_that_succeeds_first_time_reaches_the_console_but_not_the_trail(
+        tmp_path: Path, log: tuple[EventLog, io.StringIO, Store]) -> None:
+    events, console, store = log
+    for _ in range(100):  # a day of ticks, in miniature
+        call("ec2", "DescribeInstances", lambda: {}, sink=events.provider_sink)
+    assert kept(tmp_path, store) == ([], [])
+    assert console.getvalue().count("DescribeInstances") == 100
+
+
+def test_retries_and_failures_of_provider_calls_are_kept(tmp_path: Path,
+                                                         log: tuple[EventLog, io.StringIO, Store]) -> None:
+    events, _, store = log
+    tries = iter([Throttled("slow down", code="Throttling"), None])
+
+    def flaky() -> str:
+        exc = next(tries)
+        if exc:
+            raise exc
+        return "ok"
+
+    call("ec2", "DescribeInstances", flaky, sink=events.provider_sink, retry=RetryPolicy(initial_s=0, max_wait_s=0),
+         sleep=lambda _: None)
+    with pytest.raises(Throttled):
+        call("ec2", "RunInstances", lambda: (_ for _ in ()).throw(Throttled("no", code="Throttling")),
+             sink=events.provider_sink, retry=RetryPolicy(attempts=1), sleep=lambda _: None)
+    in_db, in_file = kept(tmp_path, store)
+    assert in_db == in_file == ["provider.retry", "provider.call", "provider.call"]
+    outcomes = [(e["data"]["call"], e["data"]["outcome"], e["data"]["tries"]) for e in store.events()
+                if e["type"] == "provider.call"]
+    assert outcomes == [("DescribeInstances", "ok", 2), ("RunInstances", "Throttled", 1)]
+
+
+def test_other_provider_events_are_kept(tmp_path: Path, log: tuple[EventLog, io.StringIO, Store]) -> None:
+    events, _, store = log
+    events.provider_sink("provider.launched", provider="ec2", instance="i-1")
+    assert kept(tmp_path, store) == (["provider.launched"], ["provider.launched"])
