@@ -27,6 +27,8 @@ from orchestrator.core.spot_policy import (
     IDLE_CODE,
     OD_CODE,
     POLICIES,
+    REGIME_EDGES,
+    REGIME_WINDOW_H,
     SPOT_CODE,
     AvailabilityStats,
     Market,
@@ -36,6 +38,7 @@ from orchestrator.core.spot_policy import (
     SpotModel,
     SpotState,
     age_bucket,
+    regime_of,
     safety_net_engaged,
     safety_net_engaged_batch,
 )
@@ -141,6 +144,7 @@ class TraceHistory:
     mean_outage_h: np.ndarray
     mean_uptime_h: np.ndarray
     run_age_h: np.ndarray  # how long spot has been in its tick-i state, counting tick i
+    recent_up_fraction: np.ndarray  # share of the REGIME_WINDOW_H ending with tick i that spot was up
 
     @classmethod
     def of(cls, available: np.ndarray, gap_seconds: float) -> TraceHistory:
@@ -168,8 +172,12 @@ class TraceHistory:
             with np.errstate(invalid="ignore", divide="ignore"):
                 return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
+        window = max(round(REGIME_WINDOW_H / gap_h), 1)
+        ups = np.cumsum(a)
+        recent = (ups - np.concatenate((np.zeros(min(window, n)), ups[:-window]))) / np.minimum(ticks, window)
         return cls(gap_h=gap_h, up_fraction=up_fraction, mean_outage_h=running_mean(~is_up),
-                   mean_uptime_h=running_mean(is_up), run_age_h=run_age_h)
+                   mean_uptime_h=running_mean(is_up), run_age_h=run_age_h,
+                   recent_up_fraction=recent)
 
     def stats_at(self, i: int) -> AvailabilityStats:
         return AvailabilityStats(
@@ -183,28 +191,51 @@ class TraceHistory:
 # --- a zone's availability model, learned from what has been observed ----------------------------------------------
 
 
-def hazard_counts(available: np.ndarray, run_age_h: np.ndarray, before: int, since: int = 0
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Per (spot up/down, age bucket): ticks observed, and how many of them ended that state, in [since, before).
+@dataclass(frozen=True)
+class ZoneCounts:
+    """What a stretch of a zone's history shows, per (regime, spot up/down, age bucket): ticks observed (`seen`)
+    and how many of them ended that spot state (`ended`); and `moves[r, r2]`, ticks in regime r followed by r2."""
+
+    seen: np.ndarray
+    ended: np.ndarray
+    moves: np.ndarray
+
+    def __add__(self, other: ZoneCounts) -> ZoneCounts:
+        return ZoneCounts(self.seen + other.seen, self.ended + other.ended, self.moves + other.moves)
+
+
+def hazard_counts(available: np.ndarray, history: TraceHistory, before: int, since: int = 0) -> ZoneCounts:
+    """The counts of ticks in [since, before) of one trace.
 
     A tick counts once the tick after it has been seen too, so only history strictly before `before` is used.
     """
-    n_buckets = len(AGE_EDGES_H) + 1
+    n_buckets, n_regimes = len(AGE_EDGES_H) + 1, len(REGIME_EDGES) + 1
     last = max(min(before, available.shape[0]) - 1, 0)
     first = min(max(since, 0), last)
     a = available[first:last].astype(np.int64)
     left = available[first + 1:last + 1] != available[first:last]
-    cell = a * n_buckets + age_bucket(run_age_h[first:last])
-    seen = np.bincount(cell, minlength=2 * n_buckets).reshape(2, n_buckets).astype(float)
-    ended = np.bincount(cell, weights=left, minlength=2 * n_buckets).reshape(2, n_buckets)
-    return seen, ended
+    regime = regime_of(history.recent_up_fraction[first:last + 1])
+    cell = (regime[:-1] * 2 + a) * n_buckets + age_bucket(history.run_age_h[first:last])
+    shape = (n_regimes, 2, n_buckets)
+    seen = np.bincount(cell, minlength=math.prod(shape)).reshape(shape).astype(float)
+    ended = np.bincount(cell, weights=left, minlength=math.prod(shape)).reshape(shape)
+    moves = np.bincount(regime[:-1] * n_regimes + regime[1:], minlength=n_regimes ** 2
+                        ).reshape(n_regimes, n_regimes).astype(float)
+    return ZoneCounts(seen, ended, moves)
 
 
-def blend_model(tick_h: float, seen: np.ndarray, ended: np.ndarray, prior: np.ndarray, prior_ticks: float
-                ) -> SpotModel:
-    """Hazards from the zone's own counts, each shrunk towards `prior` with the weight of `prior_ticks` ticks."""
-    leave = (ended + prior_ticks * prior) / (seen + prior_ticks)
-    return SpotModel(tick_h=tick_h, leave=(tuple(leave[0].tolist()), tuple(leave[1].tolist())))
+def blend_model(tick_h: float, counts: ZoneCounts, prior: ZoneCounts, prior_ticks: float) -> SpotModel:
+    """Chances from the zone's own counts, each shrunk towards `prior`'s with the weight of `prior_ticks` ticks.
+
+    `prior` holds chances, not counts: hazards in `ended` (with `seen` unused) and regime moves in `moves`."""
+    leave = (counts.ended + prior_ticks * prior.ended) / (counts.seen + prior_ticks)
+    switch = (counts.moves + prior_ticks * prior.moves) / (counts.moves.sum(axis=1, keepdims=True) + prior_ticks)
+    return SpotModel(tick_h=tick_h, leave=_nested(leave), regime_switch=_nested(switch))
+
+
+def _nested(a: np.ndarray) -> tuple:
+    """An array as nested tuples (hashable, for the plan cache)."""
+    return tuple(_nested(x) for x in a) if a.ndim > 1 else tuple(a.tolist())
 
 
 # --- the replay ---------------------------------------------------------------------------------------------------
@@ -269,6 +300,7 @@ def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: T
                 od_price=job.od_price,
                 spot_price=job.spot_price,
                 spot_state_for_h=float(history.run_age_h[t]) if history is not None else 0.0,
+                recent_up_fraction=float(history.recent_up_fraction[t]) if history is not None else 1.0,
                 stats=stats if stats is not None else history.stats_at(t) if history is not None else None,
             )
             action = policy.decide(state)
@@ -327,12 +359,12 @@ class BatchOutcome:
 
 
 def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSetting,
-                 run_age_h: np.ndarray | None = None, stats: AvailabilityStats | None = None,
+                 history: TraceHistory | None = None, stats: AvailabilityStats | None = None,
                  refits: Sequence[tuple[int, AvailabilityStats]] = ()) -> BatchOutcome:
     """`replay` for many starts at once: all runs advance tick by tick together, the policy decides on arrays.
 
-    Same semantics and arithmetic as `replay`, run for run. `run_age_h` (from `TraceHistory`) gives the policy
-    how long spot has been in its state; `stats` is what the policy knows of the zone, shared by these runs.
+    Same semantics and arithmetic as `replay`, run for run. `history` gives the policy how long spot has been
+    in its state and how often it changed lately; `stats` is what the policy knows of the zone, shared by these runs.
     `refits` — (tick, stats) sorted by tick — replaces `stats`: at trace tick t a run is decided with the stats
     of the last refit at or before t (learned from ticks before it), so a run's knowledge grows as it runs.
     """
@@ -376,7 +408,8 @@ def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarra
             tick_h=gap_h, od_price=job.od_price, spot_price=job.spot_price,
             elapsed_h=np.full(runs, elapsed / 3600.0), progress_h=done / 3600.0, market=market.copy(),
             spot_available=up, changeover_left_h=changeover_left / 3600.0,
-            spot_state_for_h=run_age_h[t] if run_age_h is not None else np.zeros(runs), stats=stats)
+            spot_state_for_h=history.run_age_h[t] if history is not None else np.zeros(runs), stats=stats,
+            recent_up_fraction=history.recent_up_fraction[t] if history is not None else None)
         if refits:
             action = np.empty(runs, dtype=np.int8)
             which = np.searchsorted(refit_ticks, t, side="right") - 1
@@ -587,56 +620,75 @@ class SimulationReport:
 # daemon would), so it never uses data from after the tick being decided. Chosen on setting (a) with seed 5
 # (docs/simulate.md); refitting every 12 or 24 h gained nothing over 48 h and costs more plans.
 REFIT_H = 48.0
+FIRST_REFIT_H = 3.0
 PRIOR_TICKS = 20.0
 
 
-def pooled_prior(counts: Sequence[tuple[np.ndarray, np.ndarray]], tick_h: float) -> np.ndarray:
-    """Pooled per-(state, age bucket) hazards of these traces; memoryless defaults where none were observed."""
+def pooled_prior(counts: Sequence[ZoneCounts], tick_h: float) -> ZoneCounts:
+    """Pooled chances of these traces (see `blend_model`); memoryless defaults where none were observed."""
     fallback = POLICIES[DEFAULT_POLICY] if isinstance(POLICIES.get(DEFAULT_POLICY), SemiMarkovDP) else SemiMarkovDP()
-    geometric = np.asarray(fallback.model_for(None, tick_h).leave)
+    n_regimes = len(REGIME_EDGES) + 1
+    geometric = np.broadcast_to(fallback.model_for(None, tick_h).hazards(), (n_regimes, 2, len(AGE_EDGES_H) + 1))
+    stay = np.eye(n_regimes)
     if not counts:
-        return geometric
-    seen = sum(c[0] for c in counts)
-    ended = sum(c[1] for c in counts)
-    return np.where(seen > 0, ended / np.maximum(seen, 1), geometric)
+        return ZoneCounts(np.ones_like(geometric), geometric.copy(), stay)
+    total = sum(counts[1:], counts[0])
+    rows = total.moves.sum(axis=1, keepdims=True)
+    return ZoneCounts(np.ones_like(geometric), np.where(total.seen > 0, total.ended / np.maximum(total.seen, 1),
+                                                        geometric),
+                      np.where(rows > 0, total.moves / np.maximum(rows, 1), stay))
 
 
-def refit_stats(trace: Trace, history: TraceHistory, prior: np.ndarray, tick: int) -> AvailabilityStats:
-    """What an operator who had watched this zone until just before `tick` knows of it."""
+def refit_stats(trace: Trace, history: TraceHistory, others: Sequence[tuple[Trace, TraceHistory]], tick: int
+                ) -> AvailabilityStats:
+    """What an operator who had watched this zone and `others` (same clock) until just before `tick` knows."""
     gap_h = trace.gap_seconds / 3600.0
-    seen, ended = hazard_counts(trace.available, history.run_age_h, tick)
+    prior = pooled_prior([hazard_counts(o.available, oh, tick) for o, oh in others], gap_h)
+    counts = hazard_counts(trace.available, history, tick)
     observed = history.stats_at(tick - 1) if tick > 0 else None
     return AvailabilityStats(
         up_fraction=observed.up_fraction if observed else math.nan,
         mean_outage_h=observed.mean_outage_h if observed else math.nan,
         mean_uptime_h=observed.mean_uptime_h if observed else math.nan,
         observed_h=observed.observed_h if observed else 0.0,
-        model=blend_model(gap_h, seen, ended, prior, PRIOR_TICKS))
+        model=blend_model(gap_h, counts, prior, PRIOR_TICKS))
+
+
+def refit_ticks(n: int, tick_h: float) -> np.ndarray:
+    """Ticks (below n) at which a replay re-estimates the zone: at 0, then each time the history has doubled from
+    FIRST_REFIT_H, then every REFIT_H. Early estimates rest on little data, so they are renewed soonest."""
+    hours = [0.0]
+    h = FIRST_REFIT_H
+    while h < REFIT_H:
+        hours.append(h)
+        h *= 2
+    ticks = sorted({round(x / tick_h) for x in hours} | set(range(0, n, max(round(REFIT_H / tick_h), 1))))
+    return np.array([t for t in ticks if t < n], dtype=np.int64)
 
 
 def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSetting,
-                prior: np.ndarray | None = None) -> BatchOutcome:
+                others: Sequence[Trace] = ()) -> BatchOutcome:
     policy = POLICIES[policy_name]
     history = TraceHistory.of(trace.available, trace.gap_seconds)
     if not getattr(policy, "uses_history", False):
-        return replay_batch(policy, trace, starts, job, history.run_age_h)
+        return replay_batch(policy, trace, starts, job, history)
     gap_h = trace.gap_seconds / 3600.0
-    prior = pooled_prior([], gap_h) if prior is None else prior
-    refit = max(1, round(REFIT_H / gap_h))
+    seen_too = [(o, TraceHistory.of(o.available, o.gap_seconds)) for o in others]
     span = deadline_ticks(job, trace.gap_seconds)
-    checkpoints = (starts // refit) * refit
+    schedule = refit_ticks(int(starts.max()) + span + 1, gap_h)
+    group = np.searchsorted(schedule, starts, side="right") - 1
     known: dict[int, AvailabilityStats] = {}
     parts = []
     # Runs are replayed in groups by the refit before their start, so the few models a group passes through
     # are planned once each (all runs at once would cycle through every model of the trace, every tick).
-    for checkpoint in np.unique(checkpoints):
-        idx = np.flatnonzero(checkpoints == checkpoint)
-        ticks = range(int(checkpoint), int(starts[idx].max()) + span + 1, refit)
+    for g in np.unique(group):
+        idx = np.flatnonzero(group == g)
+        ticks = schedule[g:np.searchsorted(schedule, int(starts[idx].max()) + span, side="right")]
         for tick in ticks:
-            if tick not in known:
-                known[tick] = refit_stats(trace, history, prior, tick)
-        refits = [(tick, known[tick]) for tick in ticks]
-        parts.append((idx, replay_batch(policy, trace, starts[idx], job, history.run_age_h, refits=refits)))
+            if int(tick) not in known:
+                known[int(tick)] = refit_stats(trace, history, seen_too, int(tick))
+        refits = [(int(tick), known[int(tick)]) for tick in ticks]
+        parts.append((idx, replay_batch(policy, trace, starts[idx], job, history, refits=refits)))
     return BatchOutcome.concat(parts, starts.shape[0])
 
 
@@ -666,11 +718,9 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
     offline_total = bound_total = 0.0
     all_exact = True
     workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
-    # Leave-one-out priors: each trace's model starts from what the other traces (same tick) show.
-    counts = [hazard_counts(t.available, TraceHistory.of(t.available, t.gap_seconds).run_age_h, len(t))
-              for t in traces]
-    priors = [pooled_prior([c for j, c in enumerate(counts) if j != i and traces[j].gap_seconds == t.gap_seconds],
-                           t.gap_seconds / 3600.0) for i, t in enumerate(traces)]
+    # Each zone's model is shrunk towards what the other zones given (same tick, same clock) showed until then.
+    others = [[o for j, o in enumerate(traces) if j != i and o.gap_seconds == t.gap_seconds]
+              for i, t in enumerate(traces)]
 
     def collect_runs(name: str, runs: BatchOutcome) -> None:
         summaries[name].add_batch(runs)
@@ -686,17 +736,17 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
             on_step()
 
     if workers <= 1:
-        for trace, ts, prior in zip(traces, trace_starts, priors, strict=True):
+        for trace, ts, seen_too in zip(traces, trace_starts, others, strict=True):
             for name in policy_names:
-                collect_runs(name, _replay_all(name, trace, ts, job, prior))
+                collect_runs(name, _replay_all(name, trace, ts, job, seen_too))
             collect_offline(_offline_all(trace, ts, job))
     else:
         with ProcessPoolExecutor(max_workers=workers) as pool:
             futures = {}
-            for trace, ts, prior in zip(traces, trace_starts, priors, strict=True):
+            for trace, ts, seen_too in zip(traces, trace_starts, others, strict=True):
                 futures[pool.submit(_offline_all, trace, ts, job)] = None
                 for name in policy_names:
-                    futures[pool.submit(_replay_all, name, trace, ts, job, prior)] = name
+                    futures[pool.submit(_replay_all, name, trace, ts, job, seen_too)] = name
             for fut in as_completed(futures):
                 name = futures[fut]
                 if name is None:

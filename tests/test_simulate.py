@@ -11,13 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES
+from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES, SpotModel
 from orchestrator.simulate import (
     JobSetting,
     Trace,
     TraceHistory,
     load_traces,
     offline_optimum,
+    refit_stats,
+    refit_ticks,
     replay,
     replay_batch,
     sample_starts,
@@ -88,10 +90,32 @@ def test_history_statistics_only_look_backwards(tmp_path: Path) -> None:
     assert h.mean_outage_h[5] == pytest.approx(3.0)
     assert h.up_fraction[4] == pytest.approx(2 / 5)
     assert h.run_age_h[4] == pytest.approx(3.0)
+    assert h.recent_up_fraction[4] == pytest.approx(2 / 5)  # the 12 h regime window is not yet full
     # Changing the future must not change what tick 5 knows.
     b = a.copy()
     b[6:] = False
     assert TraceHistory.of(b, 3600).stats_at(5) == h.stats_at(5)
+
+
+def test_a_refit_learns_only_from_before_its_tick_in_this_zone_and_the_others() -> None:
+    rng = np.random.default_rng(4)
+    zone, other = (rng.random(400) < 0.6, rng.random(400) < 0.3)
+
+    def model_at(tick: int, a: np.ndarray, b: np.ndarray) -> SpotModel | None:
+        ta, tb = (Trace(name=n, path=Path(f"{n}.json"), gap_seconds=600, available=x)
+                  for n, x in (("zone", a), ("other", b)))
+        return refit_stats(ta, TraceHistory.of(a, 600), [(tb, TraceHistory.of(b, 600))], tick).model
+
+    # Rewriting the future of both zones from tick 200 on changes nothing the refit at 200 knows.
+    future_a, future_b = zone.copy(), other.copy()
+    future_a[200:], future_b[200:] = ~zone[200:], True
+    assert model_at(200, zone, other) == model_at(200, future_a, future_b)
+    assert model_at(300, zone, other) != model_at(300, future_a, future_b)
+
+
+def test_refits_come_sooner_while_history_is_short() -> None:
+    # 10-minute ticks: 3, 6, 12, 24 h of history, then every 48 h.
+    assert refit_ticks(900, 1 / 6).tolist() == [0, 18, 36, 72, 144, 288, 576, 864]
 
 
 def test_cli_json_reports_every_policy(tmp_path: Path) -> None:
@@ -162,7 +186,7 @@ def test_vectorised_replay_matches_the_scalar_replay_run_for_run() -> None:
     history = TraceHistory.of(trace.available, trace.gap_seconds)
     starts = sample_starts(trace, PAPER_JOB, 12, np.random.default_rng(2))
     for name in POLICIES:
-        batch = replay_batch(POLICIES[name], trace, starts, PAPER_JOB, history.run_age_h)
+        batch = replay_batch(POLICIES[name], trace, starts, PAPER_JOB, history)
         for i, start in enumerate(starts):
             single = replay(POLICIES[name], trace, int(start), PAPER_JOB, history)
             assert batch.outcome(i).missed == single.missed

@@ -10,9 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.core.spot_policy import (
+    AGE_EDGES_H,
     DEFAULT_POLICY,
     MARKETS,
     POLICIES,
+    REGIME_EDGES,
     AvailabilityStats,
     Market,
     SpotBatch,
@@ -138,3 +140,27 @@ def test_dp_policy_waits_out_a_brief_outage_but_keeps_on_demand_when_spot_is_not
     stats = AvailabilityStats(0.1, 50.0, 1.0, 100.0, model=dead)
     assert dp.decide(state(elapsed_h=3.0, progress_h=2.0, market=Market.ON_DEMAND, spot_available=False,
                            stats=stats, spot_state_for_h=3.0)) is Market.ON_DEMAND
+
+
+def test_dp_policy_reads_the_regime_from_the_recent_share_of_spot_up_time() -> None:
+    # The same up/down hazards at every age, but two regimes that persist: when spot has mostly been down lately
+    # (regime 0) it comes back only for a few ticks, less than a changeover is worth; when it has mostly been up
+    # (regime 1) it stays for hours. On on-demand with spot just back, only the second is worth switching for.
+    n = len(AGE_EDGES_H) + 1
+    scarce, plentiful = ((0.05,) * n, (0.4,) * n), ((0.3,) * n, (0.01,) * n)
+    model = SpotModel(tick_h=0.1, leave=(scarce, plentiful), regime_switch=((0.999, 0.001), (0.001, 0.999)))
+    stats = AvailabilityStats(0.5, 1.0, 1.0, 100.0, model=model)
+    dp = POLICIES[DEFAULT_POLICY]
+    back = dict(elapsed_h=3.0, progress_h=2.5, market=Market.ON_DEMAND, spot_available=True, stats=stats,
+                spot_state_for_h=0.1)
+    edge = REGIME_EDGES[0]
+    assert dp.decide(state(**back, recent_up_fraction=edge + 0.1)) is Market.SPOT
+    assert dp.decide(state(**back, recent_up_fraction=edge - 0.1)) is Market.ON_DEMAND
+
+
+def test_dp_plan_charges_the_changeover_exactly_when_the_tick_allows_it() -> None:
+    # Setting (a): 10-minute ticks, d = 12 min. The plan's unit of work must make d a whole number of units
+    # (2-minute units), not round it up to the next 200 s (which overprices every switch by 80 s).
+    dp = POLICIES[DEFAULT_POLICY]
+    plan = dp.plan_for(48.0, 60.0, 0.2, 1 / 6, 3.06, 0.9731, None)
+    assert plan.changeover_units * plan.step_h / plan.units_per_step == pytest.approx(0.2)

@@ -46,16 +46,40 @@ def age_bucket(age_h: np.ndarray | float) -> np.ndarray:
     return np.searchsorted(np.asarray(AGE_EDGES_H), np.asarray(age_h) - 1e-9, side="left")
 
 
+# Regimes: a zone goes through spells of days when spot is mostly there and spells when it mostly is not, and
+# the age of the current up or down period does not tell them apart. The regime is the share of the last
+# REGIME_WINDOW_H hours spot was up: below REGIME_EDGES[0] is regime 0 (scarce), else regime 1 (plentiful).
+# 12 h / 40 % as found by the previous session; 12 h / 50 % and 18 h / 40 % measured the same (docs/simulate.md).
+REGIME_WINDOW_H = 12.0
+REGIME_EDGES: tuple[float, ...] = (0.4,)
+
+
+def regime_of(recent_up_fraction: np.ndarray | float) -> np.ndarray:
+    """Regime index for this share of the last REGIME_WINDOW_H hours with spot up."""
+    return np.searchsorted(np.asarray(REGIME_EDGES), np.asarray(recent_up_fraction) + 1e-9, side="right")
+
+
 @dataclass(frozen=True)
 class SpotModel:
     """Semi-Markov model of one zone's spot availability, per tick of `tick_h` hours.
 
     `leave[a][b]` is the chance that spot, having been up (a=1) or down (a=0) for an age in bucket b
-    (`AGE_EDGES_H`), changes state after the next tick. Hashable, so plans built from it can be cached.
+    (`AGE_EDGES_H`), changes state after the next tick; with regimes, `leave[r][a][b]` per regime r and
+    `regime_switch[r][r2]` the chance of being in regime r2 a tick after regime r. Hashable, so plans built
+    from it can be cached.
     """
 
     tick_h: float
-    leave: tuple[tuple[float, ...], tuple[float, ...]]
+    leave: tuple
+    regime_switch: tuple[tuple[float, ...], ...] = ((1.0,),)
+
+    @property
+    def regimes(self) -> int:
+        return len(self.regime_switch)
+
+    def hazards(self) -> np.ndarray:
+        """`leave` as an array (regime, up/down, age bucket)."""
+        return np.asarray(self.leave, dtype=float).reshape(self.regimes, 2, len(AGE_EDGES_H) + 1)
 
     @classmethod
     def geometric(cls, tick_h: float, mean_uptime_h: float, mean_outage_h: float) -> SpotModel:
@@ -98,6 +122,7 @@ class SpotState:
     spot_price: float  # $/h spot
     spot_state_for_h: float = 0.0  # how long spot has been in its current state (up or down), as observed
     stats: AvailabilityStats | None = None
+    recent_up_fraction: float = 1.0  # share of the last REGIME_WINDOW_H spot was up, as observed
 
     @property
     def work_left_h(self) -> float:
@@ -133,6 +158,7 @@ class SpotBatch:
     changeover_left_h: np.ndarray
     spot_state_for_h: np.ndarray
     stats: AvailabilityStats | None = None
+    recent_up_fraction: np.ndarray | None = None  # None: 1.0 for every run
 
     def subset(self, sel: np.ndarray, stats: AvailabilityStats | None) -> SpotBatch:
         """The runs picked by `sel` (a mask or indices), knowing `stats`."""
@@ -141,7 +167,8 @@ class SpotBatch:
             tick_h=self.tick_h, od_price=self.od_price, spot_price=self.spot_price, elapsed_h=self.elapsed_h[sel],
             progress_h=self.progress_h[sel], market=self.market[sel], spot_available=self.spot_available[sel],
             changeover_left_h=self.changeover_left_h[sel], spot_state_for_h=self.spot_state_for_h[sel],
-            stats=stats)
+            stats=stats,
+            recent_up_fraction=None if self.recent_up_fraction is None else self.recent_up_fraction[sel])
 
     def state(self, i: int) -> SpotState:
         """Run i as the `SpotState` the scalar path sees."""
@@ -150,7 +177,8 @@ class SpotBatch:
             progress_h=float(self.progress_h[i]), market=MARKETS[int(self.market[i])],
             spot_available=bool(self.spot_available[i]), changeover_left_h=float(self.changeover_left_h[i]),
             changeover_h=self.changeover_h, tick_h=self.tick_h, od_price=self.od_price, spot_price=self.spot_price,
-            spot_state_for_h=float(self.spot_state_for_h[i]), stats=self.stats)
+            spot_state_for_h=float(self.spot_state_for_h[i]), stats=self.stats,
+            recent_up_fraction=1.0 if self.recent_up_fraction is None else float(self.recent_up_fraction[i]))
 
 
 class Policy(Protocol):
@@ -274,8 +302,9 @@ class DPPlan:
     """The optimal action of the stochastic DP for every (ticks left, slack, market+phase, spot up/down, age).
 
     Time runs in DP steps of `step_h` (the decision tick); work and slack in units of step_h / `units_per_step`.
-    `actions[k, s, j, a, b]` is a `MARKET_CODE`: k steps left, s units of slack, j the market index (0 idle,
-    1..phases spot, phases+1..2*phases on-demand, by ticks since the switch), a spot up now, b age bucket.
+    `actions[k, s, j, a, b, r]` is a `MARKET_CODE`: k steps left, s units of slack, j the market index (0 idle,
+    1..phases spot, phases+1..2*phases on-demand, by ticks since the switch), a spot up now, b age bucket,
+    r regime.
     """
 
     step_h: float
@@ -285,8 +314,8 @@ class DPPlan:
     actions: np.ndarray = field(repr=False)
 
     def lookup(self, elapsed_h: np.ndarray, progress_h: np.ndarray, market: np.ndarray, spot_available: np.ndarray,
-               changeover_left_h: np.ndarray, age_h: np.ndarray, deadline_hours: float, job_hours: float
-               ) -> np.ndarray:
+               changeover_left_h: np.ndarray, age_h: np.ndarray, deadline_hours: float, job_hours: float,
+               recent_up_fraction: np.ndarray | float = 1.0) -> np.ndarray:
         """The planned action for runs in these states (arrays or scalars broadcast together)."""
         m, unit = self.units_per_step, self.step_h / self.units_per_step
         k_max, s_max = self.actions.shape[0] - 1, self.actions.shape[1] - 1
@@ -299,7 +328,8 @@ class DPPlan:
         phase = np.clip(-((left_units - self.changeover_units) // m), 0, self.phases - 1)
         market = np.asarray(market)
         j = np.where(market == SPOT_CODE, 1 + phase, np.where(market == OD_CODE, 1 + self.phases + phase, 0))
-        return self.actions[k, s, j, np.asarray(spot_available).astype(np.int64), age_bucket(age_h)]
+        r = np.minimum(regime_of(recent_up_fraction), self.actions.shape[-1] - 1)
+        return self.actions[k, s, j, np.asarray(spot_available).astype(np.int64), age_bucket(age_h), r]
 
 
 def _units_per_step(step_h: float, changeover_h: float, slack_h: float, max_slack_units: int) -> int:
@@ -347,10 +377,16 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     spot_step, od_step = np.float32(spot_price * step_h), np.float32(od_price * step_h)
 
     # Transition of the availability state over one step, converted from the model's tick to the DP's step.
-    leave = 1.0 - (1.0 - np.clip(np.asarray(model.leave, dtype=float), 0.0, 1.0)) ** (step_h / model.tick_h)
+    # Arrays are (up/down, age bucket, regime); the regime moves by its own chain, independently within a step.
+    ticks_per_step = max(round(step_h / model.tick_h), 1)
+    leave = 1.0 - (1.0 - np.clip(model.hazards(), 0.0, 1.0)) ** (step_h / model.tick_h)
+    leave = np.moveaxis(leave, 0, -1)
+    n_regimes = model.regimes
+    switch_t = np.linalg.matrix_power(np.asarray(model.regime_switch, dtype=float), ticks_per_step
+                                      ).T.astype(np.float32)
     widths_h = np.diff(np.concatenate(([0.0], AGE_EDGES_H)))
-    advance = np.zeros((2, n_buckets))
-    advance[:, :-1] = np.minimum(step_h / widths_h, 1.0)  # uniform ages within a bucket
+    advance = np.zeros((2, n_buckets, 1))
+    advance[:, :-1, 0] = np.minimum(step_h / widths_h, 1.0)  # uniform ages within a bucket
     # float32: the values are dollars with cents to spare, and half the memory traffic makes planning faster.
     stay_same = ((1 - leave) * (1 - advance)).astype(np.float32)
     stay_next = ((1 - leave) * advance).astype(np.float32)
@@ -365,9 +401,9 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     spot_phase_of[1:1 + phases] = np.arange(phases)
     od_phase_of = np.zeros(n_markets, dtype=np.int64)
     od_phase_of[1 + phases:] = np.arange(phases)
-    actions = np.empty((k_max + 1, s_max + 1, n_markets, 2, n_buckets), dtype=np.int8)
+    actions = np.empty((k_max + 1, s_max + 1, n_markets, 2, n_buckets, n_regimes), dtype=np.int8)
     actions[0] = IDLE_CODE
-    value = np.zeros((s_max + 1, n_markets, 2, n_buckets), dtype=np.float32)  # k = 0: s >= 0 means done
+    value = np.zeros((s_max + 1, n_markets, 2, n_buckets, n_regimes), dtype=np.float32)  # k = 0: done if s >= 0
     inf = np.inf
 
     def shift(v: np.ndarray, by: int) -> np.ndarray:
@@ -380,16 +416,18 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
         return out
 
     for k in range(1, k_max + 1):
-        # Expected value after the step, given the availability state before it.
-        nxt_bucket = np.concatenate((value[..., 1:], value[..., -1:]), axis=-1)
-        flipped = value[..., ::-1, :1]  # the other availability state, age bucket 0
-        ev = stay_same * value + stay_next * nxt_bucket + leave * flipped
+        # Expected value after the step, given the availability state before it: first over the next regime...
+        after = value if n_regimes == 1 else value @ switch_t
+        # ...then over spot staying (ageing within or into the next bucket) or changing state.
+        nxt_bucket = np.concatenate((after[..., 1:, :], after[..., -1:, :]), axis=-2)
+        flipped = after[:, :, ::-1, :1]  # the other availability state, age bucket 0
+        ev = stay_same * after + stay_next * nxt_bucket + leave * flipped
         # On spot, spot going away means preemption: the next step starts idle.
-        ev_spot_up = (stay_same[1] * value[:, 1:1 + phases, 1, :] + stay_next[1] * nxt_bucket[:, 1:1 + phases, 1, :]
-                      + leave[1] * value[:, :1, 0, :1])
+        ev_spot_up = (stay_same[1] * after[:, 1:1 + phases, 1] + stay_next[1] * nxt_bucket[:, 1:1 + phases, 1]
+                      + leave[1] * after[:, :1, 0, :1])
         q_idle = shift(ev[:, 0], m)[:, None]  # broadcasts over the current market
-        q_spot = np.full((s_max + 1, phases, 2, n_buckets), inf, dtype=np.float32)
-        q_od = np.empty((s_max + 1, phases, 2, n_buckets), dtype=np.float32)
+        q_spot = np.full((s_max + 1, phases, 2, n_buckets, n_regimes), inf, dtype=np.float32)
+        q_od = np.empty((s_max + 1, phases, 2, n_buckets, n_regimes), dtype=np.float32)
         for p in range(phases):
             q_spot[:, p, 1] = spot_step + shift(ev_spot_up[:, nxt[p]], int(loss[p]))
             q_od[:, p] = od_step + shift(ev[:, 1 + phases + nxt[p]], int(loss[p]))
@@ -408,7 +446,7 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
         net = ~done & ((time_left <= np.ceil((work_h + 2 * changeover_h) / step_h - _EPS_H) * step_h + _EPS_H)
                        | (time_left - step_h < work_h + changeover_h + _EPS_H))
         forced = od_step * np.ceil((np.maximum(work, 0)[:, None] + chg_left[None, :]) / m)  # (s, market)
-        new_value[net] = forced[net][:, :, None, None]
+        new_value[net] = forced[net][:, :, None, None, None]
         new_actions[net] = OD_CODE
         new_value[done] = 0.0
         new_actions[done] = IDLE_CODE
@@ -417,7 +455,7 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     return DPPlan(step_h=step_h, units_per_step=m, changeover_units=d_units, phases=phases, actions=actions)
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=6)
 def cached_plan(model: SpotModel, job_hours: float, deadline_hours: float, changeover_h: float, step_h: float,
                 od_price: float, spot_price: float, max_slack_units: int) -> DPPlan:
     """`solve_plan`, remembered: the daemon asks every tick with the same job and model."""
@@ -464,7 +502,7 @@ class SemiMarkovDP:
                              state.od_price, state.spot_price, state.stats)
         code = int(plan.lookup(state.elapsed_h, state.progress_h, MARKET_CODE[state.market], state.spot_available,
                                state.changeover_left_h, state.spot_state_for_h, state.deadline_hours,
-                               state.job_hours))
+                               state.job_hours, state.recent_up_fraction))
         if code == SPOT_CODE and not state.spot_available:
             return Market.IDLE  # the plan's rounding can not make spot appear
         return MARKETS[code]
@@ -474,7 +512,8 @@ class SemiMarkovDP:
                              batch.od_price, batch.spot_price, batch.stats)
         out = plan.lookup(batch.elapsed_h, batch.progress_h, batch.market, batch.spot_available,
                           batch.changeover_left_h, batch.spot_state_for_h, batch.deadline_hours,
-                          batch.job_hours).astype(np.int8)
+                          batch.job_hours, 1.0 if batch.recent_up_fraction is None else batch.recent_up_fraction
+                          ).astype(np.int8)
         out[(out == SPOT_CODE) & ~batch.spot_available] = IDLE_CODE
         out[safety_net_engaged_batch(batch)] = OD_CODE
         out[batch.progress_h >= batch.job_hours] = IDLE_CODE
