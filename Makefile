@@ -16,7 +16,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 demo: $(STAMP)
 	$(BIN)/burstctl demo

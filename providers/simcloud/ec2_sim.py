@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import re
 import socket
 import threading
@@ -98,6 +99,7 @@ class SimEc2:
 
     # --- life -------------------------------------------------------------------------------------------------
     def start(self) -> SimEc2:
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request at INFO
         _quote_spot_prices(self.spot_prices, self.zones)
         self._moto.start()
         host, port = self._moto.get_host_and_port()
@@ -217,9 +219,9 @@ class SimEc2:
                     if kp.material_public}
         for iid, state, ip, key_name, itype, lifecycle, launched in snapshot:
             with self._lock:
-                if iid not in self._records:
-                    self._records[iid] = _Record(iid, itype, "spot" if lifecycle == "spot" else "on-demand",
-                                                 _wall(launched))
+                record = self._records.setdefault(iid, _Record(iid, itype, "on-demand", _wall(launched)))
+                # moto marks a spot instance after creating it: a pass can see it in between, so look every time.
+                record.market = "spot" if lifecycle == "spot" else "on-demand"
             if state == "running" and iid not in self._booted and _loopback(ip) and key_name in keys:
                 self._boot(iid, ip, keys[key_name])
             elif state != "running":
