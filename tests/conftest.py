@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -59,22 +61,38 @@ def write_job(folder: Path, name: str = "job", **fields: object) -> Path:
         if isinstance(v, dict) and k in ("checkpoint", "env", "model"):
             tables.append((k, v))
         else:
-            lines.append(f"{k} = {_toml(v)}")
+            lines.append(f"{k} = {toml_value(v)}")
     for k, v in tables:
         lines.append(f"[{k}]")
-        lines.extend(f"{kk} = {_toml(vv)}" for kk, vv in v.items())
+        lines.extend(f"{kk} = {toml_value(vv)}" for kk, vv in v.items())
     path = folder / f"{name}.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def _toml(v: object) -> str:
+def toml_value(v: object) -> str:
+    """A Python value as a TOML literal (tables as inline tables)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{ " + ", ".join(f'"{k}" = {_toml(x)}' for k, x in v.items()) + " }"
+        return "{ " + ", ".join(f'"{k}" = {toml_value(x)}' for k, x in v.items()) + " }"
     return str(v)
+
+
+@contextmanager
+def small_tmpfs(mount_point: Path, size_mib: int) -> Iterator[Path]:
+    """A real `size_mib` MiB tmpfs at `mount_point` (needs root and mount(2)); the test is skipped, with the
+    reason, when it cannot be mounted."""
+    mount_point.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mount_point)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {res.stderr.strip() or res.returncode}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -19,6 +18,7 @@ import httpx
 
 from providers.simcloud.ec2_sim import SimEc2
 from state.store import Store
+from tests.conftest import toml_value
 
 SIM_KEY = "sim-e2e-secret-key-5f2c"
 REPO = Path(__file__).resolve().parent.parent
@@ -81,13 +81,6 @@ def trainer_job(tmp: Path, name: str, *, steps: int, every: int, step_s: float =
         "[checkpoint]", f"interval_minutes = {interval_minutes}",
     ]) + "\n")
     return path
-
-
-def toml_value(v: Any) -> str:
-    """A TOML literal: JSON's scalars and arrays are TOML too; tables become inline tables."""
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
-    return json.dumps(v)
 
 
 def write_config(tmp: Path, sim_url: str | None, **sections: dict[str, Any]) -> Path:

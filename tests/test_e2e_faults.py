@@ -16,8 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from orchestrator.lifecycle import checkpoints
 from orchestrator.remote.sync import STAGING_PREFIX
 from providers.simcloud.ssh_backend import openssh_available
 from runbooks import burst_checkpoint
+from tests.conftest import small_tmpfs
 from tests.e2e import (
     REPO,
     Daemon,
@@ -159,21 +158,6 @@ def test_rsync_killed_mid_pull_is_retried_and_the_partial_checkpoint_is_never_us
     assert final.name in visible and all_verify and staging == []
     assert burst_checkpoint.read_manifest(final)["files"] == reference_final_files(
         tmp_path, steps=steps, every=every, shard_mib=shard_mib)
-
-
-@contextmanager
-def small_tmpfs(mount_point: Path, size_mib: int) -> Iterator[Path]:
-    """A real `size_mib` MiB tmpfs (needs root and mount(2)); skipped with the reason when it cannot be mounted,
-    as tests/test_sync.py's `tiny_disk` is."""
-    mount_point.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mount_point)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill: {res.stderr.strip() or res.returncode}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def fill(directory: Path) -> Path:

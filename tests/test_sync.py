@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from orchestrator.remote.sync import (
 )
 from providers.simcloud.ssh_backend import SshBackend, openssh_available
 from runbooks import burst_checkpoint
+from tests.conftest import small_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -273,17 +273,9 @@ def test_rsync_killed_mid_pull_leaves_nothing_visible_and_a_retry_resumes(
 
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MiB tmpfs (needs root and mount(2)); skipped with the reason when it cannot be mounted."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill: {res.stderr.strip() or res.returncode}")
-    try:
+    """A 2 MiB tmpfs; the test is skipped, with the reason, when it cannot be mounted."""
+    with small_tmpfs(tmp_path / "tiny", 2) as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_local_disk_full_raises_sync_error_and_leaves_nothing_visible(
