@@ -70,7 +70,7 @@ class SpotModel:
     """
 
     tick_h: float
-    leave: tuple
+    leave: tuple[tuple[float, ...], ...] | tuple[tuple[tuple[float, ...], ...], ...]
     regime_switch: tuple[tuple[float, ...], ...] = ((1.0,),)
 
     @property
@@ -466,10 +466,11 @@ def cached_plan(model: SpotModel, job_hours: float, deadline_hours: float, chang
 class SemiMarkovDP:
     """The project's default: act as the optimal plan of a stochastic DP over a semi-Markov model of the zone.
 
-    The model (`AvailabilityStats.model`: per-age chances that spot goes away or comes back) is estimated by the
-    caller from history it has already seen. Given it, backward induction over (steps left, slack, market and
-    changeover phase, spot up/down, age of that state) finds the least expected cost of finishing by R; the
-    policy plays the plan's action for the current state. It waits out outages that are likely to end soon,
+    The model (`AvailabilityStats.model`: per-age, per-regime chances that spot goes away or comes back, and
+    of the regime changing) is estimated by the caller from history it has already seen. Given it, backward
+    induction over (steps left, slack, market and changeover phase, spot up/down, age of that state, regime)
+    finds the least expected cost of finishing by R; the policy plays the plan's action for the current state,
+    the regime read from `recent_up_fraction`. It waits out outages that are likely to end soon,
     buys on-demand early in outages that are likely to be long, and only pays a changeover when the expected
     saving covers it. Without a model it uses a memoryless one from `prior_uptime_h` / `prior_outage_h`.
     Under it all, the shared safety net (also modelled inside the DP).
