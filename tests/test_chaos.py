@@ -12,9 +12,7 @@ right after the launch call, while finishing, while terminating — use the reco
 from __future__ import annotations
 
 import json
-import random
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -122,21 +120,3 @@ def test_sigkilled_while_a_step_is_under_way_the_restart_carries_on_safely(tmp_p
         daemon.kill(signal.SIGKILL)
         finish(daemon, c, state, [job_id])
         assert_safe(c, state, [job_id])
-
-
-@pytest.mark.parametrize("kind", CLOUDS)
-def test_sigkilled_at_seeded_random_moments_over_several_jobs(tmp_path: Path, kind: str) -> None:
-    rng = random.Random(20240917)
-    state = tmp_path / "state"
-    with cloud(kind, tmp_path) as c:
-        config = c.config(tmp_path, daemon={"tick_s": TICK_S})
-        job_ids = []
-        daemon = EnvDaemon(tmp_path, config, state)
-        for trial in range(3):
-            job_ids.append(enqueue(tmp_path, config, state, f"random-{trial}", c.gpu))
-            for _ in range(2):  # two kills per job, each after a random stretch of work
-                daemon.start()
-                time.sleep(rng.uniform(0.5, 6.0))
-                daemon.kill(signal.SIGKILL)
-            finish(daemon, c, state, job_ids[-1:])
-        assert_safe(c, state, job_ids)
