@@ -90,7 +90,7 @@ def _children(pid: int, comm: str) -> list[tuple[int, list[str]]]:
             continue
         name = stat_line[stat_line.index("(") + 1:stat_line.rindex(")")]
         ppid = int(stat_line[stat_line.rindex(")") + 2:].split()[1])
-        if name == comm and ppid == pid:
+        if name == comm and ppid == pid and argv:  # a child that just exited (a zombie) has no argv
             found.append((int(entry), argv))
     return found
 
