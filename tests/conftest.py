@@ -96,3 +96,22 @@ def small_tmpfs(mount_point: Path, size_mib: int) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def child_processes(pid: int, comm: str) -> list[tuple[int, list[str]]]:
+    """(pid, argv) of `pid`'s direct children named `comm`, from /proc. A child that has just exited (a zombie)
+    is listed with an empty argv."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat_line = Path(f"/proc/{entry}/stat").read_text()
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+        except OSError:
+            continue
+        name = stat_line[stat_line.index("(") + 1:stat_line.rindex(")")]
+        ppid = int(stat_line[stat_line.rindex(")") + 2:].split()[1])
+        if name == comm and ppid == pid:
+            found.append((int(entry), argv))
+    return found

@@ -26,7 +26,7 @@ from orchestrator.lifecycle import checkpoints
 from orchestrator.remote.sync import STAGING_PREFIX
 from providers.simcloud.ssh_backend import openssh_available
 from runbooks import burst_checkpoint
-from tests.conftest import small_tmpfs
+from tests.conftest import child_processes, small_tmpfs
 from tests.e2e import (
     REPO,
     Daemon,
@@ -77,30 +77,14 @@ def store_view(config: Path, state: Path, job_id: str) -> tuple[list[str], list[
         return visible, staging, all(burst_checkpoint.verify(store / n) for n in visible)
 
 
-def _children(pid: int, comm: str) -> list[tuple[int, list[str]]]:
-    """(pid, argv) of `pid`'s direct children named `comm`, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat_line = Path(f"/proc/{entry}/stat").read_text()
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-        except OSError:
-            continue
-        name = stat_line[stat_line.index("(") + 1:stat_line.rindex(")")]
-        ppid = int(stat_line[stat_line.rindex(")") + 2:].split()[1])
-        if name == comm and ppid == pid and argv:  # a child that just exited (a zombie) has no argv
-            found.append((int(entry), argv))
-    return found
-
-
 def kill_a_pull_mid_transfer(daemon_pid: int, timeout: float) -> str:
     """SIGKILL the daemon's rsync of a checkpoint pull once at least 1 MiB of it has landed in the staging dir.
     Pulls that finish before that are let be; the next one is tried. Returns the checkpoint's name."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for pid, argv in _children(daemon_pid, "rsync"):
+        for pid, argv in child_processes(daemon_pid, "rsync"):
+            if not argv:  # it has just exited (a zombie): not a pull to kill
+                continue
             dest = Path(argv[-1].rstrip("/"))  # rsync ... SRC/ STAGING/
             if not dest.name.startswith(STAGING_PREFIX):
                 continue  # a push of the workdir or a checkpoint, not a pull

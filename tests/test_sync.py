@@ -30,7 +30,7 @@ from orchestrator.remote.sync import (
 )
 from providers.simcloud.ssh_backend import SshBackend, openssh_available
 from runbooks import burst_checkpoint
-from tests.conftest import small_tmpfs
+from tests.conftest import child_processes, small_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -218,22 +218,6 @@ def test_auto_transport_is_rsync_when_both_sides_have_it(backend: SshBackend, ke
         assert choose_transport(inst.target, conn, "sftp") == "sftp"
 
 
-def _children_named(name: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat_line = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        comm = stat_line[stat_line.index("(") + 1:stat_line.rindex(")")]
-        ppid = int(stat_line[stat_line.rindex(")") + 2:].split()[1])
-        if comm == name and ppid == os.getpid():
-            found.append(int(entry))
-    return found
-
-
 @pytest.mark.skipif(not HAVE_RSYNC, reason="rsync/ssh not installed")
 def test_rsync_killed_mid_pull_leaves_nothing_visible_and_a_retry_resumes(
         backend: SshBackend, key_path: Path, tmp_path: Path) -> None:
@@ -255,7 +239,7 @@ def test_rsync_killed_mid_pull_leaves_nothing_visible_and_a_retry_resumes(
     deadline = time.monotonic() + 120
     while not (staging / "model-00000.safetensors").exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # rsync renames a file into place only once it is whole
-    rsyncs = _children_named("rsync")
+    rsyncs = [pid for pid, _ in child_processes(os.getpid(), "rsync")]
     assert rsyncs, "the pull's rsync process was not found"
     for pid in rsyncs:
         os.kill(pid, signal.SIGKILL)
