@@ -48,9 +48,9 @@ from moto.ec2.models.instances import StateReason
 from moto.ec2.responses.spot_instances import SpotInstances
 from moto.server import ThreadedMotoServer
 
+from providers.ec2 import SPOT_TERMINATION
 from providers.simcloud.ssh_backend import MachineStartError, Prefer, SshBackend
 
-SPOT_TERMINATION = "Server.SpotInstanceTermination"
 BILLING_MINIMUM_S = 60.0
 LOOPBACK_VPC = "127.0.0.0/16"
 IMDS_VAR = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
@@ -197,10 +197,10 @@ class SimEc2:
         return ec2_backends[DEFAULT_ACCOUNT_ID][self.region]
 
     def _instance(self, instance_id: str) -> Any:
-        for inst in self._backend().all_instances():
-            if inst.id == instance_id:
-                return inst
-        raise KeyError(instance_id)
+        inst = self._backend().get_instance_by_id(instance_id)
+        if inst is None:
+            raise KeyError(instance_id)
+        return inst
 
     def _run(self) -> None:
         while not self._stop.is_set():
