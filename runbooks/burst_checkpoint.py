@@ -46,7 +46,7 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     # Makes a rename durable; some filesystems refuse to open directories, which only costs durability.
     try:
         fd = os.open(str(path), os.O_RDONLY)
@@ -128,7 +128,7 @@ def write_checkpoint(ckpt_dir: str | os.PathLike[str], name: str, files: Mapping
         "meta": meta,
     }
     _write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
     final = root / name
     if final.exists():
@@ -142,7 +142,7 @@ def write_checkpoint(ckpt_dir: str | os.PathLike[str], name: str, files: Mapping
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(str(tmp), str(final))
-    _fsync_dir(root)
+    fsync_dir(root)
     return final
 
 

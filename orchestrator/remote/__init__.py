@@ -1,1 +1,3 @@
-"""Reaching burst instances: SSH with pinned host keys (`ssh`), checkpoint and workdir sync (`sync`), S3 (`s3store`)."""
+"""Reaching burst instances: SSH with pinned host keys (`ssh`), checkpoint and workdir sync (`sync`).
+
+S3 checkpoints live in `runbooks.s3_checkpoints`: the instance uploads them, so that module runs there too."""

@@ -27,7 +27,7 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -46,49 +46,32 @@ from orchestrator.remote.ssh import (
     run,
 )
 from runbooks import burst_checkpoint
+from runbooks.checkpoint_transfer import (
+    RSYNC_PARTIAL_DIR,
+    STAGING_PREFIX,
+    PulledCheckpoints,
+    TransferError,
+    TransferStats,
+    link_or_copy,
+    make_visible,
+    safe_relpath,
+    verify_and_fsync,
+)
 
 Transport = Literal["auto", "rsync", "sftp"]
 
 MANIFEST = burst_checkpoint.MANIFEST
-STAGING_PREFIX = ".incoming-"  # hidden: burst_checkpoint never lists it, and its prune never deletes it
-_RSYNC_PARTIAL_DIR = ".rsync-partial"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _CHUNK = 1024 * 1024
 _LIST_COMPLETE_SH = 'cd -- "$1" 2>/dev/null || exit 0; for d in *; do [ -f "$d/manifest.json" ] && ' \
                     "printf '%s\\n' \"$d\"; done; exit 0"
 
 
-class SyncError(RemoteError):
+class SyncError(RemoteError, TransferError):
     """A sync did not complete (transfer failed, local disk full, ...). Nothing partial was made visible."""
 
 
-@dataclass
-class SyncStats:
-    """What one sync cost: the daemon stores these as measured overhead."""
-
-    transport: Literal["rsync", "sftp", "s3"]
-    bytes_sent: int = 0  # rsync: wire bytes incl. protocol; sftp and s3: file payload bytes
-    bytes_received: int = 0
-    files_transferred: int = 0
-    seconds: float = 0.0
-
-    @property
-    def bytes_moved(self) -> int:
-        return self.bytes_sent + self.bytes_received
-
-    def add(self, other: SyncStats) -> None:
-        self.bytes_sent += other.bytes_sent
-        self.bytes_received += other.bytes_received
-        self.files_transferred += other.files_transferred
-
-
-class PulledCheckpoints(list[Path]):
-    """The new complete local checkpoints (oldest first), plus what the pull cost and what it refused."""
-
-    def __init__(self, paths: Iterable[Path], stats: SyncStats, rejected: dict[str, str]) -> None:
-        super().__init__(paths)
-        self.stats = stats
-        self.rejected = rejected  # checkpoint name → why it was not made visible (e.g. a sha256 mismatch)
+SyncStats = TransferStats
 
 
 @dataclass
@@ -218,7 +201,7 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
             remote_path = f"{remote_ckpt_dir}/{name}"
             try:
                 if chosen == "rsync":
-                    args = ["--delete", f"--partial-dir={_RSYNC_PARTIAL_DIR}"]
+                    args = ["--delete", f"--partial-dir={RSYNC_PARTIAL_DIR}"]
                     # --checksum with a basis: a trainer rewrites same-sized shards within one second, which
                     # rsync's size+mtime quick check would take for unchanged and hard-link from the basis.
                     # Without one, the only files compared are those rsync itself wrote into staging.
@@ -229,7 +212,7 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
                 else:
                     stats = _sftp_pull_checkpoint(conn.sftp(), remote_path, staging, basis, bwlimit_kib)
                 total.add(stats)
-                problem = _verify_and_sync(staging)
+                problem = verify_and_fsync(staging)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     shutil.rmtree(staging, ignore_errors=True)
@@ -247,11 +230,7 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
                 shutil.rmtree(staging, ignore_errors=True)  # a fresh attempt refetches everything
                 rejected[name] = problem
                 continue
-            if final.exists():
-                shutil.rmtree(final)  # a leftover without a verified manifest is not a checkpoint
-            os.rename(staging, final)
-            _fsync_dir(local_root)
-            pulled.append(final)
+            pulled.append(make_visible(staging, final))
     total.seconds = time.monotonic() - started
     return PulledCheckpoints(pulled, total, rejected)
 
@@ -325,13 +304,6 @@ class _RateLimit:
             time.sleep(ahead)
 
 
-def _safe_relpath(rel: str) -> str:
-    parts = PurePosixPath(rel).parts
-    if not rel or rel.startswith("/") or ".." in parts or rel == MANIFEST:
-        raise SyncError(f"the manifest lists {rel!r}, which is not a relative path inside the checkpoint")
-    return PurePosixPath(rel).as_posix()
-
-
 def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: Path, basis: Path | None,
                           bwlimit_kib: int | None) -> SyncStats:
     stats = SyncStats("sftp")
@@ -350,10 +322,10 @@ def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: 
             basis_files = burst_checkpoint.read_manifest(basis)["files"]
     for rel in sorted(files):
         entry = files[rel]
-        dest = staging / _safe_relpath(rel)
+        dest = staging / safe_relpath(rel)
         dest.parent.mkdir(parents=True, exist_ok=True)
         size = int(entry["size"])
-        if basis is not None and basis_files.get(rel) == entry and _link_or_copy(basis / rel, dest):
+        if basis is not None and basis_files.get(rel) == entry and link_or_copy(basis / rel, dest):
             continue  # same size and sha256 as the newest local checkpoint's file: nothing to send
         have = dest.stat().st_size if dest.exists() else 0
         if have == size:
@@ -372,21 +344,6 @@ def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: 
         stats.files_transferred += 1
     (staging / MANIFEST).write_bytes(manifest_bytes)  # last, as the trainer wrote it
     return stats
-
-
-def _link_or_copy(src: Path, dest: Path) -> bool:
-    """Hard-link src to dest (copy across filesystems); False if src is missing."""
-    if dest.exists():
-        dest.unlink()
-    try:
-        os.link(src, dest)
-    except FileNotFoundError:
-        return False
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-            raise
-        shutil.copy2(src, dest)
-    return True
 
 
 def _excluded(rel: str, patterns: Sequence[str]) -> bool:
@@ -449,33 +406,6 @@ def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
             sftp.stat(partial)
         except FileNotFoundError:
             sftp.mkdir(partial)
-
-
-# --- verification and durability -------------------------------------------------------------------------------
-def _verify_and_sync(staging: Path) -> str | None:
-    """None when staging is a complete checkpoint, now durable on disk; else why it is not."""
-    shutil.rmtree(staging / _RSYNC_PARTIAL_DIR, ignore_errors=True)
-    if not burst_checkpoint.verify(staging):
-        try:
-            burst_checkpoint.read_manifest(staging)
-        except (OSError, ValueError):
-            return "its manifest is missing or malformed"
-        return "a file's size or sha256 differs from the manifest"
-    for path in staging.rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    for directory in [staging, *(p for p in staging.rglob("*") if p.is_dir() and not p.is_symlink())]:
-        _fsync_dir(directory)
-    return None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = [

@@ -12,9 +12,9 @@ import pytest
 from boto3.s3.transfer import TransferConfig
 from moto import mock_aws
 
-from orchestrator.remote.s3store import S3CheckpointStore
-from orchestrator.remote.sync import SyncError
 from runbooks import burst_checkpoint
+from runbooks.checkpoint_transfer import TransferError
+from runbooks.s3_checkpoints import S3CheckpointStore
 
 MiB = 1024 * 1024
 BUCKET = "burstctl-ckpt"
@@ -82,7 +82,7 @@ def test_a_checkpoint_without_its_manifest_object_is_not_complete(
     assert store.list_complete() == ["step-00000100"]
     got = store.pull_new(tmp_path / "local")
     assert got == [tmp_path / "local" / "step-00000100"]
-    with pytest.raises(SyncError, match="not complete"):
+    with pytest.raises(TransferError, match="not complete"):
         store.download("step-00000200", tmp_path / "local")
     assert os.listdir(tmp_path / "local") == ["step-00000100"]
 
@@ -91,7 +91,7 @@ def test_upload_refuses_a_local_checkpoint_that_does_not_match_its_manifest(
         store: S3CheckpointStore, tmp_path: Path) -> None:
     local = burst_checkpoint.write_checkpoint(tmp_path / "trainer", "step-00000100", {"w.bin": b"a" * 100})
     (local / "w.bin").write_bytes(b"b" * 100)
-    with pytest.raises(SyncError, match="not a complete checkpoint"):
+    with pytest.raises(TransferError, match="not a complete checkpoint"):
         store.upload(local)
     assert store.list_complete() == []
 
@@ -124,7 +124,7 @@ def test_a_corrupted_object_fails_verification_and_nothing_becomes_visible(
     store.upload(burst_checkpoint.write_checkpoint(tmp_path / "trainer", "step-00000100", {"w.bin": b"a" * 4096}))
     s3.put_object(Bucket=BUCKET, Key="jobs/job-1/ckpt/step-00000100/w.bin", Body=b"A" * 4096)
     local = tmp_path / "local"
-    with pytest.raises(SyncError, match="failed verification"):
+    with pytest.raises(TransferError, match="failed verification"):
         store.download("step-00000100", local)
     assert os.listdir(local) == []
     got = store.pull_new(local)
