@@ -2,13 +2,19 @@
 
     python3 supervisor.py --run-dir RUN --job-id J --attempt A --checkpoint-dir CKPT [--resume-from PATH]
         [--metadata-url URL] [--heartbeat-s 2] [--notice-poll-s 1] [--grace-s 30] [--gpus N] [--torchrun]
-        [--env-file F] [--workdir W] [--max-run-s S] [--daemonize] [--dry-run] -- CMD ARGS...
+        [--env-file F] [--workdir W] [--max-run-s S] [--s3-uri s3://B/P [--s3-region R]] [--daemonize] [--dry-run]
+        -- CMD ARGS...
     python3 supervisor.py status --run-dir RUN          # one JSON line: heartbeat, exit record, liveness, metrics
     python3 supervisor.py stop --run-dir RUN [--grace-s 30]
 
 Files in RUN: supervisor.pid, supervisor.lock (held for the supervisor's life), heartbeat (JSON, atomically
 replaced every heartbeat period), exit.json (at the end), stdout.log/stderr.log (the command's output, appended),
-metrics.json (written by the trainer via $BURST_METRICS_FILE), supervisor.log (the supervisor's own notes).
+metrics.json (written by the trainer via $BURST_METRICS_FILE), supervisor.log (the supervisor's own notes),
+s3.json (with --s3-uri: what the uploader put in S3, and its last error).
+
+With --s3-uri every new complete checkpoint is uploaded there (`s3_checkpoints.py upload-newest`, run as a child:
+it needs boto3, this file does not), and once more after the command exits and before exit.json is written, so
+when the daemon sees the exit the last checkpoint is already in S3. Heartbeats go on during that final upload.
 
 On a spot notice (polled from --metadata-url), on SIGTERM/SIGINT, or at --max-run-s, the command's process group
 gets SIGTERM so the trainer can write a last checkpoint, then SIGKILL after --grace-s. If the supervisor itself is
@@ -45,6 +51,8 @@ METRICS_FILE = "metrics.json"
 STDOUT_LOG = "stdout.log"
 STDERR_LOG = "stderr.log"
 SUPERVISOR_LOG = "supervisor.log"
+S3_FILE = "s3.json"
+S3_SCRIPT = "s3_checkpoints.py"  # beside this file
 MANIFEST = "manifest.json"  # burst_checkpoint's manifest, written last inside a checkpoint
 
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -267,6 +275,65 @@ class NoticePoller(threading.Thread):
         self._stop_event.set()
 
 
+# --- checkpoints to S3 -----------------------------------------------------------------------------------------
+class S3Uploader(threading.Thread):
+    """Uploads each new complete checkpoint in the background, one `s3_checkpoints.py upload-newest` child at a
+    time; `finish()` makes the last upload after the command exits. RUN/s3.json records the outcome."""
+
+    def __init__(self, args: argparse.Namespace, log: Callable[[str], None], poll_s: float = 1.0) -> None:
+        super().__init__(name="s3-uploader", daemon=True)
+        self.args = args
+        self.log = log
+        self.poll_s = poll_s
+        self.record: dict = {"uri": args.s3_uri, "uploaded": None, "at": None, "error": None, "failures": 0}
+        self._final = threading.Event()
+        self._wake = threading.Event()
+        self._done: str | None = None  # the newest local checkpoint name handled without error
+
+    def argv(self) -> list[str]:
+        script = str(Path(__file__).resolve().parent / S3_SCRIPT)
+        region = ["--region", self.args.s3_region] if self.args.s3_region else []
+        return [sys.executable, script, "upload-newest", "--uri", self.args.s3_uri,
+                "--dir", str(self.args.checkpoint_dir), *region]
+
+    def upload_once(self, timeout_s: float) -> None:
+        name = latest_checkpoint_name(self.args.checkpoint_dir)
+        if name is None or name == self._done:
+            return
+        try:
+            proc = subprocess.run(self.argv(), capture_output=True, text=True, timeout=timeout_s,
+                                  stdin=subprocess.DEVNULL)
+            lines = proc.stdout.strip().splitlines()
+            result = json.loads(lines[-1]) if lines else {}
+            error = None if proc.returncode == 0 else (
+                result.get("error") or (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1])
+        except subprocess.TimeoutExpired:
+            result, error = {}, f"upload took longer than {timeout_s:g}s"
+        except (OSError, ValueError) as exc:
+            result, error = {}, f"{type(exc).__name__}: {exc}"
+        if error is None:
+            self._done = name
+            self.record.update(uploaded=result.get("uploaded"), at=_now(), error=None, failures=0)
+            self.log(f"s3: {result.get('uploaded')} is in {self.args.s3_uri}")
+        else:
+            self.record.update(error=error[:500], failures=self.record["failures"] + 1)
+            self.log(f"s3: upload failed ({self.record['failures']}): {error[:500]}")
+        try:
+            write_json_atomic(self.args.run_dir / S3_FILE, self.record)
+        except OSError as exc:
+            self.log(f"s3.json write failed: {exc}")
+
+    def run(self) -> None:
+        while not self._final.is_set():
+            self.upload_once(self.args.s3_final_timeout_s)
+            self._wake.wait(self.poll_s)
+        self.upload_once(self.args.s3_final_timeout_s)  # the last checkpoint, written as the command stopped
+
+    def finish(self) -> None:
+        self._final.set()
+        self._wake.set()
+
+
 # --- running one attempt --------------------------------------------------------------------------------------
 
 
@@ -303,6 +370,9 @@ def parse_run_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--env-file", default="")
     p.add_argument("--workdir", default=".")
     p.add_argument("--max-run-s", type=_positive(float), default=None)
+    p.add_argument("--s3-uri", default="", help="upload complete checkpoints to this s3://BUCKET/PREFIX")
+    p.add_argument("--s3-region", default="")
+    p.add_argument("--s3-final-timeout-s", type=_positive(float), default=600.0)
     p.add_argument("--daemonize", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print what would run (argv, cwd, env names) as JSON")
     args = p.parse_args(opts)
@@ -320,6 +390,8 @@ def parse_run_args(argv: list[str]) -> argparse.Namespace:
             raise BadArgs(f"--resume-from: checkpoint directory '{args.resume_from}' does not exist")
     if args.metadata_url and urllib.parse.urlsplit(args.metadata_url).scheme not in ("http", "https"):
         raise BadArgs("--metadata-url: expected a full http:// URL")
+    if args.s3_uri and not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$", args.s3_uri):
+        raise BadArgs("--s3-uri: expected s3://BUCKET/PREFIX")
     args.env_extra = read_env_file(args.env_file) if args.env_file else {}
     return args
 
@@ -356,6 +428,7 @@ class Supervisor:
         self.state = "starting"
         self.started_at = _now()
         self.notice: dict | None = None
+        self.s3: dict | None = None
         self.my_start_ticks = process_start_ticks(os.getpid())
         self._log_fh = open(self.run_dir / SUPERVISOR_LOG, "a")  # noqa: SIM115  # open for the whole run
 
@@ -416,6 +489,9 @@ class Supervisor:
                   if args.metadata_url else None)
         if poller:
             poller.start()
+        uploader = S3Uploader(args, self.log) if args.s3_uri else None
+        if uploader:
+            uploader.start()
         child_started = _now()
         next_heartbeat = child_started + args.heartbeat_s
         stop_reason: str | None = None
@@ -456,7 +532,19 @@ class Supervisor:
         code = child.wait()
         exit_code, sig = (code, None) if code >= 0 else (None, -code)
         reason = stop_reason or ("completed" if code == 0 else "failed")
+        if uploader:
+            self._final_upload(uploader)
         return self._finish(exit_code, sig, reason)
+
+    def _final_upload(self, uploader: S3Uploader) -> None:
+        """Before the exit is reported: whoever sees it may rely on the last checkpoint being in S3."""
+        self.state = "uploading"
+        uploader.finish()
+        deadline = _now() + self.args.s3_final_timeout_s + 5
+        while uploader.is_alive() and _now() < deadline:
+            self.heartbeat()
+            uploader.join(self.args.heartbeat_s)
+        self.s3 = dict(uploader.record)
 
     def _finish(self, exit_code: int | None, sig: int | None, reason: str, error: str | None = None) -> int:
         record = {
@@ -467,6 +555,8 @@ class Supervisor:
             "last_checkpoint": latest_checkpoint_name(self.args.checkpoint_dir),
             "notice": self.notice, "child_pid": self.child.pid if self.child else None,
         }
+        if self.s3 is not None:
+            record["s3"] = self.s3
         if error:
             record["error"] = error
         write_json_atomic(self.run_dir / EXIT_FILE, record, durable=True)
@@ -601,6 +691,7 @@ def read_status(run_dir: str | os.PathLike[str]) -> dict:
         "supervisor_pid": pid, "supervisor_alive": pid_alive(pid, ticks),
         "child_pgid": pgid, "child_alive": group_alive(pgid),
         "heartbeat": beat, "exit": read_json(run / EXIT_FILE), "metrics": read_json(run / METRICS_FILE),
+        "s3": read_json(run / S3_FILE),
     }
 
 

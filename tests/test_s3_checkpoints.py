@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,3 +133,82 @@ def test_a_corrupted_object_fails_verification_and_nothing_becomes_visible(
     got = store.pull_new(local)
     assert got == [] and list(got.rejected) == ["step-00000100"]
     assert os.listdir(local) == []
+
+
+def test_prune_keeps_the_newest_and_deletes_each_manifest_first(
+        store: S3CheckpointStore, s3: Any, tmp_path: Path) -> None:
+    for step in (100, 200, 300):
+        store.upload(burst_checkpoint.write_checkpoint(tmp_path / "trainer", f"step-{step:08d}", {"w.bin": b"w"}))
+    calls = recorded_calls(s3)
+    assert store.prune(keep=1) == ["step-00000100", "step-00000200"]
+    assert store.list_complete() == ["step-00000300"]
+    assert s3.list_objects_v2(Bucket=BUCKET, Prefix="jobs/job-1/ckpt/step-00000100/")["KeyCount"] == 0
+    deletes = [(op, key) for op, key in calls if op.startswith("Delete")]
+    assert deletes[0] == ("DeleteObject", "jobs/job-1/ckpt/step-00000100/manifest.json")
+
+
+# --- the instance side: the supervisor uploads, a separate process (boto3 over HTTP, as on an instance) ---------
+REPO = Path(__file__).resolve().parents[1]
+SUPERVISOR = REPO / "runbooks" / "supervisor.py"
+TRAINER = REPO / "examples" / "trainer.py"
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def instance_env(endpoint: str) -> dict[str, str]:
+    """What an instance's sessions have: an S3 endpoint and credentials from the environment's chain."""
+    return {"PATH": os.environ["PATH"], "AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "instance-role",
+            "AWS_SECRET_ACCESS_KEY": "instance-role-secret", "AWS_DEFAULT_REGION": "us-east-1",
+            "PYTHONPATH": str(REPO / "runbooks")}
+
+
+def supervise(tmp_path: Path, endpoint: str, uri: str, *trainer_args: str) -> tuple[dict, Path]:
+    ckpt = tmp_path / "ckpt"
+    argv = [sys.executable, str(SUPERVISOR), "--run-dir", str(tmp_path / "run"), "--job-id", "job-1",
+            "--attempt", "1", "--checkpoint-dir", str(ckpt), "--workdir", str(tmp_path), "--heartbeat-s", "0.2",
+            "--s3-uri", uri, "--s3-region", "us-east-1", "--",
+            sys.executable, str(TRAINER), "--out", str(tmp_path / "result.json"), *trainer_args]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=instance_env(endpoint))
+    assert proc.returncode == 0, proc.stderr
+    exit_record = json.loads((tmp_path / "run" / "exit.json").read_text())
+    return exit_record, ckpt
+
+
+def test_the_supervisor_uploads_the_last_checkpoint_before_it_reports_the_exit(
+        s3_server: str, tmp_path: Path) -> None:
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="x",
+                          aws_secret_access_key="x")
+    client.create_bucket(Bucket="ckpt-up")
+
+    record, ckpt = supervise(tmp_path, s3_server, "s3://ckpt-up/burstctl/job-1", "--steps", "200",
+                             "--checkpoint-every", "50", "--step-seconds", "0.01")
+
+    last = record["last_checkpoint"]
+    assert last == "step-00000200" and record["s3"]["uploaded"] == last and record["s3"]["error"] is None
+    store = S3CheckpointStore(client, "ckpt-up", "burstctl/job-1")
+    assert store.list_complete()[-1] == last
+    home, _ = store.download(last, tmp_path / "home")
+    assert burst_checkpoint.read_manifest(home) == burst_checkpoint.read_manifest(ckpt / last)
+    status = subprocess.run([sys.executable, str(SUPERVISOR), "status", "--run-dir", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=60)
+    assert json.loads(status.stdout)["s3"]["uploaded"] == last
+
+
+def test_an_upload_that_fails_is_recorded_and_the_exit_is_still_reported(s3_server: str, tmp_path: Path) -> None:
+    record, ckpt = supervise(tmp_path, s3_server, "s3://no-such-bucket/burstctl/job-1", "--steps", "60",
+                             "--checkpoint-every", "30")
+
+    assert record["reason"] == "completed" and record["last_checkpoint"] == "step-00000060"
+    assert record["s3"]["uploaded"] is None and record["s3"]["failures"] >= 1
+    assert "NoSuchBucket" in record["s3"]["error"]
+    assert "instance-role-secret" not in (tmp_path / "run" / "supervisor.log").read_text()
+    assert burst_checkpoint.verify(ckpt / "step-00000060")
