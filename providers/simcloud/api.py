@@ -100,9 +100,11 @@ def _spot(base: InstanceTypeSpec, cents: int) -> InstanceTypeSpec:
 _A10 = InstanceTypeSpec("gpu_1x_a10", "1x A10 (24 GB PCIe)", "A10 (24 GB PCIe)", 75, 30, 200, 1400, 1)
 _A100 = InstanceTypeSpec("gpu_1x_a100_sxm4", "1x A100 (40 GB SXM4)", "A100 (40 GB SXM4)", 129, 30, 200, 512, 1)
 _H100 = InstanceTypeSpec("gpu_1x_h100_sxm5", "1x H100 (80 GB SXM5)", "H100 (80 GB SXM5)", 329, 26, 225, 2816, 1)
+# Two GPUs: a `gpus = 2, torchrun = true` job finds an offer (its spot price is two H100 spot GPUs).
+_H100X2 = InstanceTypeSpec("gpu_2x_h100_sxm5", "2x H100 (80 GB SXM5)", "H100 (80 GB SXM5)", 638, 52, 450, 5632, 2)
 _H100X8 = InstanceTypeSpec("gpu_8x_h100_sxm5", "8x H100 (80 GB SXM5)", "H100 (80 GB SXM5)", 2392, 208, 1800, 22528, 8)
 DEFAULT_CATALOG: tuple[InstanceTypeSpec, ...] = (
-    _A10, _spot(_A10, 25), _A100, _spot(_A100, 65), _H100, _spot(_H100, 100), _H100X8,
+    _A10, _spot(_A10, 25), _A100, _spot(_A100, 65), _H100, _spot(_H100, 100), _H100X2, _spot(_H100X2, 200), _H100X8,
 )
 DEFAULT_REGIONS: tuple[str, ...] = ("us-east-1", "us-west-1")
 DEFAULT_CAPACITY_PER_REGION = 4
