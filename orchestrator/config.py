@@ -173,7 +173,16 @@ class Ec2Provider(Strict):
         "public", description="Which instance address to SSH to: `public`, or `private` from inside the VPC (a VPN, "
         "a bastion, or the simulated EC2, whose instances have 127.x private addresses).")
     ssh_port: Annotated[int, Field(ge=1, le=65535)] = Field(22, description="SSH port on the instances.")
-    checkpoint_bucket: str | None = Field(None, description="S3 bucket for checkpoints (alternative store).")
+    checkpoint_bucket: str | None = Field(
+        None, description="S3 bucket for checkpoints. Set: each instance uploads its checkpoints there in-region "
+        "(it needs boto3 on the image and credentials, normally through `instance_profile`: s3:ListBucket, "
+        "GetObject, PutObject, DeleteObject on the prefix), the daemon downloads them home from there, and a "
+        "resumed attempt downloads its starting point in-region. If the instance cannot upload, the attempt "
+        "falls back to SSH. Unset: checkpoints travel over SSH only.")
+    checkpoint_prefix: str = Field("burstctl", description="Key prefix in the bucket; a job gets <prefix>/<job id>/.")
+    s3_endpoint_url: str | None = Field(
+        None, description="S3 endpoint for the daemon (an S3-compatible store, or moto's server); "
+        "AWS_ENDPOINT_URL_S3 works too.")
 
 
 class Providers(Strict):

@@ -55,6 +55,8 @@ from providers.base import (
     key_name_variant,
     public_key_body,
 )
+from runbooks import s3_checkpoints
+from runbooks.s3_checkpoints import S3CheckpointStore
 
 T = TypeVar("T")
 
@@ -208,6 +210,24 @@ class Ec2Adapter:
         self._zones: list[str] | None = None
         # public key -> the key pair name holding it: one look-up per adapter, not per launch
         self._key_pair_names: dict[str, str] = {}
+        self._s3: Any = None
+
+    # --- checkpoints in S3 (optional; see `checkpoint_bucket`) -----------------------------------------------
+    def checkpoint_uri(self, job_id: str) -> str | None:
+        """Where the job's instances upload their checkpoints, or None when checkpoints travel over SSH."""
+        if not self.config.checkpoint_bucket:
+            return None
+        prefix = "/".join(p for p in (self.config.checkpoint_prefix.strip("/"), job_id) if p)
+        return f"s3://{self.config.checkpoint_bucket}/{prefix}"
+
+    def checkpoint_store(self, job_id: str) -> S3CheckpointStore | None:
+        uri = self.checkpoint_uri(job_id)
+        if uri is None:
+            return None
+        if self._s3 is None:  # one client per adapter: clients are thread-safe and costly to build
+            self._s3 = s3_checkpoints.make_client(self.config.region, self.config.s3_endpoint_url, self._session)
+        bucket, prefix = s3_checkpoints.parse_uri(uri)
+        return S3CheckpointStore(self._s3, bucket, prefix)
 
     @classmethod
     def from_config(cls, config: Config, sink: EventSink | None = None, **kwargs: Any) -> Ec2Adapter:

@@ -86,6 +86,14 @@ class S3CheckpointStore:
         self.prefix = prefix.strip("/")
         self.config = transfer_config or DEFAULT_TRANSFER_CONFIG
 
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    @property
+    def region(self) -> str:
+        return str(self.client.meta.region_name or "us-east-1")
+
     def _key(self, name: str, rel: str = "") -> str:
         return f"{self.prefix}/{name}/{rel}" if self.prefix else f"{name}/{rel}"
 

@@ -260,10 +260,11 @@ class Ec2View:
         self.sim = sim
         self.admin_url = sim.admin_url
 
-    def config(self, tmp: Path, **sections: dict[str, Any]) -> Path:
+    def config(self, tmp: Path, provider: dict[str, Any] | None = None, **sections: dict[str, Any]) -> Path:
+        """A config for this cloud; `provider` adds to its `[providers.ec2]` table."""
         return write_config(
             tmp, None, **{"providers.ec2": {**self.sim.provider_config(), "instance_types": ["p3.2xlarge"],
-                                            "on_demand_usd_h": {"p3.2xlarge": P3_OD}},
+                                            "on_demand_usd_h": {"p3.2xlarge": P3_OD}, **(provider or {})},
                           "prices.V100": {"on_demand_usd_h": P3_OD, "spot_usd_h": P3_SPOT, "vram_gib": 16},
                           "budget": {"cycle_gpu": "V100"}, **sections})
 

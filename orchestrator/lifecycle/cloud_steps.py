@@ -2,6 +2,11 @@
 the supervisor; then poll it, pull checkpoints, and ask it for a last checkpoint. Each step is idempotent, so a
 daemon that died midway simply runs it again.
 
+Checkpoints travel over SSH, or through S3 when the provider has a checkpoint store (EC2 with
+`checkpoint_bucket`): then the instance uploads them in-region (the supervisor's `--s3-uri`), the daemon downloads
+them home from S3 (whether or not the instance still exists), and a resumed attempt downloads its starting point
+in-region. An attempt whose instance cannot upload (no boto3, no credentials) falls back to SSH.
+
 Remote layout, under the login directory of the instance:
     burst/runbooks/                 supervisor.py, burst_checkpoint.py (stdlib-only)
     burst/<job>/work/               the job's workdir
@@ -25,10 +30,12 @@ from orchestrator.lifecycle import checkpoints
 from orchestrator.remote import ssh, sync
 from providers.base import InstanceInfo, Provider
 from runbooks import burst_checkpoint
+from runbooks.checkpoint_transfer import PulledCheckpoints, TransferError
+from runbooks.s3_checkpoints import S3CheckpointStore
 from state import schema as s
 
 RUNBOOKS = Path(__file__).resolve().parents[2] / "runbooks"
-RUNBOOK_FILES = ("supervisor.py", "burst_checkpoint.py")
+RUNBOOK_FILES = ("supervisor.py", "burst_checkpoint.py", "checkpoint_transfer.py", "s3_checkpoints.py")
 EXCLUDE = (".git", "__pycache__", "*.pyc", ".venv")
 
 
@@ -107,6 +114,35 @@ class CloudSteps:
                 trust.put(att["instance_id"], target.host_key)
         return True
 
+    # --- the checkpoint store in S3, when the provider has one ----------------------------------------------------
+    def s3_store(self, att: dict[str, Any], job: dict[str, Any]) -> S3CheckpointStore | None:
+        """The job's S3 checkpoint store, unless its provider has none or this attempt's instance cannot upload."""
+        if att["info"].get("s3_unavailable"):
+            return None
+        make = getattr(self.providers.get(att["provider"]), "checkpoint_store", None)  # optional capability
+        return make(job["id"]) if make is not None else None
+
+    def checkpoints_outlive_instance(self, att: dict[str, Any], job: dict[str, Any]) -> bool:
+        """True when the instance's checkpoints can still be fetched after it is gone (they are in S3)."""
+        return self.s3_store(att, job) is not None
+
+    def _download_on_instance(self, conn: Any, att: dict[str, Any], store: S3CheckpointStore, name: str,
+                              base: str, jobdir: str) -> str | None:
+        """The resume checkpoint fetched in-region by the instance itself; None if it could not (then SSH)."""
+        argv = ["python3", f"{base}/runbooks/s3_checkpoints.py", "download", "--uri", store.uri, "--name", name,
+                "--dir", f"{jobdir}/checkpoints", "--region", store.region]
+        res = ssh.run(conn, argv, timeout=1800, check=False)
+        lines = res.stdout.strip().splitlines()
+        try:
+            out = json.loads(lines[-1]) if lines else {}
+        except ValueError:
+            out = {}
+        if res.exit_code != 0 or out.get("downloaded") != name:
+            self.app.events.emit("checkpoint.s3_download_failed", job_id=att["job_id"], attempt_id=att["id"],
+                                 checkpoint=name, error=str(out.get("error") or res.stderr[-300:])[:300])
+            return None
+        return f"{jobdir}/checkpoints/{name}"
+
     # --- bootstrap and start ------------------------------------------------------------------------------------
     def bootstrap_and_start(self, att: dict[str, Any], job: dict[str, Any], resume_from: Path | None
                             ) -> dict[str, float]:
@@ -135,7 +171,19 @@ class CloudSteps:
         timings["push_workdir"] = time.monotonic() - t
 
         remote_resume = None
-        if resume_from is not None:
+        s3 = self.s3_store(att, job)
+        if resume_from is not None and s3 is not None:
+            t = time.monotonic()
+            try:
+                in_s3 = resume_from.name in s3.list_complete()
+            except TransferError:
+                in_s3 = False
+            if in_s3:
+                with ssh.connect(target, trust=trust) as conn:
+                    remote_resume = self._download_on_instance(conn, att, s3, resume_from.name, base, jobdir)
+                if remote_resume is not None:
+                    timings["s3_download_checkpoint"] = time.monotonic() - t
+        if resume_from is not None and remote_resume is None:
             t = time.monotonic()
             pushed = sync.push_checkpoint(target, trust, checkpoints.store_dir(self.app.config, job["id"]),
                                           f"{jobdir}/checkpoints")
@@ -151,6 +199,8 @@ class CloudSteps:
             argv.append("--torchrun")
         if remote_resume:
             argv += ["--resume-from", remote_resume]
+        if s3 is not None:
+            argv += ["--s3-uri", s3.uri, "--s3-region", s3.region]
         url = notice_url(self.providers[att["provider"]], att["instance_id"])
         if url:
             argv += ["--metadata-url", url]
@@ -188,16 +238,23 @@ class CloudSteps:
             conn.close()
         return json.loads(res.stdout.strip().splitlines()[-1])
 
-    def pull(self, att: dict[str, Any], job: dict[str, Any]) -> list[Path]:
-        base, _ = self._remote(att)
+    def pull(self, att: dict[str, Any], job: dict[str, Any]) -> PulledCheckpoints:
+        """The newest checkpoint home: from S3 when the instance uploads there, else from the instance over SSH."""
         store = checkpoints.store_dir(self.app.config, job["id"])
+        s3 = self.s3_store(att, job)
         # The daemon and `revert-local` may pull the same job at once: one at a time per job's store.
         with checkpoints.store_lock(self.app.config, job["id"]):
-            pulled = sync.pull_checkpoints(self.target(att), self.trust(att), f"{base}/{job['id']}/checkpoints",
-                                           store, newest_only=True)
+            if s3 is not None:
+                pulled = s3.pull_new(store, newest_only=True)
+            else:
+                base, _ = self._remote(att)
+                pulled = sync.pull_checkpoints(self.target(att), self.trust(att),
+                                               f"{base}/{job['id']}/checkpoints", store, newest_only=True)
             if pulled:
                 burst_checkpoint.prune(store, keep=checkpoints.KEEP)  # multi-GB checkpoints: keep the newest few
-        return list(pulled)
+                if s3 is not None:
+                    s3.prune(keep=checkpoints.KEEP)  # what is home need not be paid for in S3 as well
+        return pulled
 
     def request_checkpoint(self, att: dict[str, Any]) -> None:
         """SIGTERM through the supervisor: the trainer writes a last checkpoint and exits."""

@@ -604,6 +604,7 @@ class Reconciler:
             info["metrics"] = status["metrics"]  # what the trainer reports: progress, throughput, peak VRAM
         hb = status.get("heartbeat") or {}
         ex = status.get("exit")
+        self._watch_s3_uploads(att, job, info, (ex or {}).get("s3") or status.get("s3"), exited=ex is not None)
         # Staleness is how long, on this process's monotonic clock, the instance's heartbeat has not changed:
         # comparing its timestamp with the wall clock calls a healthy run lost when either clock jumps. A
         # restarted daemon watches for a full timeout again.
@@ -633,12 +634,23 @@ class Reconciler:
         with self.store.tx() as conn:
             conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
 
+    def _watch_s3_uploads(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
+                          s3: dict[str, Any] | None, *, exited: bool) -> None:
+        """An instance that cannot upload to S3 (twice in a row, or for its last checkpoint) sends this attempt's
+        checkpoints home over SSH instead, said once."""
+        if not s3 or not s3.get("error") or info.get("s3_unavailable"):
+            return
+        if exited or int(s3.get("failures", 0)) >= 2:
+            info["s3_unavailable"] = self.app.redactor(str(s3["error"]))[:300]
+            self.emit("checkpoint.s3_unavailable", job_id=job["id"], attempt_id=att["id"],
+                      error=info["s3_unavailable"], fallback="ssh")
+
     def _pull(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
         """Bring the newest checkpoint home; False when the pull failed (nothing partial is visible). `info` is
         the attempt's, persisted by the caller."""
         started = time.monotonic()
         try:
-            new = self.cloud.pull(att, job)
+            new = self.cloud.pull({**att, "info": info}, job)
         except Exception as exc:
             self._pull_failed(att, job, info, exc)
             return False
@@ -655,7 +667,8 @@ class Reconciler:
                 self.store.update_job(job["id"], conn, checkpoint=new[-1].name)
                 self._measure(conn, att, "sync_s", took)
                 self.app.events.emit("checkpoint.synced", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                                     checkpoints=[p.name for p in new], seconds=round(took, 3))
+                                     checkpoints=[p.name for p in new], seconds=round(took, 3),
+                                     via=getattr(getattr(new, "stats", None), "transport", None))
         return True
 
     def _pull_failed(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], exc: Exception) -> None:
@@ -715,8 +728,10 @@ class Reconciler:
         """A preemption, seen by the provider's state, the notice, or heartbeat loss."""
         now = self.clock()
         info = dict(info or att["info"])
-        if inst is not None and not inst.state.gone and reason == "spot interruption notice":
-            self._pull(att, job, info)  # the supervisor made the trainer write a last checkpoint: fetch it
+        if (inst is not None and not inst.state.gone and reason == "spot interruption notice") \
+                or self.cloud.checkpoints_outlive_instance({**att, "info": info}, job):
+            # The trainer wrote a last checkpoint on the notice; or what the instance uploaded to S3 is there still.
+            self._pull(att, job, info)
         last_ckpt = info.get("last_checkpoint_at") or att["started_at"] or now
         lost_h = max(0.0, now - last_ckpt) / 3600.0 if att["started_at"] else 0.0
         with self.store.tx() as conn:

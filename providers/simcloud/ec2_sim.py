@@ -8,7 +8,11 @@ the daemon runs the whole lifecycle against boto3 and moto's server exactly as a
   `<private ip>:<ssh_port>` authorised for the key pair it was launched with; burstctl reaches it with
   `providers.ec2.ssh_address = "private"`, as it would through a VPN or bastion.
 - A metadata service per instance (`$AWS_EC2_METADATA_SERVICE_ENDPOINT` in its sessions, the AWS SDKs' own
-  override): 404 until a spot interruption notice, then the notice JSON; IMDSv2 tokens are handed out.
+  override): 404 until a spot interruption notice, then the notice JSON; IMDSv2 tokens are handed out; an
+  instance launched with an IAM instance profile gets its role's credentials there, as on EC2.
+- The image: the sessions' `python3` is this process's interpreter (boto3 included, like a deep-learning AMI),
+  and `$AWS_ENDPOINT_URL_S3` points boto3 on the instance at moto's S3 (the in-region endpoint).
+  `setup_checkpoint_bucket()` does the account set-up S3 checkpoints need: a bucket, a role, a profile.
 - A level-triggered loop compares moto's instances with the machines every `poll_s`: a running instance without a
   machine gets one; a machine whose instance stopped or terminated is killed with its processes and disk.
 - Spot interruption (`preempt`): the notice, then the machine dies and moto's record becomes terminated with
@@ -28,8 +32,10 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
+import sys
 import threading
 import time
 import urllib.request
@@ -56,6 +62,7 @@ LOOPBACK_VPC = "127.0.0.0/16"
 IMDS_VAR = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
 _ADMIN = re.compile(r"^/_sim/instances/(?P<id>[A-Za-z0-9-]+)/(?P<verb>notice|preempt)$")
 _IMDS = re.compile(r"^/(?P<id>i-[0-9a-f]+)/latest/(?P<rest>.*)$")
+_CREDENTIALS = "meta-data/iam/security-credentials/"
 
 
 @dataclass
@@ -129,6 +136,21 @@ class SimEc2:
             self._http.shutdown()
             self._http.server_close()
         self._moto.stop()
+
+    def setup_checkpoint_bucket(self, bucket: str = "burstctl-checkpoints",
+                                profile: str = "burstctl-checkpoints") -> dict[str, Any]:
+        """What a user does once for S3 checkpoints: a bucket, and an instance profile whose role the instances
+        get credentials of. Returns the `[providers.ec2]` settings that use them."""
+        session = boto3.Session(aws_access_key_id="simulated", aws_secret_access_key="simulated",
+                                region_name=self.region)
+        session.client("s3", endpoint_url=self.endpoint_url).create_bucket(Bucket=bucket)
+        iam = session.client("iam", endpoint_url=self.endpoint_url)
+        trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                         "Principal": {"Service": "ec2.amazonaws.com"}}]}
+        iam.create_role(RoleName=profile, AssumeRolePolicyDocument=json.dumps(trust))
+        iam.create_instance_profile(InstanceProfileName=profile)
+        iam.add_role_to_instance_profile(InstanceProfileName=profile, RoleName=profile)
+        return {"checkpoint_bucket": bucket, "instance_profile": profile, "s3_endpoint_url": self.endpoint_url}
 
     def provider_config(self) -> dict[str, Any]:
         """The `[providers.ec2]` settings that point burstctl at this cloud."""
@@ -233,11 +255,20 @@ class SimEc2:
 
     def _boot(self, instance_id: str, ip: str, public_key: str) -> None:
         try:
-            self.machines.start(instance_id, public_key, host=ip, port=self.ssh_port,
-                                env={IMDS_VAR: f"{self.admin_url}/{instance_id}"})
+            self.machines.start(instance_id, public_key, host=ip, port=self.ssh_port, env=self._image_env(instance_id))
         except (MachineStartError, OSError, ValueError):
             return  # as an instance that never becomes reachable: the daemon's boot timeout handles it
         self._booted.add(instance_id)
+
+    def _image_env(self, instance_id: str) -> dict[str, str]:
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "/usr/bin:/bin")])
+        return {IMDS_VAR: f"{self.admin_url}/{instance_id}", "AWS_ENDPOINT_URL_S3": self.endpoint_url,
+                "AWS_DEFAULT_REGION": self.region, "PATH": path}
+
+    def _role_of(self, instance_id: str) -> str | None:
+        association = self._backend().iam_instance_profile_associations.get(instance_id)
+        roles = association.iam_instance_profile.roles if association is not None else []
+        return roles[0].name if roles else None
 
     def _end(self, instance_id: str) -> None:
         record = self._records.get(instance_id)
@@ -245,9 +276,24 @@ class SimEc2:
             record.ended_at = time.time()
 
     # --- metadata and admin over HTTP ---------------------------------------------------------------------------
+    def _credentials(self, instance_id: str, role: str) -> tuple[int, Any]:
+        """The instance role's temporary credentials (moto's S3 accepts any), as EC2's metadata service shows."""
+        with self._lock:
+            actual = self._role_of(instance_id)
+        if actual is None or role not in ("", actual):
+            return 404, "Not Found"
+        if role == "":
+            return 200, actual
+        expires = datetime.fromtimestamp(time.time() + 6 * 3600, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return 200, {"Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": "ASIASIMULATEDROLE000",
+                     "SecretAccessKey": "simulated-role-secret", "Token": "simulated-role-token",
+                     "Expiration": expires, "LastUpdated": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
     def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         if method == "GET" and (m := _IMDS.match(path)):
             rest = m.group("rest")
+            if rest.startswith(_CREDENTIALS):
+                return self._credentials(m.group("id"), rest[len(_CREDENTIALS):])
             if rest != "meta-data/spot/instance-action":
                 return 404, "Not Found"
             with self._lock:
