@@ -157,6 +157,43 @@ def _signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def attempt_processes(run_dir: Path, job_id: str, attempt: int) -> list[int]:
+    """Live processes started with this attempt's contract environment (job, attempt, and the run dir through
+    BURST_METRICS_FILE): the command and everything it started, in its group or not. torchrun puts each worker in its
+    own session, so a SIGKILL to the command's group misses them (and they outlive a killed torchrun). Linux only
+    (/proc/PID/environ); elsewhere an empty list."""
+    wanted = {f"BURST_JOB_ID={job_id}".encode(), f"BURST_ATTEMPT={attempt}".encode(),
+              f"BURST_METRICS_FILE={Path(run_dir).resolve() / METRICS_FILE}".encode()}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = set(fh.read().split(b"\0"))
+        except OSError:
+            continue
+        fields = _proc_stat(int(entry))
+        if wanted <= env and fields and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _signal_pids(pids: list[int], sig: int) -> list[int]:
+    signalled = []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+        signalled.append(pid)
+    return signalled
+
+
 def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
     """KEY=VALUE lines (the job's `env` table). Blank lines and lines starting with '#' are skipped; the value is
     everything after the first '=', taken literally (no quotes, no expansion). Errors never echo a value."""
@@ -519,6 +556,7 @@ class Supervisor:
             elif kill_at is not None and now >= kill_at:
                 self.log(f"grace period over: SIGKILL to process group {child.pid}")
                 _signal_group(child.pid, signal.SIGKILL)
+                self._kill_strays()
                 kill_at = None
             if now >= next_heartbeat:
                 self.heartbeat()
@@ -529,12 +567,20 @@ class Supervisor:
         if group_alive(child.pid):  # the command left processes behind in its group: end them with it
             _signal_group(child.pid, signal.SIGKILL)
             self.log(f"killed leftover processes of group {child.pid}")
+        self._kill_strays()
         code = child.wait()
         exit_code, sig = (code, None) if code >= 0 else (None, -code)
         reason = stop_reason or ("completed" if code == 0 else "failed")
         if uploader:
             self._final_upload(uploader)
         return self._finish(exit_code, sig, reason)
+
+    def _kill_strays(self) -> None:
+        """SIGKILL what the command started outside its group (e.g. torchrun's workers) and left running."""
+        killed = _signal_pids(attempt_processes(self.run_dir, self.args.job_id, self.args.attempt), signal.SIGKILL)
+        if killed:
+            self.log(f"killed processes of this attempt outside group {self.child.pid if self.child else None}: "
+                     f"{killed}")
 
     def _final_upload(self, uploader: S3Uploader) -> None:
         """Before the exit is reported: whoever sees it may rely on the last checkpoint being in S3."""
@@ -703,13 +749,21 @@ def stop(run_dir: Path, grace_s: float) -> dict:
         os.kill(status["supervisor_pid"], signal.SIGTERM)
         return {"signalled": "supervisor", "pid": status["supervisor_pid"]}
     pgid = status["child_pgid"]
-    if not status["child_alive"]:
+    beat = status["heartbeat"] or {}
+
+    def strays() -> list[int]:  # the attempt's processes outside the group (torchrun's workers)
+        pids = attempt_processes(run_dir, beat["job_id"], beat["attempt"]) if beat.get("job_id") else []
+        return [pid for pid in pids if (fields := _proc_stat(pid)) and int(fields[2]) != pgid]
+
+    if not status["child_alive"] and not strays():
         return {"signalled": None}
     _signal_group(pgid, signal.SIGTERM)
+    _signal_pids(strays(), signal.SIGTERM)
     deadline = _now() + grace_s
-    while group_alive(pgid) and _now() < deadline:
+    while (group_alive(pgid) or strays()) and _now() < deadline:
         time.sleep(_TICK_S)
     killed = group_alive(pgid) and _signal_group(pgid, signal.SIGKILL)
+    killed = bool(_signal_pids(strays(), signal.SIGKILL)) or killed
     return {"signalled": "child-group", "pgid": pgid, "killed": bool(killed)}
 
 

@@ -138,3 +138,51 @@ def test_a_checkpoint_that_does_not_verify_is_refused_by_every_rank(tmp_path: Pa
     for rank in (0, 1):
         assert f"ddp_trainer: error: rank {rank}: BURST_RESUME_FROM={broken} is not a complete checkpoint" in stderr
     assert bc.list_complete(root / "ckpt") == []  # it never started over
+
+
+# A torchrun worker that ignores SIGTERM and records its pid: it outlives torchrun unless someone kills it.
+STUBBORN_WORKER = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(os.path.join(sys.argv[1], "worker-%s.pid" % os.environ["RANK"]), "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def start_stubborn(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    """The supervisor (grace 1 s) running torchrun with two SIGTERM-ignoring workers; returns it and their pids."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN_WORKER)
+    argv = [sys.executable, str(SUPERVISOR), "--run-dir", str(tmp_path / "run"), "--job-id", "stubborn",
+            "--attempt", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--workdir", str(tmp_path),
+            "--heartbeat-s", "0.5", "--grace-s", "1", "--gpus", "2", "--torchrun", "--",
+            str(script), str(tmp_path)]
+    proc = subprocess.Popen(argv, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_files = [tmp_path / "worker-0.pid", tmp_path / "worker-1.pid"]
+    wait_for(lambda: all(p.exists() and p.read_text() for p in pid_files), "both workers to start")
+    return proc, [int(p.read_text()) for p in pid_files]
+
+
+def test_after_the_grace_period_torchruns_workers_are_killed_too(tmp_path: Path) -> None:
+    # torchrun puts each worker in its own session, outside the group the supervisor SIGKILLs after the grace
+    # period; a worker that ignores SIGTERM must not outlive its attempt (on a real instance it holds the GPU).
+    proc, workers = start_stubborn(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert sv.read_json(tmp_path / "run" / sv.EXIT_FILE)["reason"] == "terminated"
+    wait_for(lambda: not any(sv.pid_alive(pid) for pid in workers), "the workers to be killed", timeout=20)
+    assert processes_of_job("stubborn") == []
+    assert "killed processes of this attempt outside group" in (tmp_path / "run" / "supervisor.log").read_text()
+
+
+def test_stop_after_the_supervisor_was_sigkilled_ends_torchrun_and_its_workers(tmp_path: Path) -> None:
+    proc, workers = start_stubborn(tmp_path)
+    proc.kill()  # the supervisor only: torchrun and the workers go on, in their own groups
+    proc.communicate(timeout=60)
+    assert all(sv.pid_alive(pid) for pid in workers)
+    out = subprocess.run([sys.executable, str(SUPERVISOR), "stop", "--run-dir", str(tmp_path / "run"),
+                          "--grace-s", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["killed"] is True
+    wait_for(lambda: not any(sv.pid_alive(pid) for pid in workers), "the workers to be killed", timeout=20)
+    assert processes_of_job("stubborn") == []
