@@ -495,43 +495,59 @@ def offline_optimum(trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSe
 
     # Values are kept for every work-left column, but each tick only updates the band that matters: at tick k
     # at most k ticks of work are done (w >= total - k*full) and what is more than the ticks left can do is a
-    # miss (inf, never written). The band is the slack wide, not the job wide.
-    idle = np.full((n_runs, total_u + 1), inf)
-    idle[:, 0] = 0.0
-    spot = [idle.copy() for _ in range(phases)]
-    od = [idle.copy() for _ in range(phases)]
+    # miss (inf, never written). The band is the slack wide, not the job wide. Column `pad + w` holds work left
+    # w; the `pad` columns below work 0 hold its value too (0: done), so reading the value after some progress
+    # is a slice, not a gather.
+    pad = full_u
+    idle = np.full((n_runs, pad + total_u + 1), inf)
+    idle[:, :pad + 1] = 0.0
+    # Phase 0 (the tick of a switch) is never the state after a tick, and there the choices are idle's: only
+    # phases 1.. are kept. od[h] / spot[h] is on-demand / spot at phase h.
+    od = {h: idle.copy() for h in range(1, phases)}
+    spot = {h: idle.copy() for h in range(1, phases)}
     spot_tick = job.spot_price * gap / 3600.0
     od_tick = job.od_price * gap / 3600.0
+    width = max(min((span - k) * full_u, total_u) - max(total_u - k * full_u, 1) + 1 for k in range(span))
+    start_od, start_spot, keep, new_idle = (np.empty((n_runs, width)) for _ in range(4))
+    new_od = {h: np.empty((n_runs, width)) for h in od}
+    new_spot = {h: np.empty((n_runs, width)) for h in spot}
     for k in range(span - 1, -1, -1):
         lo = max(total_u - k * full_u, 1)
         hi = min((span - k) * full_u, total_u)
         if lo > hi:
             continue
-        band = np.arange(lo, hi + 1)
+        n = hi - lo + 1
+        band = slice(pad + lo, pad + hi + 1)
 
-        def advance(v: np.ndarray, units: int, band: np.ndarray = band) -> np.ndarray:
-            """Value after making `units` of progress, for the band: column w reads column max(w - units, 0)."""
-            return v[:, np.maximum(band - units, 0)]
+        def after(v: np.ndarray, units: int, n: int = n, lo: int = lo) -> np.ndarray:
+            """Values after making `units` of progress, for the band: column w reads column max(w - units, 0)."""
+            return v[:, pad + lo - units:pad + lo - units + n]
 
-        up = windows[:, k][:, None]
-        idle_b = idle[:, lo:hi + 1]
-        start_od = od_tick + advance(od[min(1, phases - 1)], progress_at(0))
-        start_spot = np.where(up, spot_tick + advance(spot[min(1, phases - 1)], progress_at(0)), inf)
-        new_idle = np.minimum(np.minimum(idle_b, start_od), start_spot)
-        new_od = []
-        new_spot = []
-        for h in range(phases):
+        down = ~windows[:, k][:, None]
+        idle_b = idle[:, band]
+        first = min(1, phases - 1)  # the phase after a switch's first tick
+        s_od, s_spot, kp, n_idle = start_od[:, :n], start_spot[:, :n], keep[:, :n], new_idle[:, :n]
+        np.add(od_tick, after(od[first], progress_at(0)), out=s_od)
+        np.add(spot_tick, after(spot[first], progress_at(0)), out=s_spot)
+        np.copyto(s_spot, inf, where=down)  # spot cannot be started while it is gone
+        np.minimum(idle_b, s_od, out=n_idle)
+        np.minimum(n_idle, s_spot, out=n_idle)
+        for h in range(1, phases):
             nxt = min(h + 1, phases - 1)
-            keep_od = od_tick + advance(od[nxt], progress_at(h))
-            new_od.append(np.minimum(np.minimum(keep_od, idle_b), start_spot))
-            keep_spot = spot_tick + advance(spot[nxt], progress_at(h))
-            on_spot = np.minimum(np.minimum(keep_spot, idle_b), start_od)
-            new_spot.append(np.where(up, on_spot, new_idle))  # preempted: as if idle
-        idle[:, lo:hi + 1] = new_idle
-        for h in range(phases):
-            od[h][:, lo:hi + 1] = new_od[h]
-            spot[h][:, lo:hi + 1] = new_spot[h]
-    return idle[:, total_u], exact
+            out = new_od[h][:, :n]
+            np.add(od_tick, after(od[nxt], progress_at(h)), out=kp)
+            np.minimum(kp, idle_b, out=out)
+            np.minimum(out, s_spot, out=out)
+            out = new_spot[h][:, :n]
+            np.add(spot_tick, after(spot[nxt], progress_at(h)), out=kp)
+            np.minimum(kp, idle_b, out=out)
+            np.minimum(out, s_od, out=out)
+            np.copyto(out, n_idle, where=down)  # preempted: as if idle
+        idle[:, band] = n_idle
+        for h in range(1, phases):
+            od[h][:, band] = new_od[h][:, :n]
+            spot[h][:, band] = new_spot[h][:, :n]
+    return idle[:, pad + total_u], exact
 
 
 def availability_bound(trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSetting) -> np.ndarray:

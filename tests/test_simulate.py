@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from orchestrator.simulate import (
     JobSetting,
     Trace,
     TraceHistory,
+    deadline_ticks,
     load_traces,
     offline_optimum,
     refit_stats,
@@ -198,3 +200,101 @@ def test_trace_type_carries_gang_availability(tmp_path: Path) -> None:
     path = write_trace(tmp_path / "gang.json", [0, 4, 3, 4, 4])
     assert load_traces([path], nodes=4)[0].available.tolist() == [False, True, False, True, True]
     assert isinstance(load_traces([path])[0], Trace)
+
+
+def reference_offline_optimum(trace: Trace, starts: np.ndarray, job: JobSetting, max_work_units: int
+                              ) -> tuple[np.ndarray, bool]:
+    """The offline optimum computed the straightforward way (every phase, progress read by gathering columns):
+    the specification `offline_optimum` must match run for run."""
+    gap = round(trace.gap_seconds)  # traces use whole seconds per tick
+    delay = round(job.changeover_hours * 3600.0)
+    need = job.job_hours * 3600.0
+    zero_ticks, rem = divmod(delay, gap)  # ticks of a changeover with no progress, then one with gap - rem
+    partial = gap - rem
+    unit = math.gcd(gap, partial)
+    exact = math.ceil(need / unit - 1e-9) <= max_work_units
+    if not exact:
+        unit, partial = gap, gap
+    full_u, partial_u = gap // unit, partial // unit
+    total_u = math.ceil(need / unit - 1e-9)
+    span = deadline_ticks(job, trace.gap_seconds)
+    starts_arr = np.asarray(starts, dtype=np.int64)
+    windows = trace.available[starts_arr[:, None] + np.arange(span)[None, :]]  # (S, span)
+    n_runs = starts_arr.shape[0]
+    phases = zero_ticks + 2  # ticks since the switch: 0..zero_ticks+1 (the last means "changeover over")
+    inf = np.float64(np.inf)
+
+    def progress_at(phase: int) -> int:
+        return 0 if phase < zero_ticks else (partial_u if phase == zero_ticks else full_u)
+
+    # Values are kept for every work-left column, but each tick only updates the band that matters: at tick k
+    # at most k ticks of work are done (w >= total - k*full) and what is more than the ticks left can do is a
+    # miss (inf, never written). The band is the slack wide, not the job wide.
+    idle = np.full((n_runs, total_u + 1), inf)
+    idle[:, 0] = 0.0
+    spot = [idle.copy() for _ in range(phases)]
+    od = [idle.copy() for _ in range(phases)]
+    spot_tick = job.spot_price * gap / 3600.0
+    od_tick = job.od_price * gap / 3600.0
+    for k in range(span - 1, -1, -1):
+        lo = max(total_u - k * full_u, 1)
+        hi = min((span - k) * full_u, total_u)
+        if lo > hi:
+            continue
+        band = np.arange(lo, hi + 1)
+
+        def advance(v: np.ndarray, units: int, band: np.ndarray = band) -> np.ndarray:
+            """Value after making `units` of progress, for the band: column w reads column max(w - units, 0)."""
+            return v[:, np.maximum(band - units, 0)]
+
+        up = windows[:, k][:, None]
+        idle_b = idle[:, lo:hi + 1]
+        start_od = od_tick + advance(od[min(1, phases - 1)], progress_at(0))
+        start_spot = np.where(up, spot_tick + advance(spot[min(1, phases - 1)], progress_at(0)), inf)
+        new_idle = np.minimum(np.minimum(idle_b, start_od), start_spot)
+        new_od = []
+        new_spot = []
+        for h in range(phases):
+            nxt = min(h + 1, phases - 1)
+            keep_od = od_tick + advance(od[nxt], progress_at(h))
+            new_od.append(np.minimum(np.minimum(keep_od, idle_b), start_spot))
+            keep_spot = spot_tick + advance(spot[nxt], progress_at(h))
+            on_spot = np.minimum(np.minimum(keep_spot, idle_b), start_od)
+            new_spot.append(np.where(up, on_spot, new_idle))  # preempted: as if idle
+        idle[:, lo:hi + 1] = new_idle
+        for h in range(phases):
+            od[h][:, lo:hi + 1] = new_od[h]
+            spot[h][:, lo:hi + 1] = new_spot[h]
+    return idle[:, total_u], exact
+
+
+@pytest.mark.parametrize("max_work_units", [2000, 40])  # exact, and the relaxation with whole ticks
+def test_offline_optimum_is_the_straightforward_dp_run_for_run(max_work_units: int) -> None:
+    rng = np.random.default_rng(max_work_units)
+    kinds = set()
+    for _ in range(12):
+        gap = int(rng.choice([195, 300, 600, 900]))
+        job_h = float(rng.integers(1, 10))
+        job = JobSetting(job_hours=job_h, deadline_hours=job_h + float(rng.integers(0, 6)) + 0.5,
+                         changeover_hours=float(rng.choice([0.0, 0.05, 0.2, 0.25, 0.5, 1.0])), od_price=3.06,
+                         spot_price=0.9731)
+        ticks = math.ceil(job.deadline_hours * 3600 / gap) + 60
+        trace = Trace(name="random", path=Path("random.json"), gap_seconds=gap,
+                      available=rng.random(ticks) < rng.uniform(0.1, 0.9))
+        starts = sample_starts(trace, job, 15, rng)
+        costs, exact = offline_optimum(trace, starts, job, max_work_units=max_work_units)
+        expected, expected_exact = reference_offline_optimum(trace, starts, job, max_work_units)
+        assert exact == expected_exact
+        assert np.array_equal(costs, expected)
+        kinds.add(exact)
+    assert kinds == ({True} if max_work_units == 2000 else {True, False})
+
+
+@needs_traces
+def test_offline_optimum_on_setting_a_is_the_straightforward_dp_run_for_run() -> None:
+    trace = load_traces([SETTING_A_DIR / "us-west-2a_k80_8.json"], window=1781)[0]
+    starts = sample_starts(trace, PAPER_JOB, 40, np.random.default_rng(3))
+    costs, exact = offline_optimum(trace, starts, PAPER_JOB)
+    assert exact
+    assert np.array_equal(costs, reference_offline_optimum(trace, starts, PAPER_JOB, 2000)[0])
+    assert len(costs) == 40 and deadline_ticks(PAPER_JOB, trace.gap_seconds) == 360

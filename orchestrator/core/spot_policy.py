@@ -31,7 +31,8 @@ class Market(StrEnum):
     ON_DEMAND = "on-demand"
 
 
-# Integer codes of the markets in the array (batch) interface; `MARKETS[code]` is the Market.
+# Integer codes of the markets in the array (batch) interface; `MARKETS[code]` is the Market. `solve_plan` computes
+# actions in arithmetic on these values.
 IDLE_CODE, SPOT_CODE, OD_CODE = 0, 1, 2
 MARKETS: tuple[Market, Market, Market] = (Market.IDLE, Market.SPOT, Market.ON_DEMAND)
 MARKET_CODE: dict[Market, int] = {m: i for i, m in enumerate(MARKETS)}
@@ -41,9 +42,12 @@ MARKET_CODE: dict[Market, int] = {m: i for i, m in enumerate(MARKETS)}
 AGE_EDGES_H: tuple[float, ...] = (1 / 3, 2 / 3, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 24.0)
 
 
+_AGE_EDGES = np.asarray(AGE_EDGES_H)
+
+
 def age_bucket(age_h: np.ndarray | float) -> np.ndarray:
     """Bucket of a spot state that has lasted `age_h` hours (counting the current tick)."""
-    return np.searchsorted(np.asarray(AGE_EDGES_H), np.asarray(age_h) - 1e-9, side="left")
+    return np.searchsorted(_AGE_EDGES, np.asarray(age_h) - 1e-9, side="left")
 
 
 # Regimes: a zone goes through spells of days when spot is mostly there and spells when it mostly is not, and
@@ -302,9 +306,9 @@ class DPPlan:
     """The optimal action of the stochastic DP for every (ticks left, slack, market+phase, spot up/down, age).
 
     Time runs in DP steps of `step_h` (the decision tick); work and slack in units of step_h / `units_per_step`.
-    `actions[k, s, j, a, b, r]` is a `MARKET_CODE`: k steps left, s units of slack, j the market index (0 idle,
-    1..phases spot, phases+1..2*phases on-demand, by ticks since the switch), a spot up now, b age bucket,
-    r regime.
+    `actions[k, j, r, a, b, s]` is a `MARKET_CODE`: k steps left, j the market index (0 idle, 1..phases spot,
+    phases+1..2*phases on-demand, by ticks since the switch), r regime, a spot up now, b age bucket, s units of
+    slack.
     """
 
     step_h: float
@@ -318,18 +322,20 @@ class DPPlan:
                recent_up_fraction: np.ndarray | float = 1.0) -> np.ndarray:
         """The planned action for runs in these states (arrays or scalars broadcast together)."""
         m, unit = self.units_per_step, self.step_h / self.units_per_step
-        k_max, s_max = self.actions.shape[0] - 1, self.actions.shape[1] - 1
+        k_max, s_max = self.actions.shape[0] - 1, self.actions.shape[-1] - 1
         # Round against the job: whole steps left rounded down, work left rounded up.
-        k = np.clip(np.floor((deadline_hours - elapsed_h) / self.step_h + 1e-6).astype(np.int64), 0, k_max)
+        # (np.minimum/np.maximum rather than np.clip: the same, with a fraction of the overhead on small arrays)
+        k = np.floor((deadline_hours - elapsed_h) / self.step_h + 1e-6).astype(np.int64)
+        k = np.minimum(np.maximum(k, 0), k_max)
         w = np.ceil(np.maximum(job_hours - progress_h, 0.0) / unit - 1e-6).astype(np.int64)
-        s = np.clip(k * m - w, 0, s_max)
+        s = np.minimum(np.maximum(k * m - w, 0), s_max)
         # Phase: steps since the switch into the current market, from the changeover still to sit through.
         left_units = np.ceil(np.asarray(changeover_left_h) / unit - 1e-6).astype(np.int64)
-        phase = np.clip(-((left_units - self.changeover_units) // m), 0, self.phases - 1)
+        phase = np.minimum(np.maximum(-((left_units - self.changeover_units) // m), 0), self.phases - 1)
         market = np.asarray(market)
         j = np.where(market == SPOT_CODE, 1 + phase, np.where(market == OD_CODE, 1 + self.phases + phase, 0))
-        r = np.minimum(regime_of(recent_up_fraction), self.actions.shape[-1] - 1)
-        return self.actions[k, s, j, np.asarray(spot_available).astype(np.int64), age_bucket(age_h), r]
+        r = np.minimum(regime_of(recent_up_fraction), self.actions.shape[2] - 1)
+        return self.actions[k, j, r, np.asarray(spot_available).astype(np.int64), age_bucket(age_h), s]
 
 
 def _units_per_step(step_h: float, changeover_h: float, slack_h: float, max_slack_units: int) -> int:
@@ -350,6 +356,16 @@ def _units_per_step(step_h: float, changeover_h: float, slack_h: float, max_slac
     return best
 
 
+def _as_index(mask: np.ndarray) -> slice | np.ndarray | None:
+    """Where `mask` holds, as a slice when that is one range (indexing by a slice is a view, by a mask a copy)."""
+    where = np.flatnonzero(mask)
+    if where.size == 0:
+        return None
+    if where[-1] - where[0] + 1 == where.size:
+        return slice(int(where[0]), int(where[-1]) + 1)
+    return mask
+
+
 _MISS_USD = 1e6  # value of a state that cannot finish by R: far above any real cost, so the DP avoids it
 
 
@@ -361,6 +377,12 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     model turns it off. The shared safety net is part of the model (once engaged, on-demand to the end), so the
     plan never counts on what the net forbids. The slack (time left - work left, which never grows) replaces
     the work left as the state, so the table is small: the job's R - C at most.
+
+    Only what the next step reads is carried: the values of idle and of the phases a step ends in (a step never
+    ends in phase 0; idle, spot and on-demand at phase 0 face the same choice), spot's only where spot is up.
+    Arrays are (regime, up/down, age bucket, slack): slack shifts and bucket moves are contiguous slices and the
+    regime mixing is one matrix product. The float32 operations and their order are those of the straightforward
+    version in tests/test_spot_policy.py, which checks that the tables are the same, entry for entry.
     """
     slack_h = deadline_hours - job_hours
     m = _units_per_step(step_h, changeover_h, slack_h, max_slack_units)
@@ -374,87 +396,141 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     nxt = np.minimum(np.arange(phases) + 1, phases - 1)
     n_buckets = len(AGE_EDGES_H) + 1
     n_markets = 1 + 2 * phases
+    n_slack = s_max + 1
     spot_step, od_step = np.float32(spot_price * step_h), np.float32(od_price * step_h)
 
     # Transition of the availability state over one step, converted from the model's tick to the DP's step.
-    # Arrays are (up/down, age bucket, regime); the regime moves by its own chain, independently within a step.
+    # Arrays are (regime, up/down, age bucket); the regime moves by its own chain, independently within a step.
     ticks_per_step = max(round(step_h / model.tick_h), 1)
     leave = 1.0 - (1.0 - np.clip(model.hazards(), 0.0, 1.0)) ** (step_h / model.tick_h)
-    leave = np.moveaxis(leave, 0, -1)
     n_regimes = model.regimes
-    switch_t = np.linalg.matrix_power(np.asarray(model.regime_switch, dtype=float), ticks_per_step
-                                      ).T.astype(np.float32)
+    switch = np.linalg.matrix_power(np.asarray(model.regime_switch, dtype=float), ticks_per_step
+                                    ).astype(np.float32)
     widths_h = np.diff(np.concatenate(([0.0], AGE_EDGES_H)))
-    advance = np.zeros((2, n_buckets, 1))
-    advance[:, :-1, 0] = np.minimum(step_h / widths_h, 1.0)  # uniform ages within a bucket
-    # float32: the values are dollars with cents to spare, and half the memory traffic makes planning faster.
-    stay_same = ((1 - leave) * (1 - advance)).astype(np.float32)
-    stay_next = ((1 - leave) * advance).astype(np.float32)
-    leave = leave.astype(np.float32)
+    advance = np.zeros((1, 2, n_buckets))
+    advance[:, :, :-1] = np.minimum(step_h / widths_h, 1.0)  # uniform ages within a bucket
+    shape = (n_regimes, 2, n_buckets, n_slack)
 
-    s_idx = np.arange(s_max + 1)
+    def spread(a: np.ndarray) -> np.ndarray:
+        """float32 (values are dollars with cents to spare; half the memory traffic), spread over the slack axis
+        once, so that every product below runs over whole arrays."""
+        return np.ascontiguousarray(np.broadcast_to(a.astype(np.float32)[..., None], shape))
+
+    stay_same = spread((1 - leave) * (1 - advance))
+    stay_next = spread((1 - leave) * advance)
+    leave = spread(leave)
+
+    # The values a step reads: idle's, and those of the phases a step ends in (on-demand's, and spot's when up).
+    reads = sorted(set(nxt.tolist()))
+    read_at = {p: i for i, p in enumerate(reads)}
+    n_full = 1 + len(reads)  # idle, then on-demand at each phase read
+    value = np.zeros((n_full, *shape), dtype=np.float32)  # k = 0: done if s >= 0
+    value_spot = np.zeros((len(reads), n_regimes, n_buckets, n_slack), dtype=np.float32)
+    after, after_spot = np.empty_like(value), np.empty_like(value_spot)
+    # Expected values after a step, with `m` columns of misses below slack 0: a step that spends `by` units of
+    # slack reads columns m - by .. m - by + n_slack, a view instead of a shifted copy.
+    ev_pad = np.full((*value.shape[:-1], m + n_slack), _MISS_USD, dtype=np.float32)
+    ev = ev_pad[..., m:]
+    ev_spot_pad = np.full((*value_spot.shape[:-1], m + n_slack), _MISS_USD, dtype=np.float32)
+    ev_spot = ev_spot_pad[..., m:]
+    tmp, tmp_spot = np.empty_like(value), np.empty_like(value_spot)
+    q_od = np.empty((phases, *shape), dtype=np.float32)
+    q_spot = np.empty((phases, *value_spot.shape[1:]), dtype=np.float32)  # spot up only: down, it is no option
+    best = np.empty((phases, *shape), dtype=np.float32)  # min(idle, on-demand at phase p)
+    worse = np.empty((phases, *shape), dtype=bool)  # idle dearer than on-demand at phase p
+    spot_wins, od_wins = np.empty(value_spot.shape[1:], dtype=bool), np.empty(value_spot.shape[1:], dtype=bool)
+
+    s_idx = np.arange(n_slack)
     # Changeover units an on-demand finish still pays, per market index: all of d unless already on on-demand.
     chg_left = np.full(n_markets, d_units)
     chg_left[1 + phases:] = np.maximum(d_units - m * np.arange(phases), 0)
-
-    spot_phase_of = np.zeros(n_markets, dtype=np.int64)  # per market index: the spot phase a spot step runs in
-    spot_phase_of[1:1 + phases] = np.arange(phases)
-    od_phase_of = np.zeros(n_markets, dtype=np.int64)
-    od_phase_of[1 + phases:] = np.arange(phases)
-    not_spot = np.r_[0, 1 + phases:n_markets]
-    actions = np.empty((k_max + 1, s_max + 1, n_markets, 2, n_buckets, n_regimes), dtype=np.int8)
+    actions = np.empty((k_max + 1, n_markets, *shape), dtype=np.int8)
     actions[0] = IDLE_CODE
-    value = np.zeros((s_max + 1, n_markets, 2, n_buckets, n_regimes), dtype=np.float32)  # k = 0: done if s >= 0
-    inf = np.inf
 
-    def shift(v: np.ndarray, by: int) -> np.ndarray:
-        """v at slack s - by (a step that spends `by` units of slack); below zero is a miss."""
-        if by == 0:
-            return v
-        out = np.empty_like(v)
-        out[:by] = _MISS_USD
-        out[by:] = v[:-by]
-        return out
+    def choose(out: np.ndarray, worse: np.ndarray, spot: np.ndarray, best_other: np.ndarray) -> None:
+        """Spot (when up) if no dearer than min(idle, on-demand), else idle unless on-demand is cheaper (`worse`,
+        idle > on-demand): ties go to spot, then idle. In int8 arithmetic on the codes: idle 0, spot 1, OD 2."""
+        np.less_equal(spot, best_other[:, 1], out=spot_wins)
+        np.less(spot_wins, worse[:, 1], out=od_wins)  # on-demand only where spot does not win
+        flags = od_wins.view(np.int8)
+        np.add(flags, flags, out=out[:, 1])
+        np.bitwise_or(out[:, 1], spot_wins.view(np.int8), out=out[:, 1])
+        flags = worse[:, 0].view(np.int8)  # spot down
+        np.add(flags, flags, out=out[:, 0])
+
+    # Where the safety net engages and where the job is done, per steps left: a range of slack each (the net
+    # below some slack, done from k*m up), as the same float64 arithmetic the daemon's net uses.
+    steps = np.arange(k_max + 1)[:, None]
+    work_all = steps * m - s_idx
+    done_all = work_all <= 0
+    time_left_all = steps * step_h
+    work_h_all = np.maximum(work_all, 0) * unit
+    net_all = ~done_all & (
+        (time_left_all <= np.ceil((work_h_all + 2 * changeover_h) / step_h - _EPS_H) * step_h + _EPS_H)
+        | (time_left_all - step_h < work_h_all + changeover_h + _EPS_H))
 
     for k in range(1, k_max + 1):
-        # Expected value after the step, given the availability state before it: first over the next regime
-        # (one 2-D product; numpy's stacked matmul of tiny matrices is 5x slower)...
-        after = value if n_regimes == 1 else (value.reshape(-1, n_regimes) @ switch_t).reshape(value.shape)
-        # ...then over spot staying (ageing within or into the next bucket) or changing state.
-        nxt_bucket = np.concatenate((after[..., 1:, :], after[..., -1:, :]), axis=-2)
-        # Only idle and on-demand steps read `ev` (a spot step reads `ev_spot_up`): 0 idle, 1 + p on-demand.
-        kept, kept_next = after[:, not_spot], nxt_bucket[:, not_spot]
-        ev = stay_same * kept + stay_next * kept_next + leave * kept[:, :, ::-1, :1]
+        # Expected value after the step, given the availability state before it: first over the next regime...
+        if n_regimes == 1:
+            after, after_spot = value, value_spot
+        else:
+            np.matmul(switch, value.reshape(n_full, n_regimes, -1), out=after.reshape(n_full, n_regimes, -1))
+            np.matmul(switch, value_spot.reshape(len(reads), n_regimes, -1),
+                      out=after_spot.reshape(len(reads), n_regimes, -1))
+        # ...then over spot staying (ageing within or into the next bucket) or changing state (age 0 of the other).
+        np.multiply(stay_same, after, out=ev)
+        np.multiply(stay_next[:, :, :-1], after[..., 1:, :], out=tmp[..., :-1, :])
+        np.multiply(stay_next[:, :, -1:], after[..., -1:, :], out=tmp[..., -1:, :])
+        ev += tmp
+        np.multiply(leave, after[:, :, ::-1, :1], out=tmp)
+        ev += tmp
         # On spot, spot going away means preemption: the next step starts idle.
-        ev_spot_up = (stay_same[1] * after[:, 1:1 + phases, 1] + stay_next[1] * nxt_bucket[:, 1:1 + phases, 1]
-                      + leave[1] * after[:, :1, 0, :1])
-        q_idle = shift(ev[:, 0], m)[:, None]  # broadcasts over the current market
-        q_spot = np.full((s_max + 1, phases, 2, n_buckets, n_regimes), inf, dtype=np.float32)
-        q_od = np.empty((s_max + 1, phases, 2, n_buckets, n_regimes), dtype=np.float32)
+        np.multiply(stay_same[:, 1], after_spot, out=ev_spot)
+        np.multiply(stay_next[:, 1, :-1], after_spot[..., 1:, :], out=tmp_spot[..., :-1, :])
+        np.multiply(stay_next[:, 1, -1:], after_spot[..., -1:, :], out=tmp_spot[..., -1:, :])
+        ev_spot += tmp_spot
+        np.multiply(leave[:, 1], after[0, :, 0, :1], out=tmp_spot)
+        ev_spot += tmp_spot
+        # The cost of each choice: the step's price plus the value at the slack left after it.
+        q_idle = ev_pad[0, ..., :n_slack]  # an idle step spends m units of slack
         for p in range(phases):
-            q_spot[:, p, 1] = spot_step + shift(ev_spot_up[:, nxt[p]], int(loss[p]))
-            q_od[:, p] = od_step + shift(ev[:, 1 + nxt[p]], int(loss[p]))
-        # Per current market: staying continues its phase, switching starts at phase 0.
-        sp = q_spot[:, spot_phase_of]
-        od = q_od[:, od_phase_of]
-        best_other = np.minimum(q_idle, od)
-        new_value = np.minimum(sp, best_other)
-        new_actions = np.where(sp <= best_other, SPOT_CODE, np.where(q_idle <= od, IDLE_CODE, OD_CODE)
-                               ).astype(np.int8)  # ties go to spot, then idle
+            i, col = read_at[int(nxt[p])], m - int(loss[p])
+            np.add(od_step, ev_pad[1 + i, ..., col:col + n_slack], out=q_od[p])
+            np.add(spot_step, ev_spot_pad[i, ..., col:col + n_slack], out=q_spot[p])
+            np.minimum(q_idle, q_od[p], out=best[p])
+        # Values of the markets read next: staying continues its phase, switching starts at phase 0.
+        value[0, :, 0] = best[0, :, 0]
+        np.minimum(q_spot[0], best[0, :, 1], out=value[0, :, 1])
+        for p, i in read_at.items():
+            value[1 + i, :, 0] = best[p, :, 0]
+            np.minimum(q_spot[0], best[p, :, 1], out=value[1 + i, :, 1])
+            np.minimum(q_spot[p], best[0, :, 1], out=value_spot[i])
+        # Actions for every market and phase (idle, spot and on-demand at phase 0 face the same choice).
+        act = actions[k]
+        np.greater(q_idle, q_od[0], out=worse[0])
+        choose(act[0], worse[0], q_spot[0], best[0])
+        act[1] = act[0]
+        act[1 + phases] = act[0]
+        for p in range(1, phases):
+            choose(act[1 + p], worse[0], q_spot[p], best[0])
+            np.greater(q_idle, q_od[p], out=worse[p])
+            choose(act[1 + phases + p], worse[p], q_spot[0], best[p])
         # Done (work left <= 0): nothing more to pay. Safety net: on-demand to the end, whatever the plan says.
-        work = k * m - s_idx
-        done = work <= 0
-        time_left = k * step_h
-        work_h = np.maximum(work, 0) * unit
-        net = ~done & ((time_left <= np.ceil((work_h + 2 * changeover_h) / step_h - _EPS_H) * step_h + _EPS_H)
-                       | (time_left - step_h < work_h + changeover_h + _EPS_H))
-        forced = od_step * np.ceil((np.maximum(work, 0)[:, None] + chg_left[None, :]) / m)  # (s, market)
-        new_value[net] = forced[net][:, :, None, None, None]
-        new_actions[net] = OD_CODE
-        new_value[done] = 0.0
-        new_actions[done] = IDLE_CODE
-        value = new_value
-        actions[k] = new_actions
+        net = _as_index(net_all[k])
+        if net is not None:
+            # (slack, market): what finishing on on-demand costs from each
+            forced = od_step * np.ceil((np.maximum(work_all[k, net], 0)[:, None] + chg_left[None, :]) / m)
+            forced = forced.astype(np.float32)
+            value[0][..., net] = forced[:, 0]
+            for p, i in read_at.items():
+                value[1 + i][..., net] = forced[:, 1 + phases + p]
+                value_spot[i][..., net] = forced[:, 1 + p]
+            act[..., net] = OD_CODE
+        done = _as_index(done_all[k])
+        if done is not None:
+            value[..., done] = 0.0
+            value_spot[..., done] = 0.0
+            act[..., done] = IDLE_CODE
     return DPPlan(step_h=step_h, units_per_step=m, changeover_units=d_units, phases=phases, actions=actions)
 
 
