@@ -235,3 +235,12 @@ def test_bad_inputs_are_refused_before_anything_starts(backend: SshBackend, clie
     with pytest.raises(ValueError, match="not a safe name"):
         backend.start("../escape", client_key.public_line)
     assert backend.instance_ids() == []
+
+
+def test_commands_that_end_at_once_still_report_their_exit_status(backend: SshBackend, client_key: ClientKey) -> None:
+    # The command's exit status and close must not overtake the server's "exec accepted" reply: a client still
+    # waiting for that reply would see "Channel closed" (it once made the paramiko server flaky).
+    ep = backend.start("i-quick", client_key.public_line)
+    with connect(ep, client_key.pkey) as client:
+        results = [run(client, f"exit {n % 4}") for n in range(60)]
+    assert [code for code, _, _ in results] == [n % 4 for n in range(60)]

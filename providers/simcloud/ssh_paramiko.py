@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import paramiko
+from paramiko.common import cMSG_CHANNEL_FAILURE, cMSG_CHANNEL_SUCCESS
+from paramiko.message import Message
 from paramiko.sftp import SFTP_OK
 
 from providers.simcloud.ssh_keys import PublicKey
@@ -198,6 +200,32 @@ class _Session(paramiko.ServerInterface):
         return False
 
 
+class _ReplyOrderedTransport(paramiko.Transport):
+    """Tells when the reply to a channel's exec/shell request has gone out.
+
+    paramiko calls `check_channel_exec_request` and only then sends the request's success reply. A command that
+    ends at once (`nohup x &`) would have its exit status and close sent first, and the client, still waiting for
+    the reply, sees "Channel closed". So a command's output waits for its reply (`replied(channel)`)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self._awaiting: dict[int, threading.Event] = {}
+        self._awaiting_lock = threading.Lock()
+
+    def replied(self, channel: paramiko.Channel) -> threading.Event:
+        with self._awaiting_lock:
+            return self._awaiting.setdefault(channel.remote_chanid, threading.Event())
+
+    def _send_user_message(self, data: Message) -> None:  # paramiko's one path for channel replies
+        super()._send_user_message(data)
+        raw = data.asbytes()
+        if raw[:1] in (cMSG_CHANNEL_SUCCESS, cMSG_CHANNEL_FAILURE) and len(raw) >= 5:
+            with self._awaiting_lock:
+                event = self._awaiting.pop(int.from_bytes(raw[1:5], "big"), None)
+            if event is not None:
+                event.set()
+
+
 class ParamikoMachine:
     """One instance's SSH endpoint: a listening socket, its connections and the processes they started."""
 
@@ -233,7 +261,7 @@ class ParamikoMachine:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        transport = paramiko.Transport(conn)
+        transport = _ReplyOrderedTransport(conn)
         transport.add_server_key(self._host_key)
         transport.set_subsystem_handler("sftp", paramiko.SFTPServer, SandboxSftp, str(self.sandbox))
         with self._lock:
@@ -256,11 +284,13 @@ class ParamikoMachine:
             except OSError:
                 return False
             self._procs.append(proc)
-        threading.Thread(target=self._pump, args=(channel, proc), daemon=True).start()
+        replied = channel.get_transport().replied(channel)  # type: ignore[union-attr]
+        threading.Thread(target=self._pump, args=(channel, proc, replied), daemon=True).start()
         return True
 
-    def _pump(self, channel: paramiko.Channel, proc: subprocess.Popen[bytes]) -> None:
+    def _pump(self, channel: paramiko.Channel, proc: subprocess.Popen[bytes], replied: threading.Event) -> None:
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        replied.wait(timeout=10.0)  # nothing reaches the client before "exec accepted" (see _ReplyOrderedTransport)
 
         def copy_out(fd: int, send: Any) -> None:
             with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
