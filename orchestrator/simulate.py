@@ -26,6 +26,7 @@ from orchestrator.core.spot_policy import (
     DEFAULT_POLICY,
     IDLE_CODE,
     OD_CODE,
+    PLANS_CACHED,
     POLICIES,
     REGIME_EDGES,
     REGIME_WINDOW_H,
@@ -389,6 +390,7 @@ def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarra
     finished = np.full(runs, np.nan)
     active = done < need - _EPS_S
     refit_ticks = np.array([tick for tick, _ in refits], dtype=np.int64)
+    known = tuple(stats for _, stats in refits)
     k = 0
     while active.any():
         elapsed = k * gap
@@ -409,15 +411,9 @@ def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarra
             elapsed_h=np.full(runs, elapsed / 3600.0), progress_h=done / 3600.0, market=market.copy(),
             spot_available=up, changeover_left_h=changeover_left / 3600.0,
             spot_state_for_h=history.run_age_h[t] if history is not None else np.zeros(runs), stats=stats,
-            recent_up_fraction=history.recent_up_fraction[t] if history is not None else None)
-        if refits:
-            action = np.empty(runs, dtype=np.int8)
-            which = np.searchsorted(refit_ticks, t, side="right") - 1
-            for g in np.unique(which):
-                sel = which == g
-                action[sel] = policy.decide_batch(batch.subset(sel, refits[max(int(g), 0)][1]))
-        else:
-            action = np.asarray(policy.decide_batch(batch), dtype=np.int8)
+            recent_up_fraction=history.recent_up_fraction[t] if history is not None else None, known=known,
+            which=np.maximum(np.searchsorted(refit_ticks, t, side="right") - 1, 0) if refits else None)
+        action = np.asarray(policy.decide_batch(batch), dtype=np.int8)
         bad = active & ~forced_od & (action == SPOT_CODE) & ~up
         if bad.any():
             raise ValueError(f"policy {policy.name!r} chose spot while spot is unavailable")
@@ -695,11 +691,18 @@ def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSett
     group = np.searchsorted(schedule, starts, side="right") - 1
     known: dict[int, AvailabilityStats] = {}
     parts = []
-    # Runs are replayed in groups by the refit before their start, so the few models a group passes through
-    # are planned once each (all runs at once would cycle through every model of the trace, every tick).
+    # Runs are replayed in batches by the refit before their start: each batch passes through no more models than
+    # the plan cache holds, so each model is planned once per trace, and every tick decides a whole batch at once.
+    batches: list[tuple[list[int], int]] = []  # (groups, first model)
     for g in np.unique(group):
-        idx = np.flatnonzero(group == g)
-        ticks = schedule[g:np.searchsorted(schedule, int(starts[idx].max()) + span, side="right")]
+        end = int(np.searchsorted(schedule, int(starts[group == g].max()) + span, side="right"))
+        if batches and end - batches[-1][1] <= PLANS_CACHED:
+            batches[-1][0].append(int(g))
+        else:
+            batches.append(([int(g)], int(g)))
+    for groups, first in batches:
+        idx = np.flatnonzero(np.isin(group, groups))
+        ticks = schedule[first:np.searchsorted(schedule, int(starts[idx].max()) + span, side="right")]
         for tick in ticks:
             if int(tick) not in known:
                 known[int(tick)] = refit_stats(trace, history, seen_too, int(tick))
@@ -708,13 +711,19 @@ def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSett
     return BatchOutcome.concat(parts, starts.shape[0])
 
 
+def _run_task(trace: Trace, starts: np.ndarray, job: JobSetting, others: Sequence[Trace], name: str | None
+              ) -> BatchOutcome | tuple[float, bool, float]:
+    """One task of `simulate`: a policy's replay of one trace, or (name None) the trace's offline optimum."""
+    return _offline_all(trace, starts, job) if name is None else _replay_all(name, trace, starts, job, others)
+
+
 def _offline_all(trace: Trace, starts: np.ndarray, job: JobSetting) -> tuple[float, bool, float]:
     costs, exact = offline_optimum(trace, starts, job)
     return float(costs.sum()), exact, float(availability_bound(trace, starts, job).sum())
 
 
 def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetting, *, starts: int = 300,
-             seed: int = 0, workers: int | None = None, on_step: Callable[[int], None] | None = None
+             seed: int = 0, workers: int | None = None, on_step: Callable[[], None] | None = None
              ) -> SimulationReport:
     """Replay each policy over the same `starts` random start ticks of every trace (paired comparison).
 
@@ -730,45 +739,46 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
         raise BadInput("must be a positive number of runs per trace", field="starts")
     rng = np.random.default_rng(seed)
     trace_starts = [sample_starts(t, job, starts, rng) for t in traces]
-    summaries = {name: PolicySummary(name) for name in policy_names}
-    offline_total = bound_total = 0.0
-    all_exact = True
     workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
     # Each zone's model is shrunk towards what the other zones given (same tick, same clock) showed until then.
     others = [[o for j, o in enumerate(traces) if j != i and o.gap_seconds == t.gap_seconds]
               for i, t in enumerate(traces)]
+    # One task per trace and policy, and one per trace for the offline optimum (name None). Longest first: a
+    # policy that learns from history plans a model per refit, then the offline DP, then the cheap rules; so the
+    # processes finish together instead of one waiting on a long task handed out last.
+    tasks = [(i, name) for i in range(len(traces)) for name in [*policy_names, None]]
+    tasks.sort(key=lambda task: 1 if task[1] is None else 0 if getattr(POLICIES[task[1]], "uses_history", False)
+               else 2)
 
-    def collect_runs(name: str, runs: BatchOutcome) -> None:
-        summaries[name].add_batch(runs)
-        if on_step:
-            on_step()
+    replays: dict[tuple[int, str], BatchOutcome] = {}
+    offline: dict[int, tuple[float, bool, float]] = {}
 
-    def collect_offline(result: tuple[float, bool, float]) -> None:
-        nonlocal offline_total, bound_total, all_exact
-        offline_total += result[0]
-        all_exact &= result[1]
-        bound_total += result[2]
+    def collect(task: tuple[int, str | None], result: BatchOutcome | tuple[float, bool, float]) -> None:
+        i, name = task
+        if isinstance(result, BatchOutcome) and name is not None:
+            replays[(i, name)] = result
+        elif isinstance(result, tuple):
+            offline[i] = result
         if on_step:
             on_step()
 
     if workers <= 1:
-        for trace, ts, seen_too in zip(traces, trace_starts, others, strict=True):
-            for name in policy_names:
-                collect_runs(name, _replay_all(name, trace, ts, job, seen_too))
-            collect_offline(_offline_all(trace, ts, job))
+        for i, name in tasks:
+            collect((i, name), _run_task(traces[i], trace_starts[i], job, others[i], name))
     else:
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = {}
-            for trace, ts, seen_too in zip(traces, trace_starts, others, strict=True):
-                futures[pool.submit(_offline_all, trace, ts, job)] = None
-                for name in policy_names:
-                    futures[pool.submit(_replay_all, name, trace, ts, job, seen_too)] = name
+            futures = {pool.submit(_run_task, traces[i], trace_starts[i], job, others[i], name): (i, name)
+                       for i, name in tasks}
             for fut in as_completed(futures):
-                name = futures[fut]
-                if name is None:
-                    collect_offline(fut.result())
-                else:
-                    collect_runs(name, fut.result())
+                collect(futures[fut], fut.result())
+    # Summed in trace order, whatever order the tasks finished in: the figures do not depend on `workers`.
+    summaries = {name: PolicySummary(name) for name in policy_names}
+    for i in range(len(traces)):
+        for name in policy_names:
+            summaries[name].add_batch(replays[(i, name)])
+    offline_total = sum(offline[i][0] for i in range(len(traces)))
+    all_exact = all(offline[i][1] for i in range(len(traces)))
+    bound_total = sum(offline[i][2] for i in range(len(traces)))
     n = starts * len(traces)
     return SimulationReport(
         job=job,

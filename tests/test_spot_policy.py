@@ -136,6 +136,33 @@ def test_array_path_decides_exactly_as_the_scalar_path(
     assert batched == [policy.decide(batch.state(i)) for i in range(len(runs))]
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.floats(0, 14), st.floats(0, 10), st.sampled_from([0, 1, 2]), st.booleans(),
+                            st.sampled_from([0.0, 0.05, 0.1, 0.2]), st.floats(0.1, 30), st.floats(0, 1),
+                            st.sampled_from([0, 1, 2])), min_size=1, max_size=30),
+)
+def test_dp_decides_runs_knowing_different_models_as_each_alone(
+    runs: list[tuple[float, float, int, bool, float, float, float, int]]
+) -> None:
+    # A replay's runs that have passed different refits are decided in one batch (`known`, `which`); each run
+    # must get what the daemon's scalar path would decide knowing its own model.
+    n = len(AGE_EDGES_H) + 1
+    models = [SpotModel(tick_h=0.1, leave=((0.6,) * n, (0.02,) * n)),
+              SpotModel(tick_h=0.1, leave=(((0.05,) * n, (0.4,) * n), ((0.3,) * n, (0.01,) * n)),
+                        regime_switch=((0.99, 0.01), (0.01, 0.99))),
+              SpotModel(tick_h=0.1, leave=((0.001,) * n, (0.02,) * n))]
+    known = tuple(AvailabilityStats(0.5, 1.0, 1.0, 100.0, model=m) for m in models)
+    cols = list(zip(*runs, strict=True))
+    batch = SpotBatch(job_hours=10.0, deadline_hours=14.0, changeover_h=0.2, tick_h=0.1, od_price=3.0,
+                      spot_price=1.0, elapsed_h=np.array(cols[0]), progress_h=np.array(cols[1]),
+                      market=np.array(cols[2], dtype=np.int8), spot_available=np.array(cols[3]),
+                      changeover_left_h=np.array(cols[4]), spot_state_for_h=np.array(cols[5]),
+                      recent_up_fraction=np.array(cols[6]), known=known, which=np.array(cols[7]))
+    dp = POLICIES[DEFAULT_POLICY]
+    assert [MARKETS[c] for c in dp.decide_batch(batch)] == [dp.decide(batch.state(i)) for i in range(len(runs))]
+
+
 def test_dp_policy_waits_out_a_brief_outage_but_keeps_on_demand_when_spot_is_not_coming_back() -> None:
     # A zone whose outages mostly end within a tick or two: with slack to spare, a fresh outage is waited out.
     dp = POLICIES[DEFAULT_POLICY]
@@ -301,6 +328,6 @@ def test_fast_plan_is_the_straightforward_backward_induction_entry_for_entry(
     plan = solve_plan(*args)
     expected = reference_actions(*args)
     assert plan.actions.shape[0] == expected.shape[0]
-    assert np.array_equal(plan.actions.transpose(0, 5, 1, 3, 4, 2), expected)
+    assert np.array_equal(plan.actions.transpose(0, 5, 1, 2, 4, 3), expected)
     # and the plan is not trivial: every action occurs
     assert {IDLE_CODE, SPOT_CODE, OD_CODE} <= set(np.unique(plan.actions).tolist())

@@ -163,16 +163,14 @@ class SpotBatch:
     spot_state_for_h: np.ndarray
     stats: AvailabilityStats | None = None
     recent_up_fraction: np.ndarray | None = None  # None: 1.0 for every run
+    # Runs that know different things (a replay's runs that have passed different refits): run i knows
+    # `known[which[i]]`, and `stats` is unused.
+    known: tuple[AvailabilityStats | None, ...] = ()
+    which: np.ndarray | None = None
 
-    def subset(self, sel: np.ndarray, stats: AvailabilityStats | None) -> SpotBatch:
-        """The runs picked by `sel` (a mask or indices), knowing `stats`."""
-        return SpotBatch(
-            job_hours=self.job_hours, deadline_hours=self.deadline_hours, changeover_h=self.changeover_h,
-            tick_h=self.tick_h, od_price=self.od_price, spot_price=self.spot_price, elapsed_h=self.elapsed_h[sel],
-            progress_h=self.progress_h[sel], market=self.market[sel], spot_available=self.spot_available[sel],
-            changeover_left_h=self.changeover_left_h[sel], spot_state_for_h=self.spot_state_for_h[sel],
-            stats=stats,
-            recent_up_fraction=None if self.recent_up_fraction is None else self.recent_up_fraction[sel])
+    def stats_of(self, i: int) -> AvailabilityStats | None:
+        """What run i knows."""
+        return self.stats if self.which is None else self.known[int(self.which[i])]
 
     def state(self, i: int) -> SpotState:
         """Run i as the `SpotState` the scalar path sees."""
@@ -181,7 +179,7 @@ class SpotBatch:
             progress_h=float(self.progress_h[i]), market=MARKETS[int(self.market[i])],
             spot_available=bool(self.spot_available[i]), changeover_left_h=float(self.changeover_left_h[i]),
             changeover_h=self.changeover_h, tick_h=self.tick_h, od_price=self.od_price, spot_price=self.spot_price,
-            spot_state_for_h=float(self.spot_state_for_h[i]), stats=self.stats,
+            spot_state_for_h=float(self.spot_state_for_h[i]), stats=self.stats_of(i),
             recent_up_fraction=1.0 if self.recent_up_fraction is None else float(self.recent_up_fraction[i]))
 
 
@@ -306,8 +304,8 @@ class DPPlan:
     """The optimal action of the stochastic DP for every (ticks left, slack, market+phase, spot up/down, age).
 
     Time runs in DP steps of `step_h` (the decision tick); work and slack in units of step_h / `units_per_step`.
-    `actions[k, j, r, a, b, s]` is a `MARKET_CODE`: k steps left, j the market index (0 idle, 1..phases spot,
-    phases+1..2*phases on-demand, by ticks since the switch), r regime, a spot up now, b age bucket, s units of
+    `actions[k, j, a, r, b, s]` is a `MARKET_CODE`: k steps left, j the market index (0 idle, 1..phases spot,
+    phases+1..2*phases on-demand, by ticks since the switch), a spot up now, r regime, b age bucket, s units of
     slack.
     """
 
@@ -317,10 +315,11 @@ class DPPlan:
     phases: int
     actions: np.ndarray = field(repr=False)
 
-    def lookup(self, elapsed_h: np.ndarray, progress_h: np.ndarray, market: np.ndarray, spot_available: np.ndarray,
-               changeover_left_h: np.ndarray, age_h: np.ndarray, deadline_hours: float, job_hours: float,
-               recent_up_fraction: np.ndarray | float = 1.0) -> np.ndarray:
-        """The planned action for runs in these states (arrays or scalars broadcast together)."""
+    def index(self, elapsed_h: np.ndarray, progress_h: np.ndarray, market: np.ndarray, spot_available: np.ndarray,
+              changeover_left_h: np.ndarray, age_h: np.ndarray, deadline_hours: float, job_hours: float,
+              recent_up_fraction: np.ndarray | float = 1.0) -> np.ndarray:
+        """Where runs in these states (arrays or scalars broadcast together) are in `actions.reshape(-1)`: the
+        same in every plan of the same job and shape, whatever its model."""
         m, unit = self.units_per_step, self.step_h / self.units_per_step
         k_max, s_max = self.actions.shape[0] - 1, self.actions.shape[-1] - 1
         # Round against the job: whole steps left rounded down, work left rounded up.
@@ -334,8 +333,16 @@ class DPPlan:
         phase = np.minimum(np.maximum(-((left_units - self.changeover_units) // m), 0), self.phases - 1)
         market = np.asarray(market)
         j = np.where(market == SPOT_CODE, 1 + phase, np.where(market == OD_CODE, 1 + self.phases + phase, 0))
-        r = np.minimum(regime_of(recent_up_fraction), self.actions.shape[2] - 1)
-        return self.actions[k, j, r, np.asarray(spot_available).astype(np.int64), age_bucket(age_h), s]
+        r = np.minimum(regime_of(recent_up_fraction), self.actions.shape[3] - 1)
+        return np.ravel_multi_index((k, j, np.asarray(spot_available).astype(np.int64), r, age_bucket(age_h), s),
+                                    self.actions.shape)
+
+    def lookup(self, elapsed_h: np.ndarray, progress_h: np.ndarray, market: np.ndarray, spot_available: np.ndarray,
+               changeover_left_h: np.ndarray, age_h: np.ndarray, deadline_hours: float, job_hours: float,
+               recent_up_fraction: np.ndarray | float = 1.0) -> np.ndarray:
+        """The planned action for runs in these states (arrays or scalars broadcast together)."""
+        return self.actions.reshape(-1)[self.index(elapsed_h, progress_h, market, spot_available, changeover_left_h,
+                                                   age_h, deadline_hours, job_hours, recent_up_fraction)]
 
 
 def _units_per_step(step_h: float, changeover_h: float, slack_h: float, max_slack_units: int) -> int:
@@ -380,9 +387,10 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
 
     Only what the next step reads is carried: the values of idle and of the phases a step ends in (a step never
     ends in phase 0; idle, spot and on-demand at phase 0 face the same choice), spot's only where spot is up.
-    Arrays are (regime, up/down, age bucket, slack): slack shifts and bucket moves are contiguous slices and the
-    regime mixing is one matrix product. The float32 operations and their order are those of the straightforward
-    version in tests/test_spot_policy.py, which checks that the tables are the same, entry for entry.
+    Arrays are (up/down, regime, age bucket, slack): the halves for spot up and down, bucket moves and slack
+    shifts are contiguous slices, and the regime mixing is a matrix product. The float32 operations and their
+    order are those of the straightforward version in tests/test_spot_policy.py, which checks that the tables
+    are the same, entry for entry.
     """
     slack_h = deadline_hours - job_hours
     m = _units_per_step(step_h, changeover_h, slack_h, max_slack_units)
@@ -400,16 +408,16 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     spot_step, od_step = np.float32(spot_price * step_h), np.float32(od_price * step_h)
 
     # Transition of the availability state over one step, converted from the model's tick to the DP's step.
-    # Arrays are (regime, up/down, age bucket); the regime moves by its own chain, independently within a step.
+    # Arrays are (up/down, regime, age bucket); the regime moves by its own chain, independently within a step.
     ticks_per_step = max(round(step_h / model.tick_h), 1)
-    leave = 1.0 - (1.0 - np.clip(model.hazards(), 0.0, 1.0)) ** (step_h / model.tick_h)
+    leave = 1.0 - (1.0 - np.clip(model.hazards().swapaxes(0, 1), 0.0, 1.0)) ** (step_h / model.tick_h)
     n_regimes = model.regimes
     switch = np.linalg.matrix_power(np.asarray(model.regime_switch, dtype=float), ticks_per_step
                                     ).astype(np.float32)
     widths_h = np.diff(np.concatenate(([0.0], AGE_EDGES_H)))
-    advance = np.zeros((1, 2, n_buckets))
+    advance = np.zeros((1, 1, n_buckets))
     advance[:, :, :-1] = np.minimum(step_h / widths_h, 1.0)  # uniform ages within a bucket
-    shape = (n_regimes, 2, n_buckets, n_slack)
+    shape = (2, n_regimes, n_buckets, n_slack)
 
     def spread(a: np.ndarray) -> np.ndarray:
         """float32 (values are dollars with cents to spare; half the memory traffic), spread over the slack axis
@@ -435,10 +443,10 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     ev_spot = ev_spot_pad[..., m:]
     tmp, tmp_spot = np.empty_like(value), np.empty_like(value_spot)
     q_od = np.empty((phases, *shape), dtype=np.float32)
-    q_spot = np.empty((phases, *value_spot.shape[1:]), dtype=np.float32)  # spot up only: down, it is no option
+    q_spot = np.empty((phases, *shape[1:]), dtype=np.float32)  # spot up only: down, it is no option
     best = np.empty((phases, *shape), dtype=np.float32)  # min(idle, on-demand at phase p)
     worse = np.empty((phases, *shape), dtype=bool)  # idle dearer than on-demand at phase p
-    spot_wins, od_wins = np.empty(value_spot.shape[1:], dtype=bool), np.empty(value_spot.shape[1:], dtype=bool)
+    spot_wins, od_wins = np.empty(shape[1:], dtype=bool), np.empty(shape[1:], dtype=bool)
 
     s_idx = np.arange(n_slack)
     # Changeover units an on-demand finish still pays, per market index: all of d unless already on on-demand.
@@ -450,13 +458,13 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     def choose(out: np.ndarray, worse: np.ndarray, spot: np.ndarray, best_other: np.ndarray) -> None:
         """Spot (when up) if no dearer than min(idle, on-demand), else idle unless on-demand is cheaper (`worse`,
         idle > on-demand): ties go to spot, then idle. In int8 arithmetic on the codes: idle 0, spot 1, OD 2."""
-        np.less_equal(spot, best_other[:, 1], out=spot_wins)
-        np.less(spot_wins, worse[:, 1], out=od_wins)  # on-demand only where spot does not win
+        np.less_equal(spot, best_other[1], out=spot_wins)
+        np.less(spot_wins, worse[1], out=od_wins)  # on-demand only where spot does not win
         flags = od_wins.view(np.int8)
-        np.add(flags, flags, out=out[:, 1])
-        np.bitwise_or(out[:, 1], spot_wins.view(np.int8), out=out[:, 1])
-        flags = worse[:, 0].view(np.int8)  # spot down
-        np.add(flags, flags, out=out[:, 0])
+        np.add(flags, flags, out=out[1])
+        out[1] |= spot_wins.view(np.int8)
+        flags = worse[0].view(np.int8)  # spot down
+        np.add(flags, flags, out=out[0])
 
     # Where the safety net engages and where the job is done, per steps left: a range of slack each (the net
     # below some slack, done from k*m up), as the same float64 arithmetic the daemon's net uses.
@@ -474,7 +482,7 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
         if n_regimes == 1:
             after, after_spot = value, value_spot
         else:
-            np.matmul(switch, value.reshape(n_full, n_regimes, -1), out=after.reshape(n_full, n_regimes, -1))
+            np.matmul(switch, value.reshape(2 * n_full, n_regimes, -1), out=after.reshape(2 * n_full, n_regimes, -1))
             np.matmul(switch, value_spot.reshape(len(reads), n_regimes, -1),
                       out=after_spot.reshape(len(reads), n_regimes, -1))
         # ...then over spot staying (ageing within or into the next bucket) or changing state (age 0 of the other).
@@ -482,14 +490,14 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
         np.multiply(stay_next[:, :, :-1], after[..., 1:, :], out=tmp[..., :-1, :])
         np.multiply(stay_next[:, :, -1:], after[..., -1:, :], out=tmp[..., -1:, :])
         ev += tmp
-        np.multiply(leave, after[:, :, ::-1, :1], out=tmp)
+        np.multiply(leave, after[:, ::-1, :, :1], out=tmp)
         ev += tmp
         # On spot, spot going away means preemption: the next step starts idle.
-        np.multiply(stay_same[:, 1], after_spot, out=ev_spot)
-        np.multiply(stay_next[:, 1, :-1], after_spot[..., 1:, :], out=tmp_spot[..., :-1, :])
-        np.multiply(stay_next[:, 1, -1:], after_spot[..., -1:, :], out=tmp_spot[..., -1:, :])
+        np.multiply(stay_same[1], after_spot, out=ev_spot)
+        np.multiply(stay_next[1, :, :-1], after_spot[..., 1:, :], out=tmp_spot[..., :-1, :])
+        np.multiply(stay_next[1, :, -1:], after_spot[..., -1:, :], out=tmp_spot[..., -1:, :])
         ev_spot += tmp_spot
-        np.multiply(leave[:, 1], after[0, :, 0, :1], out=tmp_spot)
+        np.multiply(leave[1], after[0, 0, :, :1], out=tmp_spot)
         ev_spot += tmp_spot
         # The cost of each choice: the step's price plus the value at the slack left after it.
         q_idle = ev_pad[0, ..., :n_slack]  # an idle step spends m units of slack
@@ -499,12 +507,12 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
             np.add(spot_step, ev_spot_pad[i, ..., col:col + n_slack], out=q_spot[p])
             np.minimum(q_idle, q_od[p], out=best[p])
         # Values of the markets read next: staying continues its phase, switching starts at phase 0.
-        value[0, :, 0] = best[0, :, 0]
-        np.minimum(q_spot[0], best[0, :, 1], out=value[0, :, 1])
+        value[0, 0] = best[0, 0]
+        np.minimum(q_spot[0], best[0, 1], out=value[0, 1])
         for p, i in read_at.items():
-            value[1 + i, :, 0] = best[p, :, 0]
-            np.minimum(q_spot[0], best[p, :, 1], out=value[1 + i, :, 1])
-            np.minimum(q_spot[p], best[0, :, 1], out=value_spot[i])
+            value[1 + i, 0] = best[p, 0]
+            np.minimum(q_spot[0], best[p, 1], out=value[1 + i, 1])
+            np.minimum(q_spot[p], best[0, 1], out=value_spot[i])
         # Actions for every market and phase (idle, spot and on-demand at phase 0 face the same choice).
         act = actions[k]
         np.greater(q_idle, q_od[0], out=worse[0])
@@ -534,7 +542,12 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     return DPPlan(step_h=step_h, units_per_step=m, changeover_units=d_units, phases=phases, actions=actions)
 
 
-@lru_cache(maxsize=6)
+# Plans kept per process (a setting (a) plan is 44 MB). Replays group their runs so that no group passes through
+# more models than this, so each model is planned once.
+PLANS_CACHED = 6
+
+
+@lru_cache(maxsize=PLANS_CACHED)
 def cached_plan(model: SpotModel, job_hours: float, deadline_hours: float, changeover_h: float, step_h: float,
                 od_price: float, spot_price: float, max_slack_units: int) -> DPPlan:
     """`solve_plan`, remembered: the daemon asks every tick with the same job and model."""
@@ -588,12 +601,24 @@ class SemiMarkovDP:
         return MARKETS[code]
 
     def decide_batch(self, batch: SpotBatch) -> np.ndarray:
-        plan = self.plan_for(batch.job_hours, batch.deadline_hours, batch.changeover_h, batch.tick_h,
-                             batch.od_price, batch.spot_price, batch.stats)
-        out = plan.lookup(batch.elapsed_h, batch.progress_h, batch.market, batch.spot_available,
-                          batch.changeover_left_h, batch.spot_state_for_h, batch.deadline_hours,
-                          batch.job_hours, 1.0 if batch.recent_up_fraction is None else batch.recent_up_fraction
-                          ).astype(np.int8)
+        job = (batch.job_hours, batch.deadline_hours, batch.changeover_h, batch.tick_h, batch.od_price,
+               batch.spot_price)
+        state = (batch.elapsed_h, batch.progress_h, batch.market, batch.spot_available, batch.changeover_left_h,
+                 batch.spot_state_for_h, batch.deadline_hours, batch.job_hours,
+                 1.0 if batch.recent_up_fraction is None else batch.recent_up_fraction)
+        if batch.which is None:
+            out = self.plan_for(*job, batch.stats).lookup(*state).astype(np.int8)
+        else:
+            # Runs knowing different models: a run's place in the table is the same in every plan of one shape,
+            # so it is found once and each plan only reads its own runs' entries.
+            out = np.empty(batch.elapsed_h.shape[0], dtype=np.int8)
+            places: dict[tuple[int, ...], np.ndarray] = {}
+            for g in np.flatnonzero(np.bincount(batch.which, minlength=len(batch.known))):
+                plan = self.plan_for(*job, batch.known[g])
+                if plan.actions.shape not in places:
+                    places[plan.actions.shape] = plan.index(*state)
+                sel = batch.which == g
+                out[sel] = plan.actions.reshape(-1)[places[plan.actions.shape][sel]]
         out[(out == SPOT_CODE) & ~batch.spot_available] = IDLE_CODE
         out[safety_net_engaged_batch(batch)] = OD_CODE
         out[batch.progress_h >= batch.job_hours] = IDLE_CODE
