@@ -214,9 +214,13 @@ def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def launcher_argv(command: list[str], gpus: int = 1, torchrun: bool = False) -> list[str]:
-    """The argv the supervisor executes: the command as given, or under torchrun for several GPUs."""
-    if torchrun and gpus > 1:
-        return ["torchrun", f"--nproc_per_node={gpus}", *command]
+    """The argv the supervisor executes: the command as given, or under torchrun (one process per GPU).
+
+    A job that asks for torchrun always gets it, one GPU included: its script reads torchrun's RANK/WORLD_SIZE and
+    rendezvous variables (the local runner starts it with one GPU). `--standalone`: one node, with a free
+    rendezvous port, so two jobs on one host never collide on torchrun's fixed 29500."""
+    if torchrun:
+        return ["torchrun", "--standalone", f"--nproc_per_node={gpus}", *command]
     return list(command)
 
 

@@ -30,22 +30,23 @@ TRAINER_ARGS = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY)]
 
 def ddp_job(tmp: Path) -> Path:
     """The DDP trainer as a job that does not fit locally; torchrun runs the script itself, so the command is the
-    script (not `python3 script`). PET_STANDALONE=1 is torchrun's --standalone (a free rendezvous port): every
-    simulated instance shares 127.0.0.1, where the default fixed port 29500 could collide across tests."""
+    script (not `python3 script`). The supervisor runs `torchrun --standalone` (a free rendezvous port): every
+    simulated instance shares 127.0.0.1, where torchrun's fixed port 29500 would collide across tests."""
     work = tmp / "work"
     work.mkdir()
     (work / "ddp_trainer.py").write_bytes((REPO / "examples" / "ddp_trainer.py").read_bytes())
     return write_job(tmp, "ddp", command=["ddp_trainer.py", *TRAINER_ARGS, "--step-seconds", str(STEP_S)],
                      workdir="work", deadline_hours=10, local_throughput=0, rented_throughput={"H100": 0.5},
-                     gpus=2, torchrun=True, checkpoint={"interval_minutes": 0.02}, env={"PET_STANDALONE": "1"})
+                     gpus=2, torchrun=True, checkpoint={"interval_minutes": 0.02})
 
 
 def uninterrupted_final_state(tmp: Path) -> bytes:
     """The same trainer under torchrun locally, never interrupted: the reference final checkpoint."""
     ckpt = tmp / "reference" / "checkpoints"
     env = {**os.environ, "BURST_CHECKPOINT_DIR": str(ckpt), "BURST_RESUME_FROM": "",
-           "PYTHONPATH": str(REPO / "runbooks"), "PET_STANDALONE": "1"}
-    subprocess.run([str(VENV_BIN / "torchrun"), "--nproc_per_node=2", str(REPO / "examples" / "ddp_trainer.py"),
+           "PYTHONPATH": str(REPO / "runbooks")}
+    subprocess.run([str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node=2",
+                    str(REPO / "examples" / "ddp_trainer.py"),
                     *TRAINER_ARGS, "--out", str(tmp / "reference" / "result.json")],
                    env=env, check=True, timeout=300, capture_output=True)
     return (ckpt / f"step-{STEPS:08d}" / "state.pt").read_bytes()

@@ -506,10 +506,10 @@ def test_stop_on_a_live_supervisor_goes_through_it(job: Job) -> None:
 
 
 @pytest.mark.parametrize(("options", "expected_prefix"), [
-    (["--gpus", "2", "--torchrun"], ["torchrun", "--nproc_per_node=2"]),
-    (["--gpus", "8", "--torchrun"], ["torchrun", "--nproc_per_node=8"]),
+    (["--gpus", "2", "--torchrun"], ["torchrun", "--standalone", "--nproc_per_node=2"]),
+    (["--gpus", "8", "--torchrun"], ["torchrun", "--standalone", "--nproc_per_node=8"]),
     (["--gpus", "2"], []),
-    (["--gpus", "1", "--torchrun"], []),
+    (["--gpus", "1", "--torchrun"], ["torchrun", "--standalone", "--nproc_per_node=1"]),
 ])
 def test_dry_run_prints_the_launch_argv(job: Job, options: list[str], expected_prefix: list[str]) -> None:
     env_file = job.root / "job.env"
@@ -582,5 +582,6 @@ def test_importable_helpers_match_the_script(tmp_path: Path) -> None:
     env_file = tmp_path / "e.env"
     env_file.write_text("A=1\n# comment\nB= spaced value \n")
     assert sv.read_env_file(env_file) == {"A": "1", "B": " spaced value "}
-    assert sv.launcher_argv(["x.py"], gpus=4, torchrun=True) == ["torchrun", "--nproc_per_node=4", "x.py"]
+    assert sv.launcher_argv(["x.py"], gpus=4, torchrun=True) == ["torchrun", "--standalone", "--nproc_per_node=4",
+                                                                  "x.py"]
     assert sv.read_status(tmp_path)["supervisor_alive"] is False

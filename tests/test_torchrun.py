@@ -31,10 +31,10 @@ STEPS, EVERY = 120, 20
 
 
 def torchrun_env() -> dict[str, str]:
-    """The supervisor's environment: torchrun on PATH, burst_checkpoint importable, and torchrun's standalone
-    rendezvous (a free port, PET_* being torchrun's own option variables), so parallel tests never share 29500."""
+    """The supervisor's environment: torchrun on PATH and burst_checkpoint importable. The supervisor's own
+    `torchrun --standalone` picks a free rendezvous port, so parallel tests never share 29500."""
     return {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-            "PYTHONPATH": str(REPO / "runbooks"), "PET_STANDALONE": "1"}
+            "PYTHONPATH": str(REPO / "runbooks")}
 
 
 def supervisor_argv(root: Path, attempt: int, *trainer_args: str, resume_from: Path | None = None) -> list[str]:
@@ -97,7 +97,7 @@ def test_torchrun_runs_two_workers_sigterm_checkpoints_and_a_resume_is_bit_ident
         [(0, 0, "0", "2"), (1, 1, "1", "2")]
     assert workers[0]["pid"] != workers[1]["pid"]  # two worker processes, each told WORLD_SIZE=2 by torchrun
     argv = json.loads((reference / "run" / "supervisor.log").read_text().split("starting ", 1)[1].split(" in ")[0])
-    assert argv[:3] == ["torchrun", "--nproc_per_node=2", "ddp_trainer.py"]
+    assert argv[:4] == ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_trainer.py"]
 
     # Interrupted: SIGTERM to the supervisor once training is under way (a first periodic checkpoint exists).
     root = tmp_path / "preempted"

@@ -92,6 +92,8 @@ class LocalRunner:
             argv += ["--resume-from", str(resume)]
         if spec.get("max_run_hours"):
             argv += ["--max-run-s", str(float(spec["max_run_hours"]) * 3600)]
+        if spec.get("torchrun"):
+            argv += ["--gpus", "1", "--torchrun"]  # the one local GPU; the script still runs under torchrun
         argv += ["--", *spec["command"]]
         subprocess.run(argv, check=True, timeout=60, stdin=subprocess.DEVNULL, capture_output=True)
         now = time.time()
