@@ -435,12 +435,8 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     value = np.zeros((n_full, *shape), dtype=np.float32)  # k = 0: done if s >= 0
     value_spot = np.zeros((len(reads), n_regimes, n_buckets, n_slack), dtype=np.float32)
     after, after_spot = np.empty_like(value), np.empty_like(value_spot)
-    # Expected values after a step, with `m` columns of misses below slack 0: a step that spends `by` units of
-    # slack reads columns m - by .. m - by + n_slack, a view instead of a shifted copy.
-    ev_pad = np.full((*value.shape[:-1], m + n_slack), _MISS_USD, dtype=np.float32)
-    ev = ev_pad[..., m:]
-    ev_spot_pad = np.full((*value_spot.shape[:-1], m + n_slack), _MISS_USD, dtype=np.float32)
-    ev_spot = ev_spot_pad[..., m:]
+    ev, ev_spot = np.empty_like(value), np.empty_like(value_spot)  # expected values after a step
+    q_idle = np.empty(shape, dtype=np.float32)
     tmp, tmp_spot = np.empty_like(value), np.empty_like(value_spot)
     q_od = np.empty((phases, *shape), dtype=np.float32)
     q_spot = np.empty((phases, *shape[1:]), dtype=np.float32)  # spot up only: down, it is no option
@@ -454,6 +450,14 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     chg_left[1 + phases:] = np.maximum(d_units - m * np.arange(phases), 0)
     actions = np.empty((k_max + 1, n_markets, *shape), dtype=np.int8)
     actions[0] = IDLE_CODE
+
+    def shifted(out: np.ndarray, price: np.float32, ev: np.ndarray, by: int) -> None:
+        """out = price + ev at slack s - by: a step that spends `by` units of slack; below slack 0 is a miss."""
+        if by == 0:
+            np.add(price, ev, out=out)
+            return
+        np.add(price, ev[..., :n_slack - by], out=out[..., by:])
+        out[..., :by] = price + np.float32(_MISS_USD)
 
     def choose(out: np.ndarray, worse: np.ndarray, spot: np.ndarray, best_other: np.ndarray) -> None:
         """Spot (when up) if no dearer than min(idle, on-demand), else idle unless on-demand is cheaper (`worse`,
@@ -500,11 +504,11 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
         np.multiply(leave[1], after[0, 0, :, :1], out=tmp_spot)
         ev_spot += tmp_spot
         # The cost of each choice: the step's price plus the value at the slack left after it.
-        q_idle = ev_pad[0, ..., :n_slack]  # an idle step spends m units of slack
+        shifted(q_idle, np.float32(0.0), ev[0], m)  # an idle step costs nothing and spends m units of slack
         for p in range(phases):
-            i, col = read_at[int(nxt[p])], m - int(loss[p])
-            np.add(od_step, ev_pad[1 + i, ..., col:col + n_slack], out=q_od[p])
-            np.add(spot_step, ev_spot_pad[i, ..., col:col + n_slack], out=q_spot[p])
+            i = read_at[int(nxt[p])]
+            shifted(q_od[p], od_step, ev[1 + i], int(loss[p]))
+            shifted(q_spot[p], spot_step, ev_spot[i], int(loss[p]))
             np.minimum(q_idle, q_od[p], out=best[p])
         # Values of the markets read next: staying continues its phase, switching starts at phase 0.
         value[0, 0] = best[0, 0]
