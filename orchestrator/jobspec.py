@@ -79,7 +79,7 @@ class JobSpec(BaseModel):
     gpus: Annotated[int, Field(ge=1, le=64)] = Field(1, description="g: GPUs to rent.")
     market: Market | None = Field(None, description="auto | spot | on-demand; default from config.")
     deadline_critical: bool = Field(False, description="This run's completion is critical: on-demand, no spot.")
-    torchrun: bool = Field(False, description="With gpus > 1, launch with torchrun --nproc_per_node=g.")
+    torchrun: bool = Field(False, description="Launch with torchrun --standalone --nproc_per_node=g (locally g=1).")
     max_run_hours: Annotated[float, Field(gt=0)] | None = Field(None, description="Guard: stop after this long.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the command.")

@@ -89,3 +89,33 @@ def test_a_torchrun_job_bursts_to_two_gpus_is_preempted_resumes_and_ends_bit_ide
     assert bc.verify(final)
     assert all(bc.read_manifest(p)["meta"]["world_size"] == 2 for p in bc.list_complete(store))
     assert (final / "state.pt").read_bytes() == uninterrupted_final_state(tmp_path)
+
+
+def test_a_torchrun_job_that_runs_locally_runs_under_torchrun_on_the_one_local_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The local GPU finishes it in time: gate 2 keeps it local, where the script still needs torchrun's variables.
+    monkeypatch.setenv("PATH", f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}")  # the daemon's, inherited
+    state = tmp_path / "state"
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "ddp_trainer.py").write_bytes((REPO / "examples" / "ddp_trainer.py").read_bytes())
+    out = tmp_path / "result.json"
+    spec = write_job(tmp_path, "ddp-local", command=["ddp_trainer.py", "--steps", "40", "--checkpoint-every", "10",
+                                                     "--out", str(out)],
+                     workdir="work", deadline_hours=10, local_throughput=1, gpus=1, torchrun=True)
+    config = write_config(tmp_path, None)
+    r = cli(config, state, "enqueue", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["id"]
+    daemon = Daemon(tmp_path, config, state).start()
+    try:
+        wait_for(lambda: job(state, job_id)["state"] in ("done", "failed"), 180, "the local run to end")
+    finally:
+        assert daemon.stop() == 0
+
+    assert job(state, job_id)["state"] == "done"
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 1 and result["step"] == 40
+    # One worker, told its rank and world size by torchrun (run bare, the script would find no RANK and stop).
+    assert [(w["env_rank"], w["env_world_size"]) for w in result["workers"]] == [("0", "1")]
+    assert bc.verify(state / "checkpoints" / job_id / "step-00000040")
