@@ -258,6 +258,17 @@ class S3CheckpointStore:
             self._delete_prefix(name, manifest_first=True)
         return doomed
 
+    def drop_superseded(self, local_ckpt_dir: str | Path) -> list[str]:
+        """Delete every checkpoint no newer than the newest complete one at `local_ckpt_dir` (home): nothing will
+        resume from those, and multi-GB copies cost money every month. Returns the names deleted."""
+        home = burst_checkpoint.latest_complete(local_ckpt_dir, deep=False)
+        if home is None:
+            return []
+        doomed = [name for name in self.list_complete() if name <= home.name]
+        for name in doomed:
+            self._delete_prefix(name, manifest_first=True)
+        return doomed
+
     def _delete_prefix(self, name: str, *, manifest_first: bool) -> None:
         try:
             if manifest_first:

@@ -12,7 +12,6 @@ from pathlib import Path
 import boto3
 import pytest
 
-from orchestrator.lifecycle.checkpoints import KEEP
 from runbooks import burst_checkpoint
 from runbooks.s3_checkpoints import S3CheckpointStore
 from tests.e2e import AWS_TEST_SECRET, Daemon, cli, events, job, preempt, sim_ec2, trainer_job, wait_for
@@ -59,8 +58,10 @@ def test_checkpoints_go_through_s3_and_the_resumed_attempt_downloads_in_region(t
     assert (state / "checkpoints" / job_id / final_name / "state.json").read_bytes() == \
         uninterrupted_final_state(tmp_path)
     assert burst_checkpoint.verify(state / "checkpoints" / job_id / final_name)
-    # S3 keeps the newest few, like the local store: what is home is not paid for twice.
-    assert in_s3[-1] == final_name and len(in_s3) <= KEEP
+    # The final checkpoint is home: every S3 copy it supersedes is deleted (they would be paid for every month).
+    assert in_s3 == []
+    released = events(state, "checkpoint.s3_released")
+    assert released and released[-1]["data"]["checkpoints"][-1] == final_name
     assert len(instances) == 2 and all(i["status"] == "terminated" and not i["machine"] for i in instances)
     trail = (state / "events.jsonl").read_text()
     assert AWS_TEST_SECRET not in trail and "simulated-role-secret" not in trail

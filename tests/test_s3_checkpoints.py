@@ -147,6 +147,18 @@ def test_prune_keeps_the_newest_and_deletes_each_manifest_first(
     assert deletes[0] == ("DeleteObject", "jobs/job-1/ckpt/step-00000100/manifest.json")
 
 
+def test_what_is_home_supersedes_is_dropped_and_anything_newer_is_kept(
+        store: S3CheckpointStore, tmp_path: Path) -> None:
+    trainer = tmp_path / "trainer"
+    for step in (100, 200, 300):
+        store.upload(burst_checkpoint.write_checkpoint(trainer, f"step-{step:08d}", {"w.bin": b"w"}))
+    home = tmp_path / "home"
+    assert store.drop_superseded(home) == []  # nothing home yet: nothing may go
+    store.download("step-00000200", home)
+    assert store.drop_superseded(home) == ["step-00000100", "step-00000200"]
+    assert store.list_complete() == ["step-00000300"]  # newer than anything home: still needed
+
+
 # --- the instance side: the supervisor uploads, a separate process (boto3 over HTTP, as on an instance) ---------
 REPO = Path(__file__).resolve().parents[1]
 SUPERVISOR = REPO / "runbooks" / "supervisor.py"

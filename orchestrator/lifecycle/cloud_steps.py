@@ -126,6 +126,25 @@ class CloudSteps:
         """True when the instance's checkpoints can still be fetched after it is gone (they are in S3)."""
         return self.s3_store(att, job) is not None
 
+    def release_s3(self, att: dict[str, Any], job: dict[str, Any]) -> list[str]:
+        """Once a job's newest checkpoint is home for good (it finished, or revert-local took it back), drop the S3
+        copies it supersedes. A failure is reported and left for a later release, never fatal."""
+        make = getattr(self.providers.get(att["provider"]), "checkpoint_store", None)
+        store = make(job["id"]) if make is not None else None
+        if store is None:
+            return []
+        try:
+            with checkpoints.store_lock(self.app.config, job["id"]):
+                dropped = store.drop_superseded(checkpoints.store_dir(self.app.config, job["id"]))
+        except TransferError as exc:
+            self.app.events.emit("checkpoint.s3_release_failed", job_id=job["id"], attempt_id=att["id"],
+                                 error=str(exc)[:300])
+            return []
+        if dropped:
+            self.app.events.emit("checkpoint.s3_released", job_id=job["id"], attempt_id=att["id"],
+                                 checkpoints=dropped, uri=store.uri)
+        return dropped
+
     def _download_on_instance(self, conn: Any, att: dict[str, Any], store: S3CheckpointStore, name: str,
                               base: str, jobdir: str) -> str | None:
         """The resume checkpoint fetched in-region by the instance itself; None if it could not (then SSH)."""

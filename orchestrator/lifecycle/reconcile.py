@@ -695,6 +695,7 @@ class Reconciler:
         if not self._pull(att, job, info):
             self._final_pull_failed(att, job, provider, info)
             return
+        self.cloud.release_s3(att, job)  # the final checkpoint is home: the S3 copies are no longer needed
         speed = (info.get("metrics") or {}).get("throughput_units_h")
         if speed and info.get("gpu"):
             # Measured s_R (per GPU) for this job's name on this GPU type: later decisions of the same job use it.

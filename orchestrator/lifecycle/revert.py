@@ -155,6 +155,8 @@ def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, 
     synced = _last_synced(app, att)
     if AttemptState(current["state"]).final:
         status = "yes"
+        if rec.cloud is not None:  # local-only from now on: S3 keeps nothing that what is home supersedes
+            rec.cloud.release_s3(current, job)
     else:
         status = "unverified" if att["provider"] in report.unreachable else "no"
         if current["instance_id"]:
