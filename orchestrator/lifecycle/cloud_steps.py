@@ -115,12 +115,13 @@ class CloudSteps:
         return True
 
     # --- the checkpoint store in S3, when the provider has one ----------------------------------------------------
-    def s3_store(self, att: dict[str, Any], job: dict[str, Any]) -> S3CheckpointStore | None:
-        """The job's S3 checkpoint store, unless its provider has none or this attempt's instance cannot upload."""
-        if att["info"].get("s3_unavailable"):
-            return None
+    def _checkpoint_store(self, att: dict[str, Any], job: dict[str, Any]) -> S3CheckpointStore | None:
         make = getattr(self.providers.get(att["provider"]), "checkpoint_store", None)  # optional capability
         return make(job["id"]) if make is not None else None
+
+    def s3_store(self, att: dict[str, Any], job: dict[str, Any]) -> S3CheckpointStore | None:
+        """The job's S3 checkpoint store, unless its provider has none or this attempt's instance cannot upload."""
+        return None if att["info"].get("s3_unavailable") else self._checkpoint_store(att, job)
 
     def checkpoints_outlive_instance(self, att: dict[str, Any], job: dict[str, Any]) -> bool:
         """True when the instance's checkpoints can still be fetched after it is gone (they are in S3)."""
@@ -129,8 +130,7 @@ class CloudSteps:
     def release_s3(self, att: dict[str, Any], job: dict[str, Any]) -> list[str]:
         """Once a job's newest checkpoint is home for good (it finished, or revert-local took it back), drop the S3
         copies it supersedes. A failure is reported and left for a later release, never fatal."""
-        make = getattr(self.providers.get(att["provider"]), "checkpoint_store", None)
-        store = make(job["id"]) if make is not None else None
+        store = self._checkpoint_store(att, job)  # the daemon's own credentials: whatever the instance could do
         if store is None:
             return []
         try:
