@@ -154,6 +154,9 @@ class InstanceInfo:
 
 
 class Provider(Protocol):
+    """The lifecycle's one view of a cloud. Optional capability, looked up with getattr: `checkpoint_store(job_id)`
+    → an `S3CheckpointStore` the job's instances upload to (EC2 with `checkpoint_bucket`), or None."""
+
     name: str
 
     def offers(self) -> list[Offer]: ...
