@@ -451,23 +451,23 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     actions = np.empty((k_max + 1, n_markets, *shape), dtype=np.int8)
     actions[0] = IDLE_CODE
 
-    def shifted(out: np.ndarray, price: np.float32, ev: np.ndarray, by: int) -> None:
-        """out = price + ev at slack s - by: a step that spends `by` units of slack; below slack 0 is a miss."""
+    def shifted(out: np.ndarray, price: np.float32, after_step: np.ndarray, by: int) -> None:
+        """out = price + after_step at slack s - by (a step that spends `by` units of slack); below 0, a miss."""
         if by == 0:
-            np.add(price, ev, out=out)
+            np.add(price, after_step, out=out)
             return
-        np.add(price, ev[..., :n_slack - by], out=out[..., by:])
+        np.add(price, after_step[..., :n_slack - by], out=out[..., by:])
         out[..., :by] = price + np.float32(_MISS_USD)
 
-    def choose(out: np.ndarray, worse: np.ndarray, spot: np.ndarray, best_other: np.ndarray) -> None:
-        """Spot (when up) if no dearer than min(idle, on-demand), else idle unless on-demand is cheaper (`worse`,
-        idle > on-demand): ties go to spot, then idle. In int8 arithmetic on the codes: idle 0, spot 1, OD 2."""
+    def choose(out: np.ndarray, idle_worse: np.ndarray, spot: np.ndarray, best_other: np.ndarray) -> None:
+        """Spot (when up) if no dearer than min(idle, on-demand), else idle unless on-demand is cheaper
+        (`idle_worse`): ties go to spot, then idle. In int8 arithmetic on the codes: idle 0, spot 1, OD 2."""
         np.less_equal(spot, best_other[1], out=spot_wins)
-        np.less(spot_wins, worse[1], out=od_wins)  # on-demand only where spot does not win
+        np.less(spot_wins, idle_worse[1], out=od_wins)  # on-demand only where spot does not win
         flags = od_wins.view(np.int8)
         np.add(flags, flags, out=out[1])
         out[1] |= spot_wins.view(np.int8)
-        flags = worse[0].view(np.int8)  # spot down
+        flags = idle_worse[0].view(np.int8)  # spot down
         np.add(flags, flags, out=out[0])
 
     # Where the safety net engages and where the job is done, per steps left: a range of slack each (the net
