@@ -116,8 +116,8 @@ def test_a_refit_learns_only_from_before_its_tick_in_this_zone_and_the_others() 
 
 
 def test_refits_come_sooner_while_history_is_short() -> None:
-    # 10-minute ticks: 3, 6, 12, 24 h of history, then every 48 h.
-    assert refit_ticks(900, 1 / 6).tolist() == [0, 18, 36, 72, 144, 288, 576, 864]
+    # 10-minute ticks: 3, 6, 12 h of history, then every 24 h.
+    assert refit_ticks(900, 1 / 6).tolist() == [0, 18, 36, 72, 144, 288, 432, 576, 720, 864]
 
 
 def test_cli_json_reports_every_policy(tmp_path: Path) -> None:
