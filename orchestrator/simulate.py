@@ -643,10 +643,11 @@ class SimulationReport:
 # everything before that point, each hazard shrunk towards the pooled hazards of the *other* traces given with
 # the weight of PRIOR_TICKS ticks. A run switches to each new estimate as its clock passes the refit (as the
 # daemon would), so it never uses data from after the tick being decided. Chosen on setting (a) with seed 5
-# (docs/simulate.md): with the regime, 24 h closes 0.5 points more of UP's gap than 48 h, for twice the plans.
+# (docs/simulate.md): with the regime, 24 h closes 0.5 points more of UP's gap than 48 h, for twice the plans;
+# the regime splits a zone's counts in two, and a prior weight of 40-60 ticks did best with it (20 before).
 REFIT_H = 24.0
 FIRST_REFIT_H = 3.0
-PRIOR_TICKS = 20.0
+PRIOR_TICKS = 50.0
 
 
 def pooled_prior(counts: Sequence[ZoneCounts], tick_h: float) -> ZoneCounts:
