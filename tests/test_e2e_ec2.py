@@ -16,6 +16,7 @@ from tests.e2e import (
     AWS_TEST_SECRET,
     P3_SPOT,
     Daemon,
+    Ec2View,
     cli,
     events,
     job,
@@ -31,24 +32,30 @@ pytestmark = pytest.mark.slow
 NOTICE_S = 8.0  # AWS gives 120 s; a few ticks, a status call and a pull are all burstctl needs
 
 
+def interrupted_spot_burst(ec2: Ec2View, tmp: Path, config: Path, state: Path) -> tuple[str, str]:
+    """The trainer bursts to spot; once a checkpoint came home, its instance gets the interruption notice and is
+    reclaimed; the daemon runs until the job is done. Returns (job id, the interrupted instance)."""
+    spec = trainer_job(tmp, "trainer", steps=STEPS, every=EVERY, step_s=STEP_S, gpu=ec2.gpu)
+    r = cli(config, state, "enqueue", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["id"]
+    daemon = Daemon(tmp, config, state).start()
+    try:
+        first = wait_for(lambda: running_instance(state), 90, "the first attempt to run on EC2")
+        wait_for(lambda: synced(state), 60, "a first checkpoint to come home")
+        # AWS's two-minute warning, shortened: the notice through the metadata service, then the reclaim.
+        preempt(ec2.admin_url, first, notice_s=NOTICE_S)
+        wait_for(lambda: events(state, "job.resumed"), 120, "the job to resume on another instance")
+        wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
+    finally:
+        assert daemon.stop() == 0
+    return job_id, first
+
+
 def test_ec2_spot_burst_is_interrupted_resumes_on_a_new_instance_and_finishes(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with sim_ec2(tmp_path) as ec2:
-        config = ec2.config(tmp_path)
-        spec = trainer_job(tmp_path, "trainer", steps=STEPS, every=EVERY, step_s=STEP_S, gpu=ec2.gpu)
-        r = cli(config, state, "enqueue", str(spec), "--json")
-        assert r.returncode == 0, r.stderr
-        job_id = json.loads(r.stdout)["id"]
-        daemon = Daemon(tmp_path, config, state).start()
-        try:
-            first = wait_for(lambda: running_instance(state), 90, "the first attempt to run on EC2")
-            wait_for(lambda: synced(state), 60, "a first checkpoint to come home")
-            # AWS's two-minute warning, shortened: the notice through the metadata service, then the reclaim.
-            preempt(ec2.admin_url, first, notice_s=NOTICE_S)
-            wait_for(lambda: events(state, "job.resumed"), 120, "the job to resume on another instance")
-            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
-        finally:
-            assert daemon.stop() == 0
+        job_id, first = interrupted_spot_burst(ec2, tmp_path, ec2.config(tmp_path), state)
         instances = ec2.instances()
         billing = ec2.billing()
 

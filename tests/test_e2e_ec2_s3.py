@@ -14,31 +14,18 @@ import pytest
 
 from runbooks import burst_checkpoint
 from runbooks.s3_checkpoints import S3CheckpointStore
-from tests.e2e import AWS_TEST_SECRET, Daemon, cli, events, job, preempt, sim_ec2, trainer_job, wait_for
-from tests.test_e2e_burst import EVERY, STEP_S, STEPS, running_instance, synced, uninterrupted_final_state
+from tests.e2e import AWS_TEST_SECRET, Daemon, cli, events, job, sim_ec2, trainer_job, wait_for
+from tests.test_e2e_burst import EVERY, STEP_S, STEPS, uninterrupted_final_state
+from tests.test_e2e_ec2 import interrupted_spot_burst
 
 pytestmark = pytest.mark.slow
-NOTICE_S = 8.0
 
 
 def test_checkpoints_go_through_s3_and_the_resumed_attempt_downloads_in_region(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with sim_ec2(tmp_path) as ec2:
         s3_settings = ec2.sim.setup_checkpoint_bucket()
-        config = ec2.config(tmp_path, provider=s3_settings)
-        spec = trainer_job(tmp_path, "trainer", steps=STEPS, every=EVERY, step_s=STEP_S, gpu=ec2.gpu)
-        r = cli(config, state, "enqueue", str(spec), "--json")
-        assert r.returncode == 0, r.stderr
-        job_id = json.loads(r.stdout)["id"]
-        daemon = Daemon(tmp_path, config, state).start()
-        try:
-            first = wait_for(lambda: running_instance(state), 90, "the first attempt to run on EC2")
-            wait_for(lambda: synced(state), 60, "a first checkpoint to come home")
-            preempt(ec2.admin_url, first, notice_s=NOTICE_S)
-            wait_for(lambda: events(state, "job.resumed"), 120, "the job to resume on another instance")
-            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
-        finally:
-            assert daemon.stop() == 0
+        job_id, first = interrupted_spot_burst(ec2, tmp_path, ec2.config(tmp_path, provider=s3_settings), state)
         s3 = boto3.client("s3", endpoint_url=s3_settings["s3_endpoint_url"], region_name="us-east-1")
         in_s3 = S3CheckpointStore(s3, s3_settings["checkpoint_bucket"], f"burstctl/{job_id}").list_complete()
         instances = ec2.instances()
