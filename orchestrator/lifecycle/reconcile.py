@@ -668,7 +668,7 @@ class Reconciler:
                 self._measure(conn, att, "sync_s", took)
                 self.app.events.emit("checkpoint.synced", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      checkpoints=[p.name for p in new], seconds=round(took, 3),
-                                     via=getattr(getattr(new, "stats", None), "transport", None))
+                                     via=new.stats.transport)
         return True
 
     def _pull_failed(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], exc: Exception) -> None:
