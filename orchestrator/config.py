@@ -111,6 +111,10 @@ class Policy(Strict):
     spot_preemptions_per_hour: NonNegFloat = Field(
         0.05, description="Expected spot preemptions per hour, until history or traces say otherwise."
     )
+    spot_mean_outage_hours: PositiveFloat = Field(
+        1.0, description="Expected length of a spot outage (launches refused for lack of capacity), until the "
+                         "daemon's own sightings say otherwise.",
+    )
     hybrid_margin_h: NonNegFloat = Field(
         0.25, description="Slack kept before the deadline by hybrid local-then-burst plans (provisioning, no capacity)."
     )

@@ -148,10 +148,17 @@ def _v2(conn: Connection) -> None:
     conn.execute(text("CREATE INDEX IF NOT EXISTS ix_jobs_state_updated ON jobs (state, updated_at)"))
 
 
+def _v3(conn: Connection) -> None:
+    # The spot policy reads a month of one spot market's attempts (launches, preemptions, refusals) per launch.
+    conn.execute(text("CREATE INDEX IF NOT EXISTS ix_attempts_market ON attempts "
+                      "(provider, instance_type, market, created_at)"))
+
+
 # (version, migration). Each runs once, in order, inside a transaction.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _v1),
     (2, _v2),
+    (3, _v3),
 ]
 
 

@@ -111,6 +111,66 @@ def test_with_no_capacity_the_job_waits_with_a_clear_reason_and_runs_when_capaci
         assert_one_instance_per_attempt_and_all_gone(url)
 
 
+def test_when_spot_never_comes_the_policy_moves_the_job_to_on_demand_in_time_for_its_deadline(
+        tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        for region in ("us-east-1", "us-west-1"):
+            sim_admin(url, "capacity", {"instance_type": "gpu_1x_h100_sxm5_spot", "region": region, "count": 0})
+        # 72 s of cloud work and 36 s of overhead (as decided; the trainer needs less) to finish within 4.2 min:
+        # spot is chosen, and refused; the policy waits for it while that pays, then goes on-demand.
+        config = write_config(tmp_path, url, policy={"overhead_h": 0.01})
+        spec = e2e_trainer_job(tmp_path, "starved-of-spot", steps=40, every=5, interval_minutes=0.01, rented=50,
+                               deadline_hours=0.07)
+        job_id = enqueue(config, state, spec)
+        assert job(state, job_id)["decision"]["market"] == "spot"
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: job(state, job_id)["state"] == "done", 300, "the job to finish on on-demand")
+        finally:
+            assert daemon.stop() == 0
+        finished = job(state, job_id)
+        intents = [e for e in events(state, "attempt.intent") if e["job_id"] == job_id]
+        refused = [e for e in events(state, "attempt.launch_failed") if e["job_id"] == job_id]
+        assert refused and all(e["data"]["error"] == "NoCapacity" for e in refused)
+        assert [e["data"]["market"] for e in intents][-1] == "on-demand"
+        assert all(e["data"]["market"] == "spot" for e in intents[:-1]), "spot tried until the policy gave up on it"
+        last = intents[-1]["data"]["market_policy"]
+        assert last["spot_seen"] == "down" and last["choice"] == "on-demand", last
+        assert last["spot_usd_h"] == 1.0 and last["on_demand_usd_h"] == 3.29, "the offer's own prices"
+        waited = [e for e in events(state, "job.waiting") if e["job_id"] == job_id][-1]["data"]["reason"]
+        assert waited.startswith("waiting for spot (NoCapacity") and "slack" in waited, waited
+        assert finished["updated_at"] <= finished["deadline_at"], "done before the deadline"
+        assert_one_instance_per_attempt_and_all_gone(url)
+
+
+def test_a_spot_attempt_whose_deadline_comes_near_is_checkpointed_and_moved_to_on_demand(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path, "--boot-delay", "30") as url:
+        # 72 s of cloud work as decided (the trainer needs less), t_ovh 36 s, 183 s of slack when the spot attempt
+        # is created: spot. The 30 s boot eats into the slack, and once running the policy's plan (on whole 60 s
+        # ticks: 3 left) has no room for 2d: the safety net takes over, as a preemption now could not be made up.
+        config = write_config(tmp_path, url, policy={"overhead_h": 0.01})
+        spec = e2e_trainer_job(tmp_path, "deadline-near", steps=60, every=5, step_s=0.2, interval_minutes=0.01,
+                               rented=50, deadline_hours=(72 + 183 + 1) / 3600)
+        job_id = enqueue(config, state, spec)
+        assert job(state, job_id)["decision"]["market"] == "spot"
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: job(state, job_id)["state"] == "done", 300, "the job to finish on on-demand")
+        finally:
+            assert daemon.stop() == 0
+        markets = [e["data"]["market"] for e in events(state, "attempt.intent") if e["job_id"] == job_id]
+        assert markets == ["spot", "on-demand"], markets
+        (switch,) = [e for e in events(state, "attempt.market_switch") if e["job_id"] == job_id]
+        assert switch["data"]["to"] == "on-demand" and switch["data"]["market_policy"]["spot_seen"] == "up"
+        (moved,) = [e for e in events(state, "job.market_switch") if e["job_id"] == job_id]
+        assert moved["data"]["reason"].startswith("moving to on-demand")
+        resumed = [e for e in events(state, "job.resumed") if e["job_id"] == job_id]
+        assert resumed, "the on-demand attempt resumed from the spot attempt's last checkpoint"
+        assert_one_instance_per_attempt_and_all_gone(url)
+
+
 def _sshd_pids(sim_state: Path, instance_id: str) -> list[int]:
     """The pids of the instance's sshd listener (its command line names the instance's own sshd_config)."""
     needle = str(sim_state / "instances" / instance_id / "machine").encode()

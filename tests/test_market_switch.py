@@ -1,11 +1,22 @@
-"""The daemon asks the same pure spot policy as `burstctl simulate` which market a resumed job's next attempt uses;
-it must answer at once for any horizon the daemon can ask about (it runs inside the reconcile tick)."""
+"""The daemon asks the same pure spot policy as `burstctl simulate` which market a job's next cloud attempt uses:
+before every launch, with the offer's prices and what this installation has seen of that spot market. It must
+answer at once for any horizon the daemon can ask about (it runs inside the reconcile tick)."""
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import pytest
+from sqlalchemy import insert
+
+from orchestrator.app import App
 from orchestrator.core.spot_policy import DEFAULT_POLICY, Market, SpotState, get_policy
+from orchestrator.lifecycle.market_switch import market_for_attempt, spot_attempt_should_move
+from providers.base import Market as CloudMarket
+from providers.base import Offer
+from state import schema as s
 
 
 @pytest.mark.timeout(30)
@@ -26,3 +37,116 @@ def test_with_no_slack_left_the_policy_goes_on_demand() -> None:
                       spot_available=True, changeover_left_h=0.0, changeover_h=0.2, tick_h=5 / 3600,
                       od_price=3.06, spot_price=0.9731)
     assert get_policy(DEFAULT_POLICY).decide(state) is Market.ON_DEMAND
+
+
+# --- the daemon's side: the policy asked before every cloud launch, with the offer's prices and what was seen ---
+
+H = 3600.0
+
+
+def _job(app: App, *, market: str = "spot", cloud_h: float = 2.0, overhead_h: float = 0.1,
+         deadline_at: float = 4 * H) -> dict[str, Any]:
+    decision = {"market": market, "overhead_h": overhead_h, "t_rented_h": cloud_h,
+                "plan": [{"where": "cloud", "hours": cloud_h, "market": market}]}
+    row = {"id": "j1", "name": "grpo", "kind": "train", "state": "running", "verdict": "burst", "placement": "cloud",
+           "spec": {}, "decision": decision, "deadline_at": deadline_at}
+    app.store.insert_job(row)
+    return row
+
+
+def _offer(spot: float | None = 1.0, od: float = 3.0) -> Offer:
+    return Offer(provider="sim", instance_type="gpu_1x_h100", gpu_model="H100", gpu_count=1, vram_gib=80, vcpus=26,
+                 on_demand_usd_h=od, spot_usd_h=spot, regions=("us-east-1",))
+
+
+def _refused(app: App, n: int, at: float) -> None:
+    """Attempt n of job j1: a spot launch refused for lack of capacity at `at`."""
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(
+            id=f"j1-a{n}", job_id="j1", n=n, where="cloud", state="launch_failed", provider="sim",
+            instance_type="gpu_1x_h100", market="spot", info={}, reason="NoCapacity: no spot capacity",
+            created_at=at, ended_at=at))
+
+
+@pytest.fixture()
+def app(tmp_path: Path) -> Iterator[App]:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    yield app
+    app.close()
+
+
+def test_a_starved_spot_market_sends_the_job_to_on_demand_while_it_can_still_make_its_deadline(app: App) -> None:
+    job = _job(app, cloud_h=2.0, overhead_h=0.1, deadline_at=4 * H)
+    market, facts = market_for_attempt(app, job, "sim", _offer(), now=0.0)
+    assert market is CloudMarket.SPOT and facts["spot_seen"] == "unknown", "nothing seen yet: spot is worth a try"
+    # Every minute the daemon tries spot again and is refused; the policy weighs waiting against on-demand.
+    flipped = None
+    for minute in range(0, 240):
+        now = minute * 60.0
+        _refused(app, minute + 1, now)
+        market, facts = market_for_attempt(app, job, "sim", _offer(), now=now + 1)
+        if market is CloudMarket.ON_DEMAND:
+            flipped = now
+            break
+    assert flipped is not None, "a job that never gets spot must not wait for it forever"
+    assert facts["spot_seen"] == "down" and facts["for_h"] == pytest.approx(flipped / H, abs=0.01)
+    assert 4 * H - flipped >= 2.0 * H + 0.1 * H, "on-demand chosen while the whole job still fits before the deadline"
+    assert flipped > 0, "a fresh outage is waited out for a while when there is slack"
+
+
+def test_with_a_day_of_slack_a_short_outage_is_waited_out(app: App) -> None:
+    job = _job(app, cloud_h=2.0, deadline_at=26 * H)
+    for minute in range(10):
+        _refused(app, minute + 1, minute * 60.0)
+    market, facts = market_for_attempt(app, job, "sim", _offer(), now=600.0)
+    assert market is CloudMarket.SPOT and facts["choice"] == "idle", "idle: wait for spot, the next launch is the probe"
+
+
+def test_the_offer_s_prices_are_what_the_policy_weighs(app: App) -> None:
+    job = _job(app, cloud_h=2.0, deadline_at=26 * H)
+    assert market_for_attempt(app, job, "sim", _offer(spot=1.0, od=3.0), now=0.0)[0] is CloudMarket.SPOT
+    market, facts = market_for_attempt(app, job, "sim", _offer(spot=3.5, od=3.0), now=0.0)
+    assert market is CloudMarket.ON_DEMAND and facts["spot_usd_h"] == 3.5, "spot dearer than on-demand: never"
+
+
+def test_an_on_demand_decision_or_an_offer_without_spot_is_never_sent_to_spot(app: App) -> None:
+    job = _job(app, market="on-demand")
+    assert market_for_attempt(app, job, "sim", _offer(), now=0.0) == (CloudMarket.ON_DEMAND, {})
+    spot_job = {**job, "decision": {**job["decision"], "market": "spot"}}
+    assert market_for_attempt(app, spot_job, "sim", _offer(spot=None), now=0.0) == (CloudMarket.ON_DEMAND, {})
+
+
+def test_sightings_are_per_provider_and_type(app: App) -> None:
+    job = _job(app, cloud_h=2.0, deadline_at=26 * H)
+    for minute in range(30):
+        _refused(app, minute + 1, minute * 60.0)
+    _, facts = market_for_attempt(app, job, "sim", _offer(), now=1800.0)
+    assert facts["spot_seen"] == "down"
+    other = Offer(**{**_offer().__dict__, "instance_type": "gpu_1x_a100"})
+    _, facts = market_for_attempt(app, job, "sim", other, now=1800.0)
+    assert facts["spot_seen"] == "unknown"
+    _, facts = market_for_attempt(app, job, "ec2", _offer(), now=1800.0)
+    assert facts["spot_seen"] == "unknown"
+
+
+def _running_spot(app: App, n: int, started_at: float) -> None:
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(
+            id=f"j1-a{n}", job_id="j1", n=n, where="cloud", state="running", provider="sim",
+            instance_type="gpu_1x_h100", market="spot", instance_id=f"i-{n}", info={}, created_at=started_at,
+            started_at=started_at))
+
+
+def test_a_job_running_on_spot_stays_there_while_the_deadline_has_room(app: App) -> None:
+    job = _job(app, cloud_h=2.0, overhead_h=0.1, deadline_at=6 * H)
+    _running_spot(app, 1, 0.0)
+    assert spot_attempt_should_move(app, job, "sim", _offer(), now=0.5 * H) is None
+
+
+def test_a_job_running_on_spot_moves_to_on_demand_before_a_preemption_could_make_it_late(app: App) -> None:
+    # 1.8 h of work left at 0.1 h, 2.0 h to the deadline: slack 0.2 h = 2d, where the safety net takes over.
+    job = _job(app, cloud_h=2.0, overhead_h=0.1, deadline_at=2.1 * H)
+    _running_spot(app, 1, 0.0)
+    facts = spot_attempt_should_move(app, job, "sim", _offer(), now=0.1 * H)
+    assert facts is not None and facts["choice"] == "on-demand" and facts["spot_seen"] == "up", facts
+    assert facts["slack_h"] == pytest.approx(0.2)

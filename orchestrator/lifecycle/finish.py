@@ -15,6 +15,7 @@ from orchestrator import records
 from orchestrator.app import App
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.machine import AttemptState
+from orchestrator.lifecycle.market_switch import TO_ON_DEMAND
 from orchestrator.lifecycle.states import JobState
 from state import schema as s
 
@@ -38,7 +39,12 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
         _fill_measured(app, conn, job, att, now)
     elif outcome is A.LAUNCH_FAILED:
         back = JobState.RESUMING if checkpoints.latest(app.config, job["id"]) else JobState.QUEUED
-        to(back, f"launch failed: {reason}", "job.waiting")
+        policy = att["info"].get("market_policy") or {}
+        if policy.get("choice") == "idle":  # the spot policy chose to wait for spot; the launch was its probe
+            to(back, f"waiting for spot ({reason}): {policy['slack_h']:.2f} h of slack left; the spot policy "
+                     "goes on-demand once waiting no longer pays", "job.waiting")
+        else:
+            to(back, f"launch failed: {reason}", "job.waiting")
     elif outcome is A.PREEMPTED:
         if att["where"] == "local" and stop_reason == "hybrid-switch":
             to(JobState.QUEUED, "local phase done: bursting the rest", "job.switching",
@@ -58,6 +64,10 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
                    "job.blocked")
         elif stop_reason == "budget-cap":
             to(JobState.BLOCKED, "stopped before the monthly budget cap", "job.blocked")
+        elif stop_reason == TO_ON_DEMAND:
+            back = JobState.RESUMING if checkpoints.latest(app.config, job["id"]) else JobState.QUEUED
+            to(back, "moving to on-demand: the spot policy leaves spot to make the deadline", "job.market_switch",
+               market="on-demand")
         elif stop_reason == "max-run-time":
             to(JobState.FAILED, "exceeded max_run_hours", "job.failed")
         else:

@@ -1,8 +1,10 @@
-"""Which market the next cloud attempt of a job runs on: the job's decision, then the deadline-aware spot
-policy (the same pure function `burstctl simulate` replays against real traces) once the job is resuming."""
+"""Which market a job's next cloud attempt runs on: the job's decision, then the deadline-aware spot policy (the
+same pure function `burstctl simulate` replays against real traces), asked every time an attempt is about to
+launch, with the offer's real prices and what this installation has seen of that spot market."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -11,8 +13,17 @@ from sqlalchemy import select
 from orchestrator.app import App
 from orchestrator.core.spot_policy import DEFAULT_POLICY, SpotState, get_policy
 from orchestrator.core.spot_policy import Market as PolicyMarket
-from providers.base import Market
+from orchestrator.core.spot_watch import SpotLife, SpotView, watch
+from orchestrator.lifecycle.machine import AttemptState as A
+from providers.base import Market, Offer
 from state import schema as s
+
+# How often a running spot attempt asks the policy whether to move to on-demand (the policy's own tick).
+MARKET_CHECK_S = 60.0
+# The stop reason of a spot attempt the policy moves to on-demand.
+TO_ON_DEMAND = "to-on-demand"
+# How far back the daemon's sightings of a spot market are read: a month of launches, preemptions and refusals.
+SIGHTINGS_WINDOW_S = 30 * 86400.0
 
 
 def cloud_attempts(app: App, job_id: str) -> list[dict[str, Any]]:
@@ -24,28 +35,100 @@ def cloud_attempts(app: App, job_id: str) -> list[dict[str, Any]]:
 def cloud_hours_done(rows: list[dict[str, Any]], now: float) -> float:
     """Useful cloud hours so far: each started attempt's running time, less the work its preemption lost."""
     return sum(max(0.0, ((r["ended_at"] or now) - r["started_at"]) / 3600.0 - (r["lost_work_h"] or 0.0))
-               for r in rows if r["started_at"])
+               for r in rows if r["started_at"] is not None)
 
 
-def market_for_attempt(app: App, job: dict[str, Any], now: float | None = None) -> Market:
+def spot_sightings(app: App, provider: str, instance_type: str, now: float) -> tuple[list[SpotLife], list[float]]:
+    """This installation's spot instances of one type on one provider, and its spot launches refused for lack of
+    capacity, over the last SIGHTINGS_WINDOW_S (every job's attempts: the market is the same for all of them)."""
+    a = s.attempts.c
+    with app.store.engine.connect() as c:
+        rows = c.execute(select(a.state, a.instance_id, a.reason, a.info, a.created_at, a.ended_at).where(
+            a.provider == provider, a.instance_type == instance_type, a.market == Market.SPOT.value,
+            a.where == "cloud", a.created_at >= now - SIGHTINGS_WINDOW_S)).mappings().all()
+    lives, refusals = [], []
+    for r in rows:
+        if r["state"] == A.LAUNCH_FAILED.value:
+            if (r["reason"] or "").startswith("NoCapacity"):
+                refusals.append(r["ended_at"] or r["created_at"])
+        elif r["instance_id"]:
+            preempted = r["state"] == A.PREEMPTED.value or (r["info"] or {}).get("outcome") == A.PREEMPTED.value
+            # A preempted attempt still terminating has no end time yet: the preemption was seen now or before.
+            ended = r["ended_at"] if r["ended_at"] is not None else (now if preempted else None)
+            lives.append(SpotLife(started_at=r["created_at"], ended_at=ended, preempted=preempted))
+    return lives, refusals
+
+
+def spot_view(app: App, provider: str, offer: Offer, now: float) -> SpotView:
+    lives, refusals = spot_sightings(app, provider, offer.instance_type, now)
+    policy = app.config.policy
+    rate = policy.spot_preemptions_per_hour
+    return watch(lives, refusals, now, tick_h=_tick_h(app), prior_uptime_h=1.0 / rate if rate > 0 else 1e4,
+                 prior_outage_h=policy.spot_mean_outage_hours)
+
+
+def _tick_h(app: App) -> float:
+    return max(app.config.daemon.tick_s, MARKET_CHECK_S) / 3600.0  # a market is chosen per minute, not per tick
+
+
+def market_for_attempt(app: App, job: dict[str, Any], provider: str, offer: Offer,
+                       now: float | None = None) -> tuple[Market, dict[str, Any]]:
+    """The market for the job's next attempt on this offer, and what the choice rested on (for the trail).
+
+    On-demand when the decision said so (deadline-critical, asked for, or spot not worth it): never downgraded.
+    Otherwise the spot policy decides, from the job's cloud phase (hours left, deadline), the offer's spot and
+    on-demand prices and the spot market as this installation has seen it. A refused spot launch is how the daemon
+    learns that spot is gone; the policy then weighs waiting for it (the next launch tries again) against paying
+    for on-demand, and goes on-demand before the deadline is at risk.
+    """
     now = time.time() if now is None else now
     d = job["decision"]
-    first = Market.SPOT if d.get("market") == "spot" else Market.ON_DEMAND
-    if first is Market.ON_DEMAND:
-        return first  # deadline-critical, asked for, or spot not worth it: never downgraded to spot
+    if d.get("market") != "spot" or offer.spot_usd_h is None:
+        return Market.ON_DEMAND, {}
+    if offer.spot_usd_h >= offer.on_demand_usd_h:
+        # Never worth it; and the plan's "wait" (idle) would read as "launch spot" below.
+        return Market.ON_DEMAND, {"policy": "spot not cheaper", "spot_usd_h": offer.spot_usd_h,
+                                  "on_demand_usd_h": offer.on_demand_usd_h}
+    choice, facts = _ask_policy(app, job, provider, offer, now, PolicyMarket.IDLE)
+    # Idle means "wait for spot": the next spot launch is the wait's probe (a refused one costs nothing).
+    return (Market.ON_DEMAND if choice is PolicyMarket.ON_DEMAND else Market.SPOT), facts
+
+
+def spot_attempt_should_move(app: App, job: dict[str, Any], provider: str, offer: Offer,
+                             now: float | None = None) -> dict[str, Any] | None:
+    """For a job running on spot: what the policy rests on when it says "on-demand now" (else None).
+
+    The simulator's policy is asked every tick, on spot too: near the deadline its safety net moves the job to
+    on-demand before a preemption could make it late, and its plan may leave spot earlier when that is cheaper
+    in expectation. The daemon does the same with its running spot attempts (checkpoint, stop, relaunch)."""
+    now = time.time() if now is None else now
+    if offer.spot_usd_h is None:
+        return None
+    choice, facts = _ask_policy(app, job, provider, offer, now, PolicyMarket.SPOT)
+    return facts if choice is PolicyMarket.ON_DEMAND else None
+
+
+def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now: float, market: PolicyMarket
+                ) -> tuple[PolicyMarket, dict[str, Any]]:
+    d = job["decision"]
     rows = cloud_attempts(app, job["id"])
-    if not any(r["started_at"] for r in rows):
-        return first
     plan_cloud = [p for p in (d.get("plan") or []) if p["where"] == "cloud"]
     overhead = float(d.get("overhead_h") or 0.0)
     job_h = max((plan_cloud[0]["hours"] if plan_cloud else d.get("t_rented_h") or 0.0) - overhead, 1e-6)
-    t0 = min(r["created_at"] for r in rows)
-    progress = cloud_hours_done(rows, now)
+    # The cloud phase's clock starts with its first attempt (a hybrid plan's local phase is before it).
+    t0 = min((r["created_at"] for r in rows), default=now)
+    progress = min(cloud_hours_done(rows, now), job_h)
     deadline_h = (job["deadline_at"] - t0) / 3600.0
+    view = spot_view(app, provider, offer, now)
     state = SpotState(
-        job_hours=job_h, deadline_hours=deadline_h, elapsed_h=(now - t0) / 3600.0, progress_h=min(progress, job_h),
-        market=PolicyMarket.IDLE, spot_available=True, changeover_left_h=0.0, changeover_h=overhead,
-        tick_h=max(app.config.daemon.tick_s, 60.0) / 3600.0,  # a market is chosen per attempt, not per second
-        od_price=1.0, spot_price=0.33)
+        job_hours=job_h, deadline_hours=max(deadline_h, 1e-6), elapsed_h=(now - t0) / 3600.0, progress_h=progress,
+        market=market, spot_available=view.available, changeover_left_h=0.0, changeover_h=overhead,
+        tick_h=_tick_h(app), od_price=offer.on_demand_usd_h, spot_price=offer.spot_usd_h or 0.0,
+        spot_state_for_h=view.state_for_h, stats=view.stats)
     choice = get_policy(DEFAULT_POLICY).decide(state)
-    return Market.ON_DEMAND if choice is PolicyMarket.ON_DEMAND else Market.SPOT
+    facts = {"policy": DEFAULT_POLICY, "choice": choice.value, "slack_h": round(state.slack_h, 3),
+             "work_left_h": round(state.work_left_h, 3), "spot_usd_h": offer.spot_usd_h,
+             "on_demand_usd_h": offer.on_demand_usd_h, **view.as_record()}
+    if not math.isfinite(facts["mean_uptime_h"]):
+        facts["mean_uptime_h"] = None
+    return choice, facts

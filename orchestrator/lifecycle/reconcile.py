@@ -23,7 +23,14 @@ from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.local import LocalRunner
 from orchestrator.lifecycle.machine import AttemptState, active_attempts, move
-from orchestrator.lifecycle.market_switch import cloud_attempts, cloud_hours_done
+from orchestrator.lifecycle.market_switch import (
+    MARKET_CHECK_S,
+    TO_ON_DEMAND,
+    cloud_attempts,
+    cloud_hours_done,
+    market_for_attempt,
+    spot_attempt_should_move,
+)
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import burst_enabled
 from orchestrator.remote.ssh import HostKeyMismatch
@@ -289,7 +296,7 @@ class Reconciler:
         choice = self._choose_offer(job, now)
         if choice is None:
             return False
-        provider_name, offer, market = choice
+        provider_name, offer, market, market_facts = choice
         rate = offer.price(market) or offer.on_demand_usd_h
         problem = self.budget_problem(now, rate_usd_h=rate, minimum_s=offer.billing_minimum_s,
                                       expected_h=self._expected_remaining_h(job))
@@ -304,24 +311,24 @@ class Reconciler:
                 instance_type=offer.instance_type, region=None, market=market.value,
                 idempotency_key=f"{self.cfg.orchestrator_id}-{attempt_id}",
                 info={"rate_usd_h": rate, "billing_minimum_s": offer.billing_minimum_s, "launch_tried": False,
-                      "gpu": offer.gpu_model},
+                      "gpu": offer.gpu_model, **({"market_policy": market_facts} if market_facts else {})},
                 created_at=now))
             prev = job["state"]
             self.store.update_job(job["id"], conn, expect_state=prev, state=JobState.RUNNING.value,
                                   reason=f"bursting to {provider_name} {offer.instance_type} ({market.value})")
             self.app.events.emit("attempt.intent", job_id=job["id"], attempt_id=attempt_id, conn=conn,
                                  provider=provider_name, instance_type=offer.instance_type, market=market.value,
-                                 rate_usd_h=rate, resuming=prev == JobState.RESUMING.value)
+                                 rate_usd_h=rate, resuming=prev == JobState.RESUMING.value,
+                                 **({"market_policy": market_facts} if market_facts else {}))
         return True
 
-    def _choose_offer(self, job: dict[str, Any], now: float) -> tuple[str, Offer, Market] | None:
-        """The cheapest offer, across usable providers, of a GPU type the job names, with capacity now."""
-        from orchestrator.lifecycle.market_switch import market_for_attempt
-
+    def _choose_offer(self, job: dict[str, Any], now: float
+                      ) -> tuple[str, Offer, Market, dict[str, Any]] | None:
+        """The cheapest offer, across usable providers, of a GPU type the job names, with capacity now; on the market
+        the spot policy picks for it (with what that choice rested on)."""
         spec = job["spec"]
         wanted = {g.upper(): s_r for g, s_r in spec["rented_throughput"].items()}
-        want_market = market_for_attempt(self.app, job, now)
-        best: tuple[float, str, Offer, Market] | None = None
+        best: tuple[float, str, Offer, Market, dict[str, Any]] | None = None
         problems: list[str] = []
         for name, provider in self.providers.items():
             try:
@@ -332,21 +339,19 @@ class Reconciler:
             for o in offers:
                 if o.gpu_model.upper() not in wanted or o.gpu_count != spec["gpus"] or not o.regions:
                     continue
-                market = want_market
-                if market is Market.SPOT and o.spot_usd_h is None:
-                    market = Market.ON_DEMAND
+                market, why = market_for_attempt(self.app, job, name, o, now)
                 price = o.price(market) or o.on_demand_usd_h
                 speed = wanted[o.gpu_model.upper()]
                 cost = price / speed  # $ per unit of work
                 if best is None or cost < best[0]:
-                    best = (cost, name, o, market)
+                    best = (cost, name, o, market, why)
         if best is None:
             why = "no offer with capacity for " + ", ".join(f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
             if problems:
                 why += f" ({'; '.join(problems)})"
             self._note(job, why)
             return None
-        return best[1], best[2], best[3]
+        return best[1], best[2], best[3], best[4]
 
     def _expected_remaining_h(self, job: dict[str, Any]) -> float:
         d = job["decision"]
@@ -631,8 +636,26 @@ class Reconciler:
                 self._stop(att, job, provider, f"job exited: {reason} (code {ex.get('exit_code')})",
                            outcome=A.FAILED, info=info)
             return
+        if att["market"] == Market.SPOT.value and not 0 <= now - info.get("market_checked_at", 0) < MARKET_CHECK_S:
+            info["market_checked_at"] = now
+            why = self._spot_policy_leaves_spot(att, job, provider, now)
+            if why is not None:
+                self.emit("attempt.market_switch", job_id=job["id"], attempt_id=att["id"], to="on-demand",
+                          market_policy=why)
+                self._stop(att, job, provider, TO_ON_DEMAND, info=info)
+                return
         with self.store.tx() as conn:
             conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+
+    def _spot_policy_leaves_spot(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, now: float
+                                 ) -> dict[str, Any] | None:
+        """What the spot policy rests on when it moves this running spot attempt to on-demand, else None."""
+        try:
+            offers = self.offers.get(att["provider"], provider, now)
+        except ProviderError:
+            return None  # no prices to weigh: asked again next minute
+        offer = next((o for o in offers if o.instance_type == att["instance_type"]), None)
+        return None if offer is None else spot_attempt_should_move(self.app, job, att["provider"], offer, now)
 
     def _watch_s3_uploads(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
                           s3: dict[str, Any] | None, *, exited: bool) -> None:
