@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from orchestrator.core.spot_policy import (
     SPOT_CODE,
     AvailabilityStats,
     Market,
+    SemiMarkovDP,
     SpotBatch,
     SpotModel,
     SpotState,
@@ -331,3 +333,20 @@ def test_fast_plan_is_the_straightforward_backward_induction_entry_for_entry(
     assert np.array_equal(plan.actions.transpose(0, 5, 1, 2, 4, 3), expected)
     # and the plan is not trivial: every action occurs
     assert {IDLE_CODE, SPOT_CODE, OD_CODE} <= set(np.unique(plan.actions).tolist())
+
+
+def test_a_plan_for_a_shell_that_never_leaves_on_demand_waits_for_spot_instead_of_buying_it_for_a_while() -> None:
+    # The daemon cannot see spot come back while it runs on on-demand, so it never leaves on-demand. A plan made as
+    # if it could buys on-demand at an outage "for a while"; made for the daemon, it weighs the outage against
+    # on-demand to the end and waits for spot while the slack allows.
+    idle_in_outage = SpotState(job_hours=48, deadline_hours=60, elapsed_h=10.0, progress_h=9.8, market=Market.IDLE,
+                               spot_available=False, changeover_left_h=0.0, changeover_h=0.2, tick_h=1 / 6,
+                               od_price=3.06, spot_price=0.9731)
+    assert SemiMarkovDP().decide(idle_in_outage) is Market.ON_DEMAND
+    assert SemiMarkovDP(od_is_final=True).decide(idle_in_outage) is Market.IDLE
+    on_od_spot_back = dataclasses.replace(idle_in_outage, market=Market.ON_DEMAND, spot_available=True,
+                                          spot_state_for_h=1.0)
+    assert SemiMarkovDP().decide(on_od_spot_back) is Market.SPOT
+    assert SemiMarkovDP(od_is_final=True).decide(on_od_spot_back) is Market.ON_DEMAND
+    near_deadline = dataclasses.replace(idle_in_outage, elapsed_h=11.7, progress_h=0.0)
+    assert SemiMarkovDP(od_is_final=True).decide(near_deadline) is Market.ON_DEMAND, "the safety net still holds"

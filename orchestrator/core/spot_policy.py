@@ -377,8 +377,12 @@ _MISS_USD = 1e6  # value of a state that cannot finish by R: far above any real 
 
 
 def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, changeover_h: float, step_h: float,
-               od_price: float, spot_price: float, max_slack_units: int = 240) -> DPPlan:
+               od_price: float, spot_price: float, max_slack_units: int = 240, od_is_final: bool = False) -> DPPlan:
     """Backward induction over the semi-Markov availability model: the least expected cost to finish by R.
+
+    `od_is_final`: once on on-demand the job stays there to the end (the daemon's case: it does not know spot is
+    back without launching, so it never leaves on-demand). Choosing on-demand then costs finishing on it, and the
+    plan weighs waiting for spot against that, not against a later return to spot.
 
     Each step: bill the price of what runs, progress one step minus any changeover left, preempt spot if the
     model turns it off. The shared safety net is part of the model (once engaged, on-demand to the end), so the
@@ -481,6 +485,12 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
         (time_left_all <= np.ceil((work_h_all + 2 * changeover_h) / step_h - _EPS_H) * step_h + _EPS_H)
         | (time_left_all - step_h < work_h_all + changeover_h + _EPS_H))
 
+    if od_is_final:
+        # (steps left, on-demand phase, slack): the cost of finishing on on-demand from there, or a miss
+        units = np.maximum(work_all, 0)[:, None, :] + np.maximum(d_units - m * np.arange(phases), 0)[None, :, None]
+        steps_needed = np.ceil(units / m)
+        od_to_the_end = np.where(steps_needed <= steps[:, :, None], od_step * steps_needed,
+                                 np.float32(_MISS_USD)).astype(np.float32)
     for k in range(1, k_max + 1):
         # Expected value after the step, given the availability state before it: first over the next regime...
         if n_regimes == 1:
@@ -507,7 +517,10 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
         shifted(q_idle, np.float32(0.0), ev[0], m)  # an idle step costs nothing and spends m units of slack
         for p in range(phases):
             i = read_at[int(nxt[p])]
-            shifted(q_od[p], od_step, ev[1 + i], int(loss[p]))
+            if od_is_final:
+                q_od[p] = od_to_the_end[k, p]
+            else:
+                shifted(q_od[p], od_step, ev[1 + i], int(loss[p]))
             shifted(q_spot[p], spot_step, ev_spot[i], int(loss[p]))
             np.minimum(q_idle, q_od[p], out=best[p])
         # Values of the markets read next: staying continues its phase, switching starts at phase 0.
@@ -538,6 +551,8 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
                 value[1 + i][..., net] = forced[:, 1 + phases + p]
                 value_spot[i][..., net] = forced[:, 1 + p]
             act[..., net] = OD_CODE
+        if od_is_final:
+            act[1 + phases:] = OD_CODE
         done = _as_index(done_all[k])
         if done is not None:
             value[..., done] = 0.0
@@ -553,9 +568,10 @@ PLANS_CACHED = 6
 
 @lru_cache(maxsize=PLANS_CACHED)
 def cached_plan(model: SpotModel, job_hours: float, deadline_hours: float, changeover_h: float, step_h: float,
-                od_price: float, spot_price: float, max_slack_units: int) -> DPPlan:
+                od_price: float, spot_price: float, max_slack_units: int, od_is_final: bool = False) -> DPPlan:
     """`solve_plan`, remembered: the daemon asks every tick with the same job and model."""
-    return solve_plan(model, job_hours, deadline_hours, changeover_h, step_h, od_price, spot_price, max_slack_units)
+    return solve_plan(model, job_hours, deadline_hours, changeover_h, step_h, od_price, spot_price, max_slack_units,
+                      od_is_final)
 
 
 @dataclass(frozen=True)
@@ -578,6 +594,8 @@ class SemiMarkovDP:
     max_steps: int = 400  # longer horizons are planned on a coarser step (a multiple of the tick)
     max_slack_units: int = 400  # bound on the slack axis: finer is closer to exact, slower to plan
     uses_history: bool = True
+    # Plan for a shell that never leaves on-demand (the daemon's): see `solve_plan`.
+    od_is_final: bool = False
 
     def model_for(self, stats: AvailabilityStats | None, tick_h: float) -> SpotModel:
         if stats is not None and stats.model is not None:
@@ -588,7 +606,7 @@ class SemiMarkovDP:
                  od_price: float, spot_price: float, stats: AvailabilityStats | None) -> DPPlan:
         step_h = tick_h * max(1, math.ceil(deadline_hours / tick_h / self.max_steps))
         return cached_plan(self.model_for(stats, tick_h), job_hours, deadline_hours, changeover_h, step_h,
-                           od_price, spot_price, self.max_slack_units)
+                           od_price, spot_price, self.max_slack_units, self.od_is_final)
 
     def decide(self, state: SpotState) -> Market:
         if state.progress_h >= state.job_hours:

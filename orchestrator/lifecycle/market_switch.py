@@ -4,6 +4,7 @@ launch, with the offer's real prices and what this installation has seen of that
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from sqlalchemy import select
 
 from orchestrator.app import App
-from orchestrator.core.spot_policy import DEFAULT_POLICY, SpotState, get_policy
+from orchestrator.core.spot_policy import DEFAULT_POLICY, SemiMarkovDP, SpotState, get_policy
 from orchestrator.core.spot_policy import Market as PolicyMarket
 from orchestrator.core.spot_watch import SpotLife, SpotView, watch
 from orchestrator.lifecycle.machine import AttemptState as A
@@ -22,6 +23,12 @@ from state import schema as s
 MARKET_CHECK_S = 60.0
 # The stop reason of a spot attempt the policy moves to on-demand.
 TO_ON_DEMAND = "to-on-demand"
+# The policy the daemon asks: the default, planned for the daemon's shell, which never leaves on-demand for spot
+# (it cannot see spot come back without launching). Planned as if it could, it buys on-demand at the first outage
+# "for a while" and then stays there: replayed on setting (a) that cost $140 a run against greedy's $114
+# (benchmarks/daemon_shell.py, docs/simulate.md).
+_default = get_policy(DEFAULT_POLICY)
+DAEMON_POLICY = dataclasses.replace(_default, od_is_final=True) if isinstance(_default, SemiMarkovDP) else _default
 # How far back the daemon's sightings of a spot market are read: a month of launches, preemptions and refusals.
 SIGHTINGS_WINDOW_S = 30 * 86400.0
 
@@ -125,7 +132,7 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
         market=market, spot_available=view.available, changeover_left_h=0.0, changeover_h=overhead,
         tick_h=_tick_h(app), od_price=offer.on_demand_usd_h, spot_price=offer.spot_usd_h or 0.0,
         spot_state_for_h=view.state_for_h, stats=view.stats)
-    choice = get_policy(DEFAULT_POLICY).decide(state)
+    choice = DAEMON_POLICY.decide(state)
     facts = {"policy": DEFAULT_POLICY, "choice": choice.value, "slack_h": round(state.slack_h, 3),
              "work_left_h": round(state.work_left_h, 3), "spot_usd_h": offer.spot_usd_h,
              "on_demand_usd_h": offer.on_demand_usd_h, **view.as_record()}

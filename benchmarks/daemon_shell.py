@@ -1,0 +1,149 @@
+"""What the daemon's own use of the spot policy would cost on real spot traces, next to the simulator's policies.
+
+`burstctl simulate` gives a policy every tick of a trace and lets it move between spot and on-demand at will. The
+daemon (`orchestrator/lifecycle/market_switch.py`) sees much less and may do less:
+- it learns spot's state only from its own launches: an instance that came up, a preemption, a launch refused for
+  lack of capacity (`orchestrator/core/spot_watch.py`, with the configured priors);
+- while the job waits for spot it retries a spot launch every minute (here: every tick), and each refusal is a
+  sighting;
+- on spot it asks once a minute (here: every tick) whether to move to on-demand;
+- on on-demand it stays to the end: it cannot see spot come back without launching.
+This script replays that shell, with the daemon's own policy object and sightings code, by the paper's replay
+semantics (`orchestrator.simulate.replay`), over the same random starts as `simulate`.
+
+Run by hand from the repo root: `.venv/bin/python benchmarks/daemon_shell.py [--settings ab] [--starts 300]`.
+Traces: Wu et al., "Can't Be Late: Optimizing Spot Instance Savings under Deadlines", NSDI 2024
+(github.com/skypilot-org/spot-traces), read from ../shared/spot-traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+import orchestrator.core.spot_policy as spot_policy
+from orchestrator.config import Policy as PolicyConfig
+from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES, Market, SemiMarkovDP, SpotState
+from orchestrator.core.spot_watch import SpotLife, watch
+from orchestrator.lifecycle.market_switch import DAEMON_POLICY
+from orchestrator.simulate import JobSetting, Trace, load_traces, replay, sample_starts, simulate
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "spot-traces" / "availability" / "1-node"
+JOB = JobSetting(job_hours=48, deadline_hours=60, changeover_hours=0.2, od_price=3.06, spot_price=0.9731)
+SETTINGS = {
+    "a": ("8 aws-10-26-2022 traces, first 1781 ticks", TRACES / "aws-10-26-2022", 1781),
+    "b": ("9 aws-02-15-2023 traces, whole", TRACES / "aws-02-15-2023", None),
+}
+
+
+class DaemonShell:
+    """One run of a job through the daemon's shell: a fresh one per run (it remembers that run's sightings)."""
+
+    name = "daemon-shell"
+
+    def __init__(self, policy: SemiMarkovDP, prior_uptime_h: float, prior_outage_h: float) -> None:
+        self.policy = policy
+        self.priors = (prior_uptime_h, prior_outage_h)
+        self.lives: list[SpotLife] = []
+        self.refusals: list[float] = []
+        self.previous = Market.IDLE
+
+    def _end_life(self, now: float, preempted: bool) -> None:
+        life = self.lives[-1]
+        self.lives[-1] = SpotLife(life.started_at, now, preempted)
+
+    def decide(self, s: SpotState) -> Market:
+        now = s.elapsed_h * 3600.0
+        if self.previous is Market.SPOT and s.market is Market.IDLE:
+            self._end_life(now, preempted=True)
+        if s.progress_h >= s.job_hours:
+            return Market.IDLE
+        if s.market is Market.ON_DEMAND:
+            return Market.ON_DEMAND
+        view = watch(self.lives, self.refusals, now, tick_h=s.tick_h, prior_uptime_h=self.priors[0],
+                     prior_outage_h=self.priors[1])
+        seen = dataclasses.replace(s, spot_available=view.available if s.market is Market.IDLE else True,
+                                   spot_state_for_h=view.state_for_h, stats=view.stats, recent_up_fraction=1.0)
+        choice = self.policy.decide(seen)
+        if s.market is Market.SPOT:
+            action = Market.ON_DEMAND if choice is Market.ON_DEMAND else Market.SPOT
+            if action is Market.ON_DEMAND:
+                self._end_life(now, preempted=False)
+        elif choice is Market.ON_DEMAND:
+            action = Market.ON_DEMAND
+        elif s.spot_available:  # the launch is the probe: spot came up
+            action = Market.SPOT
+            self.lives.append(SpotLife(now, None, False))
+        else:
+            self.refusals.append(now)
+            action = Market.IDLE
+        self.previous = action
+        return action
+
+
+def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, float, float]) -> tuple[np.ndarray, int, float, float]:
+    trace, starts, policy, prior_up, prior_out = args
+    plans: dict[tuple, spot_policy.DPPlan] = {}
+
+    def cached(*key: object) -> spot_policy.DPPlan:  # each process keeps every plan it made (models recur)
+        if key not in plans:
+            plans[key] = spot_policy.solve_plan(*key)  # type: ignore[arg-type]
+        return plans[key]
+
+    spot_policy.cached_plan = cached  # type: ignore[assignment]
+    runs = [replay(DaemonShell(policy, prior_up, prior_out), trace, int(s0), JOB) for s0 in starts]
+    return (np.array([r.cost_usd for r in runs]), sum(r.missed for r in runs),
+            float(np.mean([r.spot_work_hours for r in runs])), float(np.mean([r.od_work_hours for r in runs])))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--starts", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settings", default="ab")
+    args = ap.parse_args()
+    defaults = PolicyConfig()
+    prior_up = 1.0 / defaults.spot_preemptions_per_hour
+    prior_out = defaults.spot_mean_outage_hours
+    shells = {"daemon shell (as shipped: on-demand is final)": DAEMON_POLICY,
+              "daemon shell, planned as if it could leave on-demand": POLICIES[DEFAULT_POLICY]}
+    for key in args.settings:
+        title, path, window = SETTINGS[key]
+        traces = load_traces([path], window=window)
+        t0 = time.perf_counter()
+        report = simulate(traces, list(POLICIES), JOB, starts=args.starts, seed=args.seed).as_json(DEFAULT_POLICY)
+        rng = np.random.default_rng(args.seed)  # the same starts as simulate's
+        starts = [sample_starts(t, JOB, args.starts, rng) for t in traces]
+        up = report["policies"]["uniform-progress"]["mean_cost_usd"]
+        best = report["offline"]["mean_cost_usd"]
+        print(f"\n### Setting ({key}): {title}; C=48 h, R=60 h, d=0.2 h, $3.06 OD / $0.9731 spot, "
+              f"{args.starts} starts/trace, seed {args.seed}; daemon priors: up {prior_up:g} h, "
+              f"outage {prior_out:g} h\n")
+        print("| policy | mean cost $/run | OD work h | spot work h | misses | vs UP | UP's gap closed |")
+        print("|---|---|---|---|---|---|---|")
+
+        def row(name: str, cost: float, od: float, spot: float, misses: int, runs: int, up: float = up,
+                best: float = best) -> None:
+            print(f"| {name} | {cost:.2f} | {od:.2f} | {spot:.2f} | {misses}/{runs} | {cost / up:.3f} | "
+                  f"{(up - cost) / (up - best):.1%} |")
+
+        for name, p in report["policies"].items():
+            row(name, p["mean_cost_usd"], p["od_work_hours"], p["spot_work_hours"], p["misses"], p["runs"])
+        for name, policy in shells.items():
+            with ProcessPoolExecutor(2) as pool:
+                parts = list(pool.map(_replay_trace, [(t, s, policy, prior_up, prior_out)
+                                                      for t, s in zip(traces, starts, strict=True)]))
+            costs = np.concatenate([p[0] for p in parts])
+            row(name, float(costs.mean()), float(np.mean([p[3] for p in parts])),
+                float(np.mean([p[2] for p in parts])), sum(p[1] for p in parts), costs.shape[0])
+        print(f"| offline optimum | {best:.2f} | | | | {best / up:.3f} | 100.0% |")
+        print(f"\n({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
