@@ -7,7 +7,8 @@ daemon (`orchestrator/lifecycle/market_switch.py`) sees much less and may do les
 - while the job waits for spot it retries a spot launch every minute (here: every tick), and each refusal is a
   sighting;
 - on spot it asks once a minute (here: every tick) whether to move to on-demand;
-- on on-demand it stays to the end: it cannot see spot come back without launching.
+- on on-demand it stays to the end: it cannot see spot come back without launching; except where the provider lists
+  spot capacity (simcloud, Lambda-style), where it sees spot every tick and may go back to spot.
 This script replays that shell, with the daemon's own policy object and sightings code, by the paper's replay
 semantics (`orchestrator.simulate.replay`), over the same random starts as `simulate`.
 
@@ -30,7 +31,7 @@ import orchestrator.core.spot_policy as spot_policy
 from orchestrator.config import Policy as PolicyConfig
 from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES, Market, SemiMarkovDP, SpotState
 from orchestrator.core.spot_watch import SpotLife, watch
-from orchestrator.lifecycle.market_switch import DAEMON_POLICY
+from orchestrator.lifecycle.market_switch import DAEMON_POLICY, SEEING_POLICY
 from orchestrator.simulate import JobSetting, Trace, load_traces, replay, sample_starts, simulate
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "spot-traces" / "availability" / "1-node"
@@ -46,11 +47,13 @@ class DaemonShell:
 
     name = "daemon-shell"
 
-    def __init__(self, policy: SemiMarkovDP, prior_uptime_h: float, prior_outage_h: float) -> None:
+    def __init__(self, policy: SemiMarkovDP, prior_uptime_h: float, prior_outage_h: float, listed: bool) -> None:
         self.policy = policy
         self.priors = (prior_uptime_h, prior_outage_h)
+        self.listed = listed  # the provider lists spot capacity: seen every tick, and on-demand can be left
         self.lives: list[SpotLife] = []
         self.refusals: list[float] = []
+        self.listings: list[tuple[float, bool]] = []
         self.previous = Market.IDLE
 
     def _end_life(self, now: float, preempted: bool) -> None:
@@ -63,31 +66,40 @@ class DaemonShell:
             self._end_life(now, preempted=True)
         if s.progress_h >= s.job_hours:
             return Market.IDLE
-        if s.market is Market.ON_DEMAND:
+        if self.listed and (not self.listings or self.listings[-1][1] != s.spot_available):
+            self.listings.append((now, s.spot_available))
+        if s.market is Market.ON_DEMAND and not self.listed:
             return Market.ON_DEMAND
         view = watch(self.lives, self.refusals, now, tick_h=s.tick_h, prior_uptime_h=self.priors[0],
-                     prior_outage_h=self.priors[1])
-        seen = dataclasses.replace(s, spot_available=view.available if s.market is Market.IDLE else True,
+                     prior_outage_h=self.priors[1], listings=self.listings,
+                     listed_now=s.spot_available if self.listed else None)
+        seen = dataclasses.replace(s, spot_available=view.available if s.market is not Market.SPOT else True,
                                    spot_state_for_h=view.state_for_h, stats=view.stats, recent_up_fraction=1.0)
         choice = self.policy.decide(seen)
-        if s.market is Market.SPOT:
+        if s.market is Market.ON_DEMAND:  # listed: back to spot when the plan says so
+            action = Market.SPOT if choice is Market.SPOT and s.spot_available else Market.ON_DEMAND
+            if action is Market.SPOT:
+                self.lives.append(SpotLife(now, None, False))
+        elif s.market is Market.SPOT:
             action = Market.ON_DEMAND if choice is Market.ON_DEMAND else Market.SPOT
             if action is Market.ON_DEMAND:
                 self._end_life(now, preempted=False)
         elif choice is Market.ON_DEMAND:
             action = Market.ON_DEMAND
-        elif s.spot_available:  # the launch is the probe: spot came up
+        elif s.spot_available:  # the launch (the probe where nothing is listed): spot came up
             action = Market.SPOT
             self.lives.append(SpotLife(now, None, False))
         else:
-            self.refusals.append(now)
+            if not self.listed:
+                self.refusals.append(now)  # listed as gone: nothing launched, nothing refused
             action = Market.IDLE
         self.previous = action
         return action
 
 
-def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, float, float]) -> tuple[np.ndarray, int, float, float]:
-    trace, starts, policy, prior_up, prior_out = args
+def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, bool, float, float]
+                  ) -> tuple[np.ndarray, int, float, float]:
+    trace, starts, policy, listed, prior_up, prior_out = args
     plans: dict[tuple, spot_policy.DPPlan] = {}
 
     def cached(*key: object) -> spot_policy.DPPlan:  # each process keeps every plan it made (models recur)
@@ -96,7 +108,7 @@ def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, float, float]) ->
         return plans[key]
 
     spot_policy.cached_plan = cached  # type: ignore[assignment]
-    runs = [replay(DaemonShell(policy, prior_up, prior_out), trace, int(s0), JOB) for s0 in starts]
+    runs = [replay(DaemonShell(policy, prior_up, prior_out, listed), trace, int(s0), JOB) for s0 in starts]
     return (np.array([r.cost_usd for r in runs]), sum(r.missed for r in runs),
             float(np.mean([r.spot_work_hours for r in runs])), float(np.mean([r.od_work_hours for r in runs])))
 
@@ -110,8 +122,9 @@ def main() -> None:
     defaults = PolicyConfig()
     prior_up = 1.0 / defaults.spot_preemptions_per_hour
     prior_out = defaults.spot_mean_outage_hours
-    shells = {"daemon shell (as shipped: on-demand is final)": DAEMON_POLICY,
-              "daemon shell, planned as if it could leave on-demand": POLICIES[DEFAULT_POLICY]}
+    shells = {"daemon shell, spot seen only by launching (EC2): on-demand is final": (DAEMON_POLICY, False),
+              "the same, planned as if it could leave on-demand": (POLICIES[DEFAULT_POLICY], False),
+              "daemon shell, spot capacity listed (simcloud): sees every tick, leaves on-demand": (SEEING_POLICY, True)}
     for key in args.settings:
         title, path, window = SETTINGS[key]
         traces = load_traces([path], window=window)
@@ -134,9 +147,9 @@ def main() -> None:
 
         for name, p in report["policies"].items():
             row(name, p["mean_cost_usd"], p["od_work_hours"], p["spot_work_hours"], p["misses"], p["runs"])
-        for name, policy in shells.items():
+        for name, (policy, listed) in shells.items():
             with ProcessPoolExecutor(2) as pool:
-                parts = list(pool.map(_replay_trace, [(t, s, policy, prior_up, prior_out)
+                parts = list(pool.map(_replay_trace, [(t, s, policy, listed, prior_up, prior_out)
                                                       for t, s in zip(traces, starts, strict=True)]))
             costs = np.concatenate([p[0] for p in parts])
             row(name, float(costs.mean()), float(np.mean([p[3] for p in parts])),

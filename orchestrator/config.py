@@ -139,6 +139,10 @@ class SimProvider(Strict):
     base_url: str = Field("http://127.0.0.1:8790/api/v1", description="simcloud's Lambda-compatible API root.")
     api_key_env: str = Field("BURSTCTL_SIM_API_KEY", description="Env var holding simcloud's API key.")
     ssh_key_name: str = Field("burstctl", description="SSH key name registered with the provider.")
+    lists_spot_capacity: bool = Field(
+        True, description="Read simcloud's spot capacity listing, so spot is seen without launching. false: spot "
+                          "is seen only by launching, as on EC2.",
+    )
 
 
 class LambdaProvider(Strict):
@@ -213,6 +217,13 @@ class DaemonSettings(Strict):
         50, description="Blocked jobs re-decided per tick (budget freed, kill switch lifted)."
     )
     local_concurrency: Annotated[int, Field(ge=0)] = Field(1, description="Local GPU jobs at once (one GPU: 1).")
+    offers_ttl_s: PositiveFloat = Field(
+        60.0, description="How long providers' offers (prices, capacity, spot capacity) are reused before asking again."
+    )
+    market_check_s: PositiveFloat = Field(
+        60.0, description="How often a running cloud attempt asks the spot policy whether to change market (the "
+                          "policy's tick).",
+    )
 
 
 def default_state_dir() -> Path:

@@ -99,6 +99,9 @@ class Offer:
     regions: tuple[str, ...]  # regions/zones with capacity now
     billing_minimum_s: float = 60.0
     billing_increment_s: float = 1.0
+    # Regions/zones where spot has capacity now, when the provider lists it (a Lambda-style capacity listing);
+    # None when it cannot tell without launching (EC2). Lets the daemon see spot come back while it runs elsewhere.
+    spot_regions: tuple[str, ...] | None = None
 
     def price(self, market: Market) -> float | None:
         return self.spot_usd_h if market is Market.SPOT else self.on_demand_usd_h

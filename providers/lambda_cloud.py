@@ -107,6 +107,7 @@ class LambdaCloud:
         instance_types: Sequence[str] = (),
         orchestrator_id: str = "burstctl",
         sink: EventSink | None = None,
+        lists_spot_capacity: bool = True,
         retry: RetryPolicy = DEFAULT_RETRY,
         timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
@@ -122,6 +123,7 @@ class LambdaCloud:
         self.instance_types = tuple(instance_types)
         self.orchestrator_id = orchestrator_id
         self.sink = sink
+        self.lists_spot_capacity = lists_spot_capacity
         self.retry = retry
         self._sleep = sleep
         self._request_pacer = Pacer(request_interval_s, clock=clock, sleep=sleep)
@@ -164,6 +166,8 @@ class LambdaCloud:
                 on_demand_usd_h=int(it["price_cents_per_hour"]) / 100.0,
                 spot_usd_h=int(spot["instance_type"]["price_cents_per_hour"]) / 100.0 if spot else None,
                 regions=tuple(regions),
+                spot_regions=tuple(self._order_regions(_capacity_regions(spot)))
+                if spot and self.lists_spot_capacity else None,
             ))
         order = {t: i for i, t in enumerate(self.instance_types)}
         offers.sort(key=lambda o: (order.get(o.instance_type, len(order)), o.instance_type))
@@ -388,7 +392,8 @@ def from_config(section: LambdaProvider | SimProvider, api_key: str | None, *, s
                          provider="sim" if isinstance(section, SimProvider) else "lambda")
     if isinstance(section, SimProvider):
         return LambdaCloud(name="sim", base_url=section.base_url, api_key=api_key, ssh_key_name=section.ssh_key_name,
-                           orchestrator_id=orchestrator_id, sink=sink, **tuning)
+                           orchestrator_id=orchestrator_id, sink=sink, lists_spot_capacity=section.lists_spot_capacity,
+                           **tuning)
     return LambdaCloud(name="lambda", base_url=section.base_url, api_key=api_key, ssh_key_name=section.ssh_key_name,
                        regions=section.regions, instance_types=section.instance_types,
                        orchestrator_id=orchestrator_id, sink=sink, **tuning)

@@ -137,6 +137,18 @@ measurements = Table(
 Index("ix_measurements_key", measurements.c.provider, measurements.c.instance_type, measurements.c.metric)
 
 
+spot_listings = Table(
+    "spot_listings",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("provider", String(32), nullable=False),
+    Column("instance_type", String(64), nullable=False),
+    Column("at", Float, nullable=False),  # unix seconds
+    Column("up", Boolean, nullable=False),  # the provider listed spot capacity (True) or none (False) from `at` on
+)
+Index("ix_spot_listings_key", spot_listings.c.provider, spot_listings.c.instance_type, spot_listings.c.at)
+
+
 def _v1(conn: Connection) -> None:
     metadata.create_all(conn)
 
@@ -154,11 +166,17 @@ def _v3(conn: Connection) -> None:
                       "(provider, instance_type, market, created_at)"))
 
 
+def _v4(conn: Connection) -> None:
+    # Spot capacity as providers list it, changes only: what the spot policy learns outages from without launching.
+    spot_listings.create(conn, checkfirst=True)
+
+
 # (version, migration). Each runs once, in order, inside a transaction.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _v1),
     (2, _v2),
     (3, _v3),
+    (4, _v4),
 ]
 
 

@@ -84,10 +84,12 @@ def trainer_job(tmp: Path, name: str, *, steps: int, every: int, step_s: float =
 
 
 def write_config(tmp: Path, sim_url: str | None, **sections: dict[str, Any]) -> Path:
-    """burstctl.toml for a test: simcloud at `sim_url` (None: simcloud off), a fast daemon, and `sections`."""
+    """burstctl.toml for a test: simcloud at `sim_url` (None: simcloud off), a fast daemon, and `sections`
+    (`sim`: more keys for [providers.sim])."""
     daemon = {"tick_s": 0.5, "heartbeat_timeout_s": 20.0, "sweep_s": 5.0, "launch_backoff_s": 1.0,
               **sections.pop("daemon", {})}
     sim = [f'base_url = "{sim_url}/api/v1"'] if sim_url else ["enabled = false"]
+    sim += [f"{k} = {toml_value(v)}" for k, v in sections.pop("sim", {}).items()]
     lines = ["[providers.sim]", *sim, "", "[daemon]"]
     lines += [f"{k} = {toml_value(v)}" for k, v in daemon.items()]
     for name, values in sections.items():

@@ -118,8 +118,9 @@ def test_when_spot_never_comes_the_policy_moves_the_job_to_on_demand_in_time_for
         for region in ("us-east-1", "us-west-1"):
             sim_admin(url, "capacity", {"instance_type": "gpu_1x_h100_sxm5_spot", "region": region, "count": 0})
         # 72 s of cloud work and 36 s of overhead (as decided; the trainer needs less) to finish within 4.2 min:
-        # spot is chosen, and refused; the policy waits for it while that pays, then goes on-demand.
-        config = write_config(tmp_path, url, policy={"overhead_h": 0.01})
+        # spot is chosen, and refused; the policy waits for it while that pays, then goes on-demand. simcloud's
+        # spot capacity listing is not read: spot is seen only by launching, as on EC2.
+        config = write_config(tmp_path, url, policy={"overhead_h": 0.01}, sim={"lists_spot_capacity": False})
         spec = e2e_trainer_job(tmp_path, "starved-of-spot", steps=40, every=5, interval_minutes=0.01, rented=50,
                                deadline_hours=0.07)
         job_id = enqueue(config, state, spec)
@@ -168,6 +169,40 @@ def test_a_spot_attempt_whose_deadline_comes_near_is_checkpointed_and_moved_to_o
         assert moved["data"]["reason"].startswith("moving to on-demand")
         resumed = [e for e in events(state, "job.resumed") if e["job_id"] == job_id]
         assert resumed, "the on-demand attempt resumed from the spot attempt's last checkpoint"
+        assert_one_instance_per_attempt_and_all_gone(url)
+
+
+def test_where_spot_capacity_is_listed_a_job_waits_for_spot_without_launching_and_takes_it_when_listed(
+        tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        def spot_capacity(count: int) -> None:
+            for region in ("us-east-1", "us-west-1"):
+                sim_admin(url, "capacity", {"instance_type": "gpu_1x_h100_sxm5_spot", "region": region,
+                                            "count": count})
+
+        spot_capacity(0)
+        # simcloud lists spot capacity: the daemon sees spot gone without launching, and waits (0.3 h of slack).
+        config = write_config(tmp_path, url, daemon={"offers_ttl_s": 1.0, "market_check_s": 2.0},
+                              policy={"overhead_h": 0.01})
+        spec = e2e_trainer_job(tmp_path, "listed-spot", steps=40, every=5, interval_minutes=0.01, rented=10,
+                               deadline_hours=0.4)
+        job_id = enqueue(config, state, spec)
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: job(state, job_id)["reason"].startswith("waiting for spot (none listed)"), 60,
+                     "the job to wait for spot")
+            time.sleep(3)
+            assert not [e for e in events(state, "attempt.intent") if e["job_id"] == job_id], "nothing launched"
+            spot_capacity(4)
+            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to run on spot once listed")
+        finally:
+            assert daemon.stop() == 0
+        intents = [e for e in events(state, "attempt.intent") if e["job_id"] == job_id]
+        assert [e["data"]["market"] for e in intents] == ["spot"]
+        assert intents[0]["data"]["market_policy"]["spot_seen"] == "up"
+        assert not [e for e in events(state, "attempt.launch_failed") if e["job_id"] == job_id], \
+            "spot listed as gone is not launched into"
         assert_one_instance_per_attempt_and_all_gone(url)
 
 

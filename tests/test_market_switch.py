@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, select
 
 from orchestrator.app import App
 from orchestrator.core.spot_policy import DEFAULT_POLICY, Market, SpotState, get_policy
-from orchestrator.lifecycle.market_switch import market_for_attempt, spot_attempt_should_move
+from orchestrator.lifecycle.market_switch import attempt_should_move, market_for_attempt, record_spot_listings
 from providers.base import Market as CloudMarket
 from providers.base import Offer
 from state import schema as s
@@ -54,9 +54,10 @@ def _job(app: App, *, market: str = "spot", cloud_h: float = 2.0, overhead_h: fl
     return row
 
 
-def _offer(spot: float | None = 1.0, od: float = 3.0) -> Offer:
+def _offer(spot: float | None = 1.0, od: float = 3.0, listed: tuple[str, ...] | None = None) -> Offer:
+    """An offer; `listed`: the regions where the provider lists spot capacity (None: it does not list it)."""
     return Offer(provider="sim", instance_type="gpu_1x_h100", gpu_model="H100", gpu_count=1, vram_gib=80, vcpus=26,
-                 on_demand_usd_h=od, spot_usd_h=spot, regions=("us-east-1",))
+                 on_demand_usd_h=od, spot_usd_h=spot, regions=("us-east-1",), spot_regions=listed)
 
 
 def _refused(app: App, n: int, at: float) -> None:
@@ -140,13 +141,50 @@ def _running_spot(app: App, n: int, started_at: float) -> None:
 def test_a_job_running_on_spot_stays_there_while_the_deadline_has_room(app: App) -> None:
     job = _job(app, cloud_h=2.0, overhead_h=0.1, deadline_at=6 * H)
     _running_spot(app, 1, 0.0)
-    assert spot_attempt_should_move(app, job, "sim", _offer(), now=0.5 * H) is None
+    assert attempt_should_move(app, job, "sim", _offer(), CloudMarket.SPOT, now=0.5 * H) is None
 
 
 def test_a_job_running_on_spot_moves_to_on_demand_before_a_preemption_could_make_it_late(app: App) -> None:
     # 1.8 h of work left at 0.1 h, 2.0 h to the deadline: slack 0.2 h = 2d, where the safety net takes over.
     job = _job(app, cloud_h=2.0, overhead_h=0.1, deadline_at=2.1 * H)
     _running_spot(app, 1, 0.0)
-    facts = spot_attempt_should_move(app, job, "sim", _offer(), now=0.1 * H)
-    assert facts is not None and facts["choice"] == "on-demand" and facts["spot_seen"] == "up", facts
+    move = attempt_should_move(app, job, "sim", _offer(), CloudMarket.SPOT, now=0.1 * H)
+    assert move is not None
+    target, facts = move
+    assert target is CloudMarket.ON_DEMAND and facts["choice"] == "on-demand" and facts["spot_seen"] == "up", facts
     assert facts["slack_h"] == pytest.approx(0.2)
+
+
+# --- where the provider lists spot capacity, the daemon sees spot while it runs elsewhere, and moves back -------
+
+
+def test_where_spot_is_listed_as_gone_the_job_waits_without_launching_while_waiting_pays(app: App) -> None:
+    job = _job(app, cloud_h=2.0, deadline_at=26 * H)
+    record_spot_listings(app, "sim", [_offer(listed=())], 0.0)
+    market, facts = market_for_attempt(app, job, "sim", _offer(listed=()), now=600.0)
+    assert market is None and facts["spot_seen"] == "down" and facts["for_h"] == pytest.approx(600 / H, abs=1e-3), facts
+    assert facts["policy"] == "semi-markov-dp", "it sees spot come back, so it plans to come back from on-demand"
+
+
+def test_a_job_on_demand_moves_back_to_spot_once_the_provider_lists_spot_again(app: App) -> None:
+    job = _job(app, cloud_h=4.0, overhead_h=0.1, deadline_at=10 * H)
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(
+            id="j1-a1", job_id="j1", n=1, where="cloud", state="running", provider="sim", instance_type="gpu_1x_h100",
+            market="on-demand", instance_id="i-1", info={}, created_at=0.0, started_at=0.0))
+    record_spot_listings(app, "sim", [_offer(listed=())], 0.0)
+    assert attempt_should_move(app, job, "sim", _offer(listed=()), CloudMarket.ON_DEMAND, now=0.5 * H) is None
+    record_spot_listings(app, "sim", [_offer(listed=("us-east-1",))], 0.6 * H)
+    move = attempt_should_move(app, job, "sim", _offer(listed=("us-east-1",)), CloudMarket.ON_DEMAND, now=0.7 * H)
+    assert move is not None and move[0] is CloudMarket.SPOT, move
+    assert move[1]["spot_seen"] == "up" and move[1]["for_h"] == pytest.approx(0.1), move[1]
+    assert attempt_should_move(app, job, "sim", _offer(), CloudMarket.ON_DEMAND, now=0.7 * H) is None, \
+        "where spot is not listed, the daemon cannot see it back and stays on on-demand"
+
+
+def test_listings_are_kept_as_changes_only(app: App) -> None:
+    for minute, listed in enumerate([(), (), ("us-east-1",), ("us-east-1",), ("us-west-1",), ()]):
+        record_spot_listings(app, "sim", [_offer(listed=listed), _offer(spot=None)], minute * 60.0)
+    with app.store.engine.connect() as c:
+        rows = c.execute(select(s.spot_listings.c.at, s.spot_listings.c.up).order_by(s.spot_listings.c.at)).all()
+    assert [(at, bool(up)) for at, up in rows] == [(0.0, False), (120.0, True), (300.0, False)]

@@ -75,3 +75,14 @@ def test_estimates_move_in_tenths_of_a_decade_so_that_plans_are_reused() -> None
     b = watch([], [0.0, 600.0], 700.0, **PRIORS).stats.model
     assert a == b
     assert [on_grid(x) for x in (0.85, 1.0, 1.1, 1.2, 1.5, 2.0, 20.0)] == [0.794, 1.0, 1.0, 1.26, 1.58, 2.0, 20.0]
+
+
+def test_a_provider_s_capacity_listing_is_seen_without_launching_and_times_outages_exactly() -> None:
+    listings = [(0.0, False), (2 * H, True)]
+    view = watch([], [], 3 * H, **PRIORS, listings=listings, listed_now=True)
+    assert view.available and view.known and view.state_for_h == pytest.approx(1.0)
+    assert view.outages_ended == 1
+    assert view.stats.mean_outage_h == on_grid((2.0 + PRIOR_SPELLS * 1.0) / (1 + PRIOR_SPELLS))
+    later = watch([], [], 10 * H, **PRIORS, listings=[*listings, (9 * H, False)], listed_now=False)
+    assert not later.available and later.known, "what is listed now is fresh, however old the last change"
+    assert later.state_for_h == pytest.approx(1.0)

@@ -72,15 +72,21 @@ def _shrunk(exposure_h: float, events: int, prior_h: float) -> float:
 
 
 def watch(lives: Sequence[SpotLife], refusals: Sequence[float], now: float, *, tick_h: float,
-          prior_uptime_h: float, prior_outage_h: float) -> SpotView:
-    """The spot market seen through these instance lives and refused launches (unix seconds), at `now`."""
+          prior_uptime_h: float, prior_outage_h: float, listings: Sequence[tuple[float, bool]] = (),
+          listed_now: bool | None = None) -> SpotView:
+    """The spot market seen through these instance lives and refused launches (unix seconds), at `now`.
+
+    Where the provider lists spot capacity, `listings` are the changes it showed, (since, up), and `listed_now` is
+    what it lists now: sightings too, which also come while the job runs elsewhere."""
     up_h = sum(max(0.0, ((life.ended_at if life.ended_at is not None else now) - life.started_at) / 3600.0)
                for life in lives)
     preemptions = sum(1 for life in lives if life.preempted and life.ended_at is not None)
     # One timeline of sightings; at equal times an "up" goes first, so a refusal in the same second wins.
     sightings = sorted([(life.started_at, 0) for life in lives]
                        + [(life.ended_at, 1) for life in lives if life.preempted and life.ended_at is not None]
-                       + [(at, 1) for at in refusals])
+                       + [(at, 1) for at in refusals]
+                       + [(at, 0 if up else 1) for at, up in listings]
+                       + ([(now, 0 if listed_now else 1)] if listed_now is not None else []))
     state: bool | None = None  # None: nothing seen yet
     since = last_seen = now
     down_h, outages_ended = 0.0, 0

@@ -15,7 +15,7 @@ from orchestrator import records
 from orchestrator.app import App
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.machine import AttemptState
-from orchestrator.lifecycle.market_switch import TO_ON_DEMAND
+from orchestrator.lifecycle.market_switch import TO_ON_DEMAND, TO_SPOT
 from orchestrator.lifecycle.states import JobState
 from state import schema as s
 
@@ -64,10 +64,12 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
                    "job.blocked")
         elif stop_reason == "budget-cap":
             to(JobState.BLOCKED, "stopped before the monthly budget cap", "job.blocked")
-        elif stop_reason == TO_ON_DEMAND:
+        elif stop_reason in (TO_ON_DEMAND, TO_SPOT):
             back = JobState.RESUMING if checkpoints.latest(app.config, job["id"]) else JobState.QUEUED
-            to(back, "moving to on-demand: the spot policy leaves spot to make the deadline", "job.market_switch",
-               market="on-demand")
+            why = ("moving to on-demand: the spot policy leaves spot to make the deadline"
+                   if stop_reason == TO_ON_DEMAND
+                   else "moving to spot: spot is back, and the spot policy finds it worth a changeover")
+            to(back, why, "job.market_switch", market="on-demand" if stop_reason == TO_ON_DEMAND else "spot")
         elif stop_reason == "max-run-time":
             to(JobState.FAILED, "exceeded max_run_hours", "job.failed")
         else:

@@ -1,6 +1,7 @@
-"""Which market a job's next cloud attempt runs on: the job's decision, then the deadline-aware spot policy (the
-same pure function `burstctl simulate` replays against real traces), asked every time an attempt is about to
-launch, with the offer's real prices and what this installation has seen of that spot market."""
+"""Which market a job's cloud attempts run on: the job's decision, then the deadline-aware spot policy (the same
+pure function `burstctl simulate` replays against real traces), asked before every launch and once a
+`daemon.market_check_s` while an attempt runs, with the offer's real prices and what this installation has seen
+of that spot market (its own launches, and the provider's capacity listing where there is one)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 import time
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
 
 from orchestrator.app import App
 from orchestrator.core.spot_policy import DEFAULT_POLICY, SemiMarkovDP, SpotState, get_policy
@@ -19,16 +20,17 @@ from orchestrator.lifecycle.machine import AttemptState as A
 from providers.base import Market, Offer
 from state import schema as s
 
-# How often a running spot attempt asks the policy whether to move to on-demand (the policy's own tick).
-MARKET_CHECK_S = 60.0
-# The stop reason of a spot attempt the policy moves to on-demand.
+# Stop reasons of a running attempt the policy moves to the other market.
 TO_ON_DEMAND = "to-on-demand"
-# The policy the daemon asks: the default, planned for the daemon's shell, which never leaves on-demand for spot
-# (it cannot see spot come back without launching). Planned as if it could, it buys on-demand at the first outage
-# "for a while" and then stays there: replayed on setting (a) that cost $140 a run against greedy's $114
-# (benchmarks/daemon_shell.py, docs/simulate.md).
-_default = get_policy(DEFAULT_POLICY)
-DAEMON_POLICY = dataclasses.replace(_default, od_is_final=True) if isinstance(_default, SemiMarkovDP) else _default
+TO_SPOT = "to-spot"
+# The policy the daemon asks, by what it can see. Where the provider lists spot capacity (Lambda-style), the daemon
+# sees spot come back while it runs on on-demand and can move back, as `simulate`'s policy does: the default.
+# Elsewhere (EC2) it sees spot only by launching and never leaves on-demand, so the plan must be made for that
+# (`od_is_final`). Planned as if it could leave, it buys on-demand at the first outage "for a while" and then
+# stays there: replayed on setting (a) that cost $119 a run against greedy's $114 (benchmarks/daemon_shell.py).
+SEEING_POLICY = get_policy(DEFAULT_POLICY)
+DAEMON_POLICY = (dataclasses.replace(SEEING_POLICY, od_is_final=True) if isinstance(SEEING_POLICY, SemiMarkovDP)
+                 else SEEING_POLICY)
 # How far back the daemon's sightings of a spot market are read: a month of launches, preemptions and refusals.
 SIGHTINGS_WINDOW_S = 30 * 86400.0
 
@@ -66,27 +68,57 @@ def spot_sightings(app: App, provider: str, instance_type: str, now: float) -> t
     return lives, refusals
 
 
+def spot_listings(app: App, provider: str, instance_type: str, now: float) -> list[tuple[float, bool]]:
+    """The changes in spot capacity the provider listed for this type over the last SIGHTINGS_WINDOW_S."""
+    sl = s.spot_listings.c
+    with app.store.engine.connect() as c:
+        rows = c.execute(select(sl.at, sl.up).where(sl.provider == provider, sl.instance_type == instance_type,
+                                                     sl.at >= now - SIGHTINGS_WINDOW_S).order_by(sl.at)).all()
+    return [(float(at), bool(up)) for at, up in rows]
+
+
+def record_spot_listings(app: App, provider: str, offers: list[Offer], now: float) -> None:
+    """Keep each change in the spot capacity a provider lists (offers refreshed once per `daemon.offers_ttl_s`)."""
+    sl = s.spot_listings.c
+    with app.store.tx() as c:
+        for o in offers:
+            if o.spot_regions is None:
+                continue
+            up = bool(o.spot_regions)
+            last = c.execute(select(sl.up).where(sl.provider == provider, sl.instance_type == o.instance_type)
+                             .order_by(sl.at.desc()).limit(1)).scalar()
+            if last is None or bool(last) != up:
+                c.execute(insert(s.spot_listings).values(provider=provider, instance_type=o.instance_type, at=now,
+                                                         up=up))
+
+
 def spot_view(app: App, provider: str, offer: Offer, now: float) -> SpotView:
     lives, refusals = spot_sightings(app, provider, offer.instance_type, now)
+    listed = offer.spot_regions is not None
     policy = app.config.policy
     rate = policy.spot_preemptions_per_hour
     return watch(lives, refusals, now, tick_h=_tick_h(app), prior_uptime_h=1.0 / rate if rate > 0 else 1e4,
-                 prior_outage_h=policy.spot_mean_outage_hours)
+                 prior_outage_h=policy.spot_mean_outage_hours,
+                 listings=spot_listings(app, provider, offer.instance_type, now) if listed else (),
+                 listed_now=bool(offer.spot_regions) if listed else None)
 
 
 def _tick_h(app: App) -> float:
-    return max(app.config.daemon.tick_s, MARKET_CHECK_S) / 3600.0  # a market is chosen per minute, not per tick
+    """The policy's tick: how often the daemon asks it about a running attempt."""
+    return max(app.config.daemon.tick_s, app.config.daemon.market_check_s) / 3600.0
 
 
 def market_for_attempt(app: App, job: dict[str, Any], provider: str, offer: Offer,
-                       now: float | None = None) -> tuple[Market, dict[str, Any]]:
-    """The market for the job's next attempt on this offer, and what the choice rested on (for the trail).
+                       now: float | None = None) -> tuple[Market | None, dict[str, Any]]:
+    """The market for the job's next attempt on this offer (None: wait for spot, launch nothing now), and what
+    the choice rested on (for the trail).
 
     On-demand when the decision said so (deadline-critical, asked for, or spot not worth it): never downgraded.
     Otherwise the spot policy decides, from the job's cloud phase (hours left, deadline), the offer's spot and
-    on-demand prices and the spot market as this installation has seen it. A refused spot launch is how the daemon
-    learns that spot is gone; the policy then weighs waiting for it (the next launch tries again) against paying
-    for on-demand, and goes on-demand before the deadline is at risk.
+    on-demand prices and the spot market as this installation has seen it. Where the provider does not list spot
+    capacity, a refused spot launch is how the daemon learns that spot is gone; the policy then weighs waiting for
+    it (the next launch tries again) against paying for on-demand, and goes on-demand before the deadline is at
+    risk. Where it lists spot capacity, waiting launches nothing until spot is listed again.
     """
     now = time.time() if now is None else now
     d = job["decision"]
@@ -97,22 +129,33 @@ def market_for_attempt(app: App, job: dict[str, Any], provider: str, offer: Offe
         return Market.ON_DEMAND, {"policy": "spot not cheaper", "spot_usd_h": offer.spot_usd_h,
                                   "on_demand_usd_h": offer.on_demand_usd_h}
     choice, facts = _ask_policy(app, job, provider, offer, now, PolicyMarket.IDLE)
-    # Idle means "wait for spot": the next spot launch is the wait's probe (a refused one costs nothing).
-    return (Market.ON_DEMAND if choice is PolicyMarket.ON_DEMAND else Market.SPOT), facts
+    if choice is PolicyMarket.ON_DEMAND:
+        return Market.ON_DEMAND, facts
+    if choice is PolicyMarket.IDLE and offer.spot_regions is not None and not offer.spot_regions:
+        return None, facts  # spot is listed as gone: a launch would be refused
+    # Spot, or "wait for spot" where only a launch can tell: the launch is the wait's probe (a refusal costs nothing).
+    return Market.SPOT, facts
 
 
-def spot_attempt_should_move(app: App, job: dict[str, Any], provider: str, offer: Offer,
-                             now: float | None = None) -> dict[str, Any] | None:
-    """For a job running on spot: what the policy rests on when it says "on-demand now" (else None).
+def attempt_should_move(app: App, job: dict[str, Any], provider: str, offer: Offer, market: Market,
+                        now: float | None = None) -> tuple[Market, dict[str, Any]] | None:
+    """For a job running on `market`: the market the policy moves it to now, and what that rests on (else None).
 
-    The simulator's policy is asked every tick, on spot too: near the deadline its safety net moves the job to
-    on-demand before a preemption could make it late, and its plan may leave spot earlier when that is cheaper
-    in expectation. The daemon does the same with its running spot attempts (checkpoint, stop, relaunch)."""
+    The simulator's policy is asked every tick on either market: near the deadline its safety net moves a spot job
+    to on-demand before a preemption could make it late, its plan may leave spot earlier when that is cheaper in
+    expectation, and it returns from on-demand to spot when spot is back and worth a changeover. The daemon does
+    the same with its running attempts (checkpoint, stop, relaunch on the other market), once a
+    `daemon.market_check_s`; back to spot only where the provider lists spot capacity, so that it can see it."""
     now = time.time() if now is None else now
-    if offer.spot_usd_h is None:
+    if offer.spot_usd_h is None or job["decision"].get("market") != "spot":
         return None
-    choice, facts = _ask_policy(app, job, provider, offer, now, PolicyMarket.SPOT)
-    return facts if choice is PolicyMarket.ON_DEMAND else None
+    if market is Market.SPOT:
+        choice, facts = _ask_policy(app, job, provider, offer, now, PolicyMarket.SPOT)
+        return (Market.ON_DEMAND, facts) if choice is PolicyMarket.ON_DEMAND else None
+    if not offer.spot_regions or offer.spot_usd_h >= offer.on_demand_usd_h:
+        return None  # spot not listed (or unknown): nothing to move to
+    choice, facts = _ask_policy(app, job, provider, offer, now, PolicyMarket.ON_DEMAND)
+    return (Market.SPOT, facts) if choice is PolicyMarket.SPOT else None
 
 
 def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now: float, market: PolicyMarket
@@ -129,13 +172,14 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
     view = spot_view(app, provider, offer, now)
     state = SpotState(
         job_hours=job_h, deadline_hours=max(deadline_h, 1e-6), elapsed_h=(now - t0) / 3600.0, progress_h=progress,
-        market=market, spot_available=view.available, changeover_left_h=0.0, changeover_h=overhead,
-        tick_h=_tick_h(app), od_price=offer.on_demand_usd_h, spot_price=offer.spot_usd_h or 0.0,
-        spot_state_for_h=view.state_for_h, stats=view.stats)
-    choice = DAEMON_POLICY.decide(state)
-    facts = {"policy": DEFAULT_POLICY, "choice": choice.value, "slack_h": round(state.slack_h, 3),
-             "work_left_h": round(state.work_left_h, 3), "spot_usd_h": offer.spot_usd_h,
-             "on_demand_usd_h": offer.on_demand_usd_h, **view.as_record()}
+        market=market, spot_available=view.available or market is PolicyMarket.SPOT, changeover_left_h=0.0,
+        changeover_h=overhead, tick_h=_tick_h(app), od_price=offer.on_demand_usd_h,
+        spot_price=offer.spot_usd_h or 0.0, spot_state_for_h=view.state_for_h, stats=view.stats)
+    sees_spot = offer.spot_regions is not None
+    choice = (SEEING_POLICY if sees_spot else DAEMON_POLICY).decide(state)
+    facts = {"policy": DEFAULT_POLICY if sees_spot else f"{DEFAULT_POLICY} (on-demand final)",
+             "choice": choice.value, "slack_h": round(state.slack_h, 3), "work_left_h": round(state.work_left_h, 3),
+             "spot_usd_h": offer.spot_usd_h, "on_demand_usd_h": offer.on_demand_usd_h, **view.as_record()}
     if not math.isfinite(facts["mean_uptime_h"]):
         facts["mean_uptime_h"] = None
     return choice, facts

@@ -24,12 +24,13 @@ from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.local import LocalRunner
 from orchestrator.lifecycle.machine import AttemptState, active_attempts, move
 from orchestrator.lifecycle.market_switch import (
-    MARKET_CHECK_S,
     TO_ON_DEMAND,
+    TO_SPOT,
+    attempt_should_move,
     cloud_attempts,
     cloud_hours_done,
     market_for_attempt,
-    spot_attempt_should_move,
+    record_spot_listings,
 )
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import burst_enabled
@@ -72,6 +73,7 @@ class OfferCache:
     """Offers per provider, refreshed at most every `ttl_s` (a cache of observed state, not state)."""
 
     ttl_s: float = 60.0
+    on_refresh: Callable[[str, list[Offer], float], None] | None = None  # e.g. keep the spot capacity listed
     _at: dict[str, float] = field(default_factory=dict)
     _offers: dict[str, list[Offer] | ProviderError] = field(default_factory=dict)
 
@@ -83,6 +85,9 @@ class OfferCache:
             except ProviderError as exc:
                 self._offers[name] = exc
             self._at[name] = now
+            fresh = self._offers[name]
+            if self.on_refresh is not None and not isinstance(fresh, ProviderError):
+                self.on_refresh(name, fresh, now)
         got = self._offers[name]
         if isinstance(got, ProviderError):
             raise got
@@ -105,7 +110,8 @@ class Reconciler:
         self.clock = clock
         self.local = LocalRunner(app)
         self.cloud = cloud  # CloudSteps: SSH, runbooks, syncs (None: the cloud is not configured)
-        self.offers = OfferCache()
+        self.offers = OfferCache(ttl_s=self.cfg.daemon.offers_ttl_s,
+                                 on_refresh=lambda name, offers, now: record_spot_listings(app, name, offers, now))
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
 
     # --- the tick -----------------------------------------------------------------------------------------
@@ -329,6 +335,7 @@ class Reconciler:
         spec = job["spec"]
         wanted = {g.upper(): s_r for g, s_r in spec["rented_throughput"].items()}
         best: tuple[float, str, Offer, Market, dict[str, Any]] | None = None
+        waiting: dict[str, Any] | None = None  # what the policy rests on where it waits for listed spot
         problems: list[str] = []
         for name, provider in self.providers.items():
             try:
@@ -340,11 +347,19 @@ class Reconciler:
                 if o.gpu_model.upper() not in wanted or o.gpu_count != spec["gpus"] or not o.regions:
                     continue
                 market, why = market_for_attempt(self.app, job, name, o, now)
+                if market is None:
+                    waiting = why
+                    continue
                 price = o.price(market) or o.on_demand_usd_h
                 speed = wanted[o.gpu_model.upper()]
                 cost = price / speed  # $ per unit of work
                 if best is None or cost < best[0]:
                     best = (cost, name, o, market, why)
+        if waiting is not None and (best is None or best[3] is Market.ON_DEMAND):
+            # The policy waits for spot that a provider lists as gone: no launch, and no on-demand elsewhere.
+            self._note(job, f"waiting for spot (none listed): {waiting['slack_h']:.2f} h of slack left; the spot "
+                            "policy goes on-demand once waiting no longer pays")
+            return None
         if best is None:
             why = "no offer with capacity for " + ", ".join(f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
             if problems:
@@ -636,26 +651,29 @@ class Reconciler:
                 self._stop(att, job, provider, f"job exited: {reason} (code {ex.get('exit_code')})",
                            outcome=A.FAILED, info=info)
             return
-        if att["market"] == Market.SPOT.value and not 0 <= now - info.get("market_checked_at", 0) < MARKET_CHECK_S:
+        if not 0 <= now - info.get("market_checked_at", 0) < self.cfg.daemon.market_check_s:
             info["market_checked_at"] = now
-            why = self._spot_policy_leaves_spot(att, job, provider, now)
-            if why is not None:
-                self.emit("attempt.market_switch", job_id=job["id"], attempt_id=att["id"], to="on-demand",
+            move_to = self._market_move(att, job, provider, now)
+            if move_to is not None:
+                target, why = move_to
+                self.emit("attempt.market_switch", job_id=job["id"], attempt_id=att["id"], to=target.value,
                           market_policy=why)
-                self._stop(att, job, provider, TO_ON_DEMAND, info=info)
+                self._stop(att, job, provider, TO_ON_DEMAND if target is Market.ON_DEMAND else TO_SPOT, info=info)
                 return
         with self.store.tx() as conn:
             conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
 
-    def _spot_policy_leaves_spot(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, now: float
-                                 ) -> dict[str, Any] | None:
-        """What the spot policy rests on when it moves this running spot attempt to on-demand, else None."""
+    def _market_move(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, now: float
+                     ) -> tuple[Market, dict[str, Any]] | None:
+        """The market the spot policy moves this running attempt to, with what that rests on; else None."""
         try:
             offers = self.offers.get(att["provider"], provider, now)
         except ProviderError:
-            return None  # no prices to weigh: asked again next minute
+            return None  # no prices to weigh: asked again next time
         offer = next((o for o in offers if o.instance_type == att["instance_type"]), None)
-        return None if offer is None else spot_attempt_should_move(self.app, job, att["provider"], offer, now)
+        if offer is None:
+            return None
+        return attempt_should_move(self.app, job, att["provider"], offer, Market(att["market"]), now)
 
     def _watch_s3_uploads(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
                           s3: dict[str, Any] | None, *, exited: bool) -> None:
