@@ -1,16 +1,20 @@
 """What the daemon's own use of the spot policy would cost on real spot traces, next to the simulator's policies.
 
 `burstctl simulate` gives a policy every tick of a trace and lets it move between spot and on-demand at will. The
-daemon (`orchestrator/lifecycle/market_switch.py`) sees much less and may do less:
+daemon (`orchestrator/lifecycle/market_switch.py`) may see less and do less. Where spot is seen only by launching
+(EC2):
 - it learns spot's state only from its own launches: an instance that came up, a preemption, a launch refused for
   lack of capacity (`orchestrator/core/spot_watch.py`, with the configured priors);
 - while the job waits for spot it retries a spot launch every minute (here: every tick), and each refusal is a
   sighting;
 - on spot it asks once a minute (here: every tick) whether to move to on-demand;
-- on on-demand it stays to the end: it cannot see spot come back without launching; except where the provider lists
-  spot capacity (simcloud, Lambda-style), where it sees spot every tick and may go back to spot.
-This script replays that shell, with the daemon's own policy object and sightings code, by the paper's replay
-semantics (`orchestrator.simulate.replay`), over the same random starts as `simulate`.
+- on on-demand it stays to the end: it cannot see spot come back without launching.
+Where the provider lists spot capacity (simcloud, Lambda-style), it sees spot every tick, may go back to spot, and
+plans on `simulate`'s model fitted on the listing (`refit_stats` on `refit_ticks`' schedule, as
+`market_switch.listed_model` does; here the listing is the trace itself, seen from its start, and the other traces
+are the provider's other listed types).
+This script replays those shells, with the daemon's own policy objects, sightings code and model fitting, by the
+paper's replay semantics (`orchestrator.simulate.replay`), over the same random starts as `simulate`.
 
 Run by hand from the repo root: `.venv/bin/python benchmarks/daemon_shell.py [--settings ab] [--starts 300]`.
 Traces: Wu et al., "Can't Be Late: Optimizing Spot Instance Savings under Deadlines", NSDI 2024
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -29,10 +34,27 @@ import numpy as np
 
 import orchestrator.core.spot_policy as spot_policy
 from orchestrator.config import Policy as PolicyConfig
-from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES, Market, SemiMarkovDP, SpotState
+from orchestrator.core.spot_policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    AvailabilityStats,
+    Market,
+    SemiMarkovDP,
+    SpotState,
+)
 from orchestrator.core.spot_watch import SpotLife, watch
 from orchestrator.lifecycle.market_switch import DAEMON_POLICY, SEEING_POLICY
-from orchestrator.simulate import JobSetting, Trace, load_traces, replay, sample_starts, simulate
+from orchestrator.simulate import (
+    JobSetting,
+    Trace,
+    TraceHistory,
+    load_traces,
+    refit_stats,
+    refit_ticks,
+    replay,
+    sample_starts,
+    simulate,
+)
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "spot-traces" / "availability" / "1-node"
 JOB = JobSetting(job_hours=48, deadline_hours=60, changeover_hours=0.2, od_price=3.06, spot_price=0.9731)
@@ -47,8 +69,10 @@ class DaemonShell:
 
     name = "daemon-shell"
 
-    def __init__(self, policy: SemiMarkovDP, prior_uptime_h: float, prior_outage_h: float, listed: bool) -> None:
+    def __init__(self, policy: SemiMarkovDP, prior_uptime_h: float, prior_outage_h: float, listed: bool,
+                 fitted: Callable[[float], tuple[AvailabilityStats, float] | None] | None = None) -> None:
         self.policy = policy
+        self.fitted = fitted  # listed: the model fitted on the listing so far, by elapsed hours (None: memoryless)
         self.priors = (prior_uptime_h, prior_outage_h)
         self.listed = listed  # the provider lists spot capacity: seen every tick, and on-demand can be left
         self.lives: list[SpotLife] = []
@@ -73,8 +97,10 @@ class DaemonShell:
         view = watch(self.lives, self.refusals, now, tick_h=s.tick_h, prior_uptime_h=self.priors[0],
                      prior_outage_h=self.priors[1], listings=self.listings,
                      listed_now=s.spot_available if self.listed else None)
+        fit = self.fitted(s.elapsed_h) if self.fitted is not None else None
         seen = dataclasses.replace(s, spot_available=view.available if s.market is not Market.SPOT else True,
-                                   spot_state_for_h=view.state_for_h, stats=view.stats, recent_up_fraction=1.0)
+                                   spot_state_for_h=view.state_for_h, stats=fit[0] if fit else view.stats,
+                                   recent_up_fraction=fit[1] if fit else 1.0)
         choice = self.policy.decide(seen)
         if s.market is Market.ON_DEMAND:  # listed: back to spot when the plan says so
             action = Market.SPOT if choice is Market.SPOT and s.spot_available else Market.ON_DEMAND
@@ -97,9 +123,35 @@ class DaemonShell:
         return action
 
 
-def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, bool, float, float]
+def _fitted_on_listing(trace: Trace, start: int, others: Sequence[tuple[Trace, TraceHistory]]
+                       ) -> Callable[[float], tuple[AvailabilityStats, float] | None]:
+    """What `market_switch.listed_model` gives the daemon, for a daemon that has watched this zone's listing (and
+    the other listed types', `others`) since the trace began: `simulate`'s `refit_stats` on `refit_ticks`'
+    schedule, and the regime now."""
+    history = TraceHistory.of(trace.available, trace.gap_seconds)
+    schedule = refit_ticks(len(trace), trace.gap_seconds / 3600.0)
+    fits = _FITS.setdefault(trace.name, {})
+
+    def at(elapsed_h: float) -> tuple[AvailabilityStats, float] | None:
+        t = start + round(elapsed_h * 3600.0 / trace.gap_seconds)
+        refit = int(schedule[np.searchsorted(schedule, t, side="right") - 1])
+        if refit <= 0:
+            return None
+        if refit not in fits:
+            fits[refit] = refit_stats(trace, history, others, refit)
+        return fits[refit], float(history.recent_up_fraction[min(t, len(trace) - 1)])
+
+    return at
+
+
+_FITS: dict[str, dict[int, AvailabilityStats]] = {}
+
+
+def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, str, float, float, Sequence[Trace]]
                   ) -> tuple[np.ndarray, int, float, float]:
-    trace, starts, policy, listed, prior_up, prior_out = args
+    trace, starts, policy, sees, prior_up, prior_out, other_traces = args
+    listed = sees != "launches"
+    others = [(o, TraceHistory.of(o.available, o.gap_seconds)) for o in other_traces] if listed else []
     plans: dict[tuple, spot_policy.DPPlan] = {}
 
     def cached(*key: object) -> spot_policy.DPPlan:  # each process keeps every plan it made (models recur)
@@ -108,7 +160,10 @@ def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, bool, float, floa
         return plans[key]
 
     spot_policy.cached_plan = cached  # type: ignore[assignment]
-    runs = [replay(DaemonShell(policy, prior_up, prior_out, listed), trace, int(s0), JOB) for s0 in starts]
+    fitted = sees.startswith("listing, fitted")
+    runs = [replay(DaemonShell(policy, prior_up, prior_out, listed,
+                               _fitted_on_listing(trace, int(s0), others) if fitted else None),
+                   trace, int(s0), JOB) for s0 in starts]
     return (np.array([r.cost_usd for r in runs]), sum(r.missed for r in runs),
             float(np.mean([r.spot_work_hours for r in runs])), float(np.mean([r.od_work_hours for r in runs])))
 
@@ -118,13 +173,18 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settings", default="ab")
+    ap.add_argument("--shells", default="", help="comma-separated substrings: only the shells whose name has one")
     args = ap.parse_args()
     defaults = PolicyConfig()
     prior_up = 1.0 / defaults.spot_preemptions_per_hour
     prior_out = defaults.spot_mean_outage_hours
-    shells = {"daemon shell, spot seen only by launching (EC2): on-demand is final": (DAEMON_POLICY, False),
-              "the same, planned as if it could leave on-demand": (POLICIES[DEFAULT_POLICY], False),
-              "daemon shell, spot capacity listed (simcloud): sees every tick, leaves on-demand": (SEEING_POLICY, True)}
+    shells = {
+        "daemon shell, spot seen only by launching (EC2): on-demand is final": (DAEMON_POLICY, "launches"),
+        "the same, planned as if it could leave on-demand": (POLICIES[DEFAULT_POLICY], "launches"),
+        "daemon shell, spot capacity listed (simcloud), memoryless model": (SEEING_POLICY, "listing"),
+        "daemon shell, spot capacity listed, model fitted on its listing": (SEEING_POLICY, "listing, fitted"),
+        "the same, shrunk towards the other listed types' past": (SEEING_POLICY, "listing, fitted, others"),
+    }
     for key in args.settings:
         title, path, window = SETTINGS[key]
         traces = load_traces([path], window=window)
@@ -147,10 +207,14 @@ def main() -> None:
 
         for name, p in report["policies"].items():
             row(name, p["mean_cost_usd"], p["od_work_hours"], p["spot_work_hours"], p["misses"], p["runs"])
-        for name, (policy, listed) in shells.items():
+        for name, (policy, sees) in shells.items():
+            if args.shells and not any(part in name for part in args.shells.split(",")):
+                continue
             with ProcessPoolExecutor(2) as pool:
-                parts = list(pool.map(_replay_trace, [(t, s, policy, listed, prior_up, prior_out)
-                                                      for t, s in zip(traces, starts, strict=True)]))
+                parts = list(pool.map(_replay_trace, [
+                    (t, s, policy, sees, prior_up, prior_out,
+                     [o for o in traces if o is not t and o.gap_seconds == t.gap_seconds] if "others" in sees else [])
+                    for t, s in zip(traces, starts, strict=True)]))
             costs = np.concatenate([p[0] for p in parts])
             row(name, float(costs.mean()), float(np.mean([p[3] for p in parts])),
                 float(np.mean([p[2] for p in parts])), sum(p[1] for p in parts), costs.shape[0])

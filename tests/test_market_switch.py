@@ -4,6 +4,7 @@ answer at once for any horizon the daemon can ask about (it runs inside the reco
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,12 @@ from sqlalchemy import insert, select
 
 from orchestrator.app import App
 from orchestrator.core.spot_policy import DEFAULT_POLICY, Market, SpotState, get_policy
-from orchestrator.lifecycle.market_switch import attempt_should_move, market_for_attempt, record_spot_listings
+from orchestrator.lifecycle.market_switch import (
+    attempt_should_move,
+    listed_model,
+    market_for_attempt,
+    record_spot_listings,
+)
 from providers.base import Market as CloudMarket
 from providers.base import Offer
 from state import schema as s
@@ -188,3 +194,37 @@ def test_listings_are_kept_as_changes_only(app: App) -> None:
     with app.store.engine.connect() as c:
         rows = c.execute(select(s.spot_listings.c.at, s.spot_listings.c.up).order_by(s.spot_listings.c.at)).all()
     assert [(at, bool(up)) for at, up in rows] == [(0.0, False), (120.0, True), (300.0, False)]
+
+
+def test_with_hours_of_listings_the_daemon_plans_on_simulates_own_model_fitted_on_them(app: App) -> None:
+    job = _job(app, cloud_h=2.0, deadline_at=60 * H)
+    # Spot listed up 2 h, gone 1 h, over and over, for the first 30 h.
+    for hour in range(30):
+        record_spot_listings(app, "sim", [_offer(listed=("us-east-1",) if hour % 3 < 2 else ())], hour * H)
+    _, early = market_for_attempt(app, job, "sim", _offer(listed=("us-east-1",)), now=2 * H)
+    assert early["model"] == "memoryless, from launches and listings", "before the first refit (3 h of listings)"
+    fitted = listed_model(app, "sim", "gpu_1x_h100", 30 * H)
+    assert fitted is not None
+    stats, recent, hours = fitted
+    assert hours == 24.0, "simulate's refit schedule: 3, 6, 12, 24 h, then daily"
+    assert stats.model is not None and stats.model.regimes == 2 and stats.model.tick_h == pytest.approx(1 / 6)
+    assert recent == pytest.approx(2 / 3, abs=0.1)
+    _, facts = market_for_attempt(app, job, "sim", _offer(listed=("us-east-1",)), now=30 * H)
+    assert facts["model"] == "semi-markov, fitted on 24 h of listings" and facts["spot_seen"] == "up", facts
+
+
+def test_the_fitted_model_is_shrunk_towards_the_provider_s_other_listed_types(tmp_path: Path) -> None:
+    def fitted(with_other: bool) -> Any:
+        app = App(state_dir_override=str(tmp_path / f"state-{with_other}"))
+        other = Offer(**{**_offer().__dict__, "instance_type": "gpu_1x_a100"})
+        for hour in range(30):
+            offers = [_offer(listed=("us-east-1",) if hour % 3 < 2 else ())]
+            if with_other:  # the A100's spot comes and goes every hour
+                offers.append(dataclasses.replace(other, spot_regions=("us-east-1",) if hour % 2 else ()))
+            record_spot_listings(app, "sim", offers, hour * H)
+        got = listed_model(app, "sim", "gpu_1x_h100", 30 * H)
+        app.close()
+        assert got is not None
+        return got[0].model
+
+    assert fitted(with_other=True) != fitted(with_other=False)

@@ -8,15 +8,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from sqlalchemy import insert, select
 
 from orchestrator.app import App
-from orchestrator.core.spot_policy import DEFAULT_POLICY, SemiMarkovDP, SpotState, get_policy
+from orchestrator.core.spot_policy import (
+    DEFAULT_POLICY,
+    REGIME_WINDOW_H,
+    AvailabilityStats,
+    SemiMarkovDP,
+    SpotState,
+    get_policy,
+)
 from orchestrator.core.spot_policy import Market as PolicyMarket
 from orchestrator.core.spot_watch import SpotLife, SpotView, watch
 from orchestrator.lifecycle.machine import AttemptState as A
+from orchestrator.simulate import Trace, TraceHistory, refit_stats, refit_ticks
 from providers.base import Market, Offer
 from state import schema as s
 
@@ -68,13 +78,19 @@ def spot_sightings(app: App, provider: str, instance_type: str, now: float) -> t
     return lives, refusals
 
 
-def spot_listings(app: App, provider: str, instance_type: str, now: float) -> list[tuple[float, bool]]:
-    """The changes in spot capacity the provider listed for this type over the last SIGHTINGS_WINDOW_S."""
+def spot_listings(app: App, provider: str, instance_type: str | None, now: float
+                  ) -> dict[str, list[tuple[float, bool]]]:
+    """The changes in spot capacity the provider listed over the last SIGHTINGS_WINDOW_S, per instance type (one
+    type, or all when None)."""
     sl = s.spot_listings.c
+    query = select(sl.instance_type, sl.at, sl.up).where(sl.provider == provider, sl.at >= now - SIGHTINGS_WINDOW_S)
+    if instance_type is not None:
+        query = query.where(sl.instance_type == instance_type)
+    out: dict[str, list[tuple[float, bool]]] = {}
     with app.store.engine.connect() as c:
-        rows = c.execute(select(sl.at, sl.up).where(sl.provider == provider, sl.instance_type == instance_type,
-                                                     sl.at >= now - SIGHTINGS_WINDOW_S).order_by(sl.at)).all()
-    return [(float(at), bool(up)) for at, up in rows]
+        for itype, at, up in c.execute(query.order_by(sl.at)):
+            out.setdefault(itype, []).append((float(at), bool(up)))
+    return out
 
 
 def record_spot_listings(app: App, provider: str, offers: list[Offer], now: float) -> None:
@@ -99,8 +115,65 @@ def spot_view(app: App, provider: str, offer: Offer, now: float) -> SpotView:
     rate = policy.spot_preemptions_per_hour
     return watch(lives, refusals, now, tick_h=_tick_h(app), prior_uptime_h=1.0 / rate if rate > 0 else 1e4,
                  prior_outage_h=policy.spot_mean_outage_hours,
-                 listings=spot_listings(app, provider, offer.instance_type, now) if listed else (),
+                 listings=spot_listings(app, provider, offer.instance_type, now).get(offer.instance_type, [])
+                 if listed else (),
                  listed_now=bool(offer.spot_regions) if listed else None)
+
+
+# Where spot capacity is listed, the daemon's record of it is a trace like the ones `burstctl simulate` replays:
+# resampled to ticks of LISTED_TICK_S, the zone's semi-Markov model is fitted by simulate's own `refit_stats`, on
+# simulate's refit schedule (`refit_ticks`: after 3, 6, 12, 24 h of listings, then daily), so the plan the daemon
+# follows is the one simulate measures.
+LISTED_TICK_S = 600.0
+_LISTED_MODELS: dict[tuple[object, ...], tuple[AvailabilityStats, TraceHistory]] = {}
+
+
+def listed_series(listings: list[tuple[float, bool]], start: float, ticks: int, tick_s: float) -> np.ndarray:
+    """Spot listed (True) or not during each tick of `tick_s` from `start`: the state at the tick's start."""
+    at = np.array([a for a, _ in listings])
+    up = np.array([u for _, u in listings], dtype=bool)
+    i = np.searchsorted(at, start + tick_s * np.arange(ticks), side="right") - 1
+    return up[np.maximum(i, 0)]
+
+
+def listed_model(app: App, provider: str, instance_type: str, now: float
+                 ) -> tuple[AvailabilityStats, float, float] | None:
+    """(stats with the fitted model, share of the last REGIME_WINDOW_H listed up, hours of listings behind it) from
+    the provider's spot capacity listing of this type; None before the first refit.
+
+    As `simulate` shrinks a zone's estimate towards the other zones' pooled past, this one is shrunk towards the
+    provider's other listed types, those listed from the same start (simcloud lists every type at once)."""
+    every = spot_listings(app, provider, None, now)
+    listings = every.get(instance_type)
+    if not listings:
+        return None
+    start = listings[0][0]
+    ticks = int((now - start) // LISTED_TICK_S)
+    schedule = refit_ticks(ticks + 1, LISTED_TICK_S / 3600.0)
+    refit = int(schedule[-1]) if schedule.size else 0
+    if refit <= 0:
+        return None
+    cut = start + refit * LISTED_TICK_S
+    # Fitted once per refit, on what was listed before it (the store, and the changes seen, in the key).
+    key = (str(app.store.engine.url), provider, instance_type, start, refit,
+           tuple(sorted((name, sum(1 for at, _ in changes if at < cut)) for name, changes in every.items())))
+    if key not in _LISTED_MODELS:
+        if len(_LISTED_MODELS) > 64:
+            _LISTED_MODELS.clear()
+        def as_trace(name: str, changes: list[tuple[float, bool]]) -> tuple[Trace, TraceHistory]:
+            series = listed_series(changes, start, refit, LISTED_TICK_S)
+            return (Trace(name=f"{provider}:{name}", path=Path("-"), gap_seconds=LISTED_TICK_S, available=series),
+                    TraceHistory.of(series, LISTED_TICK_S))
+
+        trace, history = as_trace(instance_type, listings)
+        others = [as_trace(name, changes) for name, changes in sorted(every.items())
+                  if name != instance_type and changes[0][0] <= start + LISTED_TICK_S]
+        _LISTED_MODELS[key] = (refit_stats(trace, history, others, refit), history)
+    stats, _ = _LISTED_MODELS[key]
+    # The regime now: the listing's last REGIME_WINDOW_H, up to now (not only to the refit).
+    recent = listed_series(listings, start, ticks, LISTED_TICK_S)[-max(round(REGIME_WINDOW_H * 3600 / LISTED_TICK_S),
+                                                                       1):]
+    return stats, float(recent.mean()) if recent.size else 1.0, refit * LISTED_TICK_S / 3600.0
 
 
 def _tick_h(app: App) -> float:
@@ -170,16 +243,22 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
     progress = min(cloud_hours_done(rows, now), job_h)
     deadline_h = (job["deadline_at"] - t0) / 3600.0
     view = spot_view(app, provider, offer, now)
+    sees_spot = offer.spot_regions is not None
+    fitted = listed_model(app, provider, offer.instance_type, now) if sees_spot else None
     state = SpotState(
         job_hours=job_h, deadline_hours=max(deadline_h, 1e-6), elapsed_h=(now - t0) / 3600.0, progress_h=progress,
         market=market, spot_available=view.available or market is PolicyMarket.SPOT, changeover_left_h=0.0,
         changeover_h=overhead, tick_h=_tick_h(app), od_price=offer.on_demand_usd_h,
-        spot_price=offer.spot_usd_h or 0.0, spot_state_for_h=view.state_for_h, stats=view.stats)
-    sees_spot = offer.spot_regions is not None
+        spot_price=offer.spot_usd_h or 0.0, spot_state_for_h=view.state_for_h,
+        stats=fitted[0] if fitted else view.stats, recent_up_fraction=fitted[1] if fitted else 1.0)
     choice = (SEEING_POLICY if sees_spot else DAEMON_POLICY).decide(state)
     facts = {"policy": DEFAULT_POLICY if sees_spot else f"{DEFAULT_POLICY} (on-demand final)",
              "choice": choice.value, "slack_h": round(state.slack_h, 3), "work_left_h": round(state.work_left_h, 3),
-             "spot_usd_h": offer.spot_usd_h, "on_demand_usd_h": offer.on_demand_usd_h, **view.as_record()}
+             "spot_usd_h": offer.spot_usd_h, "on_demand_usd_h": offer.on_demand_usd_h, **view.as_record(),
+             "model": (f"semi-markov, fitted on {fitted[2]:.0f} h of listings" if fitted
+                       else "memoryless, from launches and listings")}
+    if fitted:
+        facts["recent_up_fraction"] = round(fitted[1], 3)
     if not math.isfinite(facts["mean_uptime_h"]):
         facts["mean_uptime_h"] = None
     return choice, facts
