@@ -92,3 +92,15 @@ def test_decision_json_has_the_documented_keys() -> None:
                 "delta_cost_usd", "hours_saved", "market", "reasons", "plan", "plan_cost_usd"):
         assert key in d
     assert not any(isinstance(v, float) and math.isnan(v) for v in d.values())
+
+
+def test_a_hybrid_s_rented_phase_is_priced_on_demand_unless_its_margin_leaves_room_for_a_preemption() -> None:
+    # Bursting as late as is safe leaves t_ovh + margin of slack; the spot policy's safety net keeps 2·t_ovh.
+    spot_c = replace(C, market="spot")
+    tight = decide(spot_c, CTX)  # margin 0.25 h, t_ovh 0.5 h: the late burst would run on on-demand
+    assert tight.plan is not None and tight.plan.kind == "burst" and tight.plan.phases[0].market == "spot", \
+        "bursting now on spot, with the whole slack, is cheaper than a late burst on on-demand"
+    roomy = decide(spot_c, replace(CTX, hybrid_margin_h=1.0))
+    assert roomy.plan is not None and roomy.plan.kind == "hybrid"
+    assert roomy.plan.phases[1].market == "spot"
+    assert roomy.plan.phases[1].cost_usd == pytest.approx(1.00 * roomy.plan.phases[1].hours)

@@ -21,7 +21,10 @@ def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Pat
     spec = trainer_job(tmp_path, "hybrid", steps=1000, every=20, work_units=0.1, local_throughput=2, rented=10,
                        deadline_hours=0.03)
     with simcloud(tmp_path) as url:
-        config = write_config(tmp_path, url, policy={"overhead_h": 0.005, "hybrid_margin_h": 0.0})
+        # On-demand: with no margin the late burst could not absorb a preemption, so a spot job would burst at
+        # once instead (tests/test_decision.py); an on-demand job runs local first.
+        config = write_config(tmp_path, url, policy={"overhead_h": 0.005, "hybrid_margin_h": 0.0,
+                                                     "default_market": "on-demand"})
         r = cli(config, state, "enqueue", str(spec), "--json")
         assert r.returncode == 0, r.stderr
         decided = json.loads(r.stdout)

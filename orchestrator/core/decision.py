@@ -178,10 +178,14 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
     plan = Plan("burst", (Phase("cloud", market.hours, market.cost_usd, market=market.market, gpu=gpu,
                                 work_units=job.work),))
     if g.verdict is Verdict.PRICED and job.checkpoints:
-        # Price the hybrid at on-demand rates in the deadline arithmetic; the rented phase may still run on spot.
+        # Bursting as late as is safe leaves the rented phase t_ovh + margin of slack. A preemption costs another
+        # t_ovh at least, and the spot policy's safety net keeps 2·t_ovh: unless the margin is larger than t_ovh,
+        # that phase runs on on-demand (tests/test_e2e_hybrid.py), so it is priced so.
+        spot_room = market.market == "spot" and ctx.hybrid_margin_h > ctx.overhead_h
         hybrid = hybrid_plan(work=job.work, s_local=s_local, s_rented=s_r, gpus=job.gpus, overhead_h=ctx.overhead_h,
                              deadline_h=job.deadline_h, margin_h=ctx.hybrid_margin_h, local_usd_h=ctx.local_usd_h,
-                             rented_usd_per_gpu_h=market.rate_usd_per_gpu_h, market=market.market, gpu=gpu)
+                             rented_usd_per_gpu_h=market.rate_usd_per_gpu_h if spot_room else offer.od_usd_per_gpu_h,
+                             market="spot" if spot_room else "on-demand", gpu=gpu)
         if hybrid is not None and hybrid.cost_usd < plan.cost_usd:
             reasons.append(f"plan: local {hybrid.phases[0].hours:.2f} h first, then burst the rest "
                            f"({hybrid.phases[1].hours:.2f} h): ${hybrid.cost_usd:.2f} instead of ${plan.cost_usd:.2f}")

@@ -125,7 +125,7 @@ def spot_view(app: App, provider: str, offer: Offer, now: float) -> SpotView:
 # simulate's refit schedule (`refit_ticks`: after 3, 6, 12, 24 h of listings, then daily), so the plan the daemon
 # follows is the one simulate measures.
 LISTED_TICK_S = 600.0
-_LISTED_MODELS: dict[tuple[object, ...], tuple[AvailabilityStats, TraceHistory]] = {}
+_LISTED_MODELS: dict[tuple[object, ...], AvailabilityStats] = {}
 
 
 def listed_series(listings: list[tuple[float, bool]], start: float, ticks: int, tick_s: float) -> np.ndarray:
@@ -160,6 +160,7 @@ def listed_model(app: App, provider: str, instance_type: str, now: float
     if key not in _LISTED_MODELS:
         if len(_LISTED_MODELS) > 64:
             _LISTED_MODELS.clear()
+
         def as_trace(name: str, changes: list[tuple[float, bool]]) -> tuple[Trace, TraceHistory]:
             series = listed_series(changes, start, refit, LISTED_TICK_S)
             return (Trace(name=f"{provider}:{name}", path=Path("-"), gap_seconds=LISTED_TICK_S, available=series),
@@ -168,8 +169,8 @@ def listed_model(app: App, provider: str, instance_type: str, now: float
         trace, history = as_trace(instance_type, listings)
         others = [as_trace(name, changes) for name, changes in sorted(every.items())
                   if name != instance_type and changes[0][0] <= start + LISTED_TICK_S]
-        _LISTED_MODELS[key] = (refit_stats(trace, history, others, refit), history)
-    stats, _ = _LISTED_MODELS[key]
+        _LISTED_MODELS[key] = refit_stats(trace, history, others, refit)
+    stats = _LISTED_MODELS[key]
     # The regime now: the listing's last REGIME_WINDOW_H, up to now (not only to the refit).
     recent = listed_series(listings, start, ticks, LISTED_TICK_S)[-max(round(REGIME_WINDOW_H * 3600 / LISTED_TICK_S),
                                                                        1):]
