@@ -294,6 +294,8 @@ class Reconciler:
         failures = self._recent_launch_failures(job["id"])
         if failures and now < failures[0]["ended_at"] + self.cfg.daemon.launch_backoff_s:
             return False
+        if job["spec"].get("_spot_wait_until", 0) > now:
+            return False  # the spot policy waits for listed spot: asked again once a market_check_s, not every tick
         if len(failures) >= self.cfg.daemon.max_launch_failures:
             self._block(job, f"{len(failures)} launches failed in a row ({failures[0]['reason']}); "
                              f"retrying in {self.cfg.daemon.launch_backoff_s:.0f} s", retry_at=now +
@@ -357,6 +359,9 @@ class Reconciler:
                     best = (cost, name, o, market, why)
         if waiting is not None and (best is None or best[3] is Market.ON_DEMAND):
             # The policy waits for spot that a provider lists as gone: no launch, and no on-demand elsewhere.
+            with self.store.tx() as conn:
+                self.store.update_job(job["id"], conn, spec={
+                    **job["spec"], "_spot_wait_until": now + self.cfg.daemon.market_check_s})
             self._note(job, f"waiting for spot (none listed): {waiting['slack_h']:.2f} h of slack left; the spot "
                             "policy goes on-demand once waiting no longer pays")
             return None
