@@ -52,6 +52,18 @@ def enqueue(config: Path, state: Path, path: Path) -> str:
     return str(json.loads(r.stdout)["id"])
 
 
+def run_spot_job_to_done(tmp: Path, config: Path, state: Path, spec: Path) -> str:
+    """Enqueue a job decided for spot, run a daemon until it is done (on whatever market), stop it; the job's id."""
+    job_id = enqueue(config, state, spec)
+    assert job(state, job_id)["decision"]["market"] == "spot"
+    daemon = Daemon(tmp, config, state).start()
+    try:
+        wait_for(lambda: job(state, job_id)["state"] == "done", 300, "the job to finish on on-demand")
+    finally:
+        assert daemon.stop() == 0
+    return job_id
+
+
 def assert_one_instance_per_attempt_and_all_gone(url: str) -> None:
     for attempt, ids in instances_per_attempt(sim_instances(url)).items():
         assert len(ids) == 1, f"attempt {attempt} launched {len(ids)} instances"
@@ -123,13 +135,7 @@ def test_when_spot_never_comes_the_policy_moves_the_job_to_on_demand_in_time_for
         config = write_config(tmp_path, url, policy={"overhead_h": 0.01}, sim={"lists_spot_capacity": False})
         spec = e2e_trainer_job(tmp_path, "starved-of-spot", steps=40, every=5, interval_minutes=0.01, rented=50,
                                deadline_hours=0.07)
-        job_id = enqueue(config, state, spec)
-        assert job(state, job_id)["decision"]["market"] == "spot"
-        daemon = Daemon(tmp_path, config, state).start()
-        try:
-            wait_for(lambda: job(state, job_id)["state"] == "done", 300, "the job to finish on on-demand")
-        finally:
-            assert daemon.stop() == 0
+        job_id = run_spot_job_to_done(tmp_path, config, state, spec)
         finished = job(state, job_id)
         intents = [e for e in events(state, "attempt.intent") if e["job_id"] == job_id]
         refused = [e for e in events(state, "attempt.launch_failed") if e["job_id"] == job_id]
@@ -154,13 +160,7 @@ def test_a_spot_attempt_whose_deadline_comes_near_is_checkpointed_and_moved_to_o
         config = write_config(tmp_path, url, policy={"overhead_h": 0.01})
         spec = e2e_trainer_job(tmp_path, "deadline-near", steps=60, every=5, step_s=0.2, interval_minutes=0.01,
                                rented=50, deadline_hours=(72 + 183 + 1) / 3600)
-        job_id = enqueue(config, state, spec)
-        assert job(state, job_id)["decision"]["market"] == "spot"
-        daemon = Daemon(tmp_path, config, state).start()
-        try:
-            wait_for(lambda: job(state, job_id)["state"] == "done", 300, "the job to finish on on-demand")
-        finally:
-            assert daemon.stop() == 0
+        job_id = run_spot_job_to_done(tmp_path, config, state, spec)
         markets = [e["data"]["market"] for e in events(state, "attempt.intent") if e["job_id"] == job_id]
         assert markets == ["spot", "on-demand"], markets
         (switch,) = [e for e in events(state, "attempt.market_switch") if e["job_id"] == job_id]

@@ -34,11 +34,15 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
         store.update_job(job["id"], conn, state=state.value, reason=why, **data.pop("_fields", {}))
         app.events.emit(event, job_id=job["id"], attempt_id=att["id"], conn=conn, reason=why, **data)
 
+    def back_in_line() -> JobState:
+        """Where a job waits for its next cloud attempt: resuming when it has a checkpoint to resume from."""
+        return JobState.RESUMING if checkpoints.latest(app.config, job["id"]) else JobState.QUEUED
+
     if outcome is A.SUCCEEDED:
         to(JobState.DONE, "completed", "job.done", where=att["where"])
         _fill_measured(app, conn, job, att, now)
     elif outcome is A.LAUNCH_FAILED:
-        back = JobState.RESUMING if checkpoints.latest(app.config, job["id"]) else JobState.QUEUED
+        back = back_in_line()
         policy = att["info"].get("market_policy") or {}
         if policy.get("choice") == "idle":  # the spot policy chose to wait for spot; the launch was its probe
             to(back, f"waiting for spot ({reason}): {policy['slack_h']:.2f} h of slack left; the spot policy "
@@ -65,7 +69,7 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
         elif stop_reason == "budget-cap":
             to(JobState.BLOCKED, "stopped before the monthly budget cap", "job.blocked")
         elif stop_reason in (TO_ON_DEMAND, TO_SPOT):
-            back = JobState.RESUMING if checkpoints.latest(app.config, job["id"]) else JobState.QUEUED
+            back = back_in_line()
             why = ("moving to on-demand: the spot policy leaves spot to make the deadline"
                    if stop_reason == TO_ON_DEMAND
                    else "moving to spot: spot is back, and the spot policy finds it worth a changeover")
