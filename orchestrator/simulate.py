@@ -43,6 +43,7 @@ from orchestrator.core.spot_policy import (
     safety_net_engaged,
     safety_net_engaged_batch,
 )
+from orchestrator.core.zones import pick_zone_batch, zone_order
 from orchestrator.errors import BadInput
 
 _EPS_S = 1e-6  # seconds; float progress sums are compared with this tolerance
@@ -72,12 +73,17 @@ class JobSetting:
 
 @dataclass(frozen=True)
 class Trace:
-    """One zone's spot availability: `available[i]` says whether spot is usable during tick i."""
+    """One zone's spot availability: `available[i]` says whether spot is usable during tick i.
+
+    For a job that may move between zones (`may_move_between`), `zones` holds each zone's availability (zones,
+    ticks) and `available` is their union: spot is usable while any zone has it.
+    """
 
     name: str
     path: Path
     gap_seconds: float
     available: np.ndarray  # bool, one entry per tick
+    zones: np.ndarray | None = None  # bool (zones, ticks), or None: one zone, `available` itself
 
     def __len__(self) -> int:
         return int(self.available.shape[0])
@@ -128,6 +134,35 @@ def load_traces(paths: Iterable[str | Path], *, nodes: int = 1, window: int | No
     if not traces:
         raise BadInput("no trace given", field="trace")
     return traces
+
+
+def instance_of(trace: Trace) -> str:
+    """The instance a trace is of, from its file name `<zone>_<device>_<count>` (shared/spot-traces/README.md):
+    "v100_1" for us-west-2a_v100_1. A job may move only between zones of the same instance."""
+    return trace.name.split("_", 1)[1] if "_" in trace.name else ""
+
+
+def may_move_between(traces: Sequence[Trace]) -> Trace:
+    """One trace for a job that may move between these zones (one provider's regions, on one clock)."""
+    if not traces:
+        raise BadInput("no trace given", field="trace")
+    first = traces[0]
+    for t in traces[1:]:
+        if t.gap_seconds != first.gap_seconds or len(t) != len(first):
+            raise BadInput(f"--may-move needs zones on one clock: {t.name} has {len(t)} ticks of "
+                           f"{t.gap_seconds:g} s, {first.name} {len(first)} of {first.gap_seconds:g} s",
+                           source=t.path, field="trace")
+    zones = np.stack([t.available for t in traces])
+    name = f"any of {len(traces)} zones ({instance_of(first) or first.name})"
+    return Trace(name=name, path=first.path.parent, gap_seconds=first.gap_seconds,
+                 available=zones.any(axis=0), zones=zones)
+
+
+def zone_up_for_h(trace: Trace) -> np.ndarray | None:
+    """For a trace of several zones, how long each zone's spot has been up at each tick (zones, ticks); else None."""
+    if trace.zones is None:
+        return None
+    return np.stack([TraceHistory.of(z, trace.gap_seconds).run_age_h for z in trace.zones])
 
 
 # --- what a policy may know: statistics of the trace up to (and including) the current tick --------------------
@@ -274,6 +309,8 @@ def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: T
     changeover_left = 0.0
     market = Market.IDLE
     forced_od = False  # the safety net has engaged: on-demand to the end, no more questions to ask
+    up_for_h = zone_up_for_h(trace)
+    zone = 0  # the zone a run on spot is in (only one unless the job may move)
     k = 0
     missed = False
     while done < need - _EPS_S:
@@ -283,7 +320,7 @@ def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: T
             missed = True
             break
         up = bool(avail[t])
-        if market is Market.SPOT and not up:
+        if market is Market.SPOT and not (up if trace.zones is None else trace.zones[zone, t]):
             market, changeover_left = Market.IDLE, 0.0  # preempted: the tick before still counted
         if forced_od:
             action = Market.ON_DEMAND
@@ -311,6 +348,9 @@ def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: T
         if action is not market:
             changeover_left = delay if action is not Market.IDLE else 0.0
             market = action
+            if market is Market.SPOT and up_for_h is not None and trace.zones is not None:
+                zone = zone_order([float(h) if u else None for u, h in zip(trace.zones[:, t], up_for_h[:, t],
+                                                                          strict=True)])[0]
         if market is not Market.IDLE:
             cost += price[market] * gap_h
             billed[market] += gap_h
@@ -385,6 +425,8 @@ def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarra
     done = np.zeros(runs)
     changeover_left = np.zeros(runs)
     market = np.full(runs, IDLE_CODE, dtype=np.int8)
+    zone = np.zeros(runs, dtype=np.int64)  # the zone a run on spot is in (only one unless the job may move)
+    up_for_h = zone_up_for_h(trace)
     forced_od = np.zeros(runs, dtype=bool)
     missed = np.zeros(runs, dtype=bool)
     finished = np.full(runs, np.nan)
@@ -402,7 +444,7 @@ def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarra
             break
         t = np.minimum(t, n - 1)
         up = avail[t]
-        preempted = (market == SPOT_CODE) & ~up
+        preempted = (market == SPOT_CODE) & ~(up if trace.zones is None else trace.zones[zone, t])
         market[preempted] = IDLE_CODE
         changeover_left[preempted] = 0.0
         batch = SpotBatch(
@@ -422,6 +464,9 @@ def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarra
         action[~active] = market[~active]  # finished or missed runs stay as they are (and are not billed)
         switched = active & (action != market)
         changeover_left[switched] = np.where(action[switched] != IDLE_CODE, delay, 0.0)
+        if trace.zones is not None and up_for_h is not None:
+            to_spot = np.flatnonzero(switched & (action == SPOT_CODE))
+            zone[to_spot] = pick_zone_batch(trace.zones[:, t[to_spot]], up_for_h[:, t[to_spot]])
         market = action
         running = active & (market != IDLE_CODE)
         idx = np.flatnonzero(running)
@@ -466,7 +511,8 @@ def offline_optimum(trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSe
                     *, max_work_units: int = 2000) -> tuple[np.ndarray, bool]:
     """Least cost of finishing by R for each start, knowing the whole trace (dynamic programming).
 
-    State: tick, work left, and what the job is on including how far into its changeover it is. Progress is
+    State: tick, work left, and what the job is on (and in which zone, for a job that may move between zones)
+    including how far into its changeover it is. Progress is
     counted in units dividing both a full tick and the partial tick that ends a changeover, which is exact.
     When that needs more than `max_work_units` units the partial tick is counted as a full one instead: an
     optimistic relaxation, so the result is then a lower bound. Returns (costs, exact).
@@ -494,8 +540,9 @@ def _offline_chunk(trace: Trace, starts_arr: np.ndarray, job: JobSetting, max_wo
     full_u, partial_u = gap // unit, partial // unit
     total_u = math.ceil(need / unit - 1e-9)
     span = deadline_ticks(job, trace.gap_seconds)
-    windows = trace.available[starts_arr[:, None] + np.arange(span)[None, :]]  # (S, span)
-    n_runs = starts_arr.shape[0]
+    zones = trace.zones if trace.zones is not None else trace.available[None, :]
+    windows = zones[:, starts_arr[:, None] + np.arange(span)[None, :]]  # (zones, S, span)
+    n_zones, n_runs = zones.shape[0], starts_arr.shape[0]
     phases = zero_ticks + 2  # ticks since the switch: 0..zero_ticks+1 (the last means "changeover over")
     inf = np.float64(np.inf)
 
@@ -511,15 +558,17 @@ def _offline_chunk(trace: Trace, starts_arr: np.ndarray, job: JobSetting, max_wo
     idle = np.full((n_runs, pad + total_u + 1), inf)
     idle[:, :pad + 1] = 0.0
     # Phase 0 (the tick of a switch) is never the state after a tick, and there the choices are idle's: only
-    # phases 1.. are kept. od[h] / spot[h] is on-demand / spot at phase h.
+    # phases 1.. are kept. od[h] / spot[h] is on-demand / spot at phase h; spot's has a row per zone. A run on
+    # spot stays in its zone until preempted (moving by choice would only restart the changeover).
     od = {h: idle.copy() for h in range(1, phases)}
-    spot = {h: idle.copy() for h in range(1, phases)}
+    spot = {h: np.repeat(idle[None], n_zones, axis=0) for h in range(1, phases)}
     spot_tick = job.spot_price * gap / 3600.0
     od_tick = job.od_price * gap / 3600.0
     width = max(min((span - k) * full_u, total_u) - max(total_u - k * full_u, 1) + 1 for k in range(span))
-    start_od, start_spot, keep, new_idle = (np.empty((n_runs, width)) for _ in range(4))
+    start_od, start_any_spot, keep_od, new_idle = (np.empty((n_runs, width)) for _ in range(4))
+    start_spot, keep = (np.empty((n_zones, n_runs, width)) for _ in range(2))
     new_od = {h: np.empty((n_runs, width)) for h in od}
-    new_spot = {h: np.empty((n_runs, width)) for h in spot}
+    new_spot = {h: np.empty((n_zones, n_runs, width)) for h in spot}
     for k in range(span - 1, -1, -1):
         lo = max(total_u - k * full_u, 1)
         hi = min((span - k) * full_u, total_u)
@@ -530,32 +579,34 @@ def _offline_chunk(trace: Trace, starts_arr: np.ndarray, job: JobSetting, max_wo
 
         def after(v: np.ndarray, units: int, n: int = n, lo: int = lo) -> np.ndarray:
             """Values after making `units` of progress, for the band: column w reads column max(w - units, 0)."""
-            return v[:, pad + lo - units:pad + lo - units + n]
+            return v[..., pad + lo - units:pad + lo - units + n]
 
-        down = ~windows[:, k][:, None]
+        down = ~windows[:, :, k][:, :, None]  # (zones, S, 1)
         idle_b = idle[:, band]
         first = min(1, phases - 1)  # the phase after a switch's first tick
-        s_od, s_spot, kp, n_idle = start_od[:, :n], start_spot[:, :n], keep[:, :n], new_idle[:, :n]
+        s_od, s_any, kp_od, n_idle = start_od[:, :n], start_any_spot[:, :n], keep_od[:, :n], new_idle[:, :n]
+        s_spot, kp = start_spot[:, :, :n], keep[:, :, :n]
         np.add(od_tick, after(od[first], progress_at(0)), out=s_od)
         np.add(spot_tick, after(spot[first], progress_at(0)), out=s_spot)
-        np.copyto(s_spot, inf, where=down)  # spot cannot be started while it is gone
+        np.copyto(s_spot, inf, where=down)  # spot cannot be started where it is gone
+        np.min(s_spot, axis=0, out=s_any)
         np.minimum(idle_b, s_od, out=n_idle)
-        np.minimum(n_idle, s_spot, out=n_idle)
+        np.minimum(n_idle, s_any, out=n_idle)
         for h in range(1, phases):
             nxt = min(h + 1, phases - 1)
             out = new_od[h][:, :n]
-            np.add(od_tick, after(od[nxt], progress_at(h)), out=kp)
-            np.minimum(kp, idle_b, out=out)
-            np.minimum(out, s_spot, out=out)
-            out = new_spot[h][:, :n]
+            np.add(od_tick, after(od[nxt], progress_at(h)), out=kp_od)
+            np.minimum(kp_od, idle_b, out=out)
+            np.minimum(out, s_any, out=out)
+            out = new_spot[h][:, :, :n]
             np.add(spot_tick, after(spot[nxt], progress_at(h)), out=kp)
             np.minimum(kp, idle_b, out=out)
             np.minimum(out, s_od, out=out)
-            np.copyto(out, n_idle, where=down)  # preempted: as if idle
+            np.copyto(out, np.broadcast_to(n_idle, out.shape), where=down)  # preempted: as if idle
         idle[:, band] = n_idle
         for h in range(1, phases):
             od[h][:, band] = new_od[h][:, :n]
-            spot[h][:, band] = new_spot[h][:, :n]
+            spot[h][:, :, band] = new_spot[h][:, :, :n]
     return idle[:, pad + total_u], exact
 
 
@@ -612,6 +663,7 @@ class SimulationReport:
     od_only_cost: float  # what the job costs on on-demand alone (C * price): the savings baseline
     traces: list[str]
     starts_per_trace: int
+    may_move: bool = False  # each run could move between the zones of its instance type
 
     def as_json(self, default_policy: str) -> dict:
         policies = {}
@@ -636,6 +688,7 @@ class SimulationReport:
             "od_only_cost_usd": round(self.od_only_cost, 4),
             "traces": self.traces,
             "starts_per_trace": self.starts_per_trace,
+            "may_move": self.may_move,
         }
 
 
@@ -737,15 +790,21 @@ def _offline_all(trace: Trace, starts: np.ndarray, job: JobSetting) -> tuple[flo
 
 
 def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetting, *, starts: int = 300,
-             seed: int = 0, workers: int | None = None, on_step: Callable[[], None] | None = None
-             ) -> SimulationReport:
+             seed: int = 0, workers: int | None = None, on_step: Callable[[], None] | None = None,
+             may_move: bool = False) -> SimulationReport:
     """Replay each policy over the same `starts` random start ticks of every trace (paired comparison).
+
+    `may_move`: the traces of one instance type (`instance_of`) are zones on one clock, and the job may move
+    between them (it checkpoints and resumes in any of them, as the daemon does in a provider's regions). The same
+    start ticks are drawn, and each run is replayed, with its offline optimum, on all the zones of its instance at
+    once (`may_move_between`).
 
     Start ticks are drawn in the calling process from `seed`, so results do not depend on `workers` (processes
     for the per-trace, per-policy batches; 1 = in this process). `on_step()` is called once per finished batch
     (len(traces) * (len(policy_names) + 1) batches, the +1 being the offline optimum).
     """
     job.validate()
+    original = list(traces)
     unknown = [p for p in policy_names if p not in POLICIES]
     if unknown:
         raise BadInput(f"unknown policy {unknown[0]!r} (known: {', '.join(sorted(POLICIES))})", field="policy")
@@ -757,6 +816,11 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
     # Each zone's model is shrunk towards what the other zones given (same tick, same clock) showed until then.
     others = [[o for j, o in enumerate(traces) if j != i and o.gap_seconds == t.gap_seconds]
               for i, t in enumerate(traces)]
+    if may_move:  # every start runs over all the zones of its instance type: no other zone left to learn from
+        groups = {key: may_move_between([t for t in traces if instance_of(t) == key])
+                  for key in dict.fromkeys(instance_of(t) for t in traces)}
+        traces = [groups[instance_of(t)] for t in traces]
+        others = [[g for g in groups.values() if g is not t and g.gap_seconds == t.gap_seconds] for t in traces]
     # One task per trace and policy, and one per trace for the offline optimum (name None). Longest first: a
     # policy that learns from history plans a model per refit, then the offline DP, then the cheap rules; so the
     # processes finish together instead of one waiting on a long task handed out last.
@@ -801,6 +865,7 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
         offline_exact=all_exact,
         availability_bound_mean_cost=bound_total / n,
         od_only_cost=job.job_hours * job.od_price,
-        traces=[str(t.path) for t in traces],
+        traces=[str(t.path) for t in original],
         starts_per_trace=starts,
+        may_move=may_move,
     )

@@ -132,6 +132,9 @@ class LaunchRequest:
     ssh_public_key: str  # OpenSSH public key line
     ssh_key_name: str | None = None
     region: str | None = None  # None: the adapter chooses among regions with capacity, in config order
+    # Regions to try first, in this order, before the others in config order (`orchestrator.core.zones`: for spot,
+    # the region whose capacity has been listed longest). Adapters with one region ignore it.
+    region_order: tuple[str, ...] = ()
     image: str | None = None
     user_data: str | None = None
 

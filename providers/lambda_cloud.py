@@ -175,7 +175,8 @@ class LambdaCloud:
 
     def launch(self, request: LaunchRequest) -> InstanceInfo:
         """Launch in the first (type, region) with capacity: the requested type, then the other configured
-        types in config order; within a type, regions listing capacity, in config order."""
+        types in config order; within a type, regions listing capacity, those of `request.region_order` first,
+        then the rest in config order."""
         types = self._call("instance-types", lambda: self._request("GET", "/instance-types"))
         if request.instance_type not in types:
             raise InvalidRequest(f"unknown instance type {request.instance_type!r}", provider=self.name)
@@ -186,6 +187,9 @@ class LambdaCloud:
             if market_type is None:
                 continue
             regions = self._order_regions(_capacity_regions(types[market_type]))
+            if request.region_order:
+                first = {r: i for i, r in enumerate(request.region_order)}
+                regions.sort(key=lambda r: first.get(r, len(first)))  # stable: the rest stay in config order
             if request.region is not None:
                 regions = [r for r in regions if r == request.region]
             for region in regions:

@@ -148,6 +148,19 @@ spot_listings = Table(
 )
 Index("ix_spot_listings_key", spot_listings.c.provider, spot_listings.c.instance_type, spot_listings.c.at)
 
+spot_region_listings = Table(
+    "spot_region_listings",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("provider", String(32), nullable=False),
+    Column("instance_type", String(64), nullable=False),
+    Column("region", String(64), nullable=False),
+    Column("at", Float, nullable=False),  # unix seconds
+    Column("up", Boolean, nullable=False),  # this region listed spot capacity (True) or none (False) from `at` on
+)
+Index("ix_spot_region_listings_key", spot_region_listings.c.provider, spot_region_listings.c.instance_type,
+      spot_region_listings.c.region, spot_region_listings.c.id)
+
 
 def _v1(conn: Connection) -> None:
     metadata.create_all(conn)
@@ -171,12 +184,18 @@ def _v4(conn: Connection) -> None:
     spot_listings.create(conn, checkfirst=True)
 
 
+def _v5(conn: Connection) -> None:
+    # The same per region: a spot launch tries first the region whose capacity has been listed longest.
+    spot_region_listings.create(conn, checkfirst=True)
+
+
 # (version, migration). Each runs once, in order, inside a transaction.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _v1),
     (2, _v2),
     (3, _v3),
     (4, _v4),
+    (5, _v5),
 ]
 
 

@@ -6,6 +6,7 @@ ever sent one the contract does not allow.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -177,6 +178,13 @@ def test_a_different_key_under_the_configured_name_is_left_alone(sim: SimCloudSe
 
 
 # --- capacity ---------------------------------------------------------------------------------------------------
+def test_a_spot_launch_tries_the_requested_region_order_first(lam: LambdaCloud, events: Events) -> None:
+    # Config order is us-east-1, us-west-1; the daemon asks for us-west-1 first (its spot listed longest).
+    info = lam.launch(dataclasses.replace(request("order", market=Market.SPOT), region_order=("us-west-1",)))
+    assert (info.instance_type, info.region) == ("gpu_1x_h100_sxm5_spot", "us-west-1")
+    assert [d["outcome"] for d in events.calls("launch")] == ["ok"]
+
+
 def test_region_fallback_on_insufficient_capacity(sim: SimCloudServer, lam: LambdaCloud, events: Events) -> None:
     sim.inject(FaultKind.INSUFFICIENT_CAPACITY, regions=["us-east-1"])
     info = lam.launch(request("reg"))

@@ -19,6 +19,7 @@ from orchestrator.lifecycle.market_switch import (
     listed_model,
     market_for_attempt,
     record_spot_listings,
+    spot_region_order,
 )
 from providers.base import Market as CloudMarket
 from providers.base import Offer
@@ -228,3 +229,39 @@ def test_the_fitted_model_is_shrunk_towards_the_provider_s_other_listed_types(tm
         return got[0].model
 
     assert fitted(with_other=True) != fitted(with_other=False)
+
+
+# --- which region a spot launch tries first ---------------------------------------------------------------------
+
+
+def test_a_spot_launch_tries_first_the_region_whose_capacity_has_been_listed_longest(app: App) -> None:
+    regions = ("us-east-1", "us-west-1", "eu-west-1")  # the offer lists regions in config order
+
+    def listed(*up: str) -> Offer:
+        return dataclasses.replace(_offer(listed=tuple(r for r in regions if r in up)), regions=regions)
+
+    record_spot_listings(app, "sim", [listed("us-east-1", "eu-west-1")], 0.0)
+    record_spot_listings(app, "sim", [listed("us-east-1", "us-west-1", "eu-west-1")], 1 * H)
+    record_spot_listings(app, "sim", [listed("us-west-1", "eu-west-1")], 2 * H)
+    record_spot_listings(app, "sim", [listed("us-east-1", "us-west-1", "eu-west-1")], 3 * H)
+    # eu-west-1 listed for 4 h, us-west-1 for 3 h, us-east-1 again only since 3 h (its outage reset it).
+    assert spot_region_order(app, "sim", listed("us-east-1", "us-west-1", "eu-west-1"), 4 * H) == (
+        "eu-west-1", "us-west-1", "us-east-1")
+    # Regions the offer does not list now are not tried first, whatever their history.
+    assert spot_region_order(app, "sim", listed("us-east-1"), 4 * H) == ("us-east-1",)
+
+
+def test_regions_never_seen_before_keep_the_configured_order(app: App) -> None:
+    offer = dataclasses.replace(_offer(listed=("b", "a")), regions=("b", "a"))
+    assert spot_region_order(app, "sim", offer, 0.0) == ("b", "a")
+
+
+def test_region_listings_are_kept_as_changes_only(app: App) -> None:
+    offer = dataclasses.replace(_offer(listed=("a", "b")), regions=("a", "b"))
+    for minute in range(5):
+        record_spot_listings(app, "sim", [offer], minute * 60.0)
+    record_spot_listings(app, "sim", [dataclasses.replace(offer, spot_regions=("b",))], 300.0)
+    with app.store.engine.connect() as c:
+        rl = s.spot_region_listings.c
+        rows = c.execute(select(rl.region, rl.at, rl.up).order_by(rl.id)).all()
+    assert [tuple(r) for r in rows] == [("a", 0.0, True), ("b", 0.0, True), ("a", 300.0, False)]

@@ -19,6 +19,7 @@ from orchestrator.simulate import (
     TraceHistory,
     deadline_ticks,
     load_traces,
+    may_move_between,
     offline_optimum,
     refit_stats,
     refit_ticks,
@@ -298,3 +299,110 @@ def test_offline_optimum_on_setting_a_is_the_straightforward_dp_run_for_run() ->
     assert exact
     assert np.array_equal(costs, reference_offline_optimum(trace, starts, PAPER_JOB, 2000)[0])
     assert len(costs) == 40 and deadline_ticks(PAPER_JOB, trace.gap_seconds) == 360
+
+
+# --- a job that may move between zones (--may-move) -----------------------------------------------------------
+
+
+def zone_trace(name: str, data: list[int]) -> Trace:
+    return Trace(name=name, path=Path(f"{name}.json"), gap_seconds=600, available=np.asarray(data, dtype=bool))
+
+
+def whole_ticks_h(hours: float) -> float:
+    return math.ceil(hours * 6 - 1e-9) / 6  # billed by 10-minute ticks
+
+
+SHORT_JOB = JobSetting(job_hours=2, deadline_hours=4, changeover_hours=0.2, od_price=3.06, spot_price=0.9731)
+
+
+def test_a_run_preempted_in_its_zone_restarts_where_spot_is_left_paying_one_changeover() -> None:
+    # Zone a has spot for the first hour only, zone b from the start on: greedy starts in a (up as long as b,
+    # listed first), is preempted after an hour, and restarts in b; it never needs on-demand.
+    a, b = zone_trace("a_v100_1", [1] * 6 + [0] * 30), zone_trace("b_v100_1", [1] * 36)
+    moving = may_move_between([a, b])
+    out = replay(POLICIES["greedy"], moving, 0, SHORT_JOB)
+    assert not out.missed and out.od_hours == 0
+    assert out.spot_work_hours == pytest.approx(2.0)
+    assert out.spot_hours == pytest.approx(whole_ticks_h(2.0 + 2 * 0.2))  # the job and two changeovers
+    pinned = replay(POLICIES["greedy"], a, 0, SHORT_JOB)
+    assert pinned.od_hours > 1  # pinned to zone a, the rest runs on on-demand
+    assert out.cost_usd < pinned.cost_usd
+
+
+def test_a_spot_launch_goes_to_the_zone_up_longest() -> None:
+    # At tick 6 both zones have spot; b's has lasted 6 ticks, c's 2. b stays up, c is gone at tick 8.
+    a = zone_trace("a_v100_1", [0] * 36)
+    b = zone_trace("b_v100_1", [1] * 36)
+    c = zone_trace("c_v100_1", [0] * 4 + [1] * 4 + [0] * 28)
+    moving = may_move_between([a, c, b])
+    out = replay(POLICIES["greedy"], moving, 6, SHORT_JOB)
+    assert out.spot_hours == pytest.approx(whole_ticks_h(2.0 + 0.2))  # one start: never preempted
+
+
+def test_moving_runs_replay_the_same_vectorised_and_one_by_one() -> None:
+    rng = np.random.default_rng(7)
+    # Spells of 1-12 ticks, so zones are often up together and their ages differ.
+    zones = [zone_trace(f"z{i}_v100_1", np.repeat(rng.random(300) < p, rng.integers(1, 13, 300))[:300].tolist())
+             for i, p in enumerate((0.3, 0.6, 0.5))]
+    moving = may_move_between(zones)
+    history = TraceHistory.of(moving.available, moving.gap_seconds)
+    starts = sample_starts(moving, SHORT_JOB, 20, rng)
+    for name in POLICIES:
+        batch = replay_batch(POLICIES[name], moving, starts, SHORT_JOB, history)
+        for i, start in enumerate(starts):
+            single = replay(POLICIES[name], moving, int(start), SHORT_JOB, history)
+            assert batch.cost_usd[i] == pytest.approx(single.cost_usd, abs=1e-9), (name, start)
+            assert batch.spot_hours[i] == pytest.approx(single.spot_hours, abs=1e-9), (name, start)
+
+
+def test_the_moving_offline_optimum_bounds_every_policy_and_sits_between_its_bounds() -> None:
+    rng = np.random.default_rng(9)
+    zones = [zone_trace(f"z{i}_v100_1", np.repeat(rng.random(30) < p, 10).tolist()) for i, p in
+             enumerate((0.3, 0.5, 0.4))]
+    moving = may_move_between(zones)
+    starts = sample_starts(moving, SHORT_JOB, 25, rng)
+    best, exact = offline_optimum(moving, starts, SHORT_JOB)
+    assert exact
+    for name in POLICIES:
+        costs = replay_batch(POLICIES[name], moving, starts, SHORT_JOB).cost_usd
+        assert np.all(best <= costs + 1e-9), name
+    # Never dearer than being pinned to any one zone; never cheaper than the union with free moves.
+    for z in zones:
+        assert np.all(best <= offline_optimum(z, starts, SHORT_JOB)[0] + 1e-9)
+    free_moves = Trace(name="union", path=Path("u.json"), gap_seconds=600, available=moving.available)
+    assert np.all(best >= offline_optimum(free_moves, starts, SHORT_JOB)[0] - 1e-9)
+
+
+def test_zones_move_only_within_their_instance_type(tmp_path: Path) -> None:
+    # Two zones of v100 that take turns, and a k80 zone that never has spot: v100 runs move and pay spot only;
+    # k80 runs have nowhere to go.
+    for name, data in (("a_v100_1", [1, 0] * 60), ("b_v100_1", [0, 1] * 60), ("a_k80_1", [0] * 120)):
+        write_trace(tmp_path / f"{name}.json", np.repeat(data, 6)[:120].tolist())
+    traces = load_traces([tmp_path])
+    report = simulate(traces, ["greedy"], SHORT_JOB, starts=10, seed=1, workers=1, may_move=True)
+    assert report.may_move and report.policies["greedy"].misses == 0
+    pinned = simulate(traces, ["greedy"], SHORT_JOB, starts=10, seed=1, workers=1)
+    assert report.policies["greedy"].mean_cost < pinned.policies["greedy"].mean_cost
+    k80 = simulate([t for t in traces if "k80" in t.name], ["greedy"], SHORT_JOB, starts=10, seed=1, workers=1,
+                   may_move=True)
+    assert k80.policies["greedy"].total_spot_h == 0
+
+
+def test_cli_may_move_needs_zones_on_one_clock(tmp_path: Path) -> None:
+    write_trace(tmp_path / "a_v100_1.json", [1, 0] * 60)
+    write_trace(tmp_path / "b_v100_1.json", [1, 0] * 50)
+    result = burstctl("simulate", "--trace", str(tmp_path), *JOB_ARGS, "--starts", "5", "--workers", "1",
+                      "--may-move")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "b_v100_1" in lines[0] and "one clock" in lines[0], lines
+
+
+def test_cli_may_move_reports_it_in_the_json(tmp_path: Path) -> None:
+    write_trace(tmp_path / "a_v100_1.json", ([1] * 20 + [0] * 7) * 6)
+    write_trace(tmp_path / "b_v100_1.json", ([0] * 10 + [1] * 17) * 6)
+    result = burstctl("simulate", "--trace", str(tmp_path), *JOB_ARGS, "--starts", "10", "--workers", "1",
+                      "--may-move", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["may_move"] is True and doc["policies"]["greedy"]["od_hours"] == 0

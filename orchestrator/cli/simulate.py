@@ -35,11 +35,16 @@ def _non_negative(name: str, value: float) -> None:
               help=f"Policy to replay (repeatable; default: all of {', '.join(POLICIES)}).")
 @click.option("--nodes", type=int, default=1, show_default=True,
               help="Gang size: spot is usable in a tick only when the trace shows this many instances.")
+@click.option("--may-move", is_flag=True,
+              help="The job may move between the zones of one instance type (files <zone>_<device>_<count>.json "
+                   "on one clock), as the daemon does between a provider's regions: spot is usable while any of "
+                   "them has it, and a spot launch goes to the zone whose spot has been up longest.")
 @click.option("--workers", type=int, default=None, help="Processes to use (default: one per core).")
 @json_option
 def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: float, deadline_hours: float,
                  changeover_hours: float, od_price: float, spot_price: float, starts: int, seed: int,
-                 policy_names: tuple[str, ...], nodes: int, workers: int | None, as_json: bool) -> None:
+                 policy_names: tuple[str, ...], nodes: int, may_move: bool, workers: int | None, as_json: bool
+                 ) -> None:
     """Replay policies over random starts of real spot traces; report cost, hours, misses, ratio to optimum.
 
     Semantics and reference figures: Wu et al., "Can't Be Late", NSDI 2024 (see docs/simulate.md).
@@ -73,7 +78,7 @@ def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: fl
                   disable=not sys.stderr.isatty()) as progress:
         task = progress.add_task("replay", total=batches)
         report = simulate(traces, names, job, starts=starts, seed=seed, workers=workers,
-                          on_step=lambda: progress.advance(task))
+                          on_step=lambda: progress.advance(task), may_move=may_move)
 
     doc = report.as_json(DEFAULT_POLICY)
     if as_json:
@@ -87,7 +92,9 @@ def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: fl
                      f"{p['spot_hours']:.1f}", f"{p['od_hours']:.1f}",
                      f"{p['misses']}/{p['runs']}", f"{p['ratio_to_offline']:.3f}"))
     off = doc["offline"]
-    table(f"{len(traces)} trace(s) × {starts} starts; C={job_hours} h, R={deadline_hours} h, d={changeover_hours} h",
+    moving = "; the job may move between zones" if may_move else ""
+    table(f"{len(traces)} trace(s) × {starts} starts{moving}; C={job_hours} h, R={deadline_hours} h, "
+          f"d={changeover_hours} h",
           ["policy", "mean cost", "savings vs OD", "spot work h", "OD work h", "spot billed h", "OD billed h",
            "misses", "÷ offline"], rows)
     kind = "exact" if off["exact"] else "lower bound"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import insert, select
+from sqlalchemy import Connection, func, insert, select
 
 from orchestrator.app import App
 from orchestrator.core.spot_policy import (
@@ -25,6 +25,7 @@ from orchestrator.core.spot_policy import (
 )
 from orchestrator.core.spot_policy import Market as PolicyMarket
 from orchestrator.core.spot_watch import SpotLife, SpotView, watch
+from orchestrator.core.zones import zone_order
 from orchestrator.lifecycle.machine import AttemptState as A
 from orchestrator.simulate import Trace, TraceHistory, refit_stats, refit_ticks
 from providers.base import Market, Offer
@@ -106,6 +107,42 @@ def record_spot_listings(app: App, provider: str, offers: list[Offer], now: floa
             if last is None or bool(last) != up:
                 c.execute(insert(s.spot_listings).values(provider=provider, instance_type=o.instance_type, at=now,
                                                          up=up))
+    record_spot_region_listings(app, provider, offers, now)
+
+
+def record_spot_region_listings(app: App, provider: str, offers: list[Offer], now: float) -> None:
+    """Keep each change in the spot capacity each region lists, for `spot_region_order`."""
+    with app.store.tx() as c:
+        for o in offers:
+            if o.spot_regions is None:
+                continue
+            last = {region: up for region, (_, up) in _region_states(c, provider, o.instance_type).items()}
+            listed = set(o.spot_regions)
+            for region in sorted(listed | {r for r, up in last.items() if up}):
+                if last.get(region) != (region in listed):
+                    c.execute(insert(s.spot_region_listings).values(
+                        provider=provider, instance_type=o.instance_type, region=region, at=now,
+                        up=region in listed))
+
+
+def spot_region_order(app: App, provider: str, offer: Offer, now: float) -> tuple[str, ...]:
+    """The regions the offer lists spot capacity in, longest listed first, ties in config order
+    (`core.zones.zone_order`: the rule `burstctl simulate --may-move` replays). Empty where none are listed."""
+    with app.store.engine.connect() as c:
+        states = _region_states(c, provider, offer.instance_type)
+    regions = offer.spot_regions or ()
+    since = [states[r][0] if r in states and states[r][1] else now for r in regions]
+    return tuple(regions[i] for i in zone_order([now - at for at in since]))
+
+
+def _region_states(c: Connection, provider: str, instance_type: str) -> dict[str, tuple[float, bool]]:
+    """Each region's last listed change: (since when, spot listed or not). One index range per region, however
+    long the history."""
+    sl = s.spot_region_listings.c
+    last = (select(func.max(sl.id)).where(sl.provider == provider, sl.instance_type == instance_type)
+            .group_by(sl.region))
+    return {region: (float(at), bool(up))
+            for region, at, up in c.execute(select(sl.region, sl.at, sl.up).where(sl.id.in_(last)))}
 
 
 def spot_view(app: App, provider: str, offer: Offer, now: float) -> SpotView:

@@ -31,6 +31,7 @@ from orchestrator.lifecycle.market_switch import (
     cloud_hours_done,
     market_for_attempt,
     record_spot_listings,
+    spot_region_order,
 )
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import burst_enabled
@@ -313,13 +314,16 @@ class Reconciler:
             return False
         n = self._next_attempt_number(job["id"])
         attempt_id = f"{job['id']}-a{n}"
+        # Spot goes first to the region whose capacity has been listed longest (the rule simulate --may-move replays).
+        regions = spot_region_order(self.app, provider_name, offer, now) if market is Market.SPOT else ()
+        placed = {"region_order": list(regions)} if regions else {}
         with self.store.tx() as conn:
             conn.execute(insert(s.attempts).values(
                 id=attempt_id, job_id=job["id"], n=n, where="cloud", state=A.INTENT.value, provider=provider_name,
                 instance_type=offer.instance_type, region=None, market=market.value,
                 idempotency_key=f"{self.cfg.orchestrator_id}-{attempt_id}",
                 info={"rate_usd_h": rate, "billing_minimum_s": offer.billing_minimum_s, "launch_tried": False,
-                      "gpu": offer.gpu_model, **({"market_policy": market_facts} if market_facts else {})},
+                      "gpu": offer.gpu_model, **({"market_policy": market_facts} if market_facts else {}), **placed},
                 created_at=now))
             prev = job["state"]
             self.store.update_job(job["id"], conn, expect_state=prev, state=JobState.RUNNING.value,
@@ -327,7 +331,7 @@ class Reconciler:
             self.app.events.emit("attempt.intent", job_id=job["id"], attempt_id=attempt_id, conn=conn,
                                  provider=provider_name, instance_type=offer.instance_type, market=market.value,
                                  rate_usd_h=rate, resuming=prev == JobState.RESUMING.value,
-                                 **({"market_policy": market_facts} if market_facts else {}))
+                                 **({"market_policy": market_facts} if market_facts else {}), **placed)
         return True
 
     def _choose_offer(self, job: dict[str, Any], now: float
@@ -527,7 +531,7 @@ class Reconciler:
             tags = OwnerTags(self.cfg.orchestrator_id, job["id"], att["id"])
             req = LaunchRequest(instance_type=att["instance_type"], market=Market(att["market"]), tags=tags,
                                 idempotency_key=att["idempotency_key"], ssh_public_key=self.cloud.public_key,
-                                ssh_key_name=None)
+                                ssh_key_name=None, region_order=tuple(info.get("region_order") or ()))
             chaos_point("before-launch")  # intent and launch_tried are written; the call is not made
             try:
                 found = provider.launch(req)
