@@ -11,6 +11,7 @@ by the current tick (availability now and before, the run's own progress), never
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -181,6 +182,18 @@ class TraceHistory:
     mean_uptime_h: np.ndarray
     run_age_h: np.ndarray  # how long spot has been in its tick-i state, counting tick i
     recent_up_fraction: np.ndarray  # share of the REGIME_WINDOW_H ending with tick i that spot was up
+    # For a job that may move between zones: a run that has followed the zone rule since tick 0 (spot whenever any
+    # zone has it), its ticks on spot and the times it lost its zone while another had spot, by tick i (cumulative).
+    moving_spot_ticks: np.ndarray | None = None
+    moving_restarts: np.ndarray | None = None
+
+    @classmethod
+    def of_trace(cls, trace: Trace) -> TraceHistory:
+        history = cls.of(trace.available, trace.gap_seconds)
+        if trace.zones is None:
+            return history
+        spot, restarts = _follow_zones(trace.zones, zone_up_for_h(trace))
+        return dataclasses.replace(history, moving_spot_ticks=np.cumsum(spot), moving_restarts=np.cumsum(restarts))
 
     @classmethod
     def of(cls, available: np.ndarray, gap_seconds: float) -> TraceHistory:
@@ -222,6 +235,26 @@ class TraceHistory:
             mean_uptime_h=float(self.mean_uptime_h[i]),
             observed_h=(i + 1) * self.gap_h,
         )
+
+
+def _follow_zones(zones: np.ndarray, up_for_h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per tick: is a run that takes spot wherever it is (zone rule, `core.zones`) on spot, and did it just lose its
+    zone while another had spot."""
+    n = zones.shape[1]
+    on_spot, restarted = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    zone = -1
+    for t in range(n):
+        if zone >= 0 and zones[zone, t]:
+            on_spot[t] = True
+            continue
+        up = zones[:, t]
+        if not up.any():
+            zone = -1
+            continue
+        restarted[t] = zone >= 0
+        zone = int(pick_zone_batch(up[:, None], up_for_h[:, t:t + 1])[0])
+        on_spot[t] = True
+    return on_spot, restarted
 
 
 # --- a zone's availability model, learned from what has been observed ----------------------------------------------
@@ -725,12 +758,33 @@ def refit_stats(trace: Trace, history: TraceHistory, others: Sequence[tuple[Trac
     prior = pooled_prior([hazard_counts(o.available, oh, tick) for o, oh in others], gap_h)
     counts = hazard_counts(trace.available, history, tick)
     observed = history.stats_at(tick - 1) if tick > 0 else None
+    model = blend_model(gap_h, counts, prior, PRIOR_TICKS)
+    if history.moving_restarts is not None:
+        model = dataclasses.replace(model, restart=restart_rate(history, [oh for _, oh in others], tick))
     return AvailabilityStats(
         up_fraction=observed.up_fraction if observed else math.nan,
         mean_outage_h=observed.mean_outage_h if observed else math.nan,
         mean_uptime_h=observed.mean_uptime_h if observed else math.nan,
         observed_h=observed.observed_h if observed else 0.0,
-        model=blend_model(gap_h, counts, prior, PRIOR_TICKS))
+        model=model)
+
+
+def restart_rate(history: TraceHistory, others: Sequence[TraceHistory], tick: int) -> float:
+    """A moving job's chance per tick on spot of losing its zone while another has spot, from ticks before `tick`,
+    shrunk towards the other zone sets' (same clock) with the weight of PRIOR_TICKS ticks."""
+
+    def counts(h: TraceHistory) -> tuple[float, float]:
+        """(losses, ticks on spot) known before `tick`: a tick on spot counts once the tick after it was seen."""
+        if h.moving_restarts is None or h.moving_spot_ticks is None or tick < 2:
+            return 0.0, 0.0
+        last = min(tick, h.moving_restarts.shape[0]) - 1
+        return float(h.moving_restarts[last]), float(h.moving_spot_ticks[last - 1])
+
+    pooled = [counts(o) for o in others]
+    seen = sum(ticks for _, ticks in pooled)
+    prior = sum(r for r, _ in pooled) / seen if seen > 0 else 0.0
+    restarts, ticks = counts(history)
+    return (restarts + PRIOR_TICKS * prior) / (ticks + PRIOR_TICKS)
 
 
 def refit_ticks(n: int, tick_h: float) -> np.ndarray:
@@ -748,11 +802,11 @@ def refit_ticks(n: int, tick_h: float) -> np.ndarray:
 def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSetting,
                 others: Sequence[Trace] = ()) -> BatchOutcome:
     policy = POLICIES[policy_name]
-    history = TraceHistory.of(trace.available, trace.gap_seconds)
+    history = TraceHistory.of_trace(trace)
     if not getattr(policy, "uses_history", False):
         return replay_batch(policy, trace, starts, job, history)
     gap_h = trace.gap_seconds / 3600.0
-    seen_too = [(o, TraceHistory.of(o.available, o.gap_seconds)) for o in others]
+    seen_too = [(o, TraceHistory.of_trace(o)) for o in others]
     span = deadline_ticks(job, trace.gap_seconds)
     schedule = refit_ticks(int(starts.max()) + span + 1, gap_h)
     group = np.searchsorted(schedule, starts, side="right") - 1

@@ -206,6 +206,54 @@ def test_where_spot_capacity_is_listed_a_job_waits_for_spot_without_launching_an
         assert_one_instance_per_attempt_and_all_gone(url)
 
 
+def _listed_regions(state: Path) -> dict[str, bool]:
+    """Each region's last recorded spot listing (the daemon's spot_region_listings table)."""
+    with sqlite3.connect(state / "burstctl.db") as db:
+        rows = db.execute("SELECT region, up FROM spot_region_listings ORDER BY id").fetchall()
+    return {region: bool(up) for region, up in rows}
+
+
+def test_a_job_that_loses_its_region_resumes_in_the_region_whose_spot_has_been_listed_longest(
+        tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    spot = "gpu_1x_h100_sxm5_spot"
+    with simcloud(tmp_path) as url:
+        def capacity(region: str, count: int) -> None:
+            sim_admin(url, "capacity", {"instance_type": spot, "region": region, "count": count})
+
+        # Spot is listed in us-west-1 only; us-east-1 comes first in simcloud's own order, eu-west-1 last.
+        capacity("us-east-1", 0)
+        capacity("eu-west-1", 0)
+        config = write_config(tmp_path, url, daemon={"offers_ttl_s": 1.0, "market_check_s": 1.0})
+        job_id = enqueue(config, state, e2e_trainer_job(tmp_path, "moving", steps=300, every=10))  # 30 s of work
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            first = wait_for(lambda: [i for i in sim_instances(url) if i["status"] == "active"], 90,
+                             "the first attempt to run")[0]
+            assert first["region"] == "us-west-1"
+            wait_for(lambda: events(state, "checkpoint.synced"), 60, "a first checkpoint to come home")
+            # eu-west-1 lists spot first, then us-east-1: the daemon records each as its market check refreshes.
+            capacity("eu-west-1", 4)
+            wait_for(lambda: _listed_regions(state).get("eu-west-1"), 30, "eu-west-1 to be recorded as listed")
+            capacity("us-east-1", 4)
+            wait_for(lambda: _listed_regions(state).get("us-east-1"), 30, "us-east-1 to be recorded as listed")
+            # us-west-1 loses its spot capacity and reclaims the instance.
+            capacity("us-west-1", 0)
+            httpx.post(f"{url}/_sim/instances/{first['id']}/preempt", json={}, timeout=10).raise_for_status()
+            wait_for(lambda: events(state, "job.resumed"), 120, "the job to resume in another region")
+            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
+        finally:
+            assert daemon.stop() == 0
+        intents = [e["data"] for e in events(state, "attempt.intent") if e["job_id"] == job_id]
+        assert [i["market"] for i in intents] == ["spot", "spot"]
+        # Longest listed first, not simcloud's (config) order: eu-west-1 has listed spot longer than us-east-1.
+        assert intents[1]["region_order"] == ["eu-west-1", "us-east-1"]
+        regions = [i["region"] for i in sorted(sim_instances(url), key=lambda i: i["launched_at"])]
+        assert regions == ["us-west-1", "eu-west-1"]
+        assert events(state, "job.resumed")[0]["data"]["checkpoint"].startswith("step-")
+        assert_one_instance_per_attempt_and_all_gone(url)
+
+
 def _sshd_pids(sim_state: Path, instance_id: str) -> list[int]:
     """The pids of the instance's sshd listener (its command line names the instance's own sshd_config)."""
     needle = str(sim_state / "instances" / instance_id / "machine").encode()

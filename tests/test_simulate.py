@@ -406,3 +406,22 @@ def test_cli_may_move_reports_it_in_the_json(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["may_move"] is True and doc["policies"]["greedy"]["od_hours"] == 0
+
+
+def test_a_moving_job_learns_how_often_its_zone_goes_while_another_has_spot_from_the_past_only() -> None:
+    # Two zones taking turns every 6 ticks, overlapping one tick: a run that follows spot loses its zone every
+    # 6 ticks while the other has spot.
+    a = np.tile([1] * 7 + [0] * 5, 20)
+    b = np.roll(a, 6)
+    moving = may_move_between([zone_trace("a_v100_1", a.tolist()), zone_trace("b_v100_1", b.tolist())])
+    history = TraceHistory.of_trace(moving)
+    assert history.moving_restarts is not None and history.moving_spot_ticks is not None
+    assert history.moving_restarts[-1] == pytest.approx(240 / 6, abs=2)
+    assert history.moving_spot_ticks[-1] == 240
+    model = refit_stats(moving, history, [], 120).model
+    assert model is not None and 0.1 < model.restart < 1 / 6  # 1/6 a tick, shrunk towards a prior of 0
+    # What the refit at tick 120 knows does not depend on what comes after it.
+    future = [zone_trace(n, np.concatenate((z[:120], np.ones(120, dtype=int))).tolist())
+              for n, z in (("a_v100_1", a), ("b_v100_1", b))]
+    moved = may_move_between(future)
+    assert refit_stats(moved, TraceHistory.of_trace(moved), [], 120).model == model

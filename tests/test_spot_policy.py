@@ -226,6 +226,7 @@ def reference_actions(model: SpotModel, job_hours: float, deadline_hours: float,
     ticks_per_step = max(round(step_h / model.tick_h), 1)
     leave = 1.0 - (1.0 - np.clip(model.hazards(), 0.0, 1.0)) ** (step_h / model.tick_h)
     leave = np.moveaxis(leave, 0, -1)
+    restart = 1.0 - (1.0 - model.restart) ** (step_h / model.tick_h)
     n_regimes = model.regimes
     switch_t = np.linalg.matrix_power(np.asarray(model.regime_switch, dtype=float), ticks_per_step
                                       ).T.astype(np.float32)
@@ -273,6 +274,8 @@ def reference_actions(model: SpotModel, job_hours: float, deadline_hours: float,
         # On spot, spot going away means preemption: the next step starts idle.
         ev_spot_up = (stay_same[1] * after[:, 1:1 + phases, 1] + stay_next[1] * nxt_bucket[:, 1:1 + phases, 1]
                       + leave[1] * after[:, :1, 0, :1])
+        if restart > 0:  # a job that may move: its zone went while spot stayed up elsewhere; it starts idle, up
+            ev_spot_up = ev_spot_up * np.float32(1.0 - restart) + np.float32(restart) * ev[:, :1, 1]
         q_idle = shift(ev[:, 0], m)[:, None]  # broadcasts over the current market
         q_spot = np.full((s_max + 1, phases, 2, n_buckets, n_regimes), inf, dtype=np.float32)
         q_od = np.empty((s_max + 1, phases, 2, n_buckets, n_regimes), dtype=np.float32)
@@ -303,29 +306,30 @@ def reference_actions(model: SpotModel, job_hours: float, deadline_hours: float,
     return actions
 
 
-def random_model(rng: np.random.Generator, tick_h: float, regimes: int) -> SpotModel:
+def random_model(rng: np.random.Generator, tick_h: float, regimes: int, restart: float = 0.0) -> SpotModel:
     n = len(AGE_EDGES_H) + 1
     leave = rng.uniform(0.0, 0.6, size=(regimes, 2, n)) ** 2  # mostly small hazards, as in real zones
     stay = rng.uniform(0.9, 1.0, size=regimes)
     switch = np.full((regimes, regimes), 0.0) + ((1 - stay) / max(regimes - 1, 1))[:, None]
     np.fill_diagonal(switch, stay if regimes > 1 else 1.0)
     return SpotModel(tick_h=tick_h, leave=tuple(tuple(map(tuple, r)) for r in leave),
-                     regime_switch=tuple(map(tuple, switch)))
+                     regime_switch=tuple(map(tuple, switch)), restart=restart)
 
 
-@pytest.mark.parametrize(("job_h", "deadline_h", "changeover_h", "tick_h", "regimes"), [
-    (48.0, 60.0, 0.2, 1 / 6, 2),  # setting (a): 10-minute ticks, 3 phases, 2-minute units
-    (48.0, 60.0, 0.2, 1 / 6, 1),  # the daemon's memoryless single-regime model
-    (10.0, 14.0, 0.0, 0.1, 2),  # no changeover: one phase
-    (10.0, 14.0, 0.35, 0.1, 2),  # a changeover of several ticks: 5 phases
-    (4.0, 6.0, 0.25, 0.1, 3),  # three regimes
+@pytest.mark.parametrize(("job_h", "deadline_h", "changeover_h", "tick_h", "regimes", "restart"), [
+    (48.0, 60.0, 0.2, 1 / 6, 2, 0.0),  # setting (a): 10-minute ticks, 3 phases, 2-minute units
+    (48.0, 60.0, 0.2, 1 / 6, 1, 0.0),  # the daemon's memoryless single-regime model
+    (10.0, 14.0, 0.0, 0.1, 2, 0.0),  # no changeover: one phase
+    (10.0, 14.0, 0.35, 0.1, 2, 0.0),  # a changeover of several ticks: 5 phases
+    (4.0, 6.0, 0.25, 0.1, 3, 0.0),  # three regimes
+    (48.0, 60.0, 0.2, 1 / 6, 2, 0.03),  # a job that may move between zones: its own zone may go
 ])
 def test_fast_plan_is_the_straightforward_backward_induction_entry_for_entry(
-    job_h: float, deadline_h: float, changeover_h: float, tick_h: float, regimes: int
+    job_h: float, deadline_h: float, changeover_h: float, tick_h: float, regimes: int, restart: float
 ) -> None:
     # solve_plan computes only the values a step reads, in another layout; every action must be the same.
     rng = np.random.default_rng(int(job_h * 10 + changeover_h * 100 + regimes))
-    model = random_model(rng, tick_h, regimes)
+    model = random_model(rng, tick_h, regimes, restart)
     args = (model, job_h, deadline_h, changeover_h, tick_h, 3.06, 0.9731, 400)
     plan = solve_plan(*args)
     expected = reference_actions(*args)

@@ -76,6 +76,9 @@ class SpotModel:
     tick_h: float
     leave: tuple[tuple[float, ...], ...] | tuple[tuple[tuple[float, ...], ...], ...]
     regime_switch: tuple[tuple[float, ...], ...] = ((1.0,),)
+    # For a job that may move between zones (spot = any zone has it): the chance, per tick on spot, that the run's
+    # own zone loses spot while another still has it. The run is preempted and must pay a changeover to go on.
+    restart: float = 0.0
 
     @property
     def regimes(self) -> int:
@@ -415,6 +418,7 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     # Arrays are (up/down, regime, age bucket); the regime moves by its own chain, independently within a step.
     ticks_per_step = max(round(step_h / model.tick_h), 1)
     leave = 1.0 - (1.0 - np.clip(model.hazards().swapaxes(0, 1), 0.0, 1.0)) ** (step_h / model.tick_h)
+    restart = 1.0 - (1.0 - min(max(model.restart, 0.0), 1.0)) ** (step_h / model.tick_h)
     n_regimes = model.regimes
     switch = np.linalg.matrix_power(np.asarray(model.regime_switch, dtype=float), ticks_per_step
                                     ).astype(np.float32)
@@ -513,6 +517,10 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
         ev_spot += tmp_spot
         np.multiply(leave[1], after[0, 0, :, :1], out=tmp_spot)
         ev_spot += tmp_spot
+        if restart > 0:  # the run's zone went while spot stayed up elsewhere: idle, with spot up
+            ev_spot *= np.float32(1.0 - restart)
+            np.multiply(np.float32(restart), ev[0, 1], out=tmp_spot[0])
+            ev_spot += tmp_spot[0]
         # The cost of each choice: the step's price plus the value at the slack left after it.
         shifted(q_idle, np.float32(0.0), ev[0], m)  # an idle step costs nothing and spends m units of slack
         for p in range(phases):
