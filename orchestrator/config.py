@@ -109,7 +109,8 @@ class Policy(Strict):
         0.5, description="Provisioning + sync + teardown overhead t_ovh used until burstctl has measured it."
     )
     spot_preemptions_per_hour: NonNegFloat = Field(
-        0.05, description="Expected spot preemptions per hour, until history or traces say otherwise."
+        0.05, description="Expected spot preemptions per hour: the prior that this installation's own spot "
+        "instances (30 days, every provider and type) are shrunk towards, and the figure used until there are any."
     )
     spot_mean_outage_hours: PositiveFloat = Field(
         1.0, description="Expected length of a spot outage (launches refused for lack of capacity), until the "

@@ -70,13 +70,30 @@ def measured_overhead_h(app: App, recent: int = 20) -> float | None:
     return sum(parts.values()) / 3600.0
 
 
+def learned_preemptions_per_h(app: App, now: float) -> tuple[float, str]:
+    """λ for the spot arithmetic: from this installation's spot instances over the last 30 days (every provider and
+    type), shrunk towards `policy.spot_preemptions_per_hour`; with none, the configured figure. And its basis."""
+    from orchestrator.core.spot_watch import preemption_rate
+    from orchestrator.lifecycle.market_switch import spot_sightings
+
+    prior = app.config.policy.spot_preemptions_per_hour
+    lives, _ = spot_sightings(app, None, None, now)
+    if not lives:
+        return prior, "configured"
+    rate, hours, preemptions = preemption_rate(lives, now, prior)
+    return rate, (f"learned: {preemptions} preemption(s) in {hours:.1f} spot instance-hours over 30 days, "
+                  f"shrunk towards the configured {prior:g}/h")
+
+
 def context(app: App, now: float) -> DecisionContext:
     cfg = app.config
+    preemptions_per_h, basis = learned_preemptions_per_h(app, now)
     return DecisionContext(
         local_usd_h=cfg.local.usd_per_hour,
         offers=reference_offers(cfg),
         overhead_h=measured_overhead_h(app) or cfg.policy.overhead_h,
-        preemptions_per_h=cfg.policy.spot_preemptions_per_hour,
+        preemptions_per_h=preemptions_per_h,
+        preemptions_basis=basis,
         max_auto_delta_usd=cfg.policy.max_auto_delta_usd,
         cloud_kinds=tuple(cfg.policy.cloud_kinds),
         hybrid_margin_h=cfg.policy.hybrid_margin_h,

@@ -13,7 +13,10 @@ import pytest
 from sqlalchemy import insert, select
 
 from orchestrator.app import App
+from orchestrator.core.decision import decide
 from orchestrator.core.spot_policy import DEFAULT_POLICY, Market, SpotState, get_policy
+from orchestrator.core.spot_watch import PRIOR_SPELLS
+from orchestrator.jobspec import JobSpec
 from orchestrator.lifecycle.market_switch import (
     attempt_should_move,
     listed_model,
@@ -21,6 +24,7 @@ from orchestrator.lifecycle.market_switch import (
     record_spot_listings,
     spot_region_order,
 )
+from orchestrator.queue import context, facts
 from providers.base import Market as CloudMarket
 from providers.base import Offer
 from state import schema as s
@@ -265,3 +269,30 @@ def test_region_listings_are_kept_as_changes_only(app: App) -> None:
         rl = s.spot_region_listings.c
         rows = c.execute(select(rl.region, rl.at, rl.up).order_by(rl.id)).all()
     assert [tuple(r) for r in rows] == [("a", 0.0, True), ("b", 0.0, True), ("a", 300.0, False)]
+
+
+# --- the decision's spot arithmetic learns λ from the same sightings ---------------------------------------------
+
+
+def _preempted_spot(app: App, n: int, started_at: float, hours: float, provider: str = "sim") -> None:
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(
+            id=f"j1-a{n}", job_id="j1", n=n, where="cloud", state="preempted", provider=provider,
+            instance_type="gpu_1x_h100", market="spot", instance_id=f"i-{n}", info={}, created_at=started_at,
+            started_at=started_at, ended_at=started_at + hours * H))
+
+
+def test_the_decision_s_preemption_rate_is_learned_from_every_spot_market_seen(app: App) -> None:
+    prior = app.config.policy.spot_preemptions_per_hour
+    assert context(app, 0.0).preemptions_per_h == prior and context(app, 0.0).preemptions_basis == "configured"
+    _job(app)
+    for n in range(1, 9):  # 8 preemptions, each after 1 h of spot, on two providers
+        _preempted_spot(app, n, (n - 1) * 2 * H, 1.0, provider="sim" if n % 2 else "ec2")
+    ctx = context(app, 20 * H)
+    assert ctx.preemptions_per_h == pytest.approx((8 + PRIOR_SPELLS) / (8 + PRIOR_SPELLS / prior))
+    assert ctx.preemptions_basis.startswith("learned: 8 preemption(s) in 8.0 spot instance-hours")
+    spec = JobSpec.model_validate({"name": "t", "command": ["train"], "work_units": 10, "local_throughput": 1,
+                                   "rented_throughput": {"H100": 5}, "deadline_hours": 5, "market": "auto"})
+    decision = decide(facts(spec, 20 * H + 5 * H, 20 * H, app.config), ctx).to_dict()
+    assert decision["market_costs"]["preemptions_per_h"] == pytest.approx(ctx.preemptions_per_h, abs=1e-3)
+    assert any(r.startswith("market: λ = ") and "learned" in r for r in decision["reasons"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.core.spot_watch import PRIOR_SPELLS, STALE_H, SpotLife, on_grid, watch
+from orchestrator.core.spot_watch import PRIOR_SPELLS, STALE_H, SpotLife, on_grid, preemption_rate, watch
 
 H = 3600.0
 PRIORS = {"tick_h": 60 / H, "prior_uptime_h": 20.0, "prior_outage_h": 1.0}
@@ -86,3 +86,15 @@ def test_a_provider_s_capacity_listing_is_seen_without_launching_and_times_outag
     later = watch([], [], 10 * H, **PRIORS, listings=[*listings, (9 * H, False)], listed_now=False)
     assert not later.available and later.known, "what is listed now is fresh, however old the last change"
     assert later.state_for_h == pytest.approx(1.0)
+
+
+def test_the_preemption_rate_is_the_configured_one_until_spot_hours_say_otherwise() -> None:
+    assert preemption_rate([], 0.0, 0.05) == (pytest.approx(0.05), 0.0, 0)
+    # 10 preemptions in 20 instance-hours: 0.5/h seen, shrunk with two prior up-times of 20 h each.
+    lives = [SpotLife(started_at=i * 3 * H, ended_at=(i * 3 + 2) * H, preempted=True) for i in range(10)]
+    rate, hours, preemptions = preemption_rate(lives, 40 * H, 0.05)
+    assert (hours, preemptions) == (pytest.approx(20.0), 10)
+    assert rate == pytest.approx((10 + PRIOR_SPELLS) / (20 + PRIOR_SPELLS * 20))
+    # Hundreds of hours without a preemption pull it below the prior; an instance running now counts to now.
+    quiet = [SpotLife(started_at=0.0, ended_at=None, preempted=False)]
+    assert preemption_rate(quiet, 400 * H, 0.05)[0] == pytest.approx(PRIOR_SPELLS / (400 + PRIOR_SPELLS * 20))

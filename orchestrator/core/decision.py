@@ -50,6 +50,8 @@ class DecisionContext:
     offers: dict[str, GpuOffer]
     overhead_h: float
     preemptions_per_h: float = 0.05
+    # Where λ came from, for the record: "configured", or the evidence it was learned from.
+    preemptions_basis: str = "configured"
     max_auto_delta_usd: float = 5.0
     cloud_kinds: tuple[str, ...] = ("train",)
     hybrid_margin_h: float = 0.25
@@ -103,6 +105,7 @@ class Decision:
                 "on_demand_usd": _r(m.od_cost_usd), "on_demand_h": _r(m.od_hours),
                 "spot_expected_usd": _r(m.spot_cost_usd), "spot_expected_h": _r(m.spot_hours),
                 "expected_preemptions": _r(m.expected_preemptions),
+                "preemptions_per_h": _r(m.preemptions_per_h),
             },
             "plan": None if self.plan is None else [p.as_dict() for p in self.plan.phases],
             "plan_kind": None if self.plan is None else self.plan.kind,
@@ -172,6 +175,8 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         checkpoint_interval_h=job.checkpoint_interval_h, restart_overhead_h=ctx.overhead_h,
         deadline_h=job.deadline_h, deadline_critical=job.deadline_critical, preference=job.market))
     reasons.extend(f"market: {r}" for r in market.reasons)
+    if market.spot_cost_usd is not None:
+        reasons.append(f"market: λ = {ctx.preemptions_per_h:.3g} preemptions/h ({ctx.preemptions_basis})")
     rate = offer.spot_usd_per_gpu_h if market.market == "spot" and offer.spot_usd_per_gpu_h else \
         offer.od_usd_per_gpu_h
 

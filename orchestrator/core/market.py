@@ -37,6 +37,7 @@ class MarketChoice:
     spot_hours: float | None  # expected
     expected_preemptions: float | None
     reasons: list[str] = field(default_factory=list)
+    preemptions_per_h: float | None = None  # the λ the spot figures used
 
     @property
     def cost_usd(self) -> float:
@@ -65,8 +66,9 @@ def choose_market(x: MarketInputs) -> MarketChoice:
     spot_h = x.run_h + n * lost_per
     spot_cost = x.spot_usd_per_gpu_h * x.gpus * spot_h
     base = dict(od_cost_usd=od_cost, od_hours=x.run_h, spot_cost_usd=spot_cost, spot_hours=spot_h,
-                expected_preemptions=n)
-    figures = (f"spot ≈ ${spot_cost:.2f} over {spot_h:.2f} h ({n:.2f} expected preemptions) "
+                expected_preemptions=n, preemptions_per_h=x.preemptions_per_h)
+    figures = (f"spot ≈ ${spot_cost:.2f} over {spot_h:.2f} h ({n:.2f} expected preemptions at "
+               f"{x.preemptions_per_h:.3g}/h) "
                f"vs on-demand ${od_cost:.2f} over {x.run_h:.2f} h")
 
     if x.preference == "on-demand":

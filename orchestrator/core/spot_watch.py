@@ -71,6 +71,26 @@ def _shrunk(exposure_h: float, events: int, prior_h: float) -> float:
     return on_grid((exposure_h + PRIOR_SPELLS * prior_h) / (events + PRIOR_SPELLS))
 
 
+def spot_hours(lives: Sequence[SpotLife], now: float) -> float:
+    """Instance-hours on spot, a life still running counted to `now`."""
+    return sum(max(0.0, ((life.ended_at if life.ended_at is not None else now) - life.started_at) / 3600.0)
+               for life in lives)
+
+
+def preemption_rate(lives: Sequence[SpotLife], now: float, prior_per_h: float) -> tuple[float, float, int]:
+    """λ, preemptions per spot instance-hour, from these lives: the censored estimate (preemptions / hours) shrunk
+    towards `prior_per_h` with the weight of PRIOR_SPELLS mean up-times, as `watch` shrinks the mean up-time.
+    Returns (λ, spot hours, preemptions)."""
+    hours = spot_hours(lives, now)
+    preemptions = sum(1 for life in lives if life.preempted and life.ended_at is not None)
+    prior_up_h = 1.0 / prior_per_h if prior_per_h > 0 else _NO_PREEMPTION_H
+    return (preemptions + PRIOR_SPELLS) / (hours + PRIOR_SPELLS * prior_up_h), hours, preemptions
+
+
+# A prior of no preemptions at all: a mean up-time this long (14 months) stands in for infinity.
+_NO_PREEMPTION_H = 1e4
+
+
 def watch(lives: Sequence[SpotLife], refusals: Sequence[float], now: float, *, tick_h: float,
           prior_uptime_h: float, prior_outage_h: float, listings: Sequence[tuple[float, bool]] = (),
           listed_now: bool | None = None) -> SpotView:
@@ -78,8 +98,7 @@ def watch(lives: Sequence[SpotLife], refusals: Sequence[float], now: float, *, t
 
     Where the provider lists spot capacity, `listings` are the changes it showed, (since, up), and `listed_now` is
     what it lists now: sightings too, which also come while the job runs elsewhere."""
-    up_h = sum(max(0.0, ((life.ended_at if life.ended_at is not None else now) - life.started_at) / 3600.0)
-               for life in lives)
+    up_h = spot_hours(lives, now)
     preemptions = sum(1 for life in lives if life.preempted and life.ended_at is not None)
     # One timeline of sightings; at equal times an "up" goes first, so a refusal in the same second wins.
     sightings = sorted([(life.started_at, 0) for life in lives]

@@ -58,14 +58,20 @@ def cloud_hours_done(rows: list[dict[str, Any]], now: float) -> float:
                for r in rows if r["started_at"] is not None)
 
 
-def spot_sightings(app: App, provider: str, instance_type: str, now: float) -> tuple[list[SpotLife], list[float]]:
-    """This installation's spot instances of one type on one provider, and its spot launches refused for lack of
-    capacity, over the last SIGHTINGS_WINDOW_S (every job's attempts: the market is the same for all of them)."""
+def spot_sightings(app: App, provider: str | None, instance_type: str | None, now: float
+                   ) -> tuple[list[SpotLife], list[float]]:
+    """This installation's spot instances of one type on one provider (None: every one), and its spot launches
+    refused for lack of capacity, over the last SIGHTINGS_WINDOW_S (every job's attempts: the market is the same
+    for all of them)."""
     a = s.attempts.c
+    query = select(a.state, a.instance_id, a.reason, a.info, a.created_at, a.ended_at).where(
+        a.market == Market.SPOT.value, a.where == "cloud", a.created_at >= now - SIGHTINGS_WINDOW_S)
+    if provider is not None:
+        query = query.where(a.provider == provider)
+    if instance_type is not None:
+        query = query.where(a.instance_type == instance_type)
     with app.store.engine.connect() as c:
-        rows = c.execute(select(a.state, a.instance_id, a.reason, a.info, a.created_at, a.ended_at).where(
-            a.provider == provider, a.instance_type == instance_type, a.market == Market.SPOT.value,
-            a.where == "cloud", a.created_at >= now - SIGHTINGS_WINDOW_S)).mappings().all()
+        rows = c.execute(query).mappings().all()
     lives, refusals = [], []
     for r in rows:
         if r["state"] == A.LAUNCH_FAILED.value:
