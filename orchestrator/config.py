@@ -225,6 +225,11 @@ class DaemonSettings(Strict):
         60.0, description="How often a running cloud attempt asks the spot policy whether to change market (the "
                           "policy's tick).",
     )
+    spot_probe_max_s: NonNegFloat = Field(
+        900.0, description="Where spot is seen only by launching (EC2), a job waiting for spot probes it with a "
+                           "launch every launch_backoff_s at first, then every tenth of the outage so far, at most "
+                           "this often: a long outage leaves tens of refused attempts, not one a minute.",
+    )
 
 
 def default_state_dir() -> Path:

@@ -17,6 +17,7 @@ from orchestrator.core.decision import decide
 from orchestrator.core.spot_policy import DEFAULT_POLICY, Market, SpotState, get_policy
 from orchestrator.core.spot_watch import PRIOR_SPELLS
 from orchestrator.jobspec import JobSpec
+from orchestrator.lifecycle.finish import probe_interval_s
 from orchestrator.lifecycle.market_switch import (
     attempt_should_move,
     listed_model,
@@ -296,3 +297,20 @@ def test_the_decision_s_preemption_rate_is_learned_from_every_spot_market_seen(a
     decision = decide(facts(spec, 20 * H + 5 * H, 20 * H, app.config), ctx).to_dict()
     assert decision["market_costs"]["preemptions_per_h"] == pytest.approx(ctx.preemptions_per_h, abs=1e-3)
     assert any(r.startswith("market: λ = ") and "learned" in r for r in decision["reasons"])
+
+
+# --- a job waiting for spot seen only by launching probes less often as the outage ages --------------------------
+
+
+def test_a_waiting_job_probes_spot_less_often_as_the_outage_ages(app: App) -> None:
+    d = app.config.daemon
+    assert probe_interval_s(app, {"spot_seen": "unknown", "for_h": 0.0}) == d.launch_backoff_s
+    assert probe_interval_s(app, {"spot_seen": "down", "for_h": 0.05}) == d.launch_backoff_s
+    assert probe_interval_s(app, {"spot_seen": "down", "for_h": 1.0}) == pytest.approx(360.0)
+    assert probe_interval_s(app, {"spot_seen": "down", "for_h": 10.0}) == d.spot_probe_max_s
+    # Through a 10-hour outage: tens of refused launches, where one every launch_backoff_s made 600.
+    at, probes = 0.0, 0
+    while at < 10 * H:
+        at += probe_interval_s(app, {"spot_seen": "down", "for_h": at / H})
+        probes += 1
+    assert probes < 80, probes

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, func, select, update
 
 from orchestrator import records
 from orchestrator.app import App
@@ -45,8 +45,13 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
         back = back_in_line()
         policy = att["info"].get("market_policy") or {}
         if policy.get("choice") == "idle":  # the spot policy chose to wait for spot; the launch was its probe
+            wait_s = probe_interval_s(app, policy)
             to(back, f"waiting for spot ({reason}): {policy['slack_h']:.2f} h of slack left; the spot policy "
-                     "goes on-demand once waiting no longer pays", "job.waiting")
+                     "goes on-demand once waiting no longer pays", "job.waiting", next_probe_s=round(wait_s, 1),
+               _fields={"spec": {**current["spec"], "_spot_probe_at": now + wait_s}})
+            # An expected refusal: it does not count towards max_launch_failures (which would block the job).
+            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"])
+                         .values(info={**att["info"], "failure_counted": False}))
         else:
             to(back, f"launch failed: {reason}", "job.waiting")
     elif outcome is A.PREEMPTED:
@@ -80,6 +85,20 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
             to(JobState.QUEUED, f"attempt aborted: {stop_reason}", "job.waiting")
     else:
         to(JobState.FAILED, stop_reason or "failed", "job.failed")
+
+
+# A waiting job probes spot again after this share of the outage so far: outages that have lasted long tend to
+# last longer (docs/simulate.md), so probing less often as one ages loses little and keeps the attempts table and
+# the trail from growing by a row a minute through a day-long outage.
+PROBE_SHARE_OF_OUTAGE = 0.1
+
+
+def probe_interval_s(app: App, policy: dict[str, Any]) -> float:
+    """How long after a refusal a job that waits for spot, seen only by launching, tries spot again. The policy is
+    still asked once a market_check_s meanwhile, so a move to on-demand is not delayed by it."""
+    d = app.config.daemon
+    outage_s = float(policy.get("for_h") or 0.0) * 3600.0 if policy.get("spot_seen") == "down" else 0.0
+    return max(d.launch_backoff_s, min(PROBE_SHARE_OF_OUTAGE * outage_s, d.spot_probe_max_s))
 
 
 def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[str, Any], now: float) -> None:

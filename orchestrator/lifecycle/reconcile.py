@@ -296,7 +296,7 @@ class Reconciler:
         if failures and now < failures[0]["ended_at"] + self.cfg.daemon.launch_backoff_s:
             return False
         if job["spec"].get("_spot_wait_until", 0) > now:
-            return False  # the spot policy waits for listed spot: asked again once a market_check_s, not every tick
+            return False  # the spot policy waits for spot: asked (or spot probed) again later, not every tick
         if len(failures) >= self.cfg.daemon.max_launch_failures:
             self._block(job, f"{len(failures)} launches failed in a row ({failures[0]['reason']}); "
                              f"retrying in {self.cfg.daemon.launch_backoff_s:.0f} s", retry_at=now +
@@ -353,6 +353,8 @@ class Reconciler:
                 if o.gpu_model.upper() not in wanted or o.gpu_count != spec["gpus"] or not o.regions:
                     continue
                 market, why = market_for_attempt(self.app, job, name, o, now)
+                if market is Market.SPOT and why.get("choice") == "idle" and now < spec.get("_spot_probe_at", 0):
+                    market = None  # the policy waits, and the next probe of spot is not due yet
                 if market is None:
                     waiting = why
                     continue
@@ -366,8 +368,10 @@ class Reconciler:
             with self.store.tx() as conn:
                 self.store.update_job(job["id"], conn, spec={
                     **job["spec"], "_spot_wait_until": now + self.cfg.daemon.market_check_s})
-            self._note(job, f"waiting for spot (none listed): {waiting['slack_h']:.2f} h of slack left; the spot "
-                            "policy goes on-demand once waiting no longer pays")
+            probe_in = spec.get("_spot_probe_at", 0) - now
+            seen = f"refused, next try in {probe_in:.0f} s" if probe_in > 0 else "none listed"
+            self._note(job, f"waiting for spot ({seen}): {waiting['slack_h']:.2f} h of slack left; the spot "
+                            "policy goes on-demand once waiting no longer pays", same_as="waiting for spot")
             return None
         if best is None:
             why = "no offer with capacity for " + ", ".join(f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
@@ -389,9 +393,10 @@ class Reconciler:
     def _recent_launch_failures(self, job_id: str) -> list[dict[str, Any]]:
         """Consecutive launch failures since the last attempt that got an instance, newest first."""
         with self.store.engine.connect() as c:
+            # Never more than max_launch_failures count (then the job blocks and they are reset): read no more.
             rows = [dict(r) for r in c.execute(
                 select(s.attempts).where(s.attempts.c.job_id == job_id, s.attempts.c.where == "cloud")
-                .order_by(s.attempts.c.n.desc())).mappings()]
+                .order_by(s.attempts.c.n.desc()).limit(self.cfg.daemon.max_launch_failures)).mappings()]
         out = []
         for r in rows:
             if r["state"] != A.LAUNCH_FAILED.value or r["info"].get("failure_counted") is False:
@@ -418,12 +423,15 @@ class Reconciler:
                     info = {**r["info"], "failure_counted": False}
                     conn.execute(update(s.attempts).where(s.attempts.c.id == r["id"]).values(info=info))
 
-    def _note(self, job: dict[str, Any], reason: str) -> None:
+    def _note(self, job: dict[str, Any], reason: str, *, same_as: str | None = None) -> None:
+        """Say why the job waits. A reason that only updates one starting with `same_as` (a slack counting down)
+        changes what `status` shows without another event."""
         if job["reason"] == reason:
             return
         with self.store.tx() as conn:
             self.store.update_job(job["id"], conn, reason=reason)
-            self.app.events.emit("job.waiting", job_id=job["id"], conn=conn, reason=reason)
+            if same_as is None or not (job["reason"] or "").startswith(same_as):
+                self.app.events.emit("job.waiting", job_id=job["id"], conn=conn, reason=reason)
 
     # --- one step of a cloud attempt ---------------------------------------------------------------------------
     def _cloud_step(self, att: dict[str, Any], job: dict[str, Any]) -> None:
