@@ -5,8 +5,9 @@ daemon (`orchestrator/lifecycle/market_switch.py`) may see less and do less. Whe
 (EC2):
 - it learns spot's state only from its own launches: an instance that came up, a preemption, a launch refused for
   lack of capacity (`orchestrator/core/spot_watch.py`, with the configured priors);
-- while the job waits for spot it retries a spot launch every minute (here: every tick), and each refusal is a
-  sighting;
+- while the job waits for spot it retries a spot launch after a refusal once a tenth of the outage so far has
+  passed (`spot_watch.probe_after_s`: 60 s to `daemon.spot_probe_max_s`; here rounded up to whole ticks), and each
+  refusal is a sighting;
 - on spot it asks once a minute (here: every tick) whether to move to on-demand;
 - on on-demand it stays to the end: it cannot see spot come back without launching.
 Where the provider lists spot capacity (simcloud, Lambda-style), it sees spot every tick, may go back to spot, and
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 import orchestrator.core.spot_policy as spot_policy
+from orchestrator.config import DaemonSettings
 from orchestrator.config import Policy as PolicyConfig
 from orchestrator.core.spot_policy import (
     DEFAULT_POLICY,
@@ -42,7 +44,7 @@ from orchestrator.core.spot_policy import (
     SemiMarkovDP,
     SpotState,
 )
-from orchestrator.core.spot_watch import SpotLife, watch
+from orchestrator.core.spot_watch import SpotLife, probe_after_s, watch
 from orchestrator.lifecycle.market_switch import DAEMON_POLICY, SEEING_POLICY
 from orchestrator.simulate import (
     JobSetting,
@@ -58,6 +60,8 @@ from orchestrator.simulate import (
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "spot-traces" / "availability" / "1-node"
 JOB = JobSetting(job_hours=48, deadline_hours=60, changeover_hours=0.2, od_price=3.06, spot_price=0.9731)
+# The daemon's defaults for the probe schedule.
+PROBE_MIN_S, PROBE_MAX_S = DaemonSettings().launch_backoff_s, DaemonSettings().spot_probe_max_s
 SETTINGS = {
     "a": ("8 aws-10-26-2022 traces, first 1781 ticks", TRACES / "aws-10-26-2022", 1781),
     "b": ("9 aws-02-15-2023 traces, whole", TRACES / "aws-02-15-2023", None),
@@ -79,6 +83,7 @@ class DaemonShell:
         self.refusals: list[float] = []
         self.listings: list[tuple[float, bool]] = []
         self.previous = Market.IDLE
+        self.probe_at = 0.0  # no spot launch before this (seen only by launching: the daemon's probe schedule)
 
     def _end_life(self, now: float, preempted: bool) -> None:
         life = self.lives[-1]
@@ -112,12 +117,16 @@ class DaemonShell:
                 self._end_life(now, preempted=False)
         elif choice is Market.ON_DEMAND:
             action = Market.ON_DEMAND
+        elif not self.listed and now < self.probe_at:
+            action = Market.IDLE  # the policy waits, and the next probe is not due
         elif s.spot_available:  # the launch (the probe where nothing is listed): spot came up
             action = Market.SPOT
             self.lives.append(SpotLife(now, None, False))
         else:
             if not self.listed:
                 self.refusals.append(now)  # listed as gone: nothing launched, nothing refused
+                outage_h = view.state_for_h if view.known and not view.available else 0.0
+                self.probe_at = now + probe_after_s(outage_h, PROBE_MIN_S, PROBE_MAX_S) - 1e-6
             action = Market.IDLE
         self.previous = action
         return action

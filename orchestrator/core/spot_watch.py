@@ -71,6 +71,17 @@ def _shrunk(exposure_h: float, events: int, prior_h: float) -> float:
     return on_grid((exposure_h + PRIOR_SPELLS * prior_h) / (events + PRIOR_SPELLS))
 
 
+# A job waiting for spot that only a launch can reveal probes again after this share of the outage so far:
+# outages that have lasted long tend to last longer (docs/simulate.md), so probing less often as one ages loses
+# little and keeps the attempts and the trail from growing by a row a minute through a day-long outage.
+PROBE_SHARE_OF_OUTAGE = 0.1
+
+
+def probe_after_s(outage_h: float, min_s: float, max_s: float) -> float:
+    """Seconds from a refused spot launch to the next, when spot has been seen down for `outage_h` hours."""
+    return max(min_s, min(PROBE_SHARE_OF_OUTAGE * outage_h * 3600.0, max_s))
+
+
 def spot_hours(lives: Sequence[SpotLife], now: float) -> float:
     """Instance-hours on spot, a life still running counted to `now`."""
     return sum(max(0.0, ((life.ended_at if life.ended_at is not None else now) - life.started_at) / 3600.0)

@@ -13,6 +13,7 @@ from sqlalchemy import Connection, func, select, update
 
 from orchestrator import records
 from orchestrator.app import App
+from orchestrator.core.spot_watch import probe_after_s
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.market_switch import TO_ON_DEMAND, TO_SPOT
@@ -87,18 +88,12 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
         to(JobState.FAILED, stop_reason or "failed", "job.failed")
 
 
-# A waiting job probes spot again after this share of the outage so far: outages that have lasted long tend to
-# last longer (docs/simulate.md), so probing less often as one ages loses little and keeps the attempts table and
-# the trail from growing by a row a minute through a day-long outage.
-PROBE_SHARE_OF_OUTAGE = 0.1
-
-
 def probe_interval_s(app: App, policy: dict[str, Any]) -> float:
     """How long after a refusal a job that waits for spot, seen only by launching, tries spot again. The policy is
     still asked once a market_check_s meanwhile, so a move to on-demand is not delayed by it."""
     d = app.config.daemon
-    outage_s = float(policy.get("for_h") or 0.0) * 3600.0 if policy.get("spot_seen") == "down" else 0.0
-    return max(d.launch_backoff_s, min(PROBE_SHARE_OF_OUTAGE * outage_s, d.spot_probe_max_s))
+    outage_h = float(policy.get("for_h") or 0.0) if policy.get("spot_seen") == "down" else 0.0
+    return probe_after_s(outage_h, d.launch_backoff_s, d.spot_probe_max_s)
 
 
 def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[str, Any], now: float) -> None:
