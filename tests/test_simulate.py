@@ -425,3 +425,15 @@ def test_a_moving_job_learns_how_often_its_zone_goes_while_another_has_spot_from
               for n, z in (("a_v100_1", a), ("b_v100_1", b))]
     moved = may_move_between(future)
     assert refit_stats(moved, TraceHistory.of_trace(moved), [], 120).model == model
+
+
+@needs_traces
+def test_a_job_free_to_move_within_one_zone_is_the_pinned_job_run_for_run() -> None:
+    trace = load_traces([SETTING_A_DIR / "us-west-2a_k80_8.json"], window=1781)[0]
+    alone = may_move_between([trace])
+    starts = sample_starts(trace, PAPER_JOB, 16, np.random.default_rng(5))
+    for name in POLICIES:
+        pinned = replay_batch(POLICIES[name], trace, starts, PAPER_JOB, TraceHistory.of_trace(trace))
+        moving = replay_batch(POLICIES[name], alone, starts, PAPER_JOB, TraceHistory.of_trace(alone))
+        assert np.array_equal(pinned.cost_usd, moving.cost_usd), name
+    assert np.array_equal(offline_optimum(trace, starts, PAPER_JOB)[0], offline_optimum(alone, starts, PAPER_JOB)[0])
