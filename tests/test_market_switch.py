@@ -217,6 +217,20 @@ def test_with_hours_of_listings_the_daemon_plans_on_simulates_own_model_fitted_o
     assert recent == pytest.approx(2 / 3, abs=0.1)
     _, facts = market_for_attempt(app, job, "sim", _offer(listed=("us-east-1",)), now=30 * H)
     assert facts["model"] == "semi-markov, fitted on 24 h of listings" and facts["spot_seen"] == "up", facts
+    assert stats.model.restart == 0.0, "one region: nowhere to move to"
+
+
+def test_where_regions_take_turns_the_model_learns_that_a_run_s_region_goes_while_spot_stays(app: App) -> None:
+    # Two regions list spot by turns, overlapping an hour: spot is always listed somewhere, but a run on spot
+    # loses its region every 2 h and must restart in the other (simulate --may-move's SpotModel.restart).
+    regions = ("us-east-1", "us-west-1")
+    for hour in range(30):
+        up = tuple(r for i, r in enumerate(regions) if (hour + 2 * i) % 4 < 3)
+        record_spot_listings(app, "sim", [dataclasses.replace(_offer(listed=up), regions=regions)], hour * H)
+    fitted = listed_model(app, "sim", "gpu_1x_h100", 30 * H)
+    assert fitted is not None and fitted[0].model is not None
+    # About one loss every 2 h (12 ticks of 10 min) over the 24 h fitted, shrunk towards a prior of none.
+    assert 0.02 < fitted[0].model.restart < 1 / 12
 
 
 def test_the_fitted_model_is_shrunk_towards_the_provider_s_other_listed_types(tmp_path: Path) -> None:

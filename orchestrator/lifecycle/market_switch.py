@@ -116,6 +116,19 @@ def record_spot_listings(app: App, provider: str, offers: list[Offer], now: floa
     record_spot_region_listings(app, provider, offers, now)
 
 
+def spot_region_listings(app: App, provider: str, instance_type: str, now: float
+                         ) -> dict[str, list[tuple[float, bool]]]:
+    """The changes in spot capacity each region listed for this type over the last SIGHTINGS_WINDOW_S."""
+    sl = s.spot_region_listings.c
+    out: dict[str, list[tuple[float, bool]]] = {}
+    with app.store.engine.connect() as c:
+        for region, at, up in c.execute(select(sl.region, sl.at, sl.up).where(
+                sl.provider == provider, sl.instance_type == instance_type, sl.at >= now - SIGHTINGS_WINDOW_S)
+                .order_by(sl.at, sl.id)):
+            out.setdefault(region, []).append((float(at), bool(up)))
+    return out
+
+
 def record_spot_region_listings(app: App, provider: str, offers: list[Offer], now: float) -> None:
     """Keep each change in the spot capacity each region lists, for `spot_region_order`."""
     with app.store.tx() as c:
@@ -185,7 +198,9 @@ def listed_model(app: App, provider: str, instance_type: str, now: float
     the provider's spot capacity listing of this type; None before the first refit.
 
     As `simulate` shrinks a zone's estimate towards the other zones' pooled past, this one is shrunk towards the
-    provider's other listed types, those listed from the same start (simcloud lists every type at once)."""
+    provider's other listed types, those listed from the same start (simcloud lists every type at once). Where the
+    type is listed in several regions, the model also learns how often a run's own region goes while another still
+    lists spot (`SpotModel.restart`), from the regions' own listings, as `simulate --may-move` does."""
     every = spot_listings(app, provider, None, now)
     listings = every.get(instance_type)
     if not listings:
@@ -198,8 +213,10 @@ def listed_model(app: App, provider: str, instance_type: str, now: float
         return None
     cut = start + refit * LISTED_TICK_S
     # Fitted once per refit, on what was listed before it (the store, and the changes seen, in the key).
+    regions = spot_region_listings(app, provider, instance_type, now)
     key = (str(app.store.engine.url), provider, instance_type, start, refit,
-           tuple(sorted((name, sum(1 for at, _ in changes if at < cut)) for name, changes in every.items())))
+           tuple(sorted((name, sum(1 for at, _ in changes if at < cut)) for name, changes in every.items())),
+           tuple(sorted((name, sum(1 for at, _ in changes if at < cut)) for name, changes in regions.items())))
     if key not in _LISTED_MODELS:
         if len(_LISTED_MODELS) > 64:
             _LISTED_MODELS.clear()
@@ -210,6 +227,11 @@ def listed_model(app: App, provider: str, instance_type: str, now: float
                     TraceHistory.of(series, LISTED_TICK_S))
 
         trace, history = as_trace(instance_type, listings)
+        if len(regions) > 1:  # a job may move between them: each region's own listing, on the same ticks
+            zones = np.stack([listed_series(changes, start, refit, LISTED_TICK_S) for _, changes in
+                              sorted(regions.items())])
+            trace = dataclasses.replace(trace, zones=zones)
+            history = TraceHistory.of_trace(trace)
         others = [as_trace(name, changes) for name, changes in sorted(every.items())
                   if name != instance_type and changes[0][0] <= start + LISTED_TICK_S]
         _LISTED_MODELS[key] = refit_stats(trace, history, others, refit)
