@@ -237,8 +237,9 @@ def test_a_job_that_loses_its_region_resumes_in_the_region_whose_spot_has_been_l
             wait_for(lambda: _listed_regions(state).get("eu-west-1"), 30, "eu-west-1 to be recorded as listed")
             capacity("us-east-1", 4)
             wait_for(lambda: _listed_regions(state).get("us-east-1"), 30, "us-east-1 to be recorded as listed")
-            # us-west-1 loses its spot capacity and reclaims the instance.
+            # us-west-1 loses its spot capacity (seen by the daemon before the instance goes) and reclaims it.
             capacity("us-west-1", 0)
+            wait_for(lambda: _listed_regions(state).get("us-west-1") is False, 30, "us-west-1 recorded as gone")
             httpx.post(f"{url}/_sim/instances/{first['id']}/preempt", json={}, timeout=10).raise_for_status()
             wait_for(lambda: events(state, "job.resumed"), 120, "the job to resume in another region")
             wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
