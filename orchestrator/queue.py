@@ -70,30 +70,39 @@ def measured_overhead_h(app: App, recent: int = 20) -> float | None:
     return sum(parts.values()) / 3600.0
 
 
-def learned_preemptions_per_h(app: App, now: float) -> tuple[float, str]:
-    """λ for the spot arithmetic: from this installation's spot instances over the last 30 days (every provider and
-    type), shrunk towards `policy.spot_preemptions_per_hour`; with none, the configured figure. And its basis."""
+def learned_preemptions_per_h(app: App, now: float) -> tuple[float, str, dict[str, tuple[float, str]]]:
+    """λ for the spot arithmetic, with its basis: from this installation's spot instances over the last 30 days
+    (every provider and type), shrunk towards `policy.spot_preemptions_per_hour`; with none, the configured figure.
+    And per GPU type seen on spot: that type's own instances, shrunk towards the pooled λ."""
     from orchestrator.core.spot_watch import preemption_rate
-    from orchestrator.lifecycle.market_switch import spot_sightings
+    from orchestrator.lifecycle.market_switch import spot_lives_by_gpu
 
     prior = app.config.policy.spot_preemptions_per_hour
-    lives, _ = spot_sightings(app, None, None, now)
+    by_gpu = spot_lives_by_gpu(app, now)
+    lives = [life for group in by_gpu.values() for life in group]
     if not lives:
-        return prior, "configured"
-    rate, hours, preemptions = preemption_rate(lives, now, prior)
-    return rate, (f"learned: {preemptions} preemption(s) in {hours:.1f} spot instance-hours over 30 days, "
-                  f"shrunk towards the configured {prior:g}/h")
+        return prior, "configured", {}
+    pooled, hours, preemptions = preemption_rate(lives, now, prior)
+    basis = (f"learned: {preemptions} preemption(s) in {hours:.1f} spot instance-hours over 30 days, "
+             f"shrunk towards the configured {prior:g}/h")
+    per_gpu = {}
+    for gpu, group in by_gpu.items():
+        rate, hours, preemptions = preemption_rate(group, now, pooled)
+        per_gpu[gpu] = (rate, f"learned: {preemptions} preemption(s) in {hours:.1f} {gpu} spot instance-hours over "
+                              f"30 days, shrunk towards {pooled:.3g}/h over every type")
+    return pooled, basis, per_gpu
 
 
 def context(app: App, now: float) -> DecisionContext:
     cfg = app.config
-    preemptions_per_h, basis = learned_preemptions_per_h(app, now)
+    preemptions_per_h, basis, by_gpu = learned_preemptions_per_h(app, now)
     return DecisionContext(
         local_usd_h=cfg.local.usd_per_hour,
         offers=reference_offers(cfg),
         overhead_h=measured_overhead_h(app) or cfg.policy.overhead_h,
         preemptions_per_h=preemptions_per_h,
         preemptions_basis=basis,
+        preemptions_by_gpu=by_gpu,
         max_auto_delta_usd=cfg.policy.max_auto_delta_usd,
         cloud_kinds=tuple(cfg.policy.cloud_kinds),
         hybrid_margin_h=cfg.policy.hybrid_margin_h,

@@ -289,28 +289,37 @@ def test_region_listings_are_kept_as_changes_only(app: App) -> None:
 # --- the decision's spot arithmetic learns λ from the same sightings ---------------------------------------------
 
 
-def _preempted_spot(app: App, n: int, started_at: float, hours: float, provider: str = "sim") -> None:
+def _spot_life(app: App, n: int, started_at: float, hours: float, *, provider: str = "sim", gpu: str = "H100",
+               preempted: bool = True) -> None:
     with app.store.tx() as c:
         c.execute(insert(s.attempts).values(
-            id=f"j1-a{n}", job_id="j1", n=n, where="cloud", state="preempted", provider=provider,
-            instance_type="gpu_1x_h100", market="spot", instance_id=f"i-{n}", info={}, created_at=started_at,
-            started_at=started_at, ended_at=started_at + hours * H))
+            id=f"j1-a{n}", job_id="j1", n=n, where="cloud", state="preempted" if preempted else "succeeded",
+            provider=provider, instance_type=f"gpu_1x_{gpu.lower()}", market="spot", instance_id=f"i-{n}",
+            info={"gpu": gpu}, created_at=started_at, started_at=started_at, ended_at=started_at + hours * H))
 
 
 def test_the_decision_s_preemption_rate_is_learned_from_every_spot_market_seen(app: App) -> None:
     prior = app.config.policy.spot_preemptions_per_hour
     assert context(app, 0.0).preemptions_per_h == prior and context(app, 0.0).preemptions_basis == "configured"
     _job(app)
-    for n in range(1, 9):  # 8 preemptions, each after 1 h of spot, on two providers
-        _preempted_spot(app, n, (n - 1) * 2 * H, 1.0, provider="sim" if n % 2 else "ec2")
-    ctx = context(app, 20 * H)
-    assert ctx.preemptions_per_h == pytest.approx((8 + PRIOR_SPELLS) / (8 + PRIOR_SPELLS / prior))
-    assert ctx.preemptions_basis.startswith("learned: 8 preemption(s) in 8.0 spot instance-hours")
-    spec = JobSpec.model_validate({"name": "t", "command": ["train"], "work_units": 10, "local_throughput": 1,
-                                   "rented_throughput": {"H100": 5}, "deadline_hours": 5, "market": "auto"})
-    decision = decide(facts(spec, 20 * H + 5 * H, 20 * H, app.config), ctx).to_dict()
-    assert decision["market_costs"]["preemptions_per_h"] == pytest.approx(ctx.preemptions_per_h, abs=1e-3)
-    assert any(r.startswith("market: λ = ") and "learned" in r for r in decision["reasons"])
+    for n in range(1, 9):  # 8 H100 preemptions, each after 1 h of spot, on two providers
+        _spot_life(app, n, (n - 1) * 2 * H, 1.0, provider="sim" if n % 2 else "ec2")
+    _spot_life(app, 9, 0.0, 40.0, gpu="A100", preempted=False)  # and 40 quiet A100 hours
+    ctx = context(app, 41 * H)
+    pooled = (8 + PRIOR_SPELLS) / (48 + PRIOR_SPELLS / prior)
+    assert ctx.preemptions_per_h == pytest.approx(pooled)
+    assert ctx.preemptions_basis.startswith("learned: 8 preemption(s) in 48.0 spot instance-hours")
+    # Each type's own record, shrunk towards the pooled figure: H100 preempts far more than A100 here.
+    h100, a100 = ctx.preemptions_by_gpu["H100"][0], ctx.preemptions_by_gpu["A100"][0]
+    assert h100 == pytest.approx((8 + PRIOR_SPELLS) / (8 + PRIOR_SPELLS / pooled))
+    assert a100 == pytest.approx(PRIOR_SPELLS / (40 + PRIOR_SPELLS / pooled))
+    assert a100 < pooled < h100
+    for gpu, rate in (("H100", h100), ("A100", a100)):
+        spec = JobSpec.model_validate({"name": "t", "command": ["train"], "work_units": 10, "local_throughput": 1,
+                                       "rented_throughput": {gpu: 5}, "deadline_hours": 5, "market": "auto"})
+        decision = decide(facts(spec, 46 * H, 41 * H, app.config), ctx).to_dict()
+        assert decision["market_costs"]["preemptions_per_h"] == pytest.approx(rate, abs=1e-4)
+        assert any(r.startswith("market: λ = ") and f"{gpu} spot instance-hours" in r for r in decision["reasons"])
 
 
 # --- a job waiting for spot seen only by launching probes less often as the outage ages --------------------------

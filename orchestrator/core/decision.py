@@ -52,6 +52,8 @@ class DecisionContext:
     preemptions_per_h: float = 0.05
     # Where λ came from, for the record: "configured", or the evidence it was learned from.
     preemptions_basis: str = "configured"
+    # λ and its basis per rented GPU type (upper case), where this installation has seen it on spot (else the above).
+    preemptions_by_gpu: dict[str, tuple[float, str]] = field(default_factory=dict)
     max_auto_delta_usd: float = 5.0
     cloud_kinds: tuple[str, ...] = ("train",)
     hybrid_margin_h: float = 0.25
@@ -169,14 +171,15 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         return Decision(g.verdict, "rethink", g, gpu, offer.od_usd_per_gpu_h, None, None, reasons, ctx.overhead_h)
 
     t_r = g.t_rented_h or math.inf
+    rate_h, basis = ctx.preemptions_by_gpu.get(gpu.upper(), (ctx.preemptions_per_h, ctx.preemptions_basis))
     market = choose_market(MarketInputs(
         run_h=t_r, gpus=job.gpus, od_usd_per_gpu_h=offer.od_usd_per_gpu_h,
-        spot_usd_per_gpu_h=offer.spot_usd_per_gpu_h, preemptions_per_h=ctx.preemptions_per_h,
+        spot_usd_per_gpu_h=offer.spot_usd_per_gpu_h, preemptions_per_h=rate_h,
         checkpoint_interval_h=job.checkpoint_interval_h, restart_overhead_h=ctx.overhead_h,
         deadline_h=job.deadline_h, deadline_critical=job.deadline_critical, preference=job.market))
     reasons.extend(f"market: {r}" for r in market.reasons)
     if market.spot_cost_usd is not None:
-        reasons.append(f"market: λ = {ctx.preemptions_per_h:.3g} preemptions/h ({ctx.preemptions_basis})")
+        reasons.append(f"market: λ = {rate_h:.3g} preemptions/h ({basis})")
     rate = offer.spot_usd_per_gpu_h if market.market == "spot" and offer.spot_usd_per_gpu_h else \
         offer.od_usd_per_gpu_h
 

@@ -58,13 +58,27 @@ def cloud_hours_done(rows: list[dict[str, Any]], now: float) -> float:
                for r in rows if r["started_at"] is not None)
 
 
-def spot_sightings(app: App, provider: str | None, instance_type: str | None, now: float
-                   ) -> tuple[list[SpotLife], list[float]]:
-    """This installation's spot instances of one type on one provider (None: every one), and its spot launches
-    refused for lack of capacity, over the last SIGHTINGS_WINDOW_S (every job's attempts: the market is the same
-    for all of them)."""
+def spot_lives_by_gpu(app: App, now: float) -> dict[str, list[SpotLife]]:
+    """This installation's spot instances over the last SIGHTINGS_WINDOW_S, by the GPU model of their offer."""
+    out: dict[str, list[SpotLife]] = {}
+    for gpu, life in _spot_rows(app, None, None, now)[0]:
+        out.setdefault(gpu.upper(), []).append(life)
+    return out
+
+
+def spot_sightings(app: App, provider: str, instance_type: str, now: float) -> tuple[list[SpotLife], list[float]]:
+    """This installation's spot instances of one type on one provider, and its spot launches refused for lack of
+    capacity, over the last SIGHTINGS_WINDOW_S (every job's attempts: the market is the same for all of them)."""
+    lives, refusals = _spot_rows(app, provider, instance_type, now)
+    return [life for _, life in lives], refusals
+
+
+def _spot_rows(app: App, provider: str | None, instance_type: str | None, now: float
+               ) -> tuple[list[tuple[str, SpotLife]], list[float]]:
+    """(GPU model, spot instance life) of every spot attempt that got an instance, and the times of refused spot
+    launches, over the last SIGHTINGS_WINDOW_S; of one provider and type, or (None) of every one."""
     a = s.attempts.c
-    query = select(a.state, a.instance_id, a.reason, a.info, a.created_at, a.ended_at).where(
+    query = select(a.state, a.instance_id, a.instance_type, a.reason, a.info, a.created_at, a.ended_at).where(
         a.market == Market.SPOT.value, a.where == "cloud", a.created_at >= now - SIGHTINGS_WINDOW_S)
     if provider is not None:
         query = query.where(a.provider == provider)
@@ -74,14 +88,16 @@ def spot_sightings(app: App, provider: str | None, instance_type: str | None, no
         rows = c.execute(query).mappings().all()
     lives, refusals = [], []
     for r in rows:
+        info = r["info"] or {}
         if r["state"] == A.LAUNCH_FAILED.value:
             if (r["reason"] or "").startswith("NoCapacity"):
                 refusals.append(r["ended_at"] or r["created_at"])
         elif r["instance_id"]:
-            preempted = r["state"] == A.PREEMPTED.value or (r["info"] or {}).get("outcome") == A.PREEMPTED.value
+            preempted = r["state"] == A.PREEMPTED.value or info.get("outcome") == A.PREEMPTED.value
             # A preempted attempt still terminating has no end time yet: the preemption was seen now or before.
             ended = r["ended_at"] if r["ended_at"] is not None else (now if preempted else None)
-            lives.append(SpotLife(started_at=r["created_at"], ended_at=ended, preempted=preempted))
+            lives.append((str(info.get("gpu") or r["instance_type"]),
+                          SpotLife(started_at=r["created_at"], ended_at=ended, preempted=preempted)))
     return lives, refusals
 
 
