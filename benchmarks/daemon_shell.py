@@ -24,14 +24,13 @@ Traces: Wu et al., "Can't Be Late: Optimizing Spot Instance Savings under Deadli
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import numpy as np
+from policies import JOB, SETTINGS, arguments  # the settings and options of benchmarks/policies.py
 
 import orchestrator.core.spot_policy as spot_policy
 from orchestrator.config import DaemonSettings
@@ -47,7 +46,6 @@ from orchestrator.core.spot_policy import (
 from orchestrator.core.spot_watch import SpotLife, probe_after_s, watch
 from orchestrator.lifecycle.market_switch import DAEMON_POLICY, SEEING_POLICY
 from orchestrator.simulate import (
-    JobSetting,
     Trace,
     TraceHistory,
     load_traces,
@@ -58,14 +56,8 @@ from orchestrator.simulate import (
     simulate,
 )
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "spot-traces" / "availability" / "1-node"
-JOB = JobSetting(job_hours=48, deadline_hours=60, changeover_hours=0.2, od_price=3.06, spot_price=0.9731)
 # The daemon's defaults for the probe schedule.
 PROBE_MIN_S, PROBE_MAX_S = DaemonSettings().launch_backoff_s, DaemonSettings().spot_probe_max_s
-SETTINGS = {
-    "a": ("8 aws-10-26-2022 traces, first 1781 ticks", TRACES / "aws-10-26-2022", 1781),
-    "b": ("9 aws-02-15-2023 traces, whole", TRACES / "aws-02-15-2023", None),
-}
 
 
 class DaemonShell:
@@ -178,10 +170,7 @@ def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, str, float, float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--starts", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--settings", default="ab")
+    ap = arguments()
     ap.add_argument("--shells", default="", help="comma-separated substrings: only the shells whose name has one")
     args = ap.parse_args()
     defaults = PolicyConfig()

@@ -26,11 +26,17 @@ SETTINGS = {
 }
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The options every replay benchmark takes (daemon_shell.py adds its own)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--starts", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settings", default="ab")
+    return ap
+
+
+def main() -> None:
+    ap = arguments()
     ap.add_argument("--may-move", action="store_true", help="the job may move between the zones of its instance")
     args = ap.parse_args()
     for key in args.settings:
