@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, func, insert, select, update
+from sqlalchemy import Connection, Engine, create_engine, event, func, insert, inspect, select, update
 from sqlalchemy.engine import make_url
 
 from state import schema as s
@@ -54,13 +54,28 @@ class Store:
             yield conn
 
     def migrate(self) -> int:
-        with self.tx() as conn:
+        """Bring the schema to the latest version. Processes that open a new database at once (the daemon and the
+        first CLI command) take turns: the first migrates, the others find it done. Without the lock both read
+        version 0 and both create the tables, and one fails ("table jobs already exists")."""
+        with self.engine.connect() as conn:  # the common case, read-only: nothing to do
+            if inspect(conn).has_table(s.schema_version.name):
+                have = int(conn.execute(select(func.max(s.schema_version.c.version))).scalar() or 0)
+                if have >= s.LATEST:
+                    return have
+        with self.engine.connect() as conn:
+            if self.is_sqlite:
+                # pysqlite runs DDL outside any transaction unless one is begun explicitly; IMMEDIATE takes the
+                # write lock now (others wait on busy_timeout), so reading the version and migrating are one step.
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            elif self.engine.dialect.name == "postgresql":
+                conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7216019)")  # released at commit
             have = s.current_version(conn)
             for version, step in s.MIGRATIONS:
                 if version > have:
                     step(conn)
                     conn.execute(insert(s.schema_version).values(version=version))
                     have = version
+            conn.commit()
         return have
 
     def close(self) -> None:
