@@ -93,13 +93,17 @@ def preemption_rate(lives: Sequence[SpotLife], now: float, prior_per_h: float) -
     towards `prior_per_h` with the weight of PRIOR_SPELLS mean up-times, as `watch` shrinks the mean up-time.
     Returns (λ, spot hours, preemptions)."""
     hours = spot_hours(lives, now)
-    preemptions = sum(1 for life in lives if life.preempted and life.ended_at is not None)
-    prior_up_h = 1.0 / prior_per_h if prior_per_h > 0 else _NO_PREEMPTION_H
-    return (preemptions + PRIOR_SPELLS) / (hours + PRIOR_SPELLS * prior_up_h), hours, preemptions
+    preemptions = preemptions_seen(lives)
+    return (preemptions + PRIOR_SPELLS) / (hours + PRIOR_SPELLS * mean_uptime_h(prior_per_h)), hours, preemptions
 
 
-# A prior of no preemptions at all: a mean up-time this long (14 months) stands in for infinity.
-_NO_PREEMPTION_H = 1e4
+def preemptions_seen(lives: Sequence[SpotLife]) -> int:
+    return sum(1 for life in lives if life.preempted and life.ended_at is not None)
+
+
+def mean_uptime_h(preemptions_per_h: float) -> float:
+    """The mean up-time a preemption rate stands for; a rate of 0 is a mean up-time of 14 months (for infinity)."""
+    return 1.0 / preemptions_per_h if preemptions_per_h > 0 else 1e4
 
 
 def watch(lives: Sequence[SpotLife], refusals: Sequence[float], now: float, *, tick_h: float,
@@ -110,7 +114,7 @@ def watch(lives: Sequence[SpotLife], refusals: Sequence[float], now: float, *, t
     Where the provider lists spot capacity, `listings` are the changes it showed, (since, up), and `listed_now` is
     what it lists now: sightings too, which also come while the job runs elsewhere."""
     up_h = spot_hours(lives, now)
-    preemptions = sum(1 for life in lives if life.preempted and life.ended_at is not None)
+    preemptions = preemptions_seen(lives)
     # One timeline of sightings; at equal times an "up" goes first, so a refusal in the same second wins.
     sightings = sorted([(life.started_at, 0) for life in lives]
                        + [(life.ended_at, 1) for life in lives if life.preempted and life.ended_at is not None]

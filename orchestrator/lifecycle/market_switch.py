@@ -24,7 +24,7 @@ from orchestrator.core.spot_policy import (
     get_policy,
 )
 from orchestrator.core.spot_policy import Market as PolicyMarket
-from orchestrator.core.spot_watch import SpotLife, SpotView, watch
+from orchestrator.core.spot_watch import SpotLife, SpotView, mean_uptime_h, watch
 from orchestrator.core.zones import zone_order
 from orchestrator.lifecycle.machine import AttemptState as A
 from orchestrator.simulate import Trace, TraceHistory, refit_stats, refit_ticks
@@ -185,7 +185,7 @@ def spot_view(app: App, provider: str, offer: Offer, now: float) -> SpotView:
     listed = offer.spot_regions is not None
     policy = app.config.policy
     rate = policy.spot_preemptions_per_hour
-    return watch(lives, refusals, now, tick_h=_tick_h(app), prior_uptime_h=1.0 / rate if rate > 0 else 1e4,
+    return watch(lives, refusals, now, tick_h=_tick_h(app), prior_uptime_h=mean_uptime_h(rate),
                  prior_outage_h=policy.spot_mean_outage_hours,
                  listings=spot_listings(app, provider, offer.instance_type, now).get(offer.instance_type, [])
                  if listed else (),
