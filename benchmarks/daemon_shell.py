@@ -9,7 +9,9 @@ daemon (`orchestrator/lifecycle/market_switch.py`) may see less and do less. Whe
   passed (`spot_watch.probe_after_s`: 60 s to `daemon.spot_probe_max_s`; here rounded up to whole ticks), and each
   refusal is a sighting;
 - on spot it asks once a minute (here: every tick) whether to move to on-demand;
-- on on-demand it stays to the end: it cannot see spot come back without launching.
+- on on-demand, by default (`daemon.spot_probe_on_demand`), it probes spot on the same schedule whenever the plan
+  would go back to spot were it up: a probe that comes up is billed a minute of spot and the job moves to spot
+  (`orchestrator/lifecycle/spot_probe.py`). With probes off, on-demand is final: it cannot see spot come back.
 Where the provider lists spot capacity (simcloud, Lambda-style), it sees spot every tick, may go back to spot, and
 plans on `simulate`'s model fitted on the listing (`refit_stats` on `refit_ticks`' schedule, as
 `market_switch.listed_model` does; here the listing is the trace itself, seen from its start, and the other traces
@@ -66,8 +68,11 @@ class DaemonShell:
     name = "daemon-shell"
 
     def __init__(self, policy: SemiMarkovDP, prior_uptime_h: float, prior_outage_h: float, listed: bool,
-                 fitted: Callable[[float], tuple[AvailabilityStats, float] | None] | None = None) -> None:
+                 fitted: Callable[[float], tuple[AvailabilityStats, float] | None] | None = None,
+                 probes_on_od: bool = False) -> None:
         self.policy = policy
+        self.probes_on_od = probes_on_od  # seen only by launching: probe spot while on on-demand
+        self.probe_usd = 0.0
         self.fitted = fitted  # listed: the model fitted on the listing so far, by elapsed hours (None: memoryless)
         self.priors = (prior_uptime_h, prior_outage_h)
         self.listed = listed  # the provider lists spot capacity: seen every tick, and on-demand can be left
@@ -89,7 +94,7 @@ class DaemonShell:
             return Market.IDLE
         if self.listed and (not self.listings or self.listings[-1][1] != s.spot_available):
             self.listings.append((now, s.spot_available))
-        if s.market is Market.ON_DEMAND and not self.listed:
+        if s.market is Market.ON_DEMAND and not self.listed and not self.probes_on_od:
             return Market.ON_DEMAND
         view = watch(self.lives, self.refusals, now, tick_h=s.tick_h, prior_uptime_h=self.priors[0],
                      prior_outage_h=self.priors[1], listings=self.listings,
@@ -98,6 +103,23 @@ class DaemonShell:
         seen = dataclasses.replace(s, spot_available=view.available if s.market is not Market.SPOT else True,
                                    spot_state_for_h=view.state_for_h, stats=fit[0] if fit else view.stats,
                                    recent_up_fraction=fit[1] if fit else 1.0)
+        if s.market is Market.ON_DEMAND and not self.listed:
+            # Would the plan go back to spot were it up now? Then a spot launch is the probe; one that comes up is
+            # terminated at once (billed a minute) and the job moves to spot.
+            if now < self.probe_at or self.policy.decide(dataclasses.replace(
+                    seen, spot_available=True, spot_state_for_h=0.0)) is not Market.SPOT:
+                action = Market.ON_DEMAND
+            elif s.spot_available:
+                self.probe_usd += s.spot_price * 60.0 / 3600.0
+                self.lives.append(SpotLife(now, None, False))
+                action = Market.SPOT
+            else:
+                self.refusals.append(now)
+                outage_h = view.state_for_h if view.known and not view.available else 0.0
+                self.probe_at = now + probe_after_s(outage_h, PROBE_MIN_S, PROBE_MAX_S) - 1e-6
+                action = Market.ON_DEMAND
+            self.previous = action
+            return action
         choice = self.policy.decide(seen)
         if s.market is Market.ON_DEMAND:  # listed: back to spot when the plan says so
             action = Market.SPOT if choice is Market.SPOT and s.spot_available else Market.ON_DEMAND
@@ -151,7 +173,7 @@ _FITS: dict[str, dict[int, AvailabilityStats]] = {}
 def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, str, float, float, Sequence[Trace]]
                   ) -> tuple[np.ndarray, int, float, float]:
     trace, starts, policy, sees, prior_up, prior_out, other_traces = args
-    listed = sees != "launches"
+    listed = not sees.startswith("launches")
     others = [(o, TraceHistory.of(o.available, o.gap_seconds)) for o in other_traces] if listed else []
     plans: dict[tuple, spot_policy.DPPlan] = {}
 
@@ -162,10 +184,12 @@ def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, str, float, float
 
     spot_policy.cached_plan = cached  # type: ignore[assignment]
     fitted = sees.startswith("listing, fitted")
-    runs = [replay(DaemonShell(policy, prior_up, prior_out, listed,
-                               _fitted_on_listing(trace, int(s0), others) if fitted else None),
-                   trace, int(s0), JOB) for s0 in starts]
-    return (np.array([r.cost_usd for r in runs]), sum(r.missed for r in runs),
+    shells = [DaemonShell(policy, prior_up, prior_out, listed,
+                          _fitted_on_listing(trace, int(s0), others) if fitted else None,
+                          probes_on_od="probes" in sees) for s0 in starts]
+    runs = [replay(shell, trace, int(s0), JOB) for shell, s0 in zip(shells, starts, strict=True)]
+    costs = np.array([r.cost_usd + shell.probe_usd for r, shell in zip(runs, shells, strict=True)])  # probes billed
+    return (costs, sum(r.missed for r in runs),
             float(np.mean([r.spot_work_hours for r in runs])), float(np.mean([r.od_work_hours for r in runs])))
 
 
@@ -177,8 +201,10 @@ def main() -> None:
     prior_up = 1.0 / defaults.spot_preemptions_per_hour
     prior_out = defaults.spot_mean_outage_hours
     shells = {
-        "daemon shell, spot seen only by launching (EC2): on-demand is final": (DAEMON_POLICY, "launches"),
+        "daemon shell, spot seen only by launching (EC2), probes off: on-demand is final": (DAEMON_POLICY, "launches"),
         "the same, planned as if it could leave on-demand": (POLICIES[DEFAULT_POLICY], "launches"),
+        "daemon shell, spot seen only by launching, as shipped: spot probed while on on-demand": (
+            SEEING_POLICY, "launches, probes"),
         "daemon shell, spot capacity listed (simcloud), memoryless model": (SEEING_POLICY, "listing"),
         "daemon shell, spot capacity listed, model fitted on its listing": (SEEING_POLICY, "listing, fitted"),
         "the same, shrunk towards the other listed types' past": (SEEING_POLICY, "listing, fitted, others"),

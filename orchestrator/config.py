@@ -230,6 +230,12 @@ class DaemonSettings(Strict):
                            "launch every launch_backoff_s at first, then every tenth of the outage so far, at most "
                            "this often: a long outage leaves tens of refused attempts, not one a minute.",
     )
+    spot_probe_on_demand: bool = Field(
+        True, description="Where spot is seen only by launching (EC2), a job on on-demand whose spot policy would go "
+                          "back to spot were it up probes spot on the same schedule: a spot launch of the same "
+                          "type, terminated as soon as it is up (billed the provider's minimum, a minute on EC2). "
+                          "When one comes up the job moves to spot. Off: on-demand is final, as without a listing.",
+    )
 
 
 def default_state_dir() -> Path:

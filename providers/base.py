@@ -66,6 +66,10 @@ class InvalidRequest(ProviderError):
     """The request is wrong (unknown type, bad parameter); a bug or a config error."""
 
 
+# A launch refused outright: no instance exists, and retrying the same call now will not change that.
+LAUNCH_REFUSALS = (NoCapacity, QuotaExceeded, AuthFailed, InvalidRequest)
+
+
 # --- data -------------------------------------------------------------------------------------------------
 class Market(StrEnum):
     SPOT = "spot"

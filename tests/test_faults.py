@@ -151,6 +151,54 @@ def test_when_spot_never_comes_the_policy_moves_the_job_to_on_demand_in_time_for
         assert_one_instance_per_attempt_and_all_gone(url)
 
 
+def test_where_spot_is_seen_only_by_launching_a_job_on_demand_probes_spot_and_moves_back_when_it_comes_up(
+        tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        def spot_capacity(count: int) -> None:
+            for region in ("us-east-1", "us-west-1"):
+                sim_admin(url, "capacity", {"instance_type": "gpu_1x_h100_sxm5_spot", "region": region,
+                                            "count": count})
+
+        spot_capacity(0)
+        # 0.25 h of cloud work as decided (the trainer needs less), 0.046 h of slack: spot is chosen and refused, and
+        # soon the policy goes on-demand. There spot would still pay were it up, so it is probed.
+        config = write_config(tmp_path, url, daemon={"offers_ttl_s": 1.0, "market_check_s": 1.0},
+                              policy={"overhead_h": 0.01}, sim={"lists_spot_capacity": False})
+        spec = e2e_trainer_job(tmp_path, "probed-spot", steps=100, every=5, step_s=0.2, interval_minutes=0.01,
+                               rented=4, deadline_hours=0.296)
+        job_id = enqueue(config, state, spec)
+        assert job(state, job_id)["decision"]["market"] == "spot"
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: any(e["job_id"] == job_id and e["data"]["result"] == "refused"
+                                 for e in events(state, "attempt.spot_probe")), 120,
+                     "a refused spot probe beside the on-demand attempt")
+            spot_capacity(4)
+            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish on spot")
+        finally:
+            assert daemon.stop() == 0
+        probes = [e for e in events(state, "attempt.spot_probe") if e["job_id"] == job_id]
+        results = [p["data"]["result"] for p in probes]
+        assert results[-1] == "up" and set(results) == {"refused", "up"}, results
+        markets = [e["data"]["market"] for e in events(state, "attempt.intent") if e["job_id"] == job_id]
+        assert markets[-2:] == ["on-demand", "spot"] and "spot" in markets[:-2], markets
+        (switch,) = [e["data"] for e in events(state, "attempt.market_switch") if e["job_id"] == job_id]
+        assert switch["to"] == "spot" and switch["market_policy"]["probe"] is True, switch
+        assert [e for e in events(state, "job.resumed") if e["job_id"] == job_id][-1]["data"]["market"] == "spot"
+        # The probe that came up: never ran the job, billed the provider's minimum, charged to the job, and gone.
+        up = probes[-1]
+        with sqlite3.connect(state / "burstctl.db") as db:
+            row = db.execute("SELECT state, reason, started_at FROM attempts WHERE id = ?",
+                             (up["attempt_id"],)).fetchone()
+        assert row == ("aborted", "spot probe", None), row
+        (charge,) = [r for r in ledger(state) if r["attempt_id"] == up["attempt_id"]]
+        assert charge["market"] == "spot" and charge["billed_seconds"] == pytest.approx(60.0), charge
+        assert not [e for e in events(state, "job.waiting") if "probe" in e["data"]["reason"]], \
+            "a probe's end is not news for its job"
+        assert_one_instance_per_attempt_and_all_gone(url)
+
+
 def test_a_spot_attempt_whose_deadline_comes_near_is_checkpointed_and_moved_to_on_demand(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with simcloud(tmp_path, "--boot-delay", "30") as url:

@@ -190,8 +190,33 @@ def test_a_job_on_demand_moves_back_to_spot_once_the_provider_lists_spot_again(a
     move = attempt_should_move(app, job, "sim", _offer(listed=("us-east-1",)), CloudMarket.ON_DEMAND, now=0.7 * H)
     assert move is not None and move[0] is CloudMarket.SPOT, move
     assert move[1]["spot_seen"] == "up" and move[1]["for_h"] == pytest.approx(0.1), move[1]
-    assert attempt_should_move(app, job, "sim", _offer(), CloudMarket.ON_DEMAND, now=0.7 * H) is None, \
-        "where spot is not listed, the daemon cannot see it back and stays on on-demand"
+
+
+def test_where_spot_is_seen_only_by_launching_a_job_on_demand_asks_for_a_probe_when_spot_would_pay(
+        app: App, tmp_path: Path) -> None:
+    job = _job(app, cloud_h=4.0, overhead_h=0.1, deadline_at=10 * H)
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(
+            id="j1-a1", job_id="j1", n=1, where="cloud", state="running", provider="sim", instance_type="gpu_1x_h100",
+            market="on-demand", instance_id="i-1", info={}, created_at=0.0, started_at=0.0))
+    _refused(app, 2, 0.5 * H)
+    move = attempt_should_move(app, job, "sim", _offer(), CloudMarket.ON_DEMAND, now=0.7 * H)
+    assert move is not None and move[0] is CloudMarket.SPOT and move[1]["probe"] is True, move
+    assert move[1]["spot_seen"] == "down", "what was seen is still the refusal: the probe is what will tell"
+    # With less slack than two changeovers, the safety net keeps the job on on-demand: no probe.
+    late = attempt_should_move(app, {**job, "deadline_at": 4.05 * H}, "sim", _offer(), CloudMarket.ON_DEMAND,
+                               now=0.7 * H)
+    assert late is None
+    # With probes off, on-demand is final where spot is not listed.
+    config = tmp_path / "burstctl.toml"
+    config.write_text("[daemon]\nspot_probe_on_demand = false\n")
+    off = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    try:
+        assert attempt_should_move(off, job, "sim", _offer(), CloudMarket.ON_DEMAND, now=0.7 * H) is None
+        _, facts = market_for_attempt(off, job, "sim", _offer(), now=0.7 * H)
+        assert facts["policy"].endswith("(on-demand final)"), facts
+    finally:
+        off.close()
 
 
 def test_listings_are_kept_as_changes_only(app: App) -> None:

@@ -36,9 +36,12 @@ TO_ON_DEMAND = "to-on-demand"
 TO_SPOT = "to-spot"
 # The policy the daemon asks, by what it can see. Where the provider lists spot capacity (Lambda-style), the daemon
 # sees spot come back while it runs on on-demand and can move back, as `simulate`'s policy does: the default.
-# Elsewhere (EC2) it sees spot only by launching and never leaves on-demand, so the plan must be made for that
-# (`od_is_final`). Planned as if it could leave, it buys on-demand at the first outage "for a while" and then
-# stays there: replayed on setting (a) that cost $119 a run against greedy's $114 (benchmarks/daemon_shell.py).
+# Elsewhere (EC2) it sees spot only by launching. By default it probes spot while on on-demand
+# (`daemon.spot_probe_on_demand`, `lifecycle/spot_probe.py`), so it can leave on-demand too, and follows the default.
+# With probes off it never leaves on-demand, so the plan must be made for that (`od_is_final`). Planned as if it
+# could leave without probing, it buys on-demand at the first outage "for a while" and then stays there: replayed on
+# setting (a) that cost $119.53 a run against $114.31 with on-demand final and $108.93 probing
+# (benchmarks/daemon_shell.py).
 SEEING_POLICY = get_policy(DEFAULT_POLICY)
 DAEMON_POLICY = (dataclasses.replace(SEEING_POLICY, od_is_final=True) if isinstance(SEEING_POLICY, SemiMarkovDP)
                  else SEEING_POLICY)
@@ -307,14 +310,30 @@ def attempt_should_move(app: App, job: dict[str, Any], provider: str, offer: Off
     if market is Market.SPOT:
         choice, facts = _ask_policy(app, job, provider, offer, now, PolicyMarket.SPOT)
         return (Market.ON_DEMAND, facts) if choice is PolicyMarket.ON_DEMAND else None
-    if not offer.spot_regions or offer.spot_usd_h >= offer.on_demand_usd_h:
-        return None  # spot not listed (or unknown): nothing to move to
+    if offer.spot_usd_h >= offer.on_demand_usd_h:
+        return None
+    if offer.spot_regions is None:
+        if not app.config.daemon.spot_probe_on_demand:
+            return None  # spot seen only by launching, and not probed: on-demand is final
+        # Would the plan go back to spot were it up now? Then spot is worth a probe (`lifecycle/spot_probe.py`).
+        choice, facts = _ask_policy(app, job, provider, offer, now, PolicyMarket.ON_DEMAND, assume_spot_up=True)
+        return (Market.SPOT, {**facts, "probe": True}) if choice is PolicyMarket.SPOT else None
+    if not offer.spot_regions:
+        return None  # spot listed as gone: nothing to move to
     choice, facts = _ask_policy(app, job, provider, offer, now, PolicyMarket.ON_DEMAND)
     return (Market.SPOT, facts) if choice is PolicyMarket.SPOT else None
 
 
-def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now: float, market: PolicyMarket
-                ) -> tuple[PolicyMarket, dict[str, Any]]:
+def leaves_on_demand(app: App, offer: Offer) -> bool:
+    """Whether the daemon can see spot come back while a job of this offer runs on on-demand: the provider lists
+    spot capacity, or the daemon probes spot (`daemon.spot_probe_on_demand`). Otherwise on-demand is final."""
+    return offer.spot_regions is not None or app.config.daemon.spot_probe_on_demand
+
+
+def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now: float, market: PolicyMarket, *,
+                assume_spot_up: bool = False) -> tuple[PolicyMarket, dict[str, Any]]:
+    """The policy's choice and what it rested on. `assume_spot_up`: what it would choose were spot up now, having
+    just come back (what a probe would find)."""
     d = job["decision"]
     rows = cloud_attempts(app, job["id"])
     plan_cloud = [p for p in (d.get("plan") or []) if p["where"] == "cloud"]
@@ -329,12 +348,14 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
     fitted = listed_model(app, provider, offer.instance_type, now) if sees_spot else None
     state = SpotState(
         job_hours=job_h, deadline_hours=max(deadline_h, 1e-6), elapsed_h=(now - t0) / 3600.0, progress_h=progress,
-        market=market, spot_available=view.available or market is PolicyMarket.SPOT, changeover_left_h=0.0,
-        changeover_h=overhead, tick_h=_tick_h(app), od_price=offer.on_demand_usd_h,
-        spot_price=offer.spot_usd_h or 0.0, spot_state_for_h=view.state_for_h,
+        market=market, spot_available=view.available or market is PolicyMarket.SPOT or assume_spot_up,
+        changeover_left_h=0.0, changeover_h=overhead, tick_h=_tick_h(app), od_price=offer.on_demand_usd_h,
+        spot_price=offer.spot_usd_h or 0.0,
+        spot_state_for_h=0.0 if assume_spot_up and not view.available else view.state_for_h,
         stats=fitted[0] if fitted else view.stats, recent_up_fraction=fitted[1] if fitted else 1.0)
-    choice = (SEEING_POLICY if sees_spot else DAEMON_POLICY).decide(state)
-    facts = {"policy": DEFAULT_POLICY if sees_spot else f"{DEFAULT_POLICY} (on-demand final)",
+    leaves = leaves_on_demand(app, offer)
+    choice = (SEEING_POLICY if leaves else DAEMON_POLICY).decide(state)
+    facts = {"policy": DEFAULT_POLICY if leaves else f"{DEFAULT_POLICY} (on-demand final)",
              "choice": choice.value, "slack_h": round(state.slack_h, 3), "work_left_h": round(state.work_left_h, 3),
              "spot_usd_h": offer.spot_usd_h, "on_demand_usd_h": offer.on_demand_usd_h, **view.as_record(),
              "model": (f"semi-markov, fitted on {fitted[2]:.0f} h of listings" if fitted

@@ -33,22 +33,20 @@ from orchestrator.lifecycle.market_switch import (
     record_spot_listings,
     spot_region_order,
 )
+from orchestrator.lifecycle.spot_probe import is_probe, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import burst_enabled
 from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
-    AuthFailed,
+    LAUNCH_REFUSALS,
     InstanceInfo,
     InstanceState,
-    InvalidRequest,
     LaunchRequest,
     Market,
-    NoCapacity,
     Offer,
     OwnerTags,
     Provider,
     ProviderError,
-    QuotaExceeded,
 )
 from state import schema as s
 
@@ -56,7 +54,6 @@ A = AttemptState
 MAX_STEP_ERRORS = 5
 MAX_STEPS_PER_TICK = 4  # intent → provisioning → bootstrapping → running in one tick when nothing waits
 BOOT_WAIT_S, BOOT_POLL_S, BOOT_WAIT_WINDOW_S = 1.0, 0.2, 15.0  # brief in-tick polling of a just-launched instance
-LAUNCH_REFUSALS = (NoCapacity, QuotaExceeded, AuthFailed, InvalidRequest)
 SYNC_FAILING = "checkpoints are not coming home (the instance is kept and the pull retried)"  # a job's reason
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
 CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
@@ -440,6 +437,9 @@ class Reconciler:
             self.emit("attempt.provider_unavailable", job_id=job["id"], attempt_id=att["id"],
                       provider=att["provider"])
             return
+        if is_probe(att):
+            step_probe(self, att, job, provider)
+            return
         st = A(att["state"])
         stop_reason = self._stop_reason(att, job)
         if st is A.INTENT:
@@ -671,6 +671,9 @@ class Reconciler:
         if not 0 <= now - info.get("market_checked_at", 0) < self.cfg.daemon.market_check_s:
             info["market_checked_at"] = now
             move_to = self._market_move(att, job, provider, now)
+            if move_to is not None and move_to[1].get("probe") and not (
+                    probe_due(job, now) and probe_spot(self, att, job, provider, move_to[1], now)):
+                move_to = None  # spot would be worth it, but is not seen up (or the next probe is not due)
             if move_to is not None:
                 target, why = move_to
                 self.emit("attempt.market_switch", job_id=job["id"], attempt_id=att["id"], to=target.value,
@@ -857,6 +860,8 @@ class Reconciler:
         """What an ended attempt means for its job."""
         from orchestrator.lifecycle.finish import job_after_attempt
 
+        if is_probe(att):
+            return  # a spot probe's end is a sighting, not news for its job
         job_after_attempt(self.app, conn, att, job, outcome, reason, self.clock())
 
     def _measure(self, conn: Any, att: dict[str, Any], metric: str, value: float) -> None:
