@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from orchestrator.app import App
+from orchestrator.lifecycle.reconcile import CHAOS_ENV
 from orchestrator.lifecycle.service import build_reconciler
 from tests.e2e import (
     SIM_KEY,
@@ -169,15 +170,24 @@ def test_where_spot_is_seen_only_by_launching_a_job_on_demand_probes_spot_and_mo
                                rented=4, deadline_hours=0.296)
         job_id = enqueue(config, state, spec)
         assert job(state, job_id)["decision"]["market"] == "spot"
-        daemon = Daemon(tmp_path, config, state).start()
+        # The first daemon dies (as if SIGKILLed) right after the first probe that comes up was launched.
+        daemon = EnvDaemon(tmp_path, config, state).start(env={CHAOS_ENV: "probe-up"})
         try:
             wait_for(lambda: any(e["job_id"] == job_id and e["data"]["result"] == "refused"
                                  for e in events(state, "attempt.spot_probe")), 120,
                      "a refused spot probe beside the on-demand attempt")
             spot_capacity(4)
+            assert daemon.wait_exit(60) == 137
+            daemon.start()
             wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish on spot")
         finally:
             assert daemon.stop() == 0
+        # The restarted daemon found the orphaned probe by its tag and ended it, then probed again.
+        with sqlite3.connect(state / "burstctl.db") as db:
+            probe_rows = db.execute("SELECT id, state, instance_id FROM attempts WHERE json_extract(info, "
+                                    "'$.probe_for') IS NOT NULL AND state != 'launch_failed' ORDER BY n").fetchall()
+        assert len(probe_rows) == 2 and all(r[1] == "aborted" and r[2] for r in probe_rows), probe_rows
+        assert {r["attempt_id"] for r in ledger(state)} >= {r[0] for r in probe_rows}, "both probes charged"
         probes = [e for e in events(state, "attempt.spot_probe") if e["job_id"] == job_id]
         results = [p["data"]["result"] for p in probes]
         assert results[-1] == "up" and set(results) == {"refused", "up"}, results

@@ -68,6 +68,7 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
                             idempotency_key=probe["idempotency_key"], ssh_public_key=rec.cloud.public_key)
     try:
         inst = provider.launch(request)
+        _chaos_point("probe-up")  # the probe's instance exists; the database does not know its id
     except LAUNCH_REFUSALS as exc:
         reason = f"{type(exc).__name__}: {rec.app.redactor(str(exc))}"
         wait_s = probe_interval_s(rec.app, facts)
@@ -106,6 +107,12 @@ def step_probe(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
         rec._step_terminating(att, job, provider)
     else:
         _end(rec, att, job, provider)
+
+
+def _chaos_point(name: str) -> None:
+    from orchestrator.lifecycle.reconcile import chaos_point  # the reconciler imports this module
+
+    chaos_point(name)
 
 
 def _end(rec: Reconciler, probe: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
