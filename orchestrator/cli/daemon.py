@@ -53,7 +53,7 @@ def status_data(app: App) -> dict[str, Any]:
         "active_jobs": sum(counts.get(st.value, 0) for st in active_states),
         "attempts": [{"id": a["id"], "job": a["job_id"], "where": a["where"], "state": a["state"],
                       "provider": a["provider"], "instance": a["instance_id"], "market": a["market"],
-                      "problem": _problem(a["info"] or {})}
+                      "probe_for": (a["info"] or {}).get("probe_for"), "problem": _problem(a["info"] or {})}
                      for a in attempts],
         "instances": [{"provider": i["provider"], "id": i["id"], "attempt": i["attempt_id"], "state": i["state"],
                        "type": i["instance_type"], "market": i["market"]} for i in instances],
@@ -103,7 +103,8 @@ def status_cmd(app: App, as_json: bool) -> None:
     out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'])}")
     if d["attempts"]:
         table("active attempts", ["attempt", "where", "state", "provider", "instance", "market"],
-              [(a["id"], a["where"], a["state"], a["provider"], a["instance"], a["market"]) for a in d["attempts"]])
+              [(a["id"], a["where"], a["state"], a["provider"], a["instance"],
+                a["market"] + (f" (probe for {a['probe_for']})" if a.get("probe_for") else "")) for a in d["attempts"]])
         for a in d["attempts"]:
             if a["problem"]:
                 out.print(f"[yellow]{escape(a['id'])}: {escape(a['problem'])}[/yellow]")
