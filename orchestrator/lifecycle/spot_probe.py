@@ -21,6 +21,7 @@ final: greedy's figure) to $108.93, about Uniform Progress's $108.08.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import insert
@@ -54,41 +55,48 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
         return False  # not even a minute of spot fits the budget: no probe, and the job stays where it is
     n = rec._next_attempt_number(job["id"])
     probe_id = f"{job['id']}-a{n}"
-    info = {"probe_for": att["id"], "rate_usd_h": rate, "billing_minimum_s": minimum, "launch_tried": True,
-            "failure_counted": False, "gpu": att["info"].get("gpu"), "market_policy": facts}
-    probe = {"id": probe_id, "job_id": job["id"], "n": n, "where": "cloud", "state": A.INTENT.value,
-             "provider": att["provider"], "instance_type": att["instance_type"], "region": None,
-             "market": Market.SPOT.value, "idempotency_key": f"{rec.cfg.orchestrator_id}-{probe_id}", "info": info,
-             "created_at": now, "started_at": None, "instance_id": None}
+    row = {"id": probe_id, "job_id": job["id"], "n": n, "where": "cloud", "state": A.INTENT.value,
+           "provider": att["provider"], "instance_type": att["instance_type"], "region": None,
+           "market": Market.SPOT.value, "idempotency_key": f"{rec.cfg.orchestrator_id}-{probe_id}", "created_at": now,
+           "info": {"probe_for": att["id"], "rate_usd_h": rate, "billing_minimum_s": minimum, "launch_tried": True,
+                    "failure_counted": False, "gpu": att["info"].get("gpu"), "market_policy": facts}}
     with rec.store.tx() as conn:
-        conn.execute(insert(s.attempts).values(**{k: v for k, v in probe.items() if k not in ("started_at",
-                                                                                              "instance_id")}))
+        conn.execute(insert(s.attempts).values(**row))
+    probe = {**row, "started_at": None, "instance_id": None}
     request = LaunchRequest(instance_type=att["instance_type"], market=Market.SPOT,
                             tags=OwnerTags(rec.cfg.orchestrator_id, job["id"], probe_id),
-                            idempotency_key=probe["idempotency_key"], ssh_public_key=rec.cloud.public_key)
+                            idempotency_key=row["idempotency_key"], ssh_public_key=rec.cloud.public_key)
+    said = {"job_id": job["id"], "attempt_id": probe_id, "probe_for": att["id"]}
     try:
         inst = provider.launch(request)
         _chaos_point("probe-up")  # the probe's instance exists; the database does not know its id
     except LAUNCH_REFUSALS as exc:
-        reason = f"{type(exc).__name__}: {rec.app.redactor(str(exc))}"
-        wait_s = probe_interval_s(rec.app, facts)
+        wait_s = _next_probe(rec, job, facts, now)
         with rec.store.tx() as conn:
-            if move(conn, probe, A.LAUNCH_FAILED, reason=reason):
-                rec.store.update_job(job["id"], conn, spec={**job["spec"], "_spot_probe_at": now + wait_s})
-                rec.app.events.emit("attempt.spot_probe", job_id=job["id"], attempt_id=probe_id, conn=conn,
-                                    probe_for=att["id"], result="refused", error=type(exc).__name__,
-                                    next_probe_s=round(wait_s, 1))
-        job["spec"] = {**job["spec"], "_spot_probe_at": now + wait_s}
+            move(conn, probe, A.LAUNCH_FAILED, reason=f"{type(exc).__name__}: {rec.app.redactor(str(exc))}")
+        rec.emit("attempt.spot_probe", **said, result="refused", error=type(exc).__name__,
+                 next_probe_s=round(wait_s, 1))
         return False
     except ProviderError as exc:  # throttled/transient after retries: whether it launched is unknown
-        rec.emit("attempt.spot_probe", job_id=job["id"], attempt_id=probe_id, probe_for=att["id"],
-                 result="unknown", error=type(exc).__name__)
+        _next_probe(rec, job, facts, now)
+        rec.emit("attempt.spot_probe", **said, result="unknown", error=type(exc).__name__)
         return False  # `step_probe` looks it up by its tags next tick
     rec._adopt(probe, job, inst, "launched")
-    rec.emit("attempt.spot_probe", job_id=job["id"], attempt_id=probe_id, probe_for=att["id"], result="up",
-             instance=inst.id)
-    _end(rec, probe, job, provider)
+    rec.emit("attempt.spot_probe", **said, result="up", instance=inst.id)
+    # A provider error while terminating leaves it terminating: `step_probe` asks again next tick. Either way the
+    # job moves to spot.
+    with contextlib.suppress(ProviderError):
+        _end(rec, probe, job, provider)
     return True
+
+
+def _next_probe(rec: Reconciler, job: dict[str, Any], facts: dict[str, Any], now: float) -> float:
+    """Schedule the job's next probe (as a waiting job's: a tenth of the outage so far, within bounds)."""
+    wait_s = probe_interval_s(rec.app, facts)
+    job["spec"] = {**job["spec"], "_spot_probe_at": now + wait_s}
+    with rec.store.tx() as conn:
+        rec.store.update_job(job["id"], conn, spec=job["spec"])
+    return wait_s
 
 
 def step_probe(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
