@@ -196,10 +196,13 @@ def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, str, float, float
 def main() -> None:
     ap = arguments()
     ap.add_argument("--shells", default="", help="comma-separated substrings: only the shells whose name has one")
-    args = ap.parse_args()
     defaults = PolicyConfig()
-    prior_up = 1.0 / defaults.spot_preemptions_per_hour
-    prior_out = defaults.spot_mean_outage_hours
+    ap.add_argument("--prior-uptime-h", type=float, default=1.0 / defaults.spot_preemptions_per_hour,
+                    help="the daemon's prior mean spot up-time (default: 1 / policy.spot_preemptions_per_hour)")
+    ap.add_argument("--prior-outage-h", type=float, default=defaults.spot_mean_outage_hours,
+                    help="the daemon's prior mean outage (default: policy.spot_mean_outage_hours)")
+    args = ap.parse_args()
+    prior_up, prior_out = args.prior_uptime_h, args.prior_outage_h
     shells = {
         "daemon shell, spot seen only by launching (EC2), probes off: on-demand is final": (DAEMON_POLICY, "launches"),
         "the same, planned as if it could leave on-demand": (POLICIES[DEFAULT_POLICY], "launches"),
