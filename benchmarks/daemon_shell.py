@@ -45,7 +45,7 @@ from orchestrator.core.spot_policy import (
     SemiMarkovDP,
     SpotState,
 )
-from orchestrator.core.spot_watch import SpotLife, probe_after_s, watch
+from orchestrator.core.spot_watch import SpotLife, SpotView, probe_after_s, watch
 from orchestrator.lifecycle.market_switch import DAEMON_POLICY, SEEING_POLICY
 from orchestrator.simulate import (
     Trace,
@@ -86,6 +86,12 @@ class DaemonShell:
         life = self.lives[-1]
         self.lives[-1] = SpotLife(life.started_at, now, preempted)
 
+    def _refused(self, now: float, view: SpotView) -> None:
+        """A spot launch (the probe) refused: a sighting, and the next probe after a tenth of the outage so far."""
+        self.refusals.append(now)
+        outage_h = view.state_for_h if view.known and not view.available else 0.0
+        self.probe_at = now + probe_after_s(outage_h, PROBE_MIN_S, PROBE_MAX_S) - 1e-6
+
     def decide(self, s: SpotState) -> Market:
         now = s.elapsed_h * 3600.0
         if self.previous is Market.SPOT and s.market is Market.IDLE:
@@ -114,9 +120,7 @@ class DaemonShell:
                 self.lives.append(SpotLife(now, None, False))
                 action = Market.SPOT
             else:
-                self.refusals.append(now)
-                outage_h = view.state_for_h if view.known and not view.available else 0.0
-                self.probe_at = now + probe_after_s(outage_h, PROBE_MIN_S, PROBE_MAX_S) - 1e-6
+                self._refused(now, view)
                 action = Market.ON_DEMAND
             self.previous = action
             return action
@@ -137,10 +141,8 @@ class DaemonShell:
             action = Market.SPOT
             self.lives.append(SpotLife(now, None, False))
         else:
-            if not self.listed:
-                self.refusals.append(now)  # listed as gone: nothing launched, nothing refused
-                outage_h = view.state_for_h if view.known and not view.available else 0.0
-                self.probe_at = now + probe_after_s(outage_h, PROBE_MIN_S, PROBE_MAX_S) - 1e-6
+            if not self.listed:  # listed as gone: nothing launched, nothing refused
+                self._refused(now, view)
             action = Market.IDLE
         self.previous = action
         return action

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -203,6 +204,20 @@ def instances_per_attempt(instances: list[dict[str, Any]]) -> dict[str, list[str
         tags = {t["key"]: t["value"] for t in inst["tags"]}
         out.setdefault(tags.get("burstctl:attempt", inst["name"]), []).append(inst["id"])
     return out
+
+
+def enqueue(config: Path, state: Path, path: Path) -> str:
+    """`burstctl enqueue` of a job spec; the job's id."""
+    r = cli(config, state, "enqueue", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    return str(json.loads(r.stdout)["id"])
+
+
+def assert_one_instance_per_attempt_and_all_gone(url: str) -> None:
+    """simcloud never launched two instances for one attempt, and none is left running."""
+    for attempt, ids in instances_per_attempt(sim_instances(url)).items():
+        assert len(ids) == 1, f"attempt {attempt} launched {len(ids)} instances"
+    assert all(i["status"] in ("terminated", "preempted") for i in sim_instances(url))
 
 
 def ledger(state: Path) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from tests.e2e import (
     REPO,
     Daemon,
     cli,
+    enqueue,
     events,
     job,
     sim_admin,
@@ -43,12 +44,6 @@ from tests.e2e import (
 
 pytestmark = pytest.mark.slow
 MiB = 1024 * 1024
-
-
-def enqueue(config: Path, state: Path, path: Path) -> str:
-    r = cli(config, state, "enqueue", str(path), "--json")
-    assert r.returncode == 0, r.stderr
-    return str(json.loads(r.stdout)["id"])
 
 
 def reference_final_files(tmp: Path, *, steps: int, every: int, shard_mib: int) -> dict[str, Any]:
