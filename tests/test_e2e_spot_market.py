@@ -34,6 +34,12 @@ from tests.e2e import (
 pytestmark = pytest.mark.slow
 
 
+def spot_capacity(url: str, count: int) -> None:
+    """simcloud's H100 spot capacity in both its regions."""
+    for region in ("us-east-1", "us-west-1"):
+        sim_admin(url, "capacity", {"instance_type": "gpu_1x_h100_sxm5_spot", "region": region, "count": count})
+
+
 def run_spot_job_to_done(tmp: Path, config: Path, state: Path, spec: Path) -> str:
     """Enqueue a job decided for spot, run a daemon until it is done (on whatever market), stop it; the job's id."""
     job_id = enqueue(config, state, spec)
@@ -51,8 +57,7 @@ def test_when_spot_never_comes_the_policy_moves_the_job_to_on_demand_in_time_for
         tmp_path: Path) -> None:
     state = tmp_path / "state"
     with simcloud(tmp_path) as url:
-        for region in ("us-east-1", "us-west-1"):
-            sim_admin(url, "capacity", {"instance_type": "gpu_1x_h100_sxm5_spot", "region": region, "count": 0})
+        spot_capacity(url, 0)
         # 72 s of cloud work and 36 s of overhead (as decided; the trainer needs less) to finish within 4.2 min:
         # spot is chosen, and refused; the policy waits for it while that pays, then goes on-demand. simcloud's
         # spot capacity listing is not read: spot is seen only by launching, as on EC2.
@@ -79,12 +84,7 @@ def test_where_spot_is_seen_only_by_launching_a_job_on_demand_probes_spot_and_mo
         tmp_path: Path) -> None:
     state = tmp_path / "state"
     with simcloud(tmp_path) as url:
-        def spot_capacity(count: int) -> None:
-            for region in ("us-east-1", "us-west-1"):
-                sim_admin(url, "capacity", {"instance_type": "gpu_1x_h100_sxm5_spot", "region": region,
-                                            "count": count})
-
-        spot_capacity(0)
+        spot_capacity(url, 0)
         # 0.25 h of cloud work as decided (the trainer needs less), 0.046 h of slack: spot is chosen and refused, and
         # soon the policy goes on-demand. There spot would still pay were it up, so it is probed.
         config = write_config(tmp_path, url, daemon={"offers_ttl_s": 1.0, "market_check_s": 1.0},
@@ -99,7 +99,7 @@ def test_where_spot_is_seen_only_by_launching_a_job_on_demand_probes_spot_and_mo
             wait_for(lambda: any(e["job_id"] == job_id and e["data"]["result"] == "refused"
                                  for e in events(state, "attempt.spot_probe")), 120,
                      "a refused spot probe beside the on-demand attempt")
-            spot_capacity(4)
+            spot_capacity(url, 4)
             assert daemon.wait_exit(60) == 137
             daemon.start()
             wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish on spot")
@@ -157,12 +157,7 @@ def test_where_spot_capacity_is_listed_a_job_waits_for_spot_without_launching_an
         tmp_path: Path) -> None:
     state = tmp_path / "state"
     with simcloud(tmp_path) as url:
-        def spot_capacity(count: int) -> None:
-            for region in ("us-east-1", "us-west-1"):
-                sim_admin(url, "capacity", {"instance_type": "gpu_1x_h100_sxm5_spot", "region": region,
-                                            "count": count})
-
-        spot_capacity(0)
+        spot_capacity(url, 0)
         # simcloud lists spot capacity: the daemon sees spot gone without launching, and waits (0.3 h of slack).
         config = write_config(tmp_path, url, daemon={"offers_ttl_s": 1.0, "market_check_s": 2.0},
                               policy={"overhead_h": 0.01})
@@ -175,7 +170,7 @@ def test_where_spot_capacity_is_listed_a_job_waits_for_spot_without_launching_an
                      "the job to wait for spot")
             time.sleep(3)
             assert not [e for e in events(state, "attempt.intent") if e["job_id"] == job_id], "nothing launched"
-            spot_capacity(4)
+            spot_capacity(url, 4)
             wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to run on spot once listed")
         finally:
             assert daemon.stop() == 0
