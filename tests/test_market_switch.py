@@ -142,11 +142,13 @@ def test_sightings_are_per_provider_and_type(app: App) -> None:
     assert facts["spot_seen"] == "unknown"
 
 
-def _running_spot(app: App, n: int, started_at: float) -> None:
+def _running_spot(app: App, n: int, started_at: float, last_checkpoint_at: float | None = None) -> None:
+    """Attempt n of job j1: running on spot since `started_at`, its last checkpoint home at `last_checkpoint_at`."""
+    info = {} if last_checkpoint_at is None else {"last_checkpoint_at": last_checkpoint_at}
     with app.store.tx() as c:
         c.execute(insert(s.attempts).values(
             id=f"j1-a{n}", job_id="j1", n=n, where="cloud", state="running", provider="sim",
-            instance_type="gpu_1x_h100", market="spot", instance_id=f"i-{n}", info={}, created_at=started_at,
+            instance_type="gpu_1x_h100", market="spot", instance_id=f"i-{n}", info=info, created_at=started_at,
             started_at=started_at))
 
 
@@ -159,12 +161,26 @@ def test_a_job_running_on_spot_stays_there_while_the_deadline_has_room(app: App)
 def test_a_job_running_on_spot_moves_to_on_demand_before_a_preemption_could_make_it_late(app: App) -> None:
     # 1.8 h of work left at 0.1 h, 2.0 h to the deadline: slack 0.2 h = 2d, where the safety net takes over.
     job = _job(app, cloud_h=2.0, overhead_h=0.1, deadline_at=2.1 * H)
-    _running_spot(app, 1, 0.0)
+    _running_spot(app, 1, 0.0, last_checkpoint_at=0.1 * H)
     move = attempt_should_move(app, job, "sim", _offer(), CloudMarket.SPOT, now=0.1 * H)
     assert move is not None
     target, facts = move
     assert target is CloudMarket.ON_DEMAND and facts["choice"] == "on-demand" and facts["spot_seen"] == "up", facts
-    assert facts["slack_h"] == pytest.approx(0.2)
+    assert facts["slack_h"] == pytest.approx(0.2) and facts["unsaved_h"] == 0.0
+
+
+def test_work_since_the_last_checkpoint_counts_as_not_done_while_a_preemption_would_lose_it(app: App) -> None:
+    # 3.9 h of work; at 1.95 h, 2 h of slack by the clock, but the last checkpoint came home 1.85 h ago: a preemption
+    # now would lose that work, and leave 0.15 h of slack. The safety net counts it as not done.
+    job = _job(app, cloud_h=4.0, overhead_h=0.1, deadline_at=5.9 * H)
+    _running_spot(app, 1, 0.0, last_checkpoint_at=0.1 * H)
+    move = attempt_should_move(app, job, "sim", _offer(), CloudMarket.SPOT, now=1.95 * H)
+    assert move is not None and move[0] is CloudMarket.ON_DEMAND, move
+    assert move[1]["unsaved_h"] == pytest.approx(1.85) and move[1]["slack_h"] == pytest.approx(0.15), move[1]
+    # With the checkpoint just home, the same job has the slack to stay on spot.
+    with app.store.tx() as c:
+        c.execute(s.attempts.update().where(s.attempts.c.id == "j1-a1").values(info={"last_checkpoint_at": 1.9 * H}))
+    assert attempt_should_move(app, job, "sim", _offer(), CloudMarket.SPOT, now=1.95 * H) is None
 
 
 # --- where the provider lists spot capacity, the daemon sees spot while it runs elsewhere, and moves back -------

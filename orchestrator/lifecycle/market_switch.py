@@ -40,7 +40,7 @@ TO_SPOT = "to-spot"
 # (`daemon.spot_probe_on_demand`, `lifecycle/spot_probe.py`), so it can leave on-demand too, and follows the default.
 # With probes off it never leaves on-demand, so the plan must be made for that (`od_is_final`). Planned as if it
 # could leave without probing, it buys on-demand at the first outage "for a while" and then stays there: replayed on
-# setting (a) that cost $119.53 a run against $114.31 with on-demand final and $108.93 probing
+# setting (a) that cost $119.53 a run against $114.31 with on-demand final and $108.82 probing
 # (benchmarks/daemon_shell.py).
 SEEING_POLICY = get_policy(DEFAULT_POLICY)
 DAEMON_POLICY = (dataclasses.replace(SEEING_POLICY, od_is_final=True) if isinstance(SEEING_POLICY, SemiMarkovDP)
@@ -59,6 +59,14 @@ def cloud_hours_done(rows: list[dict[str, Any]], now: float) -> float:
     """Useful cloud hours so far: each started attempt's running time, less the work its preemption lost."""
     return sum(max(0.0, ((r["ended_at"] or now) - r["started_at"]) / 3600.0 - (r["lost_work_h"] or 0.0))
                for r in rows if r["started_at"] is not None)
+
+
+def unsaved_hours(rows: list[dict[str, Any]], now: float) -> float:
+    """Work a preemption now would lose: on each running spot attempt, the time since its last checkpoint came home
+    (since its start when none has)."""
+    return sum(max(0.0, now - float((r["info"] or {}).get("last_checkpoint_at") or r["started_at"])) / 3600.0
+               for r in rows if r["market"] == Market.SPOT.value and r["state"] == A.RUNNING.value
+               and r["started_at"] is not None)
 
 
 def spot_lives_by_gpu(app: App, now: float) -> dict[str, list[SpotLife]]:
@@ -341,7 +349,11 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
     job_h = max((plan_cloud[0]["hours"] if plan_cloud else d.get("t_rented_h") or 0.0) - overhead, 1e-6)
     # The cloud phase's clock starts with its first attempt (a hybrid plan's local phase is before it).
     t0 = min((r["created_at"] for r in rows), default=now)
-    progress = min(cloud_hours_done(rows, now), job_h)
+    # Progress is what a preemption now would leave: the replays' jobs lose nothing when preempted, a real one loses
+    # the work since its last checkpoint. Counted as not done, it keeps the safety net's promise (a preemption at
+    # its edge still leaves time to finish on on-demand) whatever the checkpoint interval.
+    unsaved = unsaved_hours(rows, now)
+    progress = min(max(cloud_hours_done(rows, now) - unsaved, 0.0), job_h)
     deadline_h = (job["deadline_at"] - t0) / 3600.0
     view = spot_view(app, provider, offer, now)
     sees_spot = offer.spot_regions is not None
@@ -357,7 +369,8 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
     choice = (SEEING_POLICY if leaves else DAEMON_POLICY).decide(state)
     facts = {"policy": DEFAULT_POLICY if leaves else f"{DEFAULT_POLICY} (on-demand final)",
              "choice": choice.value, "slack_h": round(state.slack_h, 3), "work_left_h": round(state.work_left_h, 3),
-             "spot_usd_h": offer.spot_usd_h, "on_demand_usd_h": offer.on_demand_usd_h, **view.as_record(),
+             "unsaved_h": round(unsaved, 3), "spot_usd_h": offer.spot_usd_h, "on_demand_usd_h": offer.on_demand_usd_h,
+             **view.as_record(),
              "model": (f"semi-markov, fitted on {fitted[2]:.0f} h of listings" if fitted
                        else "memoryless, from launches and listings")}
     if fitted:
