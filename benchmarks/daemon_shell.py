@@ -10,8 +10,9 @@ daemon (`orchestrator/lifecycle/market_switch.py`) may see less and do less. Whe
   refusal is a sighting;
 - on spot it asks once a minute (here: every tick) whether to move to on-demand;
 - on on-demand, by default (`daemon.spot_probe_on_demand`), it probes spot on the same schedule whenever the plan
-  would go back to spot were it up: a probe that comes up is billed a minute of spot and the job moves to spot
-  (`orchestrator/lifecycle/spot_probe.py`). With probes off, on-demand is final: it cannot see spot come back.
+  would go back to spot were it up: a probe that comes up is kept and takes the job over on spot (make before
+  break, `orchestrator/lifecycle/spot_probe.py`): the move is the replay's changeover into spot, nothing more.
+  With probes off, on-demand is final: it cannot see spot come back.
 Where the provider lists spot capacity (simcloud, Lambda-style), it sees spot every tick, may go back to spot, and
 plans on `simulate`'s model fitted on the listing (`refit_stats` on `refit_ticks`' schedule, as
 `market_switch.listed_model` does; here the listing is the trace itself, seen from its start, and the other traces
@@ -72,7 +73,6 @@ class DaemonShell:
                  probes_on_od: bool = False) -> None:
         self.policy = policy
         self.probes_on_od = probes_on_od  # seen only by launching: probe spot while on on-demand
-        self.probe_usd = 0.0
         self.fitted = fitted  # listed: the model fitted on the listing so far, by elapsed hours (None: memoryless)
         self.priors = (prior_uptime_h, prior_outage_h)
         self.listed = listed  # the provider lists spot capacity: seen every tick, and on-demand can be left
@@ -111,12 +111,11 @@ class DaemonShell:
                                    recent_up_fraction=fit[1] if fit else 1.0)
         if s.market is Market.ON_DEMAND and not self.listed:
             # Would the plan go back to spot were it up now? Then a spot launch is the probe; one that comes up is
-            # terminated at once (billed a minute) and the job moves to spot.
+            # kept, and the job moves to it.
             if now < self.probe_at or self.policy.decide(dataclasses.replace(
                     seen, spot_available=True, spot_state_for_h=0.0)) is not Market.SPOT:
                 action = Market.ON_DEMAND
             elif s.spot_available:
-                self.probe_usd += s.spot_price * 60.0 / 3600.0
                 self.lives.append(SpotLife(now, None, False))
                 action = Market.SPOT
             else:
@@ -190,7 +189,7 @@ def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, str, float, float
                           _fitted_on_listing(trace, int(s0), others) if fitted else None,
                           probes_on_od="probes" in sees) for s0 in starts]
     runs = [replay(shell, trace, int(s0), JOB) for shell, s0 in zip(shells, starts, strict=True)]
-    costs = np.array([r.cost_usd + shell.probe_usd for r, shell in zip(runs, shells, strict=True)])  # probes billed
+    costs = np.array([r.cost_usd for r in runs])
     return (costs, sum(r.missed for r in runs),
             float(np.mean([r.spot_work_hours for r in runs])), float(np.mean([r.od_work_hours for r in runs])))
 

@@ -233,8 +233,9 @@ class DaemonSettings(Strict):
     spot_probe_on_demand: bool = Field(
         True, description="Where spot is seen only by launching (EC2), a job on on-demand whose spot policy would go "
                           "back to spot were it up probes spot on the same schedule: a spot launch of the same "
-                          "type, terminated as soon as it is up (billed the provider's minimum, a minute on EC2). "
-                          "When one comes up the job moves to spot. Off: on-demand is final, as without a listing.",
+                          "type beside the running instance (a refusal costs nothing). One that comes up is kept: "
+                          "the job is checkpointed off on-demand and resumes on it. Off: on-demand is final, as "
+                          "without a listing.",
     )
 
 

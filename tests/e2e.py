@@ -235,6 +235,12 @@ def sim_admin(url: str, route: str, body: dict[str, Any]) -> Any:
     return r.json()["data"]
 
 
+def spot_capacity(url: str, count: int) -> None:
+    """simcloud's H100 spot capacity in both its regions."""
+    for region in ("us-east-1", "us-west-1"):
+        sim_admin(url, "capacity", {"instance_type": "gpu_1x_h100_sxm5_spot", "region": region, "count": count})
+
+
 # --- either cloud: simcloud (Lambda-style REST) or the simulated EC2 (moto's server) -------------------------
 GONE = ("terminated", "preempted")
 AWS_TEST_SECRET = "E2ePlantedAwsSecret/abc+0123456789XYZ"

@@ -12,18 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from orchestrator.lifecycle.reconcile import CHAOS_ENV
 from tests.e2e import (
     Daemon,
-    EnvDaemon,
     assert_one_instance_per_attempt_and_all_gone,
     enqueue,
     events,
     job,
-    ledger,
     sim_admin,
     sim_instances,
     simcloud,
+    spot_capacity,
     wait_for,
     write_config,
 )
@@ -32,12 +30,6 @@ from tests.e2e import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-def spot_capacity(url: str, count: int) -> None:
-    """simcloud's H100 spot capacity in both its regions."""
-    for region in ("us-east-1", "us-west-1"):
-        sim_admin(url, "capacity", {"instance_type": "gpu_1x_h100_sxm5_spot", "region": region, "count": count})
 
 
 def run_spot_job_to_done(tmp: Path, config: Path, state: Path, spec: Path) -> str:
@@ -77,58 +69,6 @@ def test_when_spot_never_comes_the_policy_moves_the_job_to_on_demand_in_time_for
         waited = [e for e in events(state, "job.waiting") if e["job_id"] == job_id][-1]["data"]["reason"]
         assert waited.startswith("waiting for spot (NoCapacity") and "slack" in waited, waited
         assert finished["updated_at"] <= finished["deadline_at"], "done before the deadline"
-        assert_one_instance_per_attempt_and_all_gone(url)
-
-
-def test_where_spot_is_seen_only_by_launching_a_job_on_demand_probes_spot_and_moves_back_when_it_comes_up(
-        tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    with simcloud(tmp_path) as url:
-        spot_capacity(url, 0)
-        # 0.25 h of cloud work as decided (the trainer needs less), 0.046 h of slack: spot is chosen and refused, and
-        # soon the policy goes on-demand. There spot would still pay were it up, so it is probed.
-        config = write_config(tmp_path, url, daemon={"offers_ttl_s": 1.0, "market_check_s": 1.0},
-                              policy={"overhead_h": 0.01}, sim={"lists_spot_capacity": False})
-        spec = e2e_trainer_job(tmp_path, "probed-spot", steps=100, every=5, step_s=0.2, interval_minutes=0.01,
-                               rented=4, deadline_hours=0.296)
-        job_id = enqueue(config, state, spec)
-        assert job(state, job_id)["decision"]["market"] == "spot"
-        # The first daemon dies (as if SIGKILLed) right after the first probe that comes up was launched.
-        daemon = EnvDaemon(tmp_path, config, state).start(env={CHAOS_ENV: "probe-up"})
-        try:
-            wait_for(lambda: any(e["job_id"] == job_id and e["data"]["result"] == "refused"
-                                 for e in events(state, "attempt.spot_probe")), 120,
-                     "a refused spot probe beside the on-demand attempt")
-            spot_capacity(url, 4)
-            assert daemon.wait_exit(60) == 137
-            daemon.start()
-            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish on spot")
-        finally:
-            assert daemon.stop() == 0
-        # The restarted daemon found the orphaned probe by its tag and ended it, then probed again.
-        with sqlite3.connect(state / "burstctl.db") as db:
-            probe_rows = db.execute("SELECT id, state, instance_id FROM attempts WHERE json_extract(info, "
-                                    "'$.probe_for') IS NOT NULL AND state != 'launch_failed' ORDER BY n").fetchall()
-        assert len(probe_rows) == 2 and all(r[1] == "aborted" and r[2] for r in probe_rows), probe_rows
-        assert {r["attempt_id"] for r in ledger(state)} >= {r[0] for r in probe_rows}, "both probes charged"
-        probes = [e for e in events(state, "attempt.spot_probe") if e["job_id"] == job_id]
-        results = [p["data"]["result"] for p in probes]
-        assert results[-1] == "up" and set(results) == {"refused", "up"}, results
-        markets = [e["data"]["market"] for e in events(state, "attempt.intent") if e["job_id"] == job_id]
-        assert markets[-2:] == ["on-demand", "spot"] and "spot" in markets[:-2], markets
-        (switch,) = [e["data"] for e in events(state, "attempt.market_switch") if e["job_id"] == job_id]
-        assert switch["to"] == "spot" and switch["market_policy"]["probe"] is True, switch
-        assert [e for e in events(state, "job.resumed") if e["job_id"] == job_id][-1]["data"]["market"] == "spot"
-        # The probe that came up: never ran the job, billed the provider's minimum, charged to the job, and gone.
-        up = probes[-1]
-        with sqlite3.connect(state / "burstctl.db") as db:
-            row = db.execute("SELECT state, reason, started_at FROM attempts WHERE id = ?",
-                             (up["attempt_id"],)).fetchone()
-        assert row == ("aborted", "spot probe", None), row
-        (charge,) = [r for r in ledger(state) if r["attempt_id"] == up["attempt_id"]]
-        assert charge["market"] == "spot" and charge["billed_seconds"] == pytest.approx(60.0), charge
-        assert not [e for e in events(state, "job.waiting") if "probe" in e["data"]["reason"]], \
-            "a probe's end is not news for its job"
         assert_one_instance_per_attempt_and_all_gone(url)
 
 

@@ -53,7 +53,9 @@ def status_data(app: App) -> dict[str, Any]:
         "active_jobs": sum(counts.get(st.value, 0) for st in active_states),
         "attempts": [{"id": a["id"], "job": a["job_id"], "where": a["where"], "state": a["state"],
                       "provider": a["provider"], "instance": a["instance_id"], "market": a["market"],
-                      "probe_for": (a["info"] or {}).get("probe_for"), "problem": _problem(a["info"] or {})}
+                      "probe_for": (a["info"] or {}).get("probe_for"),
+                      "probe_kept": bool((a["info"] or {}).get("probe_for") and (a["info"] or {}).get("kept")),
+                      "problem": _problem(a["info"] or {})}
                      for a in attempts],
         "instances": [{"provider": i["provider"], "id": i["id"], "attempt": i["attempt_id"], "state": i["state"],
                        "type": i["instance_type"], "market": i["market"]} for i in instances],
@@ -104,7 +106,8 @@ def status_cmd(app: App, as_json: bool) -> None:
     if d["attempts"]:
         table("active attempts", ["attempt", "where", "state", "provider", "instance", "market"],
               [(a["id"], a["where"], a["state"], a["provider"], a["instance"],
-                a["market"] + (f" (probe for {a['probe_for']})" if a.get("probe_for") else "")) for a in d["attempts"]])
+                a["market"] + (f" (probe for {a['probe_for']}{', kept to take over' if a['probe_kept'] else ''})"
+                               if a.get("probe_for") else "")) for a in d["attempts"]])
         for a in d["attempts"]:
             if a["problem"]:
                 out.print(f"[yellow]{escape(a['id'])}: {escape(a['problem'])}[/yellow]")

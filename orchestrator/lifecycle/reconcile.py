@@ -33,7 +33,7 @@ from orchestrator.lifecycle.market_switch import (
     record_spot_listings,
     spot_region_order,
 )
-from orchestrator.lifecycle.spot_probe import is_probe, probe_due, probe_spot, step_probe
+from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import burst_enabled
 from orchestrator.remote.ssh import HostKeyMismatch
@@ -458,7 +458,8 @@ class Reconciler:
             self._step_finishing(att, job, provider)
 
     def _stop_reason(self, att: dict[str, Any], job: dict[str, Any]) -> str | None:
-        """Why an attempt must stop now, whatever its state: cancel, kill switch, budget, max run time."""
+        """Why an attempt must stop now, whatever its state: cancel, kill switch, budget, max run time, a kept spot
+        probe to take over from it."""
         now = self.clock()
         if job["state"] == JobState.CANCELLED.value:
             return "cancelled"
@@ -470,6 +471,8 @@ class Reconciler:
         live = att["state"] in (A.RUNNING.value, A.BOOTSTRAPPING.value, A.PROVISIONING.value)
         if live and self.budget_problem(now) is not None:
             return "budget-cap"  # stopped while there is still room to checkpoint, sync and terminate
+        if live and kept_probe_for(self, att) is not None:
+            return TO_SPOT  # a spot probe came up and is kept to take over (even if a daemon died in between)
         return None
 
     # --- the budget: month-to-date spend never crosses budget.monthly_cap_usd (tests/test_budget_property.py) --
@@ -671,14 +674,18 @@ class Reconciler:
         if not 0 <= now - info.get("market_checked_at", 0) < self.cfg.daemon.market_check_s:
             info["market_checked_at"] = now
             move_to = self._market_move(att, job, provider, now)
-            if move_to is not None and move_to[1].get("probe") and not (
-                    probe_due(job, now) and probe_spot(self, att, job, provider, move_to[1], now)):
-                move_to = None  # spot would be worth it, but is not seen up (or the next probe is not due)
+            kept = None
+            if move_to is not None and move_to[1].get("probe"):
+                kept = probe_spot(self, att, job, provider, move_to[1], now) if probe_due(job, now) else None
+                if kept is None:
+                    move_to = None  # spot would be worth it, but is not seen up (or the next probe is not due)
             if move_to is not None:
                 target, why = move_to
                 self.emit("attempt.market_switch", job_id=job["id"], attempt_id=att["id"], to=target.value,
                           market_policy=why)
                 self._stop(att, job, provider, TO_ON_DEMAND if target is Market.ON_DEMAND else TO_SPOT, info=info)
+                if kept is not None:
+                    self._advance(kept, job)  # make before break: the kept probe takes over now, not next tick
                 return
         with self.store.tx() as conn:
             conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))

@@ -3,20 +3,28 @@
 A provider that lists spot capacity shows spot coming back while a job runs on on-demand, so the spot policy can
 move the job back. EC2 shows nothing: the only test is a spot launch. When the policy would move a job from
 on-demand back to spot were spot up (`market_switch.attempt_should_move`), and the job's next probe is due, the
-daemon launches one spot instance of the job's type and terminates it as soon as the provider has it: billed the
-provider's minimum (a minute on EC2), charged to the job in the ledger. A refused launch costs nothing. Either
-way the answer is a sighting: a probe is a cloud attempt of its own (`info.probe_for`: the attempt it probes for),
-so `market_switch.spot_sightings` reads it as it reads every spot launch. It is never bootstrapped, never runs the
-job, and ends `aborted` (came up) or `launch_failed` (refused) without touching the job's state. When it came up,
-the caller moves the job to spot (checkpoint, stop, relaunch on spot). After a refusal the next probe comes as
-for a job waiting for spot: after a tenth of the outage so far, between `daemon.launch_backoff_s` and
-`daemon.spot_probe_max_s` (`job.spec._spot_probe_at`, shared with the waiting job's probes).
+daemon launches one spot instance of the job's type beside the running one. A probe is a cloud attempt of its own
+(`info.probe_for`: the attempt it probes for), so `market_switch.spot_sightings` reads its answer as it reads every
+spot launch:
+- refused: costs nothing and ends `launch_failed` without touching the job's state. The next probe comes as for a
+  job waiting for spot: after a tenth of the outage so far, between `daemon.launch_backoff_s` and
+  `daemon.spot_probe_max_s` (`job.spec._spot_probe_at`, shared with the waiting job's probes).
+- it came up: make before break. The probe's instance is kept (`info.kept`) while the caller moves the job off
+  on-demand (checkpoint, stop); once that attempt has ended, the probe becomes the job's next attempt (bootstrap,
+  resume from the checkpoint, on spot) instead of a second spot launch that capacity, just back, might refuse. The
+  instance boots while the on-demand one checkpoints.
 
-The intent is written before the launch, as for any attempt: a daemon that dies mid-probe finds the instance by
-its tags on restart and terminates it (`step_probe`); the sweep terminates anything left over.
+Every step is level-triggered on what the database holds, so a daemon killed at any point carries on:
+- killed after the launch, before the instance id was written (intent): the restart finds the instance by its tags
+  and ends it, `aborted` (a sighting hours old is no reason to move); the sweep terminates anything left over.
+- killed with the probe kept and the on-demand attempt still running: that attempt's stop reason is the kept probe
+  (`kept_probe_for`), so the restart stops it and then hands the job to the probe.
+- the job cancelled, bursting disabled, the budget cap reached, the instance gone, or the job no longer waiting for
+  a cloud attempt once the on-demand attempt ended: the kept probe is ended, `aborted`, billed what it ran (the
+  provider's minimum at least), charged to the job; its end never changes the job's state.
 
 Replayed on setting (a) (`benchmarks/daemon_shell.py`), probing takes the EC2 daemon from $114.31 a run (on-demand
-final: greedy's figure) to $108.93, about Uniform Progress's $108.08.
+final: greedy's figure) to $108.82, about Uniform Progress's $108.08.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import insert
+from sqlalchemy import insert, select, update
 
 from orchestrator.lifecycle.finish import probe_interval_s
-from orchestrator.lifecycle.machine import AttemptState, move
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, move
+from orchestrator.lifecycle.states import JobState
 from providers.base import LAUNCH_REFUSALS, LaunchRequest, Market, OwnerTags, Provider, ProviderError
 from state import schema as s
 
@@ -46,13 +55,18 @@ def probe_due(job: dict[str, Any], now: float) -> bool:
     return now >= float(job["spec"].get("_spot_probe_at", 0.0))
 
 
+def is_kept(att: dict[str, Any]) -> bool:
+    return is_probe(att) and bool(att["info"].get("kept"))
+
+
 def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provider: Provider,
-               facts: dict[str, Any], now: float) -> bool:
-    """Launch a spot instance of `att`'s type as a probe, and end it at once. True when it came up."""
+               facts: dict[str, Any], now: float) -> dict[str, Any] | None:
+    """Launch a spot instance of `att`'s type as a probe. When it came up, the probe, kept to become the job's next
+    attempt once `att` has stopped; else None."""
     rate = float(facts.get("spot_usd_h") or 0.0)
     minimum = float(att["info"].get("billing_minimum_s", 60.0))
     if rec.budget_problem(now, rate_usd_h=rate, minimum_s=minimum) is not None:
-        return False  # not even a minute of spot fits the budget: no probe, and the job stays where it is
+        return None  # not even a minute of spot fits the budget: no probe, and the job stays where it is
     n = rec._next_attempt_number(job["id"])
     probe_id = f"{job['id']}-a{n}"
     row = {"id": probe_id, "job_id": job["id"], "n": n, "where": "cloud", "state": A.INTENT.value,
@@ -76,18 +90,28 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
             move(conn, probe, A.LAUNCH_FAILED, reason=f"{type(exc).__name__}: {rec.app.redactor(str(exc))}")
         rec.emit("attempt.spot_probe", **said, result="refused", error=type(exc).__name__,
                  next_probe_s=round(wait_s, 1))
-        return False
+        return None
     except ProviderError as exc:  # throttled/transient after retries: whether it launched is unknown
         _next_probe(rec, job, facts, now)
         rec.emit("attempt.spot_probe", **said, result="unknown", error=type(exc).__name__)
-        return False  # `step_probe` looks it up by its tags next tick
+        return None  # `step_probe` looks it up by its tags next tick
     rec._adopt(probe, job, inst, "launched")
-    rec.emit("attempt.spot_probe", **said, result="up", instance=inst.id)
-    # A provider error while terminating leaves it terminating: `step_probe` asks again next tick. Either way the
-    # job moves to spot.
-    with contextlib.suppress(ProviderError):
-        _end(rec, probe, job, provider)
-    return True
+    probe["info"] = {**probe["info"], "kept": True}
+    with rec.store.tx() as conn:
+        conn.execute(update(s.attempts).where(s.attempts.c.id == probe_id).values(info=probe["info"]))
+        rec.app.events.emit("attempt.spot_probe", **said, conn=conn, result="up", instance=inst.id, kept=True)
+    _chaos_point("probe-kept")  # the probe is kept; the on-demand attempt has not been stopped
+    return probe
+
+
+def kept_probe_for(rec: Reconciler, att: dict[str, Any]) -> dict[str, Any] | None:
+    """The live probe kept to take over from `att` (an on-demand attempt the job is moving off), if any."""
+    if att["market"] != Market.ON_DEMAND.value or att["where"] != "cloud":
+        return None
+    with rec.store.engine.connect() as c:
+        rows = c.execute(select(s.attempts).where(s.attempts.c.job_id == att["job_id"],
+                                                  s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings().all()
+    return next((dict(r) for r in rows if is_kept(dict(r)) and r["info"]["probe_for"] == att["id"]), None)
 
 
 def _next_probe(rec: Reconciler, job: dict[str, Any], facts: dict[str, Any], now: float) -> float:
@@ -100,7 +124,8 @@ def _next_probe(rec: Reconciler, job: dict[str, Any], facts: dict[str, Any], now
 
 
 def step_probe(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
-    """Drive a probe left unfinished (the daemon stopped mid-probe, or its end is not confirmed yet) to its end."""
+    """Drive a probe on: a kept one to its takeover (or its end), one left unfinished (the daemon stopped mid-probe,
+    or its end is not confirmed yet) to its end."""
     state = A(att["state"])
     if state is A.INTENT:
         found = provider.find_attempt(att["id"])
@@ -113,8 +138,50 @@ def step_probe(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
             return
     if state is A.TERMINATING:
         rec._step_terminating(att, job, provider)
+    elif is_kept(att) and state is A.PROVISIONING:
+        _step_kept(rec, att, job, provider)
     else:
         _end(rec, att, job, provider)
+
+
+def _step_kept(rec: Reconciler, probe: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+    """A kept probe waits for the attempt it probed for to end, then becomes the job's next attempt."""
+    with rec.store.engine.connect() as c:
+        before = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == probe["info"]["probe_for"])).scalar()
+        row = c.execute(select(s.jobs).where(s.jobs.c.id == job["id"])).mappings().first()
+    fresh = dict(row) if row is not None else {**job, "state": "gone"}
+    why_not = rec._stop_reason(probe, fresh)
+    if why_not is None:
+        inst = provider.describe([probe["instance_id"]]).get(probe["instance_id"])
+        if inst is None or inst.state.gone:
+            why_not = "instance gone"
+    if why_not is None and before is not None and not A(before).final:
+        return  # the job is still being moved off on-demand (checkpoint, stop): it takes over once that ended
+    if why_not is None and (fresh["placement"] != "cloud"
+                            or fresh["state"] not in (JobState.QUEUED.value, JobState.RESUMING.value)):
+        why_not = f"job {fresh['state']}"
+    if why_not is None:
+        info = probe["info"]
+        why_not = rec.budget_problem(rec.clock(), rate_usd_h=float(info.get("rate_usd_h") or 0.0),
+                                     minimum_s=float(info.get("billing_minimum_s", 60.0)),
+                                     expected_h=rec._expected_remaining_h(fresh))
+    if why_not is not None:
+        with contextlib.suppress(ProviderError):  # still terminating: `step_probe` asks again next tick
+            _end(rec, probe, job, provider, why=why_not)
+        return
+    info = {k: v for k, v in probe["info"].items() if k not in ("probe_for", "kept")}
+    info["from_probe_for"] = probe["info"]["probe_for"]
+    with rec.store.tx() as conn:
+        if not rec.store.update_job(job["id"], conn, expect_state=fresh["state"], state=JobState.RUNNING.value,
+                                    reason=f"bursting to {probe['provider']} {probe['instance_type']} (spot): the "
+                                           "instance of the spot probe that came up"):
+            return  # the job moved meanwhile: looked at again next tick
+        conn.execute(update(s.attempts).where(s.attempts.c.id == probe["id"]).values(info=info))
+        rec.app.events.emit("attempt.probe_taken_over", job_id=job["id"], attempt_id=probe["id"], conn=conn,
+                            instance=probe["instance_id"], provider=probe["provider"],
+                            instance_type=probe["instance_type"], market=Market.SPOT.value,
+                            resuming=fresh["state"] == JobState.RESUMING.value)
+    probe["info"] = info
 
 
 def _chaos_point(name: str) -> None:
@@ -123,8 +190,10 @@ def _chaos_point(name: str) -> None:
     chaos_point(name)
 
 
-def _end(rec: Reconciler, probe: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+def _end(rec: Reconciler, probe: dict[str, Any], job: dict[str, Any], provider: Provider, *,
+         why: str | None = None) -> None:
+    reason = f"{PROBE_REASON}: {why}" if why else PROBE_REASON
     with rec.store.tx() as conn:
         move(conn, probe, A.TERMINATING, info={**probe["info"], "outcome": A.ABORTED.value,
-                                                "stop_reason": PROBE_REASON}, reason=PROBE_REASON)
+                                                "stop_reason": reason}, reason=reason)
     rec._step_terminating(probe, job, provider)
