@@ -213,11 +213,13 @@ def enqueue(config: Path, state: Path, path: Path) -> str:
     return str(json.loads(r.stdout)["id"])
 
 
-def assert_one_instance_per_attempt_and_all_gone(url: str) -> None:
-    """simcloud never launched two instances for one attempt, and none is left running."""
-    for attempt, ids in instances_per_attempt(sim_instances(url)).items():
+def assert_one_instance_per_attempt_and_all_gone(cloud: str | CloudView) -> None:
+    """The cloud (simcloud's URL, or either cloud's view) never launched two instances for one attempt, and none is
+    left running."""
+    instances = sim_instances(cloud) if isinstance(cloud, str) else cloud.instances()
+    for attempt, ids in instances_per_attempt(instances).items():
         assert len(ids) == 1, f"attempt {attempt} launched {len(ids)} instances"
-    assert all(i["status"] in ("terminated", "preempted") for i in sim_instances(url))
+    assert all(i["status"] in ("terminated", "preempted") for i in instances), instances
 
 
 def ledger(state: Path) -> list[dict[str, Any]]:
@@ -257,6 +259,8 @@ class CloudView(Protocol):
 
     def instances(self) -> list[dict[str, Any]]: ...
 
+    def spot_capacity(self, count: int) -> None: ...
+
     def billing(self) -> list[dict[str, Any]]: ...
 
 
@@ -271,6 +275,9 @@ class SimcloudView:
 
     def instances(self) -> list[dict[str, Any]]:
         return sim_instances(self.admin_url)
+
+    def spot_capacity(self, count: int) -> None:
+        spot_capacity(self.admin_url, count)
 
     def billing(self) -> list[dict[str, Any]]:
         return sim_billing(self.admin_url)
@@ -293,6 +300,10 @@ class Ec2View:
 
     def instances(self) -> list[dict[str, Any]]:
         return self.sim.instances()
+
+    def spot_capacity(self, count: int) -> None:
+        """p3.2xlarge spot capacity in every zone: beyond it, RunInstances fails with InsufficientInstanceCapacity."""
+        self.sim.set_spot_capacity("p3.2xlarge", count)
 
     def billing(self) -> list[dict[str, Any]]:
         return self.sim.billing()

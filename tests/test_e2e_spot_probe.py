@@ -1,5 +1,6 @@
-"""Probing spot from on-demand where spot is seen only by launching (as on EC2), end to end with real processes
-(simcloud with its spot listing not read, a daemon, SSH, the example trainer). A probe that comes up is kept and takes
+"""Probing spot from on-demand where spot is seen only by launching, end to end with real processes (a daemon, SSH,
+the example trainer): on the simulated EC2 (boto3 against moto's server, spot refused with EC2's own
+InsufficientInstanceCapacity) and on simcloud with its spot listing not read. A probe that comes up is kept and takes
 the job over (make before break); a daemon killed mid-probe carries on; a kept probe never outlives its job."""
 
 from __future__ import annotations
@@ -12,18 +13,18 @@ import pytest
 
 from orchestrator.lifecycle.reconcile import CHAOS_ENV
 from tests.e2e import (
+    CloudView,
     Daemon,
     EnvDaemon,
+    SimcloudView,
     assert_one_instance_per_attempt_and_all_gone,
     cli,
+    cloud,
     enqueue,
     events,
     job,
     ledger,
-    simcloud,
-    spot_capacity,
     wait_for,
-    write_config,
 )
 from tests.e2e import (
     trainer_job as e2e_trainer_job,
@@ -32,25 +33,26 @@ from tests.e2e import (
 pytestmark = pytest.mark.slow
 
 
-def probed_job(tmp: Path, url: str, state: Path) -> tuple[Path, str]:
-    """A job decided for spot, with spot refused and seen only by launching (as on EC2): 0.25 h of cloud work as
-    decided (the trainer needs less) and 0.046 h of slack, so the policy soon goes on-demand, where spot would still
-    pay were it up: it is probed. (config, job id)"""
-    spot_capacity(url, 0)
-    config = write_config(tmp, url, daemon={"offers_ttl_s": 1.0, "market_check_s": 1.0},
-                          policy={"overhead_h": 0.01}, sim={"lists_spot_capacity": False})
+def probed_job(tmp: Path, view: CloudView, state: Path) -> tuple[Path, str]:
+    """A job decided for spot, with spot refused and seen only by launching (EC2; simcloud with its listing not
+    read): 0.25 h of cloud work as decided (the trainer needs less) and 0.046 h of slack, so the policy soon goes
+    on-demand, where spot would still pay were it up: it is probed. (config, job id)"""
+    view.spot_capacity(0)
+    unlisted = {"sim": {"lists_spot_capacity": False}} if isinstance(view, SimcloudView) else {}
+    config = view.config(tmp, daemon={"offers_ttl_s": 1.0, "market_check_s": 1.0}, policy={"overhead_h": 0.01},
+                         **unlisted)
     spec = e2e_trainer_job(tmp, "probed-spot", steps=100, every=5, step_s=0.2, interval_minutes=0.01,
-                           rented=4, deadline_hours=0.296)
+                           rented=4, deadline_hours=0.296, gpu=view.gpu)
     job_id = enqueue(config, state, spec)
     assert job(state, job_id)["decision"]["market"] == "spot"
     return config, job_id
 
 
-def spot_back_after_a_refused_probe(url: str, state: Path, job_id: str) -> None:
+def spot_back_after_a_refused_probe(view: CloudView, state: Path, job_id: str) -> None:
     wait_for(lambda: any(e["job_id"] == job_id and e["data"]["result"] == "refused"
                          for e in events(state, "attempt.spot_probe")), 120,
              "a refused spot probe beside the on-demand attempt")
-    spot_capacity(url, 4)
+    view.spot_capacity(4)
 
 
 def job_attempts(state: Path, job_id: str) -> list[dict[str, object]]:
@@ -85,18 +87,21 @@ def assert_the_probe_took_over(state: Path, job_id: str) -> tuple[dict[str, obje
     return on_demand, taken
 
 
-def test_where_spot_is_seen_only_by_launching_a_job_on_demand_probes_spot_and_the_probe_that_comes_up_takes_over(
-        tmp_path: Path) -> None:
+def test_on_ec2_a_job_on_demand_probes_spot_and_the_probe_that_comes_up_takes_over(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    with simcloud(tmp_path) as url:
-        config, job_id = probed_job(tmp_path, url, state)
+    with cloud("ec2", tmp_path) as ec2:  # boto3 against moto's server: spot refused with InsufficientInstanceCapacity
+        config, job_id = probed_job(tmp_path, ec2, state)
         daemon = Daemon(tmp_path, config, state).start()
         try:
-            spot_back_after_a_refused_probe(url, state, job_id)
+            spot_back_after_a_refused_probe(ec2, state, job_id)
             wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish on spot")
         finally:
             assert daemon.stop() == 0
         on_demand, taken = assert_the_probe_took_over(state, job_id)
+        # EC2's own refusal, mapped once by the adapter: the lifecycle saw only NoCapacity.
+        refusals = {e["data"]["code"] for e in events(state, "provider.launch_fallback")}
+        assert refusals == {"InsufficientInstanceCapacity"}, refusals
+        assert {e["data"]["error"] for e in events(state, "attempt.launch_failed")} == {"NoCapacity"}
         (switch,) = [e for e in events(state, "attempt.market_switch") if e["job_id"] == job_id]
         assert switch["attempt_id"] == on_demand["id"] and switch["data"]["to"] == "spot"
         assert switch["data"]["market_policy"]["probe"] is True, switch
@@ -106,18 +111,18 @@ def test_where_spot_is_seen_only_by_launching_a_job_on_demand_probes_spot_and_th
         assert launched < gone
         (charge,) = [r for r in ledger(state) if r["attempt_id"] == taken["id"]]
         assert charge["market"] == "spot" and charge["job_id"] == job_id, charge
-        assert_one_instance_per_attempt_and_all_gone(url)
+        assert_one_instance_per_attempt_and_all_gone(ec2)
 
 
 def test_a_daemon_killed_mid_probe_carries_on_on_restart_and_the_kept_probe_still_takes_over(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    with simcloud(tmp_path) as url:
-        config, job_id = probed_job(tmp_path, url, state)
+    with cloud("simcloud", tmp_path) as sim:
+        config, job_id = probed_job(tmp_path, sim, state)
         # The first daemon dies (as if SIGKILLed) right after launching the first probe that comes up; the second
         # right after keeping the next one, before it stopped the on-demand attempt.
         daemon = EnvDaemon(tmp_path, config, state).start(env={CHAOS_ENV: "probe-up"})
         try:
-            spot_back_after_a_refused_probe(url, state, job_id)
+            spot_back_after_a_refused_probe(sim, state, job_id)
             assert daemon.wait_exit(60) == 137
             daemon.start(env={CHAOS_ENV: "probe-kept"})
             assert daemon.wait_exit(60) == 137
@@ -133,16 +138,16 @@ def test_a_daemon_killed_mid_probe_carries_on_on_restart_and_the_kept_probe_stil
         assert charge["market"] == "spot" and charge["billed_seconds"] == pytest.approx(60.0), charge
         # The second daemon's kept probe: the third stopped the on-demand attempt for it, and it took the job over.
         assert_the_probe_took_over(state, job_id)
-        assert_one_instance_per_attempt_and_all_gone(url)
+        assert_one_instance_per_attempt_and_all_gone(sim)
 
 
 def test_a_kept_probe_whose_job_is_cancelled_meanwhile_is_ended_and_never_runs_the_job(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    with simcloud(tmp_path) as url:
-        config, job_id = probed_job(tmp_path, url, state)
+    with cloud("simcloud", tmp_path) as sim:
+        config, job_id = probed_job(tmp_path, sim, state)
         daemon = EnvDaemon(tmp_path, config, state).start(env={CHAOS_ENV: "probe-kept"})
         try:
-            spot_back_after_a_refused_probe(url, state, job_id)
+            spot_back_after_a_refused_probe(sim, state, job_id)
             assert daemon.wait_exit(60) == 137  # a probe came up and was kept; the on-demand attempt still runs
             (kept_now,) = [a for a in json.loads(cli(config, state, "status", "--json").stdout)["attempts"]
                            if a["probe_for"]]
@@ -162,4 +167,4 @@ def test_a_kept_probe_whose_job_is_cancelled_meanwhile_is_ended_and_never_runs_t
         assert not [a for a in attempts if a["from_probe_for"]] and not events(state, "attempt.probe_taken_over")
         (charge,) = [r for r in ledger(state) if r["attempt_id"] == kept["id"]]
         assert charge["market"] == "spot" and charge["job_id"] == job_id and charge["cost_usd"] > 0, charge
-        assert_one_instance_per_attempt_and_all_gone(url)
+        assert_one_instance_per_attempt_and_all_gone(sim)

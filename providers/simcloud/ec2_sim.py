@@ -20,11 +20,14 @@ the daemon runs the whole lifecycle against boto3 and moto's server exactly as a
 - A billing record: per-second from the instance's launch to the moment its end was observed, 60 s minimum.
 - A spot market for the instance types in `spot_prices` (moto quotes a flat $0.00001 for the types it knows
   and nothing for retired ones such as p3): DescribeSpotPriceHistory answers with those prices in every zone.
+  Spot capacity (`set_spot_capacity`, or `POST /_sim/capacity`): unlimited unless set; once a type's spot
+  instances in a zone reach it, RunInstances for spot there fails with `InsufficientInstanceCapacity`, as EC2's
+  does (moto never refuses), so the daemon meets the real error code and not a stand-in.
 
 It lives in the process that hosts moto's server (in-process access to moto's backend is how a spot
 interruption is written into moto's records); the daemon is a separate process that sees only HTTP and SSH.
 Admin routes on the metadata server (`/_sim/instances/<id>/notice`, `/preempt`, `/_sim/instances`,
-`/_sim/billing`) mirror simcloud's, so the same test helpers drive both clouds.
+`/_sim/billing`, `/_sim/capacity`) mirror simcloud's, so the same test helpers drive both clouds.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -51,8 +55,10 @@ from moto.core import DEFAULT_ACCOUNT_ID
 from moto.core.responses import ActionResult
 from moto.ec2.models import ec2_backends
 from moto.ec2.models.instances import StateReason
+from moto.ec2.responses.instances import InstanceResponse
 from moto.ec2.responses.spot_instances import SpotInstances
 from moto.server import ThreadedMotoServer
+from werkzeug.exceptions import InternalServerError
 
 from providers.ec2 import SPOT_TERMINATION
 from providers.simcloud.ssh_backend import MachineStartError, Prefer, SshBackend
@@ -63,6 +69,7 @@ IMDS_VAR = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
 _ADMIN = re.compile(r"^/_sim/instances/(?P<id>[A-Za-z0-9-]+)/(?P<verb>notice|preempt)$")
 _IMDS = re.compile(r"^/(?P<id>i-[0-9a-f]+)/latest/(?P<rest>.*)$")
 _CREDENTIALS = "meta-data/iam/security-credentials/"
+_MOTO_RUN_INSTANCES = InstanceResponse.run_instances
 
 
 @dataclass
@@ -97,6 +104,7 @@ class SimEc2:
         self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._http: ThreadingHTTPServer | None = None
         self._notices: dict[str, dict[str, str]] = {}
+        self._spot_capacity: dict[tuple[str, str], int] = {}  # (instance type, zone) → spot instances it holds
         self._records: dict[str, _Record] = {}
         self._booted: set[str] = set()
         self._lock = threading.Lock()
@@ -108,6 +116,7 @@ class SimEc2:
     def start(self) -> SimEc2:
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request at INFO
         _quote_spot_prices(self.spot_prices, self.zones)
+        _refuse_spot_beyond_capacity(self)
         self._moto.start()
         host, port = self._moto.get_host_and_port()
         self.endpoint_url = f"http://{host}:{port}"
@@ -185,6 +194,30 @@ class SimEc2:
             inst.state_reason = StateReason(f"{SPOT_TERMINATION}: Spot instance termination", SPOT_TERMINATION)
             self._end(instance_id)
         return True
+
+    def set_spot_capacity(self, instance_type: str, count: int | None, zone: str | None = None) -> None:
+        """How many spot instances of this type a zone (every zone: None) holds; None: unlimited."""
+        with self._lock:
+            for z in (zone,) if zone else self.zones:
+                if count is None:
+                    self._spot_capacity.pop((instance_type, z), None)
+                else:
+                    self._spot_capacity[(instance_type, z)] = max(int(count), 0)
+
+    def spot_refusal(self, instance_type: str, subnet_id: str | None, zone: str | None) -> str | None:
+        """Why a spot launch of this type in this subnet or zone is refused now (EC2's message), else None."""
+        zone = next((z for z, s in self.subnet_ids.items() if s == subnet_id), zone or f"{self.region}a")
+        with self._lock:
+            limit = self._spot_capacity.get((instance_type, zone))
+            if limit is None:
+                return None
+            used = sum(1 for inst in self._backend().all_instances()
+                       if inst.lifecycle == "spot" and inst.instance_type == instance_type
+                       and inst.availability_zone == zone and inst._state.name in ("pending", "running"))
+        if used < limit:
+            return None
+        return (f"We currently do not have sufficient {instance_type} capacity in the Availability Zone you "
+                f"requested ({zone}). Our system will be working on provisioning additional capacity.")
 
     def instances(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -305,6 +338,12 @@ class SimEc2:
             return 200, {"data": self.instances()}
         if method == "GET" and path == "/_sim/billing":
             return 200, {"data": self.billing()}
+        if method == "POST" and path == "/_sim/capacity":
+            count = body.get("count")
+            if not isinstance(body.get("instance_type"), str) or not (count is None or isinstance(count, int)):
+                return 400, {"error": "expected {\"instance_type\": str, \"count\": int or null, \"zone\": str}"}
+            self.set_spot_capacity(body["instance_type"], count, body.get("zone"))
+            return 200, {"data": {"instance_type": body["instance_type"], "count": count}}
         if method == "POST" and (m := _ADMIN.match(path)):
             try:
                 if m.group("verb") == "notice":
@@ -355,6 +394,22 @@ def _quote_spot_prices(prices: Mapping[str, float], zones: tuple[str, ...]) -> N
              "AvailabilityZone": z, "Timestamp": stamp} for t in asked if t in prices for z in zones]})
 
     SpotInstances.describe_spot_price_history = describe_spot_price_history  # type: ignore[method-assign]
+
+
+def _refuse_spot_beyond_capacity(sim: SimEc2) -> None:
+    """Make moto's RunInstances refuse a spot launch beyond `sim`'s spot capacity, with EC2's own error code."""
+    def run_instances(self: InstanceResponse) -> ActionResult:
+        if self._get_param("InstanceMarketOptions.MarketType") == "spot":
+            why = sim.spot_refusal(self._get_param("InstanceType", "m1.small"), self._get_param("SubnetId"),
+                                   self._get_param("Placement.AvailabilityZone"))
+            if why is not None:  # a server error on EC2 (HTTP 500), as `InsufficientInstanceCapacity` is there
+                raise InternalServerError(description=(
+                    '<?xml version="1.0" encoding="UTF-8"?>\n<Response><Errors><Error><Code>'
+                    f"InsufficientInstanceCapacity</Code><Message>{why}</Message></Error></Errors>"
+                    f"<RequestID>{uuid.uuid4()}</RequestID></Response>"))
+        return _MOTO_RUN_INSTANCES(self)
+
+    InstanceResponse.run_instances = run_instances  # type: ignore[method-assign]
 
 
 def _loopback(ip: str | None) -> bool:
