@@ -55,6 +55,20 @@ def spot_back_after_a_refused_probe(view: CloudView, state: Path, job_id: str) -
     view.spot_capacity(4)
 
 
+def killed_once_spot_is_back(tmp: Path, config: Path, state: Path, view: CloudView, job_id: str,
+                             point: str) -> EnvDaemon:
+    """A daemon run that dies (as if SIGKILLed) at chaos point `point`, once spot came back after a refused probe.
+    Returns the daemon, to be started again."""
+    daemon = EnvDaemon(tmp, config, state).start(env={CHAOS_ENV: point})
+    try:
+        spot_back_after_a_refused_probe(view, state, job_id)
+        assert daemon.wait_exit(60) == 137
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon
+
+
 def job_attempts(state: Path, job_id: str) -> list[dict[str, object]]:
     with sqlite3.connect(state / "burstctl.db") as db:
         db.row_factory = sqlite3.Row
@@ -118,12 +132,10 @@ def test_a_daemon_killed_mid_probe_carries_on_on_restart_and_the_kept_probe_stil
     state = tmp_path / "state"
     with cloud("simcloud", tmp_path) as sim:
         config, job_id = probed_job(tmp_path, sim, state)
-        # The first daemon dies (as if SIGKILLed) right after launching the first probe that comes up; the second
-        # right after keeping the next one, before it stopped the on-demand attempt.
-        daemon = EnvDaemon(tmp_path, config, state).start(env={CHAOS_ENV: "probe-up"})
+        # The first daemon dies right after launching the first probe that comes up; the second right after keeping
+        # the next one, before it stopped the on-demand attempt.
+        daemon = killed_once_spot_is_back(tmp_path, config, state, sim, job_id, "probe-up")
         try:
-            spot_back_after_a_refused_probe(sim, state, job_id)
-            assert daemon.wait_exit(60) == 137
             daemon.start(env={CHAOS_ENV: "probe-kept"})
             assert daemon.wait_exit(60) == 137
             daemon.start()
@@ -145,10 +157,9 @@ def test_a_kept_probe_whose_job_is_cancelled_meanwhile_is_ended_and_never_runs_t
     state = tmp_path / "state"
     with cloud("simcloud", tmp_path) as sim:
         config, job_id = probed_job(tmp_path, sim, state)
-        daemon = EnvDaemon(tmp_path, config, state).start(env={CHAOS_ENV: "probe-kept"})
+        # A probe came up and was kept; the on-demand attempt still runs.
+        daemon = killed_once_spot_is_back(tmp_path, config, state, sim, job_id, "probe-kept")
         try:
-            spot_back_after_a_refused_probe(sim, state, job_id)
-            assert daemon.wait_exit(60) == 137  # a probe came up and was kept; the on-demand attempt still runs
             (kept_now,) = [a for a in json.loads(cli(config, state, "status", "--json").stdout)["attempts"]
                            if a["probe_for"]]
             assert kept_now["probe_kept"] is True and kept_now["market"] == "spot", kept_now
