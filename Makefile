@@ -11,7 +11,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,postgres]'
 	touch $(STAMP)
 
 # Three workers on a 2-core machine: the end-to-end tests mostly wait on real processes (daemons, sshd, simulated

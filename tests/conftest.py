@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.postgres import PostgresServer, find_bin_dir
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 
@@ -22,6 +24,39 @@ def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BURSTCTL_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)
     os.makedirs(tmp_path / "home", exist_ok=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One private PostgreSQL server per test process. Skipped where PostgreSQL or psycopg is missing, unless
+    BURSTCTL_TEST_POSTGRES=require (CI sets it, and installs both), where that is a failure."""
+    required = os.environ.get("BURSTCTL_TEST_POSTGRES") == "require"
+    bin_dir = find_bin_dir()
+    why = None
+    if bin_dir is None:
+        why = "PostgreSQL's initdb/pg_ctl not found (Debian: apt-get install postgresql)"
+    else:
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            why = "psycopg not installed (pip install -e '.[postgres]')"
+    if why is not None:
+        if required:
+            pytest.fail(why)
+        pytest.skip(why)
+    server = PostgresServer(bin_dir).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The store's URL on each backend: SQLite (WAL) in the test's directory, and a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'burstctl.db'}"
+    return request.getfixturevalue("postgres_server").new_database()
 
 
 def run_burstctl(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -145,8 +146,27 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
         time.sleep(interval)
 
 
+def store_url(state: Path) -> str:
+    """The database the test's daemon and CLI use: `[state] database_url` of the config `write_config` put beside
+    the state directory, else SQLite in the state directory (the default)."""
+    config = state.parent / "burstctl.toml"
+    if config.exists():
+        url = tomllib.loads(config.read_text()).get("state", {}).get("database_url")
+        if url:
+            return str(url)
+    return f"sqlite:///{state / 'burstctl.db'}"
+
+
+def store_sections(backend: str, request: Any) -> dict[str, dict[str, Any]]:
+    """Config sections that keep a test's state on `backend`: none for "sqlite" (the default), for "postgresql"
+    `[state] database_url` of a new database on the test process's PostgreSQL server (`request` is pytest's)."""
+    if backend == "sqlite":
+        return {}
+    return {"state": {"database_url": request.getfixturevalue("postgres_server").new_database()}}
+
+
 def events(state: Path, type_prefix: str | None = None) -> list[dict[str, Any]]:
-    st = Store(f"sqlite:///{state / 'burstctl.db'}")
+    st = Store(store_url(state))
     try:
         return st.events(type_prefix=type_prefix)
     finally:
@@ -154,7 +174,7 @@ def events(state: Path, type_prefix: str | None = None) -> list[dict[str, Any]]:
 
 
 def job(state: Path, ref: str) -> dict[str, Any]:
-    st = Store(f"sqlite:///{state / 'burstctl.db'}")
+    st = Store(store_url(state))
     try:
         j = st.get_job(ref)
         assert j is not None
@@ -223,7 +243,7 @@ def assert_one_instance_per_attempt_and_all_gone(cloud: str | CloudView) -> None
 
 
 def ledger(state: Path) -> list[dict[str, Any]]:
-    st = Store(f"sqlite:///{state / 'burstctl.db'}")
+    st = Store(store_url(state))
     try:
         return st.ledger_rows()
     finally:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from sqlalchemy import insert
 
@@ -22,8 +20,8 @@ A = AttemptState
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Store:
-    st = Store(f"sqlite:///{tmp_path / 'b.db'}")
+def store(db_url: str) -> Store:
+    st = Store(db_url)  # on SQLite and on PostgreSQL
     st.insert_job({"id": "j1", "name": "x", "kind": "train", "state": "running", "verdict": "burst",
                    "placement": "cloud", "spec": {}, "decision": {}, "deadline_at": 0.0})
     with st.tx() as c:

@@ -23,10 +23,12 @@ from tests.e2e import (
     sim_billing,
     sim_instances,
     simcloud,
+    store_sections,
     trainer_job,
     wait_for,
     write_config,
 )
+from tests.e2e import ledger as e2e_ledger
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -59,10 +61,14 @@ def synced(state: Path, after: int = 0) -> bool:
     return any(e["id"] > after for e in events(state, "checkpoint.synced"))
 
 
-def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path, backend: str,
+                                                      request: pytest.FixtureRequest) -> None:
+    # The same story on both stores: SQLite in the state directory, and a real PostgreSQL server by URL.
     state = tmp_path / "state"
+    database = store_sections(backend, request)
     with simcloud(tmp_path) as url:
-        config = write_config(tmp_path, url)
+        config = write_config(tmp_path, url, **database)
         r = cli(config, state, "enqueue", str(spot_job(tmp_path)), "--json")
         assert r.returncode == 0, r.stderr
         job_id = json.loads(r.stdout)["id"]
@@ -78,6 +84,7 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path) -> None:
         instances = sim_instances(url)
         billing = sim_billing(url)
 
+    assert (state / "burstctl.db").exists() == (backend == "sqlite")  # the URL's store, not SQLite beside it
     types = [e["type"] for e in events(state)]
     for a, b in [("instance.preempted", "job.resuming"), ("job.resuming", "job.resumed"), ("job.resumed", "job.done")]:
         assert types.index(a) < types.index(b), (a, b)
@@ -92,7 +99,7 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path) -> None:
 
     # Nothing is left running, and the meter agrees with the provider's billing record.
     assert len(instances) == 2 and all(i["status"] in ("terminated", "preempted") for i in instances)
-    ledger = _ledger(state)
+    ledger = e2e_ledger(state)
     assert {r["instance_id"] for r in ledger} == {i["id"] for i in instances}
     assert all(r["cost_usd"] is not None for r in ledger)
     billed = {b["instance_id"]: b for b in billing}
@@ -132,16 +139,6 @@ def test_a_daemon_killed_mid_run_is_restarted_and_carries_on(tmp_path: Path) -> 
     assert [i["id"] for i in instances] == [first]  # adopted, not launched again
     assert instances[0]["status"] == "terminated"
     assert len(events(state, "daemon.started")) == 2
-
-
-def _ledger(state: Path) -> list[dict]:
-    from state.store import Store
-
-    st = Store(f"sqlite:///{state / 'burstctl.db'}")
-    try:
-        return st.ledger_rows()
-    finally:
-        st.close()
 
 
 def test_cancelling_a_running_burst_brings_its_last_checkpoint_home_and_terminates_it(tmp_path: Path) -> None:

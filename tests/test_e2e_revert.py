@@ -21,6 +21,7 @@ from tests.e2e import (
     free_port,
     job,
     simcloud,
+    store_sections,
     trainer_job,
     wait_for,
     write_config,
@@ -34,11 +35,13 @@ def priced_job(tmp: Path, name: str, steps: int = 400, gpu: str = "H100") -> Pat
     return trainer_job(tmp, name, steps=steps, every=10, local_throughput=0.1, rented=10, deadline_hours=2, gpu=gpu)
 
 
-@pytest.mark.parametrize("kind", ["simcloud", "ec2"])
-def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "backend"), [("simcloud", "sqlite"), ("ec2", "sqlite"), ("ec2", "postgresql")])
+def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(
+        tmp_path: Path, kind: str, backend: str, request: pytest.FixtureRequest) -> None:
     state = tmp_path / "state"
+    database = store_sections(backend, request)
     with cloud(kind, tmp_path) as c:
-        config = c.config(tmp_path, policy={"hybrid_margin_h": 5.0})
+        config = c.config(tmp_path, policy={"hybrid_margin_h": 5.0}, **database)
         r = cli(config, state, "enqueue", str(priced_job(tmp_path, "deadline-job", gpu=c.gpu)), "--json")
         job_id = json.loads(r.stdout)["id"]
         assert json.loads(r.stdout)["decision"]["verdict"] == "priced"

@@ -1,4 +1,7 @@
-"""The store: versioned migrations, private SQLite in WAL mode, safe concurrent writers (CLI + daemon)."""
+"""The store: versioned migrations, private SQLite in WAL mode, safe concurrent writers (CLI + daemon).
+
+Each behaviour is specified on both backends the store supports by URL: SQLite (the embedded default) and a real
+PostgreSQL server (`db_url`, `postgres_server` in conftest)."""
 
 from __future__ import annotations
 
@@ -9,14 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
 from state import schema
 from state.store import Store
 
 
-def test_migrations_run_once_and_record_the_version(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'b.db'}"
+def test_migrations_run_once_and_record_the_version(db_url: str) -> None:
+    url = db_url
     st = Store(url)
     assert st.migrate() == schema.LATEST
     with st.engine.connect() as c:
@@ -39,8 +43,8 @@ def _writer(url: str, worker: int, n: int) -> None:
         st.set_setting(f"w{worker}", i)
 
 
-def test_concurrent_writers_in_separate_processes_lose_nothing(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'b.db'}"
+def test_concurrent_writers_in_separate_processes_lose_nothing(db_url: str) -> None:
+    url = db_url
     Store(url)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_writer, args=(url, w, 100)) for w in range(4)]
@@ -56,12 +60,15 @@ def test_concurrent_writers_in_separate_processes_lose_nothing(tmp_path: Path) -
     assert all(st.get_setting(f"w{w}") == 99 for w in range(4))
 
 
-def test_processes_opening_a_new_database_at_once_take_turns_at_migrating(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_processes_opening_a_new_database_at_once_take_turns_at_migrating(
+        backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     # The daemon and the first CLI command often start together on a new state directory. Both used to read
     # version 0 and create the tables; one failed with "table jobs already exists" (1 run in 4 or so, here).
     code = "import sys; from state.store import Store; Store(sys.argv[1]).close()"
+    server = request.getfixturevalue("postgres_server") if backend == "postgresql" else None
     for trial in range(8):
-        url = f"sqlite:///{tmp_path / f'new-{trial}.db'}"
+        url = server.new_database() if server else f"sqlite:///{tmp_path / f'new-{trial}.db'}"
         procs = [subprocess.Popen([sys.executable, "-c", code, url], stderr=subprocess.PIPE, text=True)
                  for _ in range(4)]
         for p in procs:
@@ -72,8 +79,8 @@ def test_processes_opening_a_new_database_at_once_take_turns_at_migrating(tmp_pa
         assert versions == [v for v, _ in schema.MIGRATIONS], "each migration once"
 
 
-def test_job_updates_are_compare_and_set(tmp_path: Path) -> None:
-    st = Store(f"sqlite:///{tmp_path / 'b.db'}")
+def test_job_updates_are_compare_and_set(db_url: str) -> None:
+    st = Store(db_url)
     st.insert_job({"id": "j1", "name": "x", "kind": "train", "state": "queued", "verdict": "local",
                    "placement": "local", "spec": {}, "decision": {}, "deadline_at": 0.0})
     assert st.update_job("j1", expect_state="queued", state="running")
@@ -82,8 +89,8 @@ def test_job_updates_are_compare_and_set(tmp_path: Path) -> None:
     assert st.get_job("x")["id"] == "j1"  # by name too
 
 
-def test_open_charges_accrue_until_closed(tmp_path: Path) -> None:
-    st = Store(f"sqlite:///{tmp_path / 'b.db'}")
+def test_open_charges_accrue_until_closed(db_url: str) -> None:
+    st = Store(db_url)
     cid = st.open_charge({"month": "2026-11", "provider": "sim", "rate_usd_h": 3.6, "started_at": 1000.0})
     assert abs(st.month_spend("2026-11", now=1000.0 + 1800) - 1.8) < 1e-9
     st.close_charge(cid, ended_at=1000.0 + 3600, billed_seconds=3600, cost_usd=3.6)
