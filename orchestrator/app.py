@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TextIO
 
+from sqlalchemy.exc import DBAPIError
+
 from orchestrator.config import Config, load_config
+from orchestrator.errors import OperationalError
 from orchestrator.events import EventLog, Redactor
 from state.store import Store
 
@@ -27,7 +30,13 @@ class App:
     def store(self) -> Store:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.config.state_dir, 0o700)
-        st = Store(self.config.database_url)
+        try:
+            st = Store(self.config.database_url)
+        except DBAPIError as exc:  # unreachable, refused, unknown database: one line, not a traceback
+            reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+            where = f"{self.config.source}: " if self.config.source else ""
+            raise OperationalError(f"{where}field 'state.database_url': cannot open the database: {reason}"
+                                   ) from None
         self._closers.append(st.close)
         return st
 

@@ -247,8 +247,36 @@ def default_state_dir() -> Path:
 class StateSettings(Strict):
     dir: Path = Field(default_factory=default_state_dir, description="State directory: database, logs, records.")
     database_url: str | None = Field(
-        None, description="SQLAlchemy URL; default sqlite:///<dir>/burstctl.db. PostgreSQL works too."
+        None, description="SQLAlchemy URL; default sqlite:///<dir>/burstctl.db. PostgreSQL works too "
+        "(postgresql+psycopg://user@host/db, with `pip install burstctl[postgres]`). A password is never written "
+        "here: libpq reads it from PGPASSWORD or ~/.pgpass.",
     )
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, v: str | None) -> str | None:
+        # Messages never quote the URL: it could hold a password.
+        if v is None:
+            return v
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+        try:
+            url = make_url(v)
+        except ArgumentError:
+            raise ValueError("is not a database URL: expected e.g. 'postgresql+psycopg://burst@db.example/burstctl'"
+                             " or 'sqlite:////var/lib/burstctl/burstctl.db'") from None
+        if url.password is not None:
+            raise ValueError("holds a password: secrets are never written inline; give it in PGPASSWORD or "
+                             "~/.pgpass, which libpq reads") from None
+        if url.get_backend_name() not in ("sqlite", "postgresql"):
+            raise ValueError(f"names the '{url.get_backend_name()}' database: expected SQLite or PostgreSQL")
+        try:
+            url.get_dialect().import_dbapi()
+        except (ImportError, NoSuchModuleError):
+            hint = " (pip install 'burstctl[postgres]')" if url.get_backend_name() == "postgresql" else ""
+            raise ValueError(f"needs the '{url.drivername}' driver, which is not installed{hint}") from None
+        return v
 
 
 class Config(Strict):
@@ -283,7 +311,8 @@ class Config(Strict):
 
     def secret_env_names(self) -> list[str]:
         p = self.providers
-        names = [p.sim.api_key_env, p.lambda_.api_key_env, "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"]
+        names = [p.sim.api_key_env, p.lambda_.api_key_env, "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                 "PGPASSWORD"]
         return [n for n in names if n]
 
 

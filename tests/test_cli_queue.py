@@ -180,8 +180,13 @@ def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> No
         ("[providers.gcp]\nenabled = true\n", "providers.gcp"),
         ("[local]\nvram_gib = -4\n", "local.vram_gib"),
         ("[budget]\ncycle_gpu = 'TPU'\n", "(top level)"),
+        ("[state]\ndatabase_url = 'postgresql+psycopg://burst:sk-live-123@db/burstctl'\n", "state.database_url"),
+        ("[state]\ndatabase_url = 'not a url'\n", "state.database_url"),
+        ("[state]\ndatabase_url = 'mysql://burst@db/burstctl'\n", "state.database_url"),
+        ("[state]\ndatabase_url = 'postgresql+pg8000://burst@db/burstctl'\n", "state.database_url"),
     ],
-    ids=["bad-market", "inline-secret", "unknown-provider", "negative-vram", "unpriced-cycle-gpu"],
+    ids=["bad-market", "inline-secret", "unknown-provider", "negative-vram", "unpriced-cycle-gpu",
+         "database-password-inline", "database-url-unparsable", "database-not-supported", "database-driver-missing"],
 )
 def test_bad_config_exits_2_naming_the_field(burstctl, tmp_path: Path, text: str, field: str) -> None:
     cfg = tmp_path / "bad.toml"
@@ -191,6 +196,17 @@ def test_bad_config_exits_2_naming_the_field(burstctl, tmp_path: Path, text: str
     line = r.stderr.strip()
     assert "\n" not in line and str(cfg) in line and field in line, line
     assert "sk-live-123" not in line
+
+
+def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path: Path) -> None:
+    from tests.e2e import free_port
+
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(f"[state]\ndatabase_url = 'postgresql+psycopg://burst@127.0.0.1:{free_port()}/burstctl'\n")
+    r = burstctl("--config", str(cfg), "list")
+    line = r.stderr.strip()
+    assert r.returncode == 1 and "\n" not in line, line
+    assert str(cfg) in line and "state.database_url" in line and "cannot open the database" in line, line
 
 
 def test_unknown_job_is_bad_input(burstctl) -> None:

@@ -34,8 +34,10 @@ REPO = Path(__file__).resolve().parent.parent
 SIM_SECRET = "sk-PLANTED-sim-7f3e9a1c0b2d"
 AWS_SECRET = "PLANTED/aws+secret/9b8c7d6e5f4a3b2c1d0e"
 LAMBDA_SECRET = "PLANTED-lambda-4d5e6f7a8b9c"
-SECRETS = (SIM_SECRET, AWS_SECRET, LAMBDA_SECRET)
-ENV = {"BURSTCTL_SIM_API_KEY": SIM_SECRET, "AWS_SECRET_ACCESS_KEY": AWS_SECRET, "LAMBDA_API_KEY": LAMBDA_SECRET}
+PG_SECRET = "PLANTED-pg-2a3b4c5d6e7f"  # the database password, where libpq reads it (never in database_url)
+SECRETS = (SIM_SECRET, AWS_SECRET, LAMBDA_SECRET, PG_SECRET)
+ENV = {"BURSTCTL_SIM_API_KEY": SIM_SECRET, "AWS_SECRET_ACCESS_KEY": AWS_SECRET, "LAMBDA_API_KEY": LAMBDA_SECRET,
+       "PGPASSWORD": PG_SECRET}
 
 
 def run(config: Path, state: Path, *args: str) -> subprocess.CompletedProcess[str]:
