@@ -1,6 +1,7 @@
 """`burstctl daemon`: APScheduler drives the reconcile tick and the periodic orphan sweep.
 
-One daemon per state directory (an flock'd lock file holding its pid). SIGTERM/SIGINT stop the ticking and leave
+One daemon per state directory (an flock'd lock file holding its pid), and per database (on PostgreSQL, which
+several state directories can share, an advisory lock: `Store.daemon_lock`). SIGTERM/SIGINT stop the ticking and leave
 instances and jobs as they are: everything is in the database, and the next daemon adopts it.
 """
 
@@ -10,6 +11,7 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -78,62 +80,73 @@ def daemon_running(state_dir: Path) -> tuple[bool, int | None]:
 def run_daemon(app: App, *, tick_s: float | None = None, max_ticks: int | None = None,
                exit_when_idle: bool = False, on_tick: Callable[[int], None] | None = None) -> int:
     """Run until SIGTERM/SIGINT (or `max_ticks`, or no active work with `exit_when_idle`). Returns ticks run."""
-    from orchestrator.lifecycle.service import build_reconciler, has_active_work
-
     lock = DaemonLock(app.config.state_dir)
     lock.acquire()
-    stop = threading.Event()
-    ticks = 0
     try:
-        reconciler = build_reconciler(app)
-        tick_s = tick_s or app.config.daemon.tick_s
-        app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
-                        providers=sorted(reconciler.providers), mode=reconciler.mode())
-        scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
-                                      job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
-
-        def tick() -> None:
-            nonlocal ticks
-            if stop.is_set():
-                return
-            try:
-                reconciler.tick()
-            except Exception as exc:  # the loop survives a bad tick; the next one starts from the database
-                app.events.emit("daemon.tick_failed", error=f"{type(exc).__name__}: {exc}")
-            ticks += 1
-            if on_tick is not None:
-                on_tick(ticks)
-            if (max_ticks is not None and ticks >= max_ticks) or (exit_when_idle and not has_active_work(app)):
-                stop.set()
-                threading.Thread(target=scheduler.shutdown, kwargs={"wait": False}, daemon=True).start()
-
-        def sweep() -> None:
-            if stop.is_set():
-                return
-            try:
-                reconciler.sweep()
-            except Exception as exc:
-                app.events.emit("daemon.sweep_failed", error=f"{type(exc).__name__}: {exc}")
-
-        scheduler.add_job(tick, "interval", seconds=tick_s, id="tick", next_run_time=_now_dt())
-        scheduler.add_job(sweep, "interval", seconds=app.config.daemon.sweep_s, id="sweep",
-                          next_run_time=_now_dt())
-
-        def on_signal(signum: int, _frame: Any) -> None:
-            stop.set()
-            app.events.emit("daemon.stopping", signal=signal.Signals(signum).name)
-            threading.Thread(target=scheduler.shutdown, kwargs={"wait": True}, daemon=True).start()
-
-        old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            scheduler.start()
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-        app.events.emit("daemon.stopped", ticks=ticks)
-        return ticks
+        with app.store.daemon_lock() as ours:
+            if not ours:
+                raise OperationalError("another daemon holds this database's lock (its state directory is elsewhere):"
+                                       " one daemon per database")
+            app.store.set_setting("daemon", {"pid": os.getpid(), "host": socket.gethostname(),
+                                             "started_at": time.time()})
+            return _run(app, tick_s=tick_s, max_ticks=max_ticks, exit_when_idle=exit_when_idle, on_tick=on_tick)
     finally:
         lock.release()
+
+
+def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idle: bool,
+         on_tick: Callable[[int], None] | None) -> int:
+    from orchestrator.lifecycle.service import build_reconciler, has_active_work
+
+    stop = threading.Event()
+    ticks = 0
+    reconciler = build_reconciler(app)
+    tick_s = tick_s or app.config.daemon.tick_s
+    app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
+                    providers=sorted(reconciler.providers), mode=reconciler.mode())
+    scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
+                                  job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
+
+    def tick() -> None:
+        nonlocal ticks
+        if stop.is_set():
+            return
+        try:
+            reconciler.tick()
+        except Exception as exc:  # the loop survives a bad tick; the next one starts from the database
+            app.events.emit("daemon.tick_failed", error=f"{type(exc).__name__}: {exc}")
+        ticks += 1
+        if on_tick is not None:
+            on_tick(ticks)
+        if (max_ticks is not None and ticks >= max_ticks) or (exit_when_idle and not has_active_work(app)):
+            stop.set()
+            threading.Thread(target=scheduler.shutdown, kwargs={"wait": False}, daemon=True).start()
+
+    def sweep() -> None:
+        if stop.is_set():
+            return
+        try:
+            reconciler.sweep()
+        except Exception as exc:
+            app.events.emit("daemon.sweep_failed", error=f"{type(exc).__name__}: {exc}")
+
+    scheduler.add_job(tick, "interval", seconds=tick_s, id="tick", next_run_time=_now_dt())
+    scheduler.add_job(sweep, "interval", seconds=app.config.daemon.sweep_s, id="sweep",
+                      next_run_time=_now_dt())
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop.set()
+        app.events.emit("daemon.stopping", signal=signal.Signals(signum).name)
+        threading.Thread(target=scheduler.shutdown, kwargs={"wait": True}, daemon=True).start()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        scheduler.start()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    app.events.emit("daemon.stopped", ticks=ticks)
+    return ticks
 
 
 def _now_dt() -> Any:

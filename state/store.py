@@ -18,6 +18,9 @@ from sqlalchemy.engine import make_url
 
 from state import schema as s
 
+_MIGRATION_LOCK_KEY = 7216019  # PostgreSQL advisory lock keys of this application
+_DAEMON_LOCK_KEY = 7216020
+
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
@@ -68,7 +71,7 @@ class Store:
                 # write lock now (others wait on busy_timeout), so reading the version and migrating are one step.
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
             elif self.engine.dialect.name == "postgresql":
-                conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7216019)")  # released at commit
+                conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_KEY})")  # released at commit
             have = s.current_version(conn)
             for version, step in s.MIGRATIONS:
                 if version > have:
@@ -80,6 +83,35 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    # --- one daemon per database ----------------------------------------------------------------------
+    @contextmanager
+    def daemon_lock(self) -> Iterator[bool]:
+        """Held for a daemon's lifetime. PostgreSQL: a session advisory lock on a connection of its own, which
+        the server drops with the connection, as the kernel drops a dead daemon's flock; yields False if another
+        daemon holds it. Two daemons on one database would both launch each queued job. SQLite: yields True; its
+        file lives in the state directory, whose flock already admits one daemon."""
+        if self.engine.dialect.name != "postgresql":
+            yield True
+            return
+        with self.engine.connect() as conn:
+            got = bool(conn.exec_driver_sql(f"SELECT pg_try_advisory_lock({_DAEMON_LOCK_KEY})").scalar())
+            conn.commit()  # a session lock outlives the transaction; nothing is left open on the server
+            try:
+                yield got
+            finally:
+                if got:
+                    conn.exec_driver_sql(f"SELECT pg_advisory_unlock({_DAEMON_LOCK_KEY})")
+                    conn.commit()
+
+    def daemon_lock_held(self) -> bool | None:
+        """Whether some daemon holds the database's lock (PostgreSQL); None where the store has no such lock."""
+        if self.engine.dialect.name != "postgresql":
+            return None
+        with self.engine.connect() as conn:
+            return bool(conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 0 "
+                f"AND objid = {_DAEMON_LOCK_KEY} AND objsubid = 1").scalar())
 
     # --- jobs -----------------------------------------------------------------------------------------
     def insert_job(self, row: dict[str, Any], conn: Connection | None = None) -> None:

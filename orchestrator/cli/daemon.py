@@ -36,6 +36,10 @@ def daemon_cmd(app: App, tick_s: float | None, max_ticks: int | None, exit_when_
 
 def status_data(app: App) -> dict[str, Any]:
     running, pid = daemon_running(app.config.state_dir)
+    host = None
+    if not running and app.store.daemon_lock_held():  # a daemon on this database from another state directory
+        seen = app.store.get_setting("daemon", {})
+        running, pid, host = True, seen.get("pid"), seen.get("host")
     now = time.time()
     with app.store.engine.connect() as c:
         attempts = [dict(r) for r in c.execute(select(s.attempts).where(
@@ -46,7 +50,7 @@ def status_data(app: App) -> dict[str, Any]:
     active_states = (JobState.QUEUED, JobState.RUNNING, JobState.RESUMING, JobState.AWAITING_APPROVAL,
                      JobState.BLOCKED)
     return {
-        "daemon": {"running": running, "pid": pid},
+        "daemon": {"running": running, "pid": pid, **({"host": host} if host else {})},
         "mode": _mode(app),
         "cloud_health": app.store.get_setting("cloud_health", {}),
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
@@ -93,7 +97,8 @@ def status_cmd(app: App, as_json: bool) -> None:
         print_json(d)
         return
     dmn = d["daemon"]
-    out.print(f"daemon: {'running (pid ' + str(dmn['pid']) + ')' if dmn['running'] else 'not running'}")
+    where = f" on {dmn['host']}" if dmn.get("host") else ""
+    out.print(f"daemon: running (pid {dmn['pid']}{where})" if dmn["running"] else "daemon: not running")
     mode = d["mode"]
     out.print(f"mode: [bold]{mode}[/bold]" + ("  (revert-local is in force; `burstctl burst-enable` lifts it)"
                                               if mode == "local-only" else ""))
