@@ -97,3 +97,33 @@ class EventLog:
 def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(data, default=str))
 
+
+
+class EventTail:
+    """New events since the last poll, for `burstctl events --follow`, on any store.
+
+    Event ids come from the database in insert order, but transactions commit in their own order: on PostgreSQL
+    an event can become visible after one with a higher id was already printed. Reading only `id > last printed`
+    would skip it for good. So each poll re-reads the ids printed in the last `grace_s` seconds and prints only
+    the ones not yet printed; an event whose transaction stayed open longer than that can still be missed
+    (burstctl's transactions last milliseconds). SQLite serialises writers, so there the re-read finds nothing.
+    """
+
+    def __init__(self, store: Store, *, job_id: str | None = None, type_prefix: str | None = None,
+                 after_id: int = 0, grace_s: float = 10.0, clock: Any = time.monotonic):
+        self.store, self.job_id, self.type_prefix = store, job_id, type_prefix
+        self.grace_s, self.clock = grace_s, clock
+        self.settled = after_id  # every event at or below this id has been printed, or is given up on
+        self.recent: dict[int, float] = {}  # ids above `settled` already printed -> when
+
+    def poll(self) -> list[dict[str, Any]]:
+        now = self.clock()
+        new = [e for e in self.store.events(after_id=self.settled, job_id=self.job_id, type_prefix=self.type_prefix)
+               if e["id"] not in self.recent]
+        for e in new:
+            self.recent[e["id"]] = now
+        old = [i for i, seen in self.recent.items() if now - seen > self.grace_s]
+        if old:
+            self.settled = max(old)
+            self.recent = {i: seen for i, seen in self.recent.items() if i > self.settled}
+        return new

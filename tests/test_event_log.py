@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.events import EventLog, Redactor
+from orchestrator.events import EventLog, EventTail, Redactor
 from providers.base import RetryPolicy, Throttled, call
 from state.store import Store
 
@@ -63,3 +63,39 @@ def test_other_provider_events_are_kept(tmp_path: Path, log: tuple[EventLog, io.
     events, _, store = log
     events.provider_sink("provider.launched", provider="ec2", instance="i-1")
     assert kept(tmp_path, store) == (["provider.launched"], ["provider.launched"])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_following_prints_each_event_once_and_forgets_what_is_settled(db_url: str) -> None:
+    store, clock = Store(db_url), Clock()
+    tail = EventTail(store, clock=clock, grace_s=10.0)
+    ids = [store.append_event(f"job.e{i}", {}) for i in range(3)]
+    assert [e["id"] for e in tail.poll()] == ids
+    assert tail.poll() == []
+    clock.now = 11.0
+    assert tail.poll() == [] and tail.settled == ids[-1] and tail.recent == {}
+    later = store.append_event("job.e3", {})
+    assert [e["id"] for e in tail.poll()] == [later]
+    store.close()
+
+
+def test_following_prints_an_event_that_commits_after_a_later_one(postgres_server) -> None:
+    # On PostgreSQL ids are handed out at insert and made visible at commit, in the writers' own order.
+    store, clock = Store(postgres_server.new_database()), Clock()
+    tail = EventTail(store, clock=clock, grace_s=10.0)
+    with store.engine.begin() as slow:  # e.g. the daemon's tick, still writing
+        first = store.append_event("job.slow", {}, conn=slow)
+        second = store.append_event("job.fast", {})  # e.g. `burstctl cancel`, committed at once
+        assert second > first
+        assert [e["type"] for e in tail.poll()] == ["job.fast"]
+    assert store.events(after_id=second) == []  # what reading past the last printed id would have seen
+    assert [e["type"] for e in tail.poll()] == ["job.slow"]
+    assert tail.poll() == []
+    store.close()

@@ -14,6 +14,7 @@ from orchestrator.app import App
 from orchestrator.cli.base import cli, fmt_h, fmt_usd, json_option, out, pass_app, print_json, table
 from orchestrator.core.budget import BudgetView, cycle_prices, month_key
 from orchestrator.errors import BadInput
+from orchestrator.events import EventTail
 from orchestrator.lifecycle.states import JobState, check_transition
 from orchestrator.queue import enqueue
 
@@ -196,24 +197,22 @@ def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | N
     evs = app.store.events(job_id=job_id, type_prefix=type_prefix)
     if limit:
         evs = evs[-limit:]
-    last = _print_events(evs, as_json, 0)
+    _print_events(evs, as_json)
     if not follow:
         return
+    tail = EventTail(app.store, job_id=job_id, type_prefix=type_prefix, after_id=evs[-1]["id"] if evs else 0)
     try:
         while True:
             time.sleep(interval)
-            last = _print_events(app.store.events(after_id=last, job_id=job_id, type_prefix=type_prefix),
-                                 as_json, last)
+            _print_events(tail.poll(), as_json)
     except KeyboardInterrupt:
         return
 
 
-def _print_events(evs: list[dict[str, Any]], as_json: bool, last: int) -> int:
+def _print_events(evs: list[dict[str, Any]], as_json: bool) -> None:
     for e in evs:
         if as_json:
             click.echo(json.dumps(_event_public(e), default=str))
         else:
             ids = " ".join(f"{k}={v}" for k, v in (("job", e["job_id"]), ("attempt", e["attempt_id"])) if v)
             click.echo(f"{_when(e['ts'])}  {e['type']:<22} {ids} {_short(e['data'], 120)}")
-        last = e["id"]
-    return last
