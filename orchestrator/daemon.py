@@ -23,6 +23,7 @@ from apscheduler.schedulers.blocking import BlockingScheduler
 
 from orchestrator.app import App
 from orchestrator.errors import OperationalError
+from state.store import DaemonLease
 
 LOCK_NAME = "daemon.lock"
 
@@ -83,19 +84,25 @@ def run_daemon(app: App, *, tick_s: float | None = None, max_ticks: int | None =
     lock = DaemonLock(app.config.state_dir)
     lock.acquire()
     try:
-        with app.store.daemon_lock() as ours:
-            if not ours:
+        with app.store.daemon_lock() as lease:
+            if not lease.ours:
                 raise OperationalError("another daemon holds this database's lock (its state directory is elsewhere):"
                                        " one daemon per database")
             app.store.set_setting("daemon", {"pid": os.getpid(), "host": socket.gethostname(),
                                              "started_at": time.time()})
-            return _run(app, tick_s=tick_s, max_ticks=max_ticks, exit_when_idle=exit_when_idle, on_tick=on_tick)
+            lost = threading.Event()
+            ticks = _run(app, tick_s=tick_s, max_ticks=max_ticks, exit_when_idle=exit_when_idle, on_tick=on_tick,
+                         lease=lease, lost=lost)
+            if lost.is_set():
+                raise OperationalError("lost this database's daemon lock (the server ended its session): stopped, "
+                                       "so that two daemons never run on one database; start it again")
+            return ticks
     finally:
         lock.release()
 
 
 def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idle: bool,
-         on_tick: Callable[[int], None] | None) -> int:
+         on_tick: Callable[[int], None] | None, lease: DaemonLease, lost: threading.Event) -> int:
     from orchestrator.lifecycle.service import build_reconciler, has_active_work
 
     stop = threading.Event()
@@ -110,6 +117,12 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
     def tick() -> None:
         nonlocal ticks
         if stop.is_set():
+            return
+        if not app.store.still_holds(lease):  # checked before acting: another daemon may hold it by now
+            lost.set()
+            app.events.emit("daemon.lock_lost")
+            stop.set()
+            threading.Thread(target=scheduler.shutdown, kwargs={"wait": False}, daemon=True).start()
             return
         try:
             reconciler.tick()

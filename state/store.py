@@ -6,20 +6,23 @@ writers wait for each other instead of failing. Any SQLAlchemy URL works (Postgr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, func, insert, inspect, select, update
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 from state import schema as s
 
-_MIGRATION_LOCK_KEY = 7216019  # PostgreSQL advisory lock keys of this application
-_DAEMON_LOCK_KEY = 7216020
+MIGRATION_LOCK_KEY = 7216019  # PostgreSQL advisory lock keys of this application
+DAEMON_LOCK_KEY = 7216020
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -36,6 +39,15 @@ def _ensure_private_file(path: Path) -> None:
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     os.close(fd)
     os.chmod(path, 0o600)
+
+
+@dataclass(frozen=True)
+class DaemonLease:
+    """What `Store.daemon_lock` yields: whether this daemon holds the database's lock, and (PostgreSQL) the server
+    session that holds it for it."""
+
+    ours: bool
+    session: int | None = None
 
 
 class Store:
@@ -71,7 +83,7 @@ class Store:
                 # write lock now (others wait on busy_timeout), so reading the version and migrating are one step.
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
             elif self.engine.dialect.name == "postgresql":
-                conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_KEY})")  # released at commit
+                conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")  # released at commit
             have = s.current_version(conn)
             for version, step in s.MIGRATIONS:
                 if version > have:
@@ -86,32 +98,41 @@ class Store:
 
     # --- one daemon per database ----------------------------------------------------------------------
     @contextmanager
-    def daemon_lock(self) -> Iterator[bool]:
+    def daemon_lock(self) -> Iterator[DaemonLease]:
         """Held for a daemon's lifetime. PostgreSQL: a session advisory lock on a connection of its own, which
-        the server drops with the connection, as the kernel drops a dead daemon's flock; yields False if another
-        daemon holds it. Two daemons on one database would both launch each queued job. SQLite: yields True; its
+        the server drops with the connection, as the kernel drops a dead daemon's flock; not `ours` if another
+        daemon holds it. Two daemons on one database would both launch each queued job. SQLite: always ours; its
         file lives in the state directory, whose flock already admits one daemon."""
         if self.engine.dialect.name != "postgresql":
-            yield True
+            yield DaemonLease(ours=True)
             return
         with self.engine.connect() as conn:
-            got = bool(conn.exec_driver_sql(f"SELECT pg_try_advisory_lock({_DAEMON_LOCK_KEY})").scalar())
+            got = bool(conn.exec_driver_sql(f"SELECT pg_try_advisory_lock({DAEMON_LOCK_KEY})").scalar())
+            session = int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar() or 0)
             conn.commit()  # a session lock outlives the transaction; nothing is left open on the server
             try:
-                yield got
+                yield DaemonLease(ours=got, session=session if got else None)
             finally:
-                if got:
-                    conn.exec_driver_sql(f"SELECT pg_advisory_unlock({_DAEMON_LOCK_KEY})")
-                    conn.commit()
+                if got and not conn.invalidated:
+                    with contextlib.suppress(DBAPIError):  # the session is gone already, and the lock with it
+                        conn.exec_driver_sql(f"SELECT pg_advisory_unlock({DAEMON_LOCK_KEY})")
+                        conn.commit()
 
-    def daemon_lock_held(self) -> bool | None:
-        """Whether some daemon holds the database's lock (PostgreSQL); None where the store has no such lock."""
+    def daemon_lock_holder(self) -> int | None:
+        """PostgreSQL: the server session (backend pid) holding the daemon lock, None if no daemon holds it; always
+        None on SQLite, which has no such lock."""
         if self.engine.dialect.name != "postgresql":
             return None
         with self.engine.connect() as conn:
-            return bool(conn.exec_driver_sql(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 0 "
-                f"AND objid = {_DAEMON_LOCK_KEY} AND objsubid = 1").scalar())
+            pid = conn.exec_driver_sql(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 0 "
+                f"AND objid = {DAEMON_LOCK_KEY} AND objsubid = 1").scalar()
+        return None if pid is None else int(pid)
+
+    def still_holds(self, lease: DaemonLease) -> bool:
+        """Whether the lease is still this daemon's: on PostgreSQL the server can end its session (a restart, an
+        administrator), and with it the lock, while the daemon runs on."""
+        return lease.session is None or self.daemon_lock_holder() == lease.session
 
     # --- jobs -----------------------------------------------------------------------------------------
     def insert_job(self, row: dict[str, Any], conn: Connection | None = None) -> None:

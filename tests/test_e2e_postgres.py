@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from state.store import DAEMON_LOCK_KEY
 from tests.e2e import Daemon, cli, events, wait_for, write_config
 
 pytestmark = pytest.mark.slow
@@ -44,3 +45,22 @@ def test_a_killed_daemons_database_lock_goes_with_it(tmp_path: Path, postgres_se
     r = wait_for(lambda: (res := cli(config, tmp_path / "state-b", "daemon", "--max-ticks", "1")).returncode == 0
                  and res, 30, "the lock to be free")
     assert r.returncode == 0
+
+
+def test_a_daemon_whose_lock_the_server_ends_stops_rather_than_run_unguarded(tmp_path: Path, postgres_server) -> None:
+    import psycopg
+
+    url = postgres_server.new_database()
+    config = write_config(tmp_path, None, state={"database_url": url})
+    state = tmp_path / "state"
+    daemon = Daemon(tmp_path, config, state).start()
+    wait_for(lambda: events(state, "daemon.started"), 60, "the daemon to start")
+    # What a server restart or an administrator does: end the session that holds the lock.
+    with psycopg.connect(host="127.0.0.1", port=postgres_server.port, user="burst", dbname="postgres",
+                         autocommit=True) as c:
+        ended = c.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                          f"AND objid = {DAEMON_LOCK_KEY}").fetchall()
+    assert ended == [(True,)]
+    assert daemon.proc.wait(60) == 1
+    assert events(state, "daemon.lock_lost")
+    assert "lost this database's daemon lock" in (tmp_path / "daemon-1.log").read_text()

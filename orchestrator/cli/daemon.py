@@ -37,7 +37,7 @@ def daemon_cmd(app: App, tick_s: float | None, max_ticks: int | None, exit_when_
 def status_data(app: App) -> dict[str, Any]:
     running, pid = daemon_running(app.config.state_dir)
     host = None
-    if not running and app.store.daemon_lock_held():  # a daemon on this database from another state directory
+    if not running and app.store.daemon_lock_holder() is not None:  # a daemon on this database, elsewhere
         seen = app.store.get_setting("daemon", {})
         running, pid, host = True, seen.get("pid"), seen.get("host")
     now = time.time()
