@@ -1,6 +1,6 @@
 """Scheduler tick time against queue size: 100, 1,000 and 10,000 queued jobs (run by hand).
 
-    .venv/bin/python benchmarks/tick.py [--sizes 100 1000 10000] [--ticks 30]
+    .venv/bin/python benchmarks/tick.py [--sizes 100 1000 10000] [--ticks 30] [--postgres] [--measurements N]
 
 The scheduling half of a tick is what grows with the queue: it reads the queued jobs in deadline order (only as
 many as there are free slots), and re-decides up to `daemon.redecide_per_tick` blocked jobs. Here every slot is
@@ -8,12 +8,16 @@ taken (the cloud slots by running attempts, the local slot is configured to 0), 
 the rest are queued, the steady state of a long queue. Attempt steps are not included: they scale with the number
 of *running* attempts (bounded by `max_cloud_attempts`), not with the queue.
 Reported: median tick in ms per size, and the growth against the smallest size measured in the same run.
+`--measurements N` keeps N measured throughputs of other job names first (each cloud run keeps one), as after
+months of use. `--postgres` measures each size on PostgreSQL too (a private server started as the tests start it,
+tests/postgres.py, on 127.0.0.1 with fsync off), as a ratio to SQLite's tick in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +29,7 @@ from orchestrator.lifecycle.reconcile import Reconciler
 from state import schema as s
 
 
-def populate(app: App, n: int) -> None:
+def populate(app: App, n: int, measurements: int = 0) -> None:
     now = time.time()
     decision = {"verdict": "burst", "action": "burst", "fits_locally": False, "plan": [], "t_rented_h": 1.0,
                 "overhead_h": 0.5, "reasons": []}
@@ -41,18 +45,23 @@ def populate(app: App, n: int) -> None:
                      "deadline_at": now + 3600 * (24 + i % 100), "created_at": now, "updated_at": now})
     with app.store.tx() as c:
         c.execute(insert(s.jobs), rows)
+        if measurements:  # months of finished cloud runs: measured s_R of many job names
+            c.execute(insert(s.measurements), [
+                {"ts": now, "provider": "sim", "instance_type": f"H100:old-job-{i % 2000}",
+                 "metric": "throughput_units_h", "value": 1.0} for i in range(measurements)])
         for k in range(app.config.daemon.max_cloud_attempts):  # every cloud slot busy
             c.execute(insert(s.attempts).values(id=f"j{k:06d}-a1", job_id=f"j{k:06d}", n=1, where="cloud",
                                                 state="running", provider="sim", info={}, created_at=now))
 
 
-def measure(n: int, ticks: int) -> float:
+def measure(n: int, ticks: int, database_url: str | None = None, measurements: int = 0) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "burstctl.toml"
         # The budget is spent, so blocked jobs stay blocked when re-decided: the steady state of a long queue.
-        cfg.write_text("[daemon]\nlocal_concurrency = 0\n[budget]\nmonthly_cap_usd = 0\n")
+        store = f'[state]\ndatabase_url = "{database_url}"\n' if database_url else ""
+        cfg.write_text("[daemon]\nlocal_concurrency = 0\n[budget]\nmonthly_cap_usd = 0\n" + store)
         app = App(config_path=str(cfg), state_dir_override=str(Path(tmp) / "state"))
-        populate(app, n)
+        populate(app, n, measurements)
         rec = Reconciler(app, {}, cloud=None)
         times = []
         for _ in range(ticks):
@@ -67,12 +76,31 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
     p.add_argument("--ticks", type=int, default=30)
+    p.add_argument("--postgres", action="store_true", help="also on a private PostgreSQL server")
+    p.add_argument("--measurements", type=int, default=0, help="rows of measured s_R already kept (other jobs)")
     a = p.parse_args()
-    results = {n: measure(n, a.ticks) for n in a.sizes}
+    results = {n: measure(n, a.ticks, measurements=a.measurements) for n in a.sizes}
     base = results[a.sizes[0]]
-    print(f"{'queued jobs':>12} {'median tick':>12} {'vs ' + str(a.sizes[0]):>10}")
+    on_pg: dict[int, float] = {}
+    if a.postgres:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tests.postgres import PostgresServer, find_bin_dir
+
+        bin_dir = find_bin_dir()
+        if bin_dir is None:
+            raise SystemExit("--postgres: PostgreSQL's initdb/pg_ctl not found")
+        server = PostgresServer(bin_dir).start()
+        try:
+            on_pg = {n: measure(n, a.ticks, server.new_database(), a.measurements) for n in a.sizes}
+        finally:
+            server.stop()
+    head = f"{'queued jobs':>12} {'median tick':>12} {'vs ' + str(a.sizes[0]):>10}"
+    print(head + (f" {'PostgreSQL':>12} {'vs SQLite':>10}" if on_pg else ""))
     for n, t in results.items():
-        print(f"{n:>12,} {t * 1000:>10.2f} ms {t / base:>9.2f}×")
+        row = f"{n:>12,} {t * 1000:>10.2f} ms {t / base:>9.2f}×"
+        if on_pg:
+            row += f" {on_pg[n] * 1000:>10.2f} ms {on_pg[n] / t:>9.2f}×"
+        print(row)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -113,26 +114,45 @@ def context(app: App, now: float) -> DecisionContext:
     )
 
 
-def measured_rented_throughput(app: App, job_name: str, recent: int = 10) -> dict[str, float]:
-    """s_R per GPU type as measured on this job name's earlier cloud runs (median of the recent ones)."""
+def throughput_key(gpu: str, job_name: str) -> str:
+    """Where a job name's measured s_R on a GPU type is kept (`measurements.instance_type`, 64 characters)."""
+    return f"{gpu}:{job_name}"[:64]
+
+
+def measured_rented_throughputs(app: App, gpus_by_name: Mapping[str, Iterable[str]], recent: int = 10
+                                ) -> dict[str, dict[str, float]]:
+    """s_R per GPU type as measured on each job name's earlier cloud runs (median of the recent ones), for the GPU
+    types each name's spec lists: one query for a whole batch of jobs, by exact key."""
     from statistics import median
 
     from sqlalchemy import select
 
     from state import schema as s
 
-    suffix = f":{job_name}"
-    by_gpu: dict[str, list[float]] = {}
+    wanted: dict[str, list[tuple[str, str]]] = {}  # key -> (name, gpu); two long names can share a key
+    for name, gpus in gpus_by_name.items():
+        for gpu in gpus:
+            wanted.setdefault(throughput_key(gpu, name), []).append((name, gpu))
+    if not wanted:
+        return {}
     with app.store.engine.connect() as c:
-        rows = c.execute(select(s.measurements.c.instance_type, s.measurements.c.value)
+        # Newest first, sorted here: ORDER BY id in SQL makes SQLite walk the (metric, id) index through every
+        # job's rows instead of looking up these keys in (metric, instance_type).
+        rows = c.execute(select(s.measurements.c.id, s.measurements.c.instance_type, s.measurements.c.value)
                          .where(s.measurements.c.metric == "throughput_units_h",
-                                s.measurements.c.instance_type.endswith(suffix))
-                         .order_by(s.measurements.c.id.desc())).all()
-    for key, value in rows:
-        values = by_gpu.setdefault(key[: -len(suffix)], [])
-        if len(values) < recent:
-            values.append(value)
-    return {gpu: median(v) for gpu, v in by_gpu.items()}
+                                s.measurements.c.instance_type.in_(list(wanted)))).all()
+    seen: dict[str, dict[str, list[float]]] = {}
+    for _, key, value in sorted(rows, reverse=True):
+        for name, gpu in wanted[key]:
+            values = seen.setdefault(name, {}).setdefault(gpu, [])
+            if len(values) < recent:
+                values.append(value)
+    return {name: {gpu: median(v) for gpu, v in by_gpu.items()} for name, by_gpu in seen.items()}
+
+
+def measured_rented_throughput(app: App, spec: JobSpec) -> dict[str, float]:
+    """s_R per GPU type measured on this job name's earlier cloud runs, for the GPU types its spec lists."""
+    return measured_rented_throughputs(app, {spec.name: spec.rented_throughput}).get(spec.name, {})
 
 
 def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: str | Path | None = None,
@@ -172,7 +192,7 @@ def enqueue(app: App, path: str | Path, now: float | None = None) -> tuple[str, 
     now = time.time() if now is None else now
     spec, deadline_at = load_job(path, now)
     cfg = app.config
-    job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec.name))
+    job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec))
     decision = decide(job, context(app, now))
     d = decision.to_dict()
     job_id = new_job_id()
@@ -209,11 +229,14 @@ def spec_of(job: dict[str, Any]) -> JobSpec:
     return JobSpec.model_validate(data)
 
 
-def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None) -> str | None:
-    """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state."""
+def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,
+               measured: dict[str, float] | None = None) -> str | None:
+    """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state.
+    `measured`: its name's measured s_R when the caller read it for a batch (else read here)."""
     spec = spec_of(job)
-    decision = decide(facts(spec, job["deadline_at"], now, app.config,
-                            measured=measured_rented_throughput(app, spec.name)), ctx)
+    if measured is None:
+        measured = measured_rented_throughput(app, spec)
+    decision = decide(facts(spec, job["deadline_at"], now, app.config, measured=measured), ctx)
     target = STATE_FOR_ACTION[decision.action]
     if target.value == job["state"]:
         return None

@@ -189,6 +189,15 @@ def _v5(conn: Connection) -> None:
     spot_region_listings.create(conn, checkfirst=True)
 
 
+def _v6(conn: Connection) -> None:
+    # Every decision reads the newest few of each t_ovh part, and a batch of re-decisions its jobs' measured s_R:
+    # by metric, not by provider. Without these each read scanned the table, which grows with every run
+    # (benchmarks/tick.py --measurements).
+    conn.execute(text("CREATE INDEX IF NOT EXISTS ix_measurements_metric_id ON measurements (metric, id)"))
+    conn.execute(text("CREATE INDEX IF NOT EXISTS ix_measurements_metric_type ON measurements "
+                      "(metric, instance_type)"))
+
+
 # (version, migration). Each runs once, in order, inside a transaction.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _v1),
@@ -196,6 +205,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (3, _v3),
     (4, _v4),
     (5, _v5),
+    (6, _v6),
 ]
 
 

@@ -111,10 +111,10 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path, backend: s
         assert abs(r["cost_usd"] - b["cost_usd"]) <= b["rate_usd_h"] * 1.5 / 3600
     # The trainer's measured throughput is kept as this job's s_R on that GPU type, for its next decision.
     from orchestrator.app import App
-    from orchestrator.queue import measured_rented_throughput
+    from orchestrator.queue import measured_rented_throughputs
 
     app = App(state_dir_override=str(state))
-    assert measured_rented_throughput(app, "trainer").get("H100", 0) > 0
+    assert measured_rented_throughputs(app, {"trainer": ["H100"]})["trainer"]["H100"] > 0
     app.close()
     record = Path(job(state, job_id)["record_path"]).read_text()
     assert "preemption(s)" in record and "_(filled in after the run)_" not in record

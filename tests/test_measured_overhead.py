@@ -35,7 +35,7 @@ def test_a_jobs_measured_cloud_throughput_replaces_its_guess_in_later_decisions(
     app = App(state_dir_override=str(tmp_path / "state"))
     spec = JobSpec.model_validate({"name": "weekly-finetune", "command": ["true"], "deadline_hours": 10,
                                    "local_throughput": 0, "rented_throughput": {"H100": 0.17, "A100": 0.09}})
-    assert facts(spec, 36000.0, 0.0, app.config, measured=measured_rented_throughput(app, spec.name)).rented == \
+    assert facts(spec, 36000.0, 0.0, app.config, measured=measured_rented_throughput(app, spec)).rented == \
         {"H100": 0.17, "A100": 0.09}
     with app.store.tx() as c:
         for v in (0.21, 0.25, 0.23):
@@ -43,8 +43,27 @@ def test_a_jobs_measured_cloud_throughput_replaces_its_guess_in_later_decisions(
                                                     metric="throughput_units_h", value=v))
         c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type="H100:another-job",
                                                 metric="throughput_units_h", value=9.0))
-    measured = measured_rented_throughput(app, spec.name)
+    measured = measured_rented_throughput(app, spec)
     assert measured == {"H100": pytest.approx(0.23)}
     assert facts(spec, 36000.0, 0.0, app.config, measured=measured).rented == {"H100": pytest.approx(0.23),
                                                                                "A100": 0.09}
+    app.close()
+
+
+def test_a_long_job_names_measured_throughput_is_found_under_its_kept_key(tmp_path: Path) -> None:
+    # The key is kept to the column's 64 characters; a lookup by the untruncated name used to miss it.
+    from orchestrator.jobspec import JobSpec
+    from orchestrator.queue import measured_rented_throughput, measured_rented_throughputs, throughput_key
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    name, gpu = "grpo-qwen2.5-7b-instruct-math-lora-r64-weekly-v2", "RTX-PRO-6000-Blackwell-96GB"
+    spec = JobSpec.model_validate({"name": name, "command": ["true"], "deadline_hours": 10,
+                                   "local_throughput": 0, "rented_throughput": {gpu: 0.17}})
+    assert len(f"{gpu}:{name}") > 64
+    with app.store.tx() as c:
+        c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type=throughput_key(gpu, name),
+                                                metric="throughput_units_h", value=0.3))
+    assert measured_rented_throughput(app, spec) == {gpu: pytest.approx(0.3)}
+    # A batch reads every name's figures at once; names with nothing measured are absent.
+    assert measured_rented_throughputs(app, {name: [gpu, "A100"], "other": [gpu]}) == {name: {gpu: pytest.approx(0.3)}}
     app.close()

@@ -57,7 +57,7 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
         if given:
             raise BadInput(f"{', '.join(given)} cannot be combined with a job file; edit the file instead")
         spec, deadline_at = load_job(job_file, now)
-        job = facts(spec, deadline_at, now, app.config, job_file, measured_rented_throughput(app, spec.name))
+        job = facts(spec, deadline_at, now, app.config, job_file, measured_rented_throughput(app, spec))
         ctx = context(app, now)
         if overhead_h is not None:
             _positive("--overhead-h", overhead_h, allow_zero=True)

@@ -35,7 +35,7 @@ from orchestrator.lifecycle.market_switch import (
 )
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
-from orchestrator.queue import burst_enabled
+from orchestrator.queue import burst_enabled, throughput_key
 from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
     LAUNCH_REFUSALS,
@@ -255,7 +255,7 @@ class Reconciler:
 
     def _redecide_blocked(self, now: float) -> None:
         """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
-        from orchestrator.queue import context, reconsider
+        from orchestrator.queue import context, measured_rented_throughputs, reconsider
 
         with self.store.engine.connect() as c:
             blocked = [dict(r) for r in c.execute(
@@ -264,11 +264,15 @@ class Reconciler:
         if not blocked:
             return
         ctx = context(self.app, now)
+        due = [job for job in blocked if job["spec"].get("_retry_at", 0) <= now]
+        # Measured s_R for the whole batch in one query (not one per job).
+        measured = measured_rented_throughputs(self.app, {job["name"]: job["spec"].get("rented_throughput", {})
+                                                          for job in due})
         # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
         # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
         with self.store.tx() as conn:
-            unchanged = [job["id"] for job in blocked
-                         if job["spec"].get("_retry_at", 0) > now or reconsider(self.app, job, ctx, now, conn) is None]
+            unchanged = [job["id"] for job in blocked if job["spec"].get("_retry_at", 0) > now
+                         or reconsider(self.app, job, ctx, now, conn, measured.get(job["name"], {})) is None]
             if unchanged:
                 conn.execute(update(s.jobs).where(s.jobs.c.id.in_(unchanged)).values(updated_at=now))
 
@@ -769,7 +773,7 @@ class Reconciler:
             # Measured s_R (per GPU) for this job's name on this GPU type: later decisions of the same job use it.
             with self.store.tx() as conn:
                 conn.execute(insert(s.measurements).values(
-                    ts=self.clock(), provider=att["provider"], instance_type=f"{info['gpu']}:{job['name']}"[:64],
+                    ts=self.clock(), provider=att["provider"], instance_type=throughput_key(info["gpu"], job["name"]),
                     metric="throughput_units_h", value=float(speed) / max(1, int(job["spec"].get("gpus", 1)))))
         self._stop(att, job, provider, "completed", outcome=A.SUCCEEDED, info=info)
 
