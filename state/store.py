@@ -194,16 +194,23 @@ class Store:
             return int(c.execute(insert(s.events).values(**values)).inserted_primary_key[0])
 
     def events(self, *, after_id: int = 0, job_id: str | None = None, type_prefix: str | None = None,
-               limit: int | None = None) -> list[dict[str, Any]]:
-        q = select(s.events).where(s.events.c.id > after_id).order_by(s.events.c.id)
+               limit: int | None = None, newest: int | None = None) -> list[dict[str, Any]]:
+        """Events in id order: the first `limit` after `after_id`, or only the `newest` ones (read from the end,
+        so months of events cost nothing)."""
+        q = select(s.events).where(s.events.c.id > after_id)
         if job_id:
             q = q.where(s.events.c.job_id == job_id)
         if type_prefix:
             q = q.where(s.events.c.type.startswith(type_prefix))
-        if limit:
-            q = q.limit(limit)
+        if newest:
+            q = q.order_by(s.events.c.id.desc()).limit(newest)
+        else:
+            q = q.order_by(s.events.c.id)
+            if limit:
+                q = q.limit(limit)
         with self.engine.connect() as c:
-            return [dict(r) for r in c.execute(q).mappings()]
+            rows = [dict(r) for r in c.execute(q).mappings()]
+        return rows[::-1] if newest else rows
 
     # --- settings -------------------------------------------------------------------------------------
     def get_setting(self, key: str, default: Any = None) -> Any:

@@ -95,3 +95,12 @@ def test_open_charges_accrue_until_closed(db_url: str) -> None:
     assert abs(st.month_spend("2026-11", now=1000.0 + 1800) - 1.8) < 1e-9
     st.close_charge(cid, ended_at=1000.0 + 3600, billed_seconds=3600, cost_usd=3.6)
     assert abs(st.month_spend("2026-11", now=99999.0) - 3.6) < 1e-9
+
+
+def test_the_newest_events_are_read_from_the_end_in_order(db_url: str) -> None:
+    st = Store(db_url)
+    ids = [st.append_event(f"job.e{i}", {"i": i}, job_id="j1" if i % 2 else "j2") for i in range(6)]
+    assert [e["id"] for e in st.events(newest=2)] == ids[-2:]
+    assert [e["id"] for e in st.events(newest=2, job_id="j2")] == [ids[2], ids[4]]
+    assert [e["id"] for e in st.events(newest=10)] == ids
+    assert [e["id"] for e in st.events(limit=2)] == ids[:2]  # the first ones, as before

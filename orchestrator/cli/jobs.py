@@ -194,9 +194,7 @@ def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | N
                interval: float, as_json: bool) -> None:
     """Print the event log (JSON lines with --json), optionally following it live."""
     job_id = _job_or_fail(app, job_ref)["id"] if job_ref else None
-    evs = app.store.events(job_id=job_id, type_prefix=type_prefix)
-    if limit:
-        evs = evs[-limit:]
+    evs = app.store.events(job_id=job_id, type_prefix=type_prefix, newest=limit)
     _print_events(evs, as_json)
     if not follow:
         return
