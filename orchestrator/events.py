@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -98,7 +98,6 @@ def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(data, default=str))
 
 
-
 class EventTail:
     """New events since the last poll, for `burstctl events --follow`, on any store.
 
@@ -110,7 +109,7 @@ class EventTail:
     """
 
     def __init__(self, store: Store, *, job_id: str | None = None, type_prefix: str | None = None,
-                 after_id: int = 0, grace_s: float = 10.0, clock: Any = time.monotonic):
+                 after_id: int = 0, grace_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
         self.store, self.job_id, self.type_prefix = store, job_id, type_prefix
         self.grace_s, self.clock = grace_s, clock
         self.settled = after_id  # every event at or below this id has been printed, or is given up on
