@@ -11,18 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import EnvDaemon, cloud
+from tests.e2e import EnvDaemon, cloud, store_sections
 from tests.test_chaos import CLOUDS, TICK_S, assert_safe, enqueue, finish
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("kind", CLOUDS)
-def test_sigkilled_at_seeded_random_moments_over_several_jobs(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "backend"), [*((kind, "sqlite") for kind in CLOUDS), ("simcloud", "postgresql")])
+def test_sigkilled_at_seeded_random_moments_over_several_jobs(tmp_path: Path, kind: str, backend: str,
+                                                             request: pytest.FixtureRequest) -> None:
+    # On PostgreSQL each SIGKILL also drops the daemon's database lock, which the next daemon must find free.
     rng = random.Random(20240917)
     state = tmp_path / "state"
     with cloud(kind, tmp_path) as c:
-        config = c.config(tmp_path, daemon={"tick_s": TICK_S})
+        config = c.config(tmp_path, daemon={"tick_s": TICK_S}, **store_sections(backend, request))
         job_ids = []
         daemon = EnvDaemon(tmp_path, config, state)
         for trial in range(3):
