@@ -67,3 +67,26 @@ def test_a_long_job_names_measured_throughput_is_found_under_its_kept_key(tmp_pa
     # A batch reads every name's figures at once; names with nothing measured are absent.
     assert measured_rented_throughputs(app, {name: [gpu, "A100"], "other": [gpu]}) == {name: {gpu: pytest.approx(0.3)}}
     app.close()
+
+
+def test_a_blocked_job_is_decided_again_with_its_measured_throughput(tmp_path: Path) -> None:
+    # Blocked by the budget at its guessed s_R (100 H100-hours); a later run measured it 100× faster, and the next
+    # batch of re-decisions (one read for the batch) lets it burst.
+    import time
+
+    from orchestrator.lifecycle.reconcile import Reconciler
+    from orchestrator.queue import enqueue, throughput_key
+    from tests.conftest import write_job
+
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text("[budget]\nmonthly_cap_usd = 20\n")
+    app = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+    job_id, decision, _ = enqueue(app, write_job(tmp_path, "slow-guess", local_throughput=0,
+                                                 rented_throughput={"H100": 0.01}))
+    assert app.store.get_job(job_id)["state"] == "blocked", decision.to_dict()["reasons"]
+    with app.store.tx() as c:
+        c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type=throughput_key("H100",
+                                                "slow-guess"), metric="throughput_units_h", value=1.0))
+    Reconciler(app, {}, cloud=None)._redecide_blocked(time.time())
+    assert app.store.get_job(job_id)["state"] == "queued"
+    app.close()

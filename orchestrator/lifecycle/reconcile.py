@@ -265,14 +265,17 @@ class Reconciler:
             return
         ctx = context(self.app, now)
         due = [job for job in blocked if job["spec"].get("_retry_at", 0) <= now]
-        # Measured s_R for the whole batch in one query (not one per job).
-        measured = measured_rented_throughputs(self.app, {job["name"]: job["spec"].get("rented_throughput", {})
-                                                          for job in due})
+        # Measured s_R for the whole batch in one query (not one per job); jobs of one name may list other GPUs.
+        gpus_by_name: dict[str, set[str]] = {}
+        for job in due:
+            gpus_by_name.setdefault(job["name"], set()).update(job["spec"].get("rented_throughput", {}))
+        measured = measured_rented_throughputs(self.app, gpus_by_name)
         # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
         # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
         with self.store.tx() as conn:
-            unchanged = [job["id"] for job in blocked if job["spec"].get("_retry_at", 0) > now
-                         or reconsider(self.app, job, ctx, now, conn, measured.get(job["name"], {})) is None]
+            moved = {job["id"] for job in due
+                     if reconsider(self.app, job, ctx, now, conn, measured.get(job["name"], {})) is not None}
+            unchanged = [job["id"] for job in blocked if job["id"] not in moved]
             if unchanged:
                 conn.execute(update(s.jobs).where(s.jobs.c.id.in_(unchanged)).values(updated_at=now))
 
