@@ -15,6 +15,15 @@ from orchestrator.events import EventLog, Redactor
 from state.store import Store
 
 
+def open_store(url: str, what: str) -> Store:
+    """The store at `url`, migrated; an unreachable, refused or unknown database is one line naming `what`."""
+    try:
+        return Store(url)
+    except DBAPIError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+        raise OperationalError(f"{what}: cannot open the database: {reason}") from None
+
+
 @dataclass
 class App:
     config_path: str | None = None
@@ -30,13 +39,8 @@ class App:
     def store(self) -> Store:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.config.state_dir, 0o700)
-        try:
-            st = Store(self.config.database_url)
-        except DBAPIError as exc:  # unreachable, refused, unknown database: one line, not a traceback
-            reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
-            where = f"{self.config.source}: " if self.config.source else ""
-            raise OperationalError(f"{where}field 'state.database_url': cannot open the database: {reason}"
-                                   ) from None
+        where = f"{self.config.source}: " if self.config.source else ""
+        st = open_store(self.config.database_url, f"{where}field 'state.database_url'")
         self._closers.append(st.close)
         return st
 

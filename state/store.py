@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, func, insert, inspect, select, update
+from sqlalchemy import Connection, Engine, Integer, create_engine, event, func, insert, inspect, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
@@ -95,6 +95,36 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    # --- moving to another database ---------------------------------------------------------------------
+    def holds_data(self) -> bool:
+        """Whether any table but the schema version has a row (a database burstctl has been used with)."""
+        with self.engine.connect() as c:
+            return any(c.execute(select(t).limit(1)).first() is not None
+                       for t in s.metadata.sorted_tables if t is not s.schema_version)
+
+    def copy_to(self, target: Store, batch: int = 1000) -> dict[str, int]:
+        """Every row of every table into `target` (migrated, with no data), ids kept, in one transaction on the
+        target: a failure leaves it as it was. Rows are streamed `batch` at a time, so months of events fit in
+        memory. Returns the rows copied per table."""
+        tables = [t for t in s.metadata.sorted_tables if t is not s.schema_version]  # parents before children
+        copied: dict[str, int] = {}
+        with self.engine.connect() as src, target.engine.begin() as dst:
+            for t in tables:
+                rows = src.execution_options(stream_results=True).execute(select(t).order_by(*t.primary_key))
+                copied[t.name] = 0
+                for part in rows.mappings().partitions(batch):
+                    dst.execute(insert(t), [dict(r) for r in part])
+                    copied[t.name] += len(part)
+            if target.engine.dialect.name == "postgresql":
+                # Rows were inserted with their ids: move each id sequence past them, or the next insert collides.
+                for t in tables:
+                    pk = next(iter(t.primary_key.columns))
+                    if len(t.primary_key.columns) == 1 and isinstance(pk.type, Integer):
+                        dst.exec_driver_sql(
+                            f"SELECT setval(pg_get_serial_sequence('{t.name}', '{pk.name}'), "
+                            f"(SELECT COALESCE(MAX({pk.name}), 0) + 1 FROM {t.name}), false)")
+        return copied
 
     # --- one daemon per database ----------------------------------------------------------------------
     @contextmanager

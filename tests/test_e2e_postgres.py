@@ -29,6 +29,9 @@ def test_one_daemon_per_database_whatever_the_state_directory(tmp_path: Path, po
         assert len(events(first, "daemon.started")) == 1  # the refused one changed nothing
         status = json.loads(cli(config, second, "status", "--json").stdout)["daemon"]
         assert status == {"running": True, "pid": daemon.proc.pid, "host": socket.gethostname()}
+        # Nor is the state copied elsewhere while that daemon changes it.
+        r = cli(config, second, "copy-state", "--to", postgres_server.new_database())
+        assert r.returncode == 1 and "a daemon is running" in r.stderr, r.stderr
     finally:
         assert daemon.stop() == 0
     # The lock went with the first daemon's connection: now the second may run.
@@ -64,3 +67,60 @@ def test_a_daemon_whose_lock_the_server_ends_stops_rather_than_run_unguarded(tmp
     assert daemon.proc.wait(60) == 1
     assert events(state, "daemon.lock_lost")
     assert "lost this database's daemon lock" in (tmp_path / "daemon-1.log").read_text()
+
+
+def test_copy_state_moves_everything_to_postgresql_and_the_budget_carries_over(
+        burstctl, tmp_path: Path, postgres_server) -> None:
+    from sqlalchemy import select
+
+    from state import schema
+    from state.store import Store
+    from tests.conftest import write_job
+
+    for name in ("weekly-finetune", "eval-sweep"):
+        assert burstctl("enqueue", str(write_job(tmp_path, name))).returncode == 0
+    assert burstctl("cancel", "eval-sweep").returncode == 0
+    sqlite = Store(f"sqlite:///{burstctl.state_dir / 'burstctl.db'}")
+    charge = sqlite.open_charge({"month": "2026-11", "provider": "sim", "rate_usd_h": 3.0, "started_at": 1000.0})
+    sqlite.close_charge(charge, ended_at=4600.0, billed_seconds=3600.0, cost_usd=3.0)
+    url = postgres_server.new_database()
+
+    r = burstctl("copy-state", "--to", url, "--json")
+    assert r.returncode == 0, r.stderr
+    copied = json.loads(r.stdout)["copied"]
+    assert copied["jobs"] == 2 and copied["ledger"] == 1 and copied["events"] >= 5
+
+    pg = Store(url)
+    for table in schema.metadata.sorted_tables:  # every row, ids and values, as it was
+        order = list(table.primary_key.columns)
+        with sqlite.engine.connect() as a, pg.engine.connect() as b:
+            assert [dict(x) for x in a.execute(select(table).order_by(*order)).mappings()] == \
+                   [dict(x) for x in b.execute(select(table).order_by(*order)).mappings()], table.name
+    assert pg.append_event("test.after_copy", {}) > max(e["id"] for e in sqlite.events())  # ids go on past them
+    assert pg.month_spend("2026-11") == sqlite.month_spend("2026-11") == 3.0
+
+    # The copy is the state now: point the config at it.
+    config = tmp_path / "pg.toml"  # not ./burstctl.toml, which every command here would read
+    config.write_text(f'[state]\ndatabase_url = "{url}"\n')
+    listed = json.loads(burstctl("--config", str(config), "list", "--json").stdout)
+    assert sorted(j["name"] for j in listed) == ["eval-sweep", "weekly-finetune"]
+
+    # A database already used is refused, and left as it was.
+    again = burstctl("copy-state", "--to", url)
+    assert again.returncode == 2 and "already holds burstctl data" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    assert len(pg.events()) == copied["events"] + 1
+    sqlite.close()
+    pg.close()
+
+
+def test_copy_state_refuses_bad_targets_with_one_line(burstctl) -> None:
+    cases = {
+        "postgresql+psycopg://burst:hunter2@127.0.0.1/x": (2, "holds a password"),
+        "nonsense": (2, "is not a database URL"),
+        f"sqlite:///{burstctl.state_dir / 'burstctl.db'}": (2, "in use now"),
+    }
+    for url, (code, words) in cases.items():
+        r = burstctl("copy-state", "--to", url)
+        assert r.returncode == code and words in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "hunter2" not in r.stderr

@@ -22,6 +22,7 @@ from orchestrator.cli import daemon as _daemon  # noqa: F401  isort: skip
 from orchestrator.cli import revert as _revert  # noqa: F401  isort: skip
 from orchestrator.cli import demo as _demo  # noqa: F401  isort: skip
 from orchestrator.cli import rehearse as _rehearse  # noqa: F401  isort: skip
+from orchestrator.cli import state as _state  # noqa: F401  isort: skip
 
 
 def main(argv: list[str] | None = None) -> int:

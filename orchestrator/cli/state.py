@@ -1,0 +1,47 @@
+"""`burstctl copy-state`: move this installation's state to another database (e.g. SQLite to PostgreSQL)."""
+
+from __future__ import annotations
+
+import click
+from pydantic import ValidationError
+
+from orchestrator.app import App, open_store
+from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.config import StateSettings
+from orchestrator.daemon import daemon_running
+from orchestrator.errors import BadInput, OperationalError, format_validation_error
+
+
+@cli.command("copy-state")
+@click.option("--to", "url", required=True, metavar="URL",
+              help="SQLAlchemy URL of a database burstctl has not used, e.g. postgresql+psycopg://burst@db/burstctl "
+                   "(no password: PGPASSWORD or ~/.pgpass).")
+@json_option
+@pass_app
+def copy_state_cmd(app: App, url: str, as_json: bool) -> None:
+    """Copy the whole state (jobs, attempts, instances, events, the ledger, measurements, spot listings, settings)
+    into another database, ids kept, then point `[state] database_url` at it. The ledger comes along, so the month's
+    spend and the budget cap carry over. The daemon must be stopped; the source is not changed."""
+    try:
+        StateSettings.model_validate({"database_url": url})
+    except ValidationError as exc:
+        raise format_validation_error(exc, "--to") from None
+    if url == app.config.database_url:
+        raise BadInput("is the database in use now: name another one", source="--to")
+    running, pid = daemon_running(app.config.state_dir)
+    if running or app.store.daemon_lock_holder() is not None:
+        raise OperationalError(f"a daemon is running{f' (pid {pid})' if pid else ''}: stop it first, so that nothing "
+                               "changes while the state is copied")
+    target = open_store(url, "--to")
+    try:
+        if target.holds_data():
+            raise BadInput("the database already holds burstctl data: copy-state only fills an unused one",
+                           source="--to")
+        copied = app.store.copy_to(target)
+    finally:
+        target.close()
+    if as_json:
+        print_json({"copied": copied})
+        return
+    table("rows copied", ["table", "rows"], sorted(copied.items()))
+    out.print("now set [state] database_url to it in the config; the old database is unchanged")
