@@ -78,6 +78,19 @@ def daemon_running(state_dir: Path) -> tuple[bool, int | None]:
         os.close(fd)
 
 
+def running_daemon(app: App) -> dict[str, Any] | None:
+    """The daemon running on this installation, or None: by the state directory's flock (`pid`), else, on a
+    database several state directories share, by the database's lock (`pid` and `host` as that daemon recorded
+    them)."""
+    running, pid = daemon_running(app.config.state_dir)
+    if running:
+        return {"pid": pid}
+    if app.store.daemon_lock_holder() is not None:
+        seen = app.store.get_setting("daemon", {})
+        return {"pid": seen.get("pid"), "host": seen.get("host")}
+    return None
+
+
 def run_daemon(app: App, *, tick_s: float | None = None, max_ticks: int | None = None,
                exit_when_idle: bool = False, on_tick: Callable[[int], None] | None = None) -> int:
     """Run until SIGTERM/SIGINT (or `max_ticks`, or no active work with `exit_when_idle`). Returns ticks run."""

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from orchestrator.app import App
 from orchestrator.cli.base import cli, fmt_usd, json_option, out, pass_app, print_json, table
 from orchestrator.core.budget import month_key
-from orchestrator.daemon import daemon_running, run_daemon
+from orchestrator.daemon import run_daemon, running_daemon
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import burst_enabled
@@ -35,11 +35,7 @@ def daemon_cmd(app: App, tick_s: float | None, max_ticks: int | None, exit_when_
 
 
 def status_data(app: App) -> dict[str, Any]:
-    running, pid = daemon_running(app.config.state_dir)
-    host = None
-    if not running and app.store.daemon_lock_holder() is not None:  # a daemon on this database, elsewhere
-        seen = app.store.get_setting("daemon", {})
-        running, pid, host = True, seen.get("pid"), seen.get("host")
+    daemon = running_daemon(app)
     now = time.time()
     with app.store.engine.connect() as c:
         attempts = [dict(r) for r in c.execute(select(s.attempts).where(
@@ -50,7 +46,8 @@ def status_data(app: App) -> dict[str, Any]:
     active_states = (JobState.QUEUED, JobState.RUNNING, JobState.RESUMING, JobState.AWAITING_APPROVAL,
                      JobState.BLOCKED)
     return {
-        "daemon": {"running": running, "pid": pid, **({"host": host} if host else {})},
+        "daemon": {"running": daemon is not None, "pid": daemon and daemon["pid"],
+                   **({"host": daemon["host"]} if daemon and daemon.get("host") else {})},
         "mode": _mode(app),
         "cloud_health": app.store.get_setting("cloud_health", {}),
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from orchestrator.app import App, open_store
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
 from orchestrator.config import StateSettings
-from orchestrator.daemon import daemon_running
+from orchestrator.daemon import running_daemon
 from orchestrator.errors import BadInput, OperationalError, format_validation_error
 
 
@@ -28,10 +28,11 @@ def copy_state_cmd(app: App, url: str, as_json: bool) -> None:
         raise format_validation_error(exc, "--to") from None
     if url == app.config.database_url:
         raise BadInput("is the database in use now: name another one", source="--to")
-    running, pid = daemon_running(app.config.state_dir)
-    if running or app.store.daemon_lock_holder() is not None:
-        raise OperationalError(f"a daemon is running{f' (pid {pid})' if pid else ''}: stop it first, so that nothing "
-                               "changes while the state is copied")
+    daemon = running_daemon(app)
+    if daemon is not None:
+        pid = f" (pid {daemon['pid']})" if daemon["pid"] else ""
+        raise OperationalError(f"a daemon is running{pid}: stop it first, so that nothing changes while the state is "
+                               "copied")
     target = open_store(url, "--to")
     try:
         if target.holds_data():
