@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -25,10 +26,24 @@ MIGRATION_LOCK_KEY = 7216019  # PostgreSQL advisory lock keys of this applicatio
 DAEMON_LOCK_KEY = 7216020
 
 
+_BUSY_TIMEOUT_S = 10.0
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA busy_timeout=10000")
+    cur.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT_S * 1000)}")
+    # Switching a new file to WAL takes an exclusive lock, and SQLite can answer SQLITE_BUSY at once, without the
+    # busy wait, while other processes open the same new file (seen in CI: the daemon and a CLI command starting
+    # together). Retry for as long as the busy timeout would have waited. Once the file is WAL this is a no-op.
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
