@@ -1,8 +1,9 @@
 """`burstctl daemon`: APScheduler drives the reconcile tick and the periodic orphan sweep.
 
-One daemon per state directory (an flock'd lock file holding its pid), and per database (on PostgreSQL, which
-several state directories can share, an advisory lock: `Store.daemon_lock`). SIGTERM/SIGINT stop the ticking and leave
-instances and jobs as they are: everything is in the database, and the next daemon adopts it.
+One daemon per state directory (an flock'd lock file holding its pid), and per database, which several state
+directories can share (`Store.daemon_lock`: an advisory lock on PostgreSQL, an flock beside a SQLite file).
+SIGTERM/SIGINT stop the ticking and leave instances and jobs as they are: everything is in the database, and the next
+daemon adopts it.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def running_daemon(app: App) -> dict[str, Any] | None:
     running, pid = daemon_running(app.config.state_dir)
     if running:
         return {"pid": pid}
-    if app.store.daemon_lock_holder() is not None:
+    if app.store.daemon_lock_held():
         seen = app.store.get_setting("daemon", {})
         return {"pid": seen.get("pid"), "host": seen.get("host")}
     return None

@@ -7,6 +7,7 @@ writers wait for each other instead of failing. Any SQLAlchemy URL works (Postgr
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sqlite3
 import time
@@ -70,8 +71,12 @@ class Store:
         self.url = url
         u = make_url(url)
         self.is_sqlite = u.get_backend_name() == "sqlite"
+        # A SQLite file's daemon lock is an flock on a file beside it: the file may live outside the state directory
+        # and be shared by several, whose own flocks cannot see each other.
+        self._sqlite_daemon_lock: Path | None = None
         if self.is_sqlite and u.database and u.database != ":memory:":
             _ensure_private_file(Path(u.database))
+            self._sqlite_daemon_lock = Path(u.database + "-daemon.lock")
         self.engine: Engine = create_engine(url, future=True)
         if self.is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -144,13 +149,31 @@ class Store:
     # --- one daemon per database ----------------------------------------------------------------------
     @contextmanager
     def daemon_lock(self) -> Iterator[DaemonLease]:
-        """Held for a daemon's lifetime. PostgreSQL: a session advisory lock on a connection of its own, which
-        the server drops with the connection, as the kernel drops a dead daemon's flock; not `ours` if another
-        daemon holds it. Two daemons on one database would both launch each queued job. SQLite: always ours; its
-        file lives in the state directory, whose flock already admits one daemon."""
-        if self.engine.dialect.name != "postgresql":
+        """Held for a daemon's lifetime; not `ours` if another daemon holds it. Two daemons on one database would
+        both launch each queued job, and several state directories can point at one database, so the state
+        directory's flock is not enough. PostgreSQL: a session advisory lock on a connection of its own, which the
+        server drops with the connection. A SQLite file: an flock on `<file>-daemon.lock`, which the kernel drops
+        with a dead daemon. An in-memory database has no other user: always ours."""
+        if self.engine.dialect.name == "postgresql":
+            with self._postgres_daemon_lock() as lease:
+                yield lease
+            return
+        if self._sqlite_daemon_lock is None:
             yield DaemonLease(ours=True)
             return
+        fd = os.open(self._sqlite_daemon_lock, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield DaemonLease(ours=False)
+            else:
+                yield DaemonLease(ours=True)
+        finally:
+            os.close(fd)  # and the flock with it
+
+    @contextmanager
+    def _postgres_daemon_lock(self) -> Iterator[DaemonLease]:
         with self.engine.connect() as conn:
             got = bool(conn.exec_driver_sql(f"SELECT pg_try_advisory_lock({DAEMON_LOCK_KEY})").scalar())
             session = int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar() or 0)
@@ -163,9 +186,26 @@ class Store:
                         conn.exec_driver_sql(f"SELECT pg_advisory_unlock({DAEMON_LOCK_KEY})")
                         conn.commit()
 
+    def daemon_lock_held(self) -> bool:
+        """Whether some daemon holds `daemon_lock` now, without taking it."""
+        if self.engine.dialect.name == "postgresql":
+            return self.daemon_lock_holder() is not None
+        if self._sqlite_daemon_lock is None or not self._sqlite_daemon_lock.exists():
+            return False
+        fd = os.open(self._sqlite_daemon_lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)
+
     def daemon_lock_holder(self) -> int | None:
         """PostgreSQL: the server session (backend pid) holding the daemon lock, None if no daemon holds it; always
-        None on SQLite, which has no such lock."""
+        None on SQLite, whose lock has no session."""
         if self.engine.dialect.name != "postgresql":
             return None
         with self.engine.connect() as conn:
@@ -176,7 +216,7 @@ class Store:
 
     def still_holds(self, lease: DaemonLease) -> bool:
         """Whether the lease is still this daemon's: on PostgreSQL the server can end its session (a restart, an
-        administrator), and with it the lock, while the daemon runs on."""
+        administrator), and with it the lock, while the daemon runs on. An flock stays while the process lives."""
         return lease.session is None or self.daemon_lock_holder() == lease.session
 
     # --- jobs -----------------------------------------------------------------------------------------

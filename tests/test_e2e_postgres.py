@@ -1,10 +1,10 @@
-"""PostgreSQL by URL, beyond what every backend shares (tests/test_store.py, the burst story in test_e2e_burst.py):
-several state directories can point at one database, and still only one daemon runs on it."""
+"""PostgreSQL by URL, beyond what every backend shares (tests/test_store.py, the burst story in test_e2e_burst.py,
+one daemon per shared database in test_e2e_shared_database.py): the daemon's lock lives in a server session, which
+a killed daemon or the server itself can end."""
 
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,31 +13,6 @@ from state.store import DAEMON_LOCK_KEY
 from tests.e2e import Daemon, cli, events, wait_for, write_config
 
 pytestmark = pytest.mark.slow
-
-
-def test_one_daemon_per_database_whatever_the_state_directory(tmp_path: Path, postgres_server) -> None:
-    config = write_config(tmp_path, None, state={"database_url": postgres_server.new_database()})
-    first, second = tmp_path / "state-a", tmp_path / "state-b"
-    daemon = Daemon(tmp_path, config, first).start()
-    try:
-        wait_for(lambda: events(first, "daemon.started"), 60, "the first daemon to start")
-        # Another state directory: its flock is free, the database's lock is not.
-        r = cli(config, second, "daemon", "--max-ticks", "1")
-        assert r.returncode == 1, r.stderr
-        line = r.stderr.strip().splitlines()[-1]
-        assert "one daemon per database" in line, r.stderr
-        assert len(events(first, "daemon.started")) == 1  # the refused one changed nothing
-        status = json.loads(cli(config, second, "status", "--json").stdout)["daemon"]
-        assert status == {"running": True, "pid": daemon.proc.pid, "host": socket.gethostname()}
-        # Nor is the state copied elsewhere while that daemon changes it.
-        r = cli(config, second, "copy-state", "--to", postgres_server.new_database())
-        assert r.returncode == 1 and "a daemon is running" in r.stderr, r.stderr
-    finally:
-        assert daemon.stop() == 0
-    # The lock went with the first daemon's connection: now the second may run.
-    r = cli(config, second, "daemon", "--max-ticks", "1")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(cli(config, first, "status", "--json").stdout)["daemon"]["running"] is False
 
 
 def test_a_killed_daemons_database_lock_goes_with_it(tmp_path: Path, postgres_server) -> None:
