@@ -16,6 +16,36 @@ from tests.postgres import PostgresServer, find_bin_dir
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 
+# pytest-xdist's `--dist loadfile` deals whole files out in collection order (the Makefile turns off its default
+# reordering by test count, which dealt the few-test, minute-long end-to-end files last): the longest go first, so
+# that no long file starts near the end and sets the run's tail alone. Seconds per file summed from
+# `pytest --durations=0` on 2026-11-30; files not listed follow in their usual order.
+LONGEST_FILES_FIRST = (
+    "test_e2e_spot_market.py",  # 238
+    "test_chaos.py",  # 225
+    "test_e2e_revert.py",  # 186
+    "test_faults.py",  # 186
+    "test_cli_queue.py",  # 133
+    "test_chaos_random.py",  # 130
+    "test_simulate.py",  # 126
+    "test_e2e_spot_probe.py",  # 125
+    "test_e2e_hybrid.py",  # 112
+    "test_e2e_burst.py",  # 110
+    "test_rehearse.py",  # 103
+    "test_e2e_faults.py",  # 77
+    "test_e2e_torchrun.py",  # 77
+    "test_demo.py",  # 64
+    "test_secrets.py",  # 62
+    "test_simcloud_cli.py",  # 56
+    "test_e2e_ec2_s3.py",  # 50
+    "test_torchrun.py",  # 44
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
+
 
 @pytest.fixture(autouse=True)
 def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
