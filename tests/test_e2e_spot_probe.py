@@ -179,3 +179,52 @@ def test_a_kept_probe_whose_job_is_cancelled_meanwhile_is_ended_and_never_runs_t
         (charge,) = [r for r in ledger(state) if r["attempt_id"] == kept["id"]]
         assert charge["market"] == "spot" and charge["job_id"] == job_id and charge["cost_usd"] > 0, charge
         assert_one_instance_per_attempt_and_all_gone(sim)
+
+
+def test_a_probe_is_a_cloud_attempt_so_at_max_cloud_attempts_it_waits_for_its_next_turn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process, the real reconciler against simcloud: a job on on-demand whose probe is due. With one cloud
+    attempt allowed (the on-demand one), no spot instance is launched beside it; with two, the probe is."""
+    from sqlalchemy import insert, select
+
+    from orchestrator.app import App
+    from orchestrator.lifecycle.service import build_reconciler
+    from orchestrator.lifecycle.spot_probe import probe_spot
+    from state import schema as s
+    from tests.e2e import SIM_KEY, sim_instances, simcloud, write_config
+
+    monkeypatch.setenv("BURSTCTL_SIM_API_KEY", SIM_KEY)
+    with simcloud(tmp_path) as url:
+        for cap in (1, 2):
+            config = write_config(tmp_path, url, daemon={"max_cloud_attempts": cap})
+            app = App(config_path=str(config), state_dir_override=str(tmp_path / f"state-{cap}"))
+            try:
+                rec = build_reconciler(app)
+                now = rec.clock()
+                job = {"id": f"j{cap}", "name": "probed", "kind": "train", "state": "running", "verdict": "burst",
+                       "placement": "cloud", "approved": True, "spec": {}, "decision": {},
+                       "deadline_at": now + 3600, "created_at": now, "updated_at": now}
+                on_demand = {"id": f"j{cap}-a1", "job_id": job["id"], "n": 1, "where": "cloud", "state": "running",
+                             "provider": "sim", "instance_type": "gpu_1x_h100_sxm5", "market": "on-demand",
+                             "idempotency_key": f"k{cap}", "info": {"billing_minimum_s": 60.0}, "created_at": now,
+                             "started_at": now, "instance_id": "i-on-demand"}
+                with app.store.tx() as conn:
+                    conn.execute(insert(s.jobs).values(**job))
+                    conn.execute(insert(s.attempts).values(**on_demand))
+                kept = probe_spot(rec, on_demand, job, rec.providers["sim"], {"spot_usd_h": 1.0}, now)
+                with app.store.engine.connect() as c:
+                    attempts = c.execute(select(s.attempts.c.id).where(s.attempts.c.job_id == job["id"])).all()
+                stored = app.store.get_job(job["id"])
+            finally:
+                app.close()
+            probes = [e["data"] for e in events(tmp_path / f"state-{cap}", "attempt.spot_probe")]
+            if cap == 1:
+                assert kept is None and len(attempts) == 1, "no probe attempt beside the one allowed"
+                assert sim_instances(url) == [], "nothing launched"
+                assert [p["result"] for p in probes] == ["deferred"], probes
+                assert probes[0]["reason"] == "1 cloud attempts run, max_cloud_attempts is 1", probes
+                assert stored["spec"]["_spot_probe_at"] > now, "asked again at the next probe, not every check"
+            else:
+                assert kept is not None and len(attempts) == 2
+                assert [p["result"] for p in probes] == ["up"], probes
+                assert [i["instance_type"] for i in sim_instances(url)] == ["gpu_1x_h100_sxm5_spot"]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import Connection, func, insert, select, update
 
 from orchestrator.app import App
 from orchestrator.core.budget import month_key
@@ -222,18 +222,16 @@ class Reconciler:
         with self.store.engine.connect() as c:
             busy_jobs = {r[0] for r in c.execute(
                 select(s.attempts.c.job_id).where(s.attempts.c.state.in_([a.value for a in A if not a.final])))}
-            n_local = c.execute(select(func.count()).select_from(s.attempts).where(
-                s.attempts.c.where == "local", s.attempts.c.state.in_([a.value for a in A if not a.final]))).scalar()
-            n_cloud = c.execute(select(func.count()).select_from(s.attempts).where(
-                s.attempts.c.where == "cloud", s.attempts.c.state.in_([a.value for a in A if not a.final]))).scalar()
+            n_local = self.attempts_active("local", c)
+            n_cloud = self.attempts_active("cloud", c)
             # Earliest deadline first; only as many candidates as there are free slots (plus a margin) are read,
             # so a tick stays cheap with 10,000 queued jobs.
             limit = self.cfg.daemon.max_cloud_attempts + self.cfg.daemon.local_concurrency + 20
             ready = [dict(r) for r in c.execute(
                 select(s.jobs).where(s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]))
                 .order_by(s.jobs.c.deadline_at).limit(limit)).mappings()]
-        local_free = self.cfg.daemon.local_concurrency - int(n_local or 0)
-        cloud_free = self.cfg.daemon.max_cloud_attempts - int(n_cloud or 0)
+        local_free = self.cfg.daemon.local_concurrency - n_local
+        cloud_free = self.cfg.daemon.max_cloud_attempts - n_cloud
         # Local work first: it must never wait behind a slow or unreachable cloud.
         ready = [j for j in ready if j["id"] not in busy_jobs]
         if local_free > 0 and self.cfg.local.available_at(_clock_time(now)):
@@ -246,6 +244,16 @@ class Reconciler:
                 self._advance_new_attempt(job["id"])
         self._redecide_blocked(now)
         self._record_health(now)
+
+    def attempts_active(self, where: str, conn: Connection | None = None) -> int:
+        """Attempts not yet final `where` ("local" or "cloud"): what `local_concurrency` and `max_cloud_attempts`
+        bound, spot probes included."""
+        query = select(func.count()).select_from(s.attempts).where(
+            s.attempts.c.where == where, s.attempts.c.state.in_([a.value for a in A if not a.final]))
+        if conn is not None:
+            return int(conn.execute(query).scalar() or 0)
+        with self.store.engine.connect() as c:
+            return int(c.execute(query).scalar() or 0)
 
     def _record_health(self, now: float) -> None:
         health = self.offers.health()

@@ -6,6 +6,8 @@ on-demand back to spot were spot up (`market_switch.attempt_should_move`), and t
 daemon launches one spot instance of the job's type beside the running one. A probe is a cloud attempt of its own
 (`info.probe_for`: the attempt it probes for), so `market_switch.spot_sightings` reads its answer as it reads every
 spot launch:
+- at `daemon.max_cloud_attempts` (the probe would be one cloud attempt too many): no launch, asked again at the
+  next probe (`attempt.spot_probe` result `deferred`).
 - refused: costs nothing and ends `launch_failed` without touching the job's state. The next probe comes as for a
   job waiting for spot: after a tenth of the outage so far, between `daemon.launch_backoff_s` and
   `daemon.spot_probe_max_s` (`job.spec._spot_probe_at`, shared with the waiting job's probes).
@@ -67,6 +69,15 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
     minimum = float(att["info"].get("billing_minimum_s", 60.0))
     if rec.budget_problem(now, rate_usd_h=rate, minimum_s=minimum) is not None:
         return None  # not even a minute of spot fits the budget: no probe, and the job stays where it is
+    cap = rec.cfg.daemon.max_cloud_attempts
+    running = rec.attempts_active("cloud")
+    if running >= cap:
+        # A probe is a cloud attempt, and `max_cloud_attempts` bounds them all (quotas, what may bill at once): the
+        # job stays where it is and asks again at its next probe, as after a refusal.
+        wait_s = _next_probe(rec, job, facts, now)
+        rec.emit("attempt.spot_probe", job_id=job["id"], attempt_id=att["id"], probe_for=att["id"], result="deferred",
+                 reason=f"{running} cloud attempts run, max_cloud_attempts is {cap}", next_probe_s=round(wait_s, 1))
+        return None
     n = rec._next_attempt_number(job["id"])
     probe_id = f"{job['id']}-a{n}"
     row = {"id": probe_id, "job_id": job["id"], "n": n, "where": "cloud", "state": A.INTENT.value,
