@@ -14,6 +14,10 @@ from orchestrator.errors import OperationalError
 from orchestrator.events import EventLog, Redactor
 from state.store import Store
 
+# The kill switch (`revert-local` clears it, `burst-enable` sets it): a setting in the store, so the daemon and
+# every command see the same answer.
+BURST_ENABLED_KEY = "burst_enabled"
+
 
 def open_store(url: str, what: str) -> Store:
     """The store at `url`, migrated; an unreachable, refused or unknown database is one line naming `what`."""
@@ -58,3 +62,7 @@ class App:
         for c in reversed(self._closers):
             c()
         self._closers.clear()
+
+
+def burst_enabled(app: App) -> bool:
+    return bool(app.store.get_setting(BURST_ENABLED_KEY, True))

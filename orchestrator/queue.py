@@ -14,15 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import records
-from orchestrator.app import App
+from orchestrator.app import App, burst_enabled
 from orchestrator.config import Config
 from orchestrator.core.budget import month_key
 from orchestrator.core.decision import Decision, DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import JobSpec, load_job
 from orchestrator.lifecycle.states import STATE_FOR_ACTION
-
-BURST_ENABLED_KEY = "burst_enabled"
 
 
 def local_available_fraction(cfg: Config) -> float:
@@ -40,10 +38,6 @@ def local_available_fraction(cfg: Config) -> float:
 def reference_offers(cfg: Config) -> dict[str, GpuOffer]:
     return {gpu: GpuOffer(gpu, p.on_demand_usd_h, p.spot_usd_h, p.vram_gib * 2**30 / 1e9)
             for gpu, p in cfg.prices.items()}
-
-
-def burst_enabled(app: App) -> bool:
-    return bool(app.store.get_setting(BURST_ENABLED_KEY, True))
 
 
 # The parts of t_ovh a burst attempt pays once: boot (launch → SSH), the runbook steps, one sync, teardown.

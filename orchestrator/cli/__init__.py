@@ -1,4 +1,5 @@
-"""Entry point: `burstctl`. Command modules register themselves on the group when imported."""
+"""Entry point: `burstctl`. Command modules register themselves on the group when imported, which the group does
+for the one command that runs (`base.COMMAND_MODULES`)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,6 @@ import click
 
 from orchestrator.cli.base import cli
 from orchestrator.errors import BurstctlError
-
-# Each module adds its commands to `cli`.
-from orchestrator.cli import decide as _decide  # noqa: F401  isort: skip
-from orchestrator.cli import jobs as _jobs  # noqa: F401  isort: skip
-from orchestrator.cli import simulate as _simulate  # noqa: F401  isort: skip
-from orchestrator.cli import size as _size  # noqa: F401  isort: skip
-from orchestrator.cli import simcloud as _simcloud  # noqa: F401  isort: skip
-from orchestrator.cli import providers as _providers  # noqa: F401  isort: skip
-from orchestrator.cli import daemon as _daemon  # noqa: F401  isort: skip
-from orchestrator.cli import revert as _revert  # noqa: F401  isort: skip
-from orchestrator.cli import demo as _demo  # noqa: F401  isort: skip
-from orchestrator.cli import rehearse as _rehearse  # noqa: F401  isort: skip
-from orchestrator.cli import state as _state  # noqa: F401  isort: skip
 
 
 def main(argv: list[str] | None = None) -> int:

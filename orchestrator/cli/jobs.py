@@ -16,7 +16,6 @@ from orchestrator.core.budget import BudgetView, cycle_prices, month_key
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.lifecycle.states import JobState, check_transition
-from orchestrator.queue import enqueue
 
 
 def _when(ts: float | None) -> str:
@@ -46,6 +45,8 @@ def _public(job: dict[str, Any]) -> dict[str, Any]:
 @pass_app
 def enqueue_cmd(app: App, job_file: str, as_json: bool) -> None:
     """Validate JOB_FILE, decide it, write its decision record and queue it. Prints the job id."""
+    from orchestrator.queue import enqueue  # the decision core: only this command of the module needs it
+
     job_id, decision, record = enqueue(app, job_file)
     d = decision.to_dict()
     job = app.store.get_job(job_id)

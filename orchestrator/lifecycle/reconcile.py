@@ -18,7 +18,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, insert, select, update
 
-from orchestrator.app import App
+from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.local import LocalRunner
@@ -35,7 +35,7 @@ from orchestrator.lifecycle.market_switch import (
 )
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
-from orchestrator.queue import burst_enabled, throughput_key
+from orchestrator.queue import throughput_key
 from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
     LAUNCH_REFUSALS,

@@ -19,12 +19,11 @@ from typing import Any
 
 from sqlalchemy import insert, select, update
 
-from orchestrator.app import App
+from orchestrator.app import BURST_ENABLED_KEY, App
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.states import JobState
-from orchestrator.queue import BURST_ENABLED_KEY
 from providers.base import InstanceState, ProviderError
 from state import schema as s
 

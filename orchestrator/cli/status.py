@@ -1,0 +1,101 @@
+"""`burstctl status`: what runs, in which mode, and what is spent; without loading the daemon's machinery."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.markup import escape
+from sqlalchemy import select
+
+from orchestrator.app import App, burst_enabled
+from orchestrator.cli.base import cli, fmt_usd, json_option, out, pass_app, print_json, table
+from orchestrator.core.budget import month_key
+from orchestrator.daemon import running_daemon
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
+from orchestrator.lifecycle.states import JobState
+from state import schema as s
+
+
+def status_data(app: App) -> dict[str, Any]:
+    daemon = running_daemon(app)
+    now = time.time()
+    with app.store.engine.connect() as c:
+        attempts = [dict(r) for r in c.execute(select(s.attempts).where(
+            s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
+        instances = [dict(r) for r in c.execute(select(s.instances).where(
+            s.instances.c.verified_gone.is_(False))).mappings()]
+    counts = app.store.count_jobs_by_state()
+    active_states = (JobState.QUEUED, JobState.RUNNING, JobState.RESUMING, JobState.AWAITING_APPROVAL,
+                     JobState.BLOCKED)
+    return {
+        "daemon": {"running": daemon is not None, "pid": daemon and daemon["pid"],
+                   **({"host": daemon["host"]} if daemon and daemon.get("host") else {})},
+        "mode": _mode(app),
+        "cloud_health": app.store.get_setting("cloud_health", {}),
+        "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
+        "active_jobs": sum(counts.get(st.value, 0) for st in active_states),
+        "attempts": [{"id": a["id"], "job": a["job_id"], "where": a["where"], "state": a["state"],
+                      "provider": a["provider"], "instance": a["instance_id"], "market": a["market"],
+                      "probe_for": (a["info"] or {}).get("probe_for"),
+                      "probe_kept": bool((a["info"] or {}).get("probe_for") and (a["info"] or {}).get("kept")),
+                      "problem": _problem(a["info"] or {})}
+                     for a in attempts],
+        "instances": [{"provider": i["provider"], "id": i["id"], "attempt": i["attempt_id"], "state": i["state"],
+                       "type": i["instance_type"], "market": i["market"]} for i in instances],
+        "month": month_key(now),
+        "month_to_date_usd": round(app.store.month_spend(month_key(now), now), 4),
+        "budget_cap_usd": app.config.budget.monthly_cap_usd,
+        "state_dir": str(app.config.state_dir),
+    }
+
+
+def _problem(info: dict[str, Any]) -> str | None:
+    """What keeps a live attempt from doing its job right now (e.g. checkpoints not coming home), or None."""
+    if info.get("sync_error"):
+        return f"{info.get('sync_failures', 1)} checkpoint pull(s) failed in a row: {info['sync_error']}"
+    return None
+
+
+def _mode(app: App) -> str:
+    """burst-enabled; local-only (the kill switch); or local-only because no cloud answered lately."""
+    if not burst_enabled(app):
+        return "local-only"
+    health = app.store.get_setting("cloud_health", {})
+    if health and not any(health.values()):
+        return "local-only (no cloud reachable)"
+    return "burst-enabled"
+
+
+@cli.command("status")
+@json_option
+@pass_app
+def status_cmd(app: App, as_json: bool) -> None:
+    """Whether the daemon runs, the mode (burst enabled or local-only), active jobs and instances, spend."""
+    d = status_data(app)
+    if as_json:
+        print_json(d)
+        return
+    dmn = d["daemon"]
+    where = f" on {dmn['host']}" if dmn.get("host") else ""
+    out.print(f"daemon: running (pid {dmn['pid']}{where})" if dmn["running"] else "daemon: not running")
+    mode = d["mode"]
+    out.print(f"mode: [bold]{mode}[/bold]" + ("  (revert-local is in force; `burstctl burst-enable` lifts it)"
+                                              if mode == "local-only" else ""))
+    if d["cloud_health"]:
+        health = d["cloud_health"].items()
+        out.print("cloud: " + ", ".join(f"{k} {'answers' if v else 'UNREACHABLE'}" for k, v in health))
+    out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in d["jobs"].items() if v) if d["active_jobs"] or any(
+        d["jobs"].values()) else "jobs: none")
+    out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'])}")
+    if d["attempts"]:
+        table("active attempts", ["attempt", "where", "state", "provider", "instance", "market"],
+              [(a["id"], a["where"], a["state"], a["provider"], a["instance"],
+                a["market"] + (f" (probe for {a['probe_for']}{', kept to take over' if a['probe_kept'] else ''})"
+                               if a.get("probe_for") else "")) for a in d["attempts"]])
+        for a in d["attempts"]:
+            if a["problem"]:
+                out.print(f"[yellow]{escape(a['id'])}: {escape(a['problem'])}[/yellow]")
+    if d["instances"]:
+        table("instances not yet confirmed gone", ["provider", "instance", "attempt", "state", "type", "market"],
+              [(i["provider"], i["id"], i["attempt"], i["state"], i["type"], i["market"]) for i in d["instances"]])
