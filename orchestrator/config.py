@@ -209,7 +209,8 @@ class DaemonSettings(Strict):
         60.0, description="A running attempt whose heartbeat is older than this is treated as preempted."
     )
     boot_timeout_s: PositiveFloat = Field(900.0, description="Give up on an instance that is not reachable by SSH.")
-    max_cloud_attempts: Annotated[int, Field(ge=1)] = Field(4, description="Cloud attempts running at once.")
+    max_cloud_attempts: Annotated[int, Field(ge=1)] = Field(
+        4, description="Cloud attempts running at once, spot probes included.")
     max_launch_failures: Annotated[int, Field(ge=1)] = Field(
         3, description="Consecutive failed launches before a job waits (blocked, with the reason)."
     )
