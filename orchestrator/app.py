@@ -54,7 +54,9 @@ class App:
 
     @cached_property
     def events(self) -> EventLog:
-        log = EventLog(self.store, self.config.state_dir, self.redactor, console=self.console)
+        state = self.config.state
+        log = EventLog(self.store, self.config.state_dir, self.redactor, console=self.console,
+                       max_bytes=int(state.events_file_max_mb * 2**20), kept=state.events_files_kept)
         self._closers.append(log.close)
         return log
 

@@ -252,6 +252,11 @@ class StateSettings(Strict):
         "(postgresql+psycopg://user@host/db, with `pip install burstctl[postgres]`). A password is never written "
         "here: libpq reads it from PGPASSWORD or ~/.pgpass.",
     )
+    events_file_max_mb: PositiveFloat = Field(
+        64.0, description="<dir>/events.jsonl is rotated to events.jsonl.1 (.1 to .2, ...) once it passes this "
+        "size, so months of a daemon's log stay bounded. The events table keeps every event.")
+    events_files_kept: Annotated[int, Field(ge=1)] = Field(
+        4, description="Rotated events.jsonl.N files kept; the oldest beyond these is deleted.")
 
     @field_validator("database_url")
     @classmethod

@@ -6,6 +6,7 @@ scrubbed from an event before it is stored or printed.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -43,15 +44,68 @@ class Redactor:
         return value
 
 
+class JsonLines:
+    """<state>/events.jsonl, a line per event, rotated to events.jsonl.1 (.1 to .2, ...) once past `max_bytes`,
+    `kept` old files. structlog's logger interface (`msg`): one rendered event, written whole.
+
+    Several processes append to one file (the daemon, and commands such as `cancel`). The one whose line takes the
+    file past its size rotates it, under an flock; one that still holds the renamed file sees at its next line that
+    the path is another file now, and reopens it. A line is never split or lost by a rotation."""
+
+    def __init__(self, path: Path, *, max_bytes: int, kept: int):
+        self.path, self.max_bytes, self.kept = path, max_bytes, kept
+        self._file = self._open()
+
+    def msg(self, line: str) -> None:
+        if not self._is_current():
+            self._file.close()
+            self._file = self._open()
+        self._file.write(line + "\n")
+        self._file.flush()
+        if self._file.tell() >= self.max_bytes:
+            self._rotate()
+
+    info = msg  # what structlog's bound logger calls for `msg`
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _open(self) -> TextIO:
+        return self.path.open("a", encoding="utf-8")
+
+    def _is_current(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _rotate(self) -> None:
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self._is_current():  # else another process rotated it meanwhile
+                rotated = [self.path.with_name(f"{self.path.name}.{n}") for n in range(self.kept + 1)]  # [n]: .n
+                rotated[self.kept].unlink(missing_ok=True)  # the oldest kept goes
+                for n in range(self.kept - 1, 0, -1):
+                    if rotated[n].exists():
+                        rotated[n].rename(rotated[n + 1])
+                self.path.rename(rotated[1])
+            self._file.close()
+            self._file = self._open()
+
+
 class EventLog:
-    def __init__(self, store: Store, state_dir: Path, redactor: Redactor, console: TextIO | None = None):
+    """The trail: every event into the events table and, as a JSON line, into <state>/events.jsonl (`JsonLines`),
+    and to the console log when there is one."""
+
+    def __init__(self, store: Store, state_dir: Path, redactor: Redactor, console: TextIO | None = None, *,
+                 max_bytes: int = 64 * 2**20, kept: int = 4):
         self.store = store
         self.redact = redactor
         state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / "events.jsonl"
-        self._file = self.path.open("a", encoding="utf-8")
+        self._lines = JsonLines(self.path, max_bytes=max_bytes, kept=kept)
         self._json = structlog.wrap_logger(
-            structlog.PrintLogger(self._file),
+            self._lines,
             processors=[structlog.processors.JSONRenderer(sort_keys=False, default=str)],
         )
         self._console = (
@@ -85,13 +139,12 @@ class EventLog:
                                            ts=ts, conn=conn)
         ids = {k: v for k, v in (("job", job_id), ("attempt", attempt_id)) if v}
         self._json.msg(event=type_, id=event_id, ts=ts, **ids, **data)
-        self._file.flush()
         if self._console is not None:
             self._console.msg(type_, **ids, **data)
         return event_id
 
     def close(self) -> None:
-        self._file.close()
+        self._lines.close()
 
 
 def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
