@@ -24,6 +24,7 @@ from apscheduler.schedulers.blocking import BlockingScheduler
 
 from orchestrator.app import App
 from orchestrator.errors import OperationalError
+from state.flock import flock_held, try_flock
 from state.store import DaemonLease
 
 LOCK_NAME = "daemon.lock"
@@ -38,12 +39,9 @@ class DaemonLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OperationalError(f"another daemon holds {self.path} (pid {read_lock_pid(self.path)})") from None
+        fd = try_flock(self.path)
+        if fd is None:
+            raise OperationalError(f"another daemon holds {self.path} (pid {read_lock_pid(self.path)})")
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "started_at": time.time()}).encode())
         self._fd = fd
@@ -65,18 +63,7 @@ def read_lock_pid(path: Path) -> int | None:
 def daemon_running(state_dir: Path) -> tuple[bool, int | None]:
     """Whether some process holds the lock (and its pid), without taking it."""
     path = state_dir / LOCK_NAME
-    if not path.exists():
-        return False, None
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True, read_lock_pid(path)
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False, None
-    finally:
-        os.close(fd)
+    return (True, read_lock_pid(path)) if flock_held(path) else (False, None)
 
 
 def running_daemon(app: App) -> dict[str, Any] | None:

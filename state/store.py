@@ -7,7 +7,6 @@ writers wait for each other instead of failing. Any SQLAlchemy URL works (Postgr
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import sqlite3
 import time
@@ -22,6 +21,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from state import schema as s
+from state.flock import flock_held, try_flock
 
 MIGRATION_LOCK_KEY = 7216019  # PostgreSQL advisory lock keys of this application
 DAEMON_LOCK_KEY = 7216020
@@ -161,16 +161,12 @@ class Store:
         if self._sqlite_daemon_lock is None:
             yield DaemonLease(ours=True)
             return
-        fd = os.open(self._sqlite_daemon_lock, os.O_CREAT | os.O_RDWR, 0o600)
+        fd = try_flock(self._sqlite_daemon_lock)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield DaemonLease(ours=False)
-            else:
-                yield DaemonLease(ours=True)
+            yield DaemonLease(ours=fd is not None)
         finally:
-            os.close(fd)  # and the flock with it
+            if fd is not None:
+                os.close(fd)  # and the flock with it
 
     @contextmanager
     def _postgres_daemon_lock(self) -> Iterator[DaemonLease]:
@@ -190,18 +186,7 @@ class Store:
         """Whether some daemon holds `daemon_lock` now, without taking it."""
         if self.engine.dialect.name == "postgresql":
             return self.daemon_lock_holder() is not None
-        if self._sqlite_daemon_lock is None or not self._sqlite_daemon_lock.exists():
-            return False
-        fd = os.open(self._sqlite_daemon_lock, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        finally:
-            os.close(fd)
+        return self._sqlite_daemon_lock is not None and flock_held(self._sqlite_daemon_lock)
 
     def daemon_lock_holder(self) -> int | None:
         """PostgreSQL: the server session (backend pid) holding the daemon lock, None if no daemon holds it; always

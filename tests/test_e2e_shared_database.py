@@ -1,5 +1,6 @@
-"""Several state directories (machines) can point at one database, a PostgreSQL server or a SQLite file outside
-all of them, and still only one daemon runs on it: two would both launch each queued job."""
+"""One daemon per state directory, and per database: several state directories (machines) can point at one, a
+PostgreSQL server or a SQLite file outside all of them, and still only one daemon runs on it. Two daemons would both
+launch each queued job."""
 
 from __future__ import annotations
 
@@ -40,3 +41,20 @@ def test_one_daemon_per_database_whatever_the_state_directory(tmp_path: Path, db
     r = cli(config, second, "daemon", "--max-ticks", "1")
     assert r.returncode == 0, r.stderr
     assert json.loads(cli(config, first, "status", "--json").stdout)["daemon"]["running"] is False
+
+
+def test_one_daemon_per_state_directory(tmp_path: Path) -> None:
+    config = write_config(tmp_path, None)
+    state = tmp_path / "state"
+    daemon = Daemon(tmp_path, config, state).start()
+    try:
+        wait_for(lambda: events(state, "daemon.started"), 60, "the first daemon to start")
+        r = cli(config, state, "daemon", "--max-ticks", "1")
+        assert r.returncode == 1, r.stderr
+        assert r.stderr.strip().splitlines()[-1].endswith(
+            f"another daemon holds {state / 'daemon.lock'} (pid {daemon.proc.pid})"), r.stderr
+        status = json.loads(cli(config, state, "status", "--json").stdout)["daemon"]
+        assert status == {"running": True, "pid": daemon.proc.pid}
+    finally:
+        assert daemon.stop() == 0
+    assert json.loads(cli(config, state, "status", "--json").stdout)["daemon"]["running"] is False
