@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -46,36 +47,48 @@ class Redactor:
 
 class JsonLines:
     """<state>/events.jsonl, a line per event, rotated to events.jsonl.1 (.1 to .2, ...) once past `max_bytes`,
-    `kept` old files. structlog's logger interface (`msg`): one rendered event, written whole.
+    `kept` old files. structlog's logger interface (`msg`): one rendered event.
 
-    Several processes append to one file (the daemon, and commands such as `cancel`). The one whose line takes the
-    file past its size rotates it, under an flock; one that still holds the renamed file sees at its next line that
-    the path is another file now, and reopens it. A line is never split or lost by a rotation."""
+    Several processes append to one file (the daemon, and commands such as `cancel`). Each line is one unbuffered
+    O_APPEND write, so lines never interleave. The process whose line takes the file past its size rotates it,
+    under an flock; one that still holds the renamed file sees at its next line that the path is another file now,
+    and reopens it. So a rotation never splits or loses a line.
+
+    The file is a copy of the trail, not the trail: the events table is. A line that cannot be written (a full disk)
+    is dropped with one warning on stderr, and the caller's transaction carries on."""
 
     def __init__(self, path: Path, *, max_bytes: int, kept: int):
         self.path, self.max_bytes, self.kept = path, max_bytes, kept
-        self._file = self._open()
+        self._fd = self._open()
+        self._failing = False
 
     def msg(self, line: str) -> None:
-        if not self._is_current():
-            self._file.close()
-            self._file = self._open()
-        self._file.write(line + "\n")
-        self._file.flush()
-        if self._file.tell() >= self.max_bytes:
-            self._rotate()
+        try:
+            if not self._is_current():
+                os.close(self._fd)
+                self._fd = self._open()
+            os.write(self._fd, (line + "\n").encode())
+            if os.fstat(self._fd).st_size >= self.max_bytes:
+                self._rotate()
+        except OSError as exc:
+            if not self._failing:
+                print(f"burstctl: {self.path}: cannot write ({exc.strerror or exc}); events are still kept in the "
+                      "database", file=sys.stderr)
+            self._failing = True
+        else:
+            self._failing = False
 
     info = msg  # what structlog's bound logger calls for `msg`
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
 
-    def _open(self) -> TextIO:
-        return self.path.open("a", encoding="utf-8")
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def _is_current(self) -> bool:
         try:
-            return os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino
+            return os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
         except FileNotFoundError:
             return False
 
@@ -89,8 +102,8 @@ class JsonLines:
                     if rotated[n].exists():
                         rotated[n].rename(rotated[n + 1])
                 self.path.rename(rotated[1])
-            self._file.close()
-            self._file = self._open()
+            os.close(self._fd)
+            self._fd = self._open()
 
 
 class EventLog:

@@ -151,3 +151,21 @@ def test_processes_writing_at_once_rotate_it_without_losing_or_splitting_a_line(
     assert len(files) > 10, "rotated many times while all four wrote"
     seen = sorted((e["who"], e["n"]) for lines in files.values() for e in lines)
     assert seen == sorted((str(w), i) for w in range(4) for i in range(150)), "each line once, none lost"
+
+
+def test_a_full_disk_under_events_jsonl_drops_its_lines_with_one_warning_and_the_trail_goes_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here to stand for a full disk")
+    store = Store(f"sqlite:///{tmp_path / 'burstctl.db'}")
+    (tmp_path / "events.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    log = EventLog(store, tmp_path, Redactor([]))
+    try:
+        with store.tx() as conn:  # inside a caller's transaction, as the reconciler emits
+            ids = [log.emit("job.note", n=i, conn=conn) for i in range(3)]
+    finally:
+        log.close()
+    assert [e["id"] for e in store.events()] == ids, "the events table has them all"
+    warned = capsys.readouterr().err.strip().splitlines()
+    assert len(warned) == 1 and "events.jsonl: cannot write (No space left on device)" in warned[0], warned
+    store.close()
