@@ -22,7 +22,7 @@ from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.local import LocalRunner
-from orchestrator.lifecycle.machine import AttemptState, active_attempts, move
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
 from orchestrator.lifecycle.market_switch import (
     TO_ON_DEMAND,
     TO_SPOT,
@@ -221,7 +221,7 @@ class Reconciler:
         now = self.clock()
         with self.store.engine.connect() as c:
             busy_jobs = {r[0] for r in c.execute(
-                select(s.attempts.c.job_id).where(s.attempts.c.state.in_([a.value for a in A if not a.final])))}
+                select(s.attempts.c.job_id).where(s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES)))}
             n_local = self.attempts_active("local", c)
             n_cloud = self.attempts_active("cloud", c)
             # Earliest deadline first; only as many candidates as there are free slots (plus a margin) are read,
@@ -249,7 +249,7 @@ class Reconciler:
         """Attempts not yet final `where` ("local" or "cloud"): what `local_concurrency` and `max_cloud_attempts`
         bound, spot probes included."""
         query = select(func.count()).select_from(s.attempts).where(
-            s.attempts.c.where == where, s.attempts.c.state.in_([a.value for a in A if not a.final]))
+            s.attempts.c.where == where, s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))
         if conn is not None:
             return int(conn.execute(query).scalar() or 0)
         with self.store.engine.connect() as c:
