@@ -10,9 +10,15 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from sqlalchemy import insert, select
 
+from orchestrator.app import App
 from orchestrator.lifecycle.reconcile import CHAOS_ENV
+from orchestrator.lifecycle.service import build_reconciler
+from orchestrator.lifecycle.spot_probe import probe_spot
+from state import schema as s
 from tests.e2e import (
+    SIM_KEY,
     CloudView,
     Daemon,
     EnvDaemon,
@@ -24,7 +30,10 @@ from tests.e2e import (
     events,
     job,
     ledger,
+    sim_instances,
+    simcloud,
     wait_for,
+    write_config,
 )
 from tests.e2e import (
     trainer_job as e2e_trainer_job,
@@ -185,14 +194,6 @@ def test_a_probe_is_a_cloud_attempt_so_at_max_cloud_attempts_it_waits_for_its_ne
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process, the real reconciler against simcloud: a job on on-demand whose probe is due. With one cloud
     attempt allowed (the on-demand one), no spot instance is launched beside it; with two, the probe is."""
-    from sqlalchemy import insert, select
-
-    from orchestrator.app import App
-    from orchestrator.lifecycle.service import build_reconciler
-    from orchestrator.lifecycle.spot_probe import probe_spot
-    from state import schema as s
-    from tests.e2e import SIM_KEY, sim_instances, simcloud, write_config
-
     monkeypatch.setenv("BURSTCTL_SIM_API_KEY", SIM_KEY)
     with simcloud(tmp_path) as url:
         for cap in (1, 2):

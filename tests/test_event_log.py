@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,9 +143,6 @@ store.close()
 
 
 def test_processes_writing_at_once_rotate_it_without_losing_or_splitting_a_line(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     Store(f"sqlite:///{tmp_path / 'burstctl.db'}").close()
     writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(w)]) for w in range(4)]
     assert [p.wait(120) for p in writers] == [0, 0, 0, 0]
