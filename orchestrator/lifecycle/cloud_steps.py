@@ -168,6 +168,8 @@ class CloudSteps:
         target, trust = self.target(att), self.trust(att)
         timings: dict[str, float] = {}
         spec = job["spec"]
+        # One SSH session for every step: each new one is a key exchange and an authentication, a fixed cost that
+        # does not shrink with the data and was most of a resume's runbook time (benchmarks/README.md).
         conn = ssh.connect(target, trust=trust)
         try:
             t = time.monotonic()
@@ -181,51 +183,47 @@ class CloudSteps:
             env = {**spec.get("env", {}), "PYTHONPATH": f"{base}/runbooks"}
             conn.put(io.StringIO("".join(f"{k}={v}\n" for k, v in env.items())), f"{run_dir}/job.env")
             timings["bootstrap"] = time.monotonic() - t
-        finally:
-            conn.close()
 
-        t = time.monotonic()
-        ckpt_rel = spec.get("checkpoint", {}).get("dir", "checkpoints")
-        sync.push_dir(target, trust, spec["workdir"], f"{jobdir}/work", exclude=(*EXCLUDE, ckpt_rel))
-        timings["push_workdir"] = time.monotonic() - t
-
-        remote_resume = None
-        s3 = self.s3_store(att, job)
-        if resume_from is not None and s3 is not None:
             t = time.monotonic()
-            try:
-                in_s3 = resume_from.name in s3.list_complete()
-            except TransferError:
-                in_s3 = False
-            if in_s3:
-                with ssh.connect(target, trust=trust) as conn:
+            ckpt_rel = spec.get("checkpoint", {}).get("dir", "checkpoints")
+            sync.push_dir(target, trust, spec["workdir"], f"{jobdir}/work", exclude=(*EXCLUDE, ckpt_rel), conn=conn)
+            timings["push_workdir"] = time.monotonic() - t
+
+            remote_resume = None
+            s3 = self.s3_store(att, job)
+            if resume_from is not None and s3 is not None:
+                t = time.monotonic()
+                try:
+                    in_s3 = resume_from.name in s3.list_complete()
+                except TransferError:
+                    in_s3 = False
+                if in_s3:
                     remote_resume = self._download_on_instance(conn, att, s3, resume_from.name, base, jobdir)
-                if remote_resume is not None:
-                    timings["s3_download_checkpoint"] = time.monotonic() - t
-        if resume_from is not None and remote_resume is None:
-            t = time.monotonic()
-            pushed = sync.push_checkpoint(target, trust, checkpoints.store_dir(self.app.config, job["id"]),
-                                          f"{jobdir}/checkpoints")
-            timings["push_checkpoint"] = time.monotonic() - t
-            if pushed is not None:
-                remote_resume = f"{jobdir}/checkpoints/{resume_from.name}"
+                    if remote_resume is not None:
+                        timings["s3_download_checkpoint"] = time.monotonic() - t
+            if resume_from is not None and remote_resume is None:
+                t = time.monotonic()
+                pushed = sync.push_checkpoint(target, trust, checkpoints.store_dir(self.app.config, job["id"]),
+                                              f"{jobdir}/checkpoints", conn=conn)
+                timings["push_checkpoint"] = time.monotonic() - t
+                if pushed is not None:
+                    remote_resume = f"{jobdir}/checkpoints/{resume_from.name}"
 
-        t = time.monotonic()
-        argv = ["python3", f"{base}/runbooks/supervisor.py", "--run-dir", run_dir, "--job-id", job["id"],
-                "--attempt", str(att["n"]), "--checkpoint-dir", f"{jobdir}/checkpoints", "--workdir", f"{jobdir}/work",
-                "--env-file", f"{run_dir}/job.env", "--gpus", str(spec.get("gpus", 1)), "--daemonize"]
-        if spec.get("torchrun"):
-            argv.append("--torchrun")
-        if remote_resume:
-            argv += ["--resume-from", remote_resume]
-        if s3 is not None:
-            argv += ["--s3-uri", s3.uri, "--s3-region", s3.region]
-        url = notice_url(self.providers[att["provider"]], att["instance_id"])
-        if url:
-            argv += ["--metadata-url", url]
-        argv += ["--", *spec["command"]]
-        conn = ssh.connect(target, trust=trust)
-        try:
+            t = time.monotonic()
+            argv = ["python3", f"{base}/runbooks/supervisor.py", "--run-dir", run_dir, "--job-id", job["id"],
+                    "--attempt", str(att["n"]), "--checkpoint-dir", f"{jobdir}/checkpoints",
+                    "--workdir", f"{jobdir}/work", "--env-file", f"{run_dir}/job.env",
+                    "--gpus", str(spec.get("gpus", 1)), "--daemonize"]
+            if spec.get("torchrun"):
+                argv.append("--torchrun")
+            if remote_resume:
+                argv += ["--resume-from", remote_resume]
+            if s3 is not None:
+                argv += ["--s3-uri", s3.uri, "--s3-region", s3.region]
+            url = notice_url(self.providers[att["provider"]], att["instance_id"])
+            if url:
+                argv += ["--metadata-url", url]
+            argv += ["--", *spec["command"]]
             ssh.run(conn, argv, timeout=120)
         finally:
             conn.close()

@@ -27,7 +27,7 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -110,17 +110,19 @@ def choose_transport(target: Target, conn: fabric.Connection, transport: Transpo
 
 # --- public operations ----------------------------------------------------------------------------------------
 def push_dir(target: Target, trust: HostKeyTrust, local_dir: str | Path, remote_dir: str, *,
-             exclude: Sequence[str] = (), transport: Transport = "auto") -> SyncStats:
+             exclude: Sequence[str] = (), transport: Transport = "auto",
+             conn: fabric.Connection | None = None) -> SyncStats:
     """Copy `local_dir`'s contents into `remote_dir` on the instance (created if needed).
 
     `exclude` holds rsync-style glob patterns matched against each path's name and its path relative to
     `local_dir`. Files already there with the same size and mtime are skipped; nothing remote is deleted.
+    `conn`: an open connection to the instance to use (and leave open), instead of opening one.
     """
     local = Path(local_dir)
     if not local.is_dir():
         raise SyncError(f"workdir {local} is not a directory")
     started = time.monotonic()
-    with connect(target, trust=trust) as conn:
+    with _connection(target, trust, conn) as conn:
         chosen = choose_transport(target, conn, transport)
         run(conn, ["mkdir", "-p", "--", remote_dir], timeout=60)
         if chosen == "rsync":
@@ -134,11 +136,13 @@ def push_dir(target: Target, trust: HostKeyTrust, local_dir: str | Path, remote_
 
 
 def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | Path, remote_ckpt_dir: str, *,
-                    transport: Transport = "auto") -> PushedCheckpoint | None:
+                    transport: Transport = "auto", conn: fabric.Connection | None = None
+                    ) -> PushedCheckpoint | None:
     """Put the newest complete local checkpoint into `remote_ckpt_dir` (for resume); None if there is none.
 
     It lands in a hidden remote dir and is renamed into place, so the trainer never resumes from half of it.
     Files shared with the instance's newest complete checkpoint are hard-linked there, not sent (rsync).
+    `conn` as for `push_dir`.
     """
     newest = burst_checkpoint.latest_complete(local_ckpt_dir)  # deep: a corrupt local one must not spread
     if newest is None:
@@ -147,7 +151,7 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
     remote_final = f"{remote_ckpt_dir}/{name}"
     remote_staging = f"{remote_ckpt_dir}/{STAGING_PREFIX}{name}"
     started = time.monotonic()
-    with connect(target, trust=trust) as conn:
+    with _connection(target, trust, conn) as conn:
         chosen = choose_transport(target, conn, transport)
         remote_complete = _remote_complete(conn, remote_ckpt_dir)
         if name in remote_complete:
@@ -165,6 +169,17 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
                    remote_staging, remote_final], timeout=300)
     stats.seconds = time.monotonic() - started
     return PushedCheckpoint(name, newest, remote_final, stats)
+
+
+@contextlib.contextmanager
+def _connection(target: Target, trust: HostKeyTrust, conn: fabric.Connection | None
+                ) -> Iterator[fabric.Connection]:
+    """`conn` as it is (the caller closes it), or a connection of our own, closed on the way out."""
+    if conn is not None:
+        yield conn
+        return
+    with connect(target, trust=trust) as own:
+        yield own
 
 
 def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, local_ckpt_dir: str | Path, *,
