@@ -567,6 +567,9 @@ def test_bootstrap_finds_a_python_and_execs_the_supervisor(job: Job, tmp_path: P
                           timeout=60)
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["argv"] == ["python3", "t.py"]
+    which = subprocess.run(["sh", str(BOOTSTRAP), "--which-python"], env={**os.environ, "BURST_PYTHON": sys.executable},
+                           capture_output=True, text=True, timeout=60)
+    assert (which.returncode, which.stdout.strip()) == (0, sys.executable)  # what the daemon runs from then on
 
     bare = tmp_path / "bare-bin"  # a PATH with the shell tools bootstrap needs and no Python at all
     bare.mkdir()

@@ -35,7 +35,8 @@ from runbooks.s3_checkpoints import S3CheckpointStore
 from state import schema as s
 
 RUNBOOKS = Path(__file__).resolve().parents[2] / "runbooks"
-RUNBOOK_FILES = ("supervisor.py", "burst_checkpoint.py", "checkpoint_transfer.py", "s3_checkpoints.py")
+RUNBOOK_FILES = ("bootstrap.sh", "supervisor.py", "burst_checkpoint.py", "checkpoint_transfer.py",
+                 "s3_checkpoints.py")
 EXCLUDE = (".git", "__pycache__", "*.pyc", ".venv")
 
 
@@ -146,9 +147,9 @@ class CloudSteps:
         return dropped
 
     def _download_on_instance(self, conn: Any, att: dict[str, Any], store: S3CheckpointStore, name: str,
-                              base: str, jobdir: str) -> str | None:
+                              base: str, jobdir: str, python: str) -> str | None:
         """The resume checkpoint fetched in-region by the instance itself; None if it could not (then SSH)."""
-        argv = ["python3", f"{base}/runbooks/s3_checkpoints.py", "download", "--uri", store.uri, "--name", name,
+        argv = [python, f"{base}/runbooks/s3_checkpoints.py", "download", "--uri", store.uri, "--name", name,
                 "--dir", f"{jobdir}/checkpoints", "--region", store.region]
         res = ssh.run(conn, argv, timeout=1800, check=False)
         lines = res.stdout.strip().splitlines()
@@ -173,13 +174,19 @@ class CloudSteps:
         conn = ssh.connect(target, trust=trust)
         try:
             t = time.monotonic()
-            home = ssh.run(conn, ["python3", "-c", "import os; print(os.getcwd())"], timeout=60).stdout.strip()
+            # Commands start in the login's home directory: make the job's directories there and learn its path.
+            jobrel = f"burst/{job['id']}"
+            home = ssh.run(conn, ["sh", "-c", 'mkdir -p -- "$@" && pwd', "sh", "burst/runbooks", f"{jobrel}/work",
+                                  f"{jobrel}/checkpoints", f"{jobrel}/{att['id']}/run"], timeout=60).stdout.strip()
             base = f"{home}/burst"
             jobdir = f"{base}/{job['id']}"
             run_dir = f"{jobdir}/{att['id']}/run"
-            ssh.run(conn, ["mkdir", "-p", f"{base}/runbooks", f"{jobdir}/work", f"{jobdir}/checkpoints", run_dir])
             for name in RUNBOOK_FILES:
                 conn.put(str(RUNBOOKS / name), f"{base}/runbooks/{name}")
+            # The interpreter bootstrap.sh picks ($BURST_PYTHON, python3, python; >= 3.8), asked once: every later
+            # call runs it directly rather than paying a second Python start for the version check.
+            python = ssh.run(conn, ["sh", f"{base}/runbooks/bootstrap.sh", "--which-python"],
+                             timeout=60).stdout.strip().splitlines()[-1]
             env = {**spec.get("env", {}), "PYTHONPATH": f"{base}/runbooks"}
             conn.put(io.StringIO("".join(f"{k}={v}\n" for k, v in env.items())), f"{run_dir}/job.env")
             timings["bootstrap"] = time.monotonic() - t
@@ -198,7 +205,8 @@ class CloudSteps:
                 except TransferError:
                     in_s3 = False
                 if in_s3:
-                    remote_resume = self._download_on_instance(conn, att, s3, resume_from.name, base, jobdir)
+                    remote_resume = self._download_on_instance(conn, att, s3, resume_from.name, base, jobdir,
+                                                               python)
                     if remote_resume is not None:
                         timings["s3_download_checkpoint"] = time.monotonic() - t
             if resume_from is not None and remote_resume is None:
@@ -210,7 +218,7 @@ class CloudSteps:
                     remote_resume = f"{jobdir}/checkpoints/{resume_from.name}"
 
             t = time.monotonic()
-            argv = ["python3", f"{base}/runbooks/supervisor.py", "--run-dir", run_dir, "--job-id", job["id"],
+            argv = [python, f"{base}/runbooks/supervisor.py", "--run-dir", run_dir, "--job-id", job["id"],
                     "--attempt", str(att["n"]), "--checkpoint-dir", f"{jobdir}/checkpoints",
                     "--workdir", f"{jobdir}/work", "--env-file", f"{run_dir}/job.env",
                     "--gpus", str(spec.get("gpus", 1)), "--daemonize"]
@@ -230,8 +238,8 @@ class CloudSteps:
         timings["start"] = time.monotonic() - t
         with self.app.store.tx() as c:
             c.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(
-                info={**att["info"], "remote_base": base, "remote_run": run_dir}))
-        att["info"] = {**att["info"], "remote_base": base, "remote_run": run_dir}
+                info={**att["info"], "remote_base": base, "remote_run": run_dir, "remote_python": python}))
+        att["info"] = {**att["info"], "remote_base": base, "remote_run": run_dir, "remote_python": python}
         return {k: round(v, 4) for k, v in timings.items()}
 
     # --- while running ------------------------------------------------------------------------------------------
@@ -239,16 +247,21 @@ class CloudSteps:
         base = att["info"]["remote_base"]
         return base, att["info"]["remote_run"]
 
+    def _supervisor(self, att: dict[str, Any], command: str) -> list[str]:
+        """`supervisor.py COMMAND --run-dir RUN` for the attempt's run, with the interpreter found at bootstrap."""
+        base, run_dir = self._remote(att)
+        # Attempts bootstrapped before the interpreter was recorded ran python3.
+        python = att["info"].get("remote_python", "python3")
+        return [python, f"{base}/runbooks/supervisor.py", command, "--run-dir", run_dir]
+
     def status(self, att: dict[str, Any]) -> dict[str, Any] | None:
         """The supervisor's status, or None when the instance cannot be reached over SSH."""
-        base, run_dir = self._remote(att)
         try:
             conn = ssh.connect(self.target(att), trust=self.trust(att), timeout_s=5)
         except ssh.SshUnavailable:
             return None
         try:
-            res = ssh.run(conn, ["python3", f"{base}/runbooks/supervisor.py", "status", "--run-dir", run_dir],
-                          timeout=30)
+            res = ssh.run(conn, self._supervisor(att, "status"), timeout=30)
         except ssh.SshUnavailable:
             return None
         finally:
@@ -275,10 +288,9 @@ class CloudSteps:
 
     def request_checkpoint(self, att: dict[str, Any]) -> None:
         """SIGTERM through the supervisor: the trainer writes a last checkpoint and exits."""
-        base, run_dir = self._remote(att)
         conn = ssh.connect(self.target(att), trust=self.trust(att), timeout_s=10)
         try:
-            ssh.run(conn, ["python3", f"{base}/runbooks/supervisor.py", "stop", "--run-dir", run_dir], timeout=60)
+            ssh.run(conn, self._supervisor(att, "stop"), timeout=60)
         finally:
             conn.close()
 
