@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
 from datetime import UTC, datetime
 from pathlib import Path
@@ -62,16 +64,23 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
 
 
 def write(state_dir: Path, job_name: str, job_id: str | None, text: str, now: float) -> Path:
+    """A new record `decisions/<day>-<name>.md`, or, when that is taken, `-<job id>` or `-2`, `-3`, ... after the
+    name: a record is never overwritten (a what-if `decide` of the same job must not wipe a run's Measured line)."""
     folder = state_dir / "decisions"
     folder.mkdir(parents=True, exist_ok=True)
-    day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
-    path = folder / f"{day}-{job_name}.md"
-    if path.exists() and job_id:
-        path = folder / f"{day}-{job_name}-{job_id}.md"
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-    return path
+    stem = f"{datetime.fromtimestamp(now, UTC).strftime('%Y-%m-%d')}-{job_name}"
+    names = itertools.chain([stem], [f"{stem}-{job_id}"] if job_id else [], (f"{stem}-{n}" for n in itertools.count(2)))
+    for name in names:
+        path = folder / f"{name}.md"
+        try:  # claim the name: O_EXCL, so two writers at once cannot both take it
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            continue
+        tmp = path.with_suffix(".md.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+        return path
+    raise AssertionError("unreachable: the names never run out")
 
 
 def fill_measured(path: Path, measured: str) -> None:

@@ -215,16 +215,18 @@ class Store:
             c.execute(insert(s.jobs).values(**values))
 
     def get_job(self, ref: str) -> dict[str, Any] | None:
-        """By id, or by name when exactly one job has that name (the newest if several)."""
+        """By id, or by name (the newest of that name)."""
+        found = self.find_jobs(ref)
+        return found[0] if found else None
+
+    def find_jobs(self, ref: str) -> list[dict[str, Any]]:
+        """The job with id `ref`, else every job named `ref`, newest first."""
         with self.engine.connect() as c:
             row = c.execute(select(s.jobs).where(s.jobs.c.id == ref)).mappings().first()
-            if row is None:
-                row = (
-                    c.execute(select(s.jobs).where(s.jobs.c.name == ref).order_by(s.jobs.c.created_at.desc()))
-                    .mappings()
-                    .first()
-                )
-            return dict(row) if row else None
+            if row is not None:
+                return [dict(row)]
+            q = select(s.jobs).where(s.jobs.c.name == ref).order_by(s.jobs.c.created_at.desc())
+            return [dict(r) for r in c.execute(q).mappings()]
 
     def list_jobs(self, states: Sequence[str] | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         q = select(s.jobs).order_by(s.jobs.c.created_at)

@@ -219,3 +219,28 @@ def test_usage_errors_are_one_line(burstctl) -> None:
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     r = burstctl("decide", "--s-local", "0.1")
     assert r.returncode == 2 and "--deadline-h" in r.stderr
+
+
+def test_a_what_if_decide_never_overwrites_the_record_of_an_enqueued_job(burstctl, tmp_path: Path) -> None:
+    job = write_job(tmp_path, "same-name")
+    enqueued = json.loads(burstctl("enqueue", str(job), "--json").stdout)
+    record = Path(enqueued["record"])
+    before = record.read_text()
+    what_ifs = [json.loads(burstctl("decide", str(job), "--json").stdout)["record"] for _ in range(2)]
+    assert record.read_text() == before  # its Measured line, once filled in, survives too
+    assert len({str(record), *what_ifs}) == 3 and all(Path(p).exists() for p in what_ifs)
+
+
+def test_a_name_means_its_one_job_not_yet_over_else_the_error_lists_the_ids(burstctl, tmp_path: Path) -> None:
+    job = write_job(tmp_path, "twice", market="on-demand")
+    first, second = (json.loads(burstctl("enqueue", str(job), "--json").stdout)["id"] for _ in range(2))
+    r = burstctl("cancel", "twice")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"burstctl: error: field 'JOB': 2 jobs are named 'twice': give one of their ids: {second} (queued), "
+        f"{first} (queued)"]
+    assert burstctl("cancel", second).returncode == 0
+    assert burstctl("cancel", "twice").returncode == 0  # the one left that is not over
+    assert json.loads(burstctl("show", first, "--json").stdout)["state"] == "cancelled"
+    r = burstctl("show", "twice")
+    assert r.returncode == 2 and first in r.stderr and second in r.stderr

@@ -23,10 +23,16 @@ def _when(ts: float | None) -> str:
 
 
 def _job_or_fail(app: App, ref: str) -> dict[str, Any]:
-    job = app.store.get_job(ref)
-    if job is None:
+    """The job `ref` names: an id, or a name that one job has, or that only one job not yet over has (the run of it
+    that `cancel` or `approve` means when earlier runs are done). Otherwise the ids to choose from."""
+    found = app.store.find_jobs(ref)
+    if not found:
         raise BadInput(f"no job with id or name '{ref}'", field="JOB")
-    return job
+    active = [j for j in found if not JobState(j["state"]).final]
+    if len(found) == 1 or len(active) == 1:
+        return found[0] if len(found) == 1 else active[0]
+    choices = ", ".join(f"{j['id']} ({j['state']})" for j in (active or found))
+    raise BadInput(f"{len(active or found)} jobs are named '{ref}': give one of their ids: {choices}", field="JOB")
 
 
 def _public(job: dict[str, Any]) -> dict[str, Any]:
