@@ -48,6 +48,8 @@ def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(
         daemon = Daemon(tmp_path, config, state).start()
         try:
             wait_for(lambda: events(state, "checkpoint.synced"), 120, "a checkpoint from the cloud")
+            before = json.loads(cli(config, state, "status", "--json").stdout)
+            assert [i["state"] for i in before["instances"]] == ["running"]  # not what launch saw (booting)
             r = cli(config, state, "revert-local", "--json")
             assert r.returncode == 0, r.stdout + r.stderr
             report = json.loads(r.stdout)
@@ -114,3 +116,23 @@ def test_with_every_cloud_unreachable_local_work_goes_on(tmp_path: Path) -> None
         assert job(state, "needs-cloud")["state"] in ("queued", "blocked")
     finally:
         assert daemon.stop() == 0
+
+
+def test_status_tells_how_the_cloud_answers_now_with_nothing_queued_and_not_after_the_daemon_stops(
+        tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    config = write_config(tmp_path, f"http://127.0.0.1:{free_port()}", daemon={"offers_ttl_s": 1.0})
+    daemon = Daemon(tmp_path, config, state).start()
+    try:
+        # Nothing is queued, so nothing needs offers: the daemon still asks each provider once per offers_ttl_s.
+        wait_for(lambda: json.loads(cli(config, state, "status", "--json").stdout)["mode"]
+                 == "local-only (no cloud reachable)", 30, "status to see the cloud gone")
+        first = json.loads(cli(config, state, "status", "--json").stdout)["cloud_health_at"]
+        wait_for(lambda: json.loads(cli(config, state, "status", "--json").stdout)["cloud_health_at"] > first, 30,
+                 "the providers to be asked again")
+        assert "cloud (asked " in cli(config, state, "status").stdout
+    finally:
+        assert daemon.stop() == 0
+    after = cli(config, state, "status")
+    assert "mode: burst-enabled" in after.stdout  # a stopped daemon's last answer is not today's mode
+    assert "by the daemon, which is not running): sim UNREACHABLE" in after.stdout

@@ -31,8 +31,9 @@ def status_data(app: App) -> dict[str, Any]:
     return {
         "daemon": {"running": daemon is not None, "pid": daemon and daemon["pid"],
                    **({"host": daemon["host"]} if daemon and daemon.get("host") else {})},
-        "mode": _mode(app),
+        "mode": _mode(app, daemon is not None),
         "cloud_health": app.store.get_setting("cloud_health", {}),
+        "cloud_health_at": app.store.get_setting("cloud_health_at"),
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
         "active_jobs": sum(counts.get(st.value, 0) for st in active_states),
         "attempts": [{"id": a["id"], "job": a["job_id"], "where": a["where"], "state": a["state"],
@@ -57,14 +58,20 @@ def _problem(info: dict[str, Any]) -> str | None:
     return None
 
 
-def _mode(app: App) -> str:
-    """burst-enabled; local-only (the kill switch); or local-only because no cloud answered lately."""
+def _mode(app: App, daemon_running: bool) -> str:
+    """burst-enabled; local-only (the kill switch); or local-only because no cloud answered the running daemon
+    lately (a stopped daemon's last answer says nothing about now)."""
     if not burst_enabled(app):
         return "local-only"
     health = app.store.get_setting("cloud_health", {})
-    if health and not any(health.values()):
+    if daemon_running and health and not any(health.values()):
         return "local-only (no cloud reachable)"
     return "burst-enabled"
+
+
+def _ago(ts: float, now: float) -> str:
+    s = max(now - ts, 0.0)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.0f} h ago"
 
 
 @cli.command("status")
@@ -83,8 +90,12 @@ def status_cmd(app: App, as_json: bool) -> None:
     out.print(f"mode: [bold]{mode}[/bold]" + ("  (revert-local is in force; `burstctl burst-enable` lifts it)"
                                               if mode == "local-only" else ""))
     if d["cloud_health"]:
-        health = d["cloud_health"].items()
-        out.print("cloud: " + ", ".join(f"{k} {'answers' if v else 'UNREACHABLE'}" for k, v in health))
+        health = ", ".join(f"{k} {'answers' if v else 'UNREACHABLE'}" for k, v in d["cloud_health"].items())
+        at = d["cloud_health_at"]
+        when = f"asked {_ago(at, time.time())}" if at is not None else "asked"
+        if not dmn["running"]:
+            when = f"last {when} by the daemon, which is not running"
+        out.print(f"cloud ({when}): {health}")
     out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in d["jobs"].items() if v) if d["active_jobs"] or any(
         d["jobs"].values()) else "jobs: none")
     out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'])}")

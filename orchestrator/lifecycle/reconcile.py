@@ -9,6 +9,7 @@ terminate of a gone instance is success, a supervisor start is idempotent on the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -93,6 +94,10 @@ class OfferCache:
 
     def health(self) -> dict[str, bool]:
         return {n: not isinstance(v, ProviderError) for n, v in self._offers.items()}
+
+    def checked_at(self) -> float | None:
+        """When the least recently asked provider was last asked (None before any was)."""
+        return min(self._at.values()) if self._at else None
 
     def forget(self, name: str) -> None:
         self._at.pop(name, None)
@@ -256,10 +261,21 @@ class Reconciler:
             return int(c.execute(query).scalar() or 0)
 
     def _record_health(self, now: float) -> None:
-        health = self.offers.health()
-        if health and self.store.get_setting("cloud_health") != health:
-            self.store.set_setting("cloud_health", health)
-            self.emit("cloud.health", providers=health)
+        """Whether each provider answers, asked at most once per `offers_ttl_s` even with no cloud job waiting, so
+        that `status` is never an old answer; written (with when) only when the providers were asked again."""
+        if not burst_enabled(self.app):
+            return  # local-only: the cloud is not asked at all
+        for name, provider in self.providers.items():
+            with contextlib.suppress(ProviderError):
+                self.offers.get(name, provider, now)
+        health, at = self.offers.health(), self.offers.checked_at()
+        if not health or self.store.get_setting("cloud_health_at") == at:
+            return
+        with self.store.tx() as conn:
+            if self.store.get_setting("cloud_health") != health:
+                self.store.set_setting("cloud_health", health, conn=conn)
+                self.app.events.emit("cloud.health", conn=conn, providers=health)
+            self.store.set_setting("cloud_health_at", at, conn=conn)
 
     def _redecide_blocked(self, now: float) -> None:
         """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
@@ -619,6 +635,9 @@ class Reconciler:
         with self.store.tx() as conn:
             info = {**att["info"], "host": inst.host, "port": inst.ssh_port, "user": inst.ssh_user, "boot_s": boot_s}
             if move(conn, att, A.BOOTSTRAPPING, info=info):
+                conn.execute(update(s.instances).where(s.instances.c.provider == att["provider"],
+                                                       s.instances.c.id == inst.id)
+                             .values(state=InstanceState.RUNNING.value))  # the row said what launch saw
                 self._measure(conn, att, "boot_s", boot_s)
                 self.app.events.emit("instance.ready", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      instance=att["instance_id"], boot_s=round(boot_s, 3))
