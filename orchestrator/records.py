@@ -12,12 +12,13 @@ from typing import Any
 MEASURED_PLACEHOLDER = "- **Measured:** _(filled in after the run)_"
 
 
-def _h(v: float | None) -> str:
+def fmt_h(v: float | None) -> str:
     return "—" if v is None else f"{v:.2f} h"
 
 
-def _usd(v: float | None) -> str:
-    return "—" if v is None else f"${v:.2f}"
+def fmt_usd(v: float | None) -> str:
+    """Dollars with cents; a negative amount as −$1.00, not $-1.00."""
+    return "—" if v is None else f"${v:,.2f}" if v >= 0 else f"−${-v:,.2f}"
 
 
 def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, deadline_h: float,
@@ -29,15 +30,15 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
         f"{p['hours']:.2f} h" for p in plan) or "—"
     gate1 = ("fits locally" if d["fits_locally"] else "does not fit locally → burst")
     if d["verdict"] == "local":
-        gate2 = f"T_L = {_h(d['t_local_h'])} ≤ D = {deadline_h:.2f} h → local"
+        gate2 = f"T_L = {fmt_h(d['t_local_h'])} ≤ D = {deadline_h:.2f} h → local"
     elif d["verdict"] == "burst":
-        gate2 = f"not reached (gate 1 decides); T_R = {_h(d['t_rented_h'])}"
+        gate2 = f"not reached (gate 1 decides); T_R = {fmt_h(d['t_rented_h'])}"
     elif d["verdict"] == "rethink":
-        gate2 = (f"T_L = {_h(d['t_local_h'])} and T_R = {_h(d['t_rented_h'])} both exceed D = {deadline_h:.2f} h "
+        gate2 = (f"T_L = {fmt_h(d['t_local_h'])} and T_R = {fmt_h(d['t_rented_h'])} both exceed D = {deadline_h:.2f} h "
                  "→ rethink scope")
     else:
-        gate2 = (f"T_L = {_h(d['t_local_h'])} > D = {deadline_h:.2f} h; T_R = {_h(d['t_rented_h'])} ≤ D; "
-                 f"ΔC = {_usd(d['delta_cost_usd'])} to save {_h(d['hours_saved'])}")
+        gate2 = (f"T_L = {fmt_h(d['t_local_h'])} > D = {deadline_h:.2f} h; T_R = {fmt_h(d['t_rented_h'])} ≤ D; "
+                 f"ΔC = {fmt_usd(d['delta_cost_usd'])} to save {fmt_h(d['hours_saved'])}")
     mc = d.get("market_costs") or {}
     lines = [
         f"# Decision: {job_name}",
@@ -48,11 +49,12 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
         f"- **Gate 2 (deadline):** {gate2}",
         f"- **Verdict:** {d['verdict']} → {d['action']}",
         f"- **Instance:** {d.get('gpu') or '—'} × {gpus}, market {d.get('market') or '—'}",
-        f"- **Rate used:** {_usd(d.get('rate_usd_per_gpu_h'))}/GPU-h"
-        + (f" (on-demand {_usd(mc.get('on_demand_usd'))}, spot expected {_usd(mc.get('spot_expected_usd'))})"
+        f"- **Rate used:** {fmt_usd(d.get('rate_usd_per_gpu_h'))}/GPU-h"
+        + (f" (on-demand {fmt_usd(mc.get('on_demand_usd'))}, spot expected {fmt_usd(mc.get('spot_expected_usd'))})"
            if mc else ""),
-        f"- **Expected run time and overhead:** T_R = {_h(d['t_rented_h'])} including t_ovh = {d['overhead_h']:.2f} h;"
-        f" plan: {plan_txt}; plan cost {_usd(d.get('plan_cost_usd'))}",
+        f"- **Expected run time and overhead:** T_R = {fmt_h(d['t_rented_h'])} including "
+        f"t_ovh = {d['overhead_h']:.2f} h;"
+        f" plan: {plan_txt}; plan cost {fmt_usd(d.get('plan_cost_usd'))}",
         MEASURED_PLACEHOLDER,
         "",
         "## Rationale",

@@ -244,3 +244,14 @@ def test_a_name_means_its_one_job_not_yet_over_else_the_error_lists_the_ids(burs
     assert json.loads(burstctl("show", first, "--json").stdout)["state"] == "cancelled"
     r = burstctl("show", "twice")
     assert r.returncode == 2 and first in r.stderr and second in r.stderr
+
+
+def test_a_deadline_that_renting_meets_for_less_than_local_is_called_cheaper_not_a_negative_price(burstctl) -> None:
+    r = burstctl("decide", "--work", "0.5", "--s-local", "0.001", "--s-rented", "0.17", "--deadline-h", "12",
+                 *SEED_FLAGS)
+    assert r.returncode == 0, r.stderr
+    assert "price of the deadline: none: renting is $39.68 cheaper than local and saves 496.56 h." in r.stdout
+    assert "the deadline costs nothing: renting is $39.68 cheaper than local" in r.stdout
+    assert "$-" not in r.stdout
+    record = next((burstctl.state_dir / "decisions").glob("*.md")).read_text()
+    assert "ΔC = −$39.68 to save 496.56 h" in record and "$-" not in record

@@ -114,9 +114,3 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any
     out.print(t)
 
 
-def fmt_usd(v: float | None) -> str:
-    return "—" if v is None else f"${v:,.2f}"
-
-
-def fmt_h(v: float | None) -> str:
-    return "—" if v is None else f"{v:.2f} h"

@@ -118,7 +118,11 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
                   else "  ...and no rented GPU can run it. Rethink scope, not hardware.")
             else:
                 p(f"  rented makes it: {d['t_rented_h']:.2f} h <= {D:.2f} h.")
-                p(f"  price of the deadline: dC ~ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h.")
+                if d["delta_cost_usd"] >= 0:
+                    p(f"  price of the deadline: dC ~ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h.")
+                else:
+                    p(f"  price of the deadline: none: renting is ${-d['delta_cost_usd']:.2f} cheaper than local "
+                      f"and saves {d['hours_saved']:.2f} h.")
     p(f"[bold]verdict: {d['verdict'].upper()}[/bold] → {d['action']}")
     if d.get("plan"):
         phases = "; ".join(f"{ph['where']}{' ' + ph['market'] if ph['market'] else ''} {ph['hours']:.2f} h "

@@ -6,9 +6,10 @@ import sys
 
 import click
 
-from orchestrator.cli.base import cli, fmt_h, fmt_usd, json_option, out, print_json, table
+from orchestrator.cli.base import cli, json_option, out, print_json, table
 from orchestrator.demo import run_demo
 from orchestrator.errors import OperationalError
+from orchestrator.records import fmt_h, fmt_usd
 
 
 @cli.command("demo")

@@ -11,11 +11,12 @@ import click
 from rich.markup import escape
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, fmt_h, fmt_usd, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
 from orchestrator.core.budget import BudgetView, cycle_prices, month_key
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.lifecycle.states import JobState, check_transition
+from orchestrator.records import fmt_h, fmt_usd
 
 
 def _when(ts: float | None) -> str:

@@ -7,8 +7,9 @@ import sys
 
 import click
 
-from orchestrator.cli.base import cli, fmt_usd, json_option, out, print_json, table
+from orchestrator.cli.base import cli, json_option, out, print_json, table
 from orchestrator.errors import OperationalError
+from orchestrator.records import fmt_usd
 from orchestrator.rehearse import RehearsalOptions, rehearse
 
 

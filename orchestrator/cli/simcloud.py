@@ -22,8 +22,9 @@ import click
 import httpx
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, fmt_usd, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
 from orchestrator.errors import BadInput, OperationalError
+from orchestrator.records import fmt_usd
 
 DEFAULT_PORT = 8790
 

@@ -9,9 +9,10 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orchestrator.cli.base import cli, fmt_usd, json_option, print_json, table
+from orchestrator.cli.base import cli, json_option, print_json, table
 from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES
 from orchestrator.errors import BadInput
+from orchestrator.records import fmt_usd
 from orchestrator.simulate import JobSetting, load_traces, simulate
 
 

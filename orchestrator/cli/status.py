@@ -9,11 +9,12 @@ from rich.markup import escape
 from sqlalchemy import select
 
 from orchestrator.app import App, burst_enabled
-from orchestrator.cli.base import cli, fmt_usd, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
 from orchestrator.core.budget import month_key
 from orchestrator.daemon import running_daemon
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
 from orchestrator.lifecycle.states import JobState
+from orchestrator.records import fmt_usd
 from state import schema as s
 
 

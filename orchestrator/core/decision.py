@@ -219,6 +219,8 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
                 action = "await-approval"
                 reasons.append(f"the deadline costs ${extra:.2f} more than local, above the "
                                f"${ctx.max_auto_delta_usd:.2f} approved without asking: `burstctl approve`")
+            elif extra < 0:  # local's own hours cost more than renting (a slow card, a long job)
+                reasons.append(f"the deadline costs nothing: renting is ${-extra:.2f} cheaper than local")
             else:
                 reasons.append(f"the deadline costs ${extra:.2f} more than local: within the "
                                f"${ctx.max_auto_delta_usd:.2f} approved without asking")

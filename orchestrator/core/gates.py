@@ -83,9 +83,10 @@ def evaluate(x: GateInputs) -> GateResult:
 
     delta = c_r - c_l
     saved = t_l - t_r
+    price = f"ΔC = ${delta:.2f}" if delta >= 0 else f"ΔC = −${-delta:.2f}, cheaper than local,"
     reasons.append(
         f"Gate 2: local misses ({t_l:.2f} h > {x.deadline_h:.2f} h); renting meets it for "
-        f"ΔC = ${delta:.2f} to save {saved:.2f} h"
+        f"{price} to save {saved:.2f} h"
     )
     return GateResult(Verdict.PRICED, True, t_l, c_l, t_r, c_r, delta, saved, reasons)
 
