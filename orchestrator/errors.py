@@ -52,6 +52,8 @@ def format_validation_error(exc: Any, source: str | Path) -> BadInput:
     msg = first["msg"]
     if kind == "missing":
         msg = "is required but missing"
+    elif kind == "finite_number":
+        msg = "expected a finite number, not inf or nan"
     elif kind == "value_error":
         msg = msg.removeprefix("Value error, ")  # pydantic's prefix on a validator's own words
     elif kind == "extra_forbidden":

@@ -6,6 +6,7 @@ written, so a bad spec never reaches the queue.
 
 from __future__ import annotations
 
+import math
 import shlex
 import time
 from datetime import UTC, datetime
@@ -21,11 +22,19 @@ Method = Literal["full", "lora", "qlora"]
 Dtype = Literal["fp32", "bf16", "fp16", "int8", "int4"]
 Parallelism = Literal["ddp", "fsdp"]
 
+# The furthest deadline a job may have. A generous cap rather than "whatever a datetime can hold": no training job
+# plans a decade ahead, and every later step (events, records, `list`) can then format the instant.
+MAX_DEADLINE_YEARS = 10
+MAX_DEADLINE_HOURS = MAX_DEADLINE_YEARS * 365.25 * 24  # 87660 h
+DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 and at most {MAX_DEADLINE_HOURS:.0f} "
+                           f"({MAX_DEADLINE_YEARS} years)")
+
 
 class ModelSpec(BaseModel):
     """Sizing inputs; gate 1 is derived from them instead of a hand-given local throughput of 0."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # TOML spells inf and nan; no float of a job means either, and an infinite one crashes the arithmetic later.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     preset: str | None = Field(None, description="Known architecture, e.g. qwen2.5-7b, llama-3.1-8b.")
     params: Annotated[float, Field(gt=0)] | None = Field(None, description="Parameter count, if no preset.")
@@ -52,14 +61,14 @@ class ModelSpec(BaseModel):
 
 
 class CheckpointSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     dir: str = Field("checkpoints", description="Checkpoint directory, relative to workdir.")
     interval_minutes: Annotated[float, Field(gt=0)] = Field(30.0, description="How often the job checkpoints.")
 
 
 class JobSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: Annotated[str, Field(min_length=1, max_length=48, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")] = Field(
         description="Job name: letters, digits, '.', '_' and '-'."
@@ -68,7 +77,9 @@ class JobSpec(BaseModel):
     command: list[str] = Field(description="The command, as an argument list (a string is split shell-style).")
     workdir: str = Field(".", description="Directory pushed to the instance; relative to the spec file.")
     deadline: datetime | None = Field(None, description="ISO 8601 instant by which the job must be done.")
-    deadline_hours: Annotated[float, Field(gt=0)] | None = Field(None, description="Or: hours from now.")
+    deadline_hours: Annotated[float, Field(gt=0)] | None = Field(
+        None, description=f"Or: hours from now (at most {MAX_DEADLINE_HOURS:.0f}, {MAX_DEADLINE_YEARS} years)."
+    )
     work_units: Annotated[float, Field(gt=0)] = Field(1.0, description="W: work in units (1 = the whole job).")
     local_throughput: Annotated[float, Field(ge=0)] = Field(
         description="s_L: units/h on the local GPU; 0 = does not fit."
@@ -84,6 +95,14 @@ class JobSpec(BaseModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the command.")
     model: ModelSpec | None = Field(None, description="Sizing inputs for gate 1.")
+
+    @field_validator("deadline_hours", mode="before")
+    @classmethod
+    def _finite_hours(cls, v: object) -> object:
+        # Before pydantic's own check, so inf and nan get the same words as a deadline beyond the cap.
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(DEADLINE_HOURS_EXPECTED)
+        return v
 
     @field_validator("command", mode="before")
     @classmethod
@@ -132,8 +151,14 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
         raise format_validation_error(exc, path) from None
     deadline_at = spec.deadline_at(now)
     if deadline_at <= now:
-        when = datetime.fromtimestamp(deadline_at, UTC).isoformat()
+        # The file's own instant when it gave one: a year-1 deadline is past but not a timestamp datetime can hold.
+        when = (spec.deadline or datetime.fromtimestamp(deadline_at, UTC)).isoformat()
         raise BadInput(f"is in the past ({when}); expected a future instant", source=path, field="deadline")
+    if deadline_at - now > MAX_DEADLINE_HOURS * 3600.0:
+        if spec.deadline is not None:
+            raise BadInput(f"is more than {MAX_DEADLINE_YEARS} years ahead ({spec.deadline.isoformat()}); expected "
+                           f"an instant within {MAX_DEADLINE_YEARS} years", source=path, field="deadline")
+        raise BadInput(DEADLINE_HOURS_EXPECTED, source=path, field="deadline_hours")
     if not Path(path.parent, spec.workdir).is_dir():
         raise BadInput(f"directory '{spec.workdir}' does not exist", source=path, field="workdir")
     return spec, deadline_at

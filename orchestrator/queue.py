@@ -191,20 +191,26 @@ def enqueue(app: App, path: str | Path, now: float | None = None) -> tuple[str, 
     d = decision.to_dict()
     job_id = new_job_id()
     workdir = (Path(path).parent / spec.workdir).resolve()
-    record_path = record_decision(app, job, d, now, job_id)
+    deadline = datetime.fromtimestamp(deadline_at).astimezone().isoformat()
     state = STATE_FOR_ACTION[decision.action]
     spec_data = {**spec.model_dump(mode="json"), "workdir": str(workdir), "source": str(Path(path).resolve())}
-    with app.store.tx() as conn:
-        app.store.insert_job({
-            "id": job_id, "name": spec.name, "kind": spec.kind, "state": state.value,
-            "verdict": decision.verdict.value, "placement": decision.placement, "spec": spec_data,
-            "decision": d, "reason": d["reasons"][-1] if d["reasons"] else None, "deadline_at": deadline_at,
-            "record_path": str(record_path),
-        }, conn=conn)
-        app.events.emit("job.enqueued", job_id=job_id, conn=conn, name=spec.name, state=state.value,
-                        deadline=datetime.fromtimestamp(deadline_at).astimezone().isoformat())
-        app.events.emit("job.decided", job_id=job_id, conn=conn, verdict=d["verdict"], action=d["action"],
-                        inputs=_inputs(job), decision=d)
+    record_path = record_decision(app, job, d, now, job_id)
+    try:
+        with app.store.tx() as conn:
+            app.store.insert_job({
+                "id": job_id, "name": spec.name, "kind": spec.kind, "state": state.value,
+                "verdict": decision.verdict.value, "placement": decision.placement, "spec": spec_data,
+                "decision": d, "reason": d["reasons"][-1] if d["reasons"] else None, "deadline_at": deadline_at,
+                "record_path": str(record_path),
+            }, conn=conn)
+            app.events.emit("job.enqueued", job_id=job_id, conn=conn, name=spec.name, state=state.value,
+                            deadline=deadline)
+            app.events.emit("job.decided", job_id=job_id, conn=conn, verdict=d["verdict"], action=d["action"],
+                            inputs=_inputs(job), decision=d)
+    except BaseException:
+        # The job was never written: no record may describe it.
+        record_path.unlink(missing_ok=True)
+        raise
     return job_id, decision, record_path
 
 

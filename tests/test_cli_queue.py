@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import stat
@@ -10,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import queue
+from orchestrator.app import App
+from orchestrator.errors import OperationalError
 from tests.conftest import REPO, write_job
 
 SEED_FLAGS = ["--rate", "3.00"]
@@ -161,6 +165,115 @@ def test_bad_job_specs_exit_2_with_one_line_and_queue_nothing(burstctl, tmp_path
     assert "Traceback" not in r.stderr
     assert str(path) in lines[0] and field in lines[0] and expected in lines[0], lines[0]
     assert json.loads(burstctl("list", "--json").stdout) == []
+
+
+# A deadline is a finite number of hours within 10 years: inf, nan or 1e300 once crashed `enqueue` after it had
+# written a decision record for a job that never existed.
+DEADLINE_HOURS_EXPECTED = "expected a finite number of hours greater than 0 and at most 87660 (10 years)"
+
+
+def _written(burstctl) -> list[Path]:
+    """Every decision record in the state directory."""
+    return list(burstctl.state_dir.rglob("*.md"))
+
+
+@pytest.mark.parametrize("hours", [math.inf, -math.inf, math.nan, 1e300, 1e9, 87661],
+                         ids=["inf", "-inf", "nan", "1e300", "1e9", "just-past-10-years"])
+def test_an_infinite_or_too_far_deadline_is_bad_input_and_nothing_is_written(burstctl, tmp_path: Path,
+                                                                              hours: float) -> None:
+    path = write_job(tmp_path, "far", deadline_hours=hours)
+    for command in ("enqueue", "decide"):
+        r = burstctl(command, str(path))
+        assert (r.returncode, r.stderr) == (2, f"burstctl: error: {path}: field 'deadline_hours': "
+                                               f"{DEADLINE_HOURS_EXPECTED}\n"), command
+    assert json.loads(burstctl("list", "--json").stdout) == []
+    assert _written(burstctl) == []
+
+
+def test_a_deadline_of_exactly_10_years_is_accepted(burstctl, tmp_path: Path) -> None:
+    r = burstctl("enqueue", str(write_job(tmp_path, "decade", deadline_hours=87660)), "--json")
+    assert r.returncode == 0, r.stderr
+    assert [j["name"] for j in json.loads(burstctl("list", "--json").stdout)] == ["decade"]
+
+
+def test_a_deadline_instant_more_than_10_years_ahead_is_bad_input(burstctl, tmp_path: Path) -> None:
+    path = write_job(tmp_path, "far", deadline_hours=None, deadline="9999-12-31T23:00:00Z")
+    r = burstctl("enqueue", str(path))
+    assert (r.returncode, r.stderr) == (2, f"burstctl: error: {path}: field 'deadline': is more than 10 years ahead "
+                                           "(9999-12-31T23:00:00+00:00); expected an instant within 10 years\n")
+    assert json.loads(burstctl("list", "--json").stdout) == [] and _written(burstctl) == []
+
+
+def test_a_deadline_in_year_one_is_in_the_past_not_a_crash(burstctl, tmp_path: Path) -> None:
+    # Year 1 at +14:00 is before the first instant a UTC datetime can hold.
+    path = write_job(tmp_path, "old", deadline_hours=None, deadline="0001-01-01T00:00:00+14:00")
+    r = burstctl("enqueue", str(path))
+    assert (r.returncode, r.stderr) == (2, f"burstctl: error: {path}: field 'deadline': is in the past "
+                                           "(0001-01-01T00:00:00+14:00); expected a future instant\n")
+
+
+NON_FINITE_FIELDS = {
+    "work_units": {"work_units": math.inf},
+    "local_throughput": {"local_throughput": math.nan},
+    "rented_throughput.H100": {"rented_throughput": {"H100": math.inf}},
+    "max_run_hours": {"max_run_hours": math.inf},
+    "checkpoint.interval_minutes": {"checkpoint": {"interval_minutes": math.inf}},
+    "model.params": {"model": {"params": math.nan}},
+}
+
+
+@pytest.mark.parametrize("field", sorted(NON_FINITE_FIELDS))
+def test_inf_or_nan_in_any_number_of_a_job_is_bad_input(burstctl, tmp_path: Path, field: str) -> None:
+    path = write_job(tmp_path, "inf", **NON_FINITE_FIELDS[field])
+    r = burstctl("enqueue", str(path))
+    assert (r.returncode, r.stderr) == (2, f"burstctl: error: {path}: field '{field}': "
+                                           "expected a finite number, not inf or nan\n")
+    assert json.loads(burstctl("list", "--json").stdout) == [] and _written(burstctl) == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--deadline-h", "inf", DEADLINE_HOURS_EXPECTED),
+        ("--deadline-h", "nan", DEADLINE_HOURS_EXPECTED),
+        ("--deadline-h", "1e300", DEADLINE_HOURS_EXPECTED),
+        ("--s-local", "inf", "expected a finite non-negative number"),
+        ("--s-rented", "inf", "expected a finite positive number"),
+        ("--rate", "nan", "expected a finite positive number"),
+        ("--work", "1e999", "expected a finite positive number"),
+        ("--overhead-h", "inf", "expected a finite non-negative number"),
+        ("--local-usd-h", "nan", "expected a finite non-negative number"),
+    ],
+)
+def test_decide_flags_reject_inf_and_nan_and_record_nothing(burstctl, flag: str, value: str, expected: str) -> None:
+    flags = {"--s-local": "0.1", "--deadline-h": "12", "--rate": "3", flag: value}
+    r = burstctl("decide", *[x for kv in flags.items() for x in kv])
+    shown = {"1e300": "1e+300", "1e999": "inf"}.get(value, value)  # as Python prints the float click parsed
+    assert (r.returncode, r.stderr) == (2, f"burstctl: error: field '{flag}': {expected}, got {shown}\n")
+    assert _written(burstctl) == []
+
+
+def test_decide_on_a_job_file_rejects_an_infinite_overhead(burstctl, tmp_path: Path) -> None:
+    r = burstctl("decide", str(write_job(tmp_path)), "--overhead-h", "inf")
+    assert (r.returncode, r.stderr) == (2, "burstctl: error: field '--overhead-h': expected a finite non-negative "
+                                           "number, got inf\n")
+    assert _written(burstctl) == []
+
+
+def test_an_enqueue_whose_job_is_not_written_leaves_no_decision_record(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    try:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise OperationalError("the database refused the write")
+
+        monkeypatch.setattr(app.store, "insert_job", refuse)
+        with pytest.raises(OperationalError):
+            queue.enqueue(app, write_job(tmp_path))
+        assert app.store.list_jobs() == []
+    finally:
+        app.close()
+    assert list((tmp_path / "state").rglob("*.md")) == []
 
 
 def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> None:

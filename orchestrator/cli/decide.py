@@ -13,7 +13,7 @@ from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import BadInput
-from orchestrator.jobspec import load_job
+from orchestrator.jobspec import DEADLINE_HOURS_EXPECTED, MAX_DEADLINE_HOURS, load_job
 from orchestrator.queue import context, facts, measured_rented_throughput, record_decision
 
 FLAG_GPU = "rented"
@@ -22,9 +22,16 @@ FLAG_GPU = "rented"
 def _positive(name: str, v: float | None, allow_zero: bool = False) -> None:
     if v is None:
         return
-    if math.isnan(v) or v < 0 or (v == 0 and not allow_zero):
-        raise BadInput(f"expected a {'non-negative' if allow_zero else 'positive'} number, got {v}",
+    # click's float type takes "inf", "nan" and "1e999"; none of them is a figure the gates can work with.
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise BadInput(f"expected a finite {'non-negative' if allow_zero else 'positive'} number, got {v}",
                        field=name)
+
+
+def _deadline_hours(v: float | None) -> None:
+    """--deadline-h within the same bound as a job file's deadline_hours."""
+    if v is not None and not 0 < v <= MAX_DEADLINE_HOURS:  # nan fails every comparison
+        raise BadInput(f"{DEADLINE_HOURS_EXPECTED}, got {v}", field="--deadline-h")
 
 
 @cli.command("decide")
@@ -69,7 +76,8 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
         missing = [k for k in ("--s-local", "--deadline-h", "--rate") if flags[k] is None]
         if missing:
             raise BadInput(f"give a job file, or the flags {', '.join(missing)} (see --help)")
-        for k in ("--work", "--s-rented", "--deadline-h", "--rate"):
+        _deadline_hours(deadline_h)
+        for k in ("--work", "--s-rented", "--rate"):
             _positive(k, flags[k])
         for k in ("--s-local", "--overhead-h", "--local-usd-h"):
             _positive(k, flags[k], allow_zero=True)
