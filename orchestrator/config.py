@@ -9,12 +9,13 @@ Secrets are never inline: a provider names the *environment variable* that holds
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from datetime import time
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import BadInput, format_validation_error
 
@@ -22,6 +23,21 @@ Market = Literal["auto", "spot", "on-demand"]
 JobKind = Literal["train", "eval", "embed", "serve"]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_NAME_EXPECTED = ("expected the NAME of an environment variable (letters, digits and '_', not starting with a "
+                     "digit) that holds the secret, not the secret itself")
+
+
+def check_env_name(value: str) -> str:
+    """A `*_env` value: the name of the variable that holds a secret. A key pasted here by mistake is the secret
+    itself, so the error never quotes the value."""
+    if not ENV_NAME.fullmatch(value):
+        raise ValueError(ENV_NAME_EXPECTED)
+    return value
+
+
+EnvName = Annotated[str, AfterValidator(check_env_name)]
 
 
 class Strict(BaseModel):
@@ -138,7 +154,7 @@ def _default_prices() -> dict[str, GpuPrice]:
 class SimProvider(Strict):
     enabled: bool = Field(True, description="Use the project's simulated cloud (simcloud).")
     base_url: str = Field("http://127.0.0.1:8790/api/v1", description="simcloud's Lambda-compatible API root.")
-    api_key_env: str = Field("BURSTCTL_SIM_API_KEY", description="Env var holding simcloud's API key.")
+    api_key_env: EnvName = Field("BURSTCTL_SIM_API_KEY", description="Env var holding simcloud's API key.")
     ssh_key_name: str = Field("burstctl", description="SSH key name registered with the provider.")
     lists_spot_capacity: bool = Field(
         True, description="Read simcloud's spot capacity listing, so spot is seen without launching. false: spot "
@@ -149,7 +165,7 @@ class SimProvider(Strict):
 class LambdaProvider(Strict):
     enabled: bool = Field(False, description="Use Lambda Cloud.")
     base_url: str = Field("https://cloud.lambdalabs.com/api/v1", description="API root (a test server in tests).")
-    api_key_env: str = Field("LAMBDA_API_KEY", description="Env var holding the Lambda Cloud API key.")
+    api_key_env: EnvName = Field("LAMBDA_API_KEY", description="Env var holding the Lambda Cloud API key.")
     ssh_key_name: str = Field("burstctl", description="Name of an SSH key already registered with Lambda.")
     regions: list[str] = Field(default_factory=list, description="Allowed regions in preference order; empty = any.")
     instance_types: list[str] = Field(

@@ -160,3 +160,38 @@ def test_a_host_key_that_changes_after_first_use_aborts_the_attempt(tmp_path: Pa
     mismatch_id = events(state, "attempt.host_key_mismatch")[0]["id"]
     assert not [e for e in events(state, "checkpoint.synced") if e["id"] > mismatch_id
                 and e["attempt_id"] == stopped[0]["attempt_id"]]
+
+
+# A key pasted into a `*_env` field by mistake once came back in `providers`' table ("$sk-live-...") and in "set the
+# environment variable sk-live-...". Every `*_env` value must be a variable's name, and the error never quotes it.
+PASTED_KEY = "sk-live-REALSECRET99"
+ENV_NAME_EXPECTED = ("expected the NAME of an environment variable (letters, digits and '_', not starting with a "
+                     "digit) that holds the secret, not the secret itself")
+
+
+@pytest.mark.parametrize("section", ["sim", "lambda"])
+@pytest.mark.parametrize("value", [PASTED_KEY, "9" + PASTED_KEY.replace("-", "_"), "KEY WITH SPACES", ""],
+                         ids=["pasted-key", "leading-digit", "spaces", "empty"])
+def test_an_api_key_env_that_is_not_a_variable_name_is_bad_input_and_never_echoed(tmp_path: Path, section: str,
+                                                                                   value: str) -> None:
+    config = tmp_path / "k.toml"
+    config.write_text(f'[providers.{section}]\napi_key_env = "{value}"\n')
+    for args in (("providers",), ("budget",)):
+        r = run(config, tmp_path / "state", *args)
+        assert (r.returncode, r.stdout) == (2, "")
+        assert r.stderr == f"burstctl: error: {config}: field 'providers.{section}.api_key_env': {ENV_NAME_EXPECTED}\n"
+
+
+def test_simcloud_serve_rejects_a_key_given_as_its_api_key_env_without_echoing_it(tmp_path: Path) -> None:
+    r = subprocess.run(burstctl_argv("--state-dir", str(tmp_path / "state"), "simcloud", "serve", "--api-key-env",
+                                     PASTED_KEY), capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == f"burstctl: error: field '--api-key-env': {ENV_NAME_EXPECTED}\n"
+
+
+def test_a_valid_api_key_env_name_is_shown_as_the_variable_it_names(tmp_path: Path) -> None:
+    config = tmp_path / "k.toml"
+    config.write_text('[providers.sim]\napi_key_env = "_MY_SIM_KEY_2"\n')
+    r = run(config, tmp_path / "state", "providers", "--json")
+    sim = next(p for p in json.loads(r.stdout)["providers"] if p["name"] == "sim")
+    assert sim["credential"] == "$_MY_SIM_KEY_2" and sim["credential_present"] is False
