@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.errors import BadInput, format_validation_error
+from orchestrator.errors import BadInput, FieldValueError, format_validation_error
 
 Market = Literal["auto", "spot", "on-demand"]
 JobKind = Literal["train", "eval", "embed", "serve"]
@@ -319,8 +319,8 @@ class Config(Strict):
     @model_validator(mode="after")
     def _cycle_gpu_priced(self) -> Config:
         if self.budget.cycle_gpu not in self.prices:
-            raise ValueError(f"budget.cycle_gpu '{self.budget.cycle_gpu}' has no entry in [prices] "
-                             f"(known: {', '.join(sorted(self.prices))})")
+            raise FieldValueError("budget.cycle_gpu", f"'{self.budget.cycle_gpu}' has no entry in [prices] "
+                                  f"(known: {', '.join(sorted(self.prices))})")
         return self
 
     @property

@@ -43,11 +43,24 @@ class OperationalError(BurstctlError):
     exit_code = 1
 
 
+class FieldValueError(ValueError):
+    """A model validator's complaint about one field. Pydantic places any error of a model validator at the model
+    itself (the top level for a whole file); this one carries the field, relative to that model, to name instead."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 def format_validation_error(exc: Any, source: str | Path) -> BadInput:
     """Turn a pydantic ValidationError into one BadInput line: file, field, what is expected."""
     errors = exc.errors(include_url=False, include_input=False)
     first = errors[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    path = [str(p) for p in first["loc"]]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, FieldValueError):
+        path.append(cause.field)
+    loc = ".".join(path) or "(top level)"
     kind = first["type"]
     msg = first["msg"]
     if kind == "missing":

@@ -9,14 +9,14 @@ from __future__ import annotations
 import math
 import shlex
 import time
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.config import JobKind, Market, read_toml
-from orchestrator.errors import BadInput, format_validation_error
+from orchestrator.errors import BadInput, FieldValueError, format_validation_error
 
 Method = Literal["full", "lora", "qlora"]
 Dtype = Literal["fp32", "bf16", "fp16", "int8", "int4"]
@@ -26,6 +26,7 @@ Parallelism = Literal["ddp", "fsdp"]
 # plans a decade ahead, and every later step (events, records, `list`) can then format the instant.
 MAX_DEADLINE_YEARS = 10
 MAX_DEADLINE_HOURS = MAX_DEADLINE_YEARS * 365.25 * 24  # 87660 h
+DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2026-12-01T09:00:00Z"
 DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 and at most {MAX_DEADLINE_HOURS:.0f} "
                            f"({MAX_DEADLINE_YEARS} years)")
 
@@ -104,6 +105,21 @@ class JobSpec(BaseModel):
             raise ValueError(DEADLINE_HOURS_EXPECTED)
         return v
 
+    @field_validator("deadline", mode="before")
+    @classmethod
+    def _not_a_bare_date(cls, v: object) -> object:
+        # TOML's `deadline = 2026-12-03` is a date, which pydantic would take as a naive midnight.
+        if isinstance(v, date) and not isinstance(v, datetime):
+            raise ValueError(f"is a date without a time: {DEADLINE_EXPECTED}")
+        return v
+
+    @field_validator("deadline")
+    @classmethod
+    def _zoned(cls, v: datetime | None) -> datetime | None:
+        if v is not None and v.tzinfo is None:
+            raise ValueError(f"has no time zone: {DEADLINE_EXPECTED}")
+        return v
+
     @field_validator("command", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
@@ -127,10 +143,10 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _one_deadline(self) -> JobSpec:
-        if (self.deadline is None) == (self.deadline_hours is None):
-            raise ValueError("give exactly one of 'deadline' (ISO 8601) or 'deadline_hours'")
-        if self.deadline is not None and self.deadline.tzinfo is None:
-            raise ValueError("'deadline' needs a time zone, e.g. 2026-12-01T09:00:00Z")
+        if self.deadline is not None and self.deadline_hours is not None:
+            raise FieldValueError("deadline_hours", "cannot be given with 'deadline': give exactly one of them")
+        if self.deadline is None and self.deadline_hours is None:
+            raise FieldValueError("deadline", f"is required, or 'deadline_hours': {DEADLINE_EXPECTED}")
         return self
 
     def deadline_at(self, now: float) -> float:

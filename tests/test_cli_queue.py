@@ -276,6 +276,38 @@ def test_an_enqueue_whose_job_is_not_written_leaves_no_decision_record(tmp_path:
     assert list((tmp_path / "state").rglob("*.md")) == []
 
 
+# A model validator's error once named "field '(top level)'": the line names the field it is about.
+DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2026-12-01T09:00:00Z"
+BAD_DEADLINES = {
+    "bare-date": ("deadline = 2026-12-03\n", "deadline", f"is a date without a time: {DEADLINE_EXPECTED}"),
+    "no-time-zone": ("deadline = 2026-12-03T09:00:00\n", "deadline", f"has no time zone: {DEADLINE_EXPECTED}"),
+    "no-time-zone-string": ('deadline = "2026-12-03T09:00:00"\n', "deadline", f"has no time zone: {DEADLINE_EXPECTED}"),
+    "both": ("deadline = 2026-12-03T09:00:00Z\ndeadline_hours = 3\n", "deadline_hours",
+             "cannot be given with 'deadline': give exactly one of them"),
+    "neither": ("", "deadline", f"is required, or 'deadline_hours': {DEADLINE_EXPECTED}"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DEADLINES))
+def test_a_bad_deadline_names_the_deadline_field(burstctl, tmp_path: Path, case: str) -> None:
+    text, field, expected = BAD_DEADLINES[case]
+    path = tmp_path / "job.toml"
+    # Written by hand: TOML's own dates and local date-times are the point.
+    path.write_text('name = "job"\ncommand = ["python", "train.py"]\nlocal_throughput = 0.33\n'
+                    f"rented_throughput = {{ H100 = 2.0 }}\n{text}")
+    r = burstctl("enqueue", str(path))
+    assert (r.returncode, r.stderr) == (2, f"burstctl: error: {path}: field '{field}': {expected}\n")
+    assert json.loads(burstctl("list", "--json").stdout) == [] and _written(burstctl) == []
+
+
+def test_an_unpriced_cycle_gpu_names_budget_cycle_gpu(burstctl, tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[budget]\ncycle_gpu = "B200"\n')
+    r = burstctl("--config", str(cfg), "budget")
+    assert (r.returncode, r.stderr) == (2, f"burstctl: error: {cfg}: field 'budget.cycle_gpu': 'B200' has no entry "
+                                           "in [prices] (known: A10, A100, H100)\n")
+
+
 def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> None:
     r = burstctl("enqueue", str(tmp_path / "nope.toml"))
     assert r.returncode == 2 and "file not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -292,7 +324,7 @@ def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> No
         ("[providers.lambda]\napi_key = 'sk-live-123'\n", "providers.lambda.api_key"),
         ("[providers.gcp]\nenabled = true\n", "providers.gcp"),
         ("[local]\nvram_gib = -4\n", "local.vram_gib"),
-        ("[budget]\ncycle_gpu = 'TPU'\n", "(top level)"),
+        ("[budget]\ncycle_gpu = 'TPU'\n", "budget.cycle_gpu"),
         ("[state]\ndatabase_url = 'postgresql+psycopg://burst:sk-live-123@db/burstctl'\n", "state.database_url"),
         ("[state]\ndatabase_url = 'not a url'\n", "state.database_url"),
         ("[state]\ndatabase_url = 'mysql://burst@db/burstctl'\n", "state.database_url"),
