@@ -1,5 +1,10 @@
 """burstctl's own child processes for the demo and rehearsals: simcloud and a daemon, each in its own session with
-its log in a folder, stopped in reverse order (the daemon before simcloud, so it never sees its cloud vanish)."""
+its log in a folder, stopped in reverse order (the daemon before simcloud, so it never sees its cloud vanish).
+
+Every child reads the private config it is given and nothing else: `--config` comes first on its command line and
+`$BURSTCTL_CONFIG` is removed from its environment, so the user's own config (`$BURSTCTL_CONFIG`, `./burstctl.toml`,
+`~/.config/burstctl/config.toml`) never reaches it — its `api_key_env` or state directory would not match the
+private cloud's."""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from typing import Any
 
 from orchestrator.errors import OperationalError
 
+ERROR_PREFIX = "burstctl: error: "
+
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a child server."""
@@ -23,10 +30,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    """pred()'s first truthy value; OperationalError naming `what` after `timeout` seconds."""
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.2,
+               check: Callable[[], None] | None = None) -> Any:
+    """pred()'s first truthy value; OperationalError naming `what` after `timeout` seconds. `check`, called before
+    every try, raises to stop waiting for something that can no longer happen."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if check is not None:
+            check()
         got = pred()
         if got:
             return got
@@ -34,22 +45,49 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: flo
     raise OperationalError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def last_line(path: Path) -> str:
+    """The last non-empty line of a child's log, without the CLI's error prefix; '' when there is none."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    line = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+    return line.removeprefix(ERROR_PREFIX)
+
+
 class Children:
-    def __init__(self, log_dir: Path, env: Mapping[str, str]):
+    def __init__(self, log_dir: Path, env: Mapping[str, str], config: Path):
         self.log_dir = log_dir
-        self.env = dict(env)
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.config = config
+        self.env = {k: v for k, v in env.items() if k != "BURSTCTL_CONFIG"}
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def log(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        """`burstctl ARGS...` in the background, output to <log_dir>/<name>.log."""
-        with (self.log_dir / f"{name}.log").open("w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], env=self.env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(proc)
+        """`burstctl --config <private config> ARGS...` in the background, output to <log_dir>/<name>.log."""
+        with self.log(name).open("w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--config", str(self.config), *args],
+                                    env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, proc))
         return proc
 
+    def check(self) -> None:
+        """OperationalError with the child's own last log line if any child has exited: none is meant to before
+        stop_all(), and waiting on it would only end in a timeout."""
+        for name, proc in self.procs:
+            rc = proc.poll()
+            if rc is not None:
+                why = last_line(self.log(name)) or "no output"
+                raise OperationalError(f"the private {name} exited with code {rc}: {why}")
+
+    def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
+        """wait_until(), failing at once if a child dies meanwhile."""
+        return wait_until(pred, timeout, what, check=self.check)
+
     def stop_all(self, grace_s: float = 60.0) -> None:
-        for proc in reversed(self.procs):
+        for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:

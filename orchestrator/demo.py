@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from orchestrator.children import Children, free_port, wait_until
+from orchestrator.children import Children, free_port
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import OperationalError
 from state import schema as s
@@ -63,11 +63,11 @@ class Demo:
         self.state = workdir / "state"
         self.say = say
         self.key = "demo-" + secrets.token_hex(12)  # simcloud's API key, only in the children's environment
-        self.env = {**os.environ, "BURSTCTL_SIM_API_KEY": self.key}
-        self.children = Children(workdir, self.env)
+        self.config = workdir / "burstctl.toml"
+        self.children = Children(workdir, {**os.environ, "BURSTCTL_SIM_API_KEY": self.key}, self.config)
+        self.env = self.children.env  # without $BURSTCTL_CONFIG: the demo's commands read its config only
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.config = workdir / "burstctl.toml"
 
     # --- processes --------------------------------------------------------------------------------------------
     def _burstctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -88,34 +88,35 @@ class Demo:
         self._write_config()
         res.candidates = self.candidates()
 
+        wait = self.children.wait  # fails at once, with the child's own error, if simcloud or the daemon dies
         self.say("starting simcloud (real SSH endpoints on 127.0.0.1) and the daemon")
         self.children.spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.dir / "sim"))
-        wait_until(self._sim_answers, 60, "simcloud to answer")
-        self.children.spawn("daemon", "--config", str(self.config), "--state-dir", str(self.state), "daemon")
+        wait(self._sim_answers, 60, "simcloud to answer")
+        self.children.spawn("daemon", "--state-dir", str(self.state), "daemon")
 
         work = self.dir / "work"
         work.mkdir()
         shutil.copy(TRAINER, work / "trainer.py")
         spot_job = self._enqueue("spot-trainer", steps=150, s_local=0.0, deadline_h=10)
         self.say("spot-trainer does not fit locally: bursting to simulated spot")
-        instance = wait_until(lambda: self._running_instance(spot_job), 120, "spot-trainer to run in the cloud")
-        wait_until(lambda: self._count("checkpoint.synced", spot_job), 120, "a first checkpoint to come home")
+        instance = wait(lambda: self._running_instance(spot_job), 120, "spot-trainer to run in the cloud")
+        wait(lambda: self._count("checkpoint.synced", spot_job), 120, "a first checkpoint to come home")
         self.say(f"preempting {instance[:12]}… (an interruption notice first, as EC2 gives)")
         self._preempt(instance)
-        wait_until(lambda: self._count("job.resumed", spot_job), 120, "spot-trainer to resume on another instance")
+        wait(lambda: self._count("job.resumed", spot_job), 120, "spot-trainer to resume on another instance")
         self.say("resumed on a new instance from its newest complete checkpoint")
-        wait_until(lambda: self._job(spot_job)["state"] == "done", 180, "spot-trainer to finish")
+        wait(lambda: self._job(spot_job)["state"] == "done", 180, "spot-trainer to finish")
         self.say("spot-trainer finished; its instance is torn down")
 
         home_job = self._enqueue("deadline-trainer", steps=220, s_local=0.1, deadline_h=2)
         self.say("deadline-trainer misses its deadline locally; the deadline's price is within the ceiling: burst")
-        wait_until(lambda: self._count("checkpoint.synced", home_job), 120, "deadline-trainer's first checkpoint")
+        wait(lambda: self._count("checkpoint.synced", home_job), 120, "deadline-trainer's first checkpoint")
         self.say("burstctl revert-local: everything back to local-only")
         revert = json.loads(self._burstctl("revert-local", "--json").stdout)
         for row in revert["instances"]:
             self.say(f"  {row['job']}: checkpoint {row['checkpoint_synced']}, instance {str(row['instance'])[:12]}… "
                      f"terminated: {row['terminated']}")
-        wait_until(lambda: self._job(home_job)["state"] == "done", 180, "deadline-trainer to finish locally")
+        wait(lambda: self._job(home_job)["state"] == "done", 180, "deadline-trainer to finish locally")
         self.say("deadline-trainer finished locally from its cloud checkpoint")
 
         res.instances_left = sum(1 for i in self._sim_instances() if i["status"] not in ("terminated", "preempted"))

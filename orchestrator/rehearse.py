@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from orchestrator.children import Children, free_port, wait_until
+from orchestrator.children import Children, free_port
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.jobspec import JobSpec, load_job
 from runbooks import burst_checkpoint
@@ -208,8 +208,10 @@ def validate_options(opts: RehearsalOptions) -> None:
 class Rehearsal:
     """One rehearsal: its throwaway directory, its two child processes and what it observed."""
 
-    def __init__(self, spec_path: Path, opts: RehearsalOptions, say: Callable[[str], None], workdir: Path):
+    def __init__(self, spec_path: Path, opts: RehearsalOptions, say: Callable[[str], None], workdir: Path,
+                 keep: bool = False):
         self.spec_path = spec_path
+        self.keep = keep
         self.opts = opts
         self.say = say
         self.dir = workdir
@@ -220,7 +222,7 @@ class Rehearsal:
         self.url = f"http://127.0.0.1:{self.port}"
         # simcloud's API key lives only in the children's environment; it is never printed.
         self.env = {**os.environ, "BURSTCTL_SIM_API_KEY": "rehearse-" + secrets.token_hex(12)}
-        self.children = Children(self.dir, self.env)
+        self.children = Children(self.dir, self.env, self.config)
         self.http = httpx.Client(timeout=10)
         self.store: Store | None = None
         self.attempts: dict[str, AttemptWatch] = {}
@@ -237,7 +239,9 @@ class Rehearsal:
         self.http.close()
 
     def _wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
-        return wait_until(pred, timeout, f"{what} (logs in {self.dir})")
+        # Without --keep the directory is gone by the time the message is read: point at it only when kept.
+        where = f"logs in {self.dir}" if self.keep else "--keep keeps the logs"
+        return self.children.wait(pred, timeout, f"{what} ({where})")
 
     def _sim_answers(self) -> bool:
         try:
@@ -378,7 +382,7 @@ class Rehearsal:
                     "--boot-delay", str(self.opts.boot_delay_s))
         self._wait(self._sim_answers, 60, "simcloud to answer")
         job_id = self._enqueue(spec)
-        self.children.spawn("daemon", "--config", str(self.config), "--state-dir", str(self.state), "daemon")
+        self.children.spawn("daemon", "--state-dir", str(self.state), "daemon")
         self.store = Store(f"sqlite:///{self.state / 'burstctl.db'}")
         self.say(f"{spec.name} forced to burst to simulated spot; {self.opts.preemptions} preemption(s), "
                  f"about every {every:.1f} s of running")
@@ -389,6 +393,7 @@ class Rehearsal:
         state = "queued"
         timed_out = False
         while True:
+            self.children.check()  # a dead daemon or simcloud would otherwise only show as the timeout
             for ev in self.store.events(after_id=after_id, job_id=job_id):
                 after_id = ev["id"]
                 self._on_event(ev, job_id)
@@ -553,7 +558,7 @@ def rehearse(spec_path: str | Path, opts: RehearsalOptions, say: Callable[[str],
     validate_options(opts)
     load_job(path)  # bad input exits 2 before any process starts
     workdir = Path(tempfile.mkdtemp(prefix="burstctl-rehearse-"))
-    reh = Rehearsal(path, opts, say, workdir)
+    reh = Rehearsal(path, opts, say, workdir, keep=keep)
     try:
         res = reh.run()
     finally:

@@ -29,7 +29,13 @@ def _our_processes() -> set[int]:
     return found
 
 
-def test_demo_plays_the_whole_story_and_leaves_nothing_running() -> None:
+def test_demo_plays_the_whole_story_whatever_the_users_config_and_leaves_nothing_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The user's own config names a key variable that is not set: the demo's simcloud and daemon must not read it.
+    user_config = tmp_path / "mine.toml"
+    user_config.write_text('[providers.sim]\napi_key_env = "MY_SIM_KEY"\n')
+    monkeypatch.setenv("BURSTCTL_CONFIG", str(user_config))
+    monkeypatch.delenv("MY_SIM_KEY", raising=False)
     before = _our_processes()
     r = run_burstctl("demo", "--json", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

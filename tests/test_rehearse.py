@@ -121,6 +121,24 @@ def test_a_job_that_never_checkpoints_is_caught(tmp_path: Path) -> None:
     assert res["state"] == "done" and res["instances_left"] == 0  # it finished by starting over
 
 
+@pytest.mark.slow
+def test_the_users_own_config_does_not_reach_the_private_simcloud_or_daemon(tmp_path: Path) -> None:
+    # The user's ./burstctl.toml (the cwd is tmp_path) names its own key variable, unset here, and its own state
+    # directory: the private simcloud would die at start (or refuse the daemon's key) if it read them.
+    user_state = tmp_path / "user-state"
+    (tmp_path / "burstctl.toml").write_text(f'[providers.sim]\napi_key_env = "MY_SIM_KEY"\n\n'
+                                            f"[state]\ndir = {json.dumps(str(user_state))}\n")
+    workdir(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "MY_SIM_KEY"}
+    short = ["python3", "trainer.py", "--steps", "60", "--checkpoint-every", str(EVERY), "--step-seconds", str(STEP_S)]
+    r = burstctl("rehearse", str(job_file(tmp_path, "trainer", short)), "--json", "--preemptions", "1",
+                 "--every-s", "2", "--timeout", "120", env=env)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["verdict"] == "resumes correctly" and res["instances_left"] == 0
+    assert not user_state.exists()  # the user's state was not touched either
+
+
 @pytest.mark.parametrize(("make_args", "needle"), [
     (lambda t: [str(t / "nope.toml")], "nope.toml"),
     (lambda t: [str(_spec(t, 'name = "x"\n'))], "command"),

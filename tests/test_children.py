@@ -1,0 +1,53 @@
+"""The demo's and rehearsals' private child processes: each reads the private config it is given, never the
+user's, and one that dies is reported at once with its own error line instead of a timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.children import Children, free_port
+from orchestrator.errors import OperationalError
+
+
+def _private_config(folder: Path, key_env: str) -> Path:
+    path = folder / "private.toml"
+    path.write_text(f'[providers.sim]\napi_key_env = "{key_env}"\n\n[state]\ndir = "{folder / "state"}"\n')
+    return path
+
+
+def test_a_child_reads_the_private_config_and_not_burstctl_config_or_the_cwds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both of the user's configs name a key variable that is unset; the private one names one that is set.
+    (tmp_path / "burstctl.toml").write_text('[providers.sim]\napi_key_env = "MY_SIM_KEY"\n')
+    (tmp_path / "env.toml").write_text('[providers.sim]\napi_key_env = "MY_OTHER_SIM_KEY"\n')
+    monkeypatch.setenv("BURSTCTL_CONFIG", str(tmp_path / "env.toml"))
+    private = tmp_path / "private"
+    private.mkdir()
+    kids = Children(private, {**os.environ, "PRIVATE_SIM_KEY": "k"}, _private_config(private, "PRIVATE_SIM_KEY"))
+    assert "BURSTCTL_CONFIG" not in kids.env
+    port = free_port()
+    try:
+        kids.spawn("simcloud", "simcloud", "serve", "--port", str(port), "--state", str(private / "sim"))
+        kids.wait(lambda: "serving" in kids.log("simcloud").read_text(), 60, "simcloud to serve")
+    finally:
+        kids.stop_all()
+
+
+def test_a_child_that_dies_at_start_is_reported_at_once_with_its_own_error(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "BURSTCTL_TEST_UNSET_KEY"}
+    kids = Children(tmp_path, env, _private_config(tmp_path, "BURSTCTL_TEST_UNSET_KEY"))
+    started = time.monotonic()
+    try:
+        kids.spawn("simcloud", "simcloud", "serve", "--port", str(free_port()), "--state", str(tmp_path / "sim"))
+        with pytest.raises(OperationalError) as err:
+            kids.wait(lambda: False, 60, "simcloud to answer")
+    finally:
+        kids.stop_all()
+    assert time.monotonic() - started < 30  # not the 60 s timeout: it is known dead as soon as it exits
+    message = str(err.value)
+    assert "simcloud exited with code 2" in message and "BURSTCTL_TEST_UNSET_KEY is not set" in message
+    assert "timed out" not in message and "burstctl: error:" not in message and "\n" not in message
