@@ -248,6 +248,38 @@ def test_spot_notice_then_preemption() -> None:
         assert [i["id"] for i in c.get("/instances").json()["data"]] == [iid]  # visible until terminated
 
 
+def test_a_reclaim_leaves_an_instance_its_client_is_terminating_alone() -> None:
+    # A client acting on the notice (burstctl's daemon does) may still be terminating the instance when the reclaim
+    # comes: it stays a termination, ended and billed when the client let it go.
+    backend = RecordingBackend()
+    stop_gate = threading.Event()
+    recorded_stop = backend.stop
+
+    def slow_stop(instance_id: str) -> None:
+        stop_gate.wait(10)  # hold the instance in `terminating`
+        recorded_stop(instance_id)
+
+    backend.stop = slow_stop  # type: ignore[method-assign]
+    now = [1_000.0]
+    with make_server(backend=backend, clock=lambda: now[0]) as s, client(s) as c:
+        add_key(c)
+        iid = c.post("/instance-operations/launch",
+                     json=launch_body(itype="gpu_1x_h100_sxm5_spot")).json()["data"]["instance_ids"][0]
+        wait_until(lambda: c.get(f"/instances/{iid}").json()["data"]["status"] == "active")
+        httpx.post(f"{s.url}/_sim/instances/{iid}/notice", json={"seconds": 2}).raise_for_status()
+        now[0] = 1_060.0
+        c.post("/instance-operations/terminate", json={"instance_ids": [iid]}).raise_for_status()
+        now[0] = 1_062.0
+        httpx.post(f"{s.url}/_sim/instances/{iid}/preempt", json={}).raise_for_status()
+        assert c.get(f"/instances/{iid}").json()["data"]["status"] == "terminating"
+        (bill,) = httpx.get(f"{s.url}/_sim/billing").json()["data"]
+        assert bill["runtime_s"] == pytest.approx(60.0)
+        stop_gate.set()
+        wait_until(lambda: c.get(f"/instances/{iid}").status_code == 404)
+        (record,) = httpx.get(f"{s.url}/_sim/instances").json()["data"]
+        assert (record["status"], record["status_reason"]) == ("terminated", None)
+
+
 def test_on_demand_instances_cannot_be_preempted(server: SimCloudServer) -> None:
     with client(server) as c:
         add_key(c)

@@ -293,6 +293,43 @@ def test_trace_driven_preemption_posts_the_notice_then_reclaims_the_instance(ser
     assert rc == 0 and processes_touching(sim.state) == []
 
 
+@pytest.mark.parametrize("as_json", [True, False])
+def test_preempt_succeeds_when_the_client_terminates_the_instance_on_the_notice(
+        as_json: bool, serve: Any, key: ClientKey) -> None:
+    # What burstctl's daemon does: it sees the notice, takes its checkpoint and terminates the instance itself, so
+    # the reclaim finds nothing. That is a preemption that worked, not a wrong INSTANCE.
+    sim: Simcloud = serve("--paramiko")
+    sim.add_key(key.public_line)
+    spot_id = sim.launch("gpu_1x_a10_spot")
+    sim.wait_status(spot_id, "active")
+    preempt = subprocess.Popen([*ENTRY, "simcloud", "preempt", spot_id, "--notice-seconds", "3", "--url", sim.url,
+                                *(["--json"] if as_json else [])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while sim.instance_action(spot_id).status_code == 404:
+        assert preempt.poll() is None, preempt.communicate()
+        time.sleep(0.02)
+    sim.api.post("/instance-operations/terminate", json={"instance_ids": [spot_id]}).raise_for_status()
+    stdout, stderr = preempt.communicate(timeout=60)
+    assert preempt.returncode == 0, stderr
+    assert stderr == ""
+    if as_json:
+        result = json.loads(stdout)
+        assert result["already_gone"] is True and result["status"] in ("terminating", "terminated")
+    else:
+        assert f"already gone: {spot_id} was terminated during the notice" in stdout
+    # Its record stays a termination: the reclaim did not turn it into a preemption or bill past its end.
+    record = next(r for r in json.loads(burstctl("simcloud", "status", "--url", sim.url, "--json").stdout)
+                  if r["id"] == spot_id)
+    assert record["status"] in ("terminating", "terminated") and record.get("status_reason") is None
+
+    # Gone at the first call, though, it is bad input: one line naming INSTANCE, exit 2.
+    while sim.api.get(f"/instances/{spot_id}").status_code != 404:  # terminated: the API no longer shows it
+        time.sleep(0.02)
+    again = burstctl("simcloud", "preempt", spot_id, "--url", sim.url, "--notice-seconds", "0")
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
+    assert "field 'INSTANCE'" in again.stderr and spot_id in again.stderr
+
+
 # --- bad input ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("args", "env", "expected"), [
     (["--api-key-env", "BURSTCTL_TEST_UNSET_KEY"], {}, "BURSTCTL_TEST_UNSET_KEY is not set"),

@@ -28,6 +28,9 @@ from orchestrator.errors import BadInput, OperationalError
 from orchestrator.records import fmt_usd
 
 DEFAULT_PORT = 8790
+# An instance in these states at the reclaim was released by its client during the notice: the preemption's work
+# is done, and there is nothing left to reclaim.
+GONE_BEFORE_RECLAIM = ("terminating", "terminated")
 
 
 @cli.group("simcloud")
@@ -212,7 +215,8 @@ def _records(root: str) -> list[dict[str, Any]]:
 @json_option
 @pass_app
 def preempt_cmd(app: App, instance_id: str, notice_seconds: float, url: str | None, as_json: bool) -> None:
-    """Force a spot preemption: post the notice, wait it out, reclaim the instance (its processes die)."""
+    """Force a spot preemption: post the notice, wait it out, reclaim the instance (its processes die). An instance
+    its client terminated during the notice (as burstctl's daemon does) is reported already gone: exit 0."""
     root = _admin_root(app, url)
     record = next((r for r in _records(root) if r["id"] == instance_id), None)
     if record is None or record["status"] == "terminated":
@@ -227,12 +231,25 @@ def preempt_cmd(app: App, instance_id: str, notice_seconds: float, url: str | No
     if not as_json:
         out.print(f"notice posted: {instance_id} will be reclaimed at {notice['time']}")
     time.sleep(notice_seconds)
-    _admin("POST", root, f"/_sim/instances/{instance_id}/preempt", {"reason": "spot-preempted (forced)"},
-           field="INSTANCE")
-    after = next((r for r in _records(root) if r["id"] == instance_id), record)
+    refused: BadInput | None = None
+    try:
+        _admin("POST", root, f"/_sim/instances/{instance_id}/preempt", {"reason": "spot-preempted (forced)"},
+               field="INSTANCE")
+    except BadInput as exc:
+        # INSTANCE was checked above, so this is no longer the caller's input: most likely a client (burstctl's
+        # daemon does) acted on the notice and terminated the instance, which is what a notice is for.
+        refused = exc
+    after = next((r for r in _records(root) if r["id"] == instance_id), None)
+    already_gone = after is not None and after["status"] in GONE_BEFORE_RECLAIM
+    if after is None or (refused is not None and not already_gone):
+        why = refused.detail if refused is not None else "the instance's record vanished"
+        raise OperationalError(f"simcloud at {root} did not reclaim {instance_id}: {why}")
     if as_json:
         print_json({"instance_id": instance_id, "notice_time": notice["time"], "status": after["status"],
-                    "reason": after.get("status_reason")})
+                    "reason": after.get("status_reason"), "already_gone": already_gone})
+    elif already_gone:
+        out.print(f"already gone: {instance_id} was terminated during the notice (its client acted on it); "
+                  "nothing left to reclaim")
     else:
         out.print(f"preempted: {instance_id} ({after['status']})")
 

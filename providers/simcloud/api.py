@@ -363,8 +363,8 @@ class SimCloudServer:
             inst = self._get_visible(instance_id)
             if self.catalog[inst.instance_type].market != "spot":
                 raise ValueError(f"instance {instance_id} is on-demand; only spot instances are preempted")
-            if inst.status not in LIVE_STATUSES:
-                return
+            if inst.status not in LIVE_STATUSES or inst.status == "terminating":
+                return  # already ended, or being released by its client: nothing to reclaim, its bill stands
             inst.status = "preempted"
             inst.status_reason = reason
             inst.ended_at = self.clock()
