@@ -400,3 +400,21 @@ def test_a_deadline_that_renting_meets_for_less_than_local_is_called_cheaper_not
     assert "$-" not in r.stdout
     record = next((burstctl.state_dir / "decisions").glob("*.md")).read_text()
     assert "ΔC = −$39.68 to save 496.56 h" in record and "$-" not in record
+
+
+def test_a_job_naming_only_unpriced_gpu_types_is_told_to_price_them_not_to_rethink_its_scope(
+        burstctl, tmp_path: Path) -> None:
+    job = write_job(tmp_path, "b200-only", local_throughput=0.01, rented_throughput={"B200": 1.0}, deadline_hours=12)
+    r = burstctl("decide", str(job))
+    assert r.returncode == 0, r.stderr
+    assert ("no GPU type in rented_throughput has a price: name a type of [prices] in the config "
+            "(A10, A100, H100) or add a [prices.<GPU>] table") in r.stdout
+    assert "LoRA" not in r.stdout
+
+
+def test_a_local_job_is_not_given_a_reason_about_rented_gpu_types(burstctl, tmp_path: Path) -> None:
+    job = write_job(tmp_path, "stays-home", rented_throughput={"H100": 2.0, "A100": 1.0})
+    d = json.loads(burstctl("enqueue", str(job), "--json").stdout)
+    assert d["state"] == "queued" and d["decision"]["verdict"] == "local"
+    assert not any(r.startswith("GPU type") for r in d["decision"]["reasons"])
+    assert d["reason"].startswith("Gate 2: local finishes")

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 import click
+from rich.markup import escape
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
@@ -123,7 +124,7 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
             if d["verdict"] == "rethink":
                 tr = d["t_rented_h"]
                 p(f"  ...but rented also misses ({tr:.2f} h). Rethink scope, not hardware." if tr is not None
-                  else "  ...and no rented GPU can run it. Rethink scope, not hardware.")
+                  else "  ...and none of the rented GPU types it names can run it (why below).")
             else:
                 p(f"  rented makes it: {d['t_rented_h']:.2f} h <= {D:.2f} h.")
                 if d["delta_cost_usd"] >= 0:
@@ -138,4 +139,4 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
         p(f"plan ({d['plan_kind']}): {phases}; total ${d['plan_cost_usd']:.2f}")
     for r in d["reasons"]:
         if not r.startswith("Gate"):
-            p(f"  · {r}")
+            p(f"  · {escape(r)}")  # reasons quote config tables such as [prices], which are not markup

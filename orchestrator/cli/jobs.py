@@ -62,7 +62,7 @@ def enqueue_cmd(app: App, job_file: str, as_json: bool) -> None:
         print_json({**_public(job), "decision": d})
         return
     out.print(job_id)
-    out.print(f"[dim]{job['name']}: {d['verdict']} → {job['state']}; {job['reason'] or ''}[/dim]")
+    out.print(f"[dim]{job['name']}: {d['verdict']} → {job['state']}; {escape(job['reason'] or '')}[/dim]")
     out.print(f"[dim]decision record: {record}[/dim]")
 
 
@@ -104,8 +104,8 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
               f"ΔC {fmt_usd(d['delta_cost_usd'])}, market {d.get('market') or '—'}, "
               f"plan {d.get('plan_kind') or '—'} {fmt_usd(d.get('plan_cost_usd'))}")
     for r in d["reasons"]:
-        out.print(f"  · {r}")
-    out.print(f"deadline {_when(j['deadline_at'])} UTC; record {j['record_path']}")
+        out.print(f"  · {escape(r)}")
+    out.print(f"deadline {_when(j['deadline_at'])} UTC; record {escape(j['record_path'])}")
     if evs:
         table("events", ["time", "type", "data"],
               [(_when(e["ts"]), e["type"], _short(e["data"])) for e in evs[-15:]])

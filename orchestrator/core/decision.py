@@ -129,6 +129,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
 
     # Candidate rented GPU types: priced, and big enough when sizing says how much memory a GPU needs.
     candidates: list[tuple[str, float, GpuOffer]] = []
+    too_small = False
     for gpu, s_r in job.rented.items():
         offer = ctx.offers.get(gpu)
         if offer is None:
@@ -136,6 +137,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
             continue
         if job.per_gpu_gb is not None and job.per_gpu_gb > offer.vram_gb:
             reasons.append(f"{gpu}: needs {job.per_gpu_gb:.1f} GB per GPU, has {offer.vram_gb:.0f} GB: skipped")
+            too_small = True
             continue
         candidates.append((gpu, s_r, offer))
 
@@ -150,8 +152,12 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
             return Decision(Verdict.LOCAL, "run-local", g, None, None, None,
                             Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),)),
                             reasons, ctx.overhead_h)
-        reasons.append("no rented GPU type can run this job: rethink scope (e.g. LoRA/QLoRA, or FSDP over more "
-                       "GPUs: `burstctl size --gpus N --parallelism fsdp`)")
+        if too_small:
+            reasons.append("no rented GPU type can run this job: rethink scope (e.g. LoRA/QLoRA, or FSDP over more "
+                           "GPUs: `burstctl size --gpus N --parallelism fsdp`)")
+        else:  # nothing was too small: the types it names are only unpriced
+            reasons.append("no GPU type in rented_throughput has a price: name a type of [prices] in the config "
+                           f"({', '.join(sorted(ctx.offers)) or 'none configured'}) or add a [prices.<GPU>] table")
         return Decision(Verdict.RETHINK, "rethink", g, None, None, None, None, reasons, ctx.overhead_h)
 
     # Cheapest type that meets the deadline on-demand; if none does, the fastest.
@@ -160,7 +166,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
     pool = meeting or evaluated
     key = (lambda e: e[0].c_rented_usd or math.inf) if meeting else (lambda e: e[0].t_rented_h or math.inf)
     g, gpu, s_r, offer = min(pool, key=key)
-    if len(candidates) > 1:
+    if len(candidates) > 1 and g.verdict is not Verdict.LOCAL:  # a local run rents nothing
         reasons.append(f"GPU type {gpu}: {'cheapest that meets the deadline' if meeting else 'fastest'} "
                        f"of {', '.join(c[0] for c in candidates)}")
 
