@@ -423,7 +423,7 @@ class Rehearsal:
         left = self._instances_left()
         cost, attempts = self._ledger(job_id)
         billed = sum(float(b["cost_usd"]) for b in self.http.get(f"{self.url}/_sim/billing").json()["data"])
-        verdict, ok = self._verdict(state, timed_out, left)
+        verdict, ok = self._verdict(state, timed_out, left, (self.store.get_job(job_id) or {}).get("reason"))
         return RehearsalResult(
             job=spec.name, spec=str(self.spec_path), verdict=verdict, ok=ok,
             preemptions_requested=self.opts.preemptions, preemptions=self.preemptions, state=state,
@@ -490,8 +490,10 @@ class Rehearsal:
             return []
         return [c for c in (_seen(p) for p in paths) if c is not None]
 
-    def _verdict(self, state: str, timed_out: bool, left: int) -> tuple[str, bool]:
-        if not self.preemptions:
+    def _verdict(self, state: str, timed_out: bool, left: int, reason: str | None = None) -> tuple[str, bool]:
+        if state == "failed":  # the job's own failure first: "make it run longer" would hide it
+            self.notes.append(f"the job failed: {reason or 'no reason recorded'}")
+        elif not self.preemptions:
             self.notes.append("the job ended before the first preemption: make it run longer or lower --every-s")
         elif len(self.preemptions) < self.opts.preemptions:
             self.notes.append(f"only {len(self.preemptions)} of {self.opts.preemptions} preemptions were injected "

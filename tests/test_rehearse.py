@@ -168,3 +168,15 @@ def _spec(tmp: Path, text: str) -> Path:
     path = tmp / "bad.toml"
     path.write_text(text)
     return path
+
+
+@pytest.mark.slow
+def test_a_job_that_fails_at_once_is_reported_failed_with_its_reason(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "fails.py").write_text("import sys\nsys.exit(3)\n")
+    rc, res, _ = rehearse_json(job_file(tmp_path, "fails-at-once", ["python3", "fails.py"]), "--preemptions", "1")
+    assert rc == 1 and res["ok"] is False
+    assert res["state"] == "failed" and res["verdict"] == "did not finish: job failed"
+    assert [n for n in res["notes"] if n.startswith("the job failed: ")], res["notes"]
+    assert not any("make it run longer" in n for n in res["notes"])
