@@ -1,7 +1,7 @@
 """The written trail: every event goes to the events table and, as a JSON line, to <state>/events.jsonl.
 
-Secrets never reach either: the values of every credential environment variable the config names are
-scrubbed from an event before it is stored or printed.
+Secrets never reach either: the values of every credential environment variable the config names, and of every
+variable a running job's pass_env names, are scrubbed from an event before it is stored or printed.
 """
 
 from __future__ import annotations
@@ -26,9 +26,15 @@ class Redactor:
     """Replaces known secret values anywhere inside nested event data."""
 
     def __init__(self, env_names: Iterable[str]):
-        self.secrets = sorted(
-            {v for n in env_names if (v := os.environ.get(n)) and len(v) >= 4}, key=len, reverse=True
-        )
+        self.secrets: list[str] = []
+        self.add_env_names(env_names)
+
+    def add_env_names(self, env_names: Iterable[str]) -> None:
+        """Scrub these variables' values too (a job's pass_env, known only once the job is read)."""
+        new = {v for n in env_names if (v := os.environ.get(n)) and len(v) >= 4} - set(self.secrets)
+        if new:
+            # Longest first, so a secret that contains another is replaced whole.
+            self.secrets = sorted({*self.secrets, *new}, key=len, reverse=True)
 
     def __call__(self, value: Any) -> Any:
         if not self.secrets:

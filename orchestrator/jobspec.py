@@ -7,6 +7,7 @@ written, so a bad spec never reaches the queue.
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import time
 from datetime import UTC, date, datetime
@@ -15,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.config import JobKind, Market, read_toml
+from orchestrator.config import EnvName, JobKind, Market, read_toml
 from orchestrator.errors import BadInput, FieldValueError, format_validation_error
 
 Method = Literal["full", "lora", "qlora"]
@@ -29,6 +30,10 @@ MAX_DEADLINE_HOURS = MAX_DEADLINE_YEARS * 365.25 * 24  # 87660 h
 DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2026-12-01T09:00:00Z"
 DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 and at most {MAX_DEADLINE_HOURS:.0f} "
                            f"({MAX_DEADLINE_YEARS} years)")
+# Variables burstctl itself gives the command (the supervisor's contract, and the runbooks' PYTHONPATH): a value
+# passed under one of these names would be silently replaced, so the name is refused instead.
+RESERVED_ENV = frozenset({"BURST_JOB_ID", "BURST_ATTEMPT", "BURST_CHECKPOINT_DIR", "BURST_RESUME_FROM",
+                          "BURST_METRICS_FILE", "PYTHONPATH"})
 
 
 class ModelSpec(BaseModel):
@@ -94,7 +99,15 @@ class JobSpec(BaseModel):
     torchrun: bool = Field(False, description="Launch with torchrun --standalone --nproc_per_node=g (locally g=1).")
     max_run_hours: Annotated[float, Field(gt=0)] | None = Field(None, description="Guard: stop after this long.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the command.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment for the command. Stored in plain text (database, `show --json`): not for "
+                    "secrets; use pass_env.")
+    pass_env: list[EnvName] = Field(
+        default_factory=list,
+        description="Names of environment variables of the daemon's own environment whose values the command gets "
+                    "when it starts, locally and on an instance (e.g. [\"WANDB_API_KEY\", \"HF_TOKEN\"]): for secrets. "
+                    "Only the names are stored; a name the daemon does not have keeps the job waiting, saying which.")
     model: ModelSpec | None = Field(None, description="Sizing inputs for gate 1.")
 
     @field_validator("deadline_hours", mode="before")
@@ -141,6 +154,21 @@ class JobSpec(BaseModel):
             raise ValueError("name at least one GPU type with its units/h per GPU, e.g. {H100 = 0.17}")
         return v
 
+    @field_validator("pass_env")
+    @classmethod
+    def _passable(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if name in RESERVED_ENV:
+                raise ValueError(f"'{name}' is set by burstctl for every job and cannot be passed")
+        return list(dict.fromkeys(v))  # a name listed twice is the same variable
+
+    @model_validator(mode="after")
+    def _env_or_passed(self) -> JobSpec:
+        both = sorted(set(self.env) & set(self.pass_env))
+        if both:
+            raise FieldValueError("pass_env", f"'{both[0]}' is also in [env]: give a variable in one of them only")
+        return self
+
     @model_validator(mode="after")
     def _one_deadline(self) -> JobSpec:
         if self.deadline is not None and self.deadline_hours is not None:
@@ -165,6 +193,11 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise format_validation_error(exc, path) from None
+    pasted = [i for i, name in enumerate(spec.pass_env) if len(name) >= 8 and name in set(os.environ.values())]
+    if pasted:
+        # The value of one of the user's variables where its name belongs (a pasted token): never quoted back.
+        raise BadInput("is the value of an environment variable of this shell, not its name; expected the NAME "
+                       "(e.g. HF_TOKEN), never the secret itself", source=path, field=f"pass_env.{pasted[0]}")
     deadline_at = spec.deadline_at(now)
     if deadline_at <= now:
         # The file's own instant when it gave one: a year-1 deadline is past but not a timestamp datetime can hold.

@@ -186,6 +186,8 @@ def rehearsal_spec(spec: JobSpec, source: Path) -> str:
         "work_units": spec.work_units, "local_throughput": 0.0, "rented_throughput": {REHEARSAL_GPU: rented},
         "gpus": 1, "market": "spot",
     }
+    if spec.pass_env:  # the rehearsal's daemon runs in this shell's environment, where the names are looked up
+        fields["pass_env"] = list(spec.pass_env)
     lines = [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
     lines += ["", "[checkpoint]", f"dir = {_toml_value(spec.checkpoint.dir)}",
               f"interval_minutes = {_toml_value(spec.checkpoint.interval_minutes)}"]

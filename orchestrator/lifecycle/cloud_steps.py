@@ -16,7 +16,6 @@ Remote layout, under the login directory of the instance:
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from collections.abc import Mapping
@@ -26,7 +25,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from orchestrator.app import App
-from orchestrator.lifecycle import checkpoints
+from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.remote import ssh, sync
 from providers.base import InstanceInfo, Provider
 from runbooks import burst_checkpoint
@@ -77,6 +76,14 @@ def notice_url(provider: Provider, instance_id: str) -> str | None:
         root = provider.base_url.removesuffix("/").removesuffix("/api/v1")  # type: ignore[attr-defined]
         return f"{root}/_sim/instances/{instance_id}/latest/meta-data/spot/instance-action"
     return None
+
+
+def write_remote_env_file(conn: Any, path: str, env: Mapping[str, str]) -> None:
+    """The run's env file on the instance, private (0600) from the moment it exists: created under umask 077 and
+    moved into place, so no other user of the machine can open it even between creation and a chmod. The content
+    goes over the session's stdin, never on a command line (which `ps` shows)."""
+    ssh.run(conn, ["sh", "-c", 'umask 077 && rm -f -- "$1.tmp" && cat > "$1.tmp" && mv -f -- "$1.tmp" "$1"', "sh",
+                   path], stdin="".join(f"{k}={v}\n" for k, v in env.items()), timeout=60)
 
 
 class CloudSteps:
@@ -187,8 +194,8 @@ class CloudSteps:
             # call runs it directly rather than paying a second Python start for the version check.
             python = ssh.run(conn, ["sh", f"{base}/runbooks/bootstrap.sh", "--which-python"],
                              timeout=60).stdout.strip().splitlines()[-1]
-            env = {**spec.get("env", {}), "PYTHONPATH": f"{base}/runbooks"}
-            conn.put(io.StringIO("".join(f"{k}={v}\n" for k, v in env.items())), f"{run_dir}/job.env")
+            env = {**spec.get("env", {}), **passenv.values(spec, self.app.redactor), "PYTHONPATH": f"{base}/runbooks"}
+            write_remote_env_file(conn, f"{run_dir}/job.env", env)
             timings["bootstrap"] = time.monotonic() - t
 
             t = time.monotonic()

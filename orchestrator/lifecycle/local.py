@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import func, insert, select, update
 
 from orchestrator.app import App
-from orchestrator.lifecycle import checkpoints
+from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState, move
 from orchestrator.lifecycle.states import JobState
@@ -82,6 +82,13 @@ class LocalRunner:
         ckpt = checkpoints.store_dir(self.cfg, job["id"])
         ckpt.mkdir(parents=True, exist_ok=True)
         resume = checkpoints.latest(self.cfg, job["id"])
+        problem = passenv.unusable(spec)
+        if problem:
+            # The daemon was restarted without them: back to the queue, where the job waits saying which.
+            self._end(att, job, A.ABORTED, problem, dict(att["info"]))
+            return
+        # pass_env's values go to the supervisor through its own environment, never into a file under <state>.
+        passed = passenv.values(spec, self.app.redactor)
         env_file = run / "job.env"
         write_env_file(env_file, {**spec.get("env", {}), "PYTHONPATH": str(RUNBOOKS)})
         argv = [sys.executable, str(SUPERVISOR), "--run-dir", str(run), "--job-id", job["id"],
@@ -95,7 +102,8 @@ class LocalRunner:
         if spec.get("torchrun"):
             argv += ["--gpus", "1", "--torchrun"]  # the one local GPU; the script still runs under torchrun
         argv += ["--", *spec["command"]]
-        subprocess.run(argv, check=True, timeout=60, stdin=subprocess.DEVNULL, capture_output=True)
+        subprocess.run(argv, check=True, timeout=60, stdin=subprocess.DEVNULL, capture_output=True,
+                       env={**os.environ, **passed})
         now = time.time()
         with self.app.store.tx() as conn:
             if move(conn, att, A.RUNNING, started_at=now, info={**att["info"], "resume_from": resume.name if resume

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, func, insert, select, update
 
 from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key
-from orchestrator.lifecycle import checkpoints
+from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.local import LocalRunner
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
 from orchestrator.lifecycle.market_switch import (
@@ -122,6 +122,9 @@ class Reconciler:
         with self.store.tx() as conn:
             attempts = active_attempts(conn)
         jobs = {j["id"]: j for j in self._jobs_of(attempts)}
+        for j in jobs.values():
+            # A job started before a daemon restart: its passed values are scrubbed from this daemon's errors too.
+            self.app.redactor.add_env_names(passenv.names(j["spec"]))
         for att in attempts:
             job = jobs.get(att["job_id"])
             if job is not None:
@@ -238,7 +241,7 @@ class Reconciler:
         local_free = self.cfg.daemon.local_concurrency - n_local
         cloud_free = self.cfg.daemon.max_cloud_attempts - n_cloud
         # Local work first: it must never wait behind a slow or unreachable cloud.
-        ready = [j for j in ready if j["id"] not in busy_jobs]
+        ready = [j for j in ready if j["id"] not in busy_jobs and not self._lacks_passed_env(j)]
         if local_free > 0 and self.cfg.local.available_at(_clock_time(now)):
             for job in ready:
                 if job["placement"] in ("local", "hybrid") and local_free > 0 and self.local.start(job):
@@ -249,6 +252,15 @@ class Reconciler:
                 self._advance_new_attempt(job["id"])
         self._redecide_blocked(now)
         self._record_health(now)
+
+    def _lacks_passed_env(self, job: dict[str, Any]) -> bool:
+        """A job whose pass_env the daemon cannot give it waits (no instance is rented for it), saying which
+        variable; it starts once the daemon is restarted with it."""
+        problem = passenv.unusable(job["spec"])
+        if problem is None:
+            return False
+        self._note(job, problem)
+        return True
 
     def attempts_active(self, where: str, conn: Connection | None = None) -> int:
         """Attempts not yet final `where` ("local" or "cloud"): what `local_concurrency` and `max_cloud_attempts`
@@ -643,6 +655,11 @@ class Reconciler:
                                      instance=att["instance_id"], boot_s=round(boot_s, 3))
 
     def _step_bootstrapping(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+        problem = passenv.unusable(job["spec"])
+        if problem is not None:
+            # Launched by a daemon that had the variables, bootstrapped by one restarted without them.
+            self._stop(att, job, provider, problem, outcome=A.ABORTED)
+            return
         resume_from = checkpoints.latest(self.cfg, job["id"])
         timings = self.cloud.bootstrap_and_start(att, job, resume_from)
         now = self.clock()
