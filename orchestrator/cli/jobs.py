@@ -80,9 +80,18 @@ def list_cmd(app: App, states: tuple[str, ...], as_json: bool) -> None:
     if not jobs:
         out.print("no jobs")
         return
-    table(None, ["id", "name", "kind", "verdict", "state", "placement", "ΔC", "deadline"],
+    # ΔC is the seed's price of the deadline (on-demand); the plan is what the job is set to run, spot included.
+    table(None, ["id", "name", "kind", "verdict", "state", "placement", "ΔC", "plan", "deadline"],
           [(j["id"], j["name"], j["kind"], j["verdict"], j["state"], j["placement"],
-            fmt_usd(j["decision"].get("delta_cost_usd")), _when(j["deadline_at"])) for j in jobs])
+            fmt_usd(j["decision"].get("delta_cost_usd")), _plan_txt(j["decision"]), _when(j["deadline_at"]))
+           for j in jobs])
+
+
+def _plan_txt(d: dict[str, Any]) -> str:
+    if not d.get("plan_kind"):
+        return "—"
+    markets = "+".join(dict.fromkeys(p["market"] for p in d.get("plan") or [] if p.get("market")))
+    return f"{d['plan_kind']}{' ' + markets if markets else ''} {fmt_usd(d.get('plan_cost_usd'))}"
 
 
 @cli.command("show")
