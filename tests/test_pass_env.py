@@ -257,3 +257,24 @@ def test_a_local_attempt_restarted_without_the_variable_goes_back_to_the_queue_a
         assert not any(PASSED.encode() in p.read_bytes() for p in state.rglob("*") if p.is_file())
     finally:
         app.close()
+
+
+def test_a_local_job_does_not_get_the_cloud_providers_api_keys_unless_it_names_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    key_var = "BURSTCTL_SIM_API_KEY"  # the sim provider's default api_key_env
+    monkeypatch.setenv(key_var, PASSED)
+    state = tmp_path / "state"
+    app = App(state_dir_override=str(state))
+    try:
+        quiet, named = (enqueue_in(app, spec_file(tmp_path, name, pass_env=pass_env, local_throughput=1,
+                                                  command=["python3", "-c", SEE, key_var]))[0]
+                        for name, pass_env in (("quiet", None), ("named", [key_var])))
+        rec = Reconciler(app, {}, cloud=None)
+        deadline = time.monotonic() + 60
+        while {app.store.get_job(j)["state"] for j in (quiet, named)} != {"done"} and time.monotonic() < deadline:
+            rec.tick()
+            time.sleep(0.2)
+        assert seen(state, quiet)["sha256"] is None
+        assert seen(state, named)["sha256"] == PASSED_HASH
+    finally:
+        app.close()

@@ -102,8 +102,12 @@ class LocalRunner:
         if spec.get("torchrun"):
             argv += ["--gpus", "1", "--torchrun"]  # the one local GPU; the script still runs under torchrun
         argv += ["--", *spec["command"]]
+        # The trainer gets the daemon's environment but not the cloud providers' API keys, which are burstctl's
+        # (a job that needs one names it in pass_env).
+        keys = {self.cfg.providers.sim.api_key_env, self.cfg.providers.lambda_.api_key_env}
+        env = {k: v for k, v in os.environ.items() if k not in keys}
         subprocess.run(argv, check=True, timeout=60, stdin=subprocess.DEVNULL, capture_output=True,
-                       env={**os.environ, **passed})
+                       env={**env, **passed})
         now = time.time()
         with self.app.store.tx() as conn:
             if move(conn, att, A.RUNNING, started_at=now, info={**att["info"], "resume_from": resume.name if resume
