@@ -418,3 +418,18 @@ def test_a_local_job_is_not_given_a_reason_about_rented_gpu_types(burstctl, tmp_
     assert d["state"] == "queued" and d["decision"]["verdict"] == "local"
     assert not any(r.startswith("GPU type") for r in d["decision"]["reasons"])
     assert d["reason"].startswith("Gate 2: local finishes")
+
+
+def test_status_lists_a_local_attempt_which_has_no_market(burstctl, tmp_path: Path) -> None:
+    job_id = json.loads(burstctl("enqueue", str(write_job(tmp_path, "here")), "--json").stdout)["id"]
+    app = App(state_dir_override=str(burstctl.state_dir))
+    try:
+        with app.store.tx() as conn:
+            conn.execute(insert(s.attempts).values(
+                id=f"{job_id}-a1", job_id=job_id, n=1, where="local", state="running", provider="local",
+                instance_type="local", market=None, idempotency_key=None, info={}, created_at=0.0))
+    finally:
+        app.close()
+    r = burstctl("status")
+    assert r.returncode == 0, r.stderr
+    assert f"{job_id}-a1" in r.stdout and "local" in r.stdout

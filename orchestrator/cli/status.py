@@ -103,7 +103,7 @@ def status_cmd(app: App, as_json: bool) -> None:
     if d["attempts"]:
         table("active attempts", ["attempt", "where", "state", "provider", "instance", "market"],
               [(a["id"], a["where"], a["state"], a["provider"], a["instance"],
-                a["market"] + (f" (probe for {a['probe_for']}{', kept to take over' if a['probe_kept'] else ''})"
+                (a["market"] or "—") + (f" (probe for {a['probe_for']}{', kept to take over' if a['probe_kept'] else ''})"
                                if a.get("probe_for") else "")) for a in d["attempts"]])
         for a in d["attempts"]:
             if a["problem"]:
