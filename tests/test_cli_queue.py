@@ -10,10 +10,12 @@ import stat
 from pathlib import Path
 
 import pytest
+from sqlalchemy import insert
 
 from orchestrator import queue
 from orchestrator.app import App
 from orchestrator.errors import OperationalError
+from state import schema as s
 from tests.conftest import REPO, write_job
 
 SEED_FLAGS = ["--rate", "3.00"]
