@@ -225,7 +225,8 @@ def _inputs(job: JobFacts) -> dict[str, Any]:
 
 def spec_of(job: dict[str, Any]) -> JobSpec:
     """The validated spec of a stored job (its workdir already resolved to an absolute path)."""
-    data = {k: v for k, v in job["spec"].items() if k not in ("source", "_retry_at")}
+    # "_"-keys are the daemon's own bookkeeping (retry and spot-probe times), not the user's spec.
+    data = {k: v for k, v in job["spec"].items() if k != "source" and not k.startswith("_")}
     return JobSpec.model_validate(data)
 
 

@@ -70,6 +70,14 @@ def _mode(app: App, daemon_running: bool) -> str:
     return "burst-enabled"
 
 
+def _market_txt(a: dict[str, Any]) -> str:
+    """An attempt's market (none for a local one), and what a spot probe is for."""
+    if not a.get("probe_for"):
+        return a["market"] or "—"
+    kept = ", kept to take over" if a["probe_kept"] else ""
+    return f"{a['market']} (probe for {a['probe_for']}{kept})"
+
+
 def _ago(ts: float, now: float) -> str:
     s = max(now - ts, 0.0)
     return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.0f} h ago"
@@ -102,9 +110,7 @@ def status_cmd(app: App, as_json: bool) -> None:
     out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'])}")
     if d["attempts"]:
         table("active attempts", ["attempt", "where", "state", "provider", "instance", "market"],
-              [(a["id"], a["where"], a["state"], a["provider"], a["instance"],
-                (a["market"] or "—") + (f" (probe for {a['probe_for']}{', kept to take over' if a['probe_kept'] else ''})"
-                               if a.get("probe_for") else "")) for a in d["attempts"]])
+              [(a["id"], a["where"], a["state"], a["provider"], a["instance"], _market_txt(a)) for a in d["attempts"]])
         for a in d["attempts"]:
             if a["problem"]:
                 out.print(f"[yellow]{escape(a['id'])}: {escape(a['problem'])}[/yellow]")

@@ -300,7 +300,8 @@ class Reconciler:
         if not blocked:
             return
         ctx = context(self.app, now)
-        due = [job for job in blocked if job["spec"].get("_retry_at", 0) <= now]
+        due = [job for job in blocked
+               if job["spec"].get("_retry_at", 0) <= now and not self._budget_still_short(job, now)]
         # Measured s_R for the whole batch in one query (not one per job); jobs of one name may list other GPUs.
         gpus_by_name: dict[str, set[str]] = {}
         for job in due:
@@ -350,7 +351,7 @@ class Reconciler:
         problem = self.budget_problem(now, rate_usd_h=rate, minimum_s=offer.billing_minimum_s,
                                       expected_h=self._expected_remaining_h(job))
         if problem is not None:
-            self._block(job, problem)
+            self._block(job, problem, budget_launch={"rate_usd_h": rate, "minimum_s": offer.billing_minimum_s})
             return False
         n = self._next_attempt_number(job["id"])
         attempt_id = f"{job['id']}-a{n}"
@@ -450,11 +451,15 @@ class Reconciler:
         return int(n or 0) + 1
 
     def _block(self, job: dict[str, Any], reason: str, *, retry_at: float | None = None,
-               reset_failures: bool = False) -> None:
+               reset_failures: bool = False, budget_launch: dict[str, float] | None = None) -> None:
+        """`budget_launch`: the launch the budget refused (its rate and billing minimum), which the job is decided
+        again only once it fits (`_budget_still_short`)."""
         with self.store.tx() as conn:
-            spec = dict(job["spec"])
+            spec = {k: v for k, v in job["spec"].items() if k != "_budget_launch"}
             if retry_at is not None:
                 spec["_retry_at"] = retry_at
+            if budget_launch is not None:
+                spec["_budget_launch"] = budget_launch
             if self.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.BLOCKED.value,
                                      reason=reason, spec=spec):
                 self.app.events.emit("job.blocked", job_id=job["id"], conn=conn, reason=reason)
@@ -545,6 +550,15 @@ class Reconciler:
                 accruing += r["rate_usd_h"]
             out[r["month"]] = (committed, accruing)
         return out
+
+    def _budget_still_short(self, job: dict[str, Any], now: float) -> bool:
+        """A job the budget refused at launch still would be. Its decision projects less (no stop horizon, billing
+        minimum or live price), so deciding it again would queue it and the launch refuse it again every tick."""
+        refused = job["spec"].get("_budget_launch")
+        if not refused:
+            return False
+        return self.budget_problem(now, rate_usd_h=float(refused["rate_usd_h"]), minimum_s=float(refused["minimum_s"]),
+                                   expected_h=self._expected_remaining_h(job)) is not None
 
     def budget_problem(self, now: float, *, rate_usd_h: float = 0.0, minimum_s: float = 0.0,
                        expected_h: float = 0.0) -> str | None:
