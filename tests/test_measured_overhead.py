@@ -116,6 +116,7 @@ def test_a_job_the_budget_refused_at_launch_stays_blocked_until_that_launch_woul
     job = app.store.get_job(job_id)
     assert job is not None
     job["spec"]["_budget_launch"]["rate_usd_h"] = 1.0  # the price fell (or the cap rose): that launch fits now
+    job["spec"]["_spot_probe_at"] = 0.0  # the daemon's bookkeeping in the spec is not the user's spec to validate
     with app.store.tx() as c:
         app.store.update_job(job_id, c, spec=job["spec"])
     rec._redecide_blocked(time.time())
