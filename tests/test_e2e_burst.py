@@ -159,3 +159,8 @@ def test_cancelling_a_running_burst_brings_its_last_checkpoint_home_and_terminat
     assert [i["status"] for i in instances] == ["terminated"]
     stopping = events(state, "attempt.stopping")[0]["data"]
     assert stopping["reason"] == "cancelled" and stopping["outcome"] == "aborted"
+    # What the cancelled run spent is in its record and the trail, as a finished run's is.
+    (measured,) = (e["data"] for e in events(state, "job.measured"))
+    assert measured["ended"] == "cancelled" and measured["cost_usd"] > 0
+    record = Path(job(state, job_id)["record_path"]).read_text()
+    assert f"- **Measured:** cancelled: run {measured['run_h']:.2f} h, cost $" in record

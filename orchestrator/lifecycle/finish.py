@@ -28,6 +28,8 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
     store = app.store
     current = store.get_job(job["id"]) or job
     if current["state"] in (JobState.CANCELLED.value, JobState.DONE.value, JobState.FAILED.value):
+        if current["state"] == JobState.CANCELLED.value:  # its last attempt just ended: what it cost is final now
+            _fill_measured(app, conn, job, att, now, ended="cancelled")
         return
     stop_reason = att["info"].get("stop_reason") or reason or ""
 
@@ -82,10 +84,12 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
             to(back, why, "job.market_switch", market="on-demand" if stop_reason == TO_ON_DEMAND else "spot")
         elif stop_reason == "max-run-time":
             to(JobState.FAILED, "exceeded max_run_hours", "job.failed")
+            _fill_measured(app, conn, job, att, now, ended="failed")
         else:
             to(JobState.QUEUED, f"attempt aborted: {stop_reason}", "job.waiting")
     else:
         to(JobState.FAILED, stop_reason or "failed", "job.failed")
+        _fill_measured(app, conn, job, att, now, ended="failed")
 
 
 def probe_interval_s(app: App, policy: dict[str, Any]) -> float:
@@ -96,7 +100,10 @@ def probe_interval_s(app: App, policy: dict[str, Any]) -> float:
     return probe_after_s(outage_h, d.launch_backoff_s, d.spot_probe_max_s)
 
 
-def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[str, Any], now: float) -> None:
+def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[str, Any], now: float,
+                   ended: str = "done") -> None:
+    """The record's Measured line and a `job.measured` event, once the job is over however it ended: what a
+    cancelled or failed run spent is part of the trail too."""
     rows = conn.execute(select(s.attempts).where(s.attempts.c.job_id == job["id"])).mappings().all()
     run_h = sum(((r["ended_at"] or now) - r["started_at"]) / 3600.0 for r in rows if r["started_at"])
     cost = conn.execute(select(func.coalesce(func.sum(s.ledger.c.cost_usd), 0.0))
@@ -106,9 +113,10 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
     preemptions = sum(1 for r in rows if r["state"] == A.PREEMPTED.value and r["where"] == "cloud")
     peak = att["info"].get("metrics", {}).get("peak_vram_gb")
     date = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
-    text = (f"run {run_h:.2f} h, cost ${cost:.2f}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
-            f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else ""))
+    text = ("" if ended == "done" else f"{ended}: ") + (
+        f"run {run_h:.2f} h, cost ${cost:.2f}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
+        f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else ""))
     if job.get("record_path") and Path(job["record_path"]).exists():
         records.fill_measured(Path(job["record_path"]), text)
     app.events.emit("job.measured", job_id=job["id"], conn=conn, run_h=round(run_h, 4), cost_usd=round(cost, 4),
-                    where=where, preemptions=preemptions, peak_vram_gb=peak)
+                    where=where, preemptions=preemptions, peak_vram_gb=peak, ended=ended)
