@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sqlite3
 import stat
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 from sqlalchemy import insert
 
 from orchestrator import queue
 from orchestrator.app import App
+from orchestrator.config import Config
 from orchestrator.errors import OperationalError
 from state import schema as s
 from tests.conftest import REPO, write_job
@@ -138,6 +141,31 @@ def test_config_resolution_prefers_flag_then_env_then_cwd(burstctl, tmp_path: Pa
 def test_config_example_is_valid(burstctl) -> None:
     r = burstctl("--config", str(REPO / "config.example.toml"), "budget", "--json")
     assert r.returncode == 0, r.stderr
+
+
+def _setting_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for name, field in model.model_fields.items():
+        key, kind = field.alias or name, field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            out += _setting_paths(kind, f"{prefix}{key}.")
+        else:
+            out.append(prefix + key)
+    return out
+
+
+def test_config_example_shows_every_setting_in_its_section() -> None:
+    sections: dict[str, str] = {}
+    current = ""
+    for line in (REPO / "config.example.toml").read_text().splitlines():
+        header = re.match(r"^\[([\w.]+)\]", line)
+        if header:
+            current = header.group(1)
+        sections[current] = sections.get(current, "") + line + "\n"
+    missing = [path for path in _setting_paths(Config) if path not in ("prices", "source")
+               and not re.search(rf"^#? ?{re.escape(path.rsplit('.', 1)[-1])} *=", sections.get(
+                   path.rpartition(".")[0], ""), re.M)]
+    assert missing == []
 
 
 # --- bad input: exit 2, one line naming file and field, no traceback, nothing queued ----------------------------
