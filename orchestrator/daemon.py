@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import signal
 import socket
@@ -102,6 +103,12 @@ def run_daemon(app: App, *, tick_s: float | None = None, max_ticks: int | None =
         lock.release()
 
 
+def _skipped_tick(record: logging.LogRecord) -> bool:
+    """False for APScheduler's "skipped: maximum number of running instances reached": a tick that outlasts the
+    interval makes the next one wait, by design (max_instances 1); it is not worth a log line each time."""
+    return "maximum number of running instances reached" not in record.getMessage()
+
+
 def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idle: bool,
          on_tick: Callable[[int], None] | None, lease: DaemonLease, lost: threading.Event) -> int:
     from orchestrator.lifecycle.service import build_reconciler, has_active_work
@@ -112,6 +119,7 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
     tick_s = tick_s or app.config.daemon.tick_s
     app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
                     providers=sorted(reconciler.providers), mode=reconciler.mode())
+    logging.getLogger("apscheduler.scheduler").addFilter(_skipped_tick)
     scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
                                   job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
 

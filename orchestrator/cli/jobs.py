@@ -23,6 +23,11 @@ def _when(ts: float | None) -> str:
     return "—" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M")
 
 
+def _at(ts: float) -> str:
+    """An event's time, to the second: a preemption and its resume are seconds apart."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def _job_or_fail(app: App, ref: str) -> dict[str, Any]:
     """The job `ref` names: an id, or a name that one job has, or that only one job not yet over has (the run of it
     that `cancel` or `approve` means when earlier runs are done). Otherwise the ids to choose from."""
@@ -117,7 +122,7 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
     out.print(f"deadline {_when(j['deadline_at'])} UTC; record {escape(j['record_path'])}")
     if evs:
         table("events", ["time", "type", "data"],
-              [(_when(e["ts"]), e["type"], _short(e["data"])) for e in evs[-15:]])
+              [(_at(e["ts"]), e["type"], _short(e["data"])) for e in evs[-15:]])
 
 
 def _short(data: dict[str, Any], limit: int = 90) -> str:
@@ -230,4 +235,4 @@ def _print_events(evs: list[dict[str, Any]], as_json: bool) -> None:
             click.echo(json.dumps(_event_public(e), default=str))
         else:
             ids = " ".join(f"{k}={v}" for k, v in (("job", e["job_id"]), ("attempt", e["attempt_id"])) if v)
-            click.echo(f"{_when(e['ts'])}  {e['type']:<22} {ids} {_short(e['data'], 120)}")
+            click.echo(f"{_at(e['ts'])}  {e['type']:<22} {ids} {_short(e['data'], 120)}")
