@@ -8,11 +8,11 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from orchestrator.cli.base import cli, json_option, out, print_json, table
+from orchestrator.app import App
+from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
 from orchestrator.config import read_toml
 from orchestrator.core.sizing import (
     COMMON_GPU_SIZES_GB,
-    FIT_MARGIN_FRACTION,
     KV_CACHE_NAIVE_FORMULA,
     PRESETS,
     SizingEstimate,
@@ -85,10 +85,12 @@ _TERM_MEANING: dict[str, str] = {
 @click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None,
               help="Recompute activations in the backward pass (default on).")
 @json_option
-def size_cmd(job_path: str | None, gpus: int, as_json: bool, **flags: Any) -> None:
+@pass_app
+def size_cmd(app: App, job_path: str | None, gpus: int, as_json: bool, **flags: Any) -> None:
     """Estimate training memory per term (GB = 10^9 bytes), per GPU, and which common GPU sizes fit."""
     model = _model_from(job_path, flags)
-    est = estimate(model, gpus)
+    # The margin gate 1 keeps on the local card, so `size` and the daemon give one verdict for a card.
+    est = estimate(model, gpus, margin_gib=app.config.local.safety_margin_gib)
     if as_json:
         print_json(est.to_json())
         return
@@ -128,7 +130,7 @@ def _print_human(est: SizingEstimate) -> None:
     rows.append(("per GPU", f"{est.per_gpu_gb:.2f}", where))
     table("Training memory estimate", ["term", "GB", "what"], rows)
     marks = "  ".join(f"{s} GB {'yes' if est.fits[s] else 'no'}" for s in COMMON_GPU_SIZES_GB)
-    out.print(f"Fits ({FIT_MARGIN_FRACTION:.0%} of each card kept free): {marks}")
+    out.print(f"Fits ({est.margin_gib:g} GiB of each card kept free, local.safety_margin_gib): {marks}")
     out.print(f"KV cache formula: {est.kv_cache_formula}")
     if est.terms["kv_cache"] > 0:
         out.print(f"  naive {KV_CACHE_NAIVE_FORMULA} = {est.kv_cache_naive_gb:.2f} GB, for comparison")

@@ -3,7 +3,9 @@
 The terms, all per model replica:
 
 - weights: base parameters × bytes per parameter of the weights dtype (qlora: 4-bit, 0.55 B/param including the
-  quantization constants);
+  quantization constants). A quantized base (qlora, or lora on int8/int4) quantizes the blocks' linear layers only:
+  bitsandbytes leaves the input embedding, the lm_head and the norms in 16-bit (transformers'
+  `get_keys_to_not_convert`), 1.09 B of Qwen2.5-7B's 7.62 B parameters;
 - gradients: trained parameters only (all for full, adapters for lora/qlora) × compute-dtype bytes;
 - optimizer: Adam, 12 B per trained parameter (fp32 master copy + two fp32 moments); 8 B when the weights are already
   fp32, because then there is no separate master copy;
@@ -12,8 +14,9 @@ The terms, all per model replica:
 - activations: what the backward pass keeps, see `activation_bytes`;
 - kv_cache: GRPO rollouts, layers × 2 × kv_heads × head_dim × context × bytes × (G × prompts per step).
 
-Per GPU on g GPUs: DDP replicates everything; FSDP shards weights, gradients, optimizer state and adapters over g
-while activations and the rollout KV cache stay whole on every GPU.
+Per GPU on g GPUs: DDP replicates everything and keeps a second copy of the gradients in its all-reduce buckets
+(PyTorch's default, `gradient_as_bucket_view=False`); FSDP shards weights, gradients, optimizer state and adapters
+over g while activations and the rollout KV cache stay whole on every GPU.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from orchestrator.errors import BadInput
 from orchestrator.jobspec import ModelSpec
 
 GB = 1e9
+GIB = 2**30
+# Cards by their marketed size, which is GiB of memory (a "16 GB" RTX 5080 has 16 GiB = 17.18 GB).
 COMMON_GPU_SIZES_GB: tuple[int, ...] = (16, 24, 40, 48, 80, 141)
-# Headroom kept free on every card for the CUDA context, allocator fragmentation and the terms this model leaves out.
-# A policy, not a measurement: a "fits" verdict means the estimate plus 10% of the card's memory is within the card.
-FIT_MARGIN_FRACTION = 0.10
+# Headroom kept free on every card for the CUDA context, allocator fragmentation and the terms this model leaves out:
+# the same rule as gate 1 (`local.safety_margin_gib`, 1 GiB by default), so `size` and the daemon agree on a card.
+# A policy, not a measurement.
+DEFAULT_MARGIN_GIB = 1.0
 
 WEIGHT_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.55}
 QLORA_BASE_BYTES = 0.55  # NF4 weights (0.5 B) plus per-block scales and constants
@@ -117,7 +123,7 @@ class SizingEstimate:
     terms: dict[str, float]  # the six TERM_KEYS, GB for one unsharded replica
     total_gb: float  # sum of the terms: what a single GPU needs
     per_gpu_gb: float  # on `gpus` GPUs with `parallelism`
-    fits: dict[int, bool]  # common GPU size (GB) -> per_gpu_gb fits with FIT_MARGIN_FRACTION kept free
+    fits: dict[int, bool]  # common GPU size (GiB) -> per_gpu_gb fits with margin_gib kept free
     notes: list[str] = field(default_factory=list)
     gpus: int = 1
     parallelism: str = "ddp"
@@ -125,7 +131,7 @@ class SizingEstimate:
     trained_params: float = 0.0
     kv_cache_formula: str = KV_CACHE_FORMULA
     kv_cache_naive_gb: float = 0.0  # the hidden-size formula, for comparison only
-    fit_margin_fraction: float = FIT_MARGIN_FRACTION
+    margin_gib: float = DEFAULT_MARGIN_GIB
 
     def to_json(self) -> dict[str, Any]:
         """The `burstctl size --json` document."""
@@ -136,7 +142,7 @@ class SizingEstimate:
             "gpus": self.gpus,
             "parallelism": self.parallelism,
             "fits": {str(size): ok for size, ok in self.fits.items()},
-            "fit_margin_fraction": self.fit_margin_fraction,
+            "margin_gib": self.margin_gib,
             "params": self.params,
             "trained_params": self.trained_params,
             "kv_cache_formula": self.kv_cache_formula,
@@ -278,8 +284,18 @@ def kv_cache_bytes_naive(arch: Architecture, context: int, sequences: int, compu
     return arch.layers * 2 * arch.hidden_size * context * compute_bytes * sequences
 
 
-def estimate(model: ModelSpec, gpus: int = 1) -> SizingEstimate:
-    """The per-term memory budget of training `model`, and what it needs per GPU on `gpus` GPUs."""
+def unquantized_params(model: ModelSpec, arch: Architecture) -> float:
+    """Parameters a quantized base keeps in 16-bit: the input embedding, an untied lm_head and the norms. A
+    hand-described model is taken as untied (the larger figure) when its vocab is known."""
+    preset = PRESETS.get(model.preset.lower()) if model.preset else None
+    tied = preset.tied_embeddings if preset is not None else False
+    embeddings = (arch.vocab_size or 0) * arch.hidden_size * (1 if tied else 2)
+    return float(embeddings + arch.hidden_size * (2 * arch.layers + 1))
+
+
+def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN_GIB) -> SizingEstimate:
+    """The per-term memory budget of training `model`, what it needs per GPU on `gpus` GPUs, and which common cards
+    it fits with `margin_gib` kept free on each."""
     if gpus < 1:
         raise BadInput(f"must be at least 1, got {gpus}", field="gpus")
     arch, notes = resolve_architecture(model)
@@ -291,6 +307,8 @@ def estimate(model: ModelSpec, gpus: int = 1) -> SizingEstimate:
     # else 16-bit (a quantized base is dequantized to bf16 for the matmuls).
     compute_bytes = 4.0 if model.dtype == "fp32" else 2.0
     base_bytes = QLORA_BASE_BYTES if model.method == "qlora" else WEIGHT_BYTES[model.dtype]
+    quantized = model.method == "qlora" or model.dtype in ("int8", "int4")
+    kept_16bit = min(unquantized_params(model, arch), arch.params) if quantized else 0.0
     adam_bytes = ADAM_BYTES_FP32 if compute_bytes == 4.0 else ADAM_BYTES_MIXED
 
     if model.method == "full":
@@ -303,6 +321,9 @@ def estimate(model: ModelSpec, gpus: int = 1) -> SizingEstimate:
         adapter_params = lora_adapter_params(arch, model.lora_rank, targets)
         trained = float(adapter_params)
         base = "4-bit base weights (0.55 B/param)" if model.method == "qlora" else f"{model.dtype} base weights"
+        if quantized:
+            base += (f", but {_fmt_count(kept_16bit)} of them (embeddings, lm_head, norms) stay 16-bit, as "
+                     "bitsandbytes leaves them")
         notes.append(f"{model.method}: frozen {base}; {_fmt_count(adapter_params)} adapter parameters "
                      f"(r={model.lora_rank} on {', '.join(targets)}) carry the gradients and Adam state")
 
@@ -315,7 +336,7 @@ def estimate(model: ModelSpec, gpus: int = 1) -> SizingEstimate:
         sequences = model.group_size * prompts
 
     terms = {
-        "weights": arch.params * base_bytes / GB,
+        "weights": ((arch.params - kept_16bit) * base_bytes + kept_16bit * 2.0) / GB,
         "gradients": trained * compute_bytes / GB,
         "optimizer": trained * adam_bytes / GB,
         "adapters": adapter_params * compute_bytes / GB,
@@ -337,8 +358,12 @@ def estimate(model: ModelSpec, gpus: int = 1) -> SizingEstimate:
                      f"{sequences // model.group_size} prompts) at "
                      f"{model.context} tokens: {terms['kv_cache']:.2f} GB with {arch.kv_heads} KV heads × "
                      f"{arch.head_dim}; the hidden-size formula would say {naive_kv:.2f} GB ({ratio:.1f}× more)")
-        notes.append("not counted: a frozen reference model for the GRPO KL term (another copy of the weights "
-                      "when beta > 0) and the rollout engine's own overhead")
+        if model.method == "full":
+            notes.append("not counted: a frozen reference model for the GRPO KL term (another copy of the weights "
+                         "when beta > 0) and the rollout engine's own overhead")
+        else:  # TRL gets the reference from a PEFT model by turning its adapters off: no second copy
+            notes.append("not counted: the rollout engine's own overhead (the GRPO reference model is the base "
+                         "with its adapters off, no second copy)")
 
     total = sum(terms.values())
     if model.parallelism == "fsdp":
@@ -351,13 +376,15 @@ def estimate(model: ModelSpec, gpus: int = 1) -> SizingEstimate:
     else:
         per_gpu = total
         if gpus > 1:
-            notes.append(f"ddp over {gpus} GPUs: every GPU holds everything, per-GPU memory does not shrink "
-                         "(fsdp shards it)")
+            # DDP all-reduces gradients through buckets that hold a copy of them (gradient_as_bucket_view=False).
+            per_gpu += terms["gradients"]
+            notes.append(f"ddp over {gpus} GPUs: every GPU holds everything, plus a copy of the gradients in "
+                         f"DDP's all-reduce buckets ({terms['gradients']:.2f} GB); fsdp shards it")
 
-    fits = {size: per_gpu + size * FIT_MARGIN_FRACTION <= size for size in COMMON_GPU_SIZES_GB}
+    fits = {size: per_gpu + margin_gib * GIB / GB <= size * GIB / GB for size in COMMON_GPU_SIZES_GB}
     return SizingEstimate(terms=terms, total_gb=total, per_gpu_gb=per_gpu, fits=fits, notes=notes, gpus=gpus,
                           parallelism=model.parallelism, params=arch.params, trained_params=trained,
-                          kv_cache_naive_gb=naive_kv)
+                          kv_cache_naive_gb=naive_kv, margin_gib=margin_gib)
 
 
 def fits_in(model: ModelSpec, vram_gb: float, margin_gb: float, gpus: int = 1) -> bool:
