@@ -91,34 +91,3 @@ def test_a_blocked_job_is_decided_again_with_its_measured_throughput(tmp_path: P
     assert app.store.get_job(job_id)["state"] == "queued"
     app.close()
 
-
-def test_a_job_the_budget_refused_at_launch_stays_blocked_until_that_launch_would_fit(tmp_path: Path) -> None:
-    # Its decision projected that it fits; the launch check (stop horizon, billing minimum, live price) said no.
-    # Deciding it again on the decision's figures would queue it and the launch refuse it, every tick.
-    import time
-
-    from orchestrator.lifecycle.reconcile import Reconciler
-    from orchestrator.queue import enqueue
-    from tests.conftest import write_job
-
-    app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "refused", local_throughput=0, rented_throughput={"H100": 2.0}))
-    job = app.store.get_job(job_id)
-    assert job is not None and job["state"] == "queued"
-    rec = Reconciler(app, {}, cloud=None)
-    rec._block(job, "budget: $1000.00 projected for the rest exceeds the $15.00 left this month",
-               budget_launch={"rate_usd_h": 1000.0, "minimum_s": 3600.0})
-    for _ in range(3):
-        rec._redecide_blocked(time.time())
-    assert app.store.get_job(job_id)["state"] == "blocked"
-    assert not [e for e in app.store.events(job_id=job_id) if e["type"] == "job.redecided"]
-
-    job = app.store.get_job(job_id)
-    assert job is not None
-    job["spec"]["_budget_launch"]["rate_usd_h"] = 1.0  # the price fell (or the cap rose): that launch fits now
-    job["spec"]["_spot_probe_at"] = 0.0  # the daemon's bookkeeping in the spec is not the user's spec to validate
-    with app.store.tx() as c:
-        app.store.update_job(job_id, c, spec=job["spec"])
-    rec._redecide_blocked(time.time())
-    assert app.store.get_job(job_id)["state"] == "queued"
-    app.close()

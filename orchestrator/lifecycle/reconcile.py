@@ -816,6 +816,10 @@ class Reconciler:
         """A failed pull (rsync killed, local disk full, SSH dropped...) keeps the attempt going and is retried at
         the next sync, not at once: a full disk would be filled and emptied every tick. Its reason is the job's
         until a pull succeeds; the event is logged once per distinct error, the failures are counted."""
+        with self.store.engine.connect() as c:
+            now_state = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == att["id"])).scalar()
+        if now_state != att["state"]:
+            return  # moved on meanwhile (revert-local or a cancel winding it down): its own step pulls last
         error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:500]
         same = info.get("sync_error") == error
         if "sync_error" not in info:
