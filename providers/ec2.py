@@ -34,6 +34,7 @@ from botocore.exceptions import (
 from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
+from botocore.parsers import ResponseParserError
 
 from orchestrator.config import Config, Ec2Provider
 from providers.base import (
@@ -260,6 +261,11 @@ class Ec2Adapter:
                                  code=type(exc).__name__) from None
         except BotoCoreError as exc:
             raise Transient(f"{verb}: {type(exc).__name__}", provider=self.name, code=type(exc).__name__) from None
+        except ResponseParserError:
+            # A body that is not EC2's XML: an HTML 5xx page from a proxy or gateway (or an endpoint that is not
+            # EC2's). Not a BotoCoreError, so named here; the page itself is not worth repeating.
+            raise Transient(f"{verb}: the endpoint answered something that is not an EC2 response", provider=self.name,
+                            code="ResponseParserError") from None
 
     def _from_client_error(self, verb: str, exc: ClientError) -> ProviderError:
         error = exc.response.get("Error") or {}

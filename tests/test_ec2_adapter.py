@@ -17,6 +17,7 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+from botocore.parsers import ResponseParserError
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from moto import mock_aws
@@ -353,6 +354,9 @@ def test_throttling_is_retried_with_backoff_then_launches_once(
      Transient, "EndpointConnectionError"),
     (lambda: client_error("DescribeInstances", "Throttling", "", 400),
      Throttled, "Throttling"),
+    # a proxy's HTML 500 page instead of EC2's XML (botocore raises this outside its BotoCoreError family)
+    (lambda: ResponseParserError("Unable to parse response: b'<!doctype html>500 Internal Server Error'"),
+     Transient, "ResponseParserError"),
 ])
 def test_server_errors_and_timeouts_are_retried_up_to_the_policy_then_surface(
         mocked: None, make_error: Callable[[], Exception], kind: type[ProviderError], code: str) -> None:
