@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TextIO
 
+from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
 from orchestrator.config import Config, load_config
 from orchestrator.errors import OperationalError
 from orchestrator.events import EventLog, Redactor
+from state import schema as s
 from state.store import Store
 
 # The kill switch (`revert-local` clears it, `burst-enable` sets it): a setting in the store, so the daemon and
 # every command see the same answer.
 BURST_ENABLED_KEY = "burst_enabled"
+# This installation's owner tag when the config does not set one (`Config.orchestrator_id`).
+ORCHESTRATOR_ID_KEY = "orchestrator_id"
 
 
 def open_store(url: str, what: str) -> Store:
@@ -59,6 +64,19 @@ class App:
                        max_bytes=int(state.events_file_max_mb * 2**20), kept=state.events_files_kept)
         self._closers.append(log.close)
         return log
+
+    @cached_property
+    def orchestrator_id(self) -> str:
+        """The owner tag of this installation's instances: the config's, else the one kept in the state."""
+        if self.config.orchestrator_id:
+            return self.config.orchestrator_id
+        kept = self.store.get_setting(ORCHESTRATOR_ID_KEY)
+        if kept:
+            return str(kept)
+        with self.store.engine.connect() as c:  # a state from before ids were per installation tagged "burstctl"
+            used = c.execute(select(s.attempts.c.id).where(s.attempts.c.where == "cloud").limit(1)).first()
+        self.store.set_setting(ORCHESTRATOR_ID_KEY, "burstctl" if used else f"burstctl-{secrets.token_hex(4)}")
+        return str(self.store.get_setting(ORCHESTRATOR_ID_KEY))
 
     def close(self) -> None:
         for c in reversed(self._closers):

@@ -312,7 +312,11 @@ class Config(Strict):
     providers: Providers = Field(default_factory=Providers)
     state: StateSettings = Field(default_factory=StateSettings)
     daemon: DaemonSettings = Field(default_factory=DaemonSettings)
-    orchestrator_id: str = Field("burstctl", description="Owner tag on every instance this install creates.")
+    orchestrator_id: str | None = Field(
+        None, description="Owner tag on every instance this installation creates. Unset: one is made for this state "
+        "on first use and kept in it (`burstctl-` and 8 hex digits; a state from before that keeps `burstctl`). Two "
+        "installations on one cloud account must not share it: each one's sweep and revert-local terminate the "
+        "instances with its tag that it has no attempt for.")
 
     source: str | None = Field(None, exclude=True, description="Where this config came from (set by the loader).")
 

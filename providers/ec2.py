@@ -36,7 +36,7 @@ from botocore.exceptions import (
 )
 from botocore.parsers import ResponseParserError
 
-from orchestrator.config import Config, Ec2Provider
+from orchestrator.config import Ec2Provider
 from providers.base import (
     AuthFailed,
     EventSink,
@@ -229,10 +229,6 @@ class Ec2Adapter:
             self._s3 = s3_checkpoints.make_client(self.config.region, self.config.s3_endpoint_url, self._session)
         bucket, prefix = s3_checkpoints.parse_uri(uri)
         return S3CheckpointStore(self._s3, bucket, prefix)
-
-    @classmethod
-    def from_config(cls, config: Config, sink: EventSink | None = None, **kwargs: Any) -> Ec2Adapter:
-        return cls(config.providers.ec2, orchestrator_id=config.orchestrator_id, sink=sink, **kwargs)
 
     # --- plumbing ---------------------------------------------------------------------------------------
     def _emit(self, type_: str, **data: Any) -> None:

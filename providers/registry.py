@@ -34,9 +34,12 @@ def _aws_credentials_present(profile: str | None) -> bool:
         return False
 
 
-def build(cfg: Config, *, sink: EventSink | None = None, environ: Mapping[str, str] = os.environ,
-          tuning: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, ProviderSlot]:
-    """Every provider section, enabled or not; adapters only for enabled ones with credentials."""
+def build(cfg: Config, *, orchestrator_id: str | None = None, sink: EventSink | None = None,
+          environ: Mapping[str, str] = os.environ, tuning: Mapping[str, Mapping[str, Any]] | None = None
+          ) -> dict[str, ProviderSlot]:
+    """Every provider section, enabled or not; adapters only for enabled ones with credentials. `orchestrator_id`:
+    the installation's owner tag (`App.orchestrator_id`), else the config's, else "burstctl"."""
+    owner = orchestrator_id or cfg.orchestrator_id or "burstctl"
     from providers import lambda_cloud
 
     # simcloud is a local process: Lambda's client-side pacing (1 req/s, 1 launch/12 s) would only slow it down.
@@ -53,7 +56,7 @@ def build(cfg: Config, *, sink: EventSink | None = None, environ: Mapping[str, s
         if section.enabled:
             try:
                 key = lambda_cloud.api_key_from_env(section, environ)
-                provider = lambda_cloud.from_config(section, key, sink=sink, orchestrator_id=cfg.orchestrator_id,
+                provider = lambda_cloud.from_config(section, key, sink=sink, orchestrator_id=owner,
                                                     **tuning.get(name, {}))
             except AuthFailed as exc:
                 problem = str(exc)
@@ -69,7 +72,7 @@ def build(cfg: Config, *, sink: EventSink | None = None, environ: Mapping[str, s
         else:
             from providers.ec2 import Ec2Adapter
 
-            provider = Ec2Adapter.from_config(cfg, sink=sink, **tuning.get("ec2", {}))
+            provider = Ec2Adapter(ec2, orchestrator_id=owner, sink=sink, **tuning.get("ec2", {}))
     slots["ec2"] = ProviderSlot("ec2", ec2.enabled, "AWS credential chain", present, provider, problem)
     return slots
 

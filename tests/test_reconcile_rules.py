@@ -59,3 +59,30 @@ def test_a_pull_that_fails_because_another_process_wound_the_attempt_down_is_not
     assert [e["type"] for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.sync_failed"] == [
         "checkpoint.sync_failed"]
     app.close()
+
+
+def test_each_installation_tags_its_instances_with_an_owner_of_its_own_kept_in_its_state(tmp_path: Path) -> None:
+    # Two installations on one cloud account sharing a tag would each sweep the other's instances as orphans.
+    first, second = (App(state_dir_override=str(tmp_path / name)) for name in ("one", "two"))
+    ids = [first.orchestrator_id, second.orchestrator_id]
+    assert ids[0] != ids[1] and all(i.startswith("burstctl-") and len(i) == len("burstctl-") + 8 for i in ids)
+    first.close()
+    again = App(state_dir_override=str(tmp_path / "one"))
+    assert again.orchestrator_id == ids[0]  # kept in the state, so a restart owns what it launched
+    again.close()
+    second.close()
+
+    legacy = App(state_dir_override=str(tmp_path / "old"))  # a state from before: its instances say "burstctl"
+    job_id, _, _ = enqueue(legacy, write_job(tmp_path, "old", local_throughput=0, rented_throughput={"H100": 2.0}))
+    with legacy.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
+                                            provider="sim", instance_type="x", market="spot", info={},
+                                            created_at=0.0))
+    assert legacy.orchestrator_id == "burstctl"
+    legacy.close()
+
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('orchestrator_id = "lab-box"\n')
+    named = App(config_path=str(cfg), state_dir_override=str(tmp_path / "named"))
+    assert named.orchestrator_id == "lab-box"
+    named.close()

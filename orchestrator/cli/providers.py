@@ -21,7 +21,7 @@ def providers_cmd(app: App, only: str | None, as_json: bool) -> None:
     """List configured providers, their credentials (by name), whether they answer, and their offers.
 
     Exit 2 when an enabled provider's credential is missing; 1 when one does not answer."""
-    slots = build(app.config, sink=app.events.provider_sink)
+    slots = build(app.config, orchestrator_id=app.orchestrator_id, sink=app.events.provider_sink)
     report: list[dict[str, Any]] = []
     missing: list[str] = []
     failing: list[str] = []

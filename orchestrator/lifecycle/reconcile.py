@@ -363,7 +363,7 @@ class Reconciler:
             conn.execute(insert(s.attempts).values(
                 id=attempt_id, job_id=job["id"], n=n, where="cloud", state=A.INTENT.value, provider=provider_name,
                 instance_type=offer.instance_type, region=None, market=market.value,
-                idempotency_key=f"{self.cfg.orchestrator_id}-{attempt_id}",
+                idempotency_key=f"{self.app.orchestrator_id}-{attempt_id}",
                 info={"rate_usd_h": rate, "billing_minimum_s": offer.billing_minimum_s, "launch_tried": False,
                       "gpu": offer.gpu_model, **({"market_policy": market_facts} if market_facts else {}), **placed},
                 created_at=now))
@@ -604,7 +604,7 @@ class Reconciler:
             with self.store.tx() as conn:
                 conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
             att["info"] = info
-            tags = OwnerTags(self.cfg.orchestrator_id, job["id"], att["id"])
+            tags = OwnerTags(self.app.orchestrator_id, job["id"], att["id"])
             req = LaunchRequest(instance_type=att["instance_type"], market=Market(att["market"]), tags=tags,
                                 idempotency_key=att["idempotency_key"], ssh_public_key=self.cloud.public_key,
                                 ssh_key_name=None, region_order=tuple(info.get("region_order") or ()))

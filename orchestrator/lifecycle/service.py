@@ -15,7 +15,7 @@ from state import schema as s
 def build_reconciler(app: App) -> Reconciler:
     from orchestrator.lifecycle.cloud_steps import CloudSteps
 
-    slots = build(app.config, sink=app.events.provider_sink)
+    slots = build(app.config, orchestrator_id=app.orchestrator_id, sink=app.events.provider_sink)
     for slot in slots.values():
         if slot.enabled and slot.provider is None:
             app.events.emit("provider.unavailable", provider=slot.name, problem=slot.problem)
