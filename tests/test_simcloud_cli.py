@@ -415,3 +415,32 @@ def test_scheduler_notices_first_then_preempts_only_running_spot_instances(key: 
         assert api.get(f"/instances/{on_demand}").json()["data"]["status"] == "active"
         assert scheduler.step(now=1_400.0) == []
         api.close()
+
+
+def test_simcloud_ec2_serves_the_simulated_ec2_and_prints_the_settings_that_reach_it(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    proc = subprocess.Popen([*ENTRY, "--state-dir", str(state), "simcloud", "ec2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        printed = [proc.stdout.readline()]
+        while not printed[-1].startswith("# preempt and status"):  # its last line, once everything is up
+            printed.append(proc.stdout.readline())
+            assert printed[-1], proc.stderr.read() if proc.stderr else ""
+        settings = [line for line in printed if line.strip() and not line.startswith("#")]
+        admin_url = printed[-1].split("--url ")[-1].strip()
+        config = tmp_path / "burstctl.toml"
+        config.write_text("[providers.sim]\nenabled = false\n" + "".join(settings))  # pasted as the output says
+        env = {"AWS_ACCESS_KEY_ID": "simulated", "AWS_SECRET_ACCESS_KEY": "simulated",
+               "AWS_EC2_METADATA_DISABLED": "true"}
+        r = burstctl("--config", str(config), "--state-dir", str(tmp_path / "daemon-state"), "providers", "--json",
+                     env=env)
+        assert r.returncode == 0, r.stderr
+        (ec2,) = [p for p in json.loads(r.stdout)["providers"] if p["name"] == "ec2"]
+        assert ec2["answers"] is True and [o["type"] for o in ec2["offers"]] == ["p3.2xlarge"]
+        r = burstctl("simcloud", "status", "--url", admin_url, "--json")
+        assert r.returncode == 0 and json.loads(r.stdout) == [], r.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert processes_touching(state) == []

@@ -30,7 +30,8 @@ from orchestrator.records import fmt_usd
 DEFAULT_PORT = 8790
 # An instance in these states at the reclaim was released by its client during the notice: the preemption's work
 # is done, and there is nothing left to reclaim.
-GONE_BEFORE_RECLAIM = ("terminating", "terminated")
+# simcloud's words, and EC2's (the simulated EC2's admin routes are the same)
+GONE_BEFORE_RECLAIM = ("terminating", "terminated", "shutting-down")
 
 
 @cli.group("simcloud")
@@ -187,12 +188,68 @@ def _admin(method: str, root: str, path: str, body: dict[str, Any] | None = None
     except ValueError:
         doc = None
     if resp.status_code >= 400:
-        err = (doc or {}).get("error", {}) if isinstance(doc, dict) else {}
-        message = err.get("message") or f"HTTP {resp.status_code}"
+        err = doc.get("error") if isinstance(doc, dict) else None
+        # simcloud answers {"error": {"message": ...}}, the simulated EC2 {"error": "..."}
+        message = (err.get("message") if isinstance(err, dict) else err) or f"HTTP {resp.status_code}"
         if resp.status_code in (400, 404):
             raise BadInput(message, field=field)
         raise OperationalError(f"simcloud at {root}: {message}")
     return doc.get("data") if isinstance(doc, dict) else doc
+
+
+@simcloud.command("ec2")
+@click.option("--state", "state", type=str, default=None,
+              help="State dir of its machines (default <state-dir>/simcloud-ec2).")
+@click.option("--s3-checkpoints", is_flag=True,
+              help="Also make a checkpoint bucket and an instance profile, and print the settings that use them.")
+@click.option("--openssh", "ssh_mode", flag_value="openssh", help="Instances run OpenSSH's sshd (must be installed).")
+@click.option("--paramiko", "ssh_mode", flag_value="paramiko", help="Instances run the pure-Python SSH server.")
+@json_option
+@pass_app
+def ec2_cmd(app: App, state: str | None, s3_checkpoints: bool, ssh_mode: str | None, as_json: bool) -> None:
+    """Run the simulated EC2 (moto's server, real machines behind it) in the foreground until SIGTERM/SIGINT, and
+    print the [providers.ec2] settings that point burstctl at it."""
+    from providers.simcloud.ec2_sim import SimEc2
+    from providers.simcloud.ssh_backend import MachineStartError
+
+    state_dir = Path(state).expanduser() if state else app.config.state_dir / "simcloud-ec2"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    try:
+        sim = SimEc2(state_dir, prefer=ssh_mode or "auto").start()  # type: ignore[arg-type]
+    except MachineStartError as exc:
+        raise BadInput(str(exc), field="--openssh") from exc
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        settings = {**sim.provider_config(), **(sim.setup_checkpoint_bucket() if s3_checkpoints else {})}
+        if as_json:
+            print_json({"providers.ec2": settings, "admin_url": sim.admin_url, "pid": os.getpid()})
+        else:
+            lines = ["[providers.ec2]", *(f"{k} = {_toml(v)}" for k, v in settings.items())]
+            click.echo("# the simulated EC2 is serving; put this in burstctl.toml, and any AWS credentials in the\n"
+                       "# environment (AWS_ACCESS_KEY_ID=simulated AWS_SECRET_ACCESS_KEY=simulated):\n"
+                       + "\n".join(lines)
+                       + f"\n# preempt and status: burstctl simcloud preempt|status --url {sim.admin_url}")
+        sys.stdout.flush()
+        while not stop.wait(0.5):
+            pass
+    finally:
+        sim.close()  # kills every machine and its processes
+
+
+def _toml(value: Any) -> str:
+    """A settings value as TOML (strings, numbers, booleans, lists and tables of them)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in value.items()) + " }"
+    return json.dumps(str(value))
 
 
 def _records(root: str) -> list[dict[str, Any]]:
@@ -265,7 +322,8 @@ def status_cmd(app: App, url: str | None, as_json: bool) -> None:
         print_json(records)
         return
     table(None, ["instance", "type", "market", "region", "status", "reason", "ssh", "runtime", "cost"], [
-        (r["id"], r["instance_type"], r["market"], r["region"], r["status"], r.get("status_reason"),
+        (r["id"], r["instance_type"], r.get("market"), r.get("region"), r["status"],
+         r.get("status_reason") or r.get("reason"),
          f"{r['ssh_user']}@{r['host']}:{r['ssh_port']}" if r.get("ssh_port") else None,
          f"{r['runtime_s']:.0f} s" if r.get("runtime_s") is not None else None,
          fmt_usd(r.get("cost_usd"))) for r in records])
