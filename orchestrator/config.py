@@ -8,12 +8,13 @@ Secrets are never inline: a provider names the *environment variable* that holds
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
 from datetime import time
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -353,6 +354,21 @@ def config_candidates(explicit: str | None) -> list[tuple[Path, bool]]:
     out.append((Path("burstctl.toml"), False))
     out.append((Path.home() / ".config" / "burstctl" / "config.toml", False))
     return out
+
+
+def toml_value(v: Any) -> str:
+    """A value as TOML: strings, numbers, booleans, and lists and inline tables of them (tomllib only reads)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
 def read_toml(path: Path) -> dict:

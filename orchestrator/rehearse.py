@@ -33,6 +33,7 @@ import httpx
 from sqlalchemy import func, select
 
 from orchestrator.children import Children, free_port
+from orchestrator.config import toml_value
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.jobspec import JobSpec, load_job
 from runbooks import burst_checkpoint
@@ -162,20 +163,6 @@ def default_every_s(spec: JobSpec) -> float:
     return max(3.0, 2.0 * spec.checkpoint.interval_minutes * 60.0)
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
 def rehearsal_spec(spec: JobSpec, source: Path) -> str:
     """The job, forced to burst to spot on one simulated H100 with a relaxed deadline; its command, workdir,
     checkpoint settings and environment unchanged."""
@@ -188,11 +175,11 @@ def rehearsal_spec(spec: JobSpec, source: Path) -> str:
     }
     if spec.pass_env:  # the rehearsal's daemon runs in this shell's environment, where the names are looked up
         fields["pass_env"] = list(spec.pass_env)
-    lines = [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
-    lines += ["", "[checkpoint]", f"dir = {_toml_value(spec.checkpoint.dir)}",
-              f"interval_minutes = {_toml_value(spec.checkpoint.interval_minutes)}"]
+    lines = [f"{k} = {toml_value(v)}" for k, v in fields.items()]
+    lines += ["", "[checkpoint]", f"dir = {toml_value(spec.checkpoint.dir)}",
+              f"interval_minutes = {toml_value(spec.checkpoint.interval_minutes)}"]
     if spec.env:
-        lines += ["", "[env]"] + [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in spec.env.items()]
+        lines += ["", "[env]"] + [f"{json.dumps(k)} = {toml_value(v)}" for k, v in spec.env.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -23,7 +23,7 @@ import httpx
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
-from orchestrator.config import ENV_NAME, ENV_NAME_EXPECTED
+from orchestrator.config import ENV_NAME, ENV_NAME_EXPECTED, toml_value
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.records import fmt_usd
 
@@ -227,7 +227,7 @@ def ec2_cmd(app: App, state: str | None, s3_checkpoints: bool, ssh_mode: str | N
         if as_json:
             print_json({"providers.ec2": settings, "admin_url": sim.admin_url, "pid": os.getpid()})
         else:
-            lines = ["[providers.ec2]", *(f"{k} = {_toml(v)}" for k, v in settings.items())]
+            lines = ["[providers.ec2]", *(f"{k} = {toml_value(v)}" for k, v in settings.items())]
             click.echo("# the simulated EC2 is serving; put this in burstctl.toml, and any AWS credentials in the\n"
                        "# environment (AWS_ACCESS_KEY_ID=simulated AWS_SECRET_ACCESS_KEY=simulated):\n"
                        + "\n".join(lines)
@@ -237,19 +237,6 @@ def ec2_cmd(app: App, state: str | None, s3_checkpoints: bool, ssh_mode: str | N
             pass
     finally:
         sim.close()  # kills every machine and its processes
-
-
-def _toml(value: Any) -> str:
-    """A settings value as TOML (strings, numbers, booleans, lists and tables of them)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in value.items()) + " }"
-    return json.dumps(str(value))
 
 
 def _records(root: str) -> list[dict[str, Any]]:
