@@ -31,10 +31,11 @@ def store_lock(cfg: Config, job_id: str) -> Iterator[None]:
         os.close(fd)
 
 
-def latest(cfg: Config, job_id: str) -> Path | None:
-    """The newest complete (manifest-verified) local checkpoint of a job, if any. Never a partial one."""
+def latest(cfg: Config, job_id: str, *, deep: bool = True) -> Path | None:
+    """The newest complete (manifest-verified) local checkpoint of a job, if any. Never a partial one. `deep=False`
+    checks sizes only, for a caller that only asks whether there is one (hashing multi-GB files would not pay)."""
     folder = store_dir(cfg, job_id)
     if not folder.is_dir():
         return None
     with store_lock(cfg, job_id):
-        return burst_checkpoint.latest_complete(folder)
+        return burst_checkpoint.latest_complete(folder, deep=deep)

@@ -49,7 +49,6 @@ from providers.base import (
     Provider,
     ProviderError,
 )
-from runbooks import burst_checkpoint
 from state import schema as s
 
 A = AttemptState
@@ -373,7 +372,8 @@ class Reconciler:
             self.app.events.emit("attempt.intent", job_id=job["id"], attempt_id=attempt_id, conn=conn,
                                  provider=provider_name, instance_type=offer.instance_type, market=market.value,
                                  rate_usd_h=rate,
-                                 resuming=self._has_checkpoint(job["id"]),
+                                 # from a checkpoint, whatever the job waited as (resuming, queued, blocked)
+                                 resuming=checkpoints.latest(self.cfg, job["id"], deep=False) is not None,
                                  **({"market_policy": market_facts} if market_facts else {}), **placed)
         return True
 
@@ -451,12 +451,6 @@ class Reconciler:
         with self.store.engine.connect() as c:
             n = c.execute(select(func.max(s.attempts.c.n)).where(s.attempts.c.job_id == job_id)).scalar()
         return int(n or 0) + 1
-
-    def _has_checkpoint(self, job_id: str) -> bool:
-        """Whether a new attempt resumes from a checkpoint, whatever the job waited as (resuming, queued, blocked).
-        Sizes only: the bootstrap verifies the one it pushes, and hashing multi-GB files for a flag would not pay."""
-        folder = checkpoints.store_dir(self.cfg, job_id)
-        return folder.is_dir() and burst_checkpoint.latest_complete(folder, deep=False) is not None
 
     def _block(self, job: dict[str, Any], reason: str, *, retry_at: float | None = None,
                reset_failures: bool = False, budget_launch: dict[str, float] | None = None) -> None:
