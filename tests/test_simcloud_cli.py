@@ -37,6 +37,7 @@ ENTRY = [sys.executable, "-c", "from orchestrator.cli import entry; entry()"]
 KEY_ENV = "BURSTCTL_TEST_SIM_KEY"
 API_KEY = "sk-simcloud-test-7d1e"  # must never show up in any output
 TRACE = SHARED / "spot-traces" / "availability" / "1-node" / "aws-10-26-2022" / "us-west-2a_k80_1.json"
+needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason="shared spot traces not present")
 MODES = [
     pytest.param("openssh", marks=pytest.mark.skipif(not openssh_available(), reason="sshd not installed")),
     "paramiko",
@@ -274,6 +275,7 @@ def test_serve_launch_ssh_rsync_sftp_forced_preemption_and_clean_shutdown(
 
 
 @pytest.mark.slow
+@needs_trace
 def test_trace_driven_preemption_posts_the_notice_then_reclaims_the_instance(serve: Any, key: ClientKey) -> None:
     trace = json.loads(TRACE.read_text())
     first_outage = trace["data"].index(0)
@@ -359,6 +361,7 @@ def test_status_and_preempt_without_a_server_fail_operationally(tmp_path: Path) 
 
 
 # --- preemption sources ---------------------------------------------------------------------------------------
+@needs_trace
 def test_trace_replay_reclaims_at_the_first_outage_after_launch() -> None:
     trace = json.loads(TRACE.read_text())
     data, gap = trace["data"], trace["metadata"]["gap_seconds"]
