@@ -25,13 +25,22 @@ class ProviderSlot:
     problem: str | None = None
 
 
-def _aws_credentials_present(profile: str | None) -> bool:
+def _aws_credentials_problem(profile: str | None) -> str | None:
+    """Why the AWS credential chain gives nothing usable, or None when it gives credentials."""
     import boto3
+    from botocore.exceptions import BotoCoreError, ProfileNotFound
 
     try:
-        return boto3.Session(profile_name=profile).get_credentials() is not None
-    except Exception:  # a broken profile is "not present", reported by name below
-        return False
+        found = boto3.Session(profile_name=profile).get_credentials() is not None
+    except ProfileNotFound as exc:
+        # Named by [providers.ec2] profile or by AWS_PROFILE: say which, or the user looks for missing keys.
+        named = f"[providers.ec2] profile {profile!r}" if profile else f"AWS_PROFILE {exc.kwargs.get('profile')!r}"
+        return f"{named} is not a profile in ~/.aws/config or ~/.aws/credentials"
+    except BotoCoreError as exc:  # a profile that is there but broken (e.g. a credential_process that fails)
+        return f"the AWS credential chain failed: {type(exc).__name__}"
+    if not found:
+        return "no AWS credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile"
+    return None
 
 
 def build(cfg: Config, *, orchestrator_id: str | None = None, sink: EventSink | None = None,
@@ -63,13 +72,11 @@ def build(cfg: Config, *, orchestrator_id: str | None = None, sink: EventSink | 
         slots[name] = ProviderSlot(name, section.enabled, f"${section.api_key_env}", present, provider, problem)
 
     ec2 = cfg.providers.ec2
-    present = _aws_credentials_present(ec2.profile) if ec2.enabled else False
+    problem = _aws_credentials_problem(ec2.profile) if ec2.enabled else None
+    present = ec2.enabled and problem is None
     provider = None
-    problem = None
     if ec2.enabled:
-        if not present:
-            problem = "no AWS credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile"
-        else:
+        if problem is None:
             from providers.ec2 import Ec2Adapter
 
             provider = Ec2Adapter(ec2, orchestrator_id=owner, sink=sink, **tuning.get("ec2", {}))

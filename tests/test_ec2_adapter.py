@@ -591,6 +591,21 @@ def test_a_missing_aws_profile_is_an_auth_failure(aws_env: None) -> None:
     assert raised.value.code == "ProfileNotFound"
 
 
+@pytest.mark.parametrize("where", ["config", "environment"])
+def test_a_missing_aws_profile_is_named_in_the_providers_problem_not_reported_as_missing_keys(
+        aws_env: None, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    from orchestrator.config import Config, Providers
+    from providers import registry
+
+    if where == "environment":
+        monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    ec2 = Ec2Provider(enabled=True, profile="no-such-profile" if where == "config" else None)
+    slot = registry.build(Config(providers=Providers(ec2=ec2)))["ec2"]
+    named = "[providers.ec2] profile" if where == "config" else "AWS_PROFILE"
+    assert (slot.provider, slot.credential_present) == (None, False)
+    assert slot.problem == f"{named} 'no-such-profile' is not a profile in ~/.aws/config or ~/.aws/credentials"
+
+
 def test_a_key_pair_already_holding_our_key_is_used_and_looked_up_once(mocked: None, ssh_public_key: str) -> None:
     adapter, sink, _ = make_adapter()
     adapter.client.import_key_pair(KeyName="burstctl", PublicKeyMaterial=f"{ssh_public_key} another-comment".encode())
