@@ -466,14 +466,12 @@ class Ec2Adapter:
 
     def _key_pair_public_key(self, name: str) -> str | None:
         """The public key a key pair holds ("" when EC2 does not say), or None when there is no such key pair."""
-        try:
-            found = self._call("DescribeKeyPairs", lambda: self.client.describe_key_pairs(
-                KeyNames=[name], IncludePublicKey=True))["KeyPairs"]
-        except InvalidRequest as exc:
-            if exc.code != "InvalidKeyPair.NotFound":
-                raise
-            return None
-        return str(found[0].get("PublicKey", "")) if found else None
+        # A filter, not KeyNames=[name]: a first launch's expected miss is then an empty list, not an
+        # InvalidKeyPair.NotFound error in the trail. The filter takes wildcards, hence the exact match below.
+        found = self._call("DescribeKeyPairs", lambda: self.client.describe_key_pairs(
+            Filters=[{"Name": "key-name", "Values": [name]}], IncludePublicKey=True))["KeyPairs"]
+        held = [str(pair.get("PublicKey", "")) for pair in found if pair.get("KeyName") == name]
+        return held[0] if held else None
 
     def _run_params(self, request: LaunchRequest, itype: str, zone: str, key_name: str,
                     token: str) -> dict[str, Any]:
