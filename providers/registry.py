@@ -75,11 +75,10 @@ def build(cfg: Config, *, orchestrator_id: str | None = None, sink: EventSink | 
     problem = _aws_credentials_problem(ec2.profile) if ec2.enabled else None
     present = ec2.enabled and problem is None
     provider = None
-    if ec2.enabled:
-        if problem is None:
-            from providers.ec2 import Ec2Adapter
+    if present:
+        from providers.ec2 import Ec2Adapter
 
-            provider = Ec2Adapter(ec2, orchestrator_id=owner, sink=sink, **tuning.get("ec2", {}))
+        provider = Ec2Adapter(ec2, orchestrator_id=owner, sink=sink, **tuning.get("ec2", {}))
     slots["ec2"] = ProviderSlot("ec2", ec2.enabled, "AWS credential chain", present, provider, problem)
     return slots
 
