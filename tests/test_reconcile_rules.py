@@ -10,6 +10,7 @@ from sqlalchemy import insert
 from orchestrator.app import App
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.queue import enqueue
+from providers.base import AuthFailed, Offer
 from state import schema as s
 from tests.conftest import write_job
 
@@ -86,3 +87,30 @@ def test_each_installation_tags_its_instances_with_an_owner_of_its_own_kept_in_i
     named = App(config_path=str(cfg), state_dir_override=str(tmp_path / "named"))
     assert named.orchestrator_id == "lab-box"
     named.close()
+
+
+class _RefusingProvider:
+    """A provider that answers every look at its offers with one error of the taxonomy."""
+
+    name = "ec2"
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def offers(self) -> list[Offer]:
+        raise self.error
+
+
+def test_a_job_no_provider_answers_for_is_told_why_not_that_nobody_has_capacity(tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "unanswered", local_throughput=0,
+                                          rented_throughput={"H100": 2.0}))
+    refusing = _RefusingProvider(AuthFailed("DescribeInstanceTypes: AuthFailure", provider="ec2",
+                                            code="AuthFailure"))
+    rec = Reconciler(app, {"ec2": refusing}, cloud=None)  # type: ignore[dict-item]
+    job = app.store.get_job(job_id)
+    assert job is not None
+    assert rec._choose_offer(job, time.time()) is None
+    assert app.store.get_job(job_id)["reason"] == (
+        "no provider answered (ec2: AuthFailed: DescribeInstanceTypes: AuthFailure)")
+    app.close()

@@ -390,7 +390,7 @@ class Reconciler:
             try:
                 offers = self.offers.get(name, provider, now)
             except ProviderError as exc:
-                problems.append(f"{name}: {type(exc).__name__}")
+                problems.append(f"{name}: {type(exc).__name__}: {self.app.redactor(str(exc))[:200]}")
                 continue
             for o in offers:
                 if o.gpu_model.upper() not in wanted or o.gpu_count != spec["gpus"] or not o.regions:
@@ -417,9 +417,13 @@ class Reconciler:
                             "policy goes on-demand once waiting no longer pays", same_as="waiting for spot")
             return None
         if best is None:
-            why = "no offer with capacity for " + ", ".join(f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
-            if problems:
-                why += f" ({'; '.join(problems)})"
+            if problems and len(problems) == len(self.providers):  # nobody answered: not a capacity question at all
+                why = "no provider answered (" + "; ".join(problems) + ")"
+            else:
+                why = "no offer with capacity for " + ", ".join(
+                    f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
+                if problems:
+                    why += f" ({'; '.join(problems)})"
             self._note(job, why)
             return None
         return best[1], best[2], best[3], best[4]
