@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import insert
 
 from orchestrator.app import App
+from orchestrator.lifecycle import reconcile
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.queue import enqueue
 from providers.base import AuthFailed, Offer
@@ -113,4 +115,32 @@ def test_a_job_no_provider_answers_for_is_told_why_not_that_nobody_has_capacity(
     assert rec._choose_offer(job, time.time()) is None
     assert app.store.get_job(job_id)["reason"] == (
         "no provider answered (ec2: AuthFailed: DescribeInstanceTypes: AuthFailure)")
+    app.close()
+
+
+def test_a_job_waiting_for_spot_is_looked_at_again_when_its_next_spot_probe_is_due(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The policy waits for spot that only a launch can show; the next probe launch is due in 5 s. The job must be
+    # looked at then, not a whole market_check_s later, so that "next try in 5 s" is true.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "waits", local_throughput=0, rented_throughput={"H100": 2.0}))
+    offer = Offer(provider="ec2", instance_type="p5.xlarge", gpu_model="H100", gpu_count=1, vram_gib=80.0,
+                  vcpus=26, on_demand_usd_h=6.0, spot_usd_h=2.0, regions=("us-east-1a",))
+
+    class Listing:
+        name = "ec2"
+
+        def offers(self) -> list[Offer]:
+            return [offer]
+
+    monkeypatch.setattr(reconcile, "market_for_attempt",
+                        lambda *_a, **_k: (None, {"choice": "idle", "slack_h": 3.0}))
+    now = time.time()
+    job = app.store.get_job(job_id)
+    assert job is not None
+    job["spec"]["_spot_probe_at"] = now + 5.0
+    assert Reconciler(app, {"ec2": Listing()}, cloud=None)._choose_offer(job, now) is None  # type: ignore[dict-item]
+    waiting = app.store.get_job(job_id)
+    assert waiting["spec"]["_spot_wait_until"] == pytest.approx(now + 5.0)
+    assert waiting["reason"].startswith("waiting for spot (refused, next try in 5 s)")
     app.close()

@@ -408,11 +408,12 @@ class Reconciler:
                     best = (cost, name, o, market, why)
         if waiting is not None and (best is None or best[3] is Market.ON_DEMAND):
             # The policy waits for spot that a provider lists as gone: no launch, and no on-demand elsewhere.
+            # Asked again a market_check_s from now, or when the next probe of spot is due if that is sooner.
+            probe_at = spec.get("_spot_probe_at", 0)
+            look_at = min(now + self.cfg.daemon.market_check_s, probe_at if probe_at > now else float("inf"))
             with self.store.tx() as conn:
-                self.store.update_job(job["id"], conn, spec={
-                    **job["spec"], "_spot_wait_until": now + self.cfg.daemon.market_check_s})
-            probe_in = spec.get("_spot_probe_at", 0) - now
-            seen = f"refused, next try in {probe_in:.0f} s" if probe_in > 0 else "none listed"
+                self.store.update_job(job["id"], conn, spec={**job["spec"], "_spot_wait_until": look_at})
+            seen = f"refused, next try in {probe_at - now:.0f} s" if probe_at > now else "none listed"
             self._note(job, f"waiting for spot ({seen}): {waiting['slack_h']:.2f} h of slack left; the spot "
                             "policy goes on-demand once waiting no longer pays", same_as="waiting for spot")
             return None
