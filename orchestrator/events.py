@@ -130,7 +130,9 @@ class EventLog:
         self._console = (
             structlog.wrap_logger(
                 structlog.PrintLogger(console),
-                processors=[structlog.dev.ConsoleRenderer(colors=console.isatty(), sort_keys=False)],
+                # Local time to the second: a daemon's stderr redirected to a file has no other clock on it.
+                processors=[structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False),
+                            structlog.dev.ConsoleRenderer(colors=console.isatty(), sort_keys=False)],
             )
             if console is not None
             else None

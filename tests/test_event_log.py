@@ -6,6 +6,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,18 @@ def test_a_provider_call_that_succeeds_first_time_reaches_the_console_but_not_th
         call("ec2", "DescribeInstances", lambda: {}, sink=events.provider_sink)
     assert kept(tmp_path, store) == ([], [])
     assert console.getvalue().count("DescribeInstances") == 100
+
+
+def test_every_console_line_starts_with_the_local_time_to_the_second(
+        log: tuple[EventLog, io.StringIO, Store]) -> None:
+    events, console, _ = log
+    before = time.strftime("%Y-%m-%d %H:%M:%S")
+    events.emit("job.queued", job_id="j1")
+    events.console("provider.call", provider="sim", call="offers")
+    after = time.strftime("%Y-%m-%d %H:%M:%S")
+    lines = console.getvalue().splitlines()
+    assert len(lines) == 2
+    assert all(before <= line[:19] <= after and line[19] == " " for line in lines)
 
 
 def test_retries_and_failures_of_provider_calls_are_kept(tmp_path: Path,
