@@ -42,6 +42,12 @@ def write_env_file(path: Path, env: dict[str, str]) -> None:
             fh.write(f"{k}={v}\n")
 
 
+# The supervisor's exit reason "terminated" when burstctl did not ask for the stop: a shutdown of the machine, or
+# someone's kill. The trainer was asked for a last checkpoint, so this is a preemption: the job resumes. (A user
+# who wants it over runs `burstctl cancel`.)
+STOPPED_OUTSIDE = "stopped from outside burstctl (SIGTERM or SIGINT to its supervisor)"
+
+
 class LocalRunner:
     def __init__(self, app: App):
         self.app = app
@@ -154,6 +160,8 @@ class LocalRunner:
             self._end(att, job, A.PREEMPTED, "hybrid-switch", info)
         elif info.get("stop_reason") == "cancelled":
             self._end(att, job, A.ABORTED, "cancelled", info)
+        elif reason == "terminated":
+            self._end(att, job, A.PREEMPTED, STOPPED_OUTSIDE, info)
         else:
             self._end(att, job, A.FAILED, f"exited: {reason} (code {ex.get('exit_code')})", info)
 

@@ -22,7 +22,7 @@ from sqlalchemy import Connection, func, insert, select, update
 from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import checkpoints, passenv
-from orchestrator.lifecycle.local import LocalRunner
+from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
 from orchestrator.lifecycle.market_switch import (
     TO_ON_DEMAND,
@@ -739,6 +739,8 @@ class Reconciler:
                     move(conn, att, A.FINISHING, info=info)
             elif reason == "notice":
                 self._lost(att, job, provider, inst, "spot interruption notice", info=info)
+            elif reason == "terminated":  # not by us: a running attempt's stop goes through _stop
+                self._lost(att, job, provider, inst, STOPPED_OUTSIDE, info=info)
             else:
                 self._stop(att, job, provider, f"job exited: {reason} (code {ex.get('exit_code')})",
                            outcome=A.FAILED, info=info)

@@ -1,0 +1,52 @@
+"""A local attempt's end, as the daemon reads it from the supervisor's own record (real supervisor, real trainer)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from orchestrator.app import App
+from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
+from orchestrator.queue import enqueue
+from runbooks import supervisor
+from state import schema as s
+from tests.conftest import write_job
+
+
+def only_attempt(app: App, job_id: str) -> dict[str, Any]:
+    with app.store.engine.connect() as c:
+        rows = c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id)).mappings().all()
+    assert len(rows) == 1
+    return dict(rows[0])
+
+
+def test_a_local_run_stopped_by_a_signal_from_outside_burstctl_resumes_instead_of_failing(tmp_path: Path) -> None:
+    # A shutdown of the machine (or someone's kill) SIGTERMs the supervisor: the trainer is asked for a last
+    # checkpoint and exits. That is a preemption, not a failure of the job: it resumes from its checkpoint.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "local", command=["sleep", "60"], deadline_hours=24,
+                                          local_throughput=1.0))
+    job = app.store.get_job(job_id)
+    assert job is not None and job["placement"] == "local"
+    runner = LocalRunner(app)
+    assert runner.start(job)
+    att = only_attempt(app, job_id)
+    run = runner.run_dir(att["id"])
+    os.kill(supervisor.read_status(run)["supervisor_pid"], signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while supervisor.read_status(run).get("exit") is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert supervisor.read_status(run)["exit"]["reason"] == "terminated"
+
+    runner.step(att, app.store.get_job(job_id))
+
+    ended = only_attempt(app, job_id)
+    assert (ended["state"], ended["reason"]) == ("preempted", STOPPED_OUTSIDE)
+    resumed = app.store.get_job(job_id)
+    assert (resumed["state"], resumed["reason"]) == ("resuming", f"preempted: {STOPPED_OUTSIDE}")
+    app.close()
