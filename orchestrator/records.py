@@ -16,9 +16,15 @@ def fmt_h(v: float | None) -> str:
     return "—" if v is None else f"{v:.2f} h"
 
 
-def fmt_usd(v: float | None) -> str:
-    """Dollars with cents; a negative amount as −$1.00, not $-1.00."""
-    return "—" if v is None else f"${v:,.2f}" if v >= 0 else f"−${-v:,.2f}"
+def fmt_usd(v: float | None, *, as_set: bool = False) -> str:
+    """Dollars with cents; a negative amount as −$1.00, not $-1.00. `as_set`: a figure the user set (a cap), shown
+    with the fraction of a cent it has ($0.105, not a rounded $0.10)."""
+    if v is None:
+        return "—"
+    text = f"{abs(v):,.2f}"
+    if as_set and abs(float(text.replace(",", "")) - abs(v)) > 1e-9:
+        text = f"{abs(v):,.6f}".rstrip("0")
+    return f"${text}" if v >= 0 else f"−${text}"
 
 
 def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, deadline_h: float,

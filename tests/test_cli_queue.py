@@ -119,6 +119,12 @@ def test_budget_shows_the_cadence_the_rest_of_the_month_buys(burstctl) -> None:
     assert b["cycles_left_spot"] == 10 and b["cycles_left_on_demand"] == 3
 
 
+def test_a_cap_set_to_a_fraction_of_a_cent_is_shown_as_set_not_rounded(burstctl, tmp_path: Path) -> None:
+    (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 0.105\n")
+    assert "monthly cap $0.105" in " ".join(burstctl("budget").stdout.replace("│", " ").split())
+    assert "of $0.105" in burstctl("status").stdout
+
+
 def test_state_database_is_private_and_in_wal_mode(burstctl) -> None:
     burstctl("budget")
     db = burstctl.state_dir / "burstctl.db"

@@ -193,7 +193,7 @@ def budget_cmd(app: App, as_json: bool) -> None:
         print_json(data)
         return
     table(f"budget {month}", ["", "value"], [
-        ("monthly cap", fmt_usd(view.cap_usd)),
+        ("monthly cap", fmt_usd(view.cap_usd, as_set=True)),
         ("spent", fmt_usd(view.spent_usd)),
         ("left", fmt_usd(view.remaining_usd)),
         ("cycles this month", cycles),

@@ -107,7 +107,7 @@ def status_cmd(app: App, as_json: bool) -> None:
         out.print(f"cloud ({when}): {health}")
     out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in d["jobs"].items() if v) if d["active_jobs"] or any(
         d["jobs"].values()) else "jobs: none")
-    out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'])}")
+    out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'], as_set=True)}")
     if d["attempts"]:
         table("active attempts", ["attempt", "where", "state", "provider", "instance", "market"],
               [(a["id"], a["where"], a["state"], a["provider"], a["instance"], _market_txt(a)) for a in d["attempts"]])
