@@ -90,6 +90,7 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path, backend: s
         assert types.index(a) < types.index(b), (a, b)
     pre = events(state, "instance.preempted")[0]["data"]
     assert pre["instance"] == first and pre["lost_work_h"] >= 0
+    assert events(state, "job.resuming")[0]["data"]["lost_work_h"] == pre["lost_work_h"]  # one figure, said twice
     resumed = events(state, "job.resumed")[0]["data"]
     assert resumed["instance"] != first and resumed["checkpoint"].startswith("step-")
 

@@ -880,13 +880,14 @@ class Reconciler:
             # The trainer wrote a last checkpoint on the notice; or what the instance uploaded to S3 is there still.
             self._pull(att, job, info)
         last_ckpt = info.get("last_checkpoint_at") or att["started_at"] or now
-        lost_h = max(0.0, now - last_ckpt) / 3600.0 if att["started_at"] else 0.0
+        # Rounded once, here: the attempt, instance.preempted and job.resuming then say the same figure.
+        lost_h = round(max(0.0, now - last_ckpt) / 3600.0, 4) if att["started_at"] else 0.0
         with self.store.tx() as conn:
             if move(conn, att, A.TERMINATING, info={**info, "outcome": A.PREEMPTED.value, "stop_reason": reason},
                     lost_work_h=lost_h, reason=reason):
                 self.app.events.emit("instance.preempted", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      instance=att["instance_id"], provider=att["provider"],
-                                     lost_work_h=round(lost_h, 4), reason=reason)
+                                     lost_work_h=lost_h, reason=reason)
         self._step_terminating(att, job, provider)
 
     def _stop(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, reason: str, *,
