@@ -134,6 +134,9 @@ def test_cli_json_reports_every_policy(tmp_path: Path) -> None:
         assert set(p) >= {"mean_cost_usd", "mean_savings_vs_od", "spot_hours", "od_hours", "misses", "runs",
                           "ratio_to_offline"}
     assert doc["policies"]["on-demand"]["spot_hours"] == 0
+    # Savings are against the on-demand policy itself (its start's changeover and billed ticks included).
+    assert doc["policies"]["on-demand"]["mean_savings_vs_od"] == 0.0
+    assert doc["od_only_cost_usd"] == doc["policies"]["on-demand"]["mean_cost_usd"]
 
 
 def test_cli_is_deterministic_for_a_seed_whatever_the_worker_count(tmp_path: Path) -> None:
