@@ -5,11 +5,24 @@ the cloud from that checkpoint."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.e2e import Daemon, cli, events, job, sim_instances, simcloud, trainer_job, wait_for, write_config
+from tests.e2e import (
+    REPO,
+    Daemon,
+    EnvDaemon,
+    cli,
+    events,
+    job,
+    sim_instances,
+    simcloud,
+    trainer_job,
+    wait_for,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -46,4 +59,59 @@ def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Pat
     assert resumed and resumed[-1].get("provider") == "sim"  # the cloud phase started from the local checkpoint
     step = int(resumed[-1]["checkpoint"].removeprefix("step-"))
     assert 200 <= step < 1000  # real local progress was carried into the cloud
+    assert len(instances) == 1 and instances[0]["status"] == "terminated"
+
+
+def _two_speed_job(tmp: Path, name: str, *, s_local: float, s_rented: float, deadline_hours: float) -> Path:
+    """The example trainer, 200 steps, at one step a second on the local card (LOCAL_STEP_S in the daemon's
+    environment, which a rented instance's clean environment does not have) and fast on the rented GPU."""
+    work = tmp / "work"
+    work.mkdir(exist_ok=True)
+    shutil.copy(REPO / "examples" / "trainer.py", work / "trainer.py")
+    (work / "two_speeds.py").write_text(
+        "import os, sys\n"
+        "local = os.environ.get('LOCAL_STEP_S')\n"
+        "args = ['--step-seconds', local, '--checkpoint-every', '2'] if local else "
+        "['--step-seconds', '0.01', '--checkpoint-every', '50']\n"
+        "os.execv(sys.executable, [sys.executable, 'trainer.py', '--steps', '200', *args])\n")
+    path = tmp / f"{name}.toml"
+    path.write_text(f'name = "{name}"\ncommand = ["python3", "two_speeds.py"]\nworkdir = "work"\n'
+                    f"deadline_hours = {deadline_hours}\nwork_units = 1\nlocal_throughput = {s_local}\n"
+                    f"rented_throughput = {{ H100 = {s_rented} }}\n[checkpoint]\ninterval_minutes = 0.02\n")
+    return path
+
+
+def test_a_local_run_slower_than_its_estimate_bursts_earlier_from_its_measured_progress(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    # W = 1, s_L = 90/h (estimated), s_R = 180/h, t_ovh = 0.001 h, D = 31.6 s: the plan runs local for
+    # x* = (31.6 − 3.6 − 20) / (1 − 0.5) = 16 s, when 0.4 of the job would be done. The local card really runs at
+    # 36/h (a step a second), so by then 0.08 would be done and the rest (0.92 · 20 s + 3.6 s) would end past the
+    # deadline. From the progress the trainer reports, the latest safe hand-over is about 8 s after the start.
+    spec = _two_speed_job(tmp_path, "slow-local", s_local=90, s_rented=180, deadline_hours=0.008778)
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url, policy={"overhead_h": 0.001, "hybrid_margin_h": 0.0,
+                                                     "default_market": "on-demand"})
+        r = cli(config, state, "enqueue", str(spec), "--json")
+        assert r.returncode == 0, r.stderr
+        job_id = json.loads(r.stdout)["id"]
+        planned_local = job(state, job_id)["decision"]["plan"][0]
+        assert planned_local["where"] == "local" and planned_local["hours"] == pytest.approx(16 / 3600, abs=1e-4)
+        planned_switch = job(state, job_id)["created_at"] + planned_local["hours"] * 3600
+        daemon = EnvDaemon(tmp_path, config, state).start(env={"LOCAL_STEP_S": "1.0"})
+        try:
+            wait_for(lambda: job(state, job_id)["state"] == "done", 120, "the hybrid job to finish")
+        finally:
+            assert daemon.stop() == 0
+        instances = sim_instances(url)
+
+    [stop] = events(state, "attempt.stop_requested")
+    assert stop["data"]["reason"] == "hybrid-switch"
+    assert stop["ts"] < planned_switch  # it handed over before the stale schedule would have...
+    assert stop["data"]["progress"] == "measured"  # ...because the trainer's progress was behind the plan
+    assert stop["data"]["units_done"] < planned_local["work_units"]
+    # The rest, from the progress measured at the hand-over, still fits: rented time + t_ovh ends by the deadline.
+    assert stop["data"]["switch_at"] + (1 - stop["data"]["units_done"]) / 180 * 3600 + 3.6 == pytest.approx(
+        job(state, job_id)["deadline_at"], abs=0.01)
+    resumed = [e["data"] for e in events(state, "job.resumed")]
+    assert resumed[-1].get("provider") == "sim" and int(resumed[-1]["checkpoint"].removeprefix("step-")) > 0
     assert len(instances) == 1 and instances[0]["status"] == "terminated"

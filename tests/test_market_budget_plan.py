@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.core.budget import BudgetView, admits, cycle_prices, month_key
 from orchestrator.core.market import MarketInputs, choose_market
-from orchestrator.core.plan import hybrid_plan, latest_switch_h
+from orchestrator.core.plan import hybrid_plan, latest_switch_at, latest_switch_h
 
 RUN = dict(run_h=6.38, gpus=1, od_usd_per_gpu_h=3.0, spot_usd_per_gpu_h=1.0, preemptions_per_h=0.05,
            checkpoint_interval_h=0.5, restart_overhead_h=0.5, deadline_h=48.0)
@@ -77,3 +77,20 @@ def test_hybrid_for_seed_candidate_c_runs_local_first_and_bursts_the_rest() -> N
 def test_no_hybrid_when_local_is_as_fast_as_rented_or_too_late() -> None:
     assert latest_switch_h(1, 0.2, 0.1, 1, 0.5, 12, 0.25) is None
     assert latest_switch_h(1, 0.033, 0.17, 1, 0.5, 6.4, 0.25) is None
+
+
+def test_the_hand_over_moves_with_the_work_measured_so_far() -> None:
+    # Seed candidate C with the plan's own estimate of the local work (s_L·x*): the hand-over is x* after the start.
+    x = latest_switch_h(1, 0.033, 0.17, 1, 0.5, 12, 0.25)
+    assert x is not None
+    start, deadline = 1_000_000.0, 1_000_000.0 + 12 * 3600
+    terms = {"deadline_at": deadline, "work": 1.0, "rented_units_h": 0.17, "overhead_h": 0.5, "margin_h": 0.25}
+    assert latest_switch_at(done=0.033 * x, **terms) == pytest.approx(start + x * 3600)
+    # The local card ran at half its estimate: the rest no longer fits after x*, so it bursts that much earlier,
+    # as late as the rest at s_R, t_ovh and the margin still end by the deadline.
+    slow = latest_switch_at(done=0.033 * x / 2, **terms)
+    assert slow == pytest.approx(start + x * 3600 - (0.033 * x / 2) / 0.17 * 3600)
+    assert slow + (1 - 0.033 * x / 2) / 0.17 * 3600 + 0.75 * 3600 == pytest.approx(deadline)
+    # Faster than its estimate: local runs on, later than x*; with the whole job done there is nothing to burst.
+    assert latest_switch_at(done=0.033 * x * 1.5, **terms) > start + x * 3600
+    assert latest_switch_at(done=1.0, **terms) == pytest.approx(deadline - 0.75 * 3600)

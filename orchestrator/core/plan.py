@@ -20,11 +20,16 @@ class Phase:
     gpu: str | None = None
     start_after_h: float = 0.0
     work_units: float = 0.0
+    units_h: float | None = None  # the phase's planned speed (s_L, or s_R·g), where the daemon re-plans from it
 
     def as_dict(self) -> dict[str, object]:
-        return {"where": self.where, "market": self.market, "gpu": self.gpu, "hours": round(self.hours, 4),
-                "start_after_h": round(self.start_after_h, 4), "work_units": round(self.work_units, 6),
-                "cost_usd": round(self.cost_usd, 4)}
+        out: dict[str, object] = {
+            "where": self.where, "market": self.market, "gpu": self.gpu, "hours": round(self.hours, 4),
+            "start_after_h": round(self.start_after_h, 4), "work_units": round(self.work_units, 6),
+            "cost_usd": round(self.cost_usd, 4)}
+        if self.units_h is not None:
+            out["units_h"] = round(self.units_h, 6)
+        return out
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,17 @@ def hybrid_plan(*, work: float, s_local: float, s_rented: float, gpus: int, over
     rest = work - done
     rented_h = rest / (s_rented * gpus) + overhead_h
     return Plan("hybrid", (
-        Phase("local", x, local_usd_h * x, work_units=done),
+        Phase("local", x, local_usd_h * x, work_units=done, units_h=s_local),
         Phase("cloud", rented_h, rented_usd_per_gpu_h * gpus * rented_h, market=market, gpu=gpu,
-              start_after_h=x, work_units=rest),
+              start_after_h=x, work_units=rest, units_h=s_rented * gpus),
     ))
+
+
+def latest_switch_at(*, deadline_at: float, work: float, done: float, rented_units_h: float, overhead_h: float,
+                     margin_h: float) -> float:
+    """The latest instant (epoch seconds) a hybrid plan's local phase may hand over, given the work `done` so far:
+    the rest at the rented speed, plus t_ovh and the margin, still ends by the deadline. x* is this instant with
+    the plan's own estimate of the work done (s_L·x); the daemon asks it again with the work measured, so a local
+    run slower than its estimate hands over earlier, and a faster one later."""
+    rest = min(max(work - done, 0.0), work)
+    return deadline_at - (margin_h + overhead_h + rest / rented_units_h) * 3600.0

@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
 
 from orchestrator.app import App
+from orchestrator.core.plan import latest_switch_at
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState, move
@@ -32,6 +34,10 @@ SUPERVISOR = RUNBOOKS / "supervisor.py"
 def supervisor_status(run_dir: Path) -> dict[str, Any]:
     """The supervisor's own view (heartbeat, exit record, liveness, metrics)."""
     return supervisor.read_status(run_dir)
+
+
+def _switch_args(terms: dict[str, Any]) -> dict[str, float]:
+    return {k: terms[k] for k in ("deadline_at", "work", "rented_units_h", "overhead_h", "margin_h")}
 
 
 def write_env_file(path: Path, env: dict[str, str]) -> None:
@@ -64,9 +70,15 @@ class LocalRunner:
         attempt_id = f"{job['id']}-a{n + 1}"
         info: dict[str, Any] = {}
         if job["placement"] == "hybrid":
-            plan = job["decision"].get("plan") or []
-            local_h = plan[0]["hours"] if plan and plan[0]["where"] == "local" else 0.0
-            info["switch_at"] = now + local_h * 3600.0
+            terms = self._hybrid_terms(job)
+            info["hybrid"] = terms
+            info["units_done"] = terms["done_at_start"]
+            info["switch_at"] = latest_switch_at(done=terms["done_at_start"], **_switch_args(terms))
+            if info["switch_at"] <= now:
+                # The job waited (behind another local job, outside the local GPU's hours, or after a restart):
+                # the rest no longer fits after a local phase, so it bursts at once.
+                self._hand_over_now(job, terms)
+                return False
         with self.app.store.tx() as conn:
             conn.execute(insert(s.attempts).values(
                 id=attempt_id, job_id=job["id"], n=n + 1, where="local", state=A.INTENT.value, provider="local",
@@ -79,6 +91,37 @@ class LocalRunner:
                "started_at": None, "instance_id": None}
         self._spawn(att, job)
         return True
+
+    def _hybrid_terms(self, job: dict[str, Any]) -> dict[str, Any]:
+        """What a hybrid plan's hand-over is recomputed from: the deadline, W, the planned speeds, t_ovh and the
+        margin, and the work done by this job's earlier local attempts (a local run that died, or a restart)."""
+        d = job["decision"]
+        plan = d.get("plan") or []
+        local = next((p for p in plan if p["where"] == "local"), {})
+        cloud = next((p for p in plan if p["where"] == "cloud"), {})
+        overhead_h = float(d.get("overhead_h") or 0.0)
+        work = float(job["spec"].get("work_units", 1.0))
+        # Plans made before the phases carried their speed: the cloud phase's work over its hours less t_ovh.
+        rented = cloud.get("units_h") or float(cloud.get("work_units") or work) / max(
+            float(cloud.get("hours") or 0.0) - overhead_h, 1e-9)
+        local_units_h = local.get("units_h") or float(local.get("work_units") or 0.0) / max(
+            float(local.get("hours") or 0.0), 1e-9)
+        with self.app.store.engine.connect() as c:
+            earlier = [r[0] for r in c.execute(select(s.attempts.c.info).where(
+                s.attempts.c.job_id == job["id"], s.attempts.c.where == "local"))]
+        done = max([float((i or {}).get("units_done") or 0.0) for i in earlier] + [0.0])
+        return {"deadline_at": float(job["deadline_at"]), "work": work, "rented_units_h": float(rented),
+                "local_units_h": float(local_units_h), "overhead_h": overhead_h,
+                "margin_h": float(self.cfg.policy.hybrid_margin_h), "done_at_start": min(done, work)}
+
+    def _hand_over_now(self, job: dict[str, Any], terms: dict[str, Any]) -> None:
+        why = (f"no time left for a local phase: {terms['work'] - terms['done_at_start']:.4g} of "
+               f"{terms['work']:.4g} units left need the cloud now to make the deadline")
+        with self.app.store.tx() as conn:
+            if self.app.store.update_job(job["id"], conn, expect_state=job["state"], placement="cloud", reason=why):
+                self.app.events.emit("job.switching", job_id=job["id"], conn=conn, reason=why,
+                                     units_done=round(terms["done_at_start"], 6))
+                job["placement"] = "cloud"  # the scheduler's copy: it may start the cloud attempt this tick
 
     def _spawn(self, att: dict[str, Any], job: dict[str, Any]) -> None:
         """Start the supervisor (idempotent on its side), then mark the attempt running."""
@@ -141,6 +184,9 @@ class LocalRunner:
                 self._end(att, job, A.PREEMPTED, "local supervisor died", info)
                 return
             wanted = None
+            progress: dict[str, Any] = {}
+            if info.get("hybrid") and not info.get("stop_requested"):
+                progress = self._replan(att, info, now)
             if job["state"] == JobState.CANCELLED.value:
                 wanted = "cancelled"
             elif info.get("switch_at") and now >= info["switch_at"]:
@@ -149,9 +195,14 @@ class LocalRunner:
                 supervisor.stop(run, grace_s=30.0)  # SIGTERM: the trainer writes a last checkpoint
                 info["stop_requested"] = now
                 info["stop_reason"] = wanted
-                self.app.events.emit("attempt.stop_requested", job_id=job["id"], attempt_id=att["id"], reason=wanted)
+                self.app.events.emit("attempt.stop_requested", job_id=job["id"], attempt_id=att["id"], reason=wanted,
+                                     **({k: v for k, v in progress.items() if k != "reason"}
+                                        if wanted == "hybrid-switch" else {}))
             with self.app.store.tx() as conn:
                 conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+                if progress and not wanted and job["reason"] != progress["reason"]:
+                    self.app.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value,
+                                              reason=progress["reason"])
             return
         reason = ex.get("reason")
         if reason == "completed" and ex.get("exit_code") == 0:
@@ -164,6 +215,24 @@ class LocalRunner:
             self._end(att, job, A.PREEMPTED, STOPPED_OUTSIDE, info)
         else:
             self._end(att, job, A.FAILED, f"exited: {reason} (code {ex.get('exit_code')})", info)
+
+    def _replan(self, att: dict[str, Any], info: dict[str, Any], now: float) -> dict[str, Any]:
+        """A hybrid plan's local phase: the hand-over moved to the latest instant that still makes the deadline
+        from the work done so far, as the trainer reports it (`units_done` in its metrics, in the job's work
+        units), else as the plan estimates it (s_L times the hours this attempt has run)."""
+        terms = info["hybrid"]
+        measured = (info.get("metrics") or {}).get("units_done")
+        if isinstance(measured, int | float) and not isinstance(measured, bool) and measured >= 0:
+            done, basis = min(float(measured), terms["work"]), "measured"
+        else:
+            ran_h = max(0.0, now - float(att.get("started_at") or now)) / 3600.0
+            done, basis = min(terms["done_at_start"] + terms["local_units_h"] * ran_h, terms["work"]), "estimated"
+        info["units_done"] = done
+        info["switch_at"] = latest_switch_at(done=done, **_switch_args(terms))
+        at = datetime.fromtimestamp(info["switch_at"], UTC).strftime("%H:%M:%S")
+        return {"units_done": round(done, 6), "progress": basis, "switch_at": round(info["switch_at"], 3),
+                "reason": f"running locally (hybrid plan): {done:.4g} of {terms['work']:.4g} units done ({basis}); "
+                          f"bursts the rest by {at} UTC to make the deadline"}
 
     def _end(self, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState, reason: str,
              info: dict[str, Any]) -> None:
