@@ -10,6 +10,8 @@ from sqlalchemy import insert
 
 from orchestrator.app import App
 from orchestrator.lifecycle import reconcile
+from orchestrator.lifecycle.finish import job_after_attempt
+from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.queue import enqueue
 from providers.base import AuthFailed, Offer
@@ -143,4 +145,30 @@ def test_a_job_waiting_for_spot_is_looked_at_again_when_its_next_spot_probe_is_d
     waiting = app.store.get_job(job_id)
     assert waiting["spec"]["_spot_wait_until"] == pytest.approx(now + 5.0, abs=0.01)
     assert waiting["reason"].startswith("waiting for spot (refused, next try in 5 s)")
+
+
+def test_the_measured_line_says_whether_the_deadline_held_and_how_the_hours_split(tmp_path: Path) -> None:
+    # 2 h on the local card (a hybrid plan's local phase), then 1.5 h in the cloud, done 30 min after the deadline.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "late", local_throughput=0.033, rented_throughput={"H100": 0.17},
+                                          deadline_hours=12))
+    job = app.store.get_job(job_id)
+    assert job is not None
+    deadline = float(job["deadline_at"])
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="local", state="preempted",
+                                            provider="local", instance_type="local", info={}, created_at=0.0,
+                                            started_at=deadline - 3 * 3600, ended_at=deadline - 1 * 3600))
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a2", job_id=job_id, n=2, where="cloud", state="succeeded",
+                                            provider="sim", instance_type="x", market="on-demand", info={},
+                                            created_at=0.0, started_at=deadline - 1 * 3600,
+                                            ended_at=deadline + 0.5 * 3600))
+    cloud = {"id": f"{job_id}-a2", "where": "cloud", "info": {}, "instance_id": None}
+    with app.store.tx() as c:
+        job_after_attempt(app, c, cloud, job, AttemptState.SUCCEEDED, "completed", deadline + 0.5 * 3600)
+    (measured,) = (e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.measured")
+    assert measured["deadline_met"] is False and measured["late_h"] == 0.5 and measured["local_h"] == 2.0
+    record = Path(job["record_path"]).read_text()
+    assert "- **Measured:** run 3.50 h (local 2.00 h, cloud 1.50 h), cost $0.00" in record
+    assert record.rstrip().count("deadline missed by 0.50 h") == 1
     app.close()

@@ -112,11 +112,27 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
                               else "local" for r in rows if r["started_at"]}))
     preemptions = sum(1 for r in rows if r["state"] == A.PREEMPTED.value and r["where"] == "cloud")
     peak = att["info"].get("metrics", {}).get("peak_vram_gb")
+    local_h = sum(((r["ended_at"] or now) - r["started_at"]) / 3600.0 for r in rows
+                  if r["started_at"] and r["where"] == "local")
     date = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+    # The promise was the deadline: say whether it held, against the deadline the decision was made for.
+    late_h = (now - float(job["deadline_at"])) / 3600.0 if ended == "done" and job.get("deadline_at") else None
+    deadline = "" if late_h is None else (f"; deadline missed by {_span(late_h)}" if late_h > 0
+                                          else f"; deadline met with {_span(-late_h)} to spare")
+    split = f" (local {local_h:.2f} h, cloud {run_h - local_h:.2f} h)" if 0 < local_h < run_h else ""
     text = ("" if ended == "done" else f"{ended}: ") + (
-        f"run {run_h:.2f} h, cost ${cost:.2f}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
-        f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else ""))
+        f"run {run_h:.2f} h{split}, cost ${cost:.2f}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
+        f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else "") + deadline)
     if job.get("record_path") and Path(job["record_path"]).exists():
         records.fill_measured(Path(job["record_path"]), text)
     app.events.emit("job.measured", job_id=job["id"], conn=conn, run_h=round(run_h, 4), cost_usd=round(cost, 4),
-                    where=where, preemptions=preemptions, peak_vram_gb=peak, ended=ended)
+                    where=where, preemptions=preemptions, peak_vram_gb=peak, ended=ended,
+                    local_h=round(local_h, 4), deadline_met=None if late_h is None else late_h <= 0,
+                    late_h=None if late_h is None else round(late_h, 4))
+
+
+def _span(hours: float) -> str:
+    """A duration for the record: hours, or seconds and minutes when it is short (a rehearsal, a test)."""
+    if hours >= 0.1:
+        return f"{hours:.2f} h"
+    return f"{hours * 3600:.0f} s" if hours * 3600 < 120 else f"{hours * 60:.1f} min"
