@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,30 @@ def context(app: App, now: float) -> DecisionContext:
 def throughput_key(gpu: str, job_name: str) -> str:
     """Where a job name's measured s_R on a GPU type is kept (`measurements.instance_type`, 64 characters)."""
     return f"{gpu}:{job_name}"[:64]
+
+
+def work_done(app: App, job_id: str, conn: Any = None) -> float:
+    """Work units a job has done, as its trainer last reported them (`units_done` in its metrics, or a hybrid
+    local phase's count), when a checkpoint of it is home to resume from; else 0."""
+    from sqlalchemy import select
+
+    from orchestrator.lifecycle import checkpoints
+    from state import schema as s
+
+    if checkpoints.latest(app.config, job_id, deep=False) is None:
+        return 0.0
+    query = select(s.attempts.c.info).where(s.attempts.c.job_id == job_id)
+    if conn is not None:
+        infos = [r[0] or {} for r in conn.execute(query)]
+    else:
+        with app.store.engine.connect() as c:
+            infos = [r[0] or {} for r in c.execute(query)]
+    done = 0.0
+    for info in infos:
+        for value in ((info.get("metrics") or {}).get("units_done"), info.get("units_done")):
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > done:
+                done = float(value)
+    return done
 
 
 def measured_rented_throughputs(app: App, gpus_by_name: Mapping[str, Iterable[str]], recent: int = 10
@@ -237,11 +262,21 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
     spec = spec_of(job)
     if measured is None:
         measured = measured_rented_throughput(app, spec)
-    decision = decide(facts(spec, job["deadline_at"], now, app.config, measured=measured), ctx)
+    job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured)
+    # A job that has run already is decided on the work it has left, not on the whole of W: its next attempt
+    # resumes from the checkpoint.
+    done = work_done(app, job["id"], conn)
+    if done > 0:
+        job_facts = replace(job_facts, work=max(job_facts.work - done, job_facts.work * 1e-6))
+    decision = decide(job_facts, ctx)
     target = STATE_FOR_ACTION[decision.action]
     if target.value == job["state"]:
         return None
     d = decision.to_dict()
+    if done > 0:
+        d["work_done"] = round(done, 6)
+        d["reasons"].insert(0, f"{done:.4g} of {spec.work_units:.4g} units done (its checkpoint is home): "
+                               f"decided on the {job_facts.work:.4g} left")
 
     def _apply(c: Any) -> str | None:
         if not app.store.update_job(job["id"], c, expect_state=job["state"], state=target.value,

@@ -9,12 +9,13 @@ import pytest
 from sqlalchemy import insert
 
 from orchestrator.app import App
-from orchestrator.lifecycle import reconcile
+from orchestrator.lifecycle import checkpoints, reconcile
 from orchestrator.lifecycle.finish import job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.queue import enqueue
 from providers.base import AuthFailed, Offer
+from runbooks.burst_checkpoint import write_checkpoint
 from state import schema as s
 from tests.conftest import write_job
 
@@ -171,4 +172,29 @@ def test_the_measured_line_says_whether_the_deadline_held_and_how_the_hours_spli
     record = Path(job["record_path"]).read_text()
     assert "- **Measured:** run 3.50 h (local 2.00 h, cloud 1.50 h), cost $0.00" in record
     assert record.rstrip().count("deadline missed by 0.50 h") == 1
+    app.close()
+
+
+def test_a_blocked_job_that_has_run_is_decided_again_on_the_work_it_has_left(tmp_path: Path) -> None:
+    # A cloud job 80 % done (its trainer said so, and that checkpoint is home) whose relaunch failed until only 2 h
+    # of its deadline are left: the whole job (6.38 h, $19 on the H100) would miss them and the month's $15 cap, the
+    # 0.2 left (1.68 h, $5) makes both.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "most-done", local_throughput=0, deadline_hours=10,
+                                          rented_throughput={"H100": 0.17}, market="on-demand"))
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000800", {"state.json": b"{}"})
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="preempted",
+                                            provider="sim", instance_type="x", market="on-demand", created_at=0.0,
+                                            info={"metrics": {"units_done": 0.8}}))
+        app.store.update_job(job_id, c, deadline_at=time.time() + 2 * 3600)
+    rec = Reconciler(app, {}, cloud=None)
+    job = app.store.get_job(job_id)
+    assert job is not None
+    rec._block(job, "3 launches failed in a row (NoCapacity)")
+    rec._redecide_blocked(time.time())
+    job = app.store.get_job(job_id)
+    assert job is not None and job["state"] == "queued", job["reason"]
+    assert job["decision"]["work_done"] == 0.8 and job["decision"]["t_rented_h"] == pytest.approx(0.2 / 0.17 + 0.5,
+                                                                                                  abs=1e-3)
     app.close()
