@@ -258,6 +258,16 @@ def activation_elements_per_token_layer(arch: Architecture) -> int:
     return 4 * arch.hidden_size + 2 * arch.q_dim + 2 * arch.kv_dim + 4 * arch.intermediate_size
 
 
+def layer_activation_bytes_per_token(arch: Architecture, compute_bytes: float) -> float:
+    """Bytes one decoder layer keeps for its backward pass, per token."""
+    return activation_elements_per_token_layer(arch) * compute_bytes
+
+
+def logits_bytes_per_entry(compute_bytes: float) -> float:
+    """Bytes per logit entry (token × vocab): the logits in the compute dtype plus their fp32 upcast for the loss."""
+    return compute_bytes + LOSS_LOGIT_BYTES
+
+
 def activation_bytes(arch: Architecture, micro_batch: int, context: int, compute_bytes: float,
                      checkpointing: bool) -> float:
     """Activations of one micro-batch of `micro_batch` sequences of `context` tokens.
@@ -267,11 +277,11 @@ def activation_bytes(arch: Architecture, micro_batch: int, context: int, compute
     output logits are kept, in the compute dtype and upcast to fp32 for the loss: b·s·V·(bytes + 4).
     """
     tokens = micro_batch * context
-    full_layer = activation_elements_per_token_layer(arch)
-    kept_per_layer = arch.hidden_size if checkpointing else full_layer
-    elements = arch.layers * kept_per_layer + (full_layer if checkpointing else 0)
-    logits = tokens * (arch.vocab_size or 0) * (compute_bytes + LOSS_LOGIT_BYTES)
-    return tokens * elements * compute_bytes + logits
+    full_layer = layer_activation_bytes_per_token(arch, compute_bytes)
+    kept_per_layer = arch.hidden_size * compute_bytes if checkpointing else full_layer
+    per_token = arch.layers * kept_per_layer + (full_layer if checkpointing else 0)
+    logits = tokens * (arch.vocab_size or 0) * logits_bytes_per_entry(compute_bytes)
+    return tokens * per_token + logits
 
 
 def kv_cache_bytes(arch: Architecture, context: int, sequences: int, compute_bytes: float) -> float:
