@@ -82,7 +82,17 @@ class Saved:
     loss: int  # after the lm_head: the loss's tensors
 
 
-def saved_for_backward(model: torch.nn.Module, ids: torch.Tensor) -> Saved:
+def _batch(ids: torch.Tensor, pad: int) -> dict[str, torch.Tensor]:
+    """input_ids and labels, with an attention mask left-padding the first `pad` tokens when pad > 0."""
+    batch = {"input_ids": ids, "labels": ids}
+    if pad:
+        mask = torch.ones_like(ids)
+        mask[:, :pad] = 0
+        batch["attention_mask"] = mask
+    return batch
+
+
+def saved_for_backward(model: torch.nn.Module, ids: torch.Tensor, pad: int = 0) -> Saved:
     """Bytes autograd keeps for backward after forward + loss, each storage once, parameters excluded."""
     exclude = param_keys(model)
     seen: dict[int, tuple[str, int]] = {}
@@ -100,7 +110,7 @@ def saved_for_backward(model: torch.nn.Module, ids: torch.Tensor) -> Saved:
              model.lm_head.register_forward_hook(lambda *_: section.__setitem__(0, "loss"))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(**_batch(ids, pad)).loss
     finally:
         for h in hooks:
             h.remove()
@@ -166,18 +176,18 @@ def _preexisting(model: torch.nn.Module, *tensors: torch.Tensor) -> Iterator[tor
 
 
 def train_step_peak(model: torch.nn.Module, ids: torch.Tensor, hold_outputs: bool,
-                    logits_entries: int | None = None) -> tuple[int, int]:
+                    logits_entries: int | None = None, pad: int = 0) -> tuple[int, int]:
     """Peak live bytes (parameters and gradients excluded) over forward + loss + backward, and the logits' share at
     that moment (storages of at least one byte per logit entry) when `logits_entries` is given."""
     model.zero_grad(set_to_none=True)
     tracker = LiveStorages(_preexisting(model, ids))
     with tracker:
         if hold_outputs:
-            out = model(input_ids=ids, labels=ids)
+            out = model(**_batch(ids, pad))
             out.loss.backward()
             del out
         else:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(**_batch(ids, pad)).loss
             loss.backward()
             del loss
     grads = {tracker.sid(p.grad) for p in model.parameters() if p.grad is not None}
@@ -202,17 +212,18 @@ def activations_cases(tokens: int) -> None:
     print("| model | dtype | attention | ckpt | layer B/token, measured | estimated | ratio "
           "| head B/token | loss saved B/logit | peak MB, measured | estimated | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for family, dtype, attn, ckpt in itertools.product(("llama", "qwen2"), ("bf16", "fp32"), ("sdpa", "eager"),
-                                                        (False, True)):
-        model, arch = build(family, dtype, attn)
+    for family, dtype, attn, ckpt in itertools.product(("llama", "qwen2"), ("bf16", "fp32"),
+                                                        ("sdpa", "sdpa+pad", "eager"), (False, True)):
+        model, arch = build(family, dtype, attn.removesuffix("+pad"))
+        pad = 16 if attn.endswith("+pad") else 0
         if ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         cb = 4.0 if dtype == "fp32" else 2.0
         ids = torch.randint(0, arch.vocab_size or 1, (1, tokens))
-        saved = saved_for_backward(model, ids)
+        saved = saved_for_backward(model, ids, pad)
         per_layer = saved.layers / (arch.layers * tokens)
         est_layer = arch.hidden_size * cb if ckpt else sizing.layer_activation_bytes_per_token(arch, cb)
-        peak, _ = train_step_peak(model, ids, hold_outputs=False)
+        peak, _ = train_step_peak(model, ids, hold_outputs=False, pad=pad)
         est_peak = sizing.activation_bytes(arch, 1, tokens, cb, ckpt)
         print(f"| {family} | {dtype} | {attn} | {'on' if ckpt else 'off'} | {per_layer:.0f} | {est_layer:.0f} "
               f"| {ratio(per_layer, est_layer)} | {saved.head / tokens:.0f} "
@@ -292,8 +303,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512, help="sequence length for the activation cases")
     parser.add_argument("--logit-tokens", type=int, default=1024, help="sequence length for the logits cases")
     parser.add_argument("--group", type=int, default=4, help="GRPO group size G")
-    parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--new", type=int, default=192, help="tokens generated per sequence")
+    parser.add_argument("--prompt", type=int, default=8, help="prompt tokens (few: the cache dominates)")
+    parser.add_argument("--new", type=int, default=248, help="tokens generated per sequence")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", choices=("activations", "logits", "grpo"))
     args = parser.parse_args()

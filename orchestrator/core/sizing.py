@@ -11,8 +11,12 @@ The terms, all per model replica:
   fp32, because then there is no separate master copy;
 - adapters: the LoRA adapter weights themselves, r × (d_in + d_out) per targeted matrix per layer, with the
   architecture's real matrix shapes (grouped-query k/v are narrower than q/o);
-- activations: what the backward pass keeps, see `activation_bytes`;
+- activations: the peak of what the backward pass keeps, see `activation_bytes` (measured against transformers'
+  Llama and Qwen2 by benchmarks/sizing_measured.py);
 - kv_cache: GRPO rollouts, layers × 2 × kv_heads × head_dim × context × bytes × (G × prompts per step).
+
+The total for one replica is the model state (weights, gradients, optimizer, adapters) plus the larger of the
+activations and the KV cache: rollouts and training take turns.
 
 Per GPU on g GPUs: DDP replicates everything and keeps a second copy of the gradients in its all-reduce buckets
 (PyTorch's default, `gradient_as_bucket_view=False`); FSDP shards weights, gradients, optimizer state and adapters
@@ -40,7 +44,10 @@ WEIGHT_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8":
 QLORA_BASE_BYTES = 0.55  # NF4 weights (0.5 B) plus per-block scales and constants
 ADAM_BYTES_MIXED = 12.0  # fp32 master copy 4 + first moment 4 + second moment 4
 ADAM_BYTES_FP32 = 8.0  # the weights are the fp32 master copy already
-LOSS_LOGIT_BYTES = 4.0  # the logits are upcast to fp32 for the cross-entropy
+FP32_BYTES = 4.0
+# The loss's peak per logit entry above the compute-dtype logits: three fp32 buffers (log-softmax's output, the
+# gradients in and out of it); measured, see `logits_bytes_per_entry`.
+LOSS_LOGIT_BYTES = 3 * FP32_BYTES
 
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_ALL_LINEAR = "all-linear"
@@ -121,7 +128,7 @@ _ARCH_FIELDS: tuple[str, ...] = (*_REQUIRED_WITHOUT_PRESET, "head_dim", "vocab_s
 @dataclass(frozen=True)
 class SizingEstimate:
     terms: dict[str, float]  # the six TERM_KEYS, GB for one unsharded replica
-    total_gb: float  # sum of the terms: what a single GPU needs
+    total_gb: float  # model state + the larger of activations and KV cache: what a single GPU needs
     per_gpu_gb: float  # on `gpus` GPUs with `parallelism`
     fits: dict[int, bool]  # common GPU size (GiB) -> per_gpu_gb fits with margin_gib kept free
     notes: list[str] = field(default_factory=list)
@@ -245,43 +252,73 @@ def lora_adapter_params(arch: Architecture, rank: int, targets: list[str]) -> in
     return arch.layers * per_layer
 
 
-def activation_elements_per_token_layer(arch: Architecture) -> int:
-    """Tensors one decoder layer keeps for its backward pass, in elements per token.
-
-    Attention half: the RMSNorm input (h), the normed input to q/k/v (h), q, k, v (q_dim + 2·kv_dim) and the
-    attention output fed to o_proj (q_dim); a fused (flash / SDPA) kernel keeps only per-row softmax statistics, not
-    the context × context score matrix. MLP half: the RMSNorm input (h), the normed input to gate/up (h), the gate and
-    up outputs (2·I), SiLU(gate) (I) and the product fed to down_proj (I).
-    Total 4h + 2·q_dim + 2·kv_dim + 4·I: the same accounting as Korthikanti et al. 2022 (34·s·b·h bytes for a GPT
-    layer), redone for SwiGLU, grouped-query attention and no dropout.
-    """
-    return 4 * arch.hidden_size + 2 * arch.q_dim + 2 * arch.kv_dim + 4 * arch.intermediate_size
+def rmsnorm_bytes_per_token(hidden_size: int, compute_bytes: float) -> float:
+    """What one Llama/Qwen2 RMSNorm keeps for backward, per token: its input upcast to fp32 (4 B; in an fp32 model the
+    input itself), 1/rms in fp32 (4 B), and the normalized value before and after the weight in the compute dtype
+    (the latter is the next matmul's input). Measured exactly (benchmarks/sizing_measured.py): bf16 8h + 4 bytes,
+    fp32 12h + 4."""
+    return hidden_size * (FP32_BYTES + 2 * compute_bytes) + FP32_BYTES
 
 
 def layer_activation_bytes_per_token(arch: Architecture, compute_bytes: float) -> float:
-    """Bytes one decoder layer keeps for its backward pass, per token."""
-    return activation_elements_per_token_layer(arch) * compute_bytes
+    """Bytes one decoder layer keeps for its backward pass, per token, as measured on transformers' Llama and Qwen2
+    (benchmarks/sizing_measured.py: saved tensors, exact to the byte but for RoPE's cos/sin shared by all layers).
+
+    Two RMSNorms (`rmsnorm_bytes_per_token`). Attention: q, k and v after RoPE (q_dim + 2·kv_dim; grouped-query k/v
+    stay narrow, SDPA's enable_gqa, when there is no padding mask) and the attention output fed to o_proj (q_dim) in
+    the compute dtype, plus the kernel's fp32 log-sum-exp per head; a fused (SDPA / flash) kernel keeps no
+    context × context score matrix. SwiGLU MLP: the gate and up outputs (2·I), SiLU(gate) (I) and the product fed to
+    down_proj (I). Korthikanti et al. 2022's accounting (34·s·b·h bytes per GPT layer), redone for these ops; their
+    count of the norms' inputs at the compute dtype was 10-20 % low (measured 1.12 fp32, 1.24 bf16 on the small model).
+    """
+    attention = compute_bytes * (2 * arch.q_dim + 2 * arch.kv_dim) + FP32_BYTES * arch.attention_heads
+    mlp = compute_bytes * 4 * arch.intermediate_size
+    return 2 * rmsnorm_bytes_per_token(arch.hidden_size, compute_bytes) + attention + mlp
 
 
 def logits_bytes_per_entry(compute_bytes: float) -> float:
-    """Bytes per logit entry (token × vocab): the logits in the compute dtype plus their fp32 upcast for the loss."""
+    """Bytes per logit entry (token × vocab) at the peak of transformers' standard cross-entropy loss: the logits in the
+    compute dtype, which the model returns, and three fp32 buffers during the loss's backward (log-softmax's saved
+    output, the gradient nll_loss passes back, the gradient log-softmax passes on). Measured: 14 B in bf16, 16 B in
+    fp32 with the outputs held through backward (`out = model(...); out.loss.backward()`); 12 B when only the loss is
+    kept (transformers' Trainer drops the outputs). The estimate takes the held figure."""
     return compute_bytes + LOSS_LOGIT_BYTES
+
+
+def head_bytes_per_token(arch: Architecture, compute_bytes: float) -> float:
+    """The final RMSNorm (its output is the lm_head's input) and the logits' peak, per token; no logits when the vocab
+    is unknown."""
+    logits = (arch.vocab_size or 0) * logits_bytes_per_entry(compute_bytes)
+    return rmsnorm_bytes_per_token(arch.hidden_size, compute_bytes) + logits
+
+
+def layer_backward_bytes_per_token(arch: Architecture, compute_bytes: float) -> float:
+    """The working set of one layer's backward above what it saved, per token: the MLP's backward holds the gradients
+    of SiLU(gate) and of up (2·I) while the layer's saved tensors are still alive. Measured 2.07·I (fp32) and 2.44·I
+    (bf16) in the compute dtype on the small model with a 16-entry vocab (benchmarks/sizing_measured.py)."""
+    return compute_bytes * 2 * arch.intermediate_size
 
 
 def activation_bytes(arch: Architecture, micro_batch: int, context: int, compute_bytes: float,
                      checkpointing: bool) -> float:
-    """Activations of one micro-batch of `micro_batch` sequences of `context` tokens.
+    """Peak activation memory of one micro-batch of `micro_batch` sequences of `context` tokens.
 
-    Without checkpointing every layer keeps its full set. With (per-layer) checkpointing only each layer's input
-    (h per token) is kept, plus one layer's full set while it is recomputed in the backward pass. Either way the
-    output logits are kept, in the compute dtype and upcast to fp32 for the loss: b·s·V·(bytes + 4).
+    Everything the layers keep is alive when the backward pass starts; on top of it comes first the head's peak (the
+    loss's fp32 buffers), then, once the head has released its buffers, one layer's backward working set. Without
+    checkpointing every layer keeps its full set. With (per-layer) checkpointing each layer keeps only its input (h per
+    token) and is recomputed after the head's backward, one layer at a time, so one full layer and its working set
+    take the head's place (measured: the two phases do not overlap; adding them overstated the peak up to 1.6×).
+    With a real vocabulary the head is the larger (Qwen2.5-7B in bf16: 2.16 MB per token against 0.30 MB).
     """
     tokens = micro_batch * context
-    full_layer = layer_activation_bytes_per_token(arch, compute_bytes)
-    kept_per_layer = arch.hidden_size * compute_bytes if checkpointing else full_layer
-    per_token = arch.layers * kept_per_layer + (full_layer if checkpointing else 0)
-    logits = tokens * (arch.vocab_size or 0) * logits_bytes_per_entry(compute_bytes)
-    return tokens * per_token + logits
+    layer = layer_activation_bytes_per_token(arch, compute_bytes)
+    backward = layer_backward_bytes_per_token(arch, compute_bytes)
+    head = head_bytes_per_token(arch, compute_bytes)
+    if checkpointing:
+        per_token = arch.layers * arch.hidden_size * compute_bytes + max(head, layer + backward)
+    else:
+        per_token = arch.layers * layer + max(head, backward)
+    return tokens * per_token
 
 
 def kv_cache_bytes(arch: Architecture, context: int, sequences: int, compute_bytes: float) -> float:
@@ -356,10 +393,12 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
     }
     naive_kv = kv_cache_bytes_naive(arch, model.context, sequences, compute_bytes) / GB
 
-    recompute = "gradient checkpointing: layer inputs + one layer recomputed" if model.gradient_checkpointing \
-        else "no checkpointing: every layer's activations kept"
+    recompute = "gradient checkpointing: layer inputs + the larger of one recomputed layer and the logits" \
+        if model.gradient_checkpointing else "no checkpointing: every layer's activations + the logits"
     notes.append(f"activations: micro-batch {model.micro_batch} × {model.context} tokens, {recompute} "
-                 f"(4h + 2·q_dim + 2·kv_dim + 4·I elements per token per full layer) + output logits")
+                 f"({layer_activation_bytes_per_token(arch, compute_bytes) / 1e3:.0f} kB per token per full layer, "
+                 f"{logits_bytes_per_entry(compute_bytes):g} B per logit entry at the loss's peak); assumes SDPA or "
+                 "flash attention and no padding mask")
     if arch.vocab_size is None:
         notes.append("vocab size unknown: the output logits (often GBs at long context) are not counted")
     if sequences:
@@ -368,6 +407,9 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
                      f"{sequences // model.group_size} prompts) at "
                      f"{model.context} tokens: {terms['kv_cache']:.2f} GB with {arch.kv_heads} KV heads × "
                      f"{arch.head_dim}; the hidden-size formula would say {naive_kv:.2f} GB ({ratio:.1f}× more)")
+        larger = "KV cache" if terms["kv_cache"] > terms["activations"] else "activations"
+        notes.append(f"rollout and training take turns (a plain generate frees its KV cache before the training "
+                     f"forward): the larger of the KV cache and the activations ({larger}) counts, not both")
         if model.method == "full":
             notes.append("not counted: a frozen reference model for the GRPO KL term (another copy of the weights "
                          "when beta > 0) and the rollout engine's own overhead")
@@ -375,9 +417,14 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
             notes.append("not counted: the rollout engine's own overhead (the GRPO reference model is the base "
                          "with its adapters off, no second copy)")
 
-    total = sum(terms.values())
+    # Generation and training take turns: transformers' generate releases its KV cache when it returns, before the
+    # training forward (measured: 0.01 MB left of a 1 MB cache, benchmarks/sizing_measured.py), so the peak holds the
+    # larger of the two, not their sum.
+    turns = max(terms["activations"], terms["kv_cache"])
+    state = sum(terms[k] for k in SHARDED_BY_FSDP)
+    total = state + turns
     if model.parallelism == "fsdp":
-        per_gpu = sum(v / gpus if k in SHARDED_BY_FSDP else v for k, v in terms.items())
+        per_gpu = state / gpus + turns
         if gpus == 1:
             notes.append("fsdp on 1 GPU shards nothing")
         else:
