@@ -16,7 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Integer, create_engine, event, func, insert, inspect, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Integer,
+    create_engine,
+    event,
+    func,
+    insert,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
@@ -268,9 +280,14 @@ class Store:
     def events(self, *, after_id: int = 0, job_id: str | None = None, type_prefix: str | None = None,
                limit: int | None = None, newest: int | None = None) -> list[dict[str, Any]]:
         """Events in id order: the first `limit` after `after_id`, or only the `newest` ones (read from the end,
-        so months of events cost nothing)."""
+        so months of events cost nothing).
+
+        A type prefix without a job reads each matching type through its (type, id) index and merges them: a
+        prefix match (LIKE) cannot use that index, so a rare type was a scan of the whole history."""
+        if type_prefix and not job_id:
+            return self._events_of_types(self.event_types(type_prefix), after_id, limit, newest)
         q = select(s.events).where(s.events.c.id > after_id)
-        if job_id:
+        if job_id:  # the job's (job_id, id) index bounds the read; the type filters within the job's events
             q = q.where(s.events.c.job_id == job_id)
         if type_prefix:
             q = q.where(s.events.c.type.startswith(type_prefix))
@@ -283,6 +300,49 @@ class Store:
         with self.engine.connect() as c:
             rows = [dict(r) for r in c.execute(q).mappings()]
         return rows[::-1] if newest else rows
+
+    def event_types(self, prefix: str = "") -> list[str]:
+        """The distinct event types that start with `prefix`, found by walking the (type, id) index from one type
+        to the next (a seek per type: there are a few dozen, however many events there are)."""
+        walk = text(
+            "WITH RECURSIVE t(type) AS (SELECT MIN(type) FROM events UNION ALL "
+            "SELECT (SELECT MIN(e.type) FROM events e WHERE e.type > t.type) FROM t WHERE t.type IS NOT NULL) "
+            "SELECT type FROM t WHERE type IS NOT NULL")
+        with self.engine.connect() as c:
+            return [ty for (ty,) in c.execute(walk) if ty.startswith(prefix)]
+
+    def _events_of_types(self, types: Sequence[str], after_id: int, limit: int | None,
+                         newest: int | None) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        with self.engine.connect() as c:
+            for ty in types:
+                q = select(s.events).where(s.events.c.type == ty, s.events.c.id > after_id)
+                if newest:
+                    q = q.order_by(s.events.c.id.desc()).limit(newest)
+                else:
+                    q = q.order_by(s.events.c.id).limit(limit) if limit else q.order_by(s.events.c.id)
+                rows.extend(dict(r) for r in c.execute(q).mappings())
+        rows.sort(key=lambda r: r["id"])
+        if newest:
+            return rows[-newest:]
+        return rows[:limit] if limit else rows
+
+    def iter_events(self, *, job_id: str | None = None, type_prefix: str | None = None,
+                    batch: int = 1000) -> Iterator[dict[str, Any]]:
+        """Every event (of the job, of the type prefix) in id order, streamed `batch` rows at a time, so the
+        whole history is printed in constant memory."""
+        q = select(s.events).order_by(s.events.c.id)
+        if job_id:
+            q = q.where(s.events.c.job_id == job_id)
+        if type_prefix:
+            q = q.where(s.events.c.type.startswith(type_prefix))
+        with self.engine.connect() as c:
+            for part in c.execution_options(stream_results=True).execute(q).mappings().partitions(batch):
+                yield from (dict(r) for r in part)
+
+    def last_event_id(self) -> int:
+        with self.engine.connect() as c:
+            return int(c.execute(select(func.max(s.events.c.id))).scalar() or 0)
 
     # --- settings -------------------------------------------------------------------------------------
     def get_setting(self, key: str, default: Any = None) -> Any:

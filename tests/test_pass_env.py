@@ -188,7 +188,8 @@ def test_a_passed_secret_reaches_the_job_locally_and_on_an_instance_and_nothing_
                 wait_for(lambda r=ref: job(state, r)["state"] in ("done", "failed"), 90, f"job {ref} to end")
             wait_for(lambda: ABSENT in (job(state, waits)["reason"] or ""), 30, "the waiting job's reason")
             for args in (("show", cloud, "--json"), ("show", local, "--json"), ("show", waits, "--json"),
-                         ("show", cloud), ("list", "--json"), ("list",), ("events", "--json"), ("status", "--json")):
+                         ("show", cloud), ("list", "--json"), ("list",), ("events", "--json", "--all"),
+                         ("status", "--json")):
                 assert cmd(*args).returncode == 0, args
         finally:
             assert daemon.stop() == 0

@@ -96,7 +96,7 @@ def test_planted_keys_never_appear_in_any_output_log_event_record_or_database(tm
             for name in ("argv-cloud", "argv-local"):
                 wait_for(lambda n=name: job(state, n)["state"] in ("done", "failed"), 120, f"{name} to end")
             assert cmd("revert-local", "--json").returncode == 0
-            for args in (("status", "--json"), ("events", "--json"), ("providers", "--json"), ("show", burst),
+            for args in (("status", "--json"), ("events", "--json", "--all"), ("providers", "--json"), ("show", burst),
                          ("show", burst, "--json"), ("budget", "--json")):
                 cmd(*args)
         finally:

@@ -99,6 +99,9 @@ def _plan_txt(d: dict[str, Any]) -> str:
     return f"{d['plan_kind']}{' ' + markets if markets else ''} {fmt_usd(d.get('plan_cost_usd'))}"
 
 
+SHOW_EVENTS = 15
+
+
 @cli.command("show")
 @click.argument("job")
 @json_option
@@ -106,7 +109,8 @@ def _plan_txt(d: dict[str, Any]) -> str:
 def show_cmd(app: App, job: str, as_json: bool) -> None:
     """Show one job: its decision, state and recent events."""
     j = _job_or_fail(app, job)
-    evs = app.store.events(job_id=j["id"])
+    # The table shows the newest 15: only those are read (a job that ran for weeks has thousands).
+    evs = app.store.events(job_id=j["id"], newest=None if as_json else SHOW_EVENTS)
     if as_json:
         print_json({**_public(j), "spec": j["spec"], "decision": j["decision"],
                     "events": [_event_public(e) for e in evs]})
@@ -122,7 +126,7 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
     out.print(f"deadline {_when(j['deadline_at'])} UTC; record {escape(j['record_path'])}")
     if evs:
         table("events", ["time", "type", "data"],
-              [(_at(e["ts"]), e["type"], _short(e["data"])) for e in evs[-15:]])
+              [(_at(e["ts"]), e["type"], _short(e["data"])) for e in evs])
 
 
 def _short(data: dict[str, Any], limit: int = 90) -> str:
@@ -204,23 +208,40 @@ def budget_cmd(app: App, as_json: bool) -> None:
     ])
 
 
+EVENTS_SHOWN = 100  # `burstctl events` without --limit or --all: the newest this many, as `tail` shows the end
+
+
 @cli.command("events")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new events as they happen.")
 @click.option("--job", "job_ref", default=None, help="Only this job's events.")
 @click.option("--type", "type_prefix", default=None, help="Only events whose type starts with this.")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many (the newest).")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help=f"At most this many (the newest; {EVENTS_SHOWN} unless --all).")
+@click.option("--all", "show_all", is_flag=True, help="Every event from the first (streamed), not only the newest.")
 @click.option("--interval", type=float, default=0.5, show_default=True, help="Poll interval with --follow.")
 @json_option
 @pass_app
 def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | None, limit: int | None,
-               interval: float, as_json: bool) -> None:
-    """Print the event log (JSON lines with --json), optionally following it live."""
+               show_all: bool, interval: float, as_json: bool) -> None:
+    """Print the event log (JSON lines with --json), the newest 100 unless --limit or --all says otherwise;
+    optionally following it live."""
+    if show_all and limit:
+        raise BadInput("--all and --limit exclude each other", field="--limit")
     job_id = _job_or_fail(app, job_ref)["id"] if job_ref else None
-    evs = app.store.events(job_id=job_id, type_prefix=type_prefix, newest=limit)
-    _print_events(evs, as_json)
+    last = 0
+    if show_all:  # months of events: streamed, never all in memory at once
+        for e in app.store.iter_events(job_id=job_id, type_prefix=type_prefix):
+            _print_events([e], as_json)
+            last = e["id"]
+    else:
+        evs = app.store.events(job_id=job_id, type_prefix=type_prefix, newest=limit or EVENTS_SHOWN)
+        _print_events(evs, as_json)
+        last = evs[-1]["id"] if evs else 0
+        if limit is None and len(evs) == EVENTS_SHOWN:
+            click.echo(f"(the newest {EVENTS_SHOWN} events; --limit N or --all for more)", err=True)
     if not follow:
         return
-    tail = EventTail(app.store, job_id=job_id, type_prefix=type_prefix, after_id=evs[-1]["id"] if evs else 0)
+    tail = EventTail(app.store, job_id=job_id, type_prefix=type_prefix, after_id=last)
     try:
         while True:
             time.sleep(interval)
