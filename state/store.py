@@ -249,6 +249,17 @@ class Store:
         with self.engine.connect() as c:
             return [dict(r) for r in c.execute(q).mappings()]
 
+    def newest_jobs(self, states: Sequence[str], limit: int) -> list[dict[str, Any]]:
+        """The `limit` jobs in `states` updated last, newest first: each state's read walks its (state,
+        updated_at) index from the end, whatever the number of jobs."""
+        rows: list[dict[str, Any]] = []
+        with self.engine.connect() as c:
+            for st in states:
+                q = (select(s.jobs).where(s.jobs.c.state == st).order_by(s.jobs.c.updated_at.desc(), s.jobs.c.id)
+                     .limit(limit))
+                rows.extend(dict(r) for r in c.execute(q).mappings())
+        return sorted(rows, key=lambda r: r["updated_at"], reverse=True)[:limit]
+
     def update_job(self, job_id: str, conn: Connection | None = None, *, expect_state: str | None = None,
                    **fields: Any) -> bool:
         """Update a job; with expect_state, only if it is still in that state (compare-and-set)."""

@@ -7,6 +7,7 @@ for the same read against a history ten times longer (benchmarks/history.py has 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -85,3 +86,25 @@ def test_events_prints_the_newest_100_unless_asked_for_more_and_all_of_them_with
     every = burstctl("events", "--json", "--all")
     assert [json.loads(line)["k"] for line in every.stdout.splitlines()] == list(range(250))
     assert every.stderr == ""
+
+
+def test_list_shows_every_live_job_and_only_the_newest_finished_ones_unless_all(burstctl, tmp_path: Path) -> None:
+    app = _app(tmp_path)
+    now = time.time()
+    spec = {"name": "x"}
+    decision = {"verdict": "burst", "action": "burst", "reasons": []}
+    rows = [{"id": f"j{k:03d}", "name": f"job-{k}", "kind": "train", "state": "done" if k < 30 else "queued",
+             "verdict": "burst", "placement": "cloud", "approved": False, "spec": spec, "decision": decision,
+             "deadline_at": now + 86400, "created_at": now - 1000 + k, "updated_at": now - 1000 + k}
+            for k in range(35)]
+    with app.store.tx() as c:
+        c.execute(insert(s.jobs), rows)
+    app.close()
+    listed = burstctl("list", "--json")
+    ids = [j["id"] for j in json.loads(listed.stdout)]
+    assert ids == [f"j{k:03d}" for k in range(10, 35)]  # the 20 finished last, then the 5 queued, oldest first
+    assert "10 older finished jobs not shown" in listed.stderr
+    assert len(json.loads(burstctl("list", "--json", "--all").stdout)) == 35
+    assert [j["id"] for j in json.loads(burstctl("list", "--json", "--state", "queued").stdout)] == [
+        f"j{k:03d}" for k in range(30, 35)]
+    assert "10 older finished jobs not shown" in burstctl("list").stdout
