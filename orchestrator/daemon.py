@@ -112,6 +112,7 @@ def _skipped_tick(record: logging.LogRecord) -> bool:
 def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idle: bool,
          on_tick: Callable[[int], None] | None, lease: DaemonLease, lost: threading.Event) -> int:
     from orchestrator.lifecycle.service import build_reconciler, has_active_work
+    from orchestrator.retention import prune_if_due
 
     stop = threading.Event()
     ticks = 0
@@ -149,6 +150,7 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
             return
         try:
             reconciler.sweep()
+            prune_if_due(app)  # state.events_keep_days: once a day
         except Exception as exc:
             app.events.emit("daemon.sweep_failed", error=f"{type(exc).__name__}: {exc}")
 

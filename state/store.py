@@ -355,6 +355,45 @@ class Store:
         with self.engine.connect() as c:
             return int(c.execute(select(func.max(s.events.c.id))).scalar() or 0)
 
+    def prune_events(self, cutoff: float, *, final_states: Sequence[str], active_attempt_states: Sequence[str],
+                     batch: int = 200) -> dict[str, int]:
+        """Delete the events of jobs in `final_states` last changed before `cutoff` (unix seconds) that have no
+        attempt in `active_attempt_states`, no instance not yet confirmed gone and no open ledger charge, and the
+        events of no job older than `cutoff`. Nothing else: jobs, attempts, instances, the ledger (the budget's
+        meter), measurements and spot listings stay. Deleted `batch` jobs (or 20 x `batch` events of no job) per
+        transaction, so a daemon writing beside it waits milliseconds, not the whole prune.
+        Returns {"finished_jobs": the jobs whose events are gone now, "events": events deleted}."""
+        j, a, i, led, e = s.jobs, s.attempts, s.instances, s.ledger, s.events
+        busy_attempt = select(a.c.id).where(a.c.job_id == j.c.id).where(
+            a.c.state.in_(list(active_attempt_states)) | a.c.id.in_(
+                select(i.c.attempt_id).where(i.c.verified_gone.is_(False), i.c.attempt_id.is_not(None))))
+        open_charge = select(led.c.id).where(led.c.job_id == j.c.id, led.c.ended_at.is_(None))
+        q = (select(j.c.id).where(j.c.state.in_(list(final_states)), j.c.updated_at < cutoff,
+                                  ~busy_attempt.exists(), ~open_charge.exists()).order_by(j.c.id))
+        with self.engine.connect() as c:
+            job_ids = [r for (r,) in c.execute(q)]
+        done = {"finished_jobs": len(job_ids), "events": 0}
+        for k in range(0, len(job_ids), batch):
+            with self.tx() as c:
+                done["events"] += c.execute(e.delete().where(e.c.job_id.in_(job_ids[k:k + batch]))).rowcount
+        while True:  # no job's: read through the (job_id, id) index's NULL range, oldest first
+            with self.tx() as c:
+                ids = [r for (r,) in c.execute(select(e.c.id).where(e.c.job_id.is_(None), e.c.ts < cutoff)
+                                               .order_by(e.c.id).limit(20 * batch))]
+                if not ids:
+                    break
+                done["events"] += c.execute(e.delete().where(e.c.id.in_(ids))).rowcount
+        return done
+
+    def compact(self) -> None:
+        """Give the space of deleted rows back to the file system: SQLite VACUUM (rewrites the file; needs as much
+        free space again, and holds the write lock while it runs). PostgreSQL's autovacuum makes deleted rows'
+        space reusable by itself; VACUUM FULL is left to its administrator."""
+        if not self.is_sqlite:
+            return
+        with self.engine.connect() as c:
+            c.exec_driver_sql("VACUUM")
+
     # --- settings -------------------------------------------------------------------------------------
     def get_setting(self, key: str, default: Any = None) -> Any:
         with self.engine.connect() as c:

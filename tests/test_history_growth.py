@@ -15,8 +15,10 @@ from typing import Any
 from sqlalchemy import event, insert
 
 from orchestrator.app import App
+from orchestrator.retention import prune_events, prune_if_due
 from state import schema as s
 from state.store import Store
+from tests.conftest import write_job
 
 
 def _vm_steps(store: Store) -> Callable[[Callable[[], Any]], tuple[int, Any]]:
@@ -108,3 +110,92 @@ def test_list_shows_every_live_job_and_only_the_newest_finished_ones_unless_all(
     assert [j["id"] for j in json.loads(burstctl("list", "--json", "--state", "queued").stdout)] == [
         f"j{k:03d}" for k in range(30, 35)]
     assert "10 older finished jobs not shown" in burstctl("list").stdout
+
+
+def _job(app: App, tmp_path: Path, name: str, state: str, updated_at: float) -> str:
+    from orchestrator.queue import enqueue
+
+    job_id, _, _ = enqueue(app, write_job(tmp_path, name, local_throughput=0, rented_throughput={"H100": 2.0}))
+    with app.store.tx() as c:
+        c.execute(s.jobs.update().where(s.jobs.c.id == job_id).values(state=state, updated_at=updated_at))
+    return job_id
+
+
+def _attempt(app: App, job_id: str, state: str, *, ended: bool, month: str, cost: float) -> None:
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state=state,
+                                            provider="sim", instance_type="t", market="spot", info={},
+                                            instance_id=f"i-{job_id}", created_at=1000.0))
+        c.execute(insert(s.instances).values(provider="sim", id=f"i-{job_id}", attempt_id=f"{job_id}-a1",
+                                             state="terminated" if ended else "running", verified_gone=ended))
+    app.store.open_charge({"month": month, "job_id": job_id, "attempt_id": f"{job_id}-a1", "provider": "sim",
+                           "instance_id": f"i-{job_id}", "rate_usd_h": 2.0, "started_at": time.time() - 3600})
+    if ended:
+        [row] = app.store.ledger_rows(month)[-1:]
+        app.store.close_charge(row["id"], ended_at=time.time(), billed_seconds=3600, cost_usd=cost)
+
+
+def test_pruning_drops_only_the_history_of_jobs_long_over_and_the_budget_meter_reads_the_same(
+        burstctl, tmp_path: Path) -> None:
+    from orchestrator.core.budget import month_key
+
+    app = _app(tmp_path)
+    now = time.time()
+    month = month_key(now)
+    old = now - 40 * 86400
+    done_long_ago = _job(app, tmp_path, "old", "done", old)
+    _attempt(app, done_long_ago, "succeeded", ended=True, month=month, cost=7.5)
+    done_lately = _job(app, tmp_path, "recent", "done", now - 86400)
+    # Over long ago, but its instance is not confirmed gone (an unverified termination): its trail stays.
+    unverified = _job(app, tmp_path, "unverified", "failed", old)
+    _attempt(app, unverified, "failed", ended=False, month=month, cost=0)
+    with app.store.tx() as c:
+        c.execute(s.ledger.update().where(s.ledger.c.job_id == unverified).values(ended_at=None))
+    running = _job(app, tmp_path, "running", "running", old)  # not over, however old its last change
+    _attempt(app, running, "running", ended=False, month=month, cost=0)
+    app.store.append_event("daemon.started", {}, ts=old)
+    recent_daemon = app.store.append_event("daemon.started", {}, ts=now - 60)
+    for job_id in (done_long_ago, done_lately, unverified, running):
+        app.store.append_event("checkpoint.synced", {"path": "x"}, job_id=job_id, ts=old)
+    before = {j: len(app.store.events(job_id=j)) for j in (done_long_ago, done_lately, unverified, running)}
+    ledger_before = app.store.ledger_rows()
+    app.close()
+    budget_before = json.loads(burstctl("budget", "--json").stdout)
+
+    pruned = json.loads(burstctl("prune-events", "--older-than", "30", "--json").stdout)
+    assert pruned["finished_jobs"] == 1 and pruned["events"] == before[done_long_ago] + 1
+
+    app = _app(tmp_path)
+    assert app.store.events(job_id=done_long_ago) == []
+    for j in (done_lately, unverified, running):
+        assert len(app.store.events(job_id=j)) == before[j], j
+    assert [e["id"] for e in app.store.events(type_prefix="daemon.")] == [recent_daemon]
+    # The job, its attempt and its charges stay: the month's spend, the cycles and `show` read as before.
+    assert app.store.ledger_rows() == ledger_before
+    assert app.store.get_job(done_long_ago)["state"] == "done"
+    app.close()
+    budget_after = json.loads(burstctl("budget", "--json").stdout)
+    assert {k: v for k, v in budget_after.items() if k not in ("spent_usd", "remaining_usd")} == {
+        k: v for k, v in budget_before.items() if k not in ("spent_usd", "remaining_usd")}
+    assert budget_after["cycles_this_month"] == 3
+    assert budget_after["spent_usd"] >= budget_before["spent_usd"] >= 7.5  # open charges accrue meanwhile
+    assert budget_after["spent_usd"] - budget_before["spent_usd"] < 0.1
+    shown = burstctl("show", done_long_ago)
+    assert shown.returncode == 0 and done_long_ago in shown.stdout
+
+
+def test_the_daemon_prunes_once_a_day_only_when_configured(tmp_path: Path) -> None:
+    app = _app(tmp_path)
+    now = time.time()
+    job_id = _job(app, tmp_path, "old", "done", now - 40 * 86400)
+    app.store.append_event("checkpoint.synced", {}, job_id=job_id, ts=now - 40 * 86400)
+    assert prune_if_due(app, now) is None  # unset: every event is kept
+    app.close()
+    app = _app(tmp_path, "[state]\nevents_keep_days = 30\n")
+    assert prune_if_due(app, now) == {"finished_jobs": 1, "events": 3}  # enqueued, decided, synced
+    app.store.append_event("checkpoint.synced", {}, job_id=job_id, ts=now)
+    assert prune_if_due(app, now + 3600) is None  # pruned less than a day ago
+    assert prune_if_due(app, now + 86400)["events"] == 1
+    assert [e["type"] for e in app.store.events(type_prefix="state.")] == ["state.events_pruned"] * 2
+    assert prune_events(app, 30, now + 86400)["events"] == 0
+    app.close()

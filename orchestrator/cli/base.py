@@ -31,7 +31,7 @@ COMMAND_MODULES = {
     "approve": "jobs", "budget": "jobs", "cancel": "jobs", "enqueue": "jobs", "events": "jobs", "list": "jobs",
     "show": "jobs", "decide": "decide", "size": "size", "simulate": "simulate", "daemon": "daemon",
     "status": "status", "providers": "providers", "revert-local": "revert", "burst-enable": "revert",
-    "copy-state": "state", "simcloud": "simcloud", "rehearse": "rehearse", "demo": "demo",
+    "copy-state": "state", "prune-events": "state", "simcloud": "simcloud", "rehearse": "rehearse", "demo": "demo",
 }
 
 # Each command's line in `burstctl --help`, so that listing them imports none (the docstring is the long help).
@@ -47,6 +47,7 @@ COMMAND_SUMMARIES = {
     "enqueue": "Validate, decide and queue a job.",
     "events": "Print the event log, or follow it.",
     "list": "List jobs, oldest first.",
+    "prune-events": "Delete the events of jobs finished long ago.",
     "providers": "Configured providers: credentials, answering, offers.",
     "rehearse": "Run a job on a private simulated cloud with preemptions.",
     "revert-local": "Go back to local-only in one command.",
