@@ -197,10 +197,12 @@ def latest_complete(ckpt_dir: str | os.PathLike[str], *, deep: bool = True) -> P
     return None
 
 
-def prune(ckpt_dir: str | os.PathLike[str], keep: int = 2) -> list[Path]:
+def prune(ckpt_dir: str | os.PathLike[str], keep: int = 2, *, deep: bool = True) -> list[Path]:
     """Remove complete checkpoints older than the newest `keep` fully verified ones, and temporary directories whose
     writer process is gone. Directories that do not verify are left alone (not ours to judge) and never count as
-    kept, so a corrupted newest checkpoint cannot cost the good ones before it. Returns what was removed."""
+    kept, so a corrupted newest checkpoint cannot cost the good ones before it. Returns what was removed.
+    `deep=False` counts the kept ones by sizes only, for a store whose every checkpoint was sha256-verified as it
+    arrived (the daemon's): hashing the newest `keep` again after every pull reads them all, gigabytes each."""
     if keep < 1:
         raise ValueError("keep must be at least 1: pruning the last complete checkpoint loses the resume point")
     root = Path(ckpt_dir)
@@ -209,7 +211,7 @@ def prune(ckpt_dir: str | os.PathLike[str], keep: int = 2) -> list[Path]:
     kept = 0
     older = []
     for index in range(len(candidates) - 1, -1, -1):  # hash only the newest ones, until `keep` of them verify
-        if verify(candidates[index]):
+        if verify(candidates[index], deep=deep):
             kept += 1
             if kept == keep:
                 older = candidates[:index]

@@ -269,3 +269,37 @@ def test_local_disk_full_raises_sync_error_and_leaves_nothing_visible(
     with pytest.raises(SyncError, match="disk full"):
         pull(instance, local)
     assert os.listdir(local) == []  # the staging dir went too, giving the space back
+
+
+def _count_hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files sha256_file reads from now on (in this process: the daemon's side)."""
+    hashed: list[str] = []
+    real = burst_checkpoint.sha256_file
+
+    def counting(path: Path) -> str:
+        hashed.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(burst_checkpoint, "sha256_file", counting)
+    return hashed
+
+
+def test_pruning_the_daemons_store_after_a_pull_reads_no_checkpoint(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every checkpoint in the store was hashed against its manifest as it arrived; keeping the newest few after
+    # each pull must not read them all again (three multi-GB checkpoints every sync interval).
+    from orchestrator.config import Config
+    from orchestrator.lifecycle import checkpoints
+
+    cfg = Config.model_validate({"state": {"dir": str(tmp_path / "state")}})
+    store = checkpoints.store_dir(cfg, "job1")
+    for step in range(1, 6):
+        burst_checkpoint.write_checkpoint(store, f"step-{step:08d}", {"w.bin": os.urandom(1000)})
+    (store / "step-00000009").mkdir()  # incomplete (no manifest): not ours to judge, never counted as kept
+    hashed = _count_hashed(monkeypatch)
+    with checkpoints.store_lock(cfg, "job1"):
+        removed = checkpoints.prune_store(cfg, "job1")
+    assert hashed == []
+    assert sorted(p.name for p in removed) == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in store.iterdir()) == ["step-00000003", "step-00000004", "step-00000005",
+                                                       "step-00000009"]

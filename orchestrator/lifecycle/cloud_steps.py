@@ -28,7 +28,6 @@ from orchestrator.app import App
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.remote import ssh, sync
 from providers.base import InstanceInfo, Provider
-from runbooks import burst_checkpoint
 from runbooks.checkpoint_transfer import PulledCheckpoints, TransferError
 from runbooks.s3_checkpoints import S3CheckpointStore
 from state import schema as s
@@ -288,7 +287,7 @@ class CloudSteps:
                 pulled = sync.pull_checkpoints(self.target(att), self.trust(att),
                                                f"{base}/{job['id']}/checkpoints", store, newest_only=True)
             if pulled:
-                burst_checkpoint.prune(store, keep=checkpoints.KEEP)  # multi-GB checkpoints: keep the newest few
+                checkpoints.prune_store(self.app.config, job["id"])  # multi-GB checkpoints: keep the newest few
                 if s3 is not None:
                     s3.prune(keep=checkpoints.KEEP)  # what is home need not be paid for in S3 as well
         return pulled
