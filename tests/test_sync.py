@@ -284,6 +284,28 @@ def _count_hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return hashed
 
 
+def test_a_resume_pushes_the_checkpoint_it_verified_without_hashing_it_again(
+        backend: SshBackend, key_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Multi-GB checkpoints: the daemon hashes the one it resumes from once (checkpoints.latest), and that is the
+    # one sent, even when a pull brought a newer one home in between (the trainer is told that one's name).
+    for transport in [p for p in ("rsync", "sftp") if p == "sftp" or HAVE_RSYNC]:
+        inst = start(backend, key_path, f"i-once-{transport}", transport)
+        local = tmp_path / f"local-{transport}"
+        burst_checkpoint.write_checkpoint(local, "step-00000100", {"w.bin": os.urandom(10_000)})
+        hashed = _count_hashed(monkeypatch)
+        resume_from = burst_checkpoint.latest_complete(local)
+        assert resume_from is not None and hashed == ["w.bin"]
+        burst_checkpoint.write_checkpoint(local, "step-00000200", {"w.bin": os.urandom(10_000)})
+        hashed.clear()  # writing it hashed its file (the trainer's side)
+        pushed = push_checkpoint(inst.target, inst.trust, local, "ckpt", transport=transport,  # type: ignore[arg-type]
+                                 checkpoint=resume_from)
+        assert pushed is not None and pushed.name == "step-00000100"
+        assert hashed == [], "hashed again to push it"
+        assert os.listdir(inst.sandbox / "ckpt") == ["step-00000100"]
+        assert burst_checkpoint.verify(inst.sandbox / "ckpt" / "step-00000100")
+        monkeypatch.undo()
+
+
 def test_pruning_the_daemons_store_after_a_pull_reads_no_checkpoint(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # Every checkpoint in the store was hashed against its manifest as it arrived; keeping the newest few after

@@ -217,8 +217,10 @@ class CloudSteps:
                         timings["s3_download_checkpoint"] = time.monotonic() - t
             if resume_from is not None and remote_resume is None:
                 t = time.monotonic()
+                # The one `latest` just hashed, not the store's newest again: hashed once, and the name the
+                # trainer is told to resume from is the one that was sent, even if a pull landed a newer one since.
                 pushed = sync.push_checkpoint(target, trust, checkpoints.store_dir(self.app.config, job["id"]),
-                                              f"{jobdir}/checkpoints", conn=conn)
+                                              f"{jobdir}/checkpoints", conn=conn, checkpoint=resume_from)
                 timings["push_checkpoint"] = time.monotonic() - t
                 if pushed is not None:
                     remote_resume = f"{jobdir}/checkpoints/{resume_from.name}"

@@ -136,15 +136,18 @@ def push_dir(target: Target, trust: HostKeyTrust, local_dir: str | Path, remote_
 
 
 def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | Path, remote_ckpt_dir: str, *,
-                    transport: Transport = "auto", conn: fabric.Connection | None = None
-                    ) -> PushedCheckpoint | None:
+                    transport: Transport = "auto", conn: fabric.Connection | None = None,
+                    checkpoint: Path | None = None) -> PushedCheckpoint | None:
     """Put the newest complete local checkpoint into `remote_ckpt_dir` (for resume); None if there is none.
+    With `checkpoint`, that one instead: the caller has verified it in full (`checkpoints.latest`), so it is not
+    hashed a second time (a multi-GB read).
 
     It lands in a hidden remote dir and is renamed into place, so the trainer never resumes from half of it.
     Files shared with the instance's newest complete checkpoint are hard-linked there, not sent (rsync).
     `conn` as for `push_dir`.
     """
-    newest = burst_checkpoint.latest_complete(local_ckpt_dir)  # deep: a corrupt local one must not spread
+    # deep: a corrupt local one must not spread
+    newest = checkpoint if checkpoint is not None else burst_checkpoint.latest_complete(local_ckpt_dir)
     if newest is None:
         return None
     name = newest.name
