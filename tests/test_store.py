@@ -104,3 +104,19 @@ def test_the_newest_events_are_read_from_the_end_in_order(db_url: str) -> None:
     assert [e["id"] for e in st.events(newest=2, job_id="j2")] == [ids[2], ids[4]]
     assert [e["id"] for e in st.events(newest=10)] == ids
     assert [e["id"] for e in st.events(limit=2)] == ids[:2]  # the first ones, as before
+
+
+def test_a_type_prefix_reads_every_type_it_starts_and_only_those_in_id_order(db_url: str) -> None:
+    st = Store(db_url)
+    kinds = ["job.done", "instance.preempted", "job.decided", "jobx.other", "instance.ready", "job.done"]
+    ids = [st.append_event(k, {"i": i}, job_id="j1" if i % 2 else None) for i, k in enumerate(kinds)]
+    assert st.event_types() == sorted(set(kinds))
+    assert st.event_types("job.") == ["job.decided", "job.done"]
+    assert [e["id"] for e in st.events(type_prefix="job.")] == [ids[0], ids[2], ids[5]]
+    assert [e["id"] for e in st.events(type_prefix="job.", newest=2)] == [ids[2], ids[5]]
+    assert [e["id"] for e in st.events(type_prefix="job.", after_id=ids[0], limit=1)] == [ids[2]]
+    assert [e["id"] for e in st.events(type_prefix="instance.", job_id="j1")] == [ids[1]]
+    assert st.events(type_prefix="nothing.") == []
+    assert [e["id"] for e in st.iter_events(type_prefix="job.", batch=2)] == [ids[0], ids[2], ids[5]]
+    assert st.last_event_id() == ids[-1]
+    st.close()
