@@ -71,6 +71,10 @@ class CheckpointSpec(BaseModel):
 
     dir: str = Field("checkpoints", description="Checkpoint directory, relative to workdir.")
     interval_minutes: Annotated[float, Field(gt=0)] = Field(30.0, description="How often the job checkpoints.")
+    resumable: bool = Field(True, description="The trainer writes checkpoints and resumes from $BURST_RESUME_FROM. "
+                            "false: a stop loses all its work, so it gets no hybrid plan (nothing to hand over), spot "
+                            "is priced with each preemption restarting it from the start, and a running attempt is "
+                            "never moved between markets.")
 
 
 class JobSpec(BaseModel):

@@ -60,6 +60,15 @@ def test_decide_on_candidate_c_reports_the_cheaper_hybrid_plan(burstctl) -> None
     assert d["plan_cost_usd"] < d["c_rented_usd"]
 
 
+def test_a_job_file_that_says_it_does_not_resume_gets_no_hybrid_plan(burstctl, tmp_path: Path) -> None:
+    fields = dict(work_units=1, local_throughput=0.033, rented_throughput={"H100": 0.17}, deadline_hours=12,
+                  market="on-demand")
+    resumes = json.loads(burstctl("decide", str(write_job(tmp_path, "resumes", **fields)), "--json").stdout)
+    restarts = json.loads(burstctl("decide", str(write_job(tmp_path, "restarts", checkpoint={"resumable": False},
+                                                           **fields)), "--json").stdout)
+    assert (resumes["plan_kind"], restarts["plan_kind"]) == ("hybrid", "burst")
+
+
 def test_decision_record_has_every_section(burstctl) -> None:
     r = burstctl("decide", "--s-local", "0", "--s-rented", "0.17", "--deadline-h", "48", *SEED_FLAGS, "--json",
                  "--name", "full-grpo")

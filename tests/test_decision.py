@@ -25,6 +25,12 @@ def test_priced_job_above_the_ceiling_waits_for_approval() -> None:
     assert d.plan is not None and d.plan.kind == "hybrid"
 
 
+def test_a_job_that_does_not_resume_from_checkpoints_gets_no_hybrid_plan() -> None:
+    # A hybrid hands the local run's checkpoint over to the cloud: without one there is nothing to hand over.
+    d = decide(replace(C, checkpoints=False), CTX)
+    assert d.verdict is Verdict.PRICED and d.plan is not None and d.plan.kind == "burst"
+
+
 def test_priced_job_within_the_ceiling_bursts_by_itself() -> None:
     d = decide(C, replace(CTX, max_auto_delta_usd=50.0))
     assert d.action == "burst"

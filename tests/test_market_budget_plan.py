@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from orchestrator.core.budget import BudgetView, admits, cycle_prices, month_key
@@ -37,6 +39,17 @@ def test_spot_loses_when_preemptions_eat_the_discount() -> None:
 def test_spot_loses_when_its_expected_time_misses_the_deadline() -> None:
     m = choose_market(MarketInputs(**{**RUN, "deadline_h": 6.5, "preemptions_per_h": 0.5}))
     assert m.market == "on-demand"
+
+
+def test_a_job_that_does_not_resume_pays_each_preemption_with_everything_done_so_far() -> None:
+    # Expected hours to finish T uninterrupted hours with restarts at rate λ, r each: (1/λ + r)(e^{λT} − 1).
+    m = choose_market(MarketInputs(**{**RUN, "resumable": False}))
+    assert m.spot_hours == pytest.approx((1 / 0.05 + 0.5) * (math.exp(0.05 * 6.38) - 1))
+    assert m.spot_hours > choose_market(MarketInputs(**RUN)).spot_hours
+    assert m.market == "spot" and "does not resume" in m.reasons[0]  # still cheaper at λ = 0.05
+    long_run = choose_market(MarketInputs(**{**RUN, "run_h": 40.0, "deadline_h": 500.0, "resumable": False}))
+    assert long_run.market == "on-demand"  # e^{2} − 1 ≈ 6.4: restarting 40 h runs costs more than on-demand
+    assert choose_market(MarketInputs(**{**RUN, "run_h": 40.0, "deadline_h": 500.0})).market == "spot"
 
 
 def test_no_spot_market_means_on_demand() -> None:

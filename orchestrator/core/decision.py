@@ -182,7 +182,8 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         run_h=t_r, gpus=job.gpus, od_usd_per_gpu_h=offer.od_usd_per_gpu_h,
         spot_usd_per_gpu_h=offer.spot_usd_per_gpu_h, preemptions_per_h=rate_h,
         checkpoint_interval_h=job.checkpoint_interval_h, restart_overhead_h=ctx.overhead_h,
-        deadline_h=job.deadline_h, deadline_critical=job.deadline_critical, preference=job.market))
+        deadline_h=job.deadline_h, deadline_critical=job.deadline_critical, preference=job.market,
+        resumable=job.checkpoints))
     reasons.extend(f"market: {r}" for r in market.reasons)
     if market.spot_cost_usd is not None:
         reasons.append(f"market: λ = {rate_h:.3g} preemptions/h ({basis})")

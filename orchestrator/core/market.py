@@ -1,13 +1,15 @@
 """Spot or on-demand for one rented run. Pure.
 
 Expected spot cost = spot price × g × (T + E[preemptions] × (work since the last checkpoint + restart overhead)),
-with E[preemptions] = λ·T and the work lost per preemption averaging half a checkpoint interval.
+with E[preemptions] = λ·T and the work lost per preemption averaging half a checkpoint interval. A job that does
+not resume from checkpoints starts over at each preemption: (1/λ + r)(e^{λT} − 1) hours in expectation.
 Spot wins unless the run is deadline-critical, spot's expected time misses the deadline, or its expected cost is
 not lower.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,6 +28,7 @@ class MarketInputs:
     deadline_h: float
     deadline_critical: bool = False
     preference: Literal["auto", "spot", "on-demand"] = "auto"
+    resumable: bool = True  # False: a preemption loses everything done, not half a checkpoint interval
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,14 @@ def choose_market(x: MarketInputs) -> MarketChoice:
         return MarketChoice("on-demand", od_cost, x.run_h, None, None, None, ["no spot market for this GPU type"])
 
     n = x.preemptions_per_h * x.run_h
-    lost_per = x.checkpoint_interval_h / 2.0 + x.restart_overhead_h
-    spot_h = x.run_h + n * lost_per
+    if x.resumable:
+        lost_per = x.checkpoint_interval_h / 2.0 + x.restart_overhead_h
+        spot_h = x.run_h + n * lost_per
+    else:
+        # Each preemption starts it over: the expected time to T hours without an interruption, with rate λ and
+        # overhead r per restart, is (1/λ + r)(e^{λT} − 1) (T when λ = 0).
+        rate = x.preemptions_per_h
+        spot_h = (1.0 / rate + x.restart_overhead_h) * math.expm1(rate * x.run_h) if rate > 0 else x.run_h
     spot_cost = x.spot_usd_per_gpu_h * x.gpus * spot_h
     base = dict(od_cost_usd=od_cost, od_hours=x.run_h, spot_cost_usd=spot_cost, spot_hours=spot_h,
                 expected_preemptions=n, preemptions_per_h=x.preemptions_per_h)
@@ -81,4 +90,7 @@ def choose_market(x: MarketInputs) -> MarketChoice:
         return MarketChoice("on-demand", **base, reasons=["spot's expected time misses the deadline", figures])
     if spot_cost >= od_cost:
         return MarketChoice("on-demand", **base, reasons=["spot is not cheaper once preemptions are counted", figures])
+    if not x.resumable:
+        return MarketChoice("spot", **base, reasons=["spot is cheaper even with each preemption restarting it (the "
+                                                     "job does not resume from checkpoints)", figures])
     return MarketChoice("spot", **base, reasons=["spot is cheaper with checkpoints", figures])

@@ -315,6 +315,8 @@ def attempt_should_move(app: App, job: dict[str, Any], provider: str, offer: Off
     now = time.time() if now is None else now
     if offer.spot_usd_h is None or job["decision"].get("market") != "spot":
         return None
+    if not job["spec"].get("checkpoint", {}).get("resumable", True):
+        return None  # a move restarts a job that does not resume from checkpoints: it stays where it runs
     if market is Market.SPOT:
         choice, facts = _ask_policy(app, job, provider, offer, now, PolicyMarket.SPOT)
         return (Market.ON_DEMAND, facts) if choice is PolicyMarket.ON_DEMAND else None
