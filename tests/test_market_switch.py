@@ -169,6 +169,14 @@ def test_a_job_running_on_spot_moves_to_on_demand_before_a_preemption_could_make
     assert facts["slack_h"] == pytest.approx(0.2) and facts["unsaved_h"] == 0.0
 
 
+def test_a_job_that_does_not_resume_is_never_moved_off_the_market_it_runs_on(app: App) -> None:
+    # The same moment as above, where a job that resumes goes to on-demand: moving this one would start it over.
+    job = _job(app, cloud_h=2.0, overhead_h=0.1, deadline_at=2.1 * H)
+    job["spec"] = {"checkpoint": {"resumable": False}}
+    _running_spot(app, 1, 0.0, last_checkpoint_at=0.1 * H)
+    assert attempt_should_move(app, job, "sim", _offer(), CloudMarket.SPOT, now=0.1 * H) is None
+
+
 def test_work_since_the_last_checkpoint_counts_as_not_done_while_a_preemption_would_lose_it(app: App) -> None:
     # 3.9 h of work; at 1.95 h, 2 h of slack by the clock, but the last checkpoint came home 1.85 h ago: a preemption
     # now would lose that work, and leave 0.15 h of slack. The safety net counts it as not done.
