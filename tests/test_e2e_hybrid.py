@@ -8,8 +8,12 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
+from sqlalchemy import select
 
+from state import schema as s
+from state.store import Store
 from tests.e2e import (
     REPO,
     Daemon,
@@ -19,6 +23,7 @@ from tests.e2e import (
     job,
     sim_instances,
     simcloud,
+    store_url,
     trainer_job,
     wait_for,
     write_config,
@@ -115,3 +120,56 @@ def test_a_local_run_slower_than_its_estimate_bursts_earlier_from_its_measured_p
     resumed = [e["data"] for e in events(state, "job.resumed")]
     assert resumed[-1].get("provider") == "sim" and int(resumed[-1]["checkpoint"].removeprefix("step-")) > 0
     assert len(instances) == 1 and instances[0]["status"] == "terminated"
+
+
+def test_with_no_cloud_capacity_at_the_hand_over_the_local_run_goes_on_until_the_cloud_can_take_the_rest(
+        tmp_path: Path) -> None:
+    # The same job as above (hand-over due about 10 s after the start), on a cloud with no H100 capacity, on
+    # either market. Stopping
+    # the local run for a burst that cannot launch would idle the local GPU and, after a few refused launches,
+    # drop the job: it runs on locally instead, and bursts when capacity comes back.
+    state = tmp_path / "state"
+    spec = _two_speed_job(tmp_path, "no-capacity", s_local=90, s_rented=180, deadline_hours=0.008778)
+    h100 = "gpu_1x_h100_sxm5"
+    with simcloud(tmp_path, "--capacity", f"{h100}=0", "--capacity", f"{h100}_spot=0") as url:
+        config = write_config(tmp_path, url, policy={"overhead_h": 0.001, "hybrid_margin_h": 0.0,
+                                                     "default_market": "on-demand"},
+                              daemon={"offers_ttl_s": 1.0})  # capacity coming back is seen within a second
+        r = cli(config, state, "enqueue", str(spec), "--json")
+        assert r.returncode == 0, r.stderr
+        job_id = json.loads(r.stdout)["id"]
+        daemon = EnvDaemon(tmp_path, config, state).start(env={"LOCAL_STEP_S": "0.5"})
+        try:
+            held = wait_for(lambda: events(state, "attempt.hand_over_held"), 60, "the hand-over to be held")[0]
+            assert "no cloud lists capacity for 1×H100" in held["data"]["reason"]
+            done_then = held["data"]["units_done"]
+            wait_for(lambda: (job(state, job_id)["reason"] or "").startswith("running on locally"), 30,
+                     "the job's reason to say so")
+            # The local run keeps working past the due time, and nothing was stopped or launched meanwhile.
+            wait_for(lambda: _units_done(state, job_id) > done_then + 0.02, 30, "local progress past the due time")
+            assert not events(state, "attempt.stop_requested") and not events(state, "attempt.intent")
+            for region in ("us-east-1", "us-west-1"):
+                httpx.post(f"{url}/_sim/capacity", json={"instance_type": h100, "region": region, "count": 1},
+                           timeout=5).raise_for_status()
+            wait_for(lambda: job(state, job_id)["state"] == "done", 120, "the job to burst the rest and finish")
+        finally:
+            assert daemon.stop() == 0
+        instances = sim_instances(url)
+
+    [stop] = events(state, "attempt.stop_requested")
+    assert stop["ts"] > held["ts"] and stop["data"]["units_done"] > done_then
+    resumed = [e["data"] for e in events(state, "job.resumed")]
+    assert resumed[-1].get("provider") == "sim" and int(resumed[-1]["checkpoint"].removeprefix("step-")) > 0
+    assert len(instances) == 1 and job(state, job_id)["state"] == "done"
+
+
+def _units_done(state: Path, job_id: str) -> float:
+    """The work the job's local attempts counted done, as the daemon recorded it."""
+    st = Store(store_url(state))
+    try:
+        with st.engine.connect() as c:
+            infos = [r[0] for r in c.execute(select(s.attempts.c.info).where(s.attempts.c.job_id == job_id,
+                                                                             s.attempts.c.where == "local"))]
+    finally:
+        st.close()
+    return max([float((i or {}).get("units_done") or 0.0) for i in infos] + [0.0])

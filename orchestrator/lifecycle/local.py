@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -55,9 +56,13 @@ STOPPED_OUTSIDE = "stopped from outside burstctl (SIGTERM or SIGINT to its super
 
 
 class LocalRunner:
-    def __init__(self, app: App):
+    def __init__(self, app: App, hand_over_held: Callable[[dict[str, Any], float], str | None] | None = None):
         self.app = app
         self.cfg = app.config
+        # Why a hybrid plan's local phase cannot hand over now (no cloud can take the rest), else None: the
+        # reconciler's look at the clouds. Holding keeps the local GPU working instead of stopping it for a burst
+        # that would be refused.
+        self.hand_over_held = hand_over_held
 
     def run_dir(self, attempt_id: str) -> Path:
         return self.cfg.state_dir / "runs" / attempt_id
@@ -74,9 +79,10 @@ class LocalRunner:
             info["hybrid"] = terms
             info["units_done"] = terms["done_at_start"]
             info["switch_at"] = latest_switch_at(done=terms["done_at_start"], **_switch_args(terms))
-            if info["switch_at"] <= now:
+            if info["switch_at"] <= now and (self.hand_over_held is None or self.hand_over_held(job, now) is None):
                 # The job waited (behind another local job, outside the local GPU's hours, or after a restart):
-                # the rest no longer fits after a local phase, so it bursts at once.
+                # the rest no longer fits after a local phase, so it bursts at once (unless no cloud can take it:
+                # then it runs locally meanwhile, and `step` hands over when one can).
                 self._hand_over_now(job, terms)
                 return False
         with self.app.store.tx() as conn:
@@ -189,8 +195,12 @@ class LocalRunner:
                 progress = self._replan(att, info, now)
             if job["state"] == JobState.CANCELLED.value:
                 wanted = "cancelled"
-            elif info.get("switch_at") and now >= info["switch_at"]:
-                wanted = "hybrid-switch"
+            elif info.get("switch_at") and now >= info["switch_at"] and not info.get("stop_requested"):
+                held = self.hand_over_held(job, now) if self.hand_over_held is not None else None
+                if held is None:
+                    wanted = "hybrid-switch"
+                else:
+                    progress["reason"] = self._hold(att, job, info, held)
             if wanted and not info.get("stop_requested"):
                 supervisor.stop(run, grace_s=30.0)  # SIGTERM: the trainer writes a last checkpoint
                 info["stop_requested"] = now
@@ -215,6 +225,17 @@ class LocalRunner:
             self._end(att, job, A.PREEMPTED, STOPPED_OUTSIDE, info)
         else:
             self._end(att, job, A.FAILED, f"exited: {reason} (code {ex.get('exit_code')})", info)
+
+    def _hold(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], why: str) -> str:
+        """The hand-over is due but no cloud can take the rest: run on locally, say so (an event when it starts
+        holding, or holds for another reason), and hand over as soon as the cloud can take it."""
+        due = datetime.fromtimestamp(info["switch_at"], UTC).strftime("%H:%M:%S")
+        if info.get("hand_over_held") != why:
+            info["hand_over_held"] = why
+            self.app.events.emit("attempt.hand_over_held", job_id=job["id"], attempt_id=att["id"], reason=why,
+                                 switch_at=round(info["switch_at"], 3), units_done=info.get("units_done"))
+        return (f"running on locally (hybrid plan): the hand-over to the cloud was due at {due} UTC, but {why}; "
+                "it bursts the rest once the cloud can take it, and may miss the deadline")
 
     def _replan(self, att: dict[str, Any], info: dict[str, Any], now: float) -> dict[str, Any]:
         """A hybrid plan's local phase: the hand-over moved to the latest instant that still makes the deadline

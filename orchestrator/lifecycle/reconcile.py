@@ -111,7 +111,7 @@ class Reconciler:
         self.store = app.store
         self.providers = dict(providers)
         self.clock = clock
-        self.local = LocalRunner(app)
+        self.local = LocalRunner(app, hand_over_held=self._hand_over_held)
         self.cloud = cloud  # CloudSteps: SSH, runbooks, syncs (None: the cloud is not configured)
         self.offers = OfferCache(ttl_s=self.cfg.daemon.offers_ttl_s,
                                  on_refresh=lambda name, offers, now: record_spot_listings(app, name, offers, now))
@@ -474,6 +474,29 @@ class Reconciler:
                 for r in self._recent_launch_failures(job["id"]):
                     info = {**r["info"], "failure_counted": False}
                     conn.execute(update(s.attempts).where(s.attempts.c.id == r["id"]).values(info=info))
+
+    def _hand_over_held(self, job: dict[str, Any], now: float) -> str | None:
+        """Why a hybrid job's local phase cannot hand over now, else None. Stopping the local run for a burst
+        that cannot launch would leave the local GPU idle while the deadline slips further. A provider that lists
+        capacity and lists none for the job's GPUs holds it; one that cannot tell without launching (EC2 lists
+        its zones whatever their capacity) lets it go."""
+        if not burst_enabled(self.app):
+            return "bursting is disabled (revert-local)"
+        if self.cloud is None or not self.providers:
+            return "no cloud provider is usable"
+        spec = job["spec"]
+        wanted = {g.upper() for g in spec["rented_throughput"]}
+        problems = []
+        for name, provider in self.providers.items():
+            try:
+                offers = self.offers.get(name, provider, now)
+            except ProviderError as exc:
+                problems.append(f"{name}: {type(exc).__name__}")
+                continue
+            if any(o.gpu_model.upper() in wanted and o.gpu_count == spec["gpus"] and o.regions for o in offers):
+                return None
+        gpus = ", ".join(f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
+        return f"no cloud lists capacity for {gpus}" + (f" ({'; '.join(problems)})" if problems else "")
 
     def _note(self, job: dict[str, Any], reason: str, *, same_as: str | None = None) -> None:
         """Say why the job waits. A reason that only updates one starting with `same_as` (a slack counting down)
