@@ -164,10 +164,12 @@ class Trainer:
         if self.metrics_file is None:
             return
         hours = (time.monotonic() - self.started) / 3600.0
-        done_here = (self.state["step"] - self.first_step) / self.args.steps
+        # In the job's work units (W, from its job file), so the daemon can compare them with s_L, s_R and W.
+        units = float(os.environ.get("BURST_WORK_UNITS") or 1.0)
+        done_here = units * (self.state["step"] - self.first_step) / self.args.steps
         metrics = {
             "step": self.state["step"], "steps": self.args.steps,
-            "units_done": self.state["step"] / self.args.steps,
+            "units_done": units * self.state["step"] / self.args.steps,
             "throughput_units_h": done_here / hours if hours > 0 else None,
         }
         write_json_atomic(self.metrics_file, metrics)

@@ -167,6 +167,14 @@ def test_runs_are_deterministic_and_report_result_and_metrics(tmp_path: Path) ->
     assert metrics["throughput_units_h"] > 0
 
 
+def test_progress_is_reported_in_the_job_s_work_units(tmp_path: Path) -> None:
+    # A job of W = 4 units reports 4 units done at its end (not 1.0, "the whole job"), and its speed in units.
+    proc = run_trainer(tmp_path, "--steps", "40", "--checkpoint-every", "20", env={"BURST_WORK_UNITS": "4.0"})
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["step"] == 40 and metrics["units_done"] == 4.0
+
+
 def test_sigterm_writes_a_checkpoint_at_the_current_step_and_exits_143(tmp_path: Path) -> None:
     env = {**os.environ, "BURST_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "BURST_RESUME_FROM": ""}
     proc = subprocess.Popen([sys.executable, str(TRAINER), "--steps", "100000", "--checkpoint-every", "7",

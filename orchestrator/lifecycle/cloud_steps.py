@@ -26,6 +26,7 @@ from sqlalchemy import select, update
 
 from orchestrator.app import App
 from orchestrator.lifecycle import checkpoints, passenv
+from orchestrator.lifecycle.local import work_units_env
 from orchestrator.remote import ssh, sync
 from providers.base import InstanceInfo, Provider
 from runbooks.checkpoint_transfer import PulledCheckpoints, TransferError
@@ -193,7 +194,8 @@ class CloudSteps:
             # call runs it directly rather than paying a second Python start for the version check.
             python = ssh.run(conn, ["sh", f"{base}/runbooks/bootstrap.sh", "--which-python"],
                              timeout=60).stdout.strip().splitlines()[-1]
-            env = {**spec.get("env", {}), **passenv.values(spec, self.app.redactor), "PYTHONPATH": f"{base}/runbooks"}
+            env = {**spec.get("env", {}), **passenv.values(spec, self.app.redactor), **work_units_env(spec),
+                   "PYTHONPATH": f"{base}/runbooks"}
             write_remote_env_file(conn, f"{run_dir}/job.env", env)
             timings["bootstrap"] = time.monotonic() - t
 

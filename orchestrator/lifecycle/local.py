@@ -41,6 +41,11 @@ def _switch_args(terms: dict[str, Any]) -> dict[str, float]:
     return {k: terms[k] for k in ("deadline_at", "work", "rented_units_h", "overhead_h", "margin_h")}
 
 
+def work_units_env(spec: dict[str, Any]) -> dict[str, str]:
+    """The job's W for its trainer, so that `units_done` and `throughput_units_h` come back in the job's units."""
+    return {"BURST_WORK_UNITS": repr(float(spec.get("work_units", 1.0)))}
+
+
 def write_env_file(path: Path, env: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -145,7 +150,7 @@ class LocalRunner:
         # pass_env's values go to the supervisor through its own environment, never into a file under <state>.
         passed = passenv.values(spec, self.app.redactor)
         env_file = run / "job.env"
-        write_env_file(env_file, {**spec.get("env", {}), "PYTHONPATH": str(RUNBOOKS)})
+        write_env_file(env_file, {**spec.get("env", {}), **work_units_env(spec), "PYTHONPATH": str(RUNBOOKS)})
         argv = [sys.executable, str(SUPERVISOR), "--run-dir", str(run), "--job-id", job["id"],
                 "--attempt", str(att["n"]), "--checkpoint-dir", str(ckpt), "--workdir", spec["workdir"],
                 "--env-file", str(env_file),
