@@ -192,6 +192,7 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         rented={gpu: (measured or {}).get(gpu, s_r) for gpu, s_r in spec.rented_throughput.items()},
         gpus=spec.gpus, deadline_h=(deadline_at - now) / 3600.0,
         market=spec.market or cfg.policy.default_market, deadline_critical=spec.deadline_critical,
+        market_from="job" if spec.market else "policy.default_market",
         checkpoint_interval_h=spec.checkpoint.interval_minutes / 60.0, checkpoints=spec.checkpoint.resumable,
         fits_local_memory=fits_local, per_gpu_gb=per_gpu,
     )

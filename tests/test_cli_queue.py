@@ -69,6 +69,16 @@ def test_a_job_file_that_says_it_does_not_resume_gets_no_hybrid_plan(burstctl, t
     assert (resumes["plan_kind"], restarts["plan_kind"]) == ("hybrid", "burst")
 
 
+def test_a_market_the_job_did_not_choose_is_credited_to_the_policy_default(burstctl, tmp_path: Path) -> None:
+    (tmp_path / "burstctl.toml").write_text('[policy]\ndefault_market = "on-demand"\n')
+    chosen_by_policy = json.loads(burstctl("decide", str(write_job(tmp_path, "p", local_throughput=0)),
+                                          "--json").stdout)
+    chosen_by_job = json.loads(burstctl("decide", str(write_job(tmp_path, "j", local_throughput=0,
+                                                                market="on-demand")), "--json").stdout)
+    assert "market: policy.default_market asks for on-demand" in chosen_by_policy["reasons"]
+    assert "market: job asks for on-demand" in chosen_by_job["reasons"]
+
+
 def test_decision_record_has_every_section(burstctl) -> None:
     r = burstctl("decide", "--s-local", "0", "--s-rented", "0.17", "--deadline-h", "48", *SEED_FLAGS, "--json",
                  "--name", "full-grpo")

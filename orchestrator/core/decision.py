@@ -37,6 +37,7 @@ class JobFacts:
     gpus: int
     deadline_h: float
     market: Literal["auto", "spot", "on-demand"] = "auto"
+    market_from: str = "job"  # who chose `market`: "job", or "policy.default_market" when the job did not
     deadline_critical: bool = False
     checkpoint_interval_h: float = 0.5
     checkpoints: bool = True
@@ -183,7 +184,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         spot_usd_per_gpu_h=offer.spot_usd_per_gpu_h, preemptions_per_h=rate_h,
         checkpoint_interval_h=job.checkpoint_interval_h, restart_overhead_h=ctx.overhead_h,
         deadline_h=job.deadline_h, deadline_critical=job.deadline_critical, preference=job.market,
-        resumable=job.checkpoints))
+        resumable=job.checkpoints, preference_from=job.market_from))
     reasons.extend(f"market: {r}" for r in market.reasons)
     if market.spot_cost_usd is not None:
         reasons.append(f"market: λ = {rate_h:.3g} preemptions/h ({basis})")

@@ -29,6 +29,7 @@ class MarketInputs:
     deadline_critical: bool = False
     preference: Literal["auto", "spot", "on-demand"] = "auto"
     resumable: bool = True  # False: a preemption loses everything done, not half a checkpoint interval
+    preference_from: str = "job"  # who set `preference`, for the record: "job" or "policy.default_market"
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,11 @@ def choose_market(x: MarketInputs) -> MarketChoice:
                f"vs on-demand ${od_cost:.2f} over {x.run_h:.2f} h")
 
     if x.preference == "on-demand":
-        return MarketChoice("on-demand", **base, reasons=["job asks for on-demand", figures])
+        return MarketChoice("on-demand", **base, reasons=[f"{x.preference_from} asks for on-demand", figures])
     if x.deadline_critical:
         return MarketChoice("on-demand", **base, reasons=["deadline-critical: no preemption risk taken", figures])
     if x.preference == "spot":
-        return MarketChoice("spot", **base, reasons=["job asks for spot", figures])
+        return MarketChoice("spot", **base, reasons=[f"{x.preference_from} asks for spot", figures])
     if spot_h > x.deadline_h:
         return MarketChoice("on-demand", **base, reasons=["spot's expected time misses the deadline", figures])
     if spot_cost >= od_cost:
