@@ -120,14 +120,20 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
     deadline = "" if late_h is None else (f"; deadline missed by {_span(late_h)}" if late_h > 0
                                           else f"; deadline met with {_span(-late_h)} to spare")
     split = f" (local {local_h:.2f} h, cloud {run_h - local_h:.2f} h)" if 0 < local_h < run_h else ""
+    # The plan priced local hours at local.usd_per_hour (power, wear): the same figure, so the two compare. The
+    # cloud's is the meter's (the ledger), which is what the budget counts.
+    local_usd = local_h * app.config.local.usd_per_hour
+    costs = f"${cost:.2f}" + (f" cloud + ${local_usd:.2f} local at {records.fmt_usd(app.config.local.usd_per_hour)}/h"
+                              if local_usd > 0 else "")
     text = ("" if ended == "done" else f"{ended}: ") + (
-        f"run {run_h:.2f} h{split}, cost ${cost:.2f}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
+        f"run {run_h:.2f} h{split}, cost {costs}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
         f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else "") + deadline)
     if job.get("record_path") and Path(job["record_path"]).exists():
         records.fill_measured(Path(job["record_path"]), text)
     app.events.emit("job.measured", job_id=job["id"], conn=conn, run_h=round(run_h, 4), cost_usd=round(cost, 4),
                     where=where, preemptions=preemptions, peak_vram_gb=peak, ended=ended,
-                    local_h=round(local_h, 4), deadline_met=None if late_h is None else late_h <= 0,
+                    local_h=round(local_h, 4), local_cost_usd=round(local_usd, 4),
+                    deadline_met=None if late_h is None else late_h <= 0,
                     late_h=None if late_h is None else round(late_h, 4))
 
 
