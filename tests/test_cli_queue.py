@@ -52,6 +52,12 @@ def test_decide_prints_the_gates_in_the_seed_scripts_words(burstctl) -> None:
     assert "price of the deadline: dC ~ $16.12 to save 23.92 h." in r.stdout
 
 
+def test_a_local_run_just_past_the_deadline_is_printed_with_the_decimals_that_show_it(burstctl) -> None:
+    # 1 / 0.0833 = 12.0048 h against 12 h: "12.00 h > 12.00 h" would contradict itself.
+    r = burstctl("decide", "--s-local", "0.0833", "--s-rented", "0.17", "--deadline-h", "12", *SEED_FLAGS)
+    assert "GATE 2: local MISSES the deadline (12.005 h > 12.000 h)." in r.stdout
+
+
 def test_decide_on_candidate_c_reports_the_cheaper_hybrid_plan(burstctl) -> None:
     r = burstctl("decide", "--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12", *SEED_FLAGS, "--json")
     d = json.loads(r.stdout)

@@ -105,6 +105,15 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
         out.print(f"[dim]decision record: {record}[/dim]")
 
 
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """Two hour figures with as many decimals (2 to 6) as it takes for them not to print alike: a local run of
+    12.0048 h misses a 12 h deadline, and "12.00 h > 12.00 h" would read as a contradiction."""
+    n = 2
+    while n < 6 and f"{a:.{n}f}" == f"{b:.{n}f}":
+        n += 1
+    return f"{a:.{n}f}", f"{b:.{n}f}"
+
+
 def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
     """The seed script's wording, then what burstctl adds (market, plan, budget, approval)."""
     p = out.print
@@ -117,16 +126,16 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
         p(f"GATE 1: fits locally. local wall-clock ~ {d['t_local_h']:.2f} h, cost ~ ${d['c_local_usd']:.2f} "
           "(electricity).")
         if d["verdict"] == "local":
-            p(f"GATE 2: local MAKES the deadline ({d['t_local_h']:.2f} h <= {D:.2f} h) -> RUN LOCAL. "
+            p("GATE 2: local MAKES the deadline ({} h <= {} h) -> RUN LOCAL. ".format(*_apart(d["t_local_h"], D)) +
               "Renting is waste.")
         else:
-            p(f"GATE 2: local MISSES the deadline ({d['t_local_h']:.2f} h > {D:.2f} h).")
+            p("GATE 2: local MISSES the deadline ({} h > {} h).".format(*_apart(d["t_local_h"], D)))
             if d["verdict"] == "rethink":
                 tr = d["t_rented_h"]
                 p(f"  ...but rented also misses ({tr:.2f} h). Rethink scope, not hardware." if tr is not None
                   else "  ...and none of the rented GPU types it names can run it (why below).")
             else:
-                p(f"  rented makes it: {d['t_rented_h']:.2f} h <= {D:.2f} h.")
+                p("  rented makes it: {} h <= {} h.".format(*_apart(d["t_rented_h"], D)))
                 if d["delta_cost_usd"] >= 0:
                     p(f"  price of the deadline: dC ~ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h.")
                 else:
