@@ -95,6 +95,10 @@ def test_open_charges_accrue_until_closed(db_url: str) -> None:
     assert abs(st.month_spend("2026-11", now=1000.0 + 1800) - 1.8) < 1e-9
     st.close_charge(cid, ended_at=1000.0 + 3600, billed_seconds=3600, cost_usd=3.6)
     assert abs(st.month_spend("2026-11", now=99999.0) - 3.6) < 1e-9
+    # Closed and open charges together; another month's are not this month's.
+    st.open_charge({"month": "2026-11", "provider": "sim", "rate_usd_h": 1.2, "started_at": 99999.0})
+    st.open_charge({"month": "2026-12", "provider": "sim", "rate_usd_h": 9.0, "started_at": 0.0})
+    assert abs(st.month_spend("2026-11", now=99999.0 + 3600) - 4.8) < 1e-9
 
 
 def test_the_newest_events_are_read_from_the_end_in_order(db_url: str) -> None:
