@@ -385,27 +385,19 @@ class Reconciler:
         wanted = {g.upper(): s_r for g, s_r in spec["rented_throughput"].items()}
         best: tuple[float, str, Offer, Market, dict[str, Any]] | None = None
         waiting: dict[str, Any] | None = None  # what the policy rests on where it waits for listed spot
-        problems: list[str] = []
-        for name, provider in self.providers.items():
-            try:
-                offers = self.offers.get(name, provider, now)
-            except ProviderError as exc:
-                problems.append(f"{name}: {type(exc).__name__}: {self.app.redactor(str(exc))[:200]}")
+        offers, problems = self._offers_with_capacity(job, now)
+        for name, o in offers:
+            market, why = market_for_attempt(self.app, job, name, o, now)
+            if market is Market.SPOT and why.get("choice") == "idle" and now < spec.get("_spot_probe_at", 0):
+                market = None  # the policy waits, and the next probe of spot is not due yet
+            if market is None:
+                waiting = why
                 continue
-            for o in offers:
-                if o.gpu_model.upper() not in wanted or o.gpu_count != spec["gpus"] or not o.regions:
-                    continue
-                market, why = market_for_attempt(self.app, job, name, o, now)
-                if market is Market.SPOT and why.get("choice") == "idle" and now < spec.get("_spot_probe_at", 0):
-                    market = None  # the policy waits, and the next probe of spot is not due yet
-                if market is None:
-                    waiting = why
-                    continue
-                price = o.price(market) or o.on_demand_usd_h
-                speed = wanted[o.gpu_model.upper()]
-                cost = price / speed  # $ per unit of work
-                if best is None or cost < best[0]:
-                    best = (cost, name, o, market, why)
+            price = o.price(market) or o.on_demand_usd_h
+            speed = wanted[o.gpu_model.upper()]
+            cost = price / speed  # $ per unit of work
+            if best is None or cost < best[0]:
+                best = (cost, name, o, market, why)
         if waiting is not None and (best is None or best[3] is Market.ON_DEMAND):
             # The policy waits for spot that a provider lists as gone: no launch, and no on-demand elsewhere.
             # Asked again a market_check_s from now, or when the next probe of spot is due if that is sooner.
@@ -484,19 +476,28 @@ class Reconciler:
             return "bursting is disabled (revert-local)"
         if self.cloud is None or not self.providers:
             return "no cloud provider is usable"
+        offers, problems = self._offers_with_capacity(job, now)
+        if offers:
+            return None
+        gpus = ", ".join(f"{job['spec']['gpus']}×{g}" for g in job["spec"]["rented_throughput"])
+        return f"no cloud lists capacity for {gpus}" + (f" ({'; '.join(problems)})" if problems else "")
+
+    def _offers_with_capacity(self, job: dict[str, Any], now: float) -> tuple[list[tuple[str, Offer]], list[str]]:
+        """(provider, offer) for each offer of a GPU type and count the job names, in a region with capacity now;
+        and each provider that did not answer, with its error."""
         spec = job["spec"]
         wanted = {g.upper() for g in spec["rented_throughput"]}
-        problems = []
+        found: list[tuple[str, Offer]] = []
+        problems: list[str] = []
         for name, provider in self.providers.items():
             try:
                 offers = self.offers.get(name, provider, now)
             except ProviderError as exc:
-                problems.append(f"{name}: {type(exc).__name__}")
+                problems.append(f"{name}: {type(exc).__name__}: {self.app.redactor(str(exc))[:200]}")
                 continue
-            if any(o.gpu_model.upper() in wanted and o.gpu_count == spec["gpus"] and o.regions for o in offers):
-                return None
-        gpus = ", ".join(f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
-        return f"no cloud lists capacity for {gpus}" + (f" ({'; '.join(problems)})" if problems else "")
+            found += [(name, o) for o in offers
+                      if o.gpu_model.upper() in wanted and o.gpu_count == spec["gpus"] and o.regions]
+        return found, problems
 
     def _note(self, job: dict[str, Any], reason: str, *, same_as: str | None = None) -> None:
         """Say why the job waits. A reason that only updates one starting with `same_as` (a slack counting down)
