@@ -81,7 +81,7 @@ def test_with_no_capacity_the_job_waits_with_a_clear_reason_and_runs_when_capaci
         sim_admin(url, "faults", {"kind": "insufficient-capacity", "route": "instance-operations/launch",
                                   "count": 10_000})
         # A long backoff, so the job sits blocked (with its reason) long enough to be read.
-        config = write_config(tmp_path, url, daemon={"max_launch_failures": 2, "launch_backoff_s": 20.0})
+        config = write_config(tmp_path, url, daemon={"max_launch_failures": 2, "launch_backoff_s": 6.0})
         job_id = enqueue(config, state, trainer_job(tmp_path, "starved"))
         daemon = Daemon(tmp_path, config, state).start()
         try:
