@@ -260,6 +260,8 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
                measured: dict[str, float] | None = None) -> str | None:
     """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state.
     `measured`: its name's measured s_R when the caller read it for a batch (else read here)."""
+    from orchestrator.lifecycle import checkpoints
+
     spec = spec_of(job)
     if measured is None:
         measured = measured_rented_throughput(app, spec)
@@ -269,6 +271,8 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
     done = work_done(app, job["id"], conn)
     if done > 0:
         job_facts = replace(job_facts, work=max(job_facts.work - done, job_facts.work * 1e-6))
+    if checkpoints.latest(app.config, job["id"], deep=False) is not None:
+        job_facts = replace(job_facts, started=True)
     decision = decide(job_facts, ctx)
     target = STATE_FOR_ACTION[decision.action]
     if target.value == job["state"]:

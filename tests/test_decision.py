@@ -31,6 +31,13 @@ def test_a_job_that_does_not_resume_from_checkpoints_gets_no_hybrid_plan() -> No
     assert d.verdict is Verdict.PRICED and d.plan is not None and d.plan.kind == "burst"
 
 
+def test_a_job_that_cannot_meet_its_deadline_is_rethink_unless_it_has_started_then_it_finishes_locally() -> None:
+    hopeless = replace(C, deadline_h=2.0)  # local 30.3 h, rented 6.38 h: neither makes 2 h
+    assert decide(hopeless, CTX).action == "rethink"
+    started = decide(replace(hopeless, started=True), CTX)
+    assert started.verdict is Verdict.RETHINK and started.action == "run-local" and started.placement == "local"
+
+
 def test_priced_job_within_the_ceiling_bursts_by_itself() -> None:
     d = decide(C, replace(CTX, max_auto_delta_usd=50.0))
     assert d.action == "burst"

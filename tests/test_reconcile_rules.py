@@ -201,3 +201,44 @@ def test_a_blocked_job_that_has_run_is_decided_again_on_the_work_it_has_left(tmp
     assert job["decision"]["work_done"] == 0.8 and job["decision"]["t_rented_h"] == pytest.approx(0.2 / 0.17 + 0.5,
                                                                                                   abs=1e-3)
     app.close()
+
+
+def test_a_started_job_whose_deadline_can_no_longer_be_met_is_finished_late_locally_not_dropped(
+        tmp_path: Path) -> None:
+    # Half done, its checkpoint home, its relaunch refused until 1 h of its deadline is left: neither local nor
+    # rented finishes the rest by then. A job that never ran would be rethink (never runs); this one has work to
+    # lose, and the deadline was the only reason to rent: it finishes locally, late.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "late", local_throughput=0.033, deadline_hours=20,
+                                          rented_throughput={"H100": 0.17}, market="on-demand"))
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000500", {"state.json": b"{}"})
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="preempted",
+                                            provider="sim", instance_type="x", market="on-demand", created_at=0.0,
+                                            info={"metrics": {"units_done": 0.5}}))
+        app.store.update_job(job_id, c, deadline_at=time.time() + 1 * 3600)
+    rec = Reconciler(app, {}, cloud=None)
+    job = app.store.get_job(job_id)
+    assert job is not None
+    rec._block(job, "3 launches failed in a row (NoCapacity)")
+    rec._redecide_blocked(time.time())
+    job = app.store.get_job(job_id)
+    assert job is not None and job["decision"]["verdict"] == "rethink"
+    assert (job["state"], job["placement"]) == ("queued", "local")
+    assert "finishes late, locally" in job["reason"]
+    app.close()
+
+
+def test_a_job_that_never_ran_and_cannot_meet_its_deadline_is_still_rethink(tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "hopeless", local_throughput=0.033, deadline_hours=20,
+                                          rented_throughput={"H100": 0.17}, market="on-demand"))
+    with app.store.tx() as c:
+        app.store.update_job(job_id, c, deadline_at=time.time() + 1 * 3600)
+    rec = Reconciler(app, {}, cloud=None)
+    job = app.store.get_job(job_id)
+    assert job is not None
+    rec._block(job, "3 launches failed in a row (NoCapacity)")
+    rec._redecide_blocked(time.time())
+    assert app.store.get_job(job_id)["state"] == "rethink"
+    app.close()

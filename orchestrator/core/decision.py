@@ -41,6 +41,9 @@ class JobFacts:
     deadline_critical: bool = False
     checkpoint_interval_h: float = 0.5
     checkpoints: bool = True
+    # It has run and a checkpoint of it is home (`work` is then what is left): when the deadline can no longer be
+    # met, it is finished late rather than dropped into rethink with its work thrown away.
+    started: bool = False
     fits_local_memory: bool | None = None  # from sizing; None when no [model] table
     per_gpu_gb: float | None = None  # from sizing, on the rented GPU count
 
@@ -174,8 +177,16 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
     if g.verdict is Verdict.LOCAL:
         plan = Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),))
         return Decision(g.verdict, "run-local", g, gpu, offer.od_usd_per_gpu_h, None, plan, reasons, ctx.overhead_h)
-    if g.verdict is Verdict.RETHINK:
+    if g.verdict is Verdict.RETHINK and not job.started:
         return Decision(g.verdict, "rethink", g, gpu, offer.od_usd_per_gpu_h, None, None, reasons, ctx.overhead_h)
+    if g.verdict is Verdict.RETHINK:
+        # Gate 2's verdict, so the job fits locally. The deadline is lost either way, and it was the only reason to
+        # rent: finish what is left locally rather than throw the work done away.
+        reasons.append(f"its deadline can no longer be met by local ({g.t_local_h:.2f} h) or rented "
+                       f"({g.t_rented_h:.2f} h): it finishes late, locally; `burstctl cancel` ends it instead")
+        plan = Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),))
+        return Decision(g.verdict, "run-local", g, gpu, offer.od_usd_per_gpu_h, None, plan, reasons,
+                        ctx.overhead_h)
 
     t_r = g.t_rented_h or math.inf
     rate_h, basis = ctx.preemptions_by_gpu.get(gpu.upper(), (ctx.preemptions_per_h, ctx.preemptions_basis))
