@@ -499,6 +499,12 @@ class Rehearsal:
             return f"did not finish: job {state}", False
         if not self.preemptions:
             return "not rehearsed: no preemption happened", False
+        stranded = [p for p in self.preemptions if p.resumed_correctly is None and not p.resumed_from
+                    and p.checkpoint_before]
+        if stranded:  # written on the instance (often on the notice's SIGTERM) but never pulled home in time
+            return (f"loses all work on preemption: {', '.join(p.checkpoint_before or '' for p in stranded)} "
+                    f"did not come home before the reclaim (preemption(s) {[p.n for p in stranded]}); the next "
+                    "attempt started over: checkpoint before the notice, or give a longer --notice-s"), False
         unknown = [p.n for p in self.preemptions if p.resumed_correctly is None]
         if unknown:
             return f"resume not verified: no checkpoint written after preemption(s) {unknown}", False

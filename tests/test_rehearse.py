@@ -180,3 +180,24 @@ def test_a_job_that_fails_at_once_is_reported_failed_with_its_reason(tmp_path: P
     assert res["state"] == "failed" and res["verdict"] == "did not finish: job failed"
     assert [n for n in res["notes"] if n.startswith("the job failed: ")], res["notes"]
     assert not any("make it run longer" in n for n in res["notes"])
+
+
+def test_a_checkpoint_that_never_came_home_is_reported_as_lost_work_not_as_an_unverified_resume(
+        tmp_path: Path) -> None:
+    """A trainer preempted before its first periodic checkpoint writes one on the notice's SIGTERM; when the reclaim
+    comes before the daemon has pulled it, the next attempt rightly starts over. The verdict says so, naming the
+    checkpoint; it used to read "no checkpoint written after preemption(s) [1]", which sent the user looking for
+    a resume bug in a trainer whose later attempts wrote checkpoints and resumed correctly."""
+    from orchestrator.rehearse import Preemption, Rehearsal, RehearsalOptions
+
+    r = Rehearsal(tmp_path / "job.toml", RehearsalOptions(), say=lambda _: None, workdir=tmp_path)
+    stranded = Preemption(n=1, attempt_id="j-a1", instance="i1", running_at=0.0, notice_at=2.6, reclaim_due=4.6,
+                          checkpoint_before="step-00000022", step_before=22, had_checkpoint=True)
+    resumed = Preemption(n=2, attempt_id="j-a2", instance="i2", running_at=10.0, notice_at=13.6, reclaim_due=15.6,
+                         checkpoint_before="step-00000052", step_before=52, had_checkpoint=True,
+                         resumed_from="step-00000052", resumed_step=52, resumed_correctly=True)
+    r.preemptions = [stranded, resumed]
+    verdict, ok = r._verdict("done", False, 0)
+    assert not ok
+    assert verdict.startswith("loses all work on preemption: step-00000022 did not come home before the reclaim")
+    assert "[1]" in verdict and "no checkpoint written after" not in verdict
