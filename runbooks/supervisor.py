@@ -609,12 +609,26 @@ class Supervisor:
             record["s3"] = self.s3
         if error:
             record["error"] = error
+        if exit_code not in (0, None) or reason == "failed":
+            # Why it failed, in the command's own words: the daemon has only this record, not the log.
+            record["stderr_tail"] = _last_line(self.run_dir / STDERR_LOG)
         write_json_atomic(self.run_dir / EXIT_FILE, record, durable=True)
         self.state = "exited"
         self.heartbeat()
         self.log(f"exited: reason={reason} exit_code={exit_code} signal={sig}")
         print(json.dumps(record, sort_keys=True), flush=True)
         return exit_code if exit_code is not None else 128 + (sig or 0)
+
+
+def _last_line(path: Path, limit: int = 300) -> str | None:
+    """The last non-empty line of a log (read from its end, whatever its size), cut to `limit` characters."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 8192))
+            lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    return lines[-1][:limit] if lines else None
 
 
 def _claim_run_dir(args: argparse.Namespace) -> tuple[dict, int | None]:

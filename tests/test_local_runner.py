@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import select
 
 from orchestrator.app import App
@@ -49,4 +51,30 @@ def test_a_local_run_stopped_by_a_signal_from_outside_burstctl_resumes_instead_o
     assert (ended["state"], ended["reason"]) == ("preempted", STOPPED_OUTSIDE)
     resumed = app.store.get_job(job_id)
     assert (resumed["state"], resumed["reason"]) == ("resuming", f"preempted: {STOPPED_OUTSIDE}")
+    app.close()
+
+
+def test_a_failed_run_says_why_in_the_command_s_own_last_words_with_secrets_scrubbed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINER_TOKEN", "tok-5ecret-value")
+    app = App(state_dir_override=str(tmp_path / "state"))
+    script = ("import os, sys; print('loading', file=sys.stderr); "
+              "sys.exit('ModuleNotFoundError: no module named torch (token ' + os.environ['TRAINER_TOKEN'] + ')')")
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "broken", command=[sys.executable, "-c", script],
+                                          local_throughput=1.0, pass_env=["TRAINER_TOKEN"]))
+    job = app.store.get_job(job_id)
+    assert job is not None
+    runner = LocalRunner(app)
+    assert runner.start(job)
+    run = runner.run_dir(only_attempt(app, job_id)["id"])
+    deadline = time.monotonic() + 30
+    while supervisor.read_status(run).get("exit") is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+    runner.step(only_attempt(app, job_id), app.store.get_job(job_id))
+
+    failed = app.store.get_job(job_id)
+    assert failed["state"] == "failed"
+    assert failed["reason"].startswith("exited: failed (code 1): ModuleNotFoundError: no module named torch")
+    assert "tok-5ecret-value" not in failed["reason"] and "tok-5ecret-value" not in str(only_attempt(app, job_id))
     app.close()

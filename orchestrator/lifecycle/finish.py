@@ -137,6 +137,17 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
                     late_h=None if late_h is None else round(late_h, 4))
 
 
+def exit_reason(app: App, job: dict[str, Any], ex: dict[str, Any], prefix: str = "exited") -> str:
+    """A failed run's reason: the supervisor's exit reason and code, and the command's last stderr line (its
+    traceback's last line, say), with every secret the job may know scrubbed."""
+    text = f"{prefix}: {ex.get('reason')} (code {ex.get('exit_code')})"
+    tail = ex.get("stderr_tail")
+    if tail:
+        app.redactor.add_env_names(job["spec"].get("pass_env") or [])
+        text += f": {app.redactor(str(tail))}"
+    return text
+
+
 def _span(hours: float) -> str:
     """A duration for the record: hours, or seconds and minutes when it is short (a rehearsal, a test)."""
     if hours >= 0.1:

@@ -21,7 +21,7 @@ from sqlalchemy import func, insert, select, update
 from orchestrator.app import App
 from orchestrator.core.plan import latest_switch_at
 from orchestrator.lifecycle import checkpoints, passenv
-from orchestrator.lifecycle.finish import job_after_attempt
+from orchestrator.lifecycle.finish import exit_reason, job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState, move
 from orchestrator.lifecycle.states import JobState
 from runbooks import supervisor
@@ -229,7 +229,7 @@ class LocalRunner:
         elif reason == "terminated":
             self._end(att, job, A.PREEMPTED, STOPPED_OUTSIDE, info)
         else:
-            self._end(att, job, A.FAILED, f"exited: {reason} (code {ex.get('exit_code')})", info)
+            self._end(att, job, A.FAILED, exit_reason(self.app, job, ex), info)
 
     def _hold(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], why: str) -> str:
         """The hand-over is due but no cloud can take the rest: run on locally, say so (an event when it starts

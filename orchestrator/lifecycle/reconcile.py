@@ -22,6 +22,7 @@ from sqlalchemy import Connection, func, insert, select, update
 from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import checkpoints, passenv
+from orchestrator.lifecycle.finish import exit_reason
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
 from orchestrator.lifecycle.market_switch import (
@@ -766,7 +767,7 @@ class Reconciler:
             elif reason == "terminated":  # not by us: a running attempt's stop goes through _stop
                 self._lost(att, job, provider, inst, STOPPED_OUTSIDE, info=info)
             else:
-                self._stop(att, job, provider, f"job exited: {reason} (code {ex.get('exit_code')})",
+                self._stop(att, job, provider, exit_reason(self.app, job, ex, prefix="job exited"),
                            outcome=A.FAILED, info=info)
             return
         if not 0 <= now - info.get("market_checked_at", 0) < self.cfg.daemon.market_check_s:
