@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.core.budget import BudgetView, admits, cycle_prices, month_key
 from orchestrator.core.market import MarketInputs, choose_market
-from orchestrator.core.plan import hybrid_plan, latest_switch_at, latest_switch_h
+from orchestrator.core.plan import hybrid_plan, latest_switch_at, latest_switch_h, projected_finish_at
 
 RUN = dict(run_h=6.38, gpus=1, od_usd_per_gpu_h=3.0, spot_usd_per_gpu_h=1.0, preemptions_per_h=0.05,
            checkpoint_interval_h=0.5, restart_overhead_h=0.5, deadline_h=48.0)
@@ -107,3 +107,10 @@ def test_the_hand_over_moves_with_the_work_measured_so_far() -> None:
     # Faster than its estimate: local runs on, later than x*; with the whole job done there is nothing to burst.
     assert latest_switch_at(done=0.033 * x * 1.5, **terms) > start + x * 3600
     assert latest_switch_at(done=1.0, **terms) == pytest.approx(deadline - 0.75 * 3600)
+
+
+def test_the_end_of_a_run_is_projected_from_the_speed_measured_so_far() -> None:
+    assert projected_finish_at(now=0.0, work=1.0, done=0.5, units_h=0.25) == 2 * 3600.0
+    assert projected_finish_at(now=0.0, work=1.0, done=1.2, units_h=0.25) == 0.0  # done (or over-reported)
+    assert projected_finish_at(now=0.0, work=1.0, done=0.5, units_h=0.0) is None  # no speed yet: no projection
+    assert projected_finish_at(now=0.0, work=1.0, done=0.5, units_h=None) is None

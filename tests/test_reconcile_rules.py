@@ -242,3 +242,29 @@ def test_a_job_that_never_ran_and_cannot_meet_its_deadline_is_still_rethink(tmp_
     rec._redecide_blocked(time.time())
     assert app.store.get_job(job_id)["state"] == "rethink"
     app.close()
+
+
+def test_a_cloud_run_slower_than_planned_says_once_that_it_will_miss_the_deadline(tmp_path: Path) -> None:
+    # s_R = 0.17/h planned; the trainer measures 0.1/h with 0.5 of 1 unit done and 4 h to the deadline: the rest
+    # ends in 5 h, an hour late. Said once an attempt (an event and the job's reason), while there is time to act.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "slow-gpu", local_throughput=0, deadline_hours=10,
+                                          rented_throughput={"H100": 0.17}, market="on-demand"))
+    now = time.time()
+    with app.store.tx() as c:
+        app.store.update_job(job_id, c, deadline_at=now + 4 * 3600)
+    job = app.store.get_job(job_id)
+    assert job is not None and job["decision"]["gpu"] == "H100"
+    att = {"id": f"{job_id}-a1", "instance_type": "gpu_1x_h100_sxm5"}
+    rec = Reconciler(app, {}, cloud=None)
+    on_time = {"metrics": {"units_done": 0.5, "throughput_units_h": 0.17}}
+    rec._watch_schedule(att, job, on_time, now)
+    assert not [e for e in app.store.events(job_id=job_id) if e["type"] == "job.behind_schedule"]
+    slow = {"metrics": {"units_done": 0.5, "throughput_units_h": 0.1}}
+    for _ in range(2):
+        rec._watch_schedule(att, app.store.get_job(job_id), slow, now)
+    (behind,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.behind_schedule"]
+    assert behind["late_h"] == pytest.approx(1.0) and behind["projected_end"] == pytest.approx(now + 5 * 3600)
+    assert app.store.get_job(job_id)["reason"].startswith(
+        "behind schedule: at the 0.1 units/h measured (0.17 planned), the 0.5 units left end ")
+    app.close()

@@ -85,3 +85,12 @@ def latest_switch_at(*, deadline_at: float, work: float, done: float, rented_uni
     run slower than its estimate hands over earlier, and a faster one later."""
     rest = min(max(work - done, 0.0), work)
     return deadline_at - (margin_h + overhead_h + rest / rented_units_h) * 3600.0
+
+
+def projected_finish_at(*, now: float, work: float, done: float, units_h: float | None) -> float | None:
+    """When the work left ends at the speed measured so far (epoch seconds), or None without a usable speed.
+    The trainer's own figures (`units_done`, `throughput_units_h`) against the plan's s_R: a rented GPU slower than
+    the job file said shows up here, hours before the deadline does."""
+    if units_h is None or not units_h > 0:
+        return None
+    return now + max(work - done, 0.0) / units_h * 3600.0
