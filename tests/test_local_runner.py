@@ -78,3 +78,35 @@ def test_a_failed_run_says_why_in_the_command_s_own_last_words_with_secrets_scru
     assert failed["reason"].startswith("exited: failed (code 1): ModuleNotFoundError: no module named torch")
     assert "tok-5ecret-value" not in failed["reason"] and "tok-5ecret-value" not in str(only_attempt(app, job_id))
     app.close()
+
+
+def test_a_local_run_slower_than_its_s_l_says_once_that_it_will_miss_the_deadline(tmp_path: Path) -> None:
+    # The job file claims 3600 units/h (a second's work) and gate 2 keeps it local for a 36 s deadline; the card
+    # really does a step per 0.5 s of 200: the trainer's own figures project the end about a minute late.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    work = tmp_path / "work"
+    work.mkdir()
+    trainer = work / "trainer.py"
+    trainer.write_bytes((Path(__file__).parents[1] / "examples" / "trainer.py").read_bytes())
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "slow-card", workdir="work", local_throughput=3600,
+                                          deadline_hours=0.01, command=[sys.executable, "trainer.py", "--steps",
+                                                                        "200", "--step-seconds", "0.5",
+                                                                        "--checkpoint-every", "2"]))
+    job = app.store.get_job(job_id)
+    assert job is not None and job["placement"] == "local"
+    runner = LocalRunner(app)
+    assert runner.start(job)
+    run = runner.run_dir(only_attempt(app, job_id)["id"])
+    try:
+        deadline = time.monotonic() + 30
+        while not (supervisor.read_status(run).get("metrics") or {}).get("throughput_units_h"):
+            assert time.monotonic() < deadline, "the trainer reported no speed"
+            time.sleep(0.2)
+        for _ in range(2):
+            runner.step(only_attempt(app, job_id), app.store.get_job(job_id))
+        (behind,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.behind_schedule"]
+        assert behind["where"] == "local" and behind["late_h"] > 0
+        assert "(3600 planned)" in app.store.get_job(job_id)["reason"]
+    finally:
+        supervisor.stop(run, grace_s=5.0)
+    app.close()

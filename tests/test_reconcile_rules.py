@@ -13,6 +13,7 @@ from orchestrator.lifecycle import checkpoints, reconcile
 from orchestrator.lifecycle.finish import job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
+from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.queue import enqueue
 from providers.base import AuthFailed, Offer
 from runbooks.burst_checkpoint import write_checkpoint
@@ -255,14 +256,13 @@ def test_a_cloud_run_slower_than_planned_says_once_that_it_will_miss_the_deadlin
         app.store.update_job(job_id, c, deadline_at=now + 4 * 3600)
     job = app.store.get_job(job_id)
     assert job is not None and job["decision"]["gpu"] == "H100"
-    att = {"id": f"{job_id}-a1", "instance_type": "gpu_1x_h100_sxm5"}
-    rec = Reconciler(app, {}, cloud=None)
+    att = {"id": f"{job_id}-a1", "where": "cloud"}
     on_time = {"metrics": {"units_done": 0.5, "throughput_units_h": 0.17}}
-    rec._watch_schedule(att, job, on_time, now)
+    watch_schedule(app, att, job, on_time, now)
     assert not [e for e in app.store.events(job_id=job_id) if e["type"] == "job.behind_schedule"]
     slow = {"metrics": {"units_done": 0.5, "throughput_units_h": 0.1}}
     for _ in range(2):
-        rec._watch_schedule(att, app.store.get_job(job_id), slow, now)
+        watch_schedule(app, att, app.store.get_job(job_id), slow, now)
     (behind,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.behind_schedule"]
     assert behind["late_h"] == pytest.approx(1.0) and behind["projected_end"] == pytest.approx(now + 5 * 3600)
     assert app.store.get_job(job_id)["reason"].startswith(

@@ -23,6 +23,7 @@ from orchestrator.core.plan import latest_switch_at
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason, job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState, move
+from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.states import JobState
 from runbooks import supervisor
 from state import schema as s
@@ -197,7 +198,9 @@ class LocalRunner:
             wanted = None
             progress: dict[str, Any] = {}
             if info.get("hybrid") and not info.get("stop_requested"):
-                progress = self._replan(att, info, now)
+                progress = self._replan(att, info, now)  # a hybrid hands over earlier instead
+            elif job["placement"] == "local":
+                watch_schedule(self.app, att, job, info, now)
             if job["state"] == JobState.CANCELLED.value:
                 wanted = "cancelled"
             elif info.get("switch_at") and now >= info["switch_at"] and not info.get("stop_requested"):

@@ -15,14 +15,13 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, func, insert, select, update
 
 from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key
-from orchestrator.core.plan import projected_finish_at
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
@@ -37,6 +36,7 @@ from orchestrator.lifecycle.market_switch import (
     record_spot_listings,
     spot_region_order,
 )
+from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import throughput_key
@@ -741,7 +741,7 @@ class Reconciler:
         info["last_seen_at"] = now
         if status.get("metrics"):
             info["metrics"] = status["metrics"]  # what the trainer reports: progress, throughput, peak VRAM
-            self._watch_schedule(att, job, info, now)
+            watch_schedule(self.app, att, job, info, now)
         hb = status.get("heartbeat") or {}
         ex = status.get("exit")
         self._watch_s3_uploads(att, job, info, (ex or {}).get("s3") or status.get("s3"), exited=ex is not None)
@@ -791,31 +791,6 @@ class Reconciler:
                 return
         with self.store.tx() as conn:
             conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
-
-    def _watch_schedule(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], now: float) -> None:
-        """Say so, once an attempt, when the trainer's measured speed puts the end of the run past the deadline
-        (`job.behind_schedule`, and the job's reason): a rented GPU slower than the job file's s_R is the user's to
-        know while there is time to act on it."""
-        metrics = info.get("metrics") or {}
-        done, speed = metrics.get("units_done"), metrics.get("throughput_units_h")
-        if not isinstance(done, int | float) or not isinstance(speed, int | float) or info.get("behind_schedule"):
-            return
-        work = float(job["spec"].get("work_units", 1.0))
-        ends = projected_finish_at(now=now, work=work, done=float(done), units_h=float(speed))
-        if ends is None or ends <= float(job["deadline_at"]):
-            return
-        late_h = (ends - float(job["deadline_at"])) / 3600.0
-        gpus = int(job["spec"].get("gpus", 1))
-        planned = job["spec"]["rented_throughput"].get(job["decision"].get("gpu") or "", 0.0) * gpus
-        at = datetime.fromtimestamp(ends, UTC).strftime("%Y-%m-%d %H:%M UTC")
-        why = (f"behind schedule: at the {speed:.4g} units/h measured ({planned:.4g} planned), the "
-               f"{work - float(done):.4g} units left end {at}, {late_h:.2f} h after the deadline")
-        info["behind_schedule"] = now
-        with self.store.tx() as conn:
-            self.store.update_job(job["id"], conn, reason=why)
-            self.app.events.emit("job.behind_schedule", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                                 units_done=round(float(done), 6), throughput_units_h=round(float(speed), 6),
-                                 projected_end=round(ends, 3), late_h=round(late_h, 4))
 
     def _market_move(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, now: float
                      ) -> tuple[Market, dict[str, Any]] | None:
@@ -1010,7 +985,6 @@ class Reconciler:
 
 
 def _clock_time(now: float) -> Any:
-    from datetime import datetime
 
     return datetime.fromtimestamp(now).time()
 

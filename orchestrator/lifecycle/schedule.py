@@ -1,0 +1,40 @@
+"""Whether a running attempt will end by its job's deadline, at the speed its trainer measures."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from orchestrator.app import App
+from orchestrator.core.plan import projected_finish_at
+
+
+def watch_schedule(app: App, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], now: float) -> None:
+    """Say so, once an attempt, when the trainer's measured speed puts the end of the run past the deadline
+    (`job.behind_schedule`, and the job's reason): a GPU slower than the job file's s_L or s_R is the user's to
+    know while there is time to act on it."""
+    metrics = info.get("metrics") or {}
+    done, speed = metrics.get("units_done"), metrics.get("throughput_units_h")
+    if not isinstance(done, int | float) or not isinstance(speed, int | float) or info.get("behind_schedule"):
+        return
+    work = float(job["spec"].get("work_units", 1.0))
+    ends = projected_finish_at(now=now, work=work, done=float(done), units_h=float(speed))
+    if ends is None or ends <= float(job["deadline_at"]):
+        return
+    late_h = (ends - float(job["deadline_at"])) / 3600.0
+    spec = job["spec"]
+    if att.get("where") == "local":
+        planned = float(spec.get("local_throughput") or 0.0)
+    else:
+        planned = spec["rented_throughput"].get(job["decision"].get("gpu") or "", 0.0) * int(spec.get("gpus", 1))
+    at = datetime.fromtimestamp(ends, UTC).strftime("%Y-%m-%d %H:%M UTC")
+    why = (f"behind schedule: at the {speed:.4g} units/h measured ({planned:.4g} planned), the "
+           f"{work - float(done):.4g} units left end {at}, {late_h:.2f} h after the deadline")
+    info["behind_schedule"] = now
+    with app.store.tx() as conn:
+        app.store.update_job(job["id"], conn, reason=why)
+        app.events.emit("job.behind_schedule", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                        where=att.get("where", "cloud"), units_done=round(float(done), 6),
+                        throughput_units_h=round(float(speed), 6), projected_end=round(ends, 3),
+                        late_h=round(late_h, 4))
+
