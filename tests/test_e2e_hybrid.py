@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,6 +31,17 @@ from tests.e2e import (
 pytestmark = pytest.mark.slow
 
 
+def _enqueue(tmp: Path, url: str, state: Path, spec: Path, **daemon: float) -> tuple[Path, dict[str, Any]]:
+    """The job enqueued on a config with t_ovh 0.001 h, no margin, and on-demand (with no margin a late burst
+    could not absorb a preemption, so a spot job would burst at once instead: tests/test_decision.py). Returns the
+    config and what `enqueue --json` said."""
+    config = write_config(tmp, url, policy={"overhead_h": 0.001, "hybrid_margin_h": 0.0,
+                                            "default_market": "on-demand"}, daemon=daemon)
+    r = cli(config, state, "enqueue", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    return config, json.loads(r.stdout)
+
+
 def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Path) -> None:
     state = tmp_path / "state"
     # W = 1, s_L = 90/h, s_R = 180/h, D = 31.6 s, t_ovh = 0.001 h, no margin: local misses (T_L = 40 s), renting
@@ -37,13 +49,7 @@ def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Pat
     # card runs at its estimate (200 steps in 40 s), the rented one fast.
     spec = _two_speed_job(tmp_path, "hybrid", s_local=90, s_rented=180, deadline_hours=0.008778)
     with simcloud(tmp_path) as url:
-        # On-demand: with no margin the late burst could not absorb a preemption, so a spot job would burst at
-        # once instead (tests/test_decision.py); an on-demand job runs local first.
-        config = write_config(tmp_path, url, policy={"overhead_h": 0.001, "hybrid_margin_h": 0.0,
-                                                     "default_market": "on-demand"})
-        r = cli(config, state, "enqueue", str(spec), "--json")
-        assert r.returncode == 0, r.stderr
-        decided = json.loads(r.stdout)
+        config, decided = _enqueue(tmp_path, url, state, spec)
         job_id = decided["id"]
         assert decided["placement"] == "hybrid"
         local_phase, cloud_phase = decided["decision"]["plan"]
@@ -92,11 +98,8 @@ def test_a_local_run_slower_than_its_estimate_bursts_earlier_from_its_measured_p
     # deadline. From the progress the trainer reports, the latest safe hand-over is about 8 s after the start.
     spec = _two_speed_job(tmp_path, "slow-local", s_local=90, s_rented=180, deadline_hours=0.008778)
     with simcloud(tmp_path) as url:
-        config = write_config(tmp_path, url, policy={"overhead_h": 0.001, "hybrid_margin_h": 0.0,
-                                                     "default_market": "on-demand"})
-        r = cli(config, state, "enqueue", str(spec), "--json")
-        assert r.returncode == 0, r.stderr
-        job_id = json.loads(r.stdout)["id"]
+        config, decided = _enqueue(tmp_path, url, state, spec)
+        job_id = decided["id"]
         planned_local = job(state, job_id)["decision"]["plan"][0]
         assert planned_local["where"] == "local" and planned_local["hours"] == pytest.approx(16 / 3600, abs=1e-4)
         planned_switch = job(state, job_id)["created_at"] + planned_local["hours"] * 3600
@@ -130,12 +133,9 @@ def test_with_no_cloud_capacity_at_the_hand_over_the_local_run_goes_on_until_the
     spec = _two_speed_job(tmp_path, "no-capacity", s_local=90, s_rented=180, deadline_hours=0.008778)
     h100 = "gpu_1x_h100_sxm5"
     with simcloud(tmp_path, "--capacity", f"{h100}=0", "--capacity", f"{h100}_spot=0") as url:
-        config = write_config(tmp_path, url, policy={"overhead_h": 0.001, "hybrid_margin_h": 0.0,
-                                                     "default_market": "on-demand"},
-                              daemon={"offers_ttl_s": 1.0})  # capacity coming back is seen within a second
-        r = cli(config, state, "enqueue", str(spec), "--json")
-        assert r.returncode == 0, r.stderr
-        job_id = json.loads(r.stdout)["id"]
+        # Capacity coming back is seen within a second.
+        config, decided = _enqueue(tmp_path, url, state, spec, offers_ttl_s=1.0)
+        job_id = decided["id"]
         daemon = EnvDaemon(tmp_path, config, state).start(env={"LOCAL_STEP_S": "0.5"})
         try:
             held = wait_for(lambda: events(state, "attempt.hand_over_held"), 60, "the hand-over to be held")[0]

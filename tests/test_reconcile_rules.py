@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import insert
@@ -179,26 +180,36 @@ def test_the_measured_line_says_whether_the_deadline_held_and_how_the_hours_spli
     app.close()
 
 
-def test_a_blocked_job_that_has_run_is_decided_again_on_the_work_it_has_left(tmp_path: Path) -> None:
-    # A cloud job 80 % done (its trainer said so, and that checkpoint is home) whose relaunch failed until only 2 h
-    # of its deadline are left: the whole job (6.38 h, $19 on the H100) would miss them and the month's $15 cap, the
-    # 0.2 left (1.68 h, $5) makes both.
-    app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "most-done", local_throughput=0, deadline_hours=10,
+def _blocked_after_running(app: App, tmp_path: Path, *, local_throughput: float, units_done: float,
+                           hours_left: float) -> dict[str, Any]:
+    """A cloud job of 1 unit whose trainer reported `units_done` (with that checkpoint home), whose relaunches were
+    refused until `hours_left` of its deadline are left, then decided again by the daemon. Returns the job."""
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "ran", local_throughput=local_throughput, deadline_hours=20,
                                           rented_throughput={"H100": 0.17}, market="on-demand"))
-    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000800", {"state.json": b"{}"})
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), f"step-{int(units_done * 1000):08d}",
+                     {"state.json": b"{}"})
     with app.store.tx() as c:
         c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="preempted",
                                             provider="sim", instance_type="x", market="on-demand", created_at=0.0,
-                                            info={"metrics": {"units_done": 0.8}}))
-        app.store.update_job(job_id, c, deadline_at=time.time() + 2 * 3600)
+                                            info={"metrics": {"units_done": units_done}}))
+        app.store.update_job(job_id, c, deadline_at=time.time() + hours_left * 3600)
     rec = Reconciler(app, {}, cloud=None)
     job = app.store.get_job(job_id)
     assert job is not None
     rec._block(job, "3 launches failed in a row (NoCapacity)")
     rec._redecide_blocked(time.time())
     job = app.store.get_job(job_id)
-    assert job is not None and job["state"] == "queued", job["reason"]
+    assert job is not None
+    return job
+
+
+def test_a_blocked_job_that_has_run_is_decided_again_on_the_work_it_has_left(tmp_path: Path) -> None:
+    # A cloud job 80 % done (its trainer said so, and that checkpoint is home) whose relaunch failed until only 2 h
+    # of its deadline are left: the whole job (6.38 h, $19 on the H100) would miss them and the month's $15 cap, the
+    # 0.2 left (1.68 h, $5) makes both.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job = _blocked_after_running(app, tmp_path, local_throughput=0, units_done=0.8, hours_left=2)
+    assert job["state"] == "queued", job["reason"]
     assert job["decision"]["work_done"] == 0.8 and job["decision"]["t_rented_h"] == pytest.approx(0.2 / 0.17 + 0.5,
                                                                                                   abs=1e-3)
     app.close()
@@ -210,21 +221,8 @@ def test_a_started_job_whose_deadline_can_no_longer_be_met_is_finished_late_loca
     # rented finishes the rest by then. A job that never ran would be rethink (never runs); this one has work to
     # lose, and the deadline was the only reason to rent: it finishes locally, late.
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "late", local_throughput=0.033, deadline_hours=20,
-                                          rented_throughput={"H100": 0.17}, market="on-demand"))
-    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000500", {"state.json": b"{}"})
-    with app.store.tx() as c:
-        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="preempted",
-                                            provider="sim", instance_type="x", market="on-demand", created_at=0.0,
-                                            info={"metrics": {"units_done": 0.5}}))
-        app.store.update_job(job_id, c, deadline_at=time.time() + 1 * 3600)
-    rec = Reconciler(app, {}, cloud=None)
-    job = app.store.get_job(job_id)
-    assert job is not None
-    rec._block(job, "3 launches failed in a row (NoCapacity)")
-    rec._redecide_blocked(time.time())
-    job = app.store.get_job(job_id)
-    assert job is not None and job["decision"]["verdict"] == "rethink"
+    job = _blocked_after_running(app, tmp_path, local_throughput=0.033, units_done=0.5, hours_left=1)
+    assert job["decision"]["verdict"] == "rethink"
     assert (job["state"], job["placement"]) == ("queued", "local")
     assert "finishes late, locally" in job["reason"]
     app.close()
