@@ -13,14 +13,17 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 if __package__:  # the daemon: `runbooks.checkpoint_transfer`
-    from .burst_checkpoint import MANIFEST, fsync_dir, read_manifest, verify
+    from . import burst_checkpoint
+    from .burst_checkpoint import MANIFEST, fsync_dir, read_manifest
 else:  # an instance: beside burst_checkpoint.py on PYTHONPATH
-    from burst_checkpoint import MANIFEST, fsync_dir, read_manifest, verify  # type: ignore[no-redef]
+    import burst_checkpoint  # type: ignore[no-redef]
+    from burst_checkpoint import MANIFEST, fsync_dir, read_manifest  # type: ignore[no-redef]
 
 STAGING_PREFIX = ".incoming-"  # hidden: burst_checkpoint never lists it, and its prune never deletes it
 RSYNC_PARTIAL_DIR = ".rsync-partial"
@@ -82,15 +85,92 @@ def link_or_copy(src: Path, dest: Path) -> bool:
     return True
 
 
-def verify_and_fsync(staging: Path) -> str | None:
-    """None when staging is a complete checkpoint, now durable on disk; else why it is not."""
-    shutil.rmtree(staging / RSYNC_PARTIAL_DIR, ignore_errors=True)
-    if not verify(staging):
+def basis_files(basis: Path | None) -> dict[str, Any]:
+    """The `files` table of the basis's manifest ({} without a basis or with an unreadable manifest)."""
+    if basis is None:
+        return {}
+    try:
+        files = read_manifest(basis)["files"]
+    except (OSError, ValueError):
+        return {}
+    return files if isinstance(files, dict) else {}
+
+
+def stage_from_basis(files: Mapping[str, Any], staging: Path, basis: Path | None) -> list[str]:
+    """Prepare `staging` for the checkpoint whose manifest lists `files`; return what is still to fetch, sorted.
+
+    Every file the basis (the newest complete local checkpoint) lists with the same size and sha256 is hard-linked
+    into staging, never fetched nor read. A file already in staging with its listed size was left there whole by
+    an earlier, interrupted pull (rsync renames a file into place only once it is whole; SFTP appends) and is not
+    fetched again; the final verification reads it. Whatever else staging holds (a stale manifest, files the
+    manifest does not list) is removed, so the checkpoint made visible holds what its manifest lists.
+    Partial files in `RSYNC_PARTIAL_DIR` are left for rsync to resume from.
+    """
+    listed = {safe_relpath(rel): rel for rel in files}
+    for path in sorted(staging.rglob("*"), reverse=True):
+        rel = path.relative_to(staging).as_posix()
+        if rel == RSYNC_PARTIAL_DIR or rel.startswith(RSYNC_PARTIAL_DIR + "/"):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            if not any(r.startswith(rel + "/") for r in listed):
+                shutil.rmtree(path, ignore_errors=True)
+        elif rel not in listed:
+            path.unlink()
+    shared = basis_files(basis)
+    todo = []
+    for rel in sorted(listed):
+        entry = files[listed[rel]]
+        dest = staging / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if basis is not None and shared.get(listed[rel]) == entry and link_or_copy(basis / rel, dest):
+            continue
         try:
-            read_manifest(staging)
-        except (OSError, ValueError):
-            return "its manifest is missing or malformed"
-        return "a file's size or sha256 differs from the manifest"
+            if dest.stat().st_size == int(entry["size"]):
+                continue
+        except FileNotFoundError:
+            pass
+        todo.append(listed[rel])
+    return todo
+
+
+def _hard_linked_from_basis(path: Path, entry: Any, basis: Path | None, shared: Mapping[str, Any], rel: str) -> bool:
+    """True if `path` is the very file (same inode) the basis lists with this manifest entry's size and sha256.
+
+    Such a file need not be read again: its bytes are the basis's, which were hashed against that same
+    (size, sha256) when the basis arrived (`verify_and_fsync`) or was written (`write_checkpoint` hashes what it
+    wrote), and a complete checkpoint is never modified in place. A copy (a link that fell back to copying) or a
+    file rsync wrote is read in full."""
+    if basis is None or shared.get(rel) != entry:
+        return False
+    try:
+        return os.path.samestat(path.stat(), (basis / rel).stat())
+    except OSError:
+        return False
+
+
+def verify_and_fsync(staging: Path, basis: Path | None = None) -> str | None:
+    """None when staging is a complete checkpoint, now durable on disk; else why it is not.
+
+    Every file is checked against the manifest's size and sha256, except those hard-linked from `basis` (a
+    complete local checkpoint, verified in full when it arrived) whose entry equals the basis's: the same bytes,
+    already hashed against that entry (see `_hard_linked_from_basis`)."""
+    shutil.rmtree(staging / RSYNC_PARTIAL_DIR, ignore_errors=True)
+    try:
+        manifest = read_manifest(staging)
+    except (OSError, ValueError):
+        return "its manifest is missing or malformed"
+    shared = basis_files(basis)
+    for rel, entry in manifest["files"].items():
+        try:
+            path = staging / safe_relpath(rel)
+            if not isinstance(entry, dict) or path.stat().st_size != entry.get("size"):
+                return "a file's size or sha256 differs from the manifest"
+            if _hard_linked_from_basis(path, entry, basis, shared, rel):
+                continue
+            if burst_checkpoint.sha256_file(path) != entry.get("sha256"):
+                return "a file's size or sha256 differs from the manifest"
+        except (OSError, TransferError):
+            return "a file's size or sha256 differs from the manifest"
     for path in staging.rglob("*"):
         if path.is_file() and not path.is_symlink():
             with open(path, "rb") as f:

@@ -52,9 +52,9 @@ from runbooks.checkpoint_transfer import (
     PulledCheckpoints,
     TransferError,
     TransferStats,
-    link_or_copy,
     make_visible,
     safe_relpath,
+    stage_from_basis,
     verify_and_fsync,
 )
 
@@ -219,18 +219,12 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
             remote_path = f"{remote_ckpt_dir}/{name}"
             try:
                 if chosen == "rsync":
-                    args = ["--delete", f"--partial-dir={RSYNC_PARTIAL_DIR}"]
-                    # --checksum with a basis: a trainer rewrites same-sized shards within one second, which
-                    # rsync's size+mtime quick check would take for unchanged and hard-link from the basis.
-                    # Without one, the only files compared are those rsync itself wrote into staging.
-                    args += ["--checksum", f"--link-dest={basis.resolve()}"] if basis is not None else []
-                    args += [f"--bwlimit={bwlimit_kib}"] if bwlimit_kib else []
-                    stats = _rsync(target, trust, [*args, _remote_spec(target, remote_path) + "/", f"{staging}/"],
-                                   what=f"pulling checkpoint {name} into {local_root}")
+                    stats = _rsync_pull_checkpoint(target, trust, conn, remote_path, staging, basis,
+                                                   bwlimit_kib, what=f"pulling checkpoint {name} into {local_root}")
                 else:
                     stats = _sftp_pull_checkpoint(conn.sftp(), remote_path, staging, basis, bwlimit_kib)
                 total.add(stats)
-                problem = verify_and_fsync(staging)
+                problem = verify_and_fsync(staging, basis)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     shutil.rmtree(staging, ignore_errors=True)
@@ -280,12 +274,13 @@ _STAT_LINE = re.compile(r"^(Total bytes sent|Total bytes received|Number of regu
                         re.MULTILINE)
 
 
-def _rsync(target: Target, trust: HostKeyTrust, args: list[str], *, what: str) -> SyncStats:
+def _rsync(target: Target, trust: HostKeyTrust, args: list[str], *, what: str, stdin: str | None = None
+           ) -> SyncStats:
     with rsync_ssh_command(target, trust) as rsh:
         argv = ["rsync", "-rlpt", "--stats", "--no-human-readable", "-e", rsh, *args]
         # C locale: --stats and error texts are parsed; no secrets are in this environment's use.
         proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"},
-                              stdin=subprocess.DEVNULL)
+                              **({"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}))
     if proc.returncode != 0:
         err = proc.stderr.strip()
         if "Host key verification failed" in err:
@@ -322,6 +317,43 @@ class _RateLimit:
             time.sleep(ahead)
 
 
+def _manifest_files(manifest_bytes: bytes, remote_path: str) -> dict[str, dict[str, Any]]:
+    """The `files` table of the remote checkpoint's manifest."""
+    try:
+        files = json.loads(manifest_bytes)["files"]
+        if not isinstance(files, dict) or not all(isinstance(e, dict) and "size" in e for e in files.values()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise SyncError(f"{remote_path}/{MANIFEST} is not a checkpoint manifest") from None
+    return files
+
+
+def _rsync_pull_checkpoint(target: Target, trust: HostKeyTrust, conn: fabric.Connection, remote_path: str,
+                           staging: Path, basis: Path | None, bwlimit_kib: int | None, *, what: str) -> SyncStats:
+    """Hard-link what the basis holds (`stage_from_basis`, by the two manifests' size and sha256), rsync the rest.
+
+    rsync gets the list of files still to fetch and `--ignore-times`: its quick check (size + mtime) would take a
+    shard the trainer rewrote at the same size within one second for the basis's and hard-link it, and
+    `--checksum` (the earlier guard) read every file on both sides before sending. The basis stays a
+    `--copy-dest`, for delta transfer only: with `--ignore-times` no file is "unchanged", so none is copied or
+    linked from it (rsync(1): `--copy-dest` "... If a match is not found, a basis file from one of the DIRs will be
+    selected to try to speed up the transfer"). A file already whole in staging is not listed (resume); a partial
+    one in `--partial-dir` is rsync's basis. The manifest (a small JSON, read over the session already open: the
+    instance needs no SFTP server for this transport) is written last, the bytes compared above."""
+    manifest_bytes = run(conn, ["cat", "--", f"{remote_path}/{MANIFEST}"], timeout=60).stdout.encode()
+    files = _manifest_files(manifest_bytes, remote_path)
+    stats = SyncStats("rsync", bytes_received=len(manifest_bytes))
+    todo = stage_from_basis(files, staging, basis)
+    if todo:
+        args = ["--ignore-times", f"--partial-dir={RSYNC_PARTIAL_DIR}", "--files-from=-", "--from0"]
+        args += [f"--copy-dest={basis.resolve()}"] if basis is not None else []
+        args += [f"--bwlimit={bwlimit_kib}"] if bwlimit_kib else []
+        stats.add(_rsync(target, trust, [*args, _remote_spec(target, remote_path) + "/", f"{staging}/"],
+                         what=what, stdin="".join(f"{rel}\0" for rel in todo)))
+    (staging / MANIFEST).write_bytes(manifest_bytes)  # last, as the trainer wrote it
+    return stats
+
+
 def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: Path, basis: Path | None,
                           bwlimit_kib: int | None) -> SyncStats:
     stats = SyncStats("sftp")
@@ -329,25 +361,11 @@ def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: 
     with sftp.open(f"{remote_path}/{MANIFEST}", "rb") as f:
         manifest_bytes = f.read()
     stats.bytes_received += len(manifest_bytes)
-    try:
-        manifest: dict[str, Any] = json.loads(manifest_bytes)
-        files: dict[str, dict[str, Any]] = manifest["files"]
-    except (ValueError, KeyError, TypeError):
-        raise SyncError(f"{remote_path}/{MANIFEST} is not a checkpoint manifest") from None
-    basis_files: dict[str, Any] = {}
-    if basis is not None:
-        with contextlib.suppress(OSError, ValueError):
-            basis_files = burst_checkpoint.read_manifest(basis)["files"]
-    for rel in sorted(files):
-        entry = files[rel]
+    files = _manifest_files(manifest_bytes, remote_path)
+    for rel in stage_from_basis(files, staging, basis):
         dest = staging / safe_relpath(rel)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        size = int(entry["size"])
-        if basis is not None and basis_files.get(rel) == entry and link_or_copy(basis / rel, dest):
-            continue  # same size and sha256 as the newest local checkpoint's file: nothing to send
+        size = int(files[rel]["size"])
         have = dest.stat().st_size if dest.exists() else 0
-        if have == size:
-            continue  # finished by an earlier, interrupted pull; the final verification checks it
         offset = have if have < size else 0
         with sftp.open(f"{remote_path}/{rel}", "rb") as remote, open(dest, "ab" if offset else "wb") as local:
             remote.seek(offset)
