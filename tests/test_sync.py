@@ -163,10 +163,10 @@ def test_incremental_pull_moves_only_the_changed_shard(instance: Instance, tmp_p
     assert second.rejected == {}
     assert second == [local / "step-00000200"] and burst_checkpoint.verify(second[0])
     assert shard_size <= second.stats.bytes_received < 1.25 * shard_size
-    if instance.transport == "sftp":
-        # Unchanged shards are hard links to the previous checkpoint's files: no second copy on disk either.
-        same = (local / "step-00000100" / "model-00000.safetensors").stat().st_ino
-        assert (local / "step-00000200" / "model-00000.safetensors").stat().st_ino == same
+    assert second.stats.files_transferred == 1
+    # Unchanged shards are hard links to the previous checkpoint's files: no second copy on disk either.
+    same = (local / "step-00000100" / "model-00000.safetensors").stat().st_ino
+    assert (local / "step-00000200" / "model-00000.safetensors").stat().st_ino == same
 
 
 def test_remote_checkpoints_without_a_manifest_or_still_hidden_are_ignored(
@@ -325,3 +325,98 @@ def test_pruning_the_daemons_store_after_a_pull_reads_no_checkpoint(tmp_path: Pa
     assert sorted(p.name for p in removed) == ["step-00000001", "step-00000002"]
     assert sorted(p.name for p in store.iterdir()) == ["step-00000003", "step-00000004", "step-00000005",
                                                        "step-00000009"]
+
+
+# --- a pull with a basis: the two manifests decide what crosses the wire ------------------------------------------
+def _pull_step_100_then_write_step_200(instance: Instance, local: Path, changed: str = "model-00002.safetensors",
+                                       size: int = 256 * 1024) -> tuple[dict[str, bytes], Path]:
+    """Step 100 pulled home (the basis); step 200 written remotely, every file rewritten, one with new bytes."""
+    files = shards(4, size)
+    remote = instance.sandbox / "ckpt"
+    burst_checkpoint.write_checkpoint(remote, "step-00000100", files)
+    assert pull(instance, local) == [local / "step-00000100"]
+    files = {**files, changed: os.urandom(size)}
+    return files, burst_checkpoint.write_checkpoint(remote, "step-00000200", files)
+
+
+def test_a_file_the_basis_holds_is_hard_linked_from_it_and_never_read_on_the_instance(
+        instance: Instance, tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    files, written = _pull_step_100_then_write_step_200(instance, local)
+    # Damage the instance's copy of an unchanged shard (same size): were it read or sent, the pull would bring
+    # these bytes home and reject the checkpoint. The manifests' (size, sha256) say the basis holds it.
+    (written / "model-00000.safetensors").write_bytes(b"\0" * len(files["model-00000.safetensors"]))
+
+    got = pull(instance, local)
+    assert got == [local / "step-00000200"] and got.rejected == {}
+    assert got.stats.files_transferred == 1  # the changed shard only
+    assert burst_checkpoint.verify(got[0])
+    for rel, data in files.items():
+        assert (got[0] / rel).read_bytes() == data
+    for rel in ("model-00000.safetensors", "model-00001.safetensors", "model-00003.safetensors"):
+        assert (got[0] / rel).stat().st_ino == (local / "step-00000100" / rel).stat().st_ino  # no second copy
+    assert (got[0] / "model-00002.safetensors").stat().st_ino != \
+        (local / "step-00000100" / "model-00002.safetensors").stat().st_ino
+
+
+def test_a_same_sized_shard_rewritten_within_the_same_second_is_transferred(
+        instance: Instance, tmp_path: Path) -> None:
+    # rsync's quick check (size + mtime) would take it for the basis's file and hard-link it.
+    local = tmp_path / "local"
+    rel = "model-00002.safetensors"
+    files, written = _pull_step_100_then_write_step_200(instance, local, changed=rel)
+    basis_st = (local / "step-00000100" / rel).stat()
+    os.utime(written / rel, ns=(basis_st.st_atime_ns, basis_st.st_mtime_ns))
+
+    got = pull(instance, local)
+    assert got == [local / "step-00000200"] and got.rejected == {}
+    assert (got[0] / rel).read_bytes() == files[rel]
+    assert (got[0] / rel).stat().st_ino != basis_st.st_ino
+    assert (local / "step-00000100" / rel).stat().st_ino == basis_st.st_ino  # the basis is left as it was
+    assert burst_checkpoint.verify(local / "step-00000100")
+
+
+def test_a_manifest_that_lies_about_a_file_the_basis_does_not_hold_is_rejected(
+        instance: Instance, tmp_path: Path) -> None:
+    # The instance's file is the basis's bytes, same size and mtime; its manifest lists another sha256. Whatever
+    # rsync makes of it (delta against the basis), the file it writes is read and checked against the manifest.
+    local = tmp_path / "local"
+    rel = "model-00002.safetensors"
+    _pull_step_100_then_write_step_200(instance, local, changed=rel)
+    remote_200 = instance.sandbox / "ckpt" / "step-00000200"
+    basis_file = local / "step-00000100" / rel
+    (remote_200 / rel).write_bytes(basis_file.read_bytes())
+    basis_st = basis_file.stat()
+    os.utime(remote_200 / rel, ns=(basis_st.st_atime_ns, basis_st.st_mtime_ns))
+
+    got = pull(instance, local)
+    assert got == [] and got.rejected == {"step-00000200": "a file's size or sha256 differs from the manifest"}
+    assert os.listdir(local) == ["step-00000100"]
+    assert burst_checkpoint.verify(local / "step-00000100")
+
+
+def test_verifying_a_pulled_checkpoint_reads_only_the_files_that_crossed_the_wire(
+        instance: Instance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Files hard-linked from the basis are its own bytes, hashed against the same (size, sha256) when it arrived.
+    local = tmp_path / "local"
+    _pull_step_100_then_write_step_200(instance, local)
+    hashed = _count_hashed(monkeypatch)
+    got = pull(instance, local)
+    assert got == [local / "step-00000200"]
+    assert hashed == ["model-00002.safetensors"]
+
+
+def test_a_resumed_pull_keeps_only_what_the_manifest_lists(instance: Instance, tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    files, _ = _pull_step_100_then_write_step_200(instance, local)
+    staging = local / f"{STAGING_PREFIX}step-00000200"  # an earlier attempt, killed midway
+    (staging / "old").mkdir(parents=True)
+    (staging / "old" / "stray.bin").write_bytes(b"not listed")
+    (staging / "manifest.json").write_text('{"files": {}}')
+    (staging / "model-00002.safetensors").write_bytes(files["model-00002.safetensors"])  # finished whole
+
+    got = pull(instance, local)
+    assert got == [local / "step-00000200"] and got.rejected == {}
+    assert got.stats.files_transferred == 0  # the basis held three shards, the earlier attempt the fourth
+    assert sorted(p.relative_to(got[0]).as_posix() for p in got[0].rglob("*")) == sorted([*files, "manifest.json"])
+    assert burst_checkpoint.verify(got[0])
