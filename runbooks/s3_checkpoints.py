@@ -21,7 +21,6 @@ CLI, on an instance with boto3 (every verb prints one JSON line; exit 1 with {"e
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import shutil
@@ -42,9 +41,9 @@ if __package__:  # the daemon: `runbooks.s3_checkpoints`
         PulledCheckpoints,
         TransferError,
         TransferStats,
-        link_or_copy,
         make_visible,
         safe_relpath,
+        stage_from_basis,
         verify_and_fsync,
     )
 else:  # an instance: beside burst_checkpoint.py and checkpoint_transfer.py on PYTHONPATH
@@ -54,9 +53,9 @@ else:  # an instance: beside burst_checkpoint.py and checkpoint_transfer.py on P
         PulledCheckpoints,
         TransferError,
         TransferStats,
-        link_or_copy,
         make_visible,
         safe_relpath,
+        stage_from_basis,
         verify_and_fsync,
     )
 
@@ -181,28 +180,21 @@ class S3CheckpointStore:
             raise TransferError(f"checkpoint {name} in s3://{self.bucket} failed verification: its manifest is "
                             "malformed; nothing was made visible") from None
         basis = burst_checkpoint.latest_complete(root, deep=False)
-        basis_files: dict[str, Any] = {}
-        if basis is not None:
-            with contextlib.suppress(OSError, ValueError):
-                basis_files = burst_checkpoint.read_manifest(basis)["files"]
         staging = root / f"{STAGING_PREFIX}{name}"
         shutil.rmtree(staging, ignore_errors=True)  # S3 downloads do not resume: start clean
         staging.mkdir()
         try:
             with create_transfer_manager(self.client, self.config) as manager:
                 futures = []
-                for rel in sorted(files):
+                for rel in stage_from_basis(files, staging, basis):  # hard-links what the basis holds
                     dest = staging / safe_relpath(rel)
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    if basis is not None and basis_files.get(rel) == files[rel] and link_or_copy(basis / rel, dest):
-                        continue
                     futures.append(manager.download(self.bucket, self._key(name, rel), str(dest)))
                     stats.bytes_received += int(files[rel]["size"])
                     stats.files_transferred += 1
                 for future in futures:
                     future.result()
             (staging / MANIFEST).write_bytes(manifest_bytes)
-            problem = verify_and_fsync(staging)
+            problem = verify_and_fsync(staging, basis)
         except OSError as e:
             shutil.rmtree(staging, ignore_errors=True)
             if e.errno == errno.ENOSPC:
