@@ -1,6 +1,7 @@
 """What the daemon reads of multi-GB checkpoints it already has, before and after, same run (run by hand).
 
     .venv/bin/python benchmarks/checkpoint_reads.py [--gib 1.5] [--keep]
+    .venv/bin/python benchmarks/checkpoint_reads.py --pull BASELINE_TREE [--gib 1.0] [--shards 8] [--rounds 2]
 
 Three complete checkpoints of `--gib` / 3 random bytes each (one shard apiece, written with burst_checkpoint like a
 trainer's) in a job's local store under a temporary state directory, cleaned up afterwards. Each variant runs in
@@ -11,6 +12,14 @@ its own child process, so its peak RSS (`wait4`) is its own; bytes read are `rch
     against `checkpoints.latest` alone (after: push_checkpoint is handed the checkpoint it verified);
   - one arrival's verification (`verify_and_fsync` of a staged copy): the floor, a single read of the new one.
 Files sit in the page cache (the machine has the RAM), so seconds are sha256's CPU, not the disk's.
+
+`--pull BASELINE_TREE`: a pull with a basis, this tree against another checkout (e.g. `git worktree add /tmp/base
+HEAD~1`), each in its own child process with PYTHONPATH at its tree. A simcloud instance (OpenSSH sshd, a child of
+this process) holds checkpoint step 1 and step 2 of `--gib` each in `--shards` shards; the local store holds step 1
+(the basis); the child pulls step 2 over rsync, first with one shard changed, then with every shard changed (a
+full fine-tune). Local bytes read: `rchar` of the pulling process, which includes its reaped children (rsync, ssh);
+remote: the `rchar` sshd's process tree added (its reaped sessions, the remote rsync among them). `rchar` counts
+every read(2), pipes and sockets too, so the transferred bytes are in both figures about twice (ssh, rsync).
 """
 
 from __future__ import annotations
@@ -63,6 +72,78 @@ def child(variant: str, state: str) -> None:
     print(json.dumps({"s": time.perf_counter() - t0, "read": rchar() - r0}))
 
 
+def pull_child(spec_json: str) -> None:
+    from orchestrator.remote.ssh import MemoryHostKeyTrust, Target
+    from orchestrator.remote.sync import pull_checkpoints
+
+    spec = json.loads(spec_json)
+    target = Target(spec["host"], spec["port"], spec["user"], Path(spec["key"]), spec["host_key"], "i-bench")
+    r0, t0 = rchar(), time.perf_counter()
+    got = pull_checkpoints(target, MemoryHostKeyTrust(), "ckpt", spec["store"], transport="rsync")
+    assert [p.name for p in got] == ["step-00000002"] and not got.rejected, (got, got.rejected)
+    print(json.dumps({"s": time.perf_counter() - t0, "read": rchar() - r0, "received": got.stats.bytes_received}))
+
+
+def proc_rchar(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+def pull_bench(a: argparse.Namespace, tmp: Path) -> None:
+    from orchestrator.remote.ssh import generate_keypair
+    from providers.simcloud.ssh_backend import SshBackend
+    from runbooks import burst_checkpoint
+
+    key = tmp / "keys" / "id_ed25519"
+    generate_keypair(key)
+    backend = SshBackend(tmp / "simcloud", prefer="openssh")
+    try:
+        ep = backend.start("i-bench", Path(f"{key}.pub").read_text())
+        sshd = backend._machines["i-bench"].sshd  # a benchmark: the remote side's reads
+        assert sshd is not None and ep.sandbox is not None
+        remote = Path(ep.sandbox) / "ckpt"
+        shard = int(a.gib * 2**30 / a.shards)
+        names = [f"model-{i:05d}.safetensors" for i in range(a.shards)]
+        step1 = {n: os.urandom(shard) for n in names}
+        burst_checkpoint.write_checkpoint(remote, "step-00000001", step1)
+        trees = {"baseline": Path(a.pull).resolve(), "this tree": Path(__file__).resolve().parents[1]}
+        print(f"a pull of one {a.gib:.2f} GiB checkpoint ({a.shards} shards) with a basis, over rsync\n")
+        print("| case | tree | seconds | read locally | read remotely | received |")
+        print("|---|---|---|---|---|---|")
+        for case, changed in (("1 shard changed", names[:1]), ("every shard changed", names)):
+            step2 = {n: (os.urandom(shard) if n in changed else step1[n]) for n in names}
+            shutil.rmtree(remote / "step-00000002", ignore_errors=True)
+            burst_checkpoint.write_checkpoint(remote, "step-00000002", step2)
+            res: dict[str, list[dict]] = {label: [] for label in trees}
+            for round_ in range(a.rounds):  # alternating which tree goes first
+                for label in (list(trees) if round_ % 2 == 0 else list(reversed(trees))):
+                    store = tmp / f"store-{label.replace(' ', '-')}"
+                    shutil.rmtree(store, ignore_errors=True)
+                    store.mkdir()
+                    shutil.copytree(remote / "step-00000001", store / "step-00000001")
+                    spec = {"host": ep.host, "port": ep.port, "user": ep.user, "key": str(key),
+                            "host_key": ep.host_key, "store": str(store)}
+                    time.sleep(0.5)
+                    remote0 = proc_rchar(sshd.pid)
+                    p = subprocess.run([sys.executable, __file__, "--pull-child", json.dumps(spec)], check=True,
+                                       stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(trees[label])})
+                    time.sleep(0.5)  # sshd reaps the session
+                    got = json.loads(p.stdout)
+                    got["remote"] = proc_rchar(sshd.pid) - remote0
+                    res[label].append(got)
+                    print(f"| {case} | {label} | {got['s']:.2f} s | {got['read'] / 2**30:.2f} GiB | "
+                          f"{got['remote'] / 2**30:.2f} GiB | {got['received'] / 2**30:.3f} GiB |", flush=True)
+                    shutil.rmtree(store)
+            b, t = ({k: sum(r[k] for r in res[label]) / a.rounds for k in ("s", "read", "remote", "received")}
+                    for label in ("baseline", "this tree"))
+            print(f"| {case}: this tree / baseline, means | | {t['s'] / b['s']:.2f}x | {t['read'] / b['read']:.2f}x | "
+                  f"{t['remote'] / max(b['remote'], 1):.2f}x | {t['received'] / max(b['received'], 1):.2f}x |")
+    finally:
+        backend.close()
+
+
 def run(variant: str, state: str) -> tuple[float, int, float]:
     p = subprocess.Popen([sys.executable, __file__, "--child", variant, state], stdout=subprocess.PIPE,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
@@ -79,14 +160,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.5)
     ap.add_argument("--child", nargs=2)
+    ap.add_argument("--pull", metavar="BASELINE_TREE", help="measure a pull against this checkout instead")
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2, help="pulls per tree and case, alternating which goes first")
+    ap.add_argument("--pull-child")
     a = ap.parse_args()
     if a.child:
         child(*a.child)
+        return
+    if a.pull_child:
+        pull_child(a.pull_child)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from runbooks import burst_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="burstctl-ckpt-"))
+    if a.pull:
+        try:
+            pull_bench(a, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     try:
         store = tmp / "state" / "checkpoints" / "job"
         shard = int(a.gib * 2**30 / 3)

@@ -9,9 +9,12 @@ visible: each one is fetched into a hidden staging dir `CKPT/.incoming-<name>` o
 verified against the manifest, fsynced, then renamed into place in one step. A transfer killed midway leaves
 only the staging dir, which the next pull resumes (rsync `--partial-dir`, SFTP appends from the last byte), or
 removes when that checkpoint is no longer wanted (a newer one superseded it).
-Files a new checkpoint shares with the newest local one do not cross the wire: rsync uses `--link-dest`
-against it (delta transfer when only the mtime differs), SFTP hard-links files whose size and sha256 match.
-Hard links are safe because a complete checkpoint is never modified in place.
+Files a new checkpoint shares with the newest local one (the basis) do not cross the wire and are not read on
+either side: the remote manifest is fetched first and every file the basis's manifest lists with the same size and
+sha256 is hard-linked into staging (`stage_from_basis`, for both transports); rsync is given only the rest (with
+`--ignore-times`, the basis as `--copy-dest` for delta transfer), SFTP fetches only the rest. Verification does not
+re-read a file hard-linked from the basis (see `verify_and_fsync`). Hard links are safe because a complete
+checkpoint is never modified in place.
 """
 
 from __future__ import annotations
