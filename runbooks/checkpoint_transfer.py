@@ -125,10 +125,14 @@ def stage_from_basis(files: Mapping[str, Any], staging: Path, basis: Path | None
         if basis is not None and shared.get(listed[rel]) == entry and link_or_copy(basis / rel, dest):
             continue
         try:
-            if dest.stat().st_size == int(entry["size"]):
-                continue
+            st = dest.stat()
         except FileNotFoundError:
             pass
+        else:
+            if st.st_size == int(entry["size"]):
+                continue
+            if st.st_nlink > 1:  # linked from an older basis by an earlier attempt: SFTP must not append to it
+                dest.unlink()
         todo.append(listed[rel])
     return todo
 

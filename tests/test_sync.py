@@ -420,3 +420,24 @@ def test_a_resumed_pull_keeps_only_what_the_manifest_lists(instance: Instance, t
     assert got.stats.files_transferred == 0  # the basis held three shards, the earlier attempt the fourth
     assert sorted(p.relative_to(got[0]).as_posix() for p in got[0].rglob("*")) == sorted([*files, "manifest.json"])
     assert burst_checkpoint.verify(got[0])
+
+
+def test_a_resumed_pull_never_appends_to_a_file_hard_linked_from_a_complete_checkpoint(
+        instance: Instance, tmp_path: Path) -> None:
+    # An earlier attempt hard-linked a file from the basis of its day; the checkpoint now lists it larger.
+    local = tmp_path / "local"
+    rel = "model-00002.safetensors"
+    files = shards(4, 64 * 1024)
+    remote = instance.sandbox / "ckpt"
+    burst_checkpoint.write_checkpoint(remote, "step-00000100", files)
+    assert pull(instance, local) == [local / "step-00000100"]
+    files[rel] = files[rel] + os.urandom(64 * 1024)
+    burst_checkpoint.write_checkpoint(remote, "step-00000200", files)
+    staging = local / f"{STAGING_PREFIX}step-00000200"
+    staging.mkdir()
+    os.link(local / "step-00000100" / rel, staging / rel)
+
+    got = pull(instance, local)
+    assert got == [local / "step-00000200"] and got.rejected == {}
+    assert (got[0] / rel).read_bytes() == files[rel]
+    assert burst_checkpoint.verify(local / "step-00000100")  # deep: the complete checkpoint was not touched
