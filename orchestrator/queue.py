@@ -21,6 +21,7 @@ from orchestrator.core.budget import month_key
 from orchestrator.core.decision import Decision, DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import JobSpec, load_job
+from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import STATE_FOR_ACTION
 
 
@@ -132,9 +133,9 @@ def work_done(app: App, job_id: str, conn: Any = None) -> float:
             infos = [r[0] or {} for r in c.execute(query)]
     done = 0.0
     for info in infos:
-        for value in ((info.get("metrics") or {}).get("units_done"), info.get("units_done")):
-            if isinstance(value, int | float) and not isinstance(value, bool) and value > done:
-                done = float(value)
+        for value in (reported(info.get("metrics"), "units_done"), reported(info, "units_done")):
+            if value is not None and value > done:
+                done = value
     return done
 
 

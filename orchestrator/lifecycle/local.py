@@ -23,7 +23,7 @@ from orchestrator.core.plan import latest_switch_at
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason, job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState, move
-from orchestrator.lifecycle.schedule import watch_schedule
+from orchestrator.lifecycle.schedule import reported, watch_schedule
 from orchestrator.lifecycle.states import JobState
 from runbooks import supervisor
 from state import schema as s
@@ -250,9 +250,9 @@ class LocalRunner:
         from the work done so far, as the trainer reports it (`units_done` in its metrics, in the job's work
         units), else as the plan estimates it (s_L times the hours this attempt has run)."""
         terms = info["hybrid"]
-        measured = (info.get("metrics") or {}).get("units_done")
-        if isinstance(measured, int | float) and not isinstance(measured, bool) and measured >= 0:
-            done, basis = min(float(measured), terms["work"]), "measured"
+        measured = reported(info.get("metrics"), "units_done")
+        if measured is not None:
+            done, basis = min(measured, terms["work"]), "measured"
         else:
             ran_h = max(0.0, now - float(att.get("started_at") or now)) / 3600.0
             done, basis = min(terms["done_at_start"] + terms["local_units_h"] * ran_h, terms["work"]), "estimated"

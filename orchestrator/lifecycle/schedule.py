@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -9,16 +10,24 @@ from orchestrator.app import App
 from orchestrator.core.plan import projected_finish_at
 
 
+def reported(figures: Mapping[str, Any] | None, key: str) -> float | None:
+    """A number the trainer reported (`units_done`, `throughput_units_h`, ...), or None when it is missing, not a
+    number, or negative: metrics.json is the trainer's to write, and burstctl acts on nothing else it says."""
+    value = (figures or {}).get(key)
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return None
+
+
 def watch_schedule(app: App, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], now: float) -> None:
     """Say so, once an attempt, when the trainer's measured speed puts the end of the run past the deadline
     (`job.behind_schedule`, and the job's reason): a GPU slower than the job file's s_L or s_R is the user's to
     know while there is time to act on it."""
-    metrics = info.get("metrics") or {}
-    done, speed = metrics.get("units_done"), metrics.get("throughput_units_h")
-    if not isinstance(done, int | float) or not isinstance(speed, int | float) or info.get("behind_schedule"):
+    done, speed = reported(info.get("metrics"), "units_done"), reported(info.get("metrics"), "throughput_units_h")
+    if done is None or speed is None or info.get("behind_schedule"):
         return
     work = float(job["spec"].get("work_units", 1.0))
-    ends = projected_finish_at(now=now, work=work, done=float(done), units_h=float(speed))
+    ends = projected_finish_at(now=now, work=work, done=done, units_h=speed)
     if ends is None or ends <= float(job["deadline_at"]):
         return
     late_h = (ends - float(job["deadline_at"])) / 3600.0
@@ -29,12 +38,12 @@ def watch_schedule(app: App, att: dict[str, Any], job: dict[str, Any], info: dic
         planned = spec["rented_throughput"].get(job["decision"].get("gpu") or "", 0.0) * int(spec.get("gpus", 1))
     at = datetime.fromtimestamp(ends, UTC).strftime("%Y-%m-%d %H:%M UTC")
     why = (f"behind schedule: at the {speed:.4g} units/h measured ({planned:.4g} planned), the "
-           f"{work - float(done):.4g} units left end {at}, {late_h:.2f} h after the deadline")
+           f"{work - done:.4g} units left end {at}, {late_h:.2f} h after the deadline")
     info["behind_schedule"] = now
     with app.store.tx() as conn:
         app.store.update_job(job["id"], conn, reason=why)
         app.events.emit("job.behind_schedule", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                        where=att.get("where", "cloud"), units_done=round(float(done), 6),
-                        throughput_units_h=round(float(speed), 6), projected_end=round(ends, 3),
+                        where=att.get("where", "cloud"), units_done=round(done, 6),
+                        throughput_units_h=round(speed, 6), projected_end=round(ends, 3),
                         late_h=round(late_h, 4))
 
