@@ -117,14 +117,11 @@ def throughput_key(gpu: str, job_name: str) -> str:
 
 def work_done(app: App, job_id: str, conn: Any = None) -> float:
     """Work units a job has done, as its trainer last reported them (`units_done` in its metrics, or a hybrid
-    local phase's count), when a checkpoint of it is home to resume from; else 0."""
+    local phase's count); 0 when it never said. Counts only with a checkpoint of the job home to resume from."""
     from sqlalchemy import select
 
-    from orchestrator.lifecycle import checkpoints
     from state import schema as s
 
-    if checkpoints.latest(app.config, job_id, deep=False) is None:
-        return 0.0
     query = select(s.attempts.c.info).where(s.attempts.c.job_id == job_id)
     if conn is not None:
         infos = [r[0] or {} for r in conn.execute(query)]
@@ -267,13 +264,12 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
     if measured is None:
         measured = measured_rented_throughput(app, spec)
     job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured)
-    # A job that has run already is decided on the work it has left, not on the whole of W: its next attempt
-    # resumes from the checkpoint.
-    done = work_done(app, job["id"], conn)
-    if done > 0:
-        job_facts = replace(job_facts, work=max(job_facts.work - done, job_facts.work * 1e-6))
-    if checkpoints.latest(app.config, job["id"], deep=False) is not None:
-        job_facts = replace(job_facts, started=True)
+    # A job that has run, its checkpoint home, is decided on the work it has left, not on the whole of W (its next
+    # attempt resumes from the checkpoint), and is never dropped into rethink with that work (`JobFacts.started`).
+    started = checkpoints.latest(app.config, job["id"], deep=False) is not None
+    done = work_done(app, job["id"], conn) if started else 0.0
+    if started:
+        job_facts = replace(job_facts, started=True, work=max(job_facts.work - done, job_facts.work * 1e-6))
     decision = decide(job_facts, ctx)
     target = STATE_FOR_ACTION[decision.action]
     if target.value == job["state"]:
