@@ -106,6 +106,11 @@ class OfferCache:
         self._at.pop(name, None)
 
 
+def _gpus_named(spec: dict[str, Any]) -> str:
+    """The GPUs a job can rent, as its reasons name them: "1×H100, 1×A100"."""
+    return ", ".join(f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
+
+
 class Reconciler:
     def __init__(self, app: App, providers: Mapping[str, Provider], *, cloud: Any | None = None,
                  clock: Callable[[], float] = time.time):
@@ -416,8 +421,7 @@ class Reconciler:
             if problems and len(problems) == len(self.providers):  # nobody answered: not a capacity question at all
                 why = "no provider answered (" + "; ".join(problems) + ")"
             else:
-                why = "no offer with capacity for " + ", ".join(
-                    f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
+                why = f"no offer with capacity for {_gpus_named(spec)}"
                 if problems:
                     why += f" ({'; '.join(problems)})"
             self._note(job, why)
@@ -482,8 +486,8 @@ class Reconciler:
         offers, problems = self._offers_with_capacity(job, now)
         if offers:
             return None
-        gpus = ", ".join(f"{job['spec']['gpus']}×{g}" for g in job["spec"]["rented_throughput"])
-        return f"no cloud lists capacity for {gpus}" + (f" ({'; '.join(problems)})" if problems else "")
+        return (f"no cloud lists capacity for {_gpus_named(job['spec'])}"
+                + (f" ({'; '.join(problems)})" if problems else ""))
 
     def _offers_with_capacity(self, job: dict[str, Any], now: float) -> tuple[list[tuple[str, Offer]], list[str]]:
         """(provider, offer) for each offer of a GPU type and count the job names, in a region with capacity now;
