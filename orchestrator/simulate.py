@@ -538,10 +538,15 @@ def sample_starts(trace: Trace, job: JobSetting, count: int, rng: np.random.Gene
 
 
 _OFFLINE_CHUNK = 32  # runs per pass of the offline DP (measured best of 16-300 on settings (a) and (b))
+# Work units the offline DP takes before it falls back to its lower bound. The cost of a tick grows with the slack
+# in units: setting (a) needs 1,440 units (3 s of CPU a trace); setting (b)'s exact optimum 11,520 (15 s units, about
+# 30 s a trace against 3 s for the bound), so `simulate` computes it only when asked (`exact_offline`).
+OFFLINE_UNITS = 2000
+EXACT_OFFLINE_UNITS = 20000  # with `exact_offline`: memory stays under about 300 MB a process even at 26 phases
 
 
 def offline_optimum(trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSetting,
-                    *, max_work_units: int = 2000) -> tuple[np.ndarray, bool]:
+                    *, max_work_units: int = OFFLINE_UNITS) -> tuple[np.ndarray, bool]:
     """Least cost of finishing by R for each start, knowing the whole trace (dynamic programming).
 
     State: tick, work left, and what the job is on (and in which zone, for a job that may move between zones)
@@ -840,20 +845,21 @@ def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSett
     return BatchOutcome.concat(parts, starts.shape[0])
 
 
-def _run_task(trace: Trace, starts: np.ndarray, job: JobSetting, others: Sequence[Trace], name: str | None
-              ) -> BatchOutcome | tuple[float, bool, float]:
+def _run_task(trace: Trace, starts: np.ndarray, job: JobSetting, others: Sequence[Trace], name: str | None,
+              offline_units: int = OFFLINE_UNITS) -> BatchOutcome | tuple[float, bool, float]:
     """One task of `simulate`: a policy's replay of one trace, or (name None) the trace's offline optimum."""
-    return _offline_all(trace, starts, job) if name is None else _replay_all(name, trace, starts, job, others)
+    return (_offline_all(trace, starts, job, offline_units) if name is None
+            else _replay_all(name, trace, starts, job, others))
 
 
-def _offline_all(trace: Trace, starts: np.ndarray, job: JobSetting) -> tuple[float, bool, float]:
-    costs, exact = offline_optimum(trace, starts, job)
+def _offline_all(trace: Trace, starts: np.ndarray, job: JobSetting, units: int) -> tuple[float, bool, float]:
+    costs, exact = offline_optimum(trace, starts, job, max_work_units=units)
     return float(costs.sum()), exact, float(availability_bound(trace, starts, job).sum())
 
 
 def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetting, *, starts: int = 300,
              seed: int = 0, workers: int | None = None, on_step: Callable[[], None] | None = None,
-             may_move: bool = False) -> SimulationReport:
+             may_move: bool = False, exact_offline: bool = False) -> SimulationReport:
     """Replay each policy over the same `starts` random start ticks of every trace (paired comparison).
 
     `may_move`: the traces of one instance type (`instance_of`) are zones on one clock, and the job may move
@@ -864,6 +870,9 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
     Start ticks are drawn in the calling process from `seed`, so results do not depend on `workers` (processes
     for the per-trace, per-policy batches; 1 = in this process). `on_step()` is called once per finished batch
     (len(traces) * (len(policy_names) + 1) batches, the +1 being the offline optimum).
+
+    `exact_offline`: compute the exact offline optimum up to EXACT_OFFLINE_UNITS work units instead of
+    OFFLINE_UNITS (past that, the report says it is a lower bound): ten times the CPU on setting (b).
     """
     job.validate()
     original = list(traces)
@@ -885,9 +894,11 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
         others = [[g for g in groups.values() if g is not t and g.gap_seconds == t.gap_seconds] for t in traces]
     # One task per trace and policy, and one per trace for the offline optimum (name None). Longest first: a
     # policy that learns from history plans a model per refit, then the offline DP, then the cheap rules; so the
-    # processes finish together instead of one waiting on a long task handed out last.
+    # processes finish together instead of one waiting on a long task handed out last. The exact offline DP of a
+    # fine-grained setting outlasts them all, so it goes first.
     tasks = [(i, name) for i in range(len(traces)) for name in [*policy_names, None]]
-    tasks.sort(key=lambda task: 1 if task[1] is None else 0 if getattr(POLICIES[task[1]], "uses_history", False)
+    units = EXACT_OFFLINE_UNITS if exact_offline else OFFLINE_UNITS
+    tasks.sort(key=lambda task: (-1 if exact_offline else 1) if task[1] is None else 0 if getattr(POLICIES[task[1]], "uses_history", False)
                else 2)
 
     replays: dict[tuple[int, str], BatchOutcome] = {}
@@ -904,10 +915,10 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
 
     if workers <= 1:
         for i, name in tasks:
-            collect((i, name), _run_task(traces[i], trace_starts[i], job, others[i], name))
+            collect((i, name), _run_task(traces[i], trace_starts[i], job, others[i], name, units))
     else:
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(_run_task, traces[i], trace_starts[i], job, others[i], name): (i, name)
+            futures = {pool.submit(_run_task, traces[i], trace_starts[i], job, others[i], name, units): (i, name)
                        for i, name in tasks}
             for fut in as_completed(futures):
                 collect(futures[fut], fut.result())

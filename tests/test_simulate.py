@@ -139,6 +139,21 @@ def test_cli_json_reports_every_policy(tmp_path: Path) -> None:
     assert doc["od_only_cost_usd"] == doc["policies"]["on-demand"]["mean_cost_usd"]
 
 
+def test_cli_exact_offline_replaces_the_lower_bound_where_the_default_settles_for_it(tmp_path: Path) -> None:
+    # 195 s ticks and a 720 s changeover need 15 s units to be exact: a 10 h job is 2,400 of them, past the default.
+    trace = write_trace(tmp_path / "zone-a.json", ([1] * 30 + [0] * 9) * 12, gap=195)
+    args = ["simulate", "--trace", str(trace), "--job-hours", "10", "--deadline-hours", "12", "--changeover-hours",
+            "0.2", "--od-price", "3.06", "--spot-price", "0.9731", "--starts", "6", "--policy", "greedy",
+            "--workers", "1"]
+    bound, exact = (json.loads(burstctl(*args, *extra, "--json").stdout)["offline"]
+                    for extra in ([], ["--exact-offline"]))
+    assert (bound["exact"], exact["exact"]) == (False, True)
+    # The bound lets a changeover end with its tick (585 s here, not 720 s): the exact optimum costs more.
+    assert exact["mean_cost_usd"] > bound["mean_cost_usd"]
+    assert "--exact-offline for the exact" in burstctl(*args).stdout
+    assert "offline optimum (exact)" in burstctl(*args, "--exact-offline").stdout
+
+
 def test_cli_is_deterministic_for_a_seed_whatever_the_worker_count(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "zone-a.json", ([1] * 13 + [0] * 5) * 9)
     runs = [burstctl("simulate", "--trace", str(trace), *JOB_ARGS, "--starts", "10", "--seed", "5",
