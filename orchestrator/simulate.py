@@ -898,8 +898,9 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
     # fine-grained setting outlasts them all, so it goes first.
     tasks = [(i, name) for i in range(len(traces)) for name in [*policy_names, None]]
     units = EXACT_OFFLINE_UNITS if exact_offline else OFFLINE_UNITS
-    tasks.sort(key=lambda task: (-1 if exact_offline else 1) if task[1] is None else 0 if getattr(POLICIES[task[1]], "uses_history", False)
-               else 2)
+    offline_rank = -1 if exact_offline else 1
+    tasks.sort(key=lambda task: offline_rank if task[1] is None
+               else 0 if getattr(POLICIES[task[1]], "uses_history", False) else 2)
 
     replays: dict[tuple[int, str], BatchOutcome] = {}
     offline: dict[int, tuple[float, bool, float]] = {}
