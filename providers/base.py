@@ -106,9 +106,18 @@ class Offer:
     # Regions/zones where spot has capacity now, when the provider lists it (a Lambda-style capacity listing);
     # None when it cannot tell without launching (EC2). Lets the daemon see spot come back while it runs elsewhere.
     spot_regions: tuple[str, ...] | None = None
+    # Regions/zones where on-demand has capacity now, when the provider lists each market's apart (Lambda); None
+    # when it cannot tell (EC2: every zone, whatever its capacity).
+    on_demand_regions: tuple[str, ...] | None = None
 
     def price(self, market: Market) -> float | None:
         return self.spot_usd_h if market is Market.SPOT else self.on_demand_usd_h
+
+    def capacity_regions(self, market: Market) -> tuple[str, ...]:
+        """Regions with capacity now on `market`: that market's own listing where the provider has one, else
+        `regions` (either market's, or every zone where only a launch can tell)."""
+        listed = self.spot_regions if market is Market.SPOT else self.on_demand_regions
+        return self.regions if listed is None else listed
 
 
 @dataclass(frozen=True)

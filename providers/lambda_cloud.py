@@ -145,7 +145,8 @@ class LambdaCloud:
     def offers(self) -> list[Offer]:
         """One offer per on-demand GPU type, with the spot price of its spot sibling when simcloud lists one.
 
-        `regions` are the regions where either market has capacity now (launch re-checks per market).
+        `regions` are the regions where either market has capacity now (launch re-checks per market);
+        `on_demand_regions` and `spot_regions` each market's own.
         """
         types = self._call("offers", lambda: self._request("GET", "/instance-types"))
         spot_of = {_on_demand_type(item): item for item in types.values() if _is_spot(item)}
@@ -166,6 +167,7 @@ class LambdaCloud:
                 on_demand_usd_h=int(it["price_cents_per_hour"]) / 100.0,
                 spot_usd_h=int(spot["instance_type"]["price_cents_per_hour"]) / 100.0 if spot else None,
                 regions=tuple(regions),
+                on_demand_regions=tuple(self._order_regions(_capacity_regions(item))),
                 spot_regions=tuple(self._order_regions(_capacity_regions(spot)))
                 if spot and self.lists_spot_capacity else None,
             ))

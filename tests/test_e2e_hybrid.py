@@ -125,21 +125,21 @@ def test_a_local_run_slower_than_its_estimate_bursts_earlier_from_its_measured_p
 
 def test_with_no_cloud_capacity_at_the_hand_over_the_local_run_goes_on_until_the_cloud_can_take_the_rest(
         tmp_path: Path) -> None:
-    # The same job as above (hand-over due about 10 s after the start), on a cloud with no H100 capacity, on
-    # either market. Stopping
+    # The same job as above (hand-over due about 10 s after the start), its cloud phase on on-demand, on a cloud
+    # with H100 spot capacity and no on-demand H100 capacity: an on-demand launch would be refused. Stopping
     # the local run for a burst that cannot launch would idle the local GPU and, after a few refused launches,
-    # drop the job: it runs on locally instead, and bursts when capacity comes back.
+    # drop the job: it runs on locally instead, and bursts when on-demand capacity comes back.
     state = tmp_path / "state"
     spec = _two_speed_job(tmp_path, "no-capacity", s_local=90, s_rented=180, deadline_hours=0.008778)
     h100 = "gpu_1x_h100_sxm5"
-    with simcloud(tmp_path, "--capacity", f"{h100}=0", "--capacity", f"{h100}_spot=0") as url:
+    with simcloud(tmp_path, "--capacity", f"{h100}=0") as url:
         # Capacity coming back is seen within a second.
         config, decided = _enqueue(tmp_path, url, state, spec, offers_ttl_s=1.0)
         job_id = decided["id"]
         daemon = EnvDaemon(tmp_path, config, state).start(env={"LOCAL_STEP_S": "0.5"})
         try:
             held = wait_for(lambda: events(state, "attempt.hand_over_held"), 60, "the hand-over to be held")[0]
-            assert "no cloud lists capacity for 1×H100" in held["data"]["reason"]
+            assert "no cloud lists on-demand capacity for 1×H100" in held["data"]["reason"]
             done_then = held["data"]["units_done"]
             wait_for(lambda: (job(state, job_id)["reason"] or "").startswith("running on locally"), 30,
                      "the job's reason to say so")

@@ -120,7 +120,11 @@ def test_offers_regions_follow_configured_order_and_capacity(sim: SimCloudServer
     [a10] = adapter.offers()
     assert (a10.instance_type, a10.regions) == ("gpu_1x_a10", ("us-west-1", "us-east-1"))
     sim.set_capacity("gpu_1x_a10", "us-east-1", 0)
-    assert adapter.offers()[0].regions == ("us-west-1", "us-east-1")  # the spot market still has us-east-1
+    [a10] = adapter.offers()
+    assert a10.regions == ("us-west-1", "us-east-1")  # the spot market still has us-east-1...
+    # ...which an on-demand launch cannot use: each market's capacity is listed apart as well.
+    assert (a10.capacity_regions(Market.ON_DEMAND), a10.capacity_regions(Market.SPOT)) == (
+        ("us-west-1",), ("us-west-1", "us-east-1"))
     sim.set_capacity("gpu_1x_a10_spot", "us-east-1", 0)
     assert adapter.offers()[0].regions == ("us-west-1",)
     adapter.close()

@@ -11,12 +11,15 @@ from sqlalchemy import insert
 
 from orchestrator.app import App
 from orchestrator.lifecycle import checkpoints, reconcile
+from orchestrator.lifecycle.cloud_steps import CloudSteps
 from orchestrator.lifecycle.finish import job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.queue import enqueue
 from providers.base import AuthFailed, Offer
+from providers.lambda_cloud import LambdaCloud
+from providers.simcloud.api import SimCloudServer
 from runbooks.burst_checkpoint import write_checkpoint
 from state import schema as s
 from tests.conftest import write_job
@@ -265,4 +268,29 @@ def test_a_cloud_run_slower_than_planned_says_once_that_it_will_miss_the_deadlin
     assert behind["late_h"] == pytest.approx(1.0) and behind["projected_end"] == pytest.approx(now + 5 * 3600)
     assert app.store.get_job(job_id)["reason"].startswith(
         "behind schedule: at the 0.1 units/h measured (0.17 planned), the 0.5 units left end ")
+    app.close()
+
+
+def test_a_hybrid_hand_over_counts_only_capacity_on_the_market_its_cloud_phase_launches_on(tmp_path: Path) -> None:
+    # simcloud lists H100 spot capacity and no on-demand capacity. An on-demand cloud phase would be refused: its
+    # local phase runs on. A spot one can launch: it hands over.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    jobs = {market: enqueue(app, write_job(tmp_path, market, local_throughput=0.033, market=market,
+                                           rented_throughput={"H100": 0.17}))[0] for market in ("on-demand", "spot")}
+    h100 = "gpu_1x_h100_sxm5"
+    with SimCloudServer(api_key="sim-rules-key") as sim:
+        for region in ("us-east-1", "us-west-1"):
+            sim.set_capacity(h100, region, 0)
+        sim_provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key",
+                                   regions=("us-east-1", "us-west-1"), request_interval_s=0.0)
+        providers = {"sim": sim_provider}
+        rec = Reconciler(app, providers, cloud=CloudSteps(app, providers))
+        on_demand, spot = (app.store.get_job(jobs[m]) for m in ("on-demand", "spot"))
+        assert rec._hand_over_held(on_demand, time.time()) == "no cloud lists on-demand capacity for 1×H100"
+        assert rec._hand_over_held(spot, time.time()) is None
+
+        sim.set_capacity(h100, "us-west-1", 1)
+        rec.offers.forget("sim")
+        assert rec._hand_over_held(on_demand, time.time()) is None
+        sim_provider.close()
     app.close()

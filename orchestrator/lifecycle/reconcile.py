@@ -476,17 +476,24 @@ class Reconciler:
 
     def _hand_over_held(self, job: dict[str, Any], now: float) -> str | None:
         """Why a hybrid job's local phase cannot hand over now, else None. Stopping the local run for a burst
-        that cannot launch would leave the local GPU idle while the deadline slips further. A provider that lists
-        capacity and lists none for the job's GPUs holds it; one that cannot tell without launching (EC2 lists
-        its zones whatever their capacity) lets it go."""
+        that cannot launch would leave the local GPU idle while the deadline slips further. Only capacity on the
+        market the cloud phase would launch on counts (`market_for_attempt`, as `_choose_offer` asks it): spot
+        capacity does not take an on-demand phase. A provider that lists capacity and lists none for the job's
+        GPUs on that market holds it; one that cannot tell without launching (EC2 lists its zones whatever their
+        capacity) lets it go."""
         if not burst_enabled(self.app):
             return "bursting is disabled (revert-local)"
         if self.cloud is None or not self.providers:
             return "no cloud provider is usable"
         offers, problems = self._offers_with_capacity(job, now)
-        if offers:
-            return None
-        return (f"no cloud lists capacity for {_gpus_named(job['spec'])}"
+        markets: set[str] = set()  # the markets it would launch on where only the other one has capacity
+        for name, offer in offers:
+            market, _ = market_for_attempt(self.app, job, name, offer, now)
+            if market is not None and offer.capacity_regions(market):
+                return None
+            markets.add((market or Market.SPOT).value)  # None: the spot policy waits for spot, listed gone
+        on = f"{' or '.join(sorted(markets))} " if markets else ""
+        return (f"no cloud lists {on}capacity for {_gpus_named(job['spec'])}"
                 + (f" ({'; '.join(problems)})" if problems else ""))
 
     def _offers_with_capacity(self, job: dict[str, Any], now: float) -> tuple[list[tuple[str, Offer]], list[str]]:
