@@ -171,3 +171,59 @@ def _units_done(state: Path, job_id: str) -> float:
     finally:
         st.close()
     return max([float((i or {}).get("units_done") or 0.0) for i in infos] + [0.0])
+
+
+def test_a_local_run_that_measures_it_will_miss_its_deadline_is_re_planned_and_bursts_the_rest_in_time(
+        tmp_path: Path) -> None:
+    # W = 1, D = 26 s, s_L = 360/h in the job file: T_L = 10 s, so gate 2 keeps it local. The card really does
+    # 90/h (a step per 0.2 s of 200: 40 s). From the trainer's figures the daemon decides the job again on the work
+    # left at 90/h: with s_R = 360/h and t_ovh = 9 s the rest (about 18 s rented) still makes the deadline, and a
+    # hybrid (local on, then burst the rest as late as is safe) is cheaper than bursting it all now. The rented GPU
+    # is faster than its s_R (2 s for the whole job), so the burst ends well within the deadline.
+    state = tmp_path / "state"
+    spec = _two_speed_job(tmp_path, "slow-card", s_local=360, s_rented=360, deadline_hours=26 / 3600)
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url, policy={"overhead_h": 0.0025, "hybrid_margin_h": 0.0,
+                                                     "default_market": "on-demand"})
+        r = cli(config, state, "enqueue", str(spec), "--json")
+        assert r.returncode == 0, r.stderr
+        decided = json.loads(r.stdout)
+        job_id, first_record = decided["id"], Path(decided["record"])
+        assert (decided["placement"], decided["decision"]["plan_kind"]) == ("local", "local")
+        daemon = EnvDaemon(tmp_path, config, state).start(env={"LOCAL_STEP_S": "0.2"})
+        try:
+            wait_for(lambda: job(state, job_id)["state"] in ("done", "failed"), 60, "the job to finish")
+        finally:
+            assert daemon.stop() == 0
+        instances = sim_instances(url)
+        shown = cli(config, state, "show", job_id, "--json")
+
+    done = job(state, job_id)
+    assert done["state"] == "done", done["reason"]
+    types = [e["type"] for e in events(state)]
+    assert types.index("job.behind_schedule") < types.index("job.replanned") < types.index("attempt.stop_requested")
+    [replanned] = [e["data"] for e in events(state, "job.replanned")]
+    assert replanned["outcome"] == "hybrid" and replanned["planned_units_h"] == 360
+    assert replanned["throughput_units_h"] < 250  # the card's own speed, not the job file's
+    assert replanned["before"]["plan_kind"] == "local" and replanned["after"]["plan_kind"] == "hybrid"
+    # The running local attempt became the hybrid's local phase: one local attempt, stopped at the hand-over...
+    [stop] = events(state, "attempt.stop_requested")
+    assert stop["data"]["reason"] == "hybrid-switch" and stop["attempt_id"] == events(state, "job.replanned")[0][
+        "attempt_id"]
+    # ...whose checkpoint the cloud phase resumed from, and the job met its deadline.
+    resumed = [e["data"] for e in events(state, "job.resumed")]
+    assert resumed[-1].get("provider") == "sim" and int(resumed[-1]["checkpoint"].removeprefix("step-")) > 0
+    [measured] = [e["data"] for e in events(state, "job.measured")]
+    assert measured["deadline_met"] is True, measured
+    assert len(instances) == 1 and instances[0]["status"] == "terminated"
+    # The trail: the job's decision and a record of its own say what was re-planned and why; the first record
+    # points at it, and the Measured line is filled in on the plan that ran.
+    assert shown.returncode == 0, shown.stderr
+    decision = json.loads(shown.stdout)["decision"]
+    assert decision["plan_kind"] == "hybrid" and decision["reasons"][0].startswith(
+        "re-planned while running locally, behind schedule: at the ")
+    record = Path(done["record_path"])
+    assert record != first_record and "re-planned while running locally" in record.read_text()
+    assert "- **Measured:** run " in record.read_text()
+    assert "- **Measured:** re-planned while running locally, " in first_record.read_text()
+    assert record.name in first_record.read_text()

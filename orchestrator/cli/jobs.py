@@ -190,8 +190,19 @@ def cancel_cmd(app: App, job: str, as_json: bool) -> None:
 @json_option
 @pass_app
 def approve_cmd(app: App, job: str, as_json: bool) -> None:
-    """Approve the price of a job's deadline (ΔC above the configured ceiling); it is queued to burst."""
+    """Approve the price of a job's deadline (ΔC above the configured ceiling); it is queued to burst. A local run
+    re-planned behind schedule (running, its price awaiting approval) bursts the rest instead of running on, late."""
     j = _job_or_fail(app, job)
+    if j["state"] == JobState.RUNNING.value and j["decision"].get("action") == "await-approval" and not j["approved"]:
+        with app.store.tx() as conn:
+            if not app.store.update_job(j["id"], conn, expect_state=j["state"], approved=True,
+                                        reason="deadline price approved: the daemon bursts the rest"):
+                raise BadInput(f"job {j['id']} changed state meanwhile; try again", field="JOB")
+            app.events.emit("job.approved", job_id=j["id"], conn=conn, previous=j["state"], state=j["state"])
+        new = app.store.get_job(j["id"])
+        assert new is not None
+        print_json(_public(new)) if as_json else out.print(f"{j['id']} approved: it bursts the rest")
+        return
     if j["state"] != JobState.AWAITING_APPROVAL.value:
         raise BadInput(f"job {j['id']} is {j['state']}, not awaiting approval", field="JOB")
     j = _set_state(app, job, JobState.QUEUED, "job.approved", approved=True, reason="deadline price approved")

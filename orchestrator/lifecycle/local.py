@@ -18,12 +18,13 @@ from typing import Any
 
 from sqlalchemy import func, insert, select, update
 
+from orchestrator import records
 from orchestrator.app import App
 from orchestrator.core.plan import latest_switch_at
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason, job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState, move
-from orchestrator.lifecycle.schedule import reported, watch_schedule
+from orchestrator.lifecycle.schedule import behind, reported, watch_schedule
 from orchestrator.lifecycle.states import JobState
 from runbooks import supervisor
 from state import schema as s
@@ -197,10 +198,11 @@ class LocalRunner:
                 return
             wanted = None
             progress: dict[str, Any] = {}
+            if not info.get("hybrid") and job["placement"] == "local":
+                watch_schedule(self.app, att, job, info, now)
+                self._redecide_if_late(att, job, info, now)  # may make it a hybrid's local phase, or hand over
             if info.get("hybrid") and not info.get("stop_requested"):
                 progress = self._replan(att, info, now)  # a hybrid hands over earlier instead
-            elif job["placement"] == "local":
-                watch_schedule(self.app, att, job, info, now)
             if job["state"] == JobState.CANCELLED.value:
                 wanted = "cancelled"
             elif info.get("switch_at") and now >= info["switch_at"] and not info.get("stop_requested"):
@@ -242,7 +244,8 @@ class LocalRunner:
             info["hand_over_held"] = why
             self.app.events.emit("attempt.hand_over_held", job_id=job["id"], attempt_id=att["id"], reason=why,
                                  switch_at=round(info["switch_at"], 3), units_done=info.get("units_done"))
-        return (f"running on locally (hybrid plan): the hand-over to the cloud was due at {due} UTC, but {why}; "
+        plan = "hybrid plan" if info.get("hybrid") else "re-planned to burst"
+        return (f"running on locally ({plan}): the hand-over to the cloud was due at {due} UTC, but {why}; "
                 "it bursts the rest once the cloud can take it, and may miss the deadline")
 
     def _replan(self, att: dict[str, Any], info: dict[str, Any], now: float) -> dict[str, Any]:
@@ -254,14 +257,106 @@ class LocalRunner:
         if measured is not None:
             done, basis = min(measured, terms["work"]), "measured"
         else:
-            ran_h = max(0.0, now - float(att.get("started_at") or now)) / 3600.0
+            # Since done_at_start was counted: the attempt's start, or its re-plan into a hybrid (`_redecide_if_late`).
+            ran_h = max(0.0, now - float(terms.get("replanned_at") or att.get("started_at") or now)) / 3600.0
             done, basis = min(terms["done_at_start"] + terms["local_units_h"] * ran_h, terms["work"]), "estimated"
         info["units_done"] = done
         info["switch_at"] = latest_switch_at(done=done, **_switch_args(terms))
         at = datetime.fromtimestamp(info["switch_at"], UTC).strftime("%H:%M:%S")
+        plan = "hybrid plan, re-planned behind schedule" if terms.get("replanned_at") else "hybrid plan"
         return {"units_done": round(done, 6), "progress": basis, "switch_at": round(info["switch_at"], 3),
-                "reason": f"running locally (hybrid plan): {done:.4g} of {terms['work']:.4g} units done ({basis}); "
+                "reason": f"running locally ({plan}): {done:.4g} of {terms['work']:.4g} units done ({basis}); "
                           f"bursts the rest by {at} UTC to make the deadline"}
+
+    def _redecide_if_late(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], now: float) -> None:
+        """A plain local run whose trainer's figures put its end past the deadline is decided again, on the work left
+        and the speed measured (`core/replan.py`): a hybrid makes this attempt the plan's local phase (the hand-over
+        is then recomputed every tick by `_replan`), a burst hands over now (both through the hand-over hold), and
+        otherwise it runs on, saying why. Asked again once a `daemon.market_check_s` while it stays late (the kill
+        switch lifted, the budget, an approval may change the answer), at once when the job was approved since.
+        What it answered is kept in the attempt (`info["redecided"]`), said once per answer."""
+        if job["placement"] != "local" or info.get("hybrid") or info.get("stop_requested") or \
+                job["state"] != JobState.RUNNING.value:
+            return  # not a plain local run (any more), or on its way out
+        late = behind(job, "local", info.get("metrics"), now)
+        if late is None:
+            return
+        done, speed, _, behind_why = late
+        last = info.get("redecided") or {}
+        approved_since = last.get("outcome") == "await-approval" and bool(job.get("approved"))
+        if last and 0 <= now - float(last["at"]) < self.cfg.daemon.market_check_s and not approved_since:
+            return
+        from orchestrator.core.replan import replan_late_local
+        from orchestrator.queue import context, facts, measured_rented_throughput, spec_of
+
+        if checkpoints.latest(self.cfg, job["id"], deep=False) is None:
+            done = 0.0  # nothing to resume from yet: the cloud would start over
+        spec = spec_of(job)
+        base = facts(spec, float(job["deadline_at"]), now, self.cfg,
+                     measured=measured_rented_throughput(self.app, spec))
+        r = replan_late_local(base, context(self.app, now), done=done, units_h=speed,
+                              approved=bool(job.get("approved")))
+        answer = {"at": now, "outcome": r.outcome}
+        if last.get("outcome") == r.outcome:
+            info["redecided"] = answer  # said already; asked again a market_check_s from now
+            return
+        fields: dict[str, Any] = {"reason": f"{behind_why}; {r.why}"}
+        record: Path | None = None
+        d: dict[str, Any] | None = None
+        before = job["decision"]
+        if r.decision is not None:
+            d = r.decision.to_dict()
+            d["work_done"] = round(done, 6)
+            d["replanned_from"] = {k: before.get(k) for k in ("verdict", "action", "plan_kind", "plan_cost_usd",
+                                                              "t_local_h", "t_rented_h")}
+            d["reasons"].insert(0, f"re-planned while running locally, {behind_why}: decided again on the "
+                                   f"units left at the speed measured (was: {before.get('plan_kind') or '—'} plan, "
+                                   f"T_L {records.fmt_h(before.get('t_local_h'))}, "
+                                   f"{records.fmt_usd(before.get('plan_cost_usd'))})")
+            from orchestrator.queue import record_decision
+
+            record = record_decision(self.app, r.facts, d, now, job["id"])
+            fields.update(decision=d, verdict=d["verdict"], record_path=str(record))
+        changed: dict[str, Any] = {"redecided": answer}  # this attempt's part in the new plan
+        if r.moves:
+            assert d is not None
+            fields["placement"] = d["placement"]
+            changed["units_done"] = done
+            if r.outcome == "hybrid":
+                terms = self._hybrid_terms({**job, "decision": d})
+                terms.update(done_at_start=done, replanned_at=now)
+                changed["hybrid"] = terms
+                changed["switch_at"] = latest_switch_at(done=done, **_switch_args(terms))
+            else:
+                changed["switch_at"] = now  # no time for a local phase: the hand-over is due (`step` may hold it)
+        written = False
+        try:
+            with self.app.store.tx() as conn:
+                # The job's new plan and this attempt's part in it are one change: a restart finds both or neither.
+                if self.app.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value, **fields):
+                    conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"])
+                                 .values(info={**info, **changed}))
+                    self.app.events.emit(
+                        "job.replanned", job_id=job["id"], attempt_id=att["id"], conn=conn, outcome=r.outcome,
+                        reason=fields["reason"], units_done=round(done, 6), throughput_units_h=round(speed, 6),
+                        planned_units_h=float(job["spec"].get("local_throughput") or 0.0),
+                        before={k: before.get(k) for k in ("verdict", "plan_kind", "plan_cost_usd", "t_local_h")},
+                        after=None if d is None else {k: d.get(k) for k in (
+                            "verdict", "action", "placement", "plan_kind", "plan_cost_usd", "t_rented_h")},
+                        switch_at=round(changed["switch_at"], 3) if r.moves else None,
+                        record=str(record) if record else None, decision=d)
+                    written = True
+        finally:
+            if not written and record is not None:
+                record.unlink(missing_ok=True)  # the re-plan was never written: no record may describe it
+        if not written:  # the job moved on meanwhile (a cancel): nothing was re-planned
+            return
+        info.update(changed)
+        old = job.get("record_path")
+        if record is not None and old and Path(old).exists():
+            when = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d %H:%M UTC")
+            records.fill_measured(Path(old), f"re-planned while running locally, {when}: see {record.name}")
+        job.update(fields)
 
     def _end(self, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState, reason: str,
              info: dict[str, Any]) -> None:

@@ -19,31 +19,43 @@ def reported(figures: Mapping[str, Any] | None, key: str) -> float | None:
     return None
 
 
-def watch_schedule(app: App, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], now: float) -> None:
-    """Say so, once an attempt, when the trainer's measured speed puts the end of the run past the deadline
-    (`job.behind_schedule`, and the job's reason): a GPU slower than the job file's s_L or s_R is the user's to
-    know while there is time to act on it."""
-    done, speed = reported(info.get("metrics"), "units_done"), reported(info.get("metrics"), "throughput_units_h")
-    if done is None or speed is None or info.get("behind_schedule"):
-        return
+def behind(job: dict[str, Any], where: str, figures: Mapping[str, Any] | None, now: float
+           ) -> tuple[float, float, float, str] | None:
+    """When the trainer's measured speed puts the end of the run past the deadline: (units done, units/h measured,
+    projected end, what to say); None while it is on time or has not said."""
+    done, speed = reported(figures, "units_done"), reported(figures, "throughput_units_h")
+    if done is None or speed is None:
+        return None
     work = float(job["spec"].get("work_units", 1.0))
     ends = projected_finish_at(now=now, work=work, done=done, units_h=speed)
     if ends is None or ends <= float(job["deadline_at"]):
-        return
+        return None
     late_h = (ends - float(job["deadline_at"])) / 3600.0
     spec = job["spec"]
-    if att.get("where") == "local":
+    if where == "local":
         planned = float(spec.get("local_throughput") or 0.0)
     else:
         planned = spec["rented_throughput"].get(job["decision"].get("gpu") or "", 0.0) * int(spec.get("gpus", 1))
     at = datetime.fromtimestamp(ends, UTC).strftime("%Y-%m-%d %H:%M UTC")
-    why = (f"behind schedule: at the {speed:.4g} units/h measured ({planned:.4g} planned), the "
-           f"{work - done:.4g} units left end {at}, {late_h:.2f} h after the deadline")
+    return done, speed, ends, (f"behind schedule: at the {speed:.4g} units/h measured ({planned:.4g} planned), the "
+                               f"{work - done:.4g} units left end {at}, {late_h:.2f} h after the deadline")
+
+
+def watch_schedule(app: App, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], now: float) -> None:
+    """Say so, once an attempt, when the trainer's measured speed puts the end of the run past the deadline
+    (`job.behind_schedule`, and the job's reason): a GPU slower than the job file's s_L or s_R is the user's to
+    know while there is time to act on it."""
+    if info.get("behind_schedule"):
+        return
+    where = att.get("where", "cloud")
+    late = behind(job, where, info.get("metrics"), now)
+    if late is None:
+        return
+    done, speed, ends, why = late
     info["behind_schedule"] = now
     with app.store.tx() as conn:
         app.store.update_job(job["id"], conn, reason=why)
         app.events.emit("job.behind_schedule", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                        where=att.get("where", "cloud"), units_done=round(done, 6),
+                        where=where, units_done=round(done, 6),
                         throughput_units_h=round(speed, 6), projected_end=round(ends, 3),
-                        late_h=round(late_h, 4))
-
+                        late_h=round((ends - float(job["deadline_at"])) / 3600.0, 4))
