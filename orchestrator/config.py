@@ -241,7 +241,7 @@ class DaemonSettings(Strict):
     )
     market_check_s: PositiveFloat = Field(
         60.0, description="How often a running cloud attempt asks the spot policy whether to change market (the "
-                          "policy's tick).",
+                          "policy's tick); and how often a local run still late after a re-plan is decided again.",
     )
     spot_probe_max_s: NonNegFloat = Field(
         900.0, description="Where spot is seen only by launching (EC2), a job waiting for spot probes it with a "
