@@ -69,7 +69,7 @@ class DaemonShell:
     name = "daemon-shell"
 
     def __init__(self, policy: SemiMarkovDP, prior_uptime_h: float, prior_outage_h: float, listed: bool,
-                 fitted: Callable[[float], tuple[AvailabilityStats, float] | None] | None = None,
+                 fitted: Callable[[float], tuple[AvailabilityStats, float, int] | None] | None = None,
                  probes_on_od: bool = False) -> None:
         self.policy = policy
         self.probes_on_od = probes_on_od  # seen only by launching: probe spot while on on-demand
@@ -108,7 +108,7 @@ class DaemonShell:
         fit = self.fitted(s.elapsed_h) if self.fitted is not None else None
         seen = dataclasses.replace(s, spot_available=view.available if s.market is not Market.SPOT else True,
                                    spot_state_for_h=view.state_for_h, stats=fit[0] if fit else view.stats,
-                                   recent_up_fraction=fit[1] if fit else 1.0)
+                                   recent_up_fraction=fit[1] if fit else 1.0, recent_changes=fit[2] if fit else 0)
         if s.market is Market.ON_DEMAND and not self.listed:
             # Would the plan go back to spot were it up now? Then a spot launch is the probe; one that comes up is
             # kept, and the job moves to it.
@@ -148,7 +148,7 @@ class DaemonShell:
 
 
 def _fitted_on_listing(trace: Trace, start: int, others: Sequence[tuple[Trace, TraceHistory]]
-                       ) -> Callable[[float], tuple[AvailabilityStats, float] | None]:
+                       ) -> Callable[[float], tuple[AvailabilityStats, float, int] | None]:
     """What `market_switch.listed_model` gives the daemon, for a daemon that has watched this zone's listing (and
     the other listed types', `others`) since the trace began: `simulate`'s `refit_stats` on `refit_ticks`'
     schedule, and the regime now."""
@@ -156,14 +156,15 @@ def _fitted_on_listing(trace: Trace, start: int, others: Sequence[tuple[Trace, T
     schedule = refit_ticks(len(trace), trace.gap_seconds / 3600.0)
     fits = _FITS.setdefault(trace.name, {})
 
-    def at(elapsed_h: float) -> tuple[AvailabilityStats, float] | None:
+    def at(elapsed_h: float) -> tuple[AvailabilityStats, float, int] | None:
         t = start + round(elapsed_h * 3600.0 / trace.gap_seconds)
         refit = int(schedule[np.searchsorted(schedule, t, side="right") - 1])
         if refit <= 0:
             return None
         if refit not in fits:
             fits[refit] = refit_stats(trace, history, others, refit)
-        return fits[refit], float(history.recent_up_fraction[min(t, len(trace) - 1)])
+        now = min(t, len(trace) - 1)
+        return fits[refit], float(history.recent_up_fraction[now]), int(history.recent_changes[now])
 
     return at
 

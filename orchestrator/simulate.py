@@ -25,12 +25,14 @@ import numpy as np
 from orchestrator.core.spot_policy import (
     AGE_EDGES_H,
     DEFAULT_POLICY,
+    FLICKER_WINDOW_H,
     IDLE_CODE,
     OD_CODE,
     PLANS_CACHED,
     POLICIES,
-    REGIME_EDGES,
     REGIME_WINDOW_H,
+    REGIMES,
+    SHARE_REGIMES,
     SPOT_CODE,
     AvailabilityStats,
     Market,
@@ -182,6 +184,7 @@ class TraceHistory:
     mean_uptime_h: np.ndarray
     run_age_h: np.ndarray  # how long spot has been in its tick-i state, counting tick i
     recent_up_fraction: np.ndarray  # share of the REGIME_WINDOW_H ending with tick i that spot was up
+    recent_changes: np.ndarray  # times spot went or came back in the FLICKER_WINDOW_H ending with tick i
     # For a job that may move between zones: a run that has followed the zone rule since tick 0 (spot whenever any
     # zone has it), its ticks on spot and the times it lost its zone while another had spot, by tick i (cumulative).
     moving_spot_ticks: np.ndarray | None = None
@@ -224,9 +227,12 @@ class TraceHistory:
         window = max(round(REGIME_WINDOW_H / gap_h), 1)
         ups = np.cumsum(a)
         recent = (ups - np.concatenate((np.zeros(min(window, n)), ups[:-window]))) / np.minimum(ticks, window)
+        window = max(round(FLICKER_WINDOW_H / gap_h), 1)
+        changes = np.cumsum(np.concatenate(([0], a[1:] != a[:-1])))  # by tick i: ticks differing from the one before
+        flicker = changes - np.concatenate((np.zeros(min(window, n), dtype=np.int64), changes[:-window]))
         return cls(gap_h=gap_h, up_fraction=up_fraction, mean_outage_h=running_mean(~is_up),
                    mean_uptime_h=running_mean(is_up), run_age_h=run_age_h,
-                   recent_up_fraction=recent)
+                   recent_up_fraction=recent, recent_changes=flicker)
 
     def stats_at(self, i: int) -> AvailabilityStats:
         return AvailabilityStats(
@@ -272,34 +278,68 @@ class ZoneCounts:
     def __add__(self, other: ZoneCounts) -> ZoneCounts:
         return ZoneCounts(self.seen + other.seen, self.ended + other.ended, self.moves + other.moves)
 
+    def by_flicker(self) -> tuple[np.ndarray, np.ndarray]:
+        """`seen` and `ended` as (calm or flickering, share regime, up/down, age bucket)."""
+        shape = (REGIMES // SHARE_REGIMES, SHARE_REGIMES, *self.seen.shape[1:])
+        return self.seen.reshape(shape), self.ended.reshape(shape)
+
+
+@dataclass(frozen=True)
+class ZonePrior:
+    """What a zone's own counts are shrunk towards: the other zones' pooled chances."""
+
+    hazards: np.ndarray  # (share regime, up/down, age bucket): chance a tick ends that state, calm and flicker pooled
+    moves: np.ndarray  # (regime, regime): chance a tick in one regime is followed by one in the other
+
 
 def hazard_counts(available: np.ndarray, history: TraceHistory, before: int, since: int = 0) -> ZoneCounts:
     """The counts of ticks in [since, before) of one trace.
 
     A tick counts once the tick after it has been seen too, so only history strictly before `before` is used.
     """
-    n_buckets, n_regimes = len(AGE_EDGES_H) + 1, len(REGIME_EDGES) + 1
+    n_buckets = len(AGE_EDGES_H) + 1
     last = max(min(before, available.shape[0]) - 1, 0)
     first = min(max(since, 0), last)
     a = available[first:last].astype(np.int64)
     left = available[first + 1:last + 1] != available[first:last]
-    regime = regime_of(history.recent_up_fraction[first:last + 1])
+    regime = regime_of(history.recent_up_fraction[first:last + 1], history.recent_changes[first:last + 1])
     cell = (regime[:-1] * 2 + a) * n_buckets + age_bucket(history.run_age_h[first:last])
-    shape = (n_regimes, 2, n_buckets)
+    shape = (REGIMES, 2, n_buckets)
     seen = np.bincount(cell, minlength=math.prod(shape)).reshape(shape).astype(float)
     ended = np.bincount(cell, weights=left, minlength=math.prod(shape)).reshape(shape)
-    moves = np.bincount(regime[:-1] * n_regimes + regime[1:], minlength=n_regimes ** 2
-                        ).reshape(n_regimes, n_regimes).astype(float)
+    moves = np.bincount(regime[:-1] * REGIMES + regime[1:], minlength=REGIMES ** 2
+                        ).reshape(REGIMES, REGIMES).astype(float)
     return ZoneCounts(seen, ended, moves)
 
 
-def blend_model(tick_h: float, counts: ZoneCounts, prior: ZoneCounts, prior_ticks: float) -> SpotModel:
+def flicker_factors(counts: Sequence[ZoneCounts], prior: ZonePrior, prior_ends: float) -> np.ndarray:
+    """By how much calm and flickering spot (rows) change the youngest age bucket's chance of spot going (up) or
+    coming back (down), (2, 2): the ends seen in that bucket against those the pooled hazards expect, over every
+    zone given, shrunk towards 1 with the weight of `prior_ends` ends. A few numbers learned from all zones, so
+    flicker splits no zone's counts (as a regime of its own it cost 1.6 points, docs/simulate.md)."""
+    ended = np.zeros((2, 2))
+    expected = np.zeros((2, 2))
+    for c in counts:
+        seen, ends = c.by_flicker()
+        ended += ends[..., 0].sum(axis=1)
+        expected += (seen[..., 0] * prior.hazards[None, ..., 0]).sum(axis=1)
+    return (ended + prior_ends) / (expected + prior_ends)
+
+
+def blend_model(tick_h: float, counts: ZoneCounts, prior: ZonePrior, prior_ticks: float,
+                flicker: np.ndarray | None = None) -> SpotModel:
     """Chances from the zone's own counts, each shrunk towards `prior`'s with the weight of `prior_ticks` ticks.
 
-    `prior` holds chances, not counts: hazards in `ended` (with `seen` unused) and regime moves in `moves`."""
-    leave = (counts.ended + prior_ticks * prior.ended) / (counts.seen + prior_ticks)
+    Hazards are estimated per share regime (calm and flickering ticks together); `flicker` (`flicker_factors`,
+    default none) then scales the youngest age bucket's in the calm and the flickering regimes."""
+    seen, ended = (x.sum(axis=0) for x in counts.by_flicker())
+    base = (ended + prior_ticks * prior.hazards) / (seen + prior_ticks)
+    leave = np.repeat(base[None], REGIMES // SHARE_REGIMES, axis=0)
+    if flicker is not None:
+        leave[..., 0] = np.clip(base[None, ..., 0] * flicker[:, None, :], 0.0, 1.0)
     switch = (counts.moves + prior_ticks * prior.moves) / (counts.moves.sum(axis=1, keepdims=True) + prior_ticks)
-    return SpotModel(tick_h=tick_h, leave=_nested(leave), regime_switch=_nested(switch))
+    return SpotModel(tick_h=tick_h, leave=_nested(leave.reshape(REGIMES, *base.shape[1:])),
+                     regime_switch=_nested(switch))
 
 
 def _nested(a: np.ndarray) -> tuple:
@@ -372,6 +412,7 @@ def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: T
                 spot_price=job.spot_price,
                 spot_state_for_h=float(history.run_age_h[t]) if history is not None else 0.0,
                 recent_up_fraction=float(history.recent_up_fraction[t]) if history is not None else 1.0,
+                recent_changes=int(history.recent_changes[t]) if history is not None else 0,
                 stats=stats if stats is not None else history.stats_at(t) if history is not None else None,
             )
             action = policy.decide(state)
@@ -486,7 +527,8 @@ def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarra
             elapsed_h=np.full(runs, elapsed / 3600.0), progress_h=done / 3600.0, market=market.copy(),
             spot_available=up, changeover_left_h=changeover_left / 3600.0,
             spot_state_for_h=history.run_age_h[t] if history is not None else np.zeros(runs), stats=stats,
-            recent_up_fraction=history.recent_up_fraction[t] if history is not None else None, known=known,
+            recent_up_fraction=history.recent_up_fraction[t] if history is not None else None,
+            recent_changes=history.recent_changes[t] if history is not None else None, known=known,
             which=np.maximum(np.searchsorted(refit_ticks, t, side="right") - 1, 0) if refits else None)
         action = np.asarray(policy.decide_batch(batch), dtype=np.int8)
         bad = active & ~forced_od & (action == SPOT_CODE) & ~up
@@ -747,31 +789,32 @@ class SimulationReport:
 REFIT_H = 24.0
 FIRST_REFIT_H = 3.0
 PRIOR_TICKS = 50.0
+FLICKER_ENDS = 20.0  # the flicker factors' shrinkage towards 1, in ends of spot states (`flicker_factors`)
 
 
-def pooled_prior(counts: Sequence[ZoneCounts], tick_h: float) -> ZoneCounts:
+def pooled_prior(counts: Sequence[ZoneCounts], tick_h: float) -> ZonePrior:
     """Pooled chances of these traces (see `blend_model`); memoryless defaults where none were observed."""
     fallback = POLICIES[DEFAULT_POLICY] if isinstance(POLICIES.get(DEFAULT_POLICY), SemiMarkovDP) else SemiMarkovDP()
-    n_regimes = len(REGIME_EDGES) + 1
-    geometric = np.broadcast_to(fallback.model_for(None, tick_h).hazards(), (n_regimes, 2, len(AGE_EDGES_H) + 1))
-    stay = np.eye(n_regimes)
+    geometric = np.broadcast_to(fallback.model_for(None, tick_h).hazards(), (SHARE_REGIMES, 2, len(AGE_EDGES_H) + 1))
+    stay = np.eye(REGIMES)
     if not counts:
-        return ZoneCounts(np.ones_like(geometric), geometric.copy(), stay)
+        return ZonePrior(geometric.copy(), stay)
     total = sum(counts[1:], counts[0])
+    seen, ended = (x.sum(axis=0) for x in total.by_flicker())
     rows = total.moves.sum(axis=1, keepdims=True)
-    return ZoneCounts(np.ones_like(geometric), np.where(total.seen > 0, total.ended / np.maximum(total.seen, 1),
-                                                        geometric),
-                      np.where(rows > 0, total.moves / np.maximum(rows, 1), stay))
+    return ZonePrior(np.where(seen > 0, ended / np.maximum(seen, 1), geometric),
+                     np.where(rows > 0, total.moves / np.maximum(rows, 1), stay))
 
 
 def refit_stats(trace: Trace, history: TraceHistory, others: Sequence[tuple[Trace, TraceHistory]], tick: int
                 ) -> AvailabilityStats:
     """What an operator who had watched this zone and `others` (same clock) until just before `tick` knows."""
     gap_h = trace.gap_seconds / 3600.0
-    prior = pooled_prior([hazard_counts(o.available, oh, tick) for o, oh in others], gap_h)
+    seen_too = [hazard_counts(o.available, oh, tick) for o, oh in others]
+    prior = pooled_prior(seen_too, gap_h)
     counts = hazard_counts(trace.available, history, tick)
     observed = history.stats_at(tick - 1) if tick > 0 else None
-    model = blend_model(gap_h, counts, prior, PRIOR_TICKS)
+    model = blend_model(gap_h, counts, prior, PRIOR_TICKS, flicker_factors([*seen_too, counts], prior, FLICKER_ENDS))
     if history.moving_restarts is not None:
         model = dataclasses.replace(model, restart=restart_rate(history, [oh for _, oh in others], tick))
     return AvailabilityStats(

@@ -14,7 +14,7 @@ from sqlalchemy import insert, select
 
 from orchestrator.app import App
 from orchestrator.core.decision import decide
-from orchestrator.core.spot_policy import DEFAULT_POLICY, Market, SpotState, get_policy
+from orchestrator.core.spot_policy import DEFAULT_POLICY, REGIMES, Market, SpotState, get_policy
 from orchestrator.core.spot_watch import PRIOR_SPELLS
 from orchestrator.jobspec import JobSpec
 from orchestrator.lifecycle.finish import probe_interval_s
@@ -260,10 +260,11 @@ def test_with_hours_of_listings_the_daemon_plans_on_simulates_own_model_fitted_o
     assert early["model"] == "memoryless, from launches and listings", "before the first refit (3 h of listings)"
     fitted = listed_model(app, "sim", "gpu_1x_h100", 30 * H)
     assert fitted is not None
-    stats, recent, hours = fitted
-    assert hours == 24.0, "simulate's refit schedule: 3, 6, 12, 24 h, then daily"
-    assert stats.model is not None and stats.model.regimes == 2 and stats.model.tick_h == pytest.approx(1 / 6)
-    assert recent == pytest.approx(2 / 3, abs=0.1)
+    stats = fitted.stats
+    assert fitted.hours == 24.0, "simulate's refit schedule: 3, 6, 12, 24 h, then daily"
+    assert stats.model is not None and stats.model.regimes == REGIMES and stats.model.tick_h == pytest.approx(1 / 6)
+    assert fitted.recent_up_fraction == pytest.approx(2 / 3, abs=0.1)
+    assert fitted.recent_changes == 1, "in the last 2 h the listing went once (at 29 h)"
     _, facts = market_for_attempt(app, job, "sim", _offer(listed=("us-east-1",)), now=30 * H)
     assert facts["model"] == "semi-markov, fitted on 24 h of listings" and facts["spot_seen"] == "up", facts
     assert stats.model.restart == 0.0, "one region: nowhere to move to"
@@ -277,9 +278,9 @@ def test_where_regions_take_turns_the_model_learns_that_a_run_s_region_goes_whil
         up = tuple(r for i, r in enumerate(regions) if (hour + 2 * i) % 4 < 3)
         record_spot_listings(app, "sim", [dataclasses.replace(_offer(listed=up), regions=regions)], hour * H)
     fitted = listed_model(app, "sim", "gpu_1x_h100", 30 * H)
-    assert fitted is not None and fitted[0].model is not None
+    assert fitted is not None and fitted.stats.model is not None
     # About one loss every 2 h (12 ticks of 10 min) over the 24 h fitted, shrunk towards a prior of none.
-    assert 0.02 < fitted[0].model.restart < 1 / 12
+    assert 0.02 < fitted.stats.model.restart < 1 / 12
 
 
 def test_the_fitted_model_is_shrunk_towards_the_provider_s_other_listed_types(tmp_path: Path) -> None:
@@ -294,7 +295,7 @@ def test_the_fitted_model_is_shrunk_towards_the_provider_s_other_listed_types(tm
         got = listed_model(app, "sim", "gpu_1x_h100", 30 * H)
         app.close()
         assert got is not None
-        return got[0].model
+        return got.stats.model
 
     assert fitted(with_other=True) != fitted(with_other=False)
 

@@ -12,15 +12,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES, SpotModel
+from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES, SHARE_REGIMES, SpotModel
 from orchestrator.simulate import (
+    FLICKER_ENDS,
+    PRIOR_TICKS,
     JobSetting,
     Trace,
     TraceHistory,
+    blend_model,
     deadline_ticks,
+    flicker_factors,
+    hazard_counts,
     load_traces,
     may_move_between,
     offline_optimum,
+    pooled_prior,
     refit_stats,
     refit_ticks,
     replay,
@@ -94,6 +100,8 @@ def test_history_statistics_only_look_backwards(tmp_path: Path) -> None:
     assert h.up_fraction[4] == pytest.approx(2 / 5)
     assert h.run_age_h[4] == pytest.approx(3.0)
     assert h.recent_up_fraction[4] == pytest.approx(2 / 5)  # the 12 h regime window is not yet full
+    # Times spot went or came back in the 2 h (two ticks here) ending with each tick.
+    assert h.recent_changes.tolist() == [0, 0, 1, 1, 0, 1, 1, 0, 0, 1]
     # Changing the future must not change what tick 5 knows.
     b = a.copy()
     b[6:] = False
@@ -114,6 +122,25 @@ def test_a_refit_learns_only_from_before_its_tick_in_this_zone_and_the_others() 
     future_a[200:], future_b[200:] = ~zone[200:], True
     assert model_at(200, zone, other) == model_at(200, future_a, future_b)
     assert model_at(300, zone, other) != model_at(300, future_a, future_b)
+
+
+def test_the_flicker_factors_say_how_much_sooner_a_fresh_outage_ends_while_spot_flickers() -> None:
+    # Calm spells: spot up 30 ticks, down 12. Flickering spells: up 2, down 1. Pooled per age bucket, a fresh
+    # outage's chance to end lies between the two; the factors put it back apart, from the counts alone.
+    calm, flicker = [1] * 30 + [0] * 12, [1, 1, 0] * 14
+    a = np.array((calm * 3 + flicker) * 4, dtype=bool)
+    history = TraceHistory.of(a, 600)
+    counts = hazard_counts(a, history, len(a))
+    prior = pooled_prior([counts], 1 / 6)
+    factors = flicker_factors([counts], prior, FLICKER_ENDS)
+    (calm_down, _), (flicker_down, _) = factors
+    assert flicker_down > 1.2 and calm_down < 0.7
+    model = blend_model(1 / 6, counts, prior, PRIOR_TICKS, factors)
+    leave = model.hazards()  # (regime, up/down, age bucket)
+    young_outage = leave[:, 0, 0]
+    assert (young_outage[SHARE_REGIMES:] > 1.5 * young_outage[:SHARE_REGIMES]).all()  # in each share regime
+    # Only the youngest bucket changes: older ones are the share regime's, calm or not.
+    assert np.array_equal(leave[:SHARE_REGIMES, :, 1:], leave[SHARE_REGIMES:, :, 1:])
 
 
 def test_refits_come_sooner_while_history_is_short() -> None:

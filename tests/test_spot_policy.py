@@ -16,11 +16,14 @@ from orchestrator.core.spot_policy import (
     _MISS_USD,
     AGE_EDGES_H,
     DEFAULT_POLICY,
+    FLICKER_CHANGES,
     IDLE_CODE,
     MARKETS,
     OD_CODE,
     POLICIES,
     REGIME_EDGES,
+    REGIMES,
+    SHARE_REGIMES,
     SPOT_CODE,
     AvailabilityStats,
     Market,
@@ -30,6 +33,8 @@ from orchestrator.core.spot_policy import (
     SpotState,
     _units_per_step,
     get_policy,
+    regime_in,
+    regime_of,
     solve_plan,
 )
 from orchestrator.simulate import JobSetting, Trace, load_traces, replay, sample_starts
@@ -142,10 +147,10 @@ def test_array_path_decides_exactly_as_the_scalar_path(
 @given(
     runs=st.lists(st.tuples(st.floats(0, 14), st.floats(0, 10), st.sampled_from([0, 1, 2]), st.booleans(),
                             st.sampled_from([0.0, 0.05, 0.1, 0.2]), st.floats(0.1, 30), st.floats(0, 1),
-                            st.sampled_from([0, 1, 2])), min_size=1, max_size=30),
+                            st.sampled_from([0, 1, 2, 3]), st.integers(0, 6)), min_size=1, max_size=30),
 )
 def test_dp_decides_runs_knowing_different_models_as_each_alone(
-    runs: list[tuple[float, float, int, bool, float, float, float, int]]
+    runs: list[tuple[float, float, int, bool, float, float, float, int, int]]
 ) -> None:
     # A replay's runs that have passed different refits are decided in one batch (`known`, `which`); each run
     # must get what the daemon's scalar path would decide knowing its own model.
@@ -153,14 +158,20 @@ def test_dp_decides_runs_knowing_different_models_as_each_alone(
     models = [SpotModel(tick_h=0.1, leave=((0.6,) * n, (0.02,) * n)),
               SpotModel(tick_h=0.1, leave=(((0.05,) * n, (0.4,) * n), ((0.3,) * n, (0.01,) * n)),
                         regime_switch=((0.99, 0.01), (0.01, 0.99))),
-              SpotModel(tick_h=0.1, leave=((0.001,) * n, (0.02,) * n))]
+              SpotModel(tick_h=0.1, leave=((0.001,) * n, (0.02,) * n)),
+              # share regimes x calm/flickering, as `simulate` fits them
+              SpotModel(tick_h=0.1, leave=(((0.05,) * n, (0.4,) * n), ((0.3,) * n, (0.01,) * n),
+                                           ((0.9,) + (0.05,) * (n - 1), (0.4,) * n),
+                                           ((0.9,) + (0.3,) * (n - 1), (0.01,) * n)),
+                        regime_switch=tuple(tuple(0.97 if i == j else 0.01 for j in range(4)) for i in range(4)))]
     known = tuple(AvailabilityStats(0.5, 1.0, 1.0, 100.0, model=m) for m in models)
     cols = list(zip(*runs, strict=True))
     batch = SpotBatch(job_hours=10.0, deadline_hours=14.0, changeover_h=0.2, tick_h=0.1, od_price=3.0,
                       spot_price=1.0, elapsed_h=np.array(cols[0]), progress_h=np.array(cols[1]),
                       market=np.array(cols[2], dtype=np.int8), spot_available=np.array(cols[3]),
                       changeover_left_h=np.array(cols[4]), spot_state_for_h=np.array(cols[5]),
-                      recent_up_fraction=np.array(cols[6]), known=known, which=np.array(cols[7]))
+                      recent_up_fraction=np.array(cols[6]), known=known, which=np.array(cols[7]),
+                      recent_changes=np.array(cols[8]))
     dp = POLICIES[DEFAULT_POLICY]
     assert [MARKETS[c] for c in dp.decide_batch(batch)] == [dp.decide(batch.state(i)) for i in range(len(runs))]
 
@@ -193,6 +204,27 @@ def test_dp_policy_reads_the_regime_from_the_recent_share_of_spot_up_time() -> N
     edge = REGIME_EDGES[0]
     assert dp.decide(state(**back, recent_up_fraction=edge + 0.1)) is Market.SPOT
     assert dp.decide(state(**back, recent_up_fraction=edge - 0.1)) is Market.ON_DEMAND
+
+
+def test_dp_policy_goes_back_to_spot_when_it_was_calm_but_not_for_a_flicker() -> None:
+    # On on-demand, spot just back. Calm regimes: a fresh up period lasts (0.01 a tick to end). Flickering ones
+    # (spot went or came back FLICKER_CHANGES times lately): it is gone again after a tick or two, less than a
+    # changeover is worth. Same slack, same age: only the recent changes tell them apart.
+    n = len(AGE_EDGES_H) + 1
+    calm = ((0.3,) * n, (0.01,) * n)
+    flicker = ((0.3,) * n, (0.9,) + (0.01,) * (n - 1))
+    model = SpotModel(tick_h=0.1, leave=(calm, calm, flicker, flicker),
+                      regime_switch=tuple(tuple(0.97 if i == j else 0.01 for j in range(4)) for i in range(4)))
+    stats = AvailabilityStats(0.5, 1.0, 1.0, 100.0, model=model)
+    dp = POLICIES[DEFAULT_POLICY]
+    back = dict(elapsed_h=3.0, progress_h=2.5, market=Market.ON_DEMAND, spot_available=True, stats=stats,
+                spot_state_for_h=0.1)
+    assert dp.decide(state(**back, recent_changes=FLICKER_CHANGES - 1)) is Market.SPOT
+    assert dp.decide(state(**back, recent_changes=FLICKER_CHANGES)) is not Market.SPOT
+    # A model without the flicker split (one or two regimes) reads the share alone.
+    assert regime_in(2, 0.9, FLICKER_CHANGES) == regime_in(2, 0.9, 0) == regime_of(0.9) == 1
+    assert regime_in(REGIMES, 0.9, FLICKER_CHANGES) == 1 + SHARE_REGIMES
+    assert regime_in(1, 0.1, FLICKER_CHANGES) == 0
 
 
 def test_dp_plan_charges_the_changeover_exactly_when_the_tick_allows_it() -> None:

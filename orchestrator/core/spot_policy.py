@@ -56,11 +56,28 @@ def age_bucket(age_h: np.ndarray | float) -> np.ndarray:
 # 12 h / 40 % as found by the previous session; 12 h / 50 % and 18 h / 40 % measured the same (docs/simulate.md).
 REGIME_WINDOW_H = 12.0
 REGIME_EDGES: tuple[float, ...] = (0.4,)
+SHARE_REGIMES = len(REGIME_EDGES) + 1
+# Flicker: spot that went or came back FLICKER_CHANGES times or more in the last FLICKER_WINDOW_H hours. There a
+# new outage or up period is more often over within its first age bucket (pooled over setting (a): an outage
+# ends in its first 20 min with a chance of 0.44 a tick against 0.31), which tells a gap worth waiting out from an
+# outage worth buying on-demand for. Each share regime is split in two by it; the split changes only the youngest
+# bucket's hazards, by a factor learned from every zone's past (`SpotModel.leave`), so it divides no counts.
+FLICKER_WINDOW_H = 2.0
+FLICKER_CHANGES = 3
+REGIMES = 2 * SHARE_REGIMES  # regime r: share regime r % SHARE_REGIMES, flickering when r >= SHARE_REGIMES
 
 
-def regime_of(recent_up_fraction: np.ndarray | float) -> np.ndarray:
-    """Regime index for this share of the last REGIME_WINDOW_H hours with spot up."""
-    return np.searchsorted(np.asarray(REGIME_EDGES), np.asarray(recent_up_fraction) + 1e-9, side="right")
+def regime_of(recent_up_fraction: np.ndarray | float, recent_changes: np.ndarray | int = 0) -> np.ndarray:
+    """Regime index for this share of the last REGIME_WINDOW_H hours with spot up and this many up/down changes in
+    the last FLICKER_WINDOW_H hours."""
+    share = np.searchsorted(np.asarray(REGIME_EDGES), np.asarray(recent_up_fraction) + 1e-9, side="right")
+    return share + SHARE_REGIMES * (np.asarray(recent_changes) >= FLICKER_CHANGES)
+
+
+def regime_in(n_regimes: int, recent_up_fraction: np.ndarray | float, recent_changes: np.ndarray | int = 0
+              ) -> np.ndarray:
+    """The regime as a model with `n_regimes` regimes knows it: all REGIMES, the share regimes only, or one."""
+    return regime_of(recent_up_fraction, recent_changes) % n_regimes
 
 
 @dataclass(frozen=True)
@@ -68,9 +85,9 @@ class SpotModel:
     """Semi-Markov model of one zone's spot availability, per tick of `tick_h` hours.
 
     `leave[a][b]` is the chance that spot, having been up (a=1) or down (a=0) for an age in bucket b
-    (`AGE_EDGES_H`), changes state after the next tick; with regimes, `leave[r][a][b]` per regime r and
-    `regime_switch[r][r2]` the chance of being in regime r2 a tick after regime r. Hashable, so plans built
-    from it can be cached.
+    (`AGE_EDGES_H`), changes state after the next tick; with regimes, `leave[r][a][b]` per regime r (`regime_in`:
+    1, SHARE_REGIMES or REGIMES of them) and `regime_switch[r][r2]` the chance of being in regime r2 a tick after
+    regime r. Hashable, so plans built from it can be cached.
     """
 
     tick_h: float
@@ -130,6 +147,7 @@ class SpotState:
     spot_state_for_h: float = 0.0  # how long spot has been in its current state (up or down), as observed
     stats: AvailabilityStats | None = None
     recent_up_fraction: float = 1.0  # share of the last REGIME_WINDOW_H spot was up, as observed
+    recent_changes: int = 0  # times spot went or came back in the last FLICKER_WINDOW_H, as observed
 
     @property
     def work_left_h(self) -> float:
@@ -166,6 +184,7 @@ class SpotBatch:
     spot_state_for_h: np.ndarray
     stats: AvailabilityStats | None = None
     recent_up_fraction: np.ndarray | None = None  # None: 1.0 for every run
+    recent_changes: np.ndarray | None = None  # None: 0 for every run
     # Runs that know different things (a replay's runs that have passed different refits): run i knows
     # `known[which[i]]`, and `stats` is unused.
     known: tuple[AvailabilityStats | None, ...] = ()
@@ -183,7 +202,8 @@ class SpotBatch:
             spot_available=bool(self.spot_available[i]), changeover_left_h=float(self.changeover_left_h[i]),
             changeover_h=self.changeover_h, tick_h=self.tick_h, od_price=self.od_price, spot_price=self.spot_price,
             spot_state_for_h=float(self.spot_state_for_h[i]), stats=self.stats_of(i),
-            recent_up_fraction=1.0 if self.recent_up_fraction is None else float(self.recent_up_fraction[i]))
+            recent_up_fraction=1.0 if self.recent_up_fraction is None else float(self.recent_up_fraction[i]),
+            recent_changes=0 if self.recent_changes is None else int(self.recent_changes[i]))
 
 
 class Policy(Protocol):
@@ -320,7 +340,7 @@ class DPPlan:
 
     def index(self, elapsed_h: np.ndarray, progress_h: np.ndarray, market: np.ndarray, spot_available: np.ndarray,
               changeover_left_h: np.ndarray, age_h: np.ndarray, deadline_hours: float, job_hours: float,
-              recent_up_fraction: np.ndarray | float = 1.0) -> np.ndarray:
+              recent_up_fraction: np.ndarray | float = 1.0, recent_changes: np.ndarray | int = 0) -> np.ndarray:
         """Where runs in these states (arrays or scalars broadcast together) are in `actions.reshape(-1)`: the
         same in every plan of the same job and shape, whatever its model."""
         m, unit = self.units_per_step, self.step_h / self.units_per_step
@@ -336,16 +356,17 @@ class DPPlan:
         phase = np.minimum(np.maximum(-((left_units - self.changeover_units) // m), 0), self.phases - 1)
         market = np.asarray(market)
         j = np.where(market == SPOT_CODE, 1 + phase, np.where(market == OD_CODE, 1 + self.phases + phase, 0))
-        r = np.minimum(regime_of(recent_up_fraction), self.actions.shape[3] - 1)
+        r = regime_in(self.actions.shape[3], recent_up_fraction, recent_changes)
         return np.ravel_multi_index((k, j, np.asarray(spot_available).astype(np.int64), r, age_bucket(age_h), s),
                                     self.actions.shape)
 
     def lookup(self, elapsed_h: np.ndarray, progress_h: np.ndarray, market: np.ndarray, spot_available: np.ndarray,
                changeover_left_h: np.ndarray, age_h: np.ndarray, deadline_hours: float, job_hours: float,
-               recent_up_fraction: np.ndarray | float = 1.0) -> np.ndarray:
+               recent_up_fraction: np.ndarray | float = 1.0, recent_changes: np.ndarray | int = 0) -> np.ndarray:
         """The planned action for runs in these states (arrays or scalars broadcast together)."""
         return self.actions.reshape(-1)[self.index(elapsed_h, progress_h, market, spot_available, changeover_left_h,
-                                                   age_h, deadline_hours, job_hours, recent_up_fraction)]
+                                                   age_h, deadline_hours, job_hours, recent_up_fraction,
+                                                   recent_changes)]
 
 
 def _units_per_step(step_h: float, changeover_h: float, slack_h: float, max_slack_units: int) -> int:
@@ -590,8 +611,8 @@ class SemiMarkovDP:
     of the regime changing) is estimated by the caller from history it has already seen. Given it, backward
     induction over (steps left, slack, market and changeover phase, spot up/down, age of that state, regime)
     finds the least expected cost of finishing by R; the policy plays the plan's action for the current state,
-    the regime read from `recent_up_fraction`. It waits out outages that are likely to end soon,
-    buys on-demand early in outages that are likely to be long, and only pays a changeover when the expected
+    the regime read from `recent_up_fraction` and `recent_changes`. It waits out outages that are likely to end
+    soon, buys on-demand early in outages that are likely to be long, and only pays a changeover when the expected
     saving covers it. Without a model it uses a memoryless one from `prior_uptime_h` / `prior_outage_h`.
     Under it all, the shared safety net (also modelled inside the DP).
     """
@@ -625,7 +646,7 @@ class SemiMarkovDP:
                              state.od_price, state.spot_price, state.stats)
         code = int(plan.lookup(state.elapsed_h, state.progress_h, MARKET_CODE[state.market], state.spot_available,
                                state.changeover_left_h, state.spot_state_for_h, state.deadline_hours,
-                               state.job_hours, state.recent_up_fraction))
+                               state.job_hours, state.recent_up_fraction, state.recent_changes))
         if code == SPOT_CODE and not state.spot_available:
             return Market.IDLE  # the plan's rounding can not make spot appear
         return MARKETS[code]
@@ -635,7 +656,8 @@ class SemiMarkovDP:
                batch.spot_price)
         state = (batch.elapsed_h, batch.progress_h, batch.market, batch.spot_available, batch.changeover_left_h,
                  batch.spot_state_for_h, batch.deadline_hours, batch.job_hours,
-                 1.0 if batch.recent_up_fraction is None else batch.recent_up_fraction)
+                 1.0 if batch.recent_up_fraction is None else batch.recent_up_fraction,
+                 0 if batch.recent_changes is None else batch.recent_changes)
         if batch.which is None:
             out = self.plan_for(*job, batch.stats).lookup(*state).astype(np.int8)
         else:

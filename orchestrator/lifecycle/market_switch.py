@@ -17,6 +17,7 @@ from sqlalchemy import Connection, func, insert, select
 from orchestrator.app import App
 from orchestrator.core.spot_policy import (
     DEFAULT_POLICY,
+    FLICKER_WINDOW_H,
     REGIME_WINDOW_H,
     AvailabilityStats,
     SemiMarkovDP,
@@ -219,10 +220,18 @@ def listed_series(listings: list[tuple[float, bool]], start: float, ticks: int, 
     return up[np.maximum(i, 0)]
 
 
-def listed_model(app: App, provider: str, instance_type: str, now: float
-                 ) -> tuple[AvailabilityStats, float, float] | None:
-    """(stats with the fitted model, share of the last REGIME_WINDOW_H listed up, hours of listings behind it) from
-    the provider's spot capacity listing of this type; None before the first refit.
+@dataclasses.dataclass(frozen=True)
+class ListedModel:
+    """`simulate`'s model fitted on a provider's spot capacity listing of one type, and the regime it is in now."""
+
+    stats: AvailabilityStats  # with the fitted model
+    recent_up_fraction: float  # share of the last REGIME_WINDOW_H listed up
+    recent_changes: int  # times the listing went or came back in the last FLICKER_WINDOW_H
+    hours: float  # of listings behind the fit
+
+
+def listed_model(app: App, provider: str, instance_type: str, now: float) -> ListedModel | None:
+    """The model fitted on the provider's spot capacity listing of this type; None before the first refit.
 
     As `simulate` shrinks a zone's estimate towards the other zones' pooled past, this one is shrunk towards the
     provider's other listed types, those listed from the same start (simcloud lists every type at once). Where the
@@ -262,11 +271,13 @@ def listed_model(app: App, provider: str, instance_type: str, now: float
         others = [as_trace(name, changes) for name, changes in sorted(every.items())
                   if name != instance_type and changes[0][0] <= start + LISTED_TICK_S]
         _LISTED_MODELS[key] = refit_stats(trace, history, others, refit)
-    stats = _LISTED_MODELS[key]
-    # The regime now: the listing's last REGIME_WINDOW_H, up to now (not only to the refit).
-    recent = listed_series(listings, start, ticks, LISTED_TICK_S)[-max(round(REGIME_WINDOW_H * 3600 / LISTED_TICK_S),
-                                                                       1):]
-    return stats, float(recent.mean()) if recent.size else 1.0, refit * LISTED_TICK_S / 3600.0
+    # The regime now: the listing's last REGIME_WINDOW_H and FLICKER_WINDOW_H, up to now (not only to the refit),
+    # counted as `TraceHistory` counts them on a trace.
+    series = listed_series(listings, start, ticks, LISTED_TICK_S)
+    recent = series[-max(round(REGIME_WINDOW_H * 3600 / LISTED_TICK_S), 1):]
+    flicker = series[-max(round(FLICKER_WINDOW_H * 3600 / LISTED_TICK_S), 1) - 1:]
+    return ListedModel(_LISTED_MODELS[key], float(recent.mean()) if recent.size else 1.0,
+                       int(np.count_nonzero(flicker[1:] != flicker[:-1])), refit * LISTED_TICK_S / 3600.0)
 
 
 def _tick_h(app: App) -> float:
@@ -366,17 +377,20 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
         changeover_left_h=0.0, changeover_h=overhead, tick_h=_tick_h(app), od_price=offer.on_demand_usd_h,
         spot_price=offer.spot_usd_h or 0.0,
         spot_state_for_h=0.0 if assume_spot_up and not view.available else view.state_for_h,
-        stats=fitted[0] if fitted else view.stats, recent_up_fraction=fitted[1] if fitted else 1.0)
+        stats=fitted.stats if fitted else view.stats,
+        recent_up_fraction=fitted.recent_up_fraction if fitted else 1.0,
+        recent_changes=fitted.recent_changes if fitted else 0)
     leaves = leaves_on_demand(app, offer)
     choice = (SEEING_POLICY if leaves else DAEMON_POLICY).decide(state)
     facts = {"policy": DEFAULT_POLICY if leaves else f"{DEFAULT_POLICY} (on-demand final)",
              "choice": choice.value, "slack_h": round(state.slack_h, 3), "work_left_h": round(state.work_left_h, 3),
              "unsaved_h": round(unsaved, 3), "spot_usd_h": offer.spot_usd_h, "on_demand_usd_h": offer.on_demand_usd_h,
              **view.as_record(),
-             "model": (f"semi-markov, fitted on {fitted[2]:.0f} h of listings" if fitted
+             "model": (f"semi-markov, fitted on {fitted.hours:.0f} h of listings" if fitted
                        else "memoryless, from launches and listings")}
     if fitted:
-        facts["recent_up_fraction"] = round(fitted[1], 3)
+        facts["recent_up_fraction"] = round(fitted.recent_up_fraction, 3)
+        facts["recent_changes"] = fitted.recent_changes
     if not math.isfinite(facts["mean_uptime_h"]):
         facts["mean_uptime_h"] = None
     return choice, facts
