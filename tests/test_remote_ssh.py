@@ -5,6 +5,7 @@ Every endpoint is a real simcloud machine on 127.0.0.1 (OpenSSH's sshd, or the p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import socket
@@ -84,6 +85,16 @@ def test_pinned_host_key_is_accepted_and_commands_run_with_their_exit_status(
         tricky = "a b 'c' \"d\" $HOME; rm -rf /"
         assert run(conn, ["printf", "%s", tricky]).stdout == tricky
         assert run(conn, ["cat"], stdin="from stdin").stdout == "from stdin"
+
+
+def test_a_commands_stdin_arrives_whole_within_its_timeout_however_large(backend: SshBackend, key_path: Path) -> None:
+    # A checkpoint's manifest goes to the instance this way (a few KB for a sharded model, more for many files).
+    # invoke alone fed it one character per 10 ms poll: this would have taken 30 minutes.
+    target = launch(backend, key_path, "i-stdin")
+    text = "".join(f"{i:07d} {'x' * 56}\n" for i in range(3000))  # 192 KB
+    with connect(target, trust=MemoryHostKeyTrust()) as conn:
+        res = run(conn, ["sha256sum"], stdin=text, timeout=60)
+    assert res.stdout.split()[0] == hashlib.sha256(text.encode()).hexdigest()
 
 
 def test_a_wrong_pinned_host_key_is_rejected_before_any_command(backend: SshBackend, key_path: Path) -> None:
