@@ -5,15 +5,20 @@ verified against its manifest (sizes + sha256), fsynced, and only then renamed i
 ever visible. Files a new checkpoint shares with an older local one are hard-linked, never fetched again (safe,
 because a complete checkpoint is never modified in place).
 
-Stdlib-only. It is copied to instances beside `s3_checkpoints.py` and imported by the daemon's `sync`.
+Stdlib-only. It is copied to instances beside `s3_checkpoints.py` and imported by the daemon's `sync`, which also runs
+it on an instance when pushing a checkpoint there (the instance's own checkpoints are the basis then):
+
+    python3 checkpoint_transfer.py stage STAGING BASIS < MANIFEST   -> {"todo": [files to send]}
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -96,15 +101,21 @@ def basis_files(basis: Path | None) -> dict[str, Any]:
     return files if isinstance(files, dict) else {}
 
 
+def held_by_basis(files: Mapping[str, Any], basis: Path | None) -> set[str]:
+    """The entries of `files` (a manifest's table) that the basis's manifest lists with the same size and sha256."""
+    shared = basis_files(basis)
+    return {rel for rel, entry in files.items() if shared.get(rel) == entry}
+
+
 def stage_from_basis(files: Mapping[str, Any], staging: Path, basis: Path | None) -> list[str]:
     """Prepare `staging` for the checkpoint whose manifest lists `files`; return what is still to fetch, sorted.
 
-    Every file the basis (the newest complete local checkpoint) lists with the same size and sha256 is hard-linked
-    into staging, never fetched nor read. A file already in staging with its listed size was left there whole by
-    an earlier, interrupted pull (rsync renames a file into place only once it is whole; SFTP appends) and is not
-    fetched again; the final verification reads it. Whatever else staging holds (a stale manifest, files the
-    manifest does not list) is removed, so the checkpoint made visible holds what its manifest lists.
-    Partial files in `RSYNC_PARTIAL_DIR` are left for rsync to resume from.
+    Every file the basis (a complete checkpoint beside staging: for a pull, the newest local one) lists with the same
+    size and sha256 is hard-linked into staging, never fetched nor read. A file already in staging with its listed
+    size was left there whole by an earlier, interrupted transfer (rsync renames a file into place only once it is
+    whole; SFTP appends) and is not fetched again; the final verification reads it. Whatever else staging holds (a
+    stale manifest, files the manifest does not list) is removed, so the checkpoint made visible holds what its
+    manifest lists. Partial files in `RSYNC_PARTIAL_DIR` are left for rsync to resume from.
     """
     listed = {safe_relpath(rel): rel for rel in files}
     for path in sorted(staging.rglob("*"), reverse=True):
@@ -116,13 +127,13 @@ def stage_from_basis(files: Mapping[str, Any], staging: Path, basis: Path | None
                 shutil.rmtree(path, ignore_errors=True)
         elif rel not in listed:
             path.unlink()
-    shared = basis_files(basis)
+    held = held_by_basis(files, basis)
     todo = []
     for rel in sorted(listed):
         entry = files[listed[rel]]
         dest = staging / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if basis is not None and shared.get(listed[rel]) == entry and link_or_copy(basis / rel, dest):
+        if basis is not None and listed[rel] in held and link_or_copy(basis / rel, dest):
             continue
         try:
             st = dest.stat()
@@ -135,6 +146,23 @@ def stage_from_basis(files: Mapping[str, Any], staging: Path, basis: Path | None
                 dest.unlink()
         todo.append(listed[rel])
     return todo
+
+
+def stage_checked(files: Mapping[str, Any], staging: Path, basis: Path | None) -> list[str]:
+    """`stage_from_basis` from a basis not known to be intact, then every file it staged without a transfer is read
+    against the manifest; return what is still to send, sorted.
+
+    For a push onto an instance: its checkpoints were written there by the trainer or by an earlier push, and
+    nothing on this side vouches for their bytes since. A file hard-linked from it (or left whole by an interrupted
+    push) whose size or sha256 is not its entry's is unlinked from staging, the basis's own file left as it was, and
+    sent with the rest. What the transfer then writes it checks itself against the sender's verified file (rsync's
+    whole-file checksum), so the staged checkpoint is the sender's, file for file."""
+    todo = stage_from_basis(files, staging, basis)
+    staged = {rel: files[rel] for rel in files if rel not in todo}
+    bad = list(mismatched(staging, staged))
+    for rel in bad:
+        (staging / safe_relpath(rel)).unlink(missing_ok=True)
+    return sorted([*todo, *bad])
 
 
 def _hard_linked_from_basis(path: Path, entry: Any, basis: Path | None, shared: Mapping[str, Any], rel: str) -> bool:
@@ -152,6 +180,23 @@ def _hard_linked_from_basis(path: Path, entry: Any, basis: Path | None, shared: 
         return False
 
 
+def mismatched(staging: Path, files: Mapping[str, Any],
+               trusted: Callable[[str, Path, Any], bool] | None = None) -> Iterator[str]:
+    """The files of `files` (a manifest's table) in `staging` whose size or sha256 is not their entry's, one by one
+    (a caller that wants only the first reads no further). A file `trusted(rel, path, entry)` vouches for has only
+    its size checked."""
+    for rel, entry in files.items():
+        try:
+            path = staging / safe_relpath(rel)
+            ok = isinstance(entry, dict) and path.stat().st_size == entry.get("size") and (
+                (trusted is not None and trusted(rel, path, entry))
+                or burst_checkpoint.sha256_file(path) == entry.get("sha256"))
+        except (OSError, TransferError):
+            ok = False
+        if not ok:
+            yield rel
+
+
 def verify_and_fsync(staging: Path, basis: Path | None = None) -> str | None:
     """None when staging is a complete checkpoint, now durable on disk; else why it is not.
 
@@ -164,17 +209,10 @@ def verify_and_fsync(staging: Path, basis: Path | None = None) -> str | None:
     except (OSError, ValueError):
         return "its manifest is missing or malformed"
     shared = basis_files(basis)
-    for rel, entry in manifest["files"].items():
-        try:
-            path = staging / safe_relpath(rel)
-            if not isinstance(entry, dict) or path.stat().st_size != entry.get("size"):
-                return "a file's size or sha256 differs from the manifest"
-            if _hard_linked_from_basis(path, entry, basis, shared, rel):
-                continue
-            if burst_checkpoint.sha256_file(path) != entry.get("sha256"):
-                return "a file's size or sha256 differs from the manifest"
-        except (OSError, TransferError):
-            return "a file's size or sha256 differs from the manifest"
+    if next(mismatched(staging, manifest["files"],
+                       lambda rel, path, entry: _hard_linked_from_basis(path, entry, basis, shared, rel)),
+            None) is not None:
+        return "a file's size or sha256 differs from the manifest"
     for path in staging.rglob("*"):
         if path.is_file() and not path.is_symlink():
             with open(path, "rb") as f:
@@ -191,3 +229,24 @@ def make_visible(staging: Path, final: Path) -> Path:
     os.rename(staging, final)
     fsync_dir(final.parent)
     return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`stage STAGING BASIS`, the manifest on stdin: `stage_checked` into STAGING (created if needed) from the
+    complete checkpoint BASIS, then the manifest written there; prints {"todo": [...]}."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] != "stage":
+        print("usage: checkpoint_transfer.py stage STAGING BASIS < MANIFEST", file=sys.stderr)
+        return 2
+    staging, basis = Path(args[1]), Path(args[2])
+    manifest = sys.stdin.buffer.read()
+    files = json.loads(manifest)["files"]
+    staging.mkdir(parents=True, exist_ok=True)
+    todo = stage_checked(files, staging, basis)
+    (staging / MANIFEST).write_bytes(manifest)
+    print(json.dumps({"todo": todo}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

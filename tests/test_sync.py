@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,9 @@ from orchestrator.remote.ssh import MemoryHostKeyTrust, Target, generate_keypair
 from orchestrator.remote.ssh import connect as ssh_connect
 from orchestrator.remote.sync import (
     STAGING_PREFIX,
+    InstanceRunbooks,
     PulledCheckpoints,
+    PushedCheckpoint,
     SyncError,
     choose_transport,
     pull_checkpoints,
@@ -441,3 +444,115 @@ def test_a_resumed_pull_never_appends_to_a_file_hard_linked_from_a_complete_chec
     assert got == [local / "step-00000200"] and got.rejected == {}
     assert (got[0] / rel).read_bytes() == files[rel]
     assert burst_checkpoint.verify(local / "step-00000100")  # deep: the complete checkpoint was not touched
+
+
+# --- a push onto an instance that already holds a checkpoint -----------------------------------------------------
+RUNBOOKS = Path(__file__).resolve().parents[1] / "runbooks"
+
+
+def install_runbooks(inst: Instance) -> InstanceRunbooks:
+    """What bootstrap puts on an instance before a resume pushes its checkpoint (the two files a push runs)."""
+    (inst.sandbox / "runbooks").mkdir(exist_ok=True)
+    for name in ("burst_checkpoint.py", "checkpoint_transfer.py"):
+        shutil.copy(RUNBOOKS / name, inst.sandbox / "runbooks" / name)
+    return InstanceRunbooks("runbooks", sys.executable)
+
+
+def _instance_at_step_100_home_at_200(inst: Instance, local: Path, changed: str = "model-00002.safetensors",
+                                      size: int = 256 * 1024) -> tuple[dict[str, bytes], Path]:
+    """The trainer wrote step 100 on the instance (the basis); home holds it and step 200, one shard changed."""
+    files = shards(4, size)
+    burst_checkpoint.write_checkpoint(inst.sandbox / "ckpt", "step-00000100", files)
+    burst_checkpoint.write_checkpoint(local, "step-00000100", files)
+    files = {**files, changed: os.urandom(size)}
+    return files, burst_checkpoint.write_checkpoint(local, "step-00000200", files)
+
+
+def push(inst: Instance, local: Path, checkpoint: Path, **kwargs: object) -> PushedCheckpoint:
+    pushed = push_checkpoint(inst.target, inst.trust, local, "ckpt", transport=inst.transport,  # type: ignore[arg-type]
+                             checkpoint=checkpoint, **kwargs)  # type: ignore[arg-type]
+    assert pushed is not None and not pushed.already_there
+    return pushed
+
+
+def test_a_push_onto_an_instance_holding_an_older_checkpoint_sends_only_the_changed_shard(
+        instance: Instance, tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    size = 256 * 1024
+    files, step_200 = _instance_at_step_100_home_at_200(instance, local, size=size)
+    pushed = push(instance, local, step_200, runbooks=install_runbooks(instance))
+
+    remote = instance.sandbox / "ckpt"
+    assert pushed.name == "step-00000200" and visible(remote) == ["step-00000100", "step-00000200"]
+    assert burst_checkpoint.verify(remote / "step-00000200")
+    assert sorted(p.name for p in (remote / "step-00000200").iterdir()) == sorted([*files, "manifest.json"])
+    assert pushed.stats.files_transferred == 1
+    assert size <= pushed.stats.bytes_sent < 1.25 * size
+    for rel in ("model-00000.safetensors", "model-00001.safetensors", "model-00003.safetensors"):
+        assert (remote / "step-00000200" / rel).stat().st_ino == (remote / "step-00000100" / rel).stat().st_ino
+    assert (remote / "step-00000200" / "model-00002.safetensors").read_bytes() == files["model-00002.safetensors"]
+
+
+def test_a_file_the_instance_holds_is_never_read_on_this_side(instance: Instance, tmp_path: Path) -> None:
+    # The caller verified step 200 (checkpoints.latest); were an unchanged shard read here and sent, the instance
+    # would get these zeros. The two manifests' (size, sha256) say the instance holds it.
+    local = tmp_path / "local"
+    files, step_200 = _instance_at_step_100_home_at_200(instance, local)
+    rel = "model-00001.safetensors"
+    (step_200 / rel).write_bytes(b"\0" * len(files[rel]))
+    push(instance, local, step_200, runbooks=install_runbooks(instance))
+    assert (instance.sandbox / "ckpt" / "step-00000200" / rel).read_bytes() == files[rel]
+
+
+def test_a_corrupted_basis_file_on_the_instance_is_not_trusted(instance: Instance, tmp_path: Path) -> None:
+    # Its manifest still lists the bytes step 200 has; the instance reads what it would link, and sends for the rest.
+    local = tmp_path / "local"
+    files, step_200 = _instance_at_step_100_home_at_200(instance, local)
+    rel = "model-00001.safetensors"
+    basis_file = instance.sandbox / "ckpt" / "step-00000100" / rel
+    basis_file.write_bytes(b"B" * len(files[rel]))  # same size: bit rot, or a torn write
+    pushed = push(instance, local, step_200, runbooks=install_runbooks(instance))
+
+    remote_200 = instance.sandbox / "ckpt" / "step-00000200"
+    assert burst_checkpoint.verify(remote_200)
+    assert (remote_200 / rel).read_bytes() == files[rel]
+    assert (remote_200 / rel).stat().st_ino != basis_file.stat().st_ino
+    assert basis_file.read_bytes() == b"B" * len(files[rel])  # the basis's own file is left as it was
+    assert pushed.stats.files_transferred == 2
+
+
+@pytest.mark.skipif(not HAVE_RSYNC, reason="rsync/ssh not installed")
+def test_without_the_runbooks_on_the_instance_rsync_compares_contents_itself(
+        backend: SshBackend, key_path: Path, tmp_path: Path) -> None:
+    inst = start(backend, key_path, "i-no-runbooks", "rsync")
+    local = tmp_path / "local"
+    rel = "model-00001.safetensors"
+    files, step_200 = _instance_at_step_100_home_at_200(inst, local)
+    basis_file = inst.sandbox / "ckpt" / "step-00000100" / rel
+    basis_file.write_bytes(b"B" * len(files[rel]))
+    pushed = push(inst, local, step_200)
+    assert burst_checkpoint.verify(inst.sandbox / "ckpt" / "step-00000200")
+    assert pushed.stats.files_transferred == 3  # the changed shard, the corrupted one, the manifest
+
+
+@pytest.mark.skipif(not HAVE_RSYNC, reason="rsync/ssh not installed")
+def test_a_resumed_push_onto_a_fresh_instance_does_not_take_a_staged_file_on_its_size_and_mtime(
+        backend: SshBackend, key_path: Path, tmp_path: Path) -> None:
+    # An interrupted push of an earlier "step 200" (a run replayed from step 100 wrote it again) left a file of the
+    # same size and mtime in the instance's staging dir. Nothing on the instance is compared by content with a
+    # fresh instance's push (no --checksum: it read every file here twice), so it must not be taken as is.
+    inst = start(backend, key_path, "i-fresh", "rsync")
+    local = tmp_path / "local"
+    rel = "model-00002.safetensors"
+    _, step_200 = _instance_at_step_100_home_at_200(inst, local)
+    shutil.rmtree(inst.sandbox / "ckpt")  # a fresh instance
+    staged = inst.sandbox / "ckpt" / f"{STAGING_PREFIX}step-00000200"
+    staged.mkdir(parents=True)
+    (staged / rel).write_bytes(os.urandom((step_200 / rel).stat().st_size))
+    st = (step_200 / rel).stat()
+    os.utime(staged / rel, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    push(inst, local, step_200, runbooks=install_runbooks(inst))
+    assert visible(inst.sandbox / "ckpt") == ["step-00000200"]
+    assert burst_checkpoint.verify(inst.sandbox / "ckpt" / "step-00000200")
+

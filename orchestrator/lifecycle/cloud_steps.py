@@ -222,7 +222,8 @@ class CloudSteps:
                 # The one `latest` just hashed, not the store's newest again: hashed once, and the name the
                 # trainer is told to resume from is the one that was sent, even if a pull landed a newer one since.
                 pushed = sync.push_checkpoint(target, trust, checkpoints.store_dir(self.app.config, job["id"]),
-                                              f"{jobdir}/checkpoints", conn=conn, checkpoint=resume_from)
+                                              f"{jobdir}/checkpoints", conn=conn, checkpoint=resume_from,
+                                              runbooks=sync.InstanceRunbooks(f"{base}/runbooks", python))
                 timings["push_checkpoint"] = time.monotonic() - t
                 if pushed is not None:
                     remote_resume = f"{jobdir}/checkpoints/{resume_from.name}"

@@ -15,6 +15,10 @@ sha256 is hard-linked into staging (`stage_from_basis`, for both transports); rs
 `--ignore-times`, the basis as `--copy-dest` for delta transfer), SFTP fetches only the rest. Verification does not
 re-read a file hard-linked from the basis (see `verify_and_fsync`). Hard links are safe because a complete
 checkpoint is never modified in place.
+A push onto an instance that holds a complete checkpoint works the other way round: `checkpoint_transfer.py`
+runs there (`stage_checked`), hard-links what that checkpoint's manifest lists with our sizes and sha256s, and
+reads those files against the manifest, since nothing here vouches for the instance's bytes; only the rest is
+sent, and nothing that is not sent is read here.
 """
 
 from __future__ import annotations
@@ -138,16 +142,30 @@ def push_dir(target: Target, trust: HostKeyTrust, local_dir: str | Path, remote_
     return stats
 
 
+@dataclass(frozen=True)
+class InstanceRunbooks:
+    """Where the instance holds the runbooks (`burst_checkpoint.py` and `checkpoint_transfer.py` at least, put there
+    at bootstrap) and the interpreter that runs them."""
+
+    directory: str
+    python: str = "python3"
+
+
 def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | Path, remote_ckpt_dir: str, *,
                     transport: Transport = "auto", conn: fabric.Connection | None = None,
-                    checkpoint: Path | None = None) -> PushedCheckpoint | None:
+                    checkpoint: Path | None = None, runbooks: InstanceRunbooks | None = None
+                    ) -> PushedCheckpoint | None:
     """Put the newest complete local checkpoint into `remote_ckpt_dir` (for resume); None if there is none.
     With `checkpoint`, that one instead: the caller has verified it in full (`checkpoints.latest`), so it is not
     hashed a second time (a multi-GB read).
 
     It lands in a hidden remote dir and is renamed into place, so the trainer never resumes from half of it.
-    Files shared with the instance's newest complete checkpoint are hard-linked there, not sent (rsync).
-    `conn` as for `push_dir`.
+    When the instance already holds a complete checkpoint (the basis) and `runbooks` says where the instance has
+    `checkpoint_transfer.py`, that runs there (`stage_checked`): the files the basis's manifest lists with the same
+    size and sha256 as ours are hard-linked from it, and are read there against the manifest (nothing on this side
+    vouches for the instance's bytes); this side does not read them. Only the rest is sent. Without a basis (a
+    fresh instance, the usual resume) every file is sent, read once here. With a basis but no `runbooks`, rsync
+    compares every file's contents on both sides (`--checksum`); SFTP sends every file. `conn` as for `push_dir`.
     """
     # deep: a corrupt local one must not spread
     newest = checkpoint if checkpoint is not None else burst_checkpoint.latest_complete(local_ckpt_dir)
@@ -162,19 +180,51 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
         remote_complete = _remote_complete(conn, remote_ckpt_dir)
         if name in remote_complete:
             return PushedCheckpoint(name, newest, remote_final, SyncStats(chosen), already_there=True)
-        run(conn, ["mkdir", "-p", "--", remote_staging], timeout=60)
-        if chosen == "rsync":
-            basis = [f"--link-dest=../{remote_complete[-1]}"] if remote_complete else []
-            stats = _rsync(target, trust, [*basis, "--checksum", "--delete", f"{newest}/",
-                                           _remote_spec(target, remote_staging) + "/"],
-                           what=f"pushing checkpoint {name}")
+        what = f"pushing checkpoint {name}"
+        if remote_complete and runbooks is not None:
+            basis = remote_complete[-1]
+            todo = _stage_on_instance(conn, runbooks, newest, remote_staging, f"{remote_ckpt_dir}/{basis}")
+            if chosen == "rsync":
+                stats = _rsync_files(target, trust, f"{newest}/", _remote_spec(target, remote_staging) + "/", todo,
+                                     basis=f"../{basis}", what=what)
+            else:
+                stats = SyncStats("sftp")
+                sftp = conn.sftp()
+                for rel in todo:
+                    _sftp_put_if_changed(sftp, newest / safe_relpath(rel), f"{remote_staging}/{rel}", stats)
+        elif chosen == "rsync":
+            # A fresh instance: every file is sent, each read once here. --ignore-times: a file an interrupted push
+            # left whole in staging is a delta basis, never taken as is on its size and mtime (seconds). No
+            # --checksum: with nothing on the instance to compare with, it only read every file here once more.
+            # A basis but no runbooks to compare manifests with: rsync compares contents itself, reading both sides.
+            compare = [f"--link-dest=../{remote_complete[-1]}", "--checksum"] if remote_complete else ["--ignore-times"]
+            run(conn, ["mkdir", "-p", "--", remote_staging], timeout=60)
+            stats = _rsync(target, trust, [*compare, "--delete", f"{newest}/",
+                                           _remote_spec(target, remote_staging) + "/"], what=what)
         else:
+            run(conn, ["mkdir", "-p", "--", remote_staging], timeout=60)
             stats = _sftp_push_tree(conn.sftp(), newest, remote_staging, (), manifest_last=True)
         # The final name is free or holds an incomplete leftover (no manifest): replace it in one rename.
-        run(conn, ["sh", "-c", 'if [ -e "$2" ]; then rm -rf -- "$2"; fi; mv -- "$1" "$2"', "sh",
-                   remote_staging, remote_final], timeout=300)
+        run(conn, ["sh", "-c", 'rm -rf -- "$1/$3"; if [ -e "$2" ]; then rm -rf -- "$2"; fi; mv -- "$1" "$2"', "sh",
+                   remote_staging, remote_final, RSYNC_PARTIAL_DIR], timeout=300)
     stats.seconds = time.monotonic() - started
     return PushedCheckpoint(name, newest, remote_final, stats)
+
+
+def _stage_on_instance(conn: fabric.Connection, runbooks: InstanceRunbooks, local: Path, remote_staging: str,
+                       remote_basis: str) -> list[str]:
+    """`checkpoint_transfer.py stage` on the instance: the files still to send."""
+    manifest = (local / MANIFEST).read_bytes()
+    res = run(conn, [runbooks.python, f"{runbooks.directory}/checkpoint_transfer.py", "stage", remote_staging,
+                     remote_basis], stdin=manifest.decode(), timeout=3600)  # reads the shared files: GBs
+    lines = res.stdout.strip().splitlines()
+    try:
+        out = json.loads(lines[-1])
+        todo = [safe_relpath(rel) for rel in out["todo"]]
+    except (IndexError, ValueError, KeyError, TypeError):
+        raise SyncError(f"staging checkpoint {local.name} on instance {conn.host}: no answer from "
+                        "checkpoint_transfer.py") from None
+    return todo
 
 
 @contextlib.contextmanager
@@ -347,14 +397,24 @@ def _rsync_pull_checkpoint(target: Target, trust: HostKeyTrust, conn: fabric.Con
     files = _manifest_files(manifest_bytes, remote_path)
     stats = SyncStats("rsync", bytes_received=len(manifest_bytes))
     todo = stage_from_basis(files, staging, basis)
-    if todo:
-        args = ["--ignore-times", f"--partial-dir={RSYNC_PARTIAL_DIR}", "--files-from=-", "--from0"]
-        args += [f"--copy-dest={basis.resolve()}"] if basis is not None else []
-        args += [f"--bwlimit={bwlimit_kib}"] if bwlimit_kib else []
-        stats.add(_rsync(target, trust, [*args, _remote_spec(target, remote_path) + "/", f"{staging}/"],
-                         what=what, stdin="".join(f"{rel}\0" for rel in todo)))
+    stats.add(_rsync_files(target, trust, _remote_spec(target, remote_path) + "/", f"{staging}/", todo,
+                           basis=str(basis.resolve()) if basis is not None else None, bwlimit_kib=bwlimit_kib,
+                           what=what))
     (staging / MANIFEST).write_bytes(manifest_bytes)  # last, as the trainer wrote it
     return stats
+
+
+def _rsync_files(target: Target, trust: HostKeyTrust, src: str, dest: str, todo: Sequence[str], *,
+                 basis: str | None, bwlimit_kib: int | None = None, what: str) -> SyncStats:
+    """rsync exactly `todo` (paths relative to `src`) into `dest`, each file sent whatever the one there (no quick
+    check: `--ignore-times`), as a delta against the same file in `basis` when given (a `--copy-dest`, relative to
+    `dest` or absolute), resuming from `--partial-dir`. Nothing to send: no rsync at all."""
+    if not todo:
+        return SyncStats("rsync")
+    args = ["--ignore-times", f"--partial-dir={RSYNC_PARTIAL_DIR}", "--files-from=-", "--from0"]
+    args += [f"--copy-dest={basis}"] if basis is not None else []
+    args += [f"--bwlimit={bwlimit_kib}"] if bwlimit_kib else []
+    return _rsync(target, trust, [*args, src, dest], what=what, stdin="".join(f"{rel}\0" for rel in todo))
 
 
 def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: Path, basis: Path | None,
@@ -449,6 +509,7 @@ def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
 
 __all__ = [
     "STAGING_PREFIX",
+    "InstanceRunbooks",
     "PulledCheckpoints",
     "PushedCheckpoint",
     "SyncError",
