@@ -8,7 +8,7 @@ because a complete checkpoint is never modified in place).
 Stdlib-only. It is copied to instances beside `s3_checkpoints.py` and imported by the daemon's `sync`, which also runs
 it on an instance when pushing a checkpoint there (the instance's own checkpoints are the basis then):
 
-    python3 checkpoint_transfer.py stage STAGING BASIS < MANIFEST   -> {"todo": [files to send]}
+    python3 checkpoint_transfer.py stage STAGING BASIS < MANIFEST   -> {"todo": [files to send], "delta": bool}
 """
 
 from __future__ import annotations
@@ -105,6 +105,16 @@ def held_by_basis(files: Mapping[str, Any], basis: Path | None) -> set[str]:
     """The entries of `files` (a manifest's table) that the basis's manifest lists with the same size and sha256."""
     shared = basis_files(basis)
     return {rel for rel, entry in files.items() if shared.get(rel) == entry}
+
+
+def delta_basis(files: Mapping[str, Any], basis: Path | None) -> Path | None:
+    """The basis, as a basis for delta transfer of the files it does not hold; None when it holds none of them.
+
+    A checkpoint that shares no file with the basis by content is a full fine-tune's: every shard is fresh weights
+    and optimizer state, in which a delta against the old ones finds nothing, while reading the basis for it costs
+    a full read of it (benchmarks/checkpoint_reads.py). One that shares some (frozen layers, say) may also share
+    blocks within a changed file, and there the delta saves what crosses the wire."""
+    return basis if held_by_basis(files, basis) else None
 
 
 def stage_from_basis(files: Mapping[str, Any], staging: Path, basis: Path | None) -> list[str]:
@@ -233,7 +243,8 @@ def make_visible(staging: Path, final: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`stage STAGING BASIS`, the manifest on stdin: `stage_checked` into STAGING (created if needed) from the
-    complete checkpoint BASIS, then the manifest written there; prints {"todo": [...]}."""
+    complete checkpoint BASIS, then the manifest written there; prints {"todo": [...], "delta": bool}, `delta`
+    saying whether BASIS is worth a delta transfer of the rest (`delta_basis`)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or args[0] != "stage":
         print("usage: checkpoint_transfer.py stage STAGING BASIS < MANIFEST", file=sys.stderr)
@@ -244,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     staging.mkdir(parents=True, exist_ok=True)
     todo = stage_checked(files, staging, basis)
     (staging / MANIFEST).write_bytes(manifest)
-    print(json.dumps({"todo": todo}))
+    print(json.dumps({"todo": todo, "delta": delta_basis(files, basis) is not None}))
     return 0
 
 

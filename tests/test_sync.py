@@ -556,3 +556,50 @@ def test_a_resumed_push_onto_a_fresh_instance_does_not_take_a_staged_file_on_its
     assert visible(inst.sandbox / "ckpt") == ["step-00000200"]
     assert burst_checkpoint.verify(inst.sandbox / "ckpt" / "step-00000200")
 
+
+# --- delta transfer against a basis: where it can find something, and only there -----------------------------------
+def _send_step_200(inst: Instance, tmp_path: Path, direction: str, files_100: dict[str, bytes],
+                   files_200: dict[str, bytes]) -> tuple[int, int]:
+    """The receiving side holds step 100, the sending side sends step 200; (bytes of data, bytes sent back)."""
+    local, remote = tmp_path / "local", inst.sandbox / "ckpt"
+    sender, receiver = (remote, local) if direction == "pull" else (local, remote)
+    burst_checkpoint.write_checkpoint(receiver, "step-00000100", files_100)
+    step_200 = burst_checkpoint.write_checkpoint(sender, "step-00000200", files_200)
+    if direction == "pull":
+        got = pull(inst, local)
+        assert got == [local / "step-00000200"] and got.rejected == {}
+        stats = got.stats
+        data, back = stats.bytes_received, stats.bytes_sent
+    else:
+        stats = push(inst, local, step_200, runbooks=install_runbooks(inst)).stats
+        data, back = stats.bytes_sent, stats.bytes_received
+    assert burst_checkpoint.verify(receiver / "step-00000200")
+    for rel, content in files_200.items():
+        assert (receiver / "step-00000200" / rel).read_bytes() == content
+    return data, back
+
+
+@pytest.mark.skipif(not HAVE_RSYNC, reason="rsync/ssh not installed")
+@pytest.mark.parametrize("direction", ["pull", "push"])
+def test_a_partly_changed_shard_crosses_as_a_delta_when_the_basis_shares_files(
+        backend: SshBackend, key_path: Path, tmp_path: Path, direction: str) -> None:
+    # Frozen layers: three shards as they were, the fourth rewritten with its first half as it was.
+    inst = start(backend, key_path, f"i-delta-{direction}", "rsync")
+    size, rel = 1 * MiB, "model-00002.safetensors"
+    files = shards(4, size)
+    data, _ = _send_step_200(inst, tmp_path, direction, files,
+                             {**files, rel: files[rel][: size // 2] + os.urandom(size // 2)})
+    assert size // 2 <= data < 0.75 * size
+
+
+@pytest.mark.skipif(not HAVE_RSYNC, reason="rsync/ssh not installed")
+@pytest.mark.parametrize("direction", ["pull", "push"])
+def test_when_no_file_is_shared_with_the_basis_rsync_is_given_no_basis_to_read(
+        backend: SshBackend, key_path: Path, tmp_path: Path, direction: str) -> None:
+    # A full fine-tune: every shard is fresh bytes. A delta basis would be read whole on the receiving side, its
+    # block checksums sent back (about 9 KB here), for a delta that finds nothing.
+    inst = start(backend, key_path, f"i-full-{direction}", "rsync")
+    size = 256 * 1024
+    data, back = _send_step_200(inst, tmp_path, direction, shards(4, size), shards(4, size))
+    assert data >= 4 * size
+    assert back < 2048  # the file list and the per-file headers; no block checksums

@@ -59,6 +59,7 @@ from runbooks.checkpoint_transfer import (
     PulledCheckpoints,
     TransferError,
     TransferStats,
+    delta_basis,
     make_visible,
     safe_relpath,
     stage_from_basis,
@@ -183,10 +184,10 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
         what = f"pushing checkpoint {name}"
         if remote_complete and runbooks is not None:
             basis = remote_complete[-1]
-            todo = _stage_on_instance(conn, runbooks, newest, remote_staging, f"{remote_ckpt_dir}/{basis}")
+            todo, delta = _stage_on_instance(conn, runbooks, newest, remote_staging, f"{remote_ckpt_dir}/{basis}")
             if chosen == "rsync":
                 stats = _rsync_files(target, trust, f"{newest}/", _remote_spec(target, remote_staging) + "/", todo,
-                                     basis=f"../{basis}", what=what)
+                                     basis=f"../{basis}" if delta else None, what=what)
             else:
                 stats = SyncStats("sftp")
                 sftp = conn.sftp()
@@ -212,19 +213,20 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
 
 
 def _stage_on_instance(conn: fabric.Connection, runbooks: InstanceRunbooks, local: Path, remote_staging: str,
-                       remote_basis: str) -> list[str]:
-    """`checkpoint_transfer.py stage` on the instance: the files still to send."""
+                       remote_basis: str) -> tuple[list[str], bool]:
+    """`checkpoint_transfer.py stage` on the instance: the files still to send, and whether the basis is worth a
+    delta transfer of them (`delta_basis`)."""
     manifest = (local / MANIFEST).read_bytes()
     res = run(conn, [runbooks.python, f"{runbooks.directory}/checkpoint_transfer.py", "stage", remote_staging,
                      remote_basis], stdin=manifest.decode(), timeout=3600)  # reads the shared files: GBs
     lines = res.stdout.strip().splitlines()
     try:
         out = json.loads(lines[-1])
-        todo = [safe_relpath(rel) for rel in out["todo"]]
+        todo, delta = [safe_relpath(rel) for rel in out["todo"]], bool(out["delta"])
     except (IndexError, ValueError, KeyError, TypeError):
         raise SyncError(f"staging checkpoint {local.name} on instance {conn.host}: no answer from "
                         "checkpoint_transfer.py") from None
-    return todo
+    return todo, delta
 
 
 @contextlib.contextmanager
@@ -397,8 +399,9 @@ def _rsync_pull_checkpoint(target: Target, trust: HostKeyTrust, conn: fabric.Con
     files = _manifest_files(manifest_bytes, remote_path)
     stats = SyncStats("rsync", bytes_received=len(manifest_bytes))
     todo = stage_from_basis(files, staging, basis)
+    delta = delta_basis(files, basis)
     stats.add(_rsync_files(target, trust, _remote_spec(target, remote_path) + "/", f"{staging}/", todo,
-                           basis=str(basis.resolve()) if basis is not None else None, bwlimit_kib=bwlimit_kib,
+                           basis=str(delta.resolve()) if delta is not None else None, bwlimit_kib=bwlimit_kib,
                            what=what))
     (staging / MANIFEST).write_bytes(manifest_bytes)  # last, as the trainer wrote it
     return stats
