@@ -271,7 +271,7 @@ def test_a_cloud_run_slower_than_planned_says_once_that_it_will_miss_the_deadlin
     app.close()
 
 
-def test_a_hybrid_hand_over_counts_only_capacity_on_the_market_its_cloud_phase_launches_on(tmp_path: Path) -> None:
+def test_a_hand_over_and_a_launch_count_only_capacity_on_the_market_they_launch_on(tmp_path: Path) -> None:
     # simcloud lists H100 spot capacity and no on-demand capacity. An on-demand cloud phase would be refused: its
     # local phase runs on. A spot one can launch: it hands over.
     app = App(state_dir_override=str(tmp_path / "state"))
@@ -289,8 +289,13 @@ def test_a_hybrid_hand_over_counts_only_capacity_on_the_market_its_cloud_phase_l
         assert rec._hand_over_held(on_demand, time.time()) == "no cloud lists on-demand capacity for 1×H100"
         assert rec._hand_over_held(spot, time.time()) is None
 
+        # Nor does an on-demand launch go to the offer: only spot is listed there.
+        assert rec._choose_offer(on_demand, time.time()) is None
+        assert app.store.get_job(jobs["on-demand"])["reason"] == "no offer with capacity for 1×H100"
+
         sim.set_capacity(h100, "us-west-1", 1)
         rec.offers.forget("sim")
         assert rec._hand_over_held(on_demand, time.time()) is None
+        assert rec._choose_offer(on_demand, time.time())[2].value == "on-demand"
         sim_provider.close()
     app.close()

@@ -401,6 +401,8 @@ class Reconciler:
             if market is None:
                 waiting = why
                 continue
+            if market is Market.ON_DEMAND and not o.capacity_regions(market):
+                continue  # spot capacity listed, on-demand none: the launch would only be refused
             price = o.price(market) or o.on_demand_usd_h
             speed = wanted[o.gpu_model.upper()]
             cost = price / speed  # $ per unit of work
