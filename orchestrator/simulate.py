@@ -279,7 +279,7 @@ class ZoneCounts:
         return ZoneCounts(self.seen + other.seen, self.ended + other.ended, self.moves + other.moves)
 
     def by_flicker(self) -> tuple[np.ndarray, np.ndarray]:
-        """`seen` and `ended` as (calm or flickering, share regime, up/down, age bucket)."""
+        """`seen` and `ended` as (flicker level, share regime, up/down, age bucket)."""
         shape = (REGIMES // SHARE_REGIMES, SHARE_REGIMES, *self.seen.shape[1:])
         return self.seen.reshape(shape), self.ended.reshape(shape)
 
@@ -313,12 +313,12 @@ def hazard_counts(available: np.ndarray, history: TraceHistory, before: int, sin
 
 
 def flicker_factors(counts: Sequence[ZoneCounts], prior: ZonePrior, prior_ends: float) -> np.ndarray:
-    """By how much calm and flickering spot (rows) change the youngest age bucket's chance of spot going (up) or
-    coming back (down), (2, 2): the ends seen in that bucket against those the pooled hazards expect, over every
-    zone given, shrunk towards 1 with the weight of `prior_ends` ends. A few numbers learned from all zones, so
-    flicker splits no zone's counts (as a regime of its own it cost 1.6 points, docs/simulate.md)."""
-    ended = np.zeros((2, 2))
-    expected = np.zeros((2, 2))
+    """By how much each flicker level (rows; 0 calm) changes the youngest age bucket's chance of spot going (up) or
+    coming back (down), (levels, 2): the ends seen in that bucket against those the pooled hazards expect, over
+    every zone given, shrunk towards 1 with the weight of `prior_ends` ends. A few numbers learned from all zones,
+    so flicker splits no zone's counts (as a regime of its own it cost 1.6 points, docs/simulate.md)."""
+    ended = np.zeros((REGIMES // SHARE_REGIMES, 2))
+    expected = np.zeros((REGIMES // SHARE_REGIMES, 2))
     for c in counts:
         seen, ends = c.by_flicker()
         ended += ends[..., 0].sum(axis=1)
@@ -330,8 +330,8 @@ def blend_model(tick_h: float, counts: ZoneCounts, prior: ZonePrior, prior_ticks
                 flicker: np.ndarray | None = None) -> SpotModel:
     """Chances from the zone's own counts, each shrunk towards `prior`'s with the weight of `prior_ticks` ticks.
 
-    Hazards are estimated per share regime (calm and flickering ticks together); `flicker` (`flicker_factors`,
-    default none) then scales the youngest age bucket's in the calm and the flickering regimes."""
+    Hazards are estimated per share regime (every flicker level together); `flicker` (`flicker_factors`, default
+    none) then scales the youngest age bucket's at each flicker level."""
     seen, ended = (x.sum(axis=0) for x in counts.by_flicker())
     base = (ended + prior_ticks * prior.hazards) / (seen + prior_ticks)
     leave = np.repeat(base[None], REGIMES // SHARE_REGIMES, axis=0)

@@ -16,7 +16,7 @@ from orchestrator.core.spot_policy import (
     _MISS_USD,
     AGE_EDGES_H,
     DEFAULT_POLICY,
-    FLICKER_CHANGES,
+    FLICKER_EDGES,
     IDLE_CODE,
     MARKETS,
     OD_CODE,
@@ -208,7 +208,7 @@ def test_dp_policy_reads_the_regime_from_the_recent_share_of_spot_up_time() -> N
 
 def test_dp_policy_goes_back_to_spot_when_it_was_calm_but_not_for_a_flicker() -> None:
     # On on-demand, spot just back. Calm regimes: a fresh up period lasts (0.01 a tick to end). Flickering ones
-    # (spot went or came back FLICKER_CHANGES times lately): it is gone again after a tick or two, less than a
+    # (spot went or came back FLICKER_EDGES[0] times lately): it is gone again after a tick or two, less than a
     # changeover is worth. Same slack, same age: only the recent changes tell them apart.
     n = len(AGE_EDGES_H) + 1
     calm = ((0.3,) * n, (0.01,) * n)
@@ -219,12 +219,12 @@ def test_dp_policy_goes_back_to_spot_when_it_was_calm_but_not_for_a_flicker() ->
     dp = POLICIES[DEFAULT_POLICY]
     back = dict(elapsed_h=3.0, progress_h=2.5, market=Market.ON_DEMAND, spot_available=True, stats=stats,
                 spot_state_for_h=0.1)
-    assert dp.decide(state(**back, recent_changes=FLICKER_CHANGES - 1)) is Market.SPOT
-    assert dp.decide(state(**back, recent_changes=FLICKER_CHANGES)) is not Market.SPOT
+    assert dp.decide(state(**back, recent_changes=FLICKER_EDGES[0] - 1)) is Market.SPOT
+    assert dp.decide(state(**back, recent_changes=FLICKER_EDGES[0])) is not Market.SPOT
     # A model without the flicker split (one or two regimes) reads the share alone.
-    assert regime_in(2, 0.9, FLICKER_CHANGES) == regime_in(2, 0.9, 0) == regime_of(0.9) == 1
-    assert regime_in(REGIMES, 0.9, FLICKER_CHANGES) == 1 + SHARE_REGIMES
-    assert regime_in(1, 0.1, FLICKER_CHANGES) == 0
+    assert regime_in(2, 0.9, FLICKER_EDGES[0]) == regime_in(2, 0.9, 0) == regime_of(0.9) == 1
+    assert regime_in(REGIMES, 0.9, FLICKER_EDGES[0]) == 1 + SHARE_REGIMES
+    assert regime_in(1, 0.1, FLICKER_EDGES[0]) == 0
 
 
 def test_dp_plan_charges_the_changeover_exactly_when_the_tick_allows_it() -> None:

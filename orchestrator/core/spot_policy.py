@@ -57,21 +57,24 @@ def age_bucket(age_h: np.ndarray | float) -> np.ndarray:
 REGIME_WINDOW_H = 12.0
 REGIME_EDGES: tuple[float, ...] = (0.4,)
 SHARE_REGIMES = len(REGIME_EDGES) + 1
-# Flicker: spot that went or came back FLICKER_CHANGES times or more in the last FLICKER_WINDOW_H hours. There a
+# Flicker: spot that went or came back FLICKER_EDGES[0] times or more in the last FLICKER_WINDOW_H hours. There a
 # new outage or up period is more often over within its first age bucket (pooled over setting (a): an outage
 # ends in its first 20 min with a chance of 0.44 a tick against 0.31), which tells a gap worth waiting out from an
 # outage worth buying on-demand for. Each share regime is split in two by it; the split changes only the youngest
 # bucket's hazards, by a factor learned from every zone's past (`SpotModel.leave`), so it divides no counts.
 FLICKER_WINDOW_H = 2.0
-FLICKER_CHANGES = 3
-REGIMES = 2 * SHARE_REGIMES  # regime r: share regime r % SHARE_REGIMES, flickering when r >= SHARE_REGIMES
+FLICKER_EDGES: tuple[int, ...] = (3,)  # changes from which spot counts as flickering (one level per edge)
+FLICKER_LEVELS = len(FLICKER_EDGES) + 1
+# Regime r: share regime r % SHARE_REGIMES, flicker level r // SHARE_REGIMES (0: calm).
+REGIMES = SHARE_REGIMES * FLICKER_LEVELS
 
 
 def regime_of(recent_up_fraction: np.ndarray | float, recent_changes: np.ndarray | int = 0) -> np.ndarray:
     """Regime index for this share of the last REGIME_WINDOW_H hours with spot up and this many up/down changes in
     the last FLICKER_WINDOW_H hours."""
     share = np.searchsorted(np.asarray(REGIME_EDGES), np.asarray(recent_up_fraction) + 1e-9, side="right")
-    return share + SHARE_REGIMES * (np.asarray(recent_changes) >= FLICKER_CHANGES)
+    return share + SHARE_REGIMES * np.searchsorted(np.asarray(FLICKER_EDGES), np.asarray(recent_changes),
+                                                   side="right")
 
 
 def regime_in(n_regimes: int, recent_up_fraction: np.ndarray | float, recent_changes: np.ndarray | int = 0

@@ -21,11 +21,13 @@ from sqlalchemy import func, insert, select, update
 from orchestrator import records
 from orchestrator.app import App
 from orchestrator.core.plan import latest_switch_at
+from orchestrator.core.replan import replan_late_local
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason, job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState, move
 from orchestrator.lifecycle.schedule import behind, reported, watch_schedule
 from orchestrator.lifecycle.states import JobState
+from orchestrator.queue import context, facts, measured_rented_throughput, record_decision, spec_of
 from runbooks import supervisor
 from state import schema as s
 
@@ -286,9 +288,6 @@ class LocalRunner:
         approved_since = last.get("outcome") == "await-approval" and bool(job.get("approved"))
         if last and 0 <= now - float(last["at"]) < self.cfg.daemon.market_check_s and not approved_since:
             return
-        from orchestrator.core.replan import replan_late_local
-        from orchestrator.queue import context, facts, measured_rented_throughput, spec_of
-
         if checkpoints.latest(self.cfg, job["id"], deep=False) is None:
             done = 0.0  # nothing to resume from yet: the cloud would start over
         spec = spec_of(job)
@@ -313,8 +312,6 @@ class LocalRunner:
                                    f"units left at the speed measured (was: {before.get('plan_kind') or '—'} plan, "
                                    f"T_L {records.fmt_h(before.get('t_local_h'))}, "
                                    f"{records.fmt_usd(before.get('plan_cost_usd'))})")
-            from orchestrator.queue import record_decision
-
             record = record_decision(self.app, r.facts, d, now, job["id"])
             fields.update(decision=d, verdict=d["verdict"], record_path=str(record))
         changed: dict[str, Any] = {"redecided": answer}  # this attempt's part in the new plan
