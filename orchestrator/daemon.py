@@ -111,28 +111,62 @@ def _skipped_tick(record: logging.LogRecord) -> bool:
 
 def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idle: bool,
          on_tick: Callable[[int], None] | None, lease: DaemonLease, lost: threading.Event) -> int:
-    from orchestrator.lifecycle.service import build_reconciler, has_active_work
-    from orchestrator.retention import prune_if_due
+    from orchestrator.lifecycle.service import build_reconciler
 
     stop = threading.Event()
     ticks = 0
-    reconciler = build_reconciler(app)
-    tick_s = tick_s or app.config.daemon.tick_s
-    app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
-                    providers=sorted(reconciler.providers), mode=reconciler.mode())
     logging.getLogger("apscheduler.scheduler").addFilter(_skipped_tick)
     scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
                                   job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
 
+    shutting = threading.Lock()
+
+    def shut_down(wait: bool) -> None:
+        """Stop the scheduler, once, from a thread of its own (it may be called from inside a tick)."""
+        if shutting.acquire(blocking=False):
+            threading.Thread(target=scheduler.shutdown, kwargs={"wait": wait}, daemon=True).start()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop.set()
+        app.events.emit("daemon.stopping", signal=signal.Signals(signum).name)
+        if scheduler.running:  # else its first tick shuts it down
+            shut_down(wait=True)
+
+    # Before anything that takes time: a stop asked for while the daemon starts is a clean stop, not a death by signal.
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        reconciler = build_reconciler(app)
+        tick_s = tick_s or app.config.daemon.tick_s
+        app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
+                        providers=sorted(reconciler.providers), mode=reconciler.mode())
+        ticks = _schedule(app, scheduler, shut_down, reconciler, stop, tick_s, max_ticks, exit_when_idle, on_tick,
+                          lease, lost)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    app.events.emit("daemon.stopped", ticks=ticks)
+    return ticks
+
+
+def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool], None], reconciler: Any,
+              stop: threading.Event, tick_s: float, max_ticks: int | None, exit_when_idle: bool,
+              on_tick: Callable[[int], None] | None, lease: DaemonLease, lost: threading.Event) -> int:
+    """Tick and sweep on the scheduler until `stop`; returns ticks run."""
+    from orchestrator.lifecycle.service import has_active_work
+    from orchestrator.retention import prune_if_due
+
+    ticks = 0
+
     def tick() -> None:
         nonlocal ticks
-        if stop.is_set():
+        if stop.is_set():  # stopping; or a signal came before the scheduler ran
+            shut_down(False)
             return
         if not app.store.still_holds(lease):  # checked before acting: another daemon may hold it by now
             lost.set()
             app.events.emit("daemon.lock_lost")
             stop.set()
-            threading.Thread(target=scheduler.shutdown, kwargs={"wait": False}, daemon=True).start()
+            shut_down(False)
             return
         try:
             reconciler.tick()
@@ -143,7 +177,7 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
             on_tick(ticks)
         if (max_ticks is not None and ticks >= max_ticks) or (exit_when_idle and not has_active_work(app)):
             stop.set()
-            threading.Thread(target=scheduler.shutdown, kwargs={"wait": False}, daemon=True).start()
+            shut_down(False)
 
     def sweep() -> None:
         if stop.is_set():
@@ -157,19 +191,7 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
     scheduler.add_job(tick, "interval", seconds=tick_s, id="tick", next_run_time=_now_dt())
     scheduler.add_job(sweep, "interval", seconds=app.config.daemon.sweep_s, id="sweep",
                       next_run_time=_now_dt())
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stop.set()
-        app.events.emit("daemon.stopping", signal=signal.Signals(signum).name)
-        threading.Thread(target=scheduler.shutdown, kwargs={"wait": True}, daemon=True).start()
-
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        scheduler.start()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-    app.events.emit("daemon.stopped", ticks=ticks)
+    scheduler.start()
     return ticks
 
 

@@ -125,6 +125,13 @@ class Daemon:
     def stop(self) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
+        # A SIGTERM while Python is still importing kills it by the signal (-15): wait until it is up (its console
+        # log says daemon.started; the daemon handles signals from before that), or gone.
+        log = self.tmp / f"daemon-{self.n}.log"
+        wait_for(lambda: self.proc is None or self.proc.poll() is not None or "daemon.started" in log.read_text(),
+                 60, "the daemon to be up before stopping it", interval=0.05)
+        if self.proc.poll() is not None:
+            return self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(60)
 

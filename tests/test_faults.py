@@ -224,3 +224,26 @@ def test_the_daemon_clock_jumping_forward_and_back_causes_no_budget_stop_no_loss
         assert_one_instance_per_attempt_and_all_gone(url)
     (row,) = ledger(state)
     assert row["billed_seconds"] > 0 and row["cost_usd"] > 0
+
+
+def test_a_stop_asked_for_while_the_daemon_starts_ends_it_cleanly(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # SIGTERM lands while the daemon is still building its reconciler (providers, the store): it must not die by the
+    # signal (a supervisor sees a crash), nor tick on: it stops before its first tick, and says so.
+    from orchestrator import daemon as daemon_module
+    from orchestrator.lifecycle import service
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    built = service.build_reconciler
+
+    def build_while_stopped(a: App) -> object:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return built(a)
+
+    monkeypatch.setattr(service, "build_reconciler", build_while_stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    assert daemon_module.run_daemon(app, tick_s=0.2) == 0
+    assert signal.getsignal(signal.SIGTERM) is before  # the test process's own handler is back
+    kinds = [e["type"] for e in app.store.events()]
+    assert kinds.index("daemon.stopping") < kinds.index("daemon.started") and kinds[-1] == "daemon.stopped"
+    app.close()
