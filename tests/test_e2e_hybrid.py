@@ -42,6 +42,18 @@ def _enqueue(tmp: Path, url: str, state: Path, spec: Path, **daemon: float) -> t
     return config, json.loads(r.stdout)
 
 
+def _run_to_the_end(tmp: Path, url: str, config: Path, state: Path, job_id: str, local_step_s: float,
+                    ended: tuple[str, ...] = ("done",), timeout: float = 120) -> list[dict[str, Any]]:
+    """A daemon with the local card at `local_step_s` a step, until the job is in one of `ended`; the simulated
+    cloud's instances then."""
+    daemon = EnvDaemon(tmp, config, state).start(env={"LOCAL_STEP_S": str(local_step_s)})
+    try:
+        wait_for(lambda: job(state, job_id)["state"] in ended, timeout, f"{job_id} to end ({' or '.join(ended)})")
+    finally:
+        assert daemon.stop() == 0
+    return sim_instances(url)
+
+
 def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Path) -> None:
     state = tmp_path / "state"
     # W = 1, s_L = 90/h, s_R = 180/h, D = 31.6 s, t_ovh = 0.001 h, no margin: local misses (T_L = 40 s), renting
@@ -55,12 +67,7 @@ def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Pat
         local_phase, cloud_phase = decided["decision"]["plan"]
         assert local_phase["where"] == "local" and cloud_phase["where"] == "cloud"
         assert local_phase["hours"] == pytest.approx(16 / 3600, abs=1e-4)
-        daemon = EnvDaemon(tmp_path, config, state).start(env={"LOCAL_STEP_S": "0.2"})
-        try:
-            wait_for(lambda: job(state, job_id)["state"] == "done", 120, "the hybrid job to finish")
-        finally:
-            assert daemon.stop() == 0
-        instances = sim_instances(url)
+        instances = _run_to_the_end(tmp_path, url, config, state, job_id, 0.2)
 
     types = [e["type"] for e in events(state)]
     assert types.index("attempt.stop_requested") < types.index("job.switching") < types.index("attempt.intent")
@@ -103,12 +110,7 @@ def test_a_local_run_slower_than_its_estimate_bursts_earlier_from_its_measured_p
         planned_local = job(state, job_id)["decision"]["plan"][0]
         assert planned_local["where"] == "local" and planned_local["hours"] == pytest.approx(16 / 3600, abs=1e-4)
         planned_switch = job(state, job_id)["created_at"] + planned_local["hours"] * 3600
-        daemon = EnvDaemon(tmp_path, config, state).start(env={"LOCAL_STEP_S": "1.0"})
-        try:
-            wait_for(lambda: job(state, job_id)["state"] == "done", 120, "the hybrid job to finish")
-        finally:
-            assert daemon.stop() == 0
-        instances = sim_instances(url)
+        instances = _run_to_the_end(tmp_path, url, config, state, job_id, 1.0)
 
     [stop] = events(state, "attempt.stop_requested")
     assert stop["data"]["reason"] == "hybrid-switch"
@@ -190,12 +192,7 @@ def test_a_local_run_that_measures_it_will_miss_its_deadline_is_re_planned_and_b
         decided = json.loads(r.stdout)
         job_id, first_record = decided["id"], Path(decided["record"])
         assert (decided["placement"], decided["decision"]["plan_kind"]) == ("local", "local")
-        daemon = EnvDaemon(tmp_path, config, state).start(env={"LOCAL_STEP_S": "0.2"})
-        try:
-            wait_for(lambda: job(state, job_id)["state"] in ("done", "failed"), 60, "the job to finish")
-        finally:
-            assert daemon.stop() == 0
-        instances = sim_instances(url)
+        instances = _run_to_the_end(tmp_path, url, config, state, job_id, 0.2, ended=("done", "failed"), timeout=60)
         shown = cli(config, state, "show", job_id, "--json")
 
     done = job(state, job_id)
