@@ -25,6 +25,7 @@ import numpy as np
 from orchestrator.core.spot_policy import (
     AGE_EDGES_H,
     DEFAULT_POLICY,
+    FLICKER_LEVELS,
     FLICKER_WINDOW_H,
     IDLE_CODE,
     OD_CODE,
@@ -280,7 +281,7 @@ class ZoneCounts:
 
     def by_flicker(self) -> tuple[np.ndarray, np.ndarray]:
         """`seen` and `ended` as (flicker level, share regime, up/down, age bucket)."""
-        shape = (REGIMES // SHARE_REGIMES, SHARE_REGIMES, *self.seen.shape[1:])
+        shape = (FLICKER_LEVELS, SHARE_REGIMES, *self.seen.shape[1:])
         return self.seen.reshape(shape), self.ended.reshape(shape)
 
 
@@ -317,8 +318,8 @@ def flicker_factors(counts: Sequence[ZoneCounts], prior: ZonePrior, prior_ends: 
     coming back (down), (levels, 2): the ends seen in that bucket against those the pooled hazards expect, over
     every zone given, shrunk towards 1 with the weight of `prior_ends` ends. A few numbers learned from all zones,
     so flicker splits no zone's counts (as a regime of its own it cost 1.6 points, docs/simulate.md)."""
-    ended = np.zeros((REGIMES // SHARE_REGIMES, 2))
-    expected = np.zeros((REGIMES // SHARE_REGIMES, 2))
+    ended = np.zeros((FLICKER_LEVELS, 2))
+    expected = np.zeros((FLICKER_LEVELS, 2))
     for c in counts:
         seen, ends = c.by_flicker()
         ended += ends[..., 0].sum(axis=1)
@@ -334,7 +335,7 @@ def blend_model(tick_h: float, counts: ZoneCounts, prior: ZonePrior, prior_ticks
     none) then scales the youngest age bucket's at each flicker level."""
     seen, ended = (x.sum(axis=0) for x in counts.by_flicker())
     base = (ended + prior_ticks * prior.hazards) / (seen + prior_ticks)
-    leave = np.repeat(base[None], REGIMES // SHARE_REGIMES, axis=0)
+    leave = np.repeat(base[None], FLICKER_LEVELS, axis=0)
     if flicker is not None:
         leave[..., 0] = np.clip(base[None, ..., 0] * flicker[:, None, :], 0.0, 1.0)
     switch = (counts.moves + prior_ticks * prior.moves) / (counts.moves.sum(axis=1, keepdims=True) + prior_ticks)

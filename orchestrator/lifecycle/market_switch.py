@@ -17,8 +17,6 @@ from sqlalchemy import Connection, func, insert, select
 from orchestrator.app import App
 from orchestrator.core.spot_policy import (
     DEFAULT_POLICY,
-    FLICKER_WINDOW_H,
-    REGIME_WINDOW_H,
     AvailabilityStats,
     SemiMarkovDP,
     SpotState,
@@ -271,13 +269,10 @@ def listed_model(app: App, provider: str, instance_type: str, now: float) -> Lis
         others = [as_trace(name, changes) for name, changes in sorted(every.items())
                   if name != instance_type and changes[0][0] <= start + LISTED_TICK_S]
         _LISTED_MODELS[key] = refit_stats(trace, history, others, refit)
-    # The regime now: the listing's last REGIME_WINDOW_H and FLICKER_WINDOW_H, up to now (not only to the refit),
-    # counted as `TraceHistory` counts them on a trace.
-    series = listed_series(listings, start, ticks, LISTED_TICK_S)
-    recent = series[-max(round(REGIME_WINDOW_H * 3600 / LISTED_TICK_S), 1):]
-    flicker = series[-max(round(FLICKER_WINDOW_H * 3600 / LISTED_TICK_S), 1) - 1:]
-    return ListedModel(_LISTED_MODELS[key], float(recent.mean()) if recent.size else 1.0,
-                       int(np.count_nonzero(flicker[1:] != flicker[:-1])), refit * LISTED_TICK_S / 3600.0)
+    # The regime now, from the listing up to now (not only to the refit), read as `simulate` reads it on a trace.
+    now_history = TraceHistory.of(listed_series(listings, start, ticks, LISTED_TICK_S), LISTED_TICK_S)
+    return ListedModel(_LISTED_MODELS[key], float(now_history.recent_up_fraction[-1]),
+                       int(now_history.recent_changes[-1]), refit * LISTED_TICK_S / 3600.0)
 
 
 def _tick_h(app: App) -> float:
