@@ -138,6 +138,9 @@ def test_push_checkpoint_sends_the_newest_complete_one_under_a_hidden_name_then_
         burst_checkpoint.write_checkpoint(local, "step-00000200", {"w.bin": os.urandom(10_000)})
         (local / "step-00000300").mkdir()  # incomplete: no manifest
         (local / "step-00000300" / "w.bin").write_bytes(b"half")
+        # An earlier push to this instance that never finished: superseded, so the push removes it.
+        (inst.sandbox / "ckpt" / f"{STAGING_PREFIX}step-00000050").mkdir(parents=True)
+        (inst.sandbox / "ckpt" / f"{STAGING_PREFIX}step-00000050" / "w.bin").write_bytes(b"half")
 
         pushed = push_checkpoint(inst.target, inst.trust, local, "ckpt", transport=transport)  # type: ignore[arg-type]
         assert pushed is not None and pushed.name == "step-00000200" and not pushed.already_there

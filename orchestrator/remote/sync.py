@@ -205,9 +205,11 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
         else:
             run(conn, ["mkdir", "-p", "--", remote_staging], timeout=60)
             stats = _sftp_push_tree(conn.sftp(), newest, remote_staging, (), manifest_last=True)
-        # The final name is free or holds an incomplete leftover (no manifest): replace it in one rename.
-        run(conn, ["sh", "-c", 'rm -rf -- "$1/$3"; if [ -e "$2" ]; then rm -rf -- "$2"; fi; mv -- "$1" "$2"', "sh",
-                   remote_staging, remote_final, RSYNC_PARTIAL_DIR], timeout=300)
+        # The final name is free or holds an incomplete leftover (no manifest): replace it in one rename. Then the
+        # staging dirs of pushes that never finished (superseded by this one) go: nothing resumes them.
+        run(conn, ["sh", "-c", 'rm -rf -- "$1/$3"; if [ -e "$2" ]; then rm -rf -- "$2"; fi; mv -- "$1" "$2" && '
+                   'for d in "$4"/$5*; do if [ -e "$d" ]; then rm -rf -- "$d"; fi; done', "sh",
+                   remote_staging, remote_final, RSYNC_PARTIAL_DIR, remote_ckpt_dir, STAGING_PREFIX], timeout=300)
     stats.seconds = time.monotonic() - started
     return PushedCheckpoint(name, newest, remote_final, stats)
 
