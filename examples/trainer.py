@@ -8,7 +8,7 @@ Contract (see docs/job-contract.md):
 - checkpoints go through burst_checkpoint.write_checkpoint into $BURST_CHECKPOINT_DIR as `step-NNNNNNNN`;
 - $BURST_RESUME_FROM (if set and not empty) names the checkpoint to resume from; it is verified first and the
   trainer refuses (exit 2) to resume from a checkpoint that does not verify;
-- SIGTERM: finish the current step, write a checkpoint at it, exit 143;
+- SIGTERM: finish the current step, write a checkpoint at it (after --stop-seconds), exit 143;
 - progress goes to $BURST_METRICS_FILE; the final result to --out or $BURST_CHECKPOINT_DIR/../result.json.
 
 `burst_checkpoint` is found next to this file or on PYTHONPATH (how the daemon ships it to an instance), else in the
@@ -199,6 +199,7 @@ class Trainer:
                 self.report()
             self.sleep(args.step_seconds)
         if self.state["step"] < args.steps:  # stopped by SIGTERM: keep the work done so far
+            time.sleep(args.stop_seconds)  # not in slices: a big model's last state leaving the GPU is not cut short
             if self.saved_step != self.state["step"]:
                 self.save()
             self.report()
@@ -225,10 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=int, default=3, help="complete checkpoints kept on disk (0 = all)")
     p.add_argument("--shard-mib", type=int, default=0,
                    help="also write a shard.bin of this many MiB per checkpoint, like a model's weights")
+    p.add_argument("--stop-seconds", type=float, default=0.0,
+                   help="on SIGTERM, this long before the last checkpoint is written (a large model's takes a while)")
     p.add_argument("--out", default="", help="result.json path (default: $BURST_CHECKPOINT_DIR/../result.json)")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.checkpoint_every < 1 or args.step_seconds < 0 or args.keep < 0 or args.shard_mib < 0:
-        p.error("--steps and --checkpoint-every must be >= 1, --step-seconds, --keep and --shard-mib >= 0")
+    if args.steps < 1 or args.checkpoint_every < 1 or min(args.step_seconds, args.stop_seconds, args.keep,
+                                                           args.shard_mib) < 0:
+        p.error("--steps and --checkpoint-every must be >= 1; --step-seconds, --stop-seconds, --keep and --shard-mib "
+                ">= 0")
     return Trainer(args, load_checkpoint_lib()).run()
 
 

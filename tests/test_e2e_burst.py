@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from runbooks.burst_checkpoint import MANIFEST
 from tests.e2e import (
     SIM_KEY,
     Daemon,
@@ -165,3 +166,37 @@ def test_cancelling_a_running_burst_brings_its_last_checkpoint_home_and_terminat
     assert measured["ended"] == "cancelled" and measured["cost_usd"] > 0
     record = Path(job(state, job_id)["record_path"]).read_text()
     assert f"- **Measured:** cancelled: run {measured['run_h']:.2f} h, cost $" in record
+
+
+def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_instance_is_reclaimed(
+        tmp_path: Path) -> None:
+    # A checkpoint every step of 2 s, synced only every 150 s (a 5-minute interval): when the notice comes, after
+    # step 2's checkpoint, nothing has come home yet. The trainer's last checkpoint takes 30 s (a large model's), so
+    # the reclaim 4 s after the notice comes first, and its exit is never seen: what the instance holds must come
+    # home on the notice itself, or the run starts over.
+    state = tmp_path / "state"
+    spec = trainer_job(tmp_path, "notice", steps=8, every=1, step_s=2.0, interval_minutes=5,
+                       extra=("--stop-seconds", "30"))
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        job_id = json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"]
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            first = wait_for(lambda: running_instance(state), 90, "the first attempt to run")
+            sandbox = tmp_path / "sim" / "instances" / first / "sandbox"
+            wait_for(lambda: any(sandbox.rglob(f"step-00000002/{MANIFEST}")), 30, "step 2's checkpoint")
+            assert not synced(state)
+            preempt(url, first, notice_s=4.0)
+            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
+        finally:
+            assert daemon.stop() == 0
+
+    trail = events(state)
+    (notice,) = (e for e in trail if e["type"] == "instance.interruption_notice")
+    assert notice["data"]["instance"] == first and notice["data"]["last_checkpoint_home"] is None
+    preempted = next(e for e in trail if e["type"] == "instance.preempted")
+    pulled = [e["data"]["checkpoints"][-1] for e in trail
+              if e["type"] == "checkpoint.synced" and notice["id"] < e["id"] < preempted["id"]]
+    assert pulled and pulled[-1] >= "step-00000002"
+    resumed = next(e for e in trail if e["type"] == "job.resumed")["data"]
+    assert resumed["instance"] != first and resumed["checkpoint"] == pulled[-1]

@@ -758,6 +758,8 @@ class Reconciler:
         hb = status.get("heartbeat") or {}
         ex = status.get("exit")
         self._watch_s3_uploads(att, job, info, (ex or {}).get("s3") or status.get("s3"), exited=ex is not None)
+        if hb.get("notice") and "notice_seen_at" not in info:
+            self._on_notice(att, job, info, hb["notice"], now)
         # Staleness is how long, on this process's monotonic clock, the instance's heartbeat has not changed:
         # comparing its timestamp with the wall clock calls a healthy run lost when either clock jumps. A
         # restarted daemon watches for a full timeout again.
@@ -908,6 +910,20 @@ class Reconciler:
             self._lost(att, job, provider, inst, "heartbeat lost (SSH unreachable) before the final checkpoint "
                                                  "came home", info=info)
             return
+        with self.store.tx() as conn:
+            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+
+    def _on_notice(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], notice: Any,
+                   now: float) -> None:
+        """The supervisor saw a spot interruption notice (and told the trainer to write a last checkpoint). Said at
+        once, and the newest complete checkpoint not yet home is pulled now: the instance may be reclaimed before
+        the trainer's last one is written or its exit seen, and what it holds then is lost with it."""
+        info["notice_seen_at"] = now
+        when = notice.get("time") if isinstance(notice, dict) else None
+        self.emit("instance.interruption_notice", job_id=job["id"], attempt_id=att["id"],
+                  instance=att["instance_id"], provider=att["provider"], reclaim_at=when,
+                  last_checkpoint_home=job.get("checkpoint"))
+        self._pull(att, job, info)
         with self.store.tx() as conn:
             conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
 
