@@ -70,7 +70,7 @@ class DaemonShell:
 
     def __init__(self, policy: SemiMarkovDP, prior_uptime_h: float, prior_outage_h: float, listed: bool,
                  fitted: Callable[[float], tuple[AvailabilityStats, float, int] | None] | None = None,
-                 probes_on_od: bool = False) -> None:
+                 probes_on_od: bool = False, listings: Sequence[tuple[float, bool]] = ()) -> None:
         self.policy = policy
         self.probes_on_od = probes_on_od  # seen only by launching: probe spot while on on-demand
         self.fitted = fitted  # listed: the model fitted on the listing so far, by elapsed hours (None: memoryless)
@@ -78,7 +78,7 @@ class DaemonShell:
         self.listed = listed  # the provider lists spot capacity: seen every tick, and on-demand can be left
         self.lives: list[SpotLife] = []
         self.refusals: list[float] = []
-        self.listings: list[tuple[float, bool]] = []
+        self.listings = list(listings)  # (since, up), seconds on the run's clock: what the store holds
         self.previous = Market.IDLE
         self.probe_at = 0.0  # no spot launch before this (seen only by launching: the daemon's probe schedule)
 
@@ -106,8 +106,12 @@ class DaemonShell:
                      prior_outage_h=self.priors[1], listings=self.listings,
                      listed_now=s.spot_available if self.listed else None)
         fit = self.fitted(s.elapsed_h) if self.fitted is not None else None
+        # A replay decides tick t knowing spot's state through its end, and the listing changed at its start: the
+        # age the state is known to have reached is one tick more than since the change (the daemon, knowing spot
+        # only up to now, is right to count from the change).
+        age_h = view.state_for_h + (s.tick_h if self.listed and view.known else 0.0)
         seen = dataclasses.replace(s, spot_available=view.available if s.market is not Market.SPOT else True,
-                                   spot_state_for_h=view.state_for_h, stats=fit[0] if fit else view.stats,
+                                   spot_state_for_h=age_h, stats=fit[0] if fit else view.stats,
                                    recent_up_fraction=fit[1] if fit else 1.0, recent_changes=fit[2] if fit else 0)
         if s.market is Market.ON_DEMAND and not self.listed:
             # Would the plan go back to spot were it up now? Then a spot launch is the probe; one that comes up is
@@ -172,6 +176,15 @@ def _fitted_on_listing(trace: Trace, start: int, others: Sequence[tuple[Trace, T
 _FITS: dict[str, dict[int, AvailabilityStats]] = {}
 
 
+def _listed_before(trace: Trace, start: int) -> list[tuple[float, bool]]:
+    """The listing's changes before the run's start tick, as the daemon's store holds them for a daemon that has
+    watched since the trace began (times in seconds on the run's clock, so negative): spot's age at the start is
+    known, as `simulate`'s policy knows it."""
+    a = trace.available[:start].astype(bool)
+    at = np.flatnonzero(np.concatenate(([True], a[1:] != a[:-1]))) if start > 0 else np.array([], dtype=np.int64)
+    return [(float((i - start) * trace.gap_seconds), bool(a[i])) for i in at]
+
+
 def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, str, float, float, Sequence[Trace]]
                   ) -> tuple[np.ndarray, int, float, float]:
     trace, starts, policy, sees, prior_up, prior_out, other_traces = args
@@ -188,7 +201,8 @@ def _replay_trace(args: tuple[Trace, np.ndarray, SemiMarkovDP, str, float, float
     fitted = sees.startswith("listing, fitted")
     shells = [DaemonShell(policy, prior_up, prior_out, listed,
                           _fitted_on_listing(trace, int(s0), others) if fitted else None,
-                          probes_on_od="probes" in sees) for s0 in starts]
+                          probes_on_od="probes" in sees, listings=_listed_before(trace, int(s0)) if fitted else ())
+              for s0 in starts]
     runs = [replay(shell, trace, int(s0), JOB) for shell, s0 in zip(shells, starts, strict=True)]
     costs = np.array([r.cost_usd for r in runs])
     return (costs, sum(r.missed for r in runs),
