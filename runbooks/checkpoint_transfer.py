@@ -8,7 +8,7 @@ because a complete checkpoint is never modified in place).
 Stdlib-only. It is copied to instances beside `s3_checkpoints.py` and imported by the daemon's `sync`, which also runs
 it on an instance when pushing a checkpoint there (the instance's own checkpoints are the basis then):
 
-    python3 checkpoint_transfer.py stage STAGING BASIS < MANIFEST   -> {"todo": [files to send], "delta": bool}
+    python3 checkpoint_transfer.py stage STAGING BASIS|- < MANIFEST   -> {"todo": [files to send], "delta": bool}
 """
 
 from __future__ import annotations
@@ -243,13 +243,14 @@ def make_visible(staging: Path, final: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`stage STAGING BASIS`, the manifest on stdin: `stage_checked` into STAGING (created if needed) from the
-    complete checkpoint BASIS, then the manifest written there; prints {"todo": [...], "delta": bool}, `delta`
-    saying whether BASIS is worth a delta transfer of the rest (`delta_basis`)."""
+    complete checkpoint BASIS (`-`: none; what an interrupted transfer left whole in STAGING is still kept once it
+    reads true), then the manifest written there; prints {"todo": [...], "delta": bool}, `delta` saying whether
+    BASIS is worth a delta transfer of the rest (`delta_basis`)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or args[0] != "stage":
-        print("usage: checkpoint_transfer.py stage STAGING BASIS < MANIFEST", file=sys.stderr)
+        print("usage: checkpoint_transfer.py stage STAGING BASIS|- < MANIFEST", file=sys.stderr)
         return 2
-    staging, basis = Path(args[1]), Path(args[2])
+    staging, basis = Path(args[1]), None if args[2] == "-" else Path(args[2])
     manifest = sys.stdin.buffer.read()
     files = json.loads(manifest)["files"]
     staging.mkdir(parents=True, exist_ok=True)

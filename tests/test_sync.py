@@ -538,13 +538,12 @@ def test_without_the_runbooks_on_the_instance_rsync_compares_contents_itself(
     assert pushed.stats.files_transferred == 3  # the changed shard, the corrupted one, the manifest
 
 
-@pytest.mark.skipif(not HAVE_RSYNC, reason="rsync/ssh not installed")
+@pytest.mark.parametrize("with_runbooks", [True, False])
 def test_a_resumed_push_onto_a_fresh_instance_does_not_take_a_staged_file_on_its_size_and_mtime(
-        backend: SshBackend, key_path: Path, tmp_path: Path) -> None:
+        instance: Instance, tmp_path: Path, with_runbooks: bool) -> None:
     # An interrupted push of an earlier "step 200" (a run replayed from step 100 wrote it again) left a file of the
-    # same size and mtime in the instance's staging dir. Nothing on the instance is compared by content with a
-    # fresh instance's push (no --checksum: it read every file here twice), so it must not be taken as is.
-    inst = start(backend, key_path, "i-fresh", "rsync")
+    # same size and mtime in the instance's staging dir: read against the manifest on the instance, or not kept.
+    inst = instance
     local = tmp_path / "local"
     rel = "model-00002.safetensors"
     _, step_200 = _instance_at_step_100_home_at_200(inst, local)
@@ -555,9 +554,28 @@ def test_a_resumed_push_onto_a_fresh_instance_does_not_take_a_staged_file_on_its
     st = (step_200 / rel).stat()
     os.utime(staged / rel, ns=(st.st_atime_ns, st.st_mtime_ns))
 
-    push(inst, local, step_200, runbooks=install_runbooks(inst))
+    push(inst, local, step_200, runbooks=install_runbooks(inst) if with_runbooks else None)
     assert visible(inst.sandbox / "ckpt") == ["step-00000200"]
     assert burst_checkpoint.verify(inst.sandbox / "ckpt" / "step-00000200")
+
+
+def test_a_push_cut_short_is_taken_up_where_it_stopped(instance: Instance, tmp_path: Path) -> None:
+    # The same instance, its bootstrap retried after SSH dropped mid-push: three of four shards arrived whole, the
+    # fourth half. The whole ones are read against the manifest there and kept; only the rest crosses again.
+    size = 1 * MiB
+    files = shards(4, size)
+    step_200 = burst_checkpoint.write_checkpoint(tmp_path / "local", "step-00000200", files)
+    staged = instance.sandbox / "ckpt" / f"{STAGING_PREFIX}step-00000200"
+    staged.mkdir(parents=True)
+    for rel, content in sorted(files.items())[:3]:
+        (staged / rel).write_bytes(content)
+    last = sorted(files)[3]
+    (staged / last).write_bytes(files[last][: size // 2])
+
+    pushed = push(instance, tmp_path / "local", step_200, runbooks=install_runbooks(instance))
+    assert visible(instance.sandbox / "ckpt") == ["step-00000200"]
+    assert burst_checkpoint.verify(instance.sandbox / "ckpt" / "step-00000200")
+    assert pushed.stats.files_transferred <= 2 and pushed.stats.bytes_sent < 1.5 * size  # a shard (+ manifest)
 
 
 # --- delta transfer against a basis: where it can find something, and only there -----------------------------------

@@ -71,8 +71,10 @@ Transport = Literal["auto", "rsync", "sftp"]
 MANIFEST = burst_checkpoint.MANIFEST
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _CHUNK = 1024 * 1024
-_LIST_COMPLETE_SH = 'cd -- "$1" 2>/dev/null || exit 0; for d in *; do [ -f "$d/manifest.json" ] && ' \
-                    "printf '%s\\n' \"$d\"; done; exit 0"
+# Each entry of a checkpoint dir holding a manifest, prefixed "C ", and each staging dir, prefixed "S ".
+_LIST_SH = ('cd -- "$1" 2>/dev/null || exit 0; for d in * ' + STAGING_PREFIX + '*; do '
+            'case "$d" in ' + STAGING_PREFIX + '*) [ -d "$d" ] && printf \'S %s\\n\' "$d";; '
+            '*) [ -f "$d/manifest.json" ] && printf \'C %s\\n\' "$d";; esac; done; exit 0')
 
 
 class SyncError(RemoteError, TransferError):
@@ -165,8 +167,10 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
     `checkpoint_transfer.py`, that runs there (`stage_checked`): the files the basis's manifest lists with the same
     size and sha256 as ours are hard-linked from it, and are read there against the manifest (nothing on this side
     vouches for the instance's bytes); this side does not read them. Only the rest is sent. Without a basis (a
-    fresh instance, the usual resume) every file is sent, read once here. With a basis but no `runbooks`, rsync
-    compares every file's contents on both sides (`--checksum`); SFTP sends every file. `conn` as for `push_dir`.
+    fresh instance, the usual resume) every file is sent, read once here, except what an earlier push of the same
+    checkpoint that was cut short left whole in staging, which the instance reads against the manifest and keeps
+    (with `runbooks`). With a basis but no `runbooks`, rsync compares every file's contents on both sides
+    (`--checksum`); SFTP sends every file. `conn` as for `push_dir`.
     """
     # deep: a corrupt local one must not spread
     newest = checkpoint if checkpoint is not None else burst_checkpoint.latest_complete(local_ckpt_dir)
@@ -178,16 +182,19 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
     started = time.monotonic()
     with _connection(target, trust, conn) as conn:
         chosen = choose_transport(target, conn, transport)
-        remote_complete = _remote_complete(conn, remote_ckpt_dir)
+        remote_complete, staged = _remote_listing(conn, remote_ckpt_dir)
         if name in remote_complete:
             return PushedCheckpoint(name, newest, remote_final, SyncStats(chosen), already_there=True)
         what = f"pushing checkpoint {name}"
-        if remote_complete and runbooks is not None:
-            basis = remote_complete[-1]
-            todo, delta = _stage_on_instance(conn, runbooks, newest, remote_staging, f"{remote_ckpt_dir}/{basis}")
+        # An earlier push of this checkpoint onto this instance that was cut short left what it sent in staging.
+        leftover = f"{STAGING_PREFIX}{name}" in staged
+        if (remote_complete or leftover) and runbooks is not None:
+            basis = remote_complete[-1] if remote_complete else None
+            todo, delta = _stage_on_instance(conn, runbooks, newest, remote_staging,
+                                             f"{remote_ckpt_dir}/{basis}" if basis else None)
             if chosen == "rsync":
                 stats = _rsync_files(target, trust, f"{newest}/", _remote_spec(target, remote_staging) + "/", todo,
-                                     basis=f"../{basis}" if delta else None, what=what)
+                                     basis=f"../{basis}" if basis and delta else None, what=what)
             else:
                 stats = SyncStats("sftp")
                 sftp = conn.sftp()
@@ -203,7 +210,9 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
             stats = _rsync(target, trust, [*compare, "--delete", f"{newest}/",
                                            _remote_spec(target, remote_staging) + "/"], what=what)
         else:
-            run(conn, ["mkdir", "-p", "--", remote_staging], timeout=60)
+            # Nothing on the instance reads a leftover against the manifest, and SFTP would take a file of the same
+            # size and mtime as it is (the same name, written again by a run replayed from an older step): gone.
+            run(conn, ["sh", "-c", 'rm -rf -- "$1"; mkdir -p -- "$1"', "sh", remote_staging], timeout=300)
             stats = _sftp_push_tree(conn.sftp(), newest, remote_staging, (), manifest_last=True)
         # The final name is free or holds an incomplete leftover (no manifest): replace it in one rename. Then the
         # staging dirs of pushes that never finished (superseded by this one) go: nothing resumes them.
@@ -215,12 +224,12 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
 
 
 def _stage_on_instance(conn: fabric.Connection, runbooks: InstanceRunbooks, local: Path, remote_staging: str,
-                       remote_basis: str) -> tuple[list[str], bool]:
+                       remote_basis: str | None) -> tuple[list[str], bool]:
     """`checkpoint_transfer.py stage` on the instance: the files still to send, and whether the basis is worth a
-    delta transfer of them (`delta_basis`)."""
+    delta transfer of them (`delta_basis`). Without a basis it only keeps what staging holds whole and intact."""
     manifest = (local / MANIFEST).read_bytes()
     res = run(conn, [runbooks.python, f"{runbooks.directory}/checkpoint_transfer.py", "stage", remote_staging,
-                     remote_basis], stdin=manifest.decode(), timeout=3600)  # reads the shared files: GBs
+                     remote_basis or "-"], stdin=manifest.decode(), timeout=3600)  # reads the shared files: GBs
     lines = res.stdout.strip().splitlines()
     try:
         out = json.loads(lines[-1])
@@ -315,10 +324,17 @@ def _drop_stale_staging(local_root: Path, wanted: Sequence[str]) -> None:
 
 
 # --- remote listing ---------------------------------------------------------------------------------------------
+def _remote_listing(conn: fabric.Connection, remote_ckpt_dir: str) -> tuple[list[str], set[str]]:
+    """The checkpoints under remote_ckpt_dir holding a manifest, oldest first (hidden dirs are never among them),
+    and the staging dirs there."""
+    lines = run(conn, ["sh", "-c", _LIST_SH, "sh", remote_ckpt_dir], timeout=60).stdout.splitlines()
+    return (sorted(n[2:] for n in lines if n.startswith("C ") and _NAME.match(n[2:])),
+            {n[2:] for n in lines if n.startswith("S ")})
+
+
 def _remote_complete(conn: fabric.Connection, remote_ckpt_dir: str) -> list[str]:
-    """Names under remote_ckpt_dir holding a manifest, oldest first; hidden (temporary) dirs are never listed."""
-    res = run(conn, ["sh", "-c", _LIST_COMPLETE_SH, "sh", remote_ckpt_dir], timeout=60)
-    return sorted(n for n in res.stdout.splitlines() if _NAME.match(n))
+    """Names under remote_ckpt_dir holding a manifest, oldest first."""
+    return _remote_listing(conn, remote_ckpt_dir)[0]
 
 
 def _remote_spec(target: Target, path: str) -> str:
