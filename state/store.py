@@ -338,11 +338,11 @@ class Store:
             return rows[-newest:]
         return rows[:limit] if limit else rows
 
-    def iter_events(self, *, job_id: str | None = None, type_prefix: str | None = None,
+    def iter_events(self, *, after_id: int = 0, job_id: str | None = None, type_prefix: str | None = None,
                     batch: int = 1000) -> Iterator[dict[str, Any]]:
-        """Every event (of the job, of the type prefix) in id order, streamed `batch` rows at a time, so the
-        whole history is printed in constant memory."""
-        q = select(s.events).order_by(s.events.c.id)
+        """Every event after `after_id` (of the job, of the type prefix) in id order, streamed `batch` rows at a
+        time, so the whole history is printed in constant memory."""
+        q = select(s.events).where(s.events.c.id > after_id).order_by(s.events.c.id)
         if job_id:
             q = q.where(s.events.c.job_id == job_id)
         if type_prefix:

@@ -90,6 +90,28 @@ def test_events_prints_the_newest_100_unless_asked_for_more_and_all_of_them_with
     assert every.stderr == ""
 
 
+def test_a_script_pages_through_the_event_log_from_the_last_id_it_saw(burstctl, tmp_path: Path) -> None:
+    app = _app(tmp_path)
+    with app.store.tx() as c:
+        c.execute(insert(s.events), [{"ts": 1000.0 + k, "type": "daemon.started" if k % 2 else "daemon.stopped",
+                                      "job_id": None, "attempt_id": None, "data": {"k": k}} for k in range(250)])
+    app.close()
+    seen, last = [], 0
+    while page := [json.loads(line) for line in
+                   burstctl("events", "--json", "--after", str(last), "--limit", "100").stdout.splitlines()]:
+        assert len(page) <= 100 and page[0]["id"] > last
+        seen += [e["k"] for e in page]
+        last = page[-1]["id"]
+    assert seen == list(range(250))
+    # Without --limit, every event after the id, oldest first; with --type, only those.
+    rest = burstctl("events", "--json", "--after", str(last - 10))
+    assert [json.loads(line)["k"] for line in rest.stdout.splitlines()] == list(range(240, 250))
+    odd = burstctl("events", "--json", "--after", str(last - 10), "--type", "daemon.started")
+    assert [json.loads(line)["k"] for line in odd.stdout.splitlines()] == list(range(241, 250, 2))
+    clash = burstctl("events", "--all", "--after", "3")
+    assert clash.returncode == 2 and "--after" in clash.stderr and "Traceback" not in clash.stderr
+
+
 def test_list_shows_every_live_job_and_only_the_newest_finished_ones_unless_all(burstctl, tmp_path: Path) -> None:
     app = _app(tmp_path)
     now = time.time()

@@ -251,21 +251,31 @@ EVENTS_SHOWN = 100  # `burstctl events` without --limit or --all: the newest thi
 @click.option("--job", "job_ref", default=None, help="Only this job's events.")
 @click.option("--type", "type_prefix", default=None, help="Only events whose type starts with this.")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
-              help=f"At most this many (the newest; {EVENTS_SHOWN} unless --all).")
+              help=f"At most this many (the newest; {EVENTS_SHOWN} unless --all; with --after, the first).")
 @click.option("--all", "show_all", is_flag=True, help="Every event from the first (streamed), not only the newest.")
+@click.option("--after", "after_id", type=click.IntRange(min=0), default=None,
+              help="Only events with a higher id, oldest first: every one (streamed), or the first --limit. A "
+                   "script pages with the last id it printed.")
 @click.option("--interval", type=float, default=0.5, show_default=True, help="Poll interval with --follow.")
 @json_option
 @pass_app
 def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | None, limit: int | None,
-               show_all: bool, interval: float, as_json: bool) -> None:
-    """Print the event log (JSON lines with --json), the newest 100 unless --limit or --all says otherwise;
-    optionally following it live."""
+               show_all: bool, after_id: int | None, interval: float, as_json: bool) -> None:
+    """Print the event log (JSON lines with --json), the newest 100 unless --limit, --all or --after says
+    otherwise; optionally following it live."""
     if show_all and limit:
         raise BadInput("--all and --limit exclude each other", field="--limit")
+    if show_all and after_id is not None:
+        raise BadInput("--all and --after exclude each other (--all is --after 0)", field="--after")
     job_id = _job_or_fail(app, job_ref)["id"] if job_ref else None
     last = 0
-    if show_all:  # months of events: streamed, never all in memory at once
-        for e in app.store.iter_events(job_id=job_id, type_prefix=type_prefix):
+    if after_id is not None and limit:  # a page
+        evs = app.store.events(after_id=after_id, job_id=job_id, type_prefix=type_prefix, limit=limit)
+        _print_events(evs, as_json)
+        last = evs[-1]["id"] if evs else after_id
+    elif show_all or after_id is not None:  # months of events: streamed, never all in memory at once
+        last = after_id or 0
+        for e in app.store.iter_events(after_id=last, job_id=job_id, type_prefix=type_prefix):
             _print_events([e], as_json)
             last = e["id"]
     else:
