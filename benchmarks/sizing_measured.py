@@ -213,7 +213,8 @@ def activations_cases(tokens: int) -> None:
           "| head B/token | loss saved B/logit | peak MB, measured | estimated | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for family, dtype, attn, ckpt in itertools.product(("llama", "qwen2"), ("bf16", "fp32"),
-                                                        ("sdpa", "sdpa+pad", "eager"), (False, True)):
+                                                        ("sdpa", "sdpa+pad", "eager", "eager+pad"),
+                                                        (False, True)):
         model, arch = build(family, dtype, attn.removesuffix("+pad"))
         pad = 16 if attn.endswith("+pad") else 0
         if ckpt:
@@ -222,9 +223,11 @@ def activations_cases(tokens: int) -> None:
         ids = torch.randint(0, arch.vocab_size or 1, (1, tokens))
         saved = saved_for_backward(model, ids, pad)
         per_layer = saved.layers / (arch.layers * tokens)
-        est_layer = arch.hidden_size * cb if ckpt else sizing.layer_activation_bytes_per_token(arch, cb)
+        kind = attn.removesuffix("+pad")
+        est_layer = (arch.hidden_size * cb if ckpt
+                     else sizing.layer_activation_bytes_per_token(arch, cb, kind, tokens, pad > 0))
         peak, _ = train_step_peak(model, ids, hold_outputs=False, pad=pad)
-        est_peak = sizing.activation_bytes(arch, 1, tokens, cb, ckpt)
+        est_peak = sizing.activation_bytes(arch, 1, tokens, cb, ckpt, kind, pad > 0)
         print(f"| {family} | {dtype} | {attn} | {'on' if ckpt else 'off'} | {per_layer:.0f} | {est_layer:.0f} "
               f"| {ratio(per_layer, est_layer)} | {saved.head / tokens:.0f} "
               f"| {saved.loss / (tokens * (arch.vocab_size or 1)):.2f} | {peak / 1e6:.2f} | {est_peak / 1e6:.2f} "

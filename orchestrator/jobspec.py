@@ -22,6 +22,7 @@ from orchestrator.errors import BadInput, FieldValueError, format_validation_err
 Method = Literal["full", "lora", "qlora"]
 Dtype = Literal["fp32", "bf16", "fp16", "int8", "int4"]
 Parallelism = Literal["ddp", "fsdp"]
+Attention = Literal["sdpa", "eager"]
 
 # The furthest deadline a job may have. A generous cap rather than "whatever a datetime can hold": no training job
 # plans a decade ahead, and every later step (events, records, `list`) can then format the instant.
@@ -64,6 +65,12 @@ class ModelSpec(BaseModel):
     micro_batch: Annotated[int, Field(gt=0)] = Field(1, description="Micro-batch size per GPU.")
     parallelism: Parallelism = Field("ddp", description="ddp (everything replicated) | fsdp (sharded).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in the backward pass.")
+    attention: Attention = Field(
+        "sdpa", description="sdpa (also flash attention: no context × context scores kept) | eager (transformers' "
+                            "attn_implementation='eager': each layer keeps its softmax, heads × context² a sequence).")
+    padding_mask: bool = Field(
+        False, description="Sequences padded to a common length under an attention mask (micro_batch > 1, not "
+                           "packed): k/v are repeated to the query heads and each layer keeps a context² mask.")
 
 
 class CheckpointSpec(BaseModel):

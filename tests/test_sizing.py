@@ -155,6 +155,48 @@ def test_a_layer_keeps_two_norms_q_k_v_attention_output_and_four_mlp_tensors() -
     assert layer_activation_bytes_per_token(QWEN7B, 2.0) / old == pytest.approx(1.146, abs=0.001)
 
 
+def test_eager_attention_keeps_each_heads_softmax_and_its_copy_per_key_and_k_v_repeated_to_the_query_heads() -> None:
+    q, kv, heads, ctx = 28 * 128, 4 * 128, 28, 4096
+    sdpa = layer_activation_bytes_per_token(QWEN7B, 2.0)
+    eager = layer_activation_bytes_per_token(QWEN7B, 2.0, "eager", ctx)
+    # the fp32 softmax (4 B) and its bf16 copy (2 B) per head and key; no fused kernel's log-sum-exp
+    assert eager - sdpa == heads * ctx * (4 + 2) + 2 * (2 * (q - kv)) - 4 * heads
+    assert eager / sdpa == pytest.approx(4.11, abs=0.01)  # at 4096 tokens the softmax is three layers' worth
+    # In fp32 the copy is the softmax itself.
+    fp32 = layer_activation_bytes_per_token(QWEN7B, 4.0, "eager", ctx) - layer_activation_bytes_per_token(QWEN7B, 4.0)
+    assert fp32 == heads * ctx * 4 + 4 * (2 * (q - kv)) - 4 * heads
+
+
+def test_a_padding_mask_repeats_k_v_and_keeps_a_mask_per_layer_under_sdpa_but_adds_nothing_to_eager() -> None:
+    q, kv, ctx = 28 * 128, 4 * 128, 1024
+    plain = layer_activation_bytes_per_token(QWEN7B, 2.0, "sdpa", ctx)
+    assert layer_activation_bytes_per_token(QWEN7B, 2.0, "sdpa", ctx, padding_mask=True) - plain \
+        == 2 * (2 * (q - kv)) + 2 * ctx
+    eager = layer_activation_bytes_per_token(QWEN7B, 2.0, "eager", ctx)
+    assert layer_activation_bytes_per_token(QWEN7B, 2.0, "eager", ctx, padding_mask=True) == eager
+
+
+def test_eager_attentions_backward_holds_the_gradients_of_the_softmax_once_the_mlp_has_let_go() -> None:
+    q, inter, heads, ctx = 28 * 128, 18944, 28, 4096
+    mlp = layer_backward_bytes_per_token(QWEN7B, 2.0)
+    assert mlp == 2 * 2 * inter
+    scores = heads * ctx * (2 + 4) + 2 * 3 * q - 2 * 4 * inter  # after the MLP's saved tensors are freed
+    assert layer_backward_bytes_per_token(QWEN7B, 2.0, "eager", ctx) == max(mlp, scores) == scores
+    assert layer_backward_bytes_per_token(QWEN7B, 2.0, "eager", 128) == mlp  # short context: the MLP's is larger
+    # Without a vocabulary, with checkpointing, the recomputed eager layer and its backward are the top of the peak.
+    no_vocab = replace(QWEN7B, vocab_size=None)
+    layer = layer_activation_bytes_per_token(QWEN7B, 2.0, "eager", ctx)
+    assert activation_bytes(no_vocab, 1, ctx, 2.0, True, "eager") == ctx * (28 * 3584 * 2 + layer + scores)
+
+
+def test_without_checkpointing_eager_attention_at_long_context_dwarfs_the_rest() -> None:
+    sdpa = estimate(ModelSpec(preset="qwen2.5-7b", context=4096, gradient_checkpointing=False))
+    eager = estimate(ModelSpec(preset="qwen2.5-7b", context=4096, gradient_checkpointing=False, attention="eager"))
+    assert eager.terms["activations"] > 2.5 * sdpa.terms["activations"]
+    assert any("eager attention" in n for n in eager.notes)
+    assert any("SDPA or flash attention" in n and "no padding mask" in n for n in sdpa.notes)
+
+
 def test_the_loss_peaks_at_the_compute_dtype_logits_plus_three_fp32_buffers() -> None:
     # log-softmax's saved output, the gradient from nll_loss, the gradient log-softmax passes on: measured 14 B (bf16)
     # and 16 B (fp32) per logit entry with the model's outputs held through backward.
@@ -378,6 +420,7 @@ def test_size_reads_the_model_table_of_a_job_file(tmp_path: Path) -> None:
         (["--params", "-7e9"], "--params"),
         (["--layers", "28", "--hidden", "3584"], "--kv-heads"),
         (["--model", "qwen2.5-7b", "--method", "lora", "--lora-targets", "q_proj,nope"], "nope"),
+        (["--model", "qwen2.5-7b", "--attention", "flash"], "--attention"),
     ],
 )
 def test_size_bad_input_exits_2_with_one_line(args: list[str], mentions: str) -> None:

@@ -46,6 +46,8 @@ _FLAG_FIELDS: dict[str, str] = {
     "micro_batch": "micro_batch",
     "parallelism": "parallelism",
     "gradient_checkpointing": "gradient_checkpointing",
+    "attention": "attention",
+    "padding_mask": "padding_mask",
 }
 
 _TERM_MEANING: dict[str, str] = {
@@ -84,6 +86,11 @@ _TERM_MEANING: dict[str, str] = {
 @click.option("--parallelism", type=click.Choice(["ddp", "fsdp"]), help="ddp (replicated) | fsdp (sharded).")
 @click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None,
               help="Recompute activations in the backward pass (default on).")
+@click.option("--attention", type=click.Choice(["sdpa", "eager"]),
+              help="sdpa (also flash; the default) | eager: each layer keeps heads × context² scores a sequence.")
+@click.option("--padding-mask/--no-padding-mask", default=None,
+              help="Sequences padded to a common length under an attention mask (default off: micro-batch 1 or "
+                   "packed).")
 @json_option
 @pass_app
 def size_cmd(app: App, job_path: str | None, gpus: int, as_json: bool, **flags: Any) -> None:

@@ -260,7 +260,8 @@ def rmsnorm_bytes_per_token(hidden_size: int, compute_bytes: float) -> float:
     return hidden_size * (FP32_BYTES + 2 * compute_bytes) + FP32_BYTES
 
 
-def layer_activation_bytes_per_token(arch: Architecture, compute_bytes: float) -> float:
+def layer_activation_bytes_per_token(arch: Architecture, compute_bytes: float, attention: str = "sdpa",
+                                     context: int = 0, padding_mask: bool = False) -> float:
     """Bytes one decoder layer keeps for its backward pass, per token, as measured on transformers' Llama and Qwen2
     (benchmarks/sizing_measured.py: saved tensors, exact to the byte but for RoPE's cos/sin shared by all layers).
 
@@ -270,10 +271,24 @@ def layer_activation_bytes_per_token(arch: Architecture, compute_bytes: float) -
     context × context score matrix. SwiGLU MLP: the gate and up outputs (2·I), SiLU(gate) (I) and the product fed to
     down_proj (I). Korthikanti et al. 2022's accounting (34·s·b·h bytes per GPT layer), redone for these ops; their
     count of the norms' inputs at the compute dtype was 10-20 % low (measured 1.12 fp32, 1.24 bf16 on the small model).
+
+    With SDPA and a padding mask, k and v are repeated to the query heads (2·(q_dim − kv_dim) more) and the layer
+    keeps its own context × context copy of the mask in the compute dtype (`context` per token). Eager attention
+    keeps no log-sum-exp but the repeated k/v and, per head and key, the fp32 softmax and its compute-dtype copy
+    (none in fp32, where the copy is the softmax itself): `context` · heads · (4 + b) per token, 3.3× the layer at
+    512 tokens; a padding mask adds nothing to it (added to the scores, not kept).
     """
-    attention = compute_bytes * (2 * arch.q_dim + 2 * arch.kv_dim) + FP32_BYTES * arch.attention_heads
+    qkv_out = compute_bytes * (2 * arch.q_dim + 2 * arch.kv_dim)
+    repeated_kv = compute_bytes * 2 * (arch.q_dim - arch.kv_dim)
+    if attention == "eager":
+        copy = 0.0 if compute_bytes == FP32_BYTES else compute_bytes
+        attention_bytes = qkv_out + repeated_kv + arch.attention_heads * context * (FP32_BYTES + copy)
+    else:
+        attention_bytes = qkv_out + FP32_BYTES * arch.attention_heads
+        if padding_mask:
+            attention_bytes += repeated_kv + compute_bytes * context
     mlp = compute_bytes * 4 * arch.intermediate_size
-    return 2 * rmsnorm_bytes_per_token(arch.hidden_size, compute_bytes) + attention + mlp
+    return 2 * rmsnorm_bytes_per_token(arch.hidden_size, compute_bytes) + attention_bytes + mlp
 
 
 def logits_bytes_per_entry(compute_bytes: float) -> float:
@@ -292,15 +307,25 @@ def head_bytes_per_token(arch: Architecture, compute_bytes: float) -> float:
     return rmsnorm_bytes_per_token(arch.hidden_size, compute_bytes) + logits
 
 
-def layer_backward_bytes_per_token(arch: Architecture, compute_bytes: float) -> float:
+def layer_backward_bytes_per_token(arch: Architecture, compute_bytes: float, attention: str = "sdpa",
+                                   context: int = 0) -> float:
     """The working set of one layer's backward above what it saved, per token: the MLP's backward holds the gradients
     of SiLU(gate) and of up (2·I) while the layer's saved tensors are still alive. Measured 2.07·I (fp32) and 2.44·I
-    (bf16) in the compute dtype on the small model with a 16-entry vocab (benchmarks/sizing_measured.py)."""
-    return compute_bytes * 2 * arch.intermediate_size
+    (bf16) in the compute dtype on the small model with a 16-entry vocab (benchmarks/sizing_measured.py).
+    Eager attention's backward runs after the MLP's, once what the MLP saved (4·I) is freed, and holds per head and
+    key the softmax's gradient in the compute dtype and the scores' in fp32 (heads · `context` · (b + 4)), plus the
+    gradients of q and of the repeated k and v (3·q_dim): the larger of the two phases counts. Measured peaks on the
+    small model, eager, 512 and 1024 tokens, with and without checkpointing: 0.93-0.99 of the estimate (1.10-1.38
+    before this term, when the MLP's working set stood for every layer's)."""
+    mlp = compute_bytes * 2 * arch.intermediate_size
+    if attention != "eager":
+        return mlp
+    scores = arch.attention_heads * context * (compute_bytes + FP32_BYTES) + compute_bytes * 3 * arch.q_dim
+    return max(mlp, scores - compute_bytes * 4 * arch.intermediate_size)
 
 
 def activation_bytes(arch: Architecture, micro_batch: int, context: int, compute_bytes: float,
-                     checkpointing: bool) -> float:
+                     checkpointing: bool, attention: str = "sdpa", padding_mask: bool = False) -> float:
     """Peak activation memory of one micro-batch of `micro_batch` sequences of `context` tokens.
 
     Everything the layers keep is alive when the backward pass starts; on top of it comes first the head's peak (the
@@ -311,8 +336,8 @@ def activation_bytes(arch: Architecture, micro_batch: int, context: int, compute
     With a real vocabulary the head is the larger (Qwen2.5-7B in bf16: 2.16 MB per token against 0.30 MB).
     """
     tokens = micro_batch * context
-    layer = layer_activation_bytes_per_token(arch, compute_bytes)
-    backward = layer_backward_bytes_per_token(arch, compute_bytes)
+    layer = layer_activation_bytes_per_token(arch, compute_bytes, attention, context, padding_mask)
+    backward = layer_backward_bytes_per_token(arch, compute_bytes, attention, context)
     head = head_bytes_per_token(arch, compute_bytes)
     if checkpointing:
         per_token = arch.layers * arch.hidden_size * compute_bytes + max(head, layer + backward)
@@ -388,17 +413,21 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
         "optimizer": trained * adam_bytes / GB,
         "adapters": adapter_params * compute_bytes / GB,
         "activations": activation_bytes(arch, model.micro_batch, model.context, compute_bytes,
-                                         model.gradient_checkpointing) / GB,
+                                         model.gradient_checkpointing, model.attention, model.padding_mask) / GB,
         "kv_cache": kv_cache_bytes(arch, model.context, sequences, compute_bytes) / GB,
     }
     naive_kv = kv_cache_bytes_naive(arch, model.context, sequences, compute_bytes) / GB
 
     recompute = "gradient checkpointing: layer inputs + the larger of one recomputed layer and the logits" \
         if model.gradient_checkpointing else "no checkpointing: every layer's activations + the logits"
+    layer = layer_activation_bytes_per_token(arch, compute_bytes, model.attention, model.context, model.padding_mask)
+    kept = ("eager attention: each layer keeps its softmax, heads × context per token" if model.attention == "eager"
+            else "SDPA or flash attention: no context × context scores kept")
     notes.append(f"activations: micro-batch {model.micro_batch} × {model.context} tokens, {recompute} "
-                 f"({layer_activation_bytes_per_token(arch, compute_bytes) / 1e3:.0f} kB per token per full layer, "
-                 f"{logits_bytes_per_entry(compute_bytes):g} B per logit entry at the loss's peak); assumes SDPA or "
-                 "flash attention and no padding mask")
+                 f"({layer / 1e3:.0f} kB per token per full layer, {logits_bytes_per_entry(compute_bytes):g} B per "
+                 f"logit entry at the loss's peak); {kept}"
+                 + ("; padded under a mask: k/v repeated per query head, a context² mask per layer"
+                    if model.padding_mask else "; no padding mask"))
     if arch.vocab_size is None:
         notes.append("vocab size unknown: the output logits (often GBs at long context) are not counted")
     if sequences:
