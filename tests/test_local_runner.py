@@ -110,3 +110,29 @@ def test_a_local_run_slower_than_its_s_l_says_once_that_it_will_miss_the_deadlin
     finally:
         supervisor.stop(run, grace_s=5.0)
     app.close()
+
+
+def test_a_local_attempt_given_up_after_failing_steps_does_not_leave_its_trainer_running(tmp_path: Path) -> None:
+    # Five steps in a row failed (here: said so directly). The attempt is given up; its trainer must end with it,
+    # or it would hold the GPU and write into the checkpoint dir the job's next attempt starts from.
+    from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS, Reconciler
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "stuck", command=["sleep", "120"], deadline_hours=24,
+                                          local_throughput=1.0))
+    rec = Reconciler(app, {}, cloud=None)
+    assert rec.local.start(app.store.get_job(job_id))
+    att = only_attempt(app, job_id)
+    rec.local.step(att, app.store.get_job(job_id))  # intent → running: the supervisor and its command start
+    att = only_attempt(app, job_id)
+    run = rec.local.run_dir(att["id"])
+    assert att["state"] == "running" and supervisor.read_status(run)["child_alive"]
+
+    for _ in range(MAX_STEP_ERRORS):
+        rec._step_failed(att, app.store.get_job(job_id), RuntimeError("the metrics file is unreadable"))
+        att = only_attempt(app, job_id)
+
+    assert att["state"] == "failed" and att["reason"].startswith(f"gave up after {MAX_STEP_ERRORS} failed steps")
+    status = supervisor.read_status(run)
+    assert not status["supervisor_alive"] and not status["child_alive"]
+    app.close()

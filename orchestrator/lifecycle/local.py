@@ -34,6 +34,8 @@ from state import schema as s
 A = AttemptState
 RUNBOOKS = Path(__file__).resolve().parents[2] / "runbooks"
 SUPERVISOR = RUNBOOKS / "supervisor.py"
+# How long giving up a local attempt waits for its supervisor to end the trainer (its grace is 30 s).
+TRAINER_STOP_WAIT_S = 40.0
 
 
 def supervisor_status(run_dir: Path) -> dict[str, Any]:
@@ -181,6 +183,18 @@ class LocalRunner:
                 if resume is not None:
                     self.app.events.emit("job.resumed", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                          where="local", checkpoint=resume.name)
+
+    def end_trainer(self, att: dict[str, Any], wait_s: float = TRAINER_STOP_WAIT_S) -> bool:
+        """End a local attempt's trainer before the attempt is given up: SIGTERM through its supervisor (a last
+        checkpoint, SIGKILL after the supervisor's grace), waiting up to `wait_s` for the supervisor to go. A
+        given-up attempt never leaves its trainer running, holding the GPU and writing into the checkpoint dir the
+        job's next attempt starts from. True when nothing of it runs any more."""
+        run = self.run_dir(att["id"])
+        supervisor.stop(run, grace_s=30.0)  # nothing to do when nothing of it runs
+        deadline = time.monotonic() + wait_s
+        while supervisor.read_status(run).get("supervisor_alive") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return not supervisor.read_status(run).get("supervisor_alive")
 
     # --- one step -----------------------------------------------------------------------------------------------
     def step(self, att: dict[str, Any], job: dict[str, Any]) -> None:

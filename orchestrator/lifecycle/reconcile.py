@@ -202,6 +202,8 @@ class Reconciler:
         if info["errors"] < MAX_STEP_ERRORS:
             return
         reason = f"gave up after {info['errors']} failed steps: {error}"
+        if att["where"] == "local" and att["state"] != A.INTENT.value and not self.local.end_trainer(att):
+            return  # its trainer still runs: given up once it is gone, not before (the next error tries again)
         if att["where"] == "local" or att["state"] == A.INTENT.value:
             outcome = A.LAUNCH_FAILED if att["where"] == "cloud" else A.FAILED
             with self.store.tx() as conn:
