@@ -9,8 +9,10 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from runbooks.burst_checkpoint import MANIFEST
@@ -172,7 +174,7 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
         tmp_path: Path) -> None:
     # A checkpoint every step of 2 s, synced only every 150 s (a 5-minute interval): when the notice comes, after
     # step 2's checkpoint, nothing has come home yet. The trainer's last checkpoint takes 30 s (a large model's), so
-    # the reclaim 4 s after the notice comes first, and its exit is never seen: what the instance holds must come
+    # the reclaim 6 s after the notice comes first, and its exit is never seen: what the instance holds must come
     # home on the notice itself, or the run starts over.
     state = tmp_path / "state"
     spec = trainer_job(tmp_path, "notice", steps=8, every=1, step_s=2.0, interval_minutes=5,
@@ -186,7 +188,13 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
             sandbox = tmp_path / "sim" / "instances" / first / "sandbox"
             wait_for(lambda: any(sandbox.rglob(f"step-00000002/{MANIFEST}")), 30, "step 2's checkpoint")
             assert not synced(state)
-            preempt(url, first, notice_s=4.0)
+            # The notice, then the reclaim 6 s later (`preempt`, with a look at what the job says in between).
+            httpx.post(f"{url}/_sim/instances/{first}/notice", json={"seconds": 6.0}, timeout=10).raise_for_status()
+            noticed = time.monotonic()
+            told = wait_for(lambda: "interruption notice" in (job(state, job_id)["reason"] or "")
+                            and job(state, job_id)["reason"], 5.5, "the job to say it got the notice")
+            time.sleep(max(0.0, 6.0 - (time.monotonic() - noticed)))
+            httpx.post(f"{url}/_sim/instances/{first}/preempt", json={}, timeout=10).raise_for_status()
             wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
         finally:
             assert daemon.stop() == 0
@@ -200,3 +208,4 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
     assert pulled and pulled[-1] >= "step-00000002"
     resumed = next(e for e in trail if e["type"] == "job.resumed")["data"]
     assert resumed["instance"] != first and resumed["checkpoint"] == pulled[-1]
+    assert told.startswith("spot interruption notice: sim reclaims the instance at ") and "is home" in told

@@ -925,9 +925,15 @@ class Reconciler:
         self.emit("instance.interruption_notice", job_id=job["id"], attempt_id=att["id"],
                   instance=att["instance_id"], provider=att["provider"], reclaim_at=when,
                   last_checkpoint_home=job.get("checkpoint"))
-        self._pull(att, job, info)
+        pulled = self._pull(att, job, info)
+        home = (self.store.get_job(job["id"]) or job).get("checkpoint")
         with self.store.tx() as conn:
             conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+            self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value, reason=(
+                f"spot interruption notice: {att['provider']} reclaims the instance"
+                + (f" at {when}" if when else "") + "; "
+                + (f"checkpoint {home} is home" if pulled and home else "it has written no checkpoint yet"
+                   if pulled else "its newest checkpoint could not be brought home") + "; it resumes elsewhere"))
 
     def _lost(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, inst: InstanceInfo | None,
               reason: str, info: dict[str, Any] | None = None) -> None:
