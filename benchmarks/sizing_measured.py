@@ -3,13 +3,13 @@
 Run by hand, with a venv that has transformers (it is not a dependency of burstctl, and no test imports it):
 
     python3 -m venv /tmp/sizing-venv
-    /tmp/sizing-venv/bin/pip install torch transformers      # the CPU build of torch is enough
+    /tmp/sizing-venv/bin/pip install torch transformers peft  # the CPU build of torch is enough
     PYTHONPATH=. /tmp/sizing-venv/bin/python benchmarks/sizing_measured.py
 
 Models are built from a config with random weights (no download): small Llama- and Qwen2-style decoders with
 grouped-query attention (hidden 256, 4 layers, 8 heads, 2 KV heads, intermediate 688, vocab 1000), in bf16 and
 fp32, with attn_implementation "sdpa" and "eager", with and without gradient checkpointing (non-reentrant). Every
-parameter is trained (full fine-tuning). Three measurements, each printed as measured vs estimated and their ratio:
+parameter is trained (full fine-tuning) but in 2b. Three measurements, each printed as measured vs estimated and their ratio:
 
 1. Saved for backward: every tensor autograd saves during forward + loss (`torch.autograd.graph.saved_tensors_hooks`),
    each storage counted once at its storage's nbytes, parameters excluded. Split into the decoder layers (per token
@@ -21,6 +21,8 @@ parameter is trained (full fine-tuning). Three measurements, each printed as mea
    term. The logits' share of the peak (storages of at least one byte per logit entry) is measured on a model whose
    vocabulary dominates (hidden 64, 1 layer, vocab 32000), with the outputs dropped before backward (as
    transformers' Trainer does) and held through it (`out = model(...); out.loss.backward()`).
+2b. LoRA through PEFT (r 16, q/k/v/o and all-linear), frozen base: saved per layer and peak against the estimate for
+   `method = "lora"`; needs peft as well.
 3. A GRPO-style step: `generate` G sequences (plain transformers generate, DynamicCache), then train on them. Peak
    during generate above the weights against `sizing.kv_cache_bytes`, what is left alive after generate returns,
    and whether the step's peak is the sum or the larger of the two.
@@ -106,8 +108,9 @@ def saved_for_backward(model: torch.nn.Module, ids: torch.Tensor, pad: int = 0) 
             keep.append(t)
         return t
 
-    hooks = [model.model.norm.register_forward_pre_hook(lambda *_: section.__setitem__(0, "head")),
-             model.lm_head.register_forward_hook(lambda *_: section.__setitem__(0, "loss"))]
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model wraps the LM
+    hooks = [lm.model.norm.register_forward_pre_hook(lambda *_: section.__setitem__(0, "head")),
+             lm.lm_head.register_forward_hook(lambda *_: section.__setitem__(0, "loss"))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(**_batch(ids, pad)).loss
@@ -234,6 +237,39 @@ def activations_cases(tokens: int) -> None:
               f"| {ratio(peak, est_peak)} |")
 
 
+def lora_cases(tokens: int) -> None:
+    """LoRA through PEFT (r 16, no dropout) on a frozen base: what the layers keep and the peak, against the
+    estimate for `method = "lora"` with the same targets."""
+    from peft import LoraConfig, get_peft_model
+
+    print(f"\n## 1-2b. LoRA (PEFT, r 16): saved for backward and peak, {tokens} tokens, micro-batch 1, sdpa\n")
+    print("| model | dtype | targets | ckpt | layer B/token, measured | estimated | ratio | head B/token "
+          "| peak MB, measured | estimated | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for family, dtype, targets, ckpt in itertools.product(
+            ("llama", "qwen2"), ("bf16", "fp32"), (("q_proj", "k_proj", "v_proj", "o_proj"), sizing.LORA_TARGETS),
+            (False, True)):
+        base, arch = build(family, dtype, "sdpa")
+        if ckpt:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.enable_input_require_grads()  # a frozen embedding: the checkpointed layers' inputs need grad
+        model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(targets)))
+        model.train()
+        cb = 4.0 if dtype == "fp32" else 2.0
+        ids = torch.randint(0, arch.vocab_size or 1, (1, tokens))
+        saved = saved_for_backward(model, ids)
+        per_layer = saved.layers / (arch.layers * tokens)
+        lora = sizing.LoraTraining(rank=16, targets=frozenset(targets))
+        est_layer = (arch.hidden_size * cb if ckpt
+                     else sizing.layer_activation_bytes_per_token(arch, cb, lora=lora))
+        peak, _ = train_step_peak(model, ids, hold_outputs=False)
+        est_peak = sizing.activation_bytes(arch, 1, tokens, cb, ckpt, lora=lora)
+        names = "q,k,v,o" if len(targets) == 4 else "all-linear"
+        print(f"| {family} | {dtype} | {names} | {'on' if ckpt else 'off'} | {per_layer:.0f} | {est_layer:.0f} "
+              f"| {ratio(per_layer, est_layer)} | {saved.head / tokens:.0f} | {peak / 1e6:.2f} | {est_peak / 1e6:.2f} "
+              f"| {ratio(peak, est_peak)} |")
+
+
 def logits_cases(tokens: int) -> None:
     print(f"\n## 2. The logits at the peak: hidden 64, 1 layer, vocab 32000, {tokens} tokens, sdpa, no ckpt\n")
     print("| model | dtype | outputs | logits B/entry at the peak | estimated B/entry | ratio | peak MB | estimated "
@@ -309,7 +345,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=8, help="prompt tokens (few: the cache dominates)")
     parser.add_argument("--new", type=int, default=248, help="tokens generated per sequence")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--only", choices=("activations", "logits", "grpo"))
+    parser.add_argument("--only", choices=("activations", "lora", "logits", "grpo"))
     args = parser.parse_args()
     import transformers
 
@@ -317,6 +353,8 @@ def main() -> None:
     with _threads(args.threads):
         if args.only in (None, "activations"):
             activations_cases(args.tokens)
+        if args.only in (None, "lora"):
+            lora_cases(args.tokens)
         if args.only in (None, "logits"):
             logits_cases(args.logit_tokens)
         if args.only in (None, "grpo"):

@@ -22,6 +22,7 @@ from orchestrator.core.sizing import (
     COMMON_GPU_SIZES_GB,
     PRESETS,
     TERM_KEYS,
+    LoraTraining,
     activation_bytes,
     count_params,
     estimate,
@@ -195,6 +196,33 @@ def test_without_checkpointing_eager_attention_at_long_context_dwarfs_the_rest()
     assert eager.terms["activations"] > 2.5 * sdpa.terms["activations"]
     assert any("eager attention" in n for n in eager.notes)
     assert any("SDPA or flash attention" in n and "no padding mask" in n for n in sdpa.notes)
+
+
+def test_lora_keeps_what_the_gradient_path_and_the_adapters_need_and_nothing_for_frozen_weights() -> None:
+    h, q, kv, inter, heads, r = 3584, 28 * 128, 4 * 128, 18944, 28, 16
+    lora = LoraTraining(rank=r, targets=frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}))
+    norms = 2 * (4 * h + 4)  # fp32 input, 1/rms: nothing for a frozen weight, no output for a frozen matmul
+    attention = 2 * (2 * q + 2 * kv) + 4 * heads  # on the gradient's path: as in full fine-tuning
+    mlp = 2 * 3 * inter  # gate, up, SiLU(gate); not the product, which only frozen down_proj reads
+    adapters = 3 * (4 * h + 4 * r) + (4 * q + 4 * r)  # PEFT's fp32 adapters: each its own fp32 copy of its input
+    assert layer_activation_bytes_per_token(QWEN7B, 2.0, lora=lora) == norms + attention + mlp + adapters
+    # What frozen weights do not keep, the adapters' fp32 copies of their inputs about make up for: 4 % less.
+    assert layer_activation_bytes_per_token(QWEN7B, 2.0, lora=lora) / layer_activation_bytes_per_token(
+        QWEN7B, 2.0) == pytest.approx(0.96, abs=0.005)
+    # In fp32 the adapters read the tensors themselves: q, k and v's input is kept once, o's is the attention output.
+    fp32 = 2 * (4 * h + 4) + 4 * (2 * q + 2 * kv) + 4 * heads + 4 * 3 * inter + 4 * h + 4 * 4 * r
+    assert layer_activation_bytes_per_token(QWEN7B, 4.0, lora=lora) == fp32
+    # The head: the final norm keeps its fp32 input and 1/rms (frozen weight, frozen lm_head), then the loss's peak.
+    assert head_bytes_per_token(QWEN7B, 2.0, lora) == 4 * h + 4 + 152064 * 14
+
+
+def test_a_lora_estimate_sizes_its_activations_as_lora_keeps_them_and_says_so() -> None:
+    full = estimate(ModelSpec(preset="qwen2.5-7b", context=1024, gradient_checkpointing=False))
+    lora = estimate(ModelSpec(preset="qwen2.5-7b", context=1024, gradient_checkpointing=False, method="lora"))
+    targets = LoraTraining(rank=16, targets=frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}))
+    expected = activation_bytes(QWEN7B, 1, 1024, 2.0, False, lora=targets) / 1e9
+    assert lora.terms["activations"] == pytest.approx(expected) and expected < full.terms["activations"]
+    assert any("each adapter its input and A's output in fp32" in n for n in lora.notes)
 
 
 def test_the_loss_peaks_at_the_compute_dtype_logits_plus_three_fp32_buffers() -> None:

@@ -252,16 +252,30 @@ def lora_adapter_params(arch: Architecture, rank: int, targets: list[str]) -> in
     return arch.layers * per_layer
 
 
-def rmsnorm_bytes_per_token(hidden_size: int, compute_bytes: float) -> float:
+@dataclass(frozen=True)
+class LoraTraining:
+    """What LoRA trains: adapters of `rank` on the `targets` matrices of every layer; every base weight, norm and the
+    lm_head frozen. A frozen matmul keeps nothing of its input for backward (its input's gradient needs only the
+    weight); only what trained weights or the gradient's path need is kept."""
+
+    rank: int
+    targets: frozenset[str]
+
+
+def rmsnorm_bytes_per_token(hidden_size: int, compute_bytes: float, weight_trained: bool = True,
+                            output_kept: bool = True) -> float:
     """What one Llama/Qwen2 RMSNorm keeps for backward, per token: its input upcast to fp32 (4 B; in an fp32 model the
     input itself), 1/rms in fp32 (4 B), and the normalized value before and after the weight in the compute dtype
     (the latter is the next matmul's input). Measured exactly (benchmarks/sizing_measured.py): bf16 8h + 4 bytes,
-    fp32 12h + 4."""
-    return hidden_size * (FP32_BYTES + 2 * compute_bytes) + FP32_BYTES
+    fp32 12h + 4. A frozen weight (LoRA) needs no normalized value for its gradient, and an output that only frozen
+    matmuls read is not kept."""
+    kept = FP32_BYTES + compute_bytes * (int(weight_trained) + int(output_kept))
+    return hidden_size * kept + FP32_BYTES
 
 
 def layer_activation_bytes_per_token(arch: Architecture, compute_bytes: float, attention: str = "sdpa",
-                                     context: int = 0, padding_mask: bool = False) -> float:
+                                     context: int = 0, padding_mask: bool = False,
+                                     lora: LoraTraining | None = None) -> float:
     """Bytes one decoder layer keeps for its backward pass, per token, as measured on transformers' Llama and Qwen2
     (benchmarks/sizing_measured.py: saved tensors, exact to the byte but for RoPE's cos/sin shared by all layers).
 
@@ -277,6 +291,14 @@ def layer_activation_bytes_per_token(arch: Architecture, compute_bytes: float, a
     keeps no log-sum-exp but the repeated k/v and, per head and key, the fp32 softmax and its compute-dtype copy
     (none in fp32, where the copy is the softmax itself): `context` · heads · (4 + b) per token, 3.3× the layer at
     512 tokens; a padding mask adds nothing to it (added to the scores, not kept).
+
+    With LoRA (`lora`) the norms keep no normalized value for their frozen weights, and a frozen matmul nothing of
+    its input. The attention's q, k, v and output and the MLP's gate, up and SiLU(gate) are on the gradient's path
+    and kept as in full fine-tuning. Each adapter keeps its input and its A's output (rank) in the adapters' dtype,
+    fp32 (PEFT's default): in a 16-bit model every adapter keeps its own fp32 copy of its input (q, k and v three of
+    the same one); in an fp32 model the input itself, kept once however many adapters read it. Measured on PEFT
+    0.21 (benchmarks/sizing_measured.py): exact but for the first layer, whose input norm keeps nothing when the
+    embedding is frozen.
     """
     qkv_out = compute_bytes * (2 * arch.q_dim + 2 * arch.kv_dim)
     repeated_kv = compute_bytes * 2 * (arch.q_dim - arch.kv_dim)
@@ -287,8 +309,20 @@ def layer_activation_bytes_per_token(arch: Architecture, compute_bytes: float, a
         attention_bytes = qkv_out + FP32_BYTES * arch.attention_heads
         if padding_mask:
             attention_bytes += repeated_kv + compute_bytes * context
-    mlp = compute_bytes * 4 * arch.intermediate_size
-    return 2 * rmsnorm_bytes_per_token(arch.hidden_size, compute_bytes) + attention_bytes + mlp
+    if lora is None:
+        mlp = compute_bytes * 4 * arch.intermediate_size
+        return 2 * rmsnorm_bytes_per_token(arch.hidden_size, compute_bytes) + attention_bytes + mlp
+    shapes = lora_matrix_shapes(arch)
+    if compute_bytes < FP32_BYTES:  # each adapter's fp32 copy of its input
+        inputs = sum(FP32_BYTES * shapes[t][0] for t in lora.targets)
+    else:  # the inputs themselves, one per distinct input; o_proj's is the attention output, kept already
+        read = {"norm1" if t in ("q_proj", "k_proj", "v_proj") else "norm2" if t in ("gate_proj", "up_proj")
+                else t for t in lora.targets}
+        inputs = FP32_BYTES * (arch.hidden_size * len(read & {"norm1", "norm2"})
+                               + arch.intermediate_size * int("down_proj" in read))
+    adapters = inputs + FP32_BYTES * lora.rank * len(lora.targets)
+    norms = 2 * rmsnorm_bytes_per_token(arch.hidden_size, compute_bytes, weight_trained=False, output_kept=False)
+    return norms + attention_bytes + compute_bytes * 3 * arch.intermediate_size + adapters
 
 
 def logits_bytes_per_entry(compute_bytes: float) -> float:
@@ -300,11 +334,12 @@ def logits_bytes_per_entry(compute_bytes: float) -> float:
     return compute_bytes + LOSS_LOGIT_BYTES
 
 
-def head_bytes_per_token(arch: Architecture, compute_bytes: float) -> float:
+def head_bytes_per_token(arch: Architecture, compute_bytes: float, lora: LoraTraining | None = None) -> float:
     """The final RMSNorm (its output is the lm_head's input) and the logits' peak, per token; no logits when the vocab
-    is unknown."""
+    is unknown. With LoRA the norm's weight and the lm_head are frozen: the norm keeps its fp32 input and 1/rms."""
     logits = (arch.vocab_size or 0) * logits_bytes_per_entry(compute_bytes)
-    return rmsnorm_bytes_per_token(arch.hidden_size, compute_bytes) + logits
+    trained = lora is None
+    return rmsnorm_bytes_per_token(arch.hidden_size, compute_bytes, trained, trained) + logits
 
 
 def layer_backward_bytes_per_token(arch: Architecture, compute_bytes: float, attention: str = "sdpa",
@@ -325,7 +360,8 @@ def layer_backward_bytes_per_token(arch: Architecture, compute_bytes: float, att
 
 
 def activation_bytes(arch: Architecture, micro_batch: int, context: int, compute_bytes: float,
-                     checkpointing: bool, attention: str = "sdpa", padding_mask: bool = False) -> float:
+                     checkpointing: bool, attention: str = "sdpa", padding_mask: bool = False,
+                     lora: LoraTraining | None = None) -> float:
     """Peak activation memory of one micro-batch of `micro_batch` sequences of `context` tokens.
 
     Everything the layers keep is alive when the backward pass starts; on top of it comes first the head's peak (the
@@ -336,9 +372,9 @@ def activation_bytes(arch: Architecture, micro_batch: int, context: int, compute
     With a real vocabulary the head is the larger (Qwen2.5-7B in bf16: 2.16 MB per token against 0.30 MB).
     """
     tokens = micro_batch * context
-    layer = layer_activation_bytes_per_token(arch, compute_bytes, attention, context, padding_mask)
+    layer = layer_activation_bytes_per_token(arch, compute_bytes, attention, context, padding_mask, lora)
     backward = layer_backward_bytes_per_token(arch, compute_bytes, attention, context)
-    head = head_bytes_per_token(arch, compute_bytes)
+    head = head_bytes_per_token(arch, compute_bytes, lora)
     if checkpointing:
         per_token = arch.layers * arch.hidden_size * compute_bytes + max(head, layer + backward)
     else:
@@ -383,6 +419,7 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
     kept_16bit = min(unquantized_params(model, arch), arch.params) if quantized else 0.0
     adam_bytes = ADAM_BYTES_FP32 if compute_bytes == 4.0 else ADAM_BYTES_MIXED
 
+    lora = None
     if model.method == "full":
         adapter_params = 0
         trained = arch.params
@@ -390,6 +427,7 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
                      f"{_fmt_count(arch.params)} parameters")
     else:
         targets = normalize_lora_targets(model.lora_targets)
+        lora = LoraTraining(rank=model.lora_rank, targets=frozenset(targets))
         adapter_params = lora_adapter_params(arch, model.lora_rank, targets)
         trained = float(adapter_params)
         base = "4-bit base weights (0.55 B/param)" if model.method == "qlora" else f"{model.dtype} base weights"
@@ -413,21 +451,25 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
         "optimizer": trained * adam_bytes / GB,
         "adapters": adapter_params * compute_bytes / GB,
         "activations": activation_bytes(arch, model.micro_batch, model.context, compute_bytes,
-                                         model.gradient_checkpointing, model.attention, model.padding_mask) / GB,
+                                         model.gradient_checkpointing, model.attention, model.padding_mask,
+                                         lora) / GB,
         "kv_cache": kv_cache_bytes(arch, model.context, sequences, compute_bytes) / GB,
     }
     naive_kv = kv_cache_bytes_naive(arch, model.context, sequences, compute_bytes) / GB
 
     recompute = "gradient checkpointing: layer inputs + the larger of one recomputed layer and the logits" \
         if model.gradient_checkpointing else "no checkpointing: every layer's activations + the logits"
-    layer = layer_activation_bytes_per_token(arch, compute_bytes, model.attention, model.context, model.padding_mask)
+    layer = layer_activation_bytes_per_token(arch, compute_bytes, model.attention, model.context, model.padding_mask,
+                                             lora)
     kept = ("eager attention: each layer keeps its softmax, heads × context per token" if model.attention == "eager"
             else "SDPA or flash attention: no context × context scores kept")
     notes.append(f"activations: micro-batch {model.micro_batch} × {model.context} tokens, {recompute} "
                  f"({layer / 1e3:.0f} kB per token per full layer, {logits_bytes_per_entry(compute_bytes):g} B per "
                  f"logit entry at the loss's peak); {kept}"
                  + ("; padded under a mask: k/v repeated per query head, a context² mask per layer"
-                    if model.padding_mask else "; no padding mask"))
+                    if model.padding_mask else "; no padding mask")
+                 + ("; frozen matmuls keep nothing of their inputs, each adapter its input and A's output in fp32 "
+                    "(PEFT's adapter dtype)" if lora is not None else ""))
     if arch.vocab_size is None:
         notes.append("vocab size unknown: the output logits (often GBs at long context) are not counted")
     if sequences:
