@@ -9,7 +9,8 @@ Run by hand, with a venv that has transformers (it is not a dependency of burstc
 Models are built from a config with random weights (no download): small Llama- and Qwen2-style decoders with
 grouped-query attention (hidden 256, 4 layers, 8 heads, 2 KV heads, intermediate 688, vocab 1000), in bf16 and
 fp32, with attn_implementation "sdpa" and "eager", with and without gradient checkpointing (non-reentrant). Every
-parameter is trained (full fine-tuning) but in 2b. Three measurements, each printed as measured vs estimated and their ratio:
+parameter is trained (full fine-tuning) but in 2b. Three measurements, each printed as measured vs estimated and
+their ratio:
 
 1. Saved for backward: every tensor autograd saves during forward + loss (`torch.autograd.graph.saved_tensors_hooks`),
    each storage counted once at its storage's nbytes, parameters excluded. Split into the decoder layers (per token
