@@ -310,7 +310,9 @@ class Rehearsal:
             if after is not None:
                 after.next_attempt = att
         if pre is not None:
-            if kind == "instance.preempted":
+            if kind == "instance.interruption_notice":
+                pre.timeline["notice_seen"] = ev["ts"] - pre.notice_at
+            elif kind == "instance.preempted":
                 pre.detected_at, pre.detected_by = ev["ts"], data.get("reason")
                 pre.daemon_lost_work_s = float(data.get("lost_work_h") or 0.0) * 3600.0
                 pre.timeline["detected"] = ev["ts"] - pre.notice_at

@@ -75,6 +75,8 @@ def test_the_example_trainer_resumes_correctly_after_two_preemptions(tmp_path: P
         # The timeline is in order: detected, then the old instance is gone, then the new attempt runs.
         t = p["timeline"]
         assert t["detected"] <= t["terminated"] <= t["launched"] <= t["ready"] <= t["running"] == p["resume_s"]
+        if p["detected_by"] == "spot interruption notice":  # seen through the heartbeat: said (and pulled) first
+            assert t["notice_seen"] <= t["detected"]
         assert {"bootstrap", "push_workdir", "push_checkpoint", "start"} <= set(p["timings"])
     # The second preemption hit the attempt the first one resumed.
     assert res["preemptions"][1]["attempt_id"] == res["preemptions"][0]["next_attempt"]
