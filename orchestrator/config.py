@@ -255,6 +255,12 @@ class DaemonSettings(Strict):
                           "the job is checkpointed off on-demand and resumes on it. Off: on-demand is final, as "
                           "without a listing.",
     )
+    launch_on_notice: bool = Field(
+        True, description="Make before break on a spot interruption notice: the job's next instance is launched "
+                          "(on the market and offer its policy picks, away from the zone being reclaimed) and boots "
+                          "while the noticed one writes its last checkpoint; it is bootstrapped from that checkpoint "
+                          "once the noticed attempt has ended. Off: the next launch waits for that end.",
+    )
 
 
 def default_state_dir() -> Path:

@@ -170,17 +170,20 @@ def test_cancelling_a_running_burst_brings_its_last_checkpoint_home_and_terminat
     assert f"- **Measured:** cancelled: run {measured['run_h']:.2f} h, cost $" in record
 
 
+@pytest.mark.parametrize("launch_on_notice", [True, False])
 def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_instance_is_reclaimed(
-        tmp_path: Path) -> None:
+        tmp_path: Path, launch_on_notice: bool) -> None:
     # A checkpoint every step of 2 s, synced only every 150 s (a 5-minute interval): when the notice comes, after
     # step 2's checkpoint, nothing has come home yet. The trainer's last checkpoint takes 30 s (a large model's), so
     # the reclaim 6 s after the notice comes first, and its exit is never seen: what the instance holds must come
-    # home on the notice itself, or the run starts over.
+    # home on the notice itself, or the run starts over. Make before break (`daemon.launch_on_notice`, the
+    # default): the next instance is launched on the notice and boots meanwhile, and takes over once the noticed
+    # attempt has ended.
     state = tmp_path / "state"
     spec = trainer_job(tmp_path, "notice", steps=8, every=1, step_s=2.0, interval_minutes=5,
                        extra=("--stop-seconds", "30"))
     with simcloud(tmp_path) as url:
-        config = write_config(tmp_path, url)
+        config = write_config(tmp_path, url, daemon={"launch_on_notice": launch_on_notice})
         job_id = json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"]
         daemon = Daemon(tmp_path, config, state).start()
         try:
@@ -209,3 +212,18 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
     resumed = next(e for e in trail if e["type"] == "job.resumed")["data"]
     assert resumed["instance"] != first and resumed["checkpoint"] == pulled[-1]
     assert told.startswith("spot interruption notice: sim reclaims the instance at ") and "is home" in told
+    intents = [e for e in trail if e["type"] == "attempt.intent"]
+    assert len(intents) == 2  # the first attempt and the one the job resumed on, nothing launched twice
+    (running,) = (e for e in trail if e["type"] == "attempt.running" and e["id"] > preempted["id"])
+    if launch_on_notice:
+        # Written and launched on the notice, ready before the reclaim; taken over once the noticed attempt ended.
+        assert intents[1]["data"]["successor_for"] == notice["attempt_id"] and intents[1]["id"] > notice["id"]
+        ready = next(e for e in trail if e["type"] == "instance.ready" and e["attempt_id"] == intents[1]["attempt_id"])
+        assert ready["id"] < preempted["id"]
+        (taken,) = (e for e in trail if e["type"] == "attempt.successor_taken_over")
+        assert taken["attempt_id"] == intents[1]["attempt_id"] == running["attempt_id"]
+        assert taken["id"] > preempted["id"]
+        assert "its next instance is launching" in told
+    else:
+        assert "successor_for" not in intents[1]["data"] and intents[1]["id"] > preempted["id"]
+        assert not [e for e in trail if e["type"] == "attempt.successor_taken_over"]

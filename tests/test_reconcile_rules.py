@@ -120,7 +120,7 @@ def test_a_job_no_provider_answers_for_is_told_why_not_that_nobody_has_capacity(
     rec = Reconciler(app, {"ec2": refusing}, cloud=None)  # type: ignore[dict-item]
     job = app.store.get_job(job_id)
     assert job is not None
-    assert rec._choose_offer(job, time.time()) is None
+    assert rec.choose_offer(job, time.time()) is None
     assert app.store.get_job(job_id)["reason"] == (
         "no provider answered (ec2: AuthFailed: DescribeInstanceTypes: AuthFailure)")
     app.close()
@@ -147,7 +147,7 @@ def test_a_job_waiting_for_spot_is_looked_at_again_when_its_next_spot_probe_is_d
     job = app.store.get_job(job_id)
     assert job is not None
     job["spec"]["_spot_probe_at"] = now + 5.0
-    assert Reconciler(app, {"ec2": Listing()}, cloud=None)._choose_offer(job, now) is None  # type: ignore[dict-item]
+    assert Reconciler(app, {"ec2": Listing()}, cloud=None).choose_offer(job, now) is None  # type: ignore[dict-item]
     waiting = app.store.get_job(job_id)
     assert waiting["spec"]["_spot_wait_until"] == pytest.approx(now + 5.0, abs=0.01)
     assert waiting["reason"].startswith("waiting for spot (refused, next try in 5 s)")
@@ -290,12 +290,12 @@ def test_a_hand_over_and_a_launch_count_only_capacity_on_the_market_they_launch_
         assert rec._hand_over_held(spot, time.time()) is None
 
         # Nor does an on-demand launch go to the offer: only spot is listed there.
-        assert rec._choose_offer(on_demand, time.time()) is None
+        assert rec.choose_offer(on_demand, time.time()) is None
         assert app.store.get_job(jobs["on-demand"])["reason"] == "no offer with capacity for 1×H100"
 
         sim.set_capacity(h100, "us-west-1", 1)
         rec.offers.forget("sim")
         assert rec._hand_over_held(on_demand, time.time()) is None
-        assert rec._choose_offer(on_demand, time.time())[2].value == "on-demand"
+        assert rec.choose_offer(on_demand, time.time())[2].value == "on-demand"
         sim_provider.close()
     app.close()

@@ -39,6 +39,7 @@ from orchestrator.lifecycle.market_switch import (
 from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
+from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
 from orchestrator.queue import throughput_key
 from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
@@ -353,7 +354,7 @@ class Reconciler:
                              f"retrying in {self.cfg.daemon.launch_backoff_s:.0f} s", retry_at=now +
                         self.cfg.daemon.launch_backoff_s, reset_failures=True)
             return False
-        choice = self._choose_offer(job, now)
+        choice = self.choose_offer(job, now)
         if choice is None:
             return False
         provider_name, offer, market, market_facts = choice
@@ -363,34 +364,44 @@ class Reconciler:
         if problem is not None:
             self._block(job, problem, budget_launch={"rate_usd_h": rate, "minimum_s": offer.billing_minimum_s})
             return False
-        n = self._next_attempt_number(job["id"])
-        attempt_id = f"{job['id']}-a{n}"
         # Spot goes first to the region whose capacity has been listed longest (the rule simulate --may-move replays).
         regions = spot_region_order(self.app, provider_name, offer, now) if market is Market.SPOT else ()
-        placed = {"region_order": list(regions)} if regions else {}
         with self.store.tx() as conn:
-            conn.execute(insert(s.attempts).values(
-                id=attempt_id, job_id=job["id"], n=n, where="cloud", state=A.INTENT.value, provider=provider_name,
-                instance_type=offer.instance_type, region=None, market=market.value,
-                idempotency_key=f"{self.app.orchestrator_id}-{attempt_id}",
-                info={"rate_usd_h": rate, "billing_minimum_s": offer.billing_minimum_s, "launch_tried": False,
-                      "gpu": offer.gpu_model, **({"market_policy": market_facts} if market_facts else {}), **placed},
-                created_at=now))
-            prev = job["state"]
-            self.store.update_job(job["id"], conn, expect_state=prev, state=JobState.RUNNING.value,
+            self.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.RUNNING.value,
                                   reason=f"bursting to {provider_name} {offer.instance_type} ({market.value})")
-            self.app.events.emit("attempt.intent", job_id=job["id"], attempt_id=attempt_id, conn=conn,
-                                 provider=provider_name, instance_type=offer.instance_type, market=market.value,
-                                 rate_usd_h=rate,
-                                 # from a checkpoint, whatever the job waited as (resuming, queued, blocked)
-                                 resuming=checkpoints.latest(self.cfg, job["id"], deep=False) is not None,
-                                 **({"market_policy": market_facts} if market_facts else {}), **placed)
+            self.write_intent(conn, job, provider_name, offer, market, market_facts, rate, regions, now)
         return True
 
-    def _choose_offer(self, job: dict[str, Any], now: float
-                      ) -> tuple[str, Offer, Market, dict[str, Any]] | None:
+    def write_intent(self, conn: Connection, job: dict[str, Any], provider_name: str, offer: Offer, market: Market,
+                     market_facts: dict[str, Any], rate: float, regions: tuple[str, ...] | list[str], now: float,
+                     **info: Any) -> str:
+        """Write a cloud attempt's intent (launched by its next step, `_step_intent`) and say so; its id. `info`:
+        more of the attempt's info (a successor's `successor_for`)."""
+        n = self._next_attempt_number(job["id"], conn)
+        attempt_id = f"{job['id']}-a{n}"
+        placed = {"region_order": list(regions)} if regions else {}
+        conn.execute(insert(s.attempts).values(
+            id=attempt_id, job_id=job["id"], n=n, where="cloud", state=A.INTENT.value, provider=provider_name,
+            instance_type=offer.instance_type, region=None, market=market.value,
+            idempotency_key=f"{self.app.orchestrator_id}-{attempt_id}",
+            info={"rate_usd_h": rate, "billing_minimum_s": offer.billing_minimum_s, "launch_tried": False,
+                  "gpu": offer.gpu_model, **({"market_policy": market_facts} if market_facts else {}), **placed,
+                  **info},
+            created_at=now))
+        self.app.events.emit("attempt.intent", job_id=job["id"], attempt_id=attempt_id, conn=conn,
+                             provider=provider_name, instance_type=offer.instance_type, market=market.value,
+                             rate_usd_h=rate,
+                             # from a checkpoint, whatever the job waited as (resuming, queued, blocked)
+                             resuming=checkpoints.latest(self.cfg, job["id"], deep=False) is not None,
+                             **({"market_policy": market_facts} if market_facts else {}), **placed,
+                             **({"successor_for": info["successor_for"]} if "successor_for" in info else {}))
+        return attempt_id
+
+    def choose_offer(self, job: dict[str, Any], now: float, *, quiet: bool = False
+                     ) -> tuple[str, Offer, Market, dict[str, Any]] | None:
         """The cheapest offer, across usable providers, of a GPU type the job names, with capacity now; on the market
-        the spot policy picks for it (with what that choice rested on)."""
+        the spot policy picks for it (with what that choice rested on). `quiet`: None says nothing (the job's reason
+        and its wait for spot stay as they are), for a launch made beside a running attempt."""
         spec = job["spec"]
         wanted = {g.upper(): s_r for g, s_r in spec["rented_throughput"].items()}
         best: tuple[float, str, Offer, Market, dict[str, Any]] | None = None
@@ -411,6 +422,8 @@ class Reconciler:
             if best is None or cost < best[0]:
                 best = (cost, name, o, market, why)
         if waiting is not None and (best is None or best[3] is Market.ON_DEMAND):
+            if quiet:
+                return None
             # The policy waits for spot that a provider lists as gone: no launch, and no on-demand elsewhere.
             # Asked again a market_check_s from now, or when the next probe of spot is due if that is sooner.
             probe_at = spec.get("_spot_probe_at", 0)
@@ -422,6 +435,8 @@ class Reconciler:
                             "policy goes on-demand once waiting no longer pays", same_as="waiting for spot")
             return None
         if best is None:
+            if quiet:
+                return None
             if problems and len(problems) == len(self.providers):  # nobody answered: not a capacity question at all
                 why = "no provider answered (" + "; ".join(problems) + ")"
             else:
@@ -455,10 +470,12 @@ class Reconciler:
             out.append(r)
         return out
 
-    def _next_attempt_number(self, job_id: str) -> int:
+    def _next_attempt_number(self, job_id: str, conn: Connection | None = None) -> int:
+        query = select(func.max(s.attempts.c.n)).where(s.attempts.c.job_id == job_id)
+        if conn is not None:
+            return int(conn.execute(query).scalar() or 0) + 1
         with self.store.engine.connect() as c:
-            n = c.execute(select(func.max(s.attempts.c.n)).where(s.attempts.c.job_id == job_id)).scalar()
-        return int(n or 0) + 1
+            return int(c.execute(query).scalar() or 0) + 1
 
     def _block(self, job: dict[str, Any], reason: str, *, retry_at: float | None = None,
                reset_failures: bool = False, budget_launch: dict[str, float] | None = None) -> None:
@@ -481,7 +498,7 @@ class Reconciler:
     def _hand_over_held(self, job: dict[str, Any], now: float) -> str | None:
         """Why a hybrid job's local phase cannot hand over now, else None. Stopping the local run for a burst
         that cannot launch would leave the local GPU idle while the deadline slips further. Only capacity on the
-        market the cloud phase would launch on counts (`market_for_attempt`, as `_choose_offer` asks it): spot
+        market the cloud phase would launch on counts (`market_for_attempt`, as `choose_offer` asks it): spot
         capacity does not take an on-demand phase. A provider that lists capacity and lists none for the job's
         GPUs on that market holds it; one that cannot tell without launching (EC2 lists its zones whatever their
         capacity) lets it go."""
@@ -548,7 +565,8 @@ class Reconciler:
         elif st is A.PROVISIONING:
             self._step_provisioning(att, job, provider)
         elif st is A.BOOTSTRAPPING:
-            self._step_bootstrapping(att, job, provider)
+            if successor_of(att) is None or not waits(self, att, job, provider):
+                self._step_bootstrapping(att, job, provider)
         elif st is A.RUNNING:
             self._step_running(att, job, provider)
         elif st is A.FINISHING:
@@ -929,11 +947,14 @@ class Reconciler:
         home = (self.store.get_job(job["id"]) or job).get("checkpoint")
         with self.store.tx() as conn:
             conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+        successor = launch_successor(self, att, job, now)  # make before break: the next instance boots meanwhile
+        with self.store.tx() as conn:
             self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value, reason=(
                 f"spot interruption notice: {att['provider']} reclaims the instance"
                 + (f" at {when}" if when else "") + "; "
                 + (f"checkpoint {home} is home" if pulled and home else "it has written no checkpoint yet"
-                   if pulled else "its newest checkpoint could not be brought home") + "; it resumes elsewhere"))
+                   if pulled else "its newest checkpoint could not be brought home")
+                + ("; its next instance is launching" if successor else "; it resumes elsewhere")))
 
     def _lost(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, inst: InstanceInfo | None,
               reason: str, info: dict[str, Any] | None = None) -> None:
@@ -1011,8 +1032,8 @@ class Reconciler:
         """What an ended attempt means for its job."""
         from orchestrator.lifecycle.finish import job_after_attempt
 
-        if is_probe(att):
-            return  # a spot probe's end is a sighting, not news for its job
+        if is_probe(att) or successor_of(att) is not None:
+            return  # a spot probe's end is a sighting, a successor's before it took over is its predecessor's news
         job_after_attempt(self.app, conn, att, job, outcome, reason, self.clock())
 
     def _measure(self, conn: Any, att: dict[str, Any], metric: str, value: float) -> None:
