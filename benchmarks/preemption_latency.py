@@ -1,4 +1,4 @@
-"""Preemption → running again, on simcloud with no boot delay, measured by hand.
+"""Preemption → running again, on simcloud (no boot delay unless `--boot-delay-s`), measured by hand.
 
     .venv/bin/python benchmarks/preemption_latency.py [--preemptions 5] [--ticks 0.5,1.0] [--notice-s 0]
     .venv/bin/python benchmarks/preemption_latency.py --baseline BASELINE_TREE [--rounds 3] [--preemptions 5] ...
@@ -17,6 +17,9 @@ terminate (→ instance.terminated: the provider confirms the old instance gone)
 including the tick that schedules the new attempt), boot/SSH (→ instance.ready), then bootstrap, push workdir,
 push checkpoint, start (the runbook steps, timed by the daemon), and the wait for the tick that runs them.
 Ratios are against the tick measured in the same run; the machine is shared and noisy, so nothing is asserted.
+With a notice (`--notice-s`) the daemon launches the next instance on it (make before break, a successor): its
+launch and boot come before the reclaim, so `launch` is negative and `boot_ssh` overlaps the notice;
+`--boot-delay-s` gives the boot something to overlap, as a real GPU instance's would.
 
 `--baseline BASELINE_TREE`: this tree against another checkout (e.g. `git worktree add /tmp/base HEAD~1`), same
 run. Each rehearsal runs in its own child process with PYTHONPATH and the working directory at its tree (the
@@ -75,14 +78,14 @@ def parts(p: dict) -> dict[str, float]:
     }
 
 
-def run(tick: float, n: int, notice_s: float, seed: int) -> list[dict[str, float]]:
+def run(tick: float, n: int, notice_s: float, seed: int, boot_delay_s: float = 0.0) -> list[dict[str, float]]:
     from orchestrator.rehearse import RehearsalOptions, rehearse
 
     tmp = Path(tempfile.mkdtemp(prefix="burstctl-bench-latency-"))
     try:
         spec = job(tmp, steps=60 * (n + 1))  # ~6 s of training per attempt: every attempt lives to be preempted
         res = rehearse(spec, RehearsalOptions(preemptions=n, seed=seed, every_s=4.0, timeout_s=900,
-                                              notice_s=notice_s, tick_s=tick, boot_delay_s=0.0),
+                                              notice_s=notice_s, tick_s=tick, boot_delay_s=boot_delay_s),
                        say=lambda line: print(f"  {line}", file=sys.stderr))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -123,7 +126,7 @@ def child(spec_json: str) -> None:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        rows = run(spec["tick"], spec["n"], spec["notice_s"], spec["seed"])
+        rows = run(spec["tick"], spec["n"], spec["notice_s"], spec["seed"], spec.get("boot_delay_s", 0.0))
     finally:
         done.set()
         watcher.join()
@@ -137,7 +140,8 @@ def med(xs: list[float]) -> float:
 def against_baseline(args: argparse.Namespace, ticks: list[float]) -> None:
     trees = {"baseline": Path(args.baseline).resolve(), "this tree": REPO}
     print(f"# preemption → running, this tree ({REPO}) against {trees['baseline']}, {datetime.now(UTC):%Y-%m-%d}, "
-          f"{args.rounds} rounds, {args.preemptions} preemptions per tick per tree, notice {args.notice_s} s\n")
+          f"{args.rounds} rounds, {args.preemptions} preemptions per tick per tree, notice {args.notice_s} s, "
+          f"simcloud boot delay {args.boot_delay_s} s\n")
     print("| round | tick | tree | latency median (min–max) | bootstrap | push workdir | push checkpoint | start "
           "| tick wait | env file |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -148,7 +152,7 @@ def against_baseline(args: argparse.Namespace, ticks: list[float]) -> None:
             for label in (list(trees) if round_ % 2 == 0 else list(reversed(trees))):
                 tree = trees[label]
                 spec = {"tree": str(tree), "tick": tick, "n": args.preemptions, "notice_s": args.notice_s,
-                        "seed": args.seed}
+                        "seed": args.seed, "boot_delay_s": args.boot_delay_s}
                 p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
                                    check=True, stdout=subprocess.PIPE, cwd=tree,
                                    env={**os.environ, "PYTHONPATH": str(tree)})
@@ -185,6 +189,8 @@ def main() -> int:
     ap.add_argument("--preemptions", type=int, default=5)
     ap.add_argument("--ticks", default="0.5,1.0", help="daemon tick lengths to measure, comma-separated (s)")
     ap.add_argument("--notice-s", type=float, default=0.0)
+    ap.add_argument("--boot-delay-s", type=float, default=0.0,
+                    help="simcloud's boot delay: with a notice, what make before break (a successor) overlaps")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--baseline", metavar="BASELINE_TREE", help="measure this tree against this checkout, same run")
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline: rehearsals per tick and tree, alternating")
@@ -198,12 +204,12 @@ def main() -> int:
         against_baseline(args, [float(x) for x in args.ticks.split(",")])
         return 0
     print(f"# preemption → running, {datetime.now(UTC):%Y-%m-%d}, {args.preemptions} preemptions per tick, "
-          f"notice {args.notice_s} s, simcloud boot delay 0")
+          f"notice {args.notice_s} s, simcloud boot delay {args.boot_delay_s} s")
     print("| tick | latency median (min–max) | sync median | (latency − sync) / tick, median (max) | aim < 2 |")
     print("|---|---|---|---|---|")
     breakdown: dict[float, dict[str, float]] = {}
     for tick in (float(x) for x in args.ticks.split(",")):
-        rows = run(tick, args.preemptions, args.notice_s, args.seed)
+        rows = run(tick, args.preemptions, args.notice_s, args.seed, args.boot_delay_s)
         if not rows:
             print(f"| {tick} s | no completed resume | | | |")
             continue

@@ -14,6 +14,10 @@ A cloud attempt:
 
 A local attempt:   running ─► succeeded | failed | preempted (stopped for a planned burst) | aborted
 
+A successor (launched at a spot interruption notice, `successor.py`) is a cloud attempt that waits at
+`bootstrapping` until the attempt it follows has ended; a spot probe (`spot_probe.py`) one that waits at
+`provisioning` until the on-demand attempt it probes for has ended. Neither adds a state or a transition.
+
 `intent` is written *before* the launch call, with the idempotency key; a daemon that dies right after the call
 finds the instance by its tags on restart (no second launch). `terminating` records the outcome to end with, so the
 attempt is closed only once the provider confirms the instance is gone.
