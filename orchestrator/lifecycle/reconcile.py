@@ -955,6 +955,8 @@ class Reconciler:
                 + (f"checkpoint {home} is home" if pulled and home else "it has written no checkpoint yet"
                    if pulled else "its newest checkpoint could not be brought home")
                 + ("; its next instance is launching" if successor else "; it resumes elsewhere")))
+        if successor:
+            self._advance_new_attempt(job["id"])  # launched now, not a tick later: every second of boot counts
 
     def _lost(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, inst: InstanceInfo | None,
               reason: str, info: dict[str, Any] | None = None) -> None:
