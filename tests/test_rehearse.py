@@ -74,9 +74,14 @@ def test_the_example_trainer_resumes_correctly_after_two_preemptions(tmp_path: P
         assert p["next_attempt"] != p["attempt_id"]
         # The timeline is in order: detected, then the old instance is gone, then the new attempt runs.
         t = p["timeline"]
-        assert t["detected"] <= t["terminated"] <= t["launched"] <= t["ready"] <= t["running"] == p["resume_s"]
-        if p["detected_by"] == "spot interruption notice":  # seen through the heartbeat: said (and pulled) first
-            assert t["notice_seen"] <= t["detected"]
+        assert t["detected"] <= t["terminated"] <= t["running"] == p["resume_s"]
+        assert t["launched"] <= t["ready"] <= t["running"]
+        if p["detected_by"] == "spot interruption notice":
+            # Seen through the heartbeat: said (and pulled) first, and the next instance launched on it (make
+            # before break) before the old attempt was taken for lost.
+            assert t["notice_seen"] <= t["intent"] <= t["launched"] <= t["detected"]
+        elif "notice_seen" not in t:  # learned of from the provider alone: break, then make
+            assert t["terminated"] <= t["launched"]
         assert {"bootstrap", "push_workdir", "push_checkpoint", "start"} <= set(p["timings"])
     # The second preemption hit the attempt the first one resumed.
     assert res["preemptions"][1]["attempt_id"] == res["preemptions"][0]["next_attempt"]
