@@ -400,8 +400,8 @@ class Reconciler:
     def choose_offer(self, job: dict[str, Any], now: float, *, quiet: bool = False
                      ) -> tuple[str, Offer, Market, dict[str, Any]] | None:
         """The cheapest offer, across usable providers, of a GPU type the job names, with capacity now; on the market
-        the spot policy picks for it (with what that choice rested on). `quiet`: None says nothing (the job's reason
-        and its wait for spot stay as they are), for a launch made beside a running attempt."""
+        the spot policy picks for it (with what that choice rested on). `quiet`, for a launch beside a running
+        attempt: where there is none, the job's reason and its wait for spot are left as they are."""
         spec = job["spec"]
         wanted = {g.upper(): s_r for g, s_r in spec["rented_throughput"].items()}
         best: tuple[float, str, Offer, Market, dict[str, Any]] | None = None
