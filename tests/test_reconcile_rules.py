@@ -7,17 +7,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, select, update
 
 from orchestrator.app import App
-from orchestrator.lifecycle import checkpoints, reconcile
+from orchestrator.lifecycle import checkpoints, handover, reconcile
 from orchestrator.lifecycle.cloud_steps import CloudSteps
 from orchestrator.lifecycle.finish import job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.queue import enqueue
-from providers.base import AuthFailed, Offer
+from providers.base import AuthFailed, InstanceInfo, InstanceState, Market, Offer
 from providers.lambda_cloud import LambdaCloud
 from providers.simcloud.api import SimCloudServer
 from runbooks.burst_checkpoint import write_checkpoint
@@ -298,4 +298,66 @@ def test_a_hand_over_and_a_launch_count_only_capacity_on_the_market_they_launch_
         assert rec._hand_over_held(on_demand, time.time()) is None
         assert rec.choose_offer(on_demand, time.time())[2].value == "on-demand"
         sim_provider.close()
+    app.close()
+
+
+class _Instances:
+    """A provider that only describes instances: the one named in `present` is running, any other is gone."""
+
+    name = "sim"
+
+    def __init__(self, present: str) -> None:
+        self.present = present
+
+    def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
+        return {i: InstanceInfo(id=i, state=InstanceState.RUNNING if i == self.present else InstanceState.TERMINATED,
+                                instance_type="x", market=Market.SPOT) for i in ids}
+
+
+def test_an_instance_launched_ahead_waits_for_the_attempt_before_it_then_takes_the_job_over_or_is_not_needed(
+        tmp_path: Path) -> None:
+    # The shared rule of a successor (launched on a spot notice) and a kept spot probe (handover.py).
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "ahead", local_throughput=0, rented_throughput={"H100": 2.0}))
+    with app.store.tx() as c:
+        for n, state in ((1, "running"), (2, "bootstrapping")):
+            c.execute(insert(s.attempts).values(
+                id=f"{job_id}-a{n}", job_id=job_id, n=n, where="cloud", state=state, provider="sim",
+                instance_type="x", market="spot", instance_id=f"i-{n}", created_at=0.0,
+                info={"successor_for": f"{job_id}-a1"} if n == 2 else {}))
+    rec = Reconciler(app, {}, cloud=None)
+
+    def attempt(n: int) -> dict[str, Any]:
+        with app.store.engine.connect() as c:
+            return dict(c.execute(select(s.attempts).where(s.attempts.c.id == f"{job_id}-a{n}")).mappings().one())
+
+    def tick(present: str = "i-2") -> str | None:
+        job = app.store.get_job(job_id)
+        ahead = attempt(2)
+        return handover.wait_or_take_over(rec, ahead, job, _Instances(present), predecessor=f"{job_id}-a1",
+                                          info={**ahead["info"], "took_over": True}, reason="on the next one",
+                                          event="attempt.successor_taken_over")
+
+    def set_state(table: Any, row_id: str, state: str) -> None:
+        with app.store.tx() as c:
+            c.execute(update(table).where(table.c.id == row_id).values(state=state))
+
+    assert tick() is None  # the attempt before it still runs: it waits, and nothing changes
+    assert app.store.get_job(job_id)["state"] == "queued"
+    assert tick(present="i-other") == "instance gone"  # reclaimed while it waited: not needed, whatever else holds
+
+    set_state(s.jobs, job_id, "cancelled")
+    assert tick() == "cancelled"  # the job stops it even while the attempt before it runs
+    set_state(s.attempts, f"{job_id}-a1", "preempted")
+    set_state(s.jobs, job_id, "succeeded")
+    assert tick() == "job succeeded"  # the attempt before it finished the job: nothing left for it
+    assert not [e for e in app.store.events(job_id=job_id) if e["type"] == "attempt.successor_taken_over"]
+
+    set_state(s.jobs, job_id, "resuming")
+    assert tick() is None
+    job = app.store.get_job(job_id)
+    assert (job["state"], job["reason"]) == ("running", "on the next one")
+    assert attempt(2)["info"]["took_over"] is True
+    (taken,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "attempt.successor_taken_over"]
+    assert (taken["attempt_id"], taken["data"]["instance"], taken["data"]["resuming"]) == (f"{job_id}-a2", "i-2", True)
     app.close()

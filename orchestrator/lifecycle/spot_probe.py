@@ -6,15 +6,16 @@ on-demand back to spot were spot up (`market_switch.attempt_should_move`), and t
 daemon launches one spot instance of the job's type beside the running one. A probe is a cloud attempt of its own
 (`info.probe_for`: the attempt it probes for), so `market_switch.spot_sightings` reads its answer as it reads every
 spot launch:
-- at `daemon.max_cloud_attempts` (the probe would be one cloud attempt too many): no launch, asked again at the
-  next probe (`attempt.spot_probe` result `deferred`).
+- at `daemon.max_cloud_attempts` (the probe would be one cloud attempt too many), or its billing minimum not fitting
+  the budget: no launch, asked again at the next probe (`attempt.spot_probe` result `deferred`, with the reason).
 - refused: costs nothing and ends `launch_failed` without touching the job's state. The next probe comes as for a
   job waiting for spot: after a tenth of the outage so far, between `daemon.launch_backoff_s` and
   `daemon.spot_probe_max_s` (`job.spec._spot_probe_at`, shared with the waiting job's probes).
 - it came up: make before break. The probe's instance is kept (`info.kept`) while the caller moves the job off
   on-demand (checkpoint, stop); once that attempt has ended, the probe becomes the job's next attempt (bootstrap,
   resume from the checkpoint, on spot) instead of a second spot launch that capacity, just back, might refuse. The
-  instance boots while the on-demand one checkpoints.
+  instance boots while the on-demand one checkpoints (`handover.py`, shared with the successor launched on a spot
+  interruption notice).
 
 Every step is level-triggered on what the database holds, so a daemon killed at any point carries on:
 - killed after the launch, before the instance id was written (intent): the restart finds the instance by its tags
@@ -37,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import insert, select, update
 
 from orchestrator.lifecycle.finish import probe_interval_s
+from orchestrator.lifecycle.handover import no_room, wait_or_take_over
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, move
-from orchestrator.lifecycle.states import JobState
 from providers.base import LAUNCH_REFUSALS, LaunchRequest, Market, OwnerTags, Provider, ProviderError
 from state import schema as s
 
@@ -67,16 +68,13 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
     attempt once `att` has stopped; else None."""
     rate = float(facts.get("spot_usd_h") or 0.0)
     minimum = float(att["info"].get("billing_minimum_s", 60.0))
-    if rec.budget_problem(now, rate_usd_h=rate, minimum_s=minimum) is not None:
-        return None  # not even a minute of spot fits the budget: no probe, and the job stays where it is
-    cap = rec.cfg.daemon.max_cloud_attempts
-    running = rec.attempts_active("cloud")
-    if running >= cap:
-        # A probe is a cloud attempt, and `max_cloud_attempts` bounds them all (quotas, what may bill at once): the
-        # job stays where it is and asks again at its next probe, as after a refusal.
+    why_not = no_room(rec, now, rate_usd_h=rate, minimum_s=minimum)
+    if why_not is not None:
+        # A probe is a cloud attempt, and `max_cloud_attempts` bounds them all (quotas, what may bill at once), as
+        # the budget does: the job stays where it is and asks again at its next probe, as after a refusal.
         wait_s = _next_probe(rec, job, facts, now)
         rec.emit("attempt.spot_probe", job_id=job["id"], attempt_id=att["id"], probe_for=att["id"], result="deferred",
-                 reason=f"{running} cloud attempts run, max_cloud_attempts is {cap}", next_probe_s=round(wait_s, 1))
+                 reason=why_not, next_probe_s=round(wait_s, 1))
         return None
     n = rec._next_attempt_number(job["id"])
     probe_id = f"{job['id']}-a{n}"
@@ -157,42 +155,15 @@ def step_probe(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
 
 def _step_kept(rec: Reconciler, probe: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
     """A kept probe waits for the attempt it probed for to end, then becomes the job's next attempt."""
-    with rec.store.engine.connect() as c:
-        before = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == probe["info"]["probe_for"])).scalar()
-        row = c.execute(select(s.jobs).where(s.jobs.c.id == job["id"])).mappings().first()
-    fresh = dict(row) if row is not None else {**job, "state": "gone"}
-    why_not = rec._stop_reason(probe, fresh)
-    if why_not is None:
-        inst = provider.describe([probe["instance_id"]]).get(probe["instance_id"])
-        if inst is None or inst.state.gone:
-            why_not = "instance gone"
-    if why_not is None and before is not None and not A(before).final:
-        return  # the job is still being moved off on-demand (checkpoint, stop): it takes over once that ended
-    if why_not is None and (fresh["placement"] != "cloud"
-                            or fresh["state"] not in (JobState.QUEUED.value, JobState.RESUMING.value)):
-        why_not = f"job {fresh['state']}"
-    if why_not is None:
-        info = probe["info"]
-        why_not = rec.budget_problem(rec.clock(), rate_usd_h=float(info.get("rate_usd_h") or 0.0),
-                                     minimum_s=float(info.get("billing_minimum_s", 60.0)),
-                                     expected_h=rec._expected_remaining_h(fresh))
+    info = {k: v for k, v in probe["info"].items() if k not in ("probe_for", "kept")}
+    info["from_probe_for"] = probe["info"]["probe_for"]
+    why_not = wait_or_take_over(
+        rec, probe, job, provider, predecessor=probe["info"]["probe_for"], info=info,
+        reason=f"bursting to {probe['provider']} {probe['instance_type']} (spot): the instance of the spot probe "
+               "that came up", event="attempt.probe_taken_over", instance_type=probe["instance_type"])
     if why_not is not None:
         with contextlib.suppress(ProviderError):  # still terminating: `step_probe` asks again next tick
             _end(rec, probe, job, provider, why=why_not)
-        return
-    info = {k: v for k, v in probe["info"].items() if k not in ("probe_for", "kept")}
-    info["from_probe_for"] = probe["info"]["probe_for"]
-    with rec.store.tx() as conn:
-        if not rec.store.update_job(job["id"], conn, expect_state=fresh["state"], state=JobState.RUNNING.value,
-                                    reason=f"bursting to {probe['provider']} {probe['instance_type']} (spot): the "
-                                           "instance of the spot probe that came up"):
-            return  # the job moved meanwhile: looked at again next tick
-        conn.execute(update(s.attempts).where(s.attempts.c.id == probe["id"]).values(info=info))
-        rec.app.events.emit("attempt.probe_taken_over", job_id=job["id"], attempt_id=probe["id"], conn=conn,
-                            instance=probe["instance_id"], provider=probe["provider"],
-                            instance_type=probe["instance_type"], market=Market.SPOT.value,
-                            resuming=fresh["state"] == JobState.RESUMING.value)
-    probe["info"] = info
 
 
 def _chaos_point(name: str) -> None:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
 from orchestrator.app import burst_enabled
+from orchestrator.lifecycle.handover import no_room, wait_or_take_over
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
 from orchestrator.lifecycle.market_switch import spot_region_order
-from orchestrator.lifecycle.states import JobState
 from providers.base import Market, Provider
 from state import schema as s
 
@@ -53,15 +53,13 @@ def launch_successor(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], 
             s.attempts.c.job_id == job["id"], s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
     if any(successor_of(a) == att["id"] for a in live):
         return None
-    if rec.attempts_active("cloud") >= cfg.daemon.max_cloud_attempts:
-        return None
     choice = rec.choose_offer(job, now, quiet=True)
     if choice is None:
         return None
     provider_name, offer, market, facts = choice
     rate = offer.price(market) or offer.on_demand_usd_h
-    if rec.budget_problem(now, rate_usd_h=rate, minimum_s=offer.billing_minimum_s,
-                          expected_h=rec._expected_remaining_h(job)) is not None:
+    if no_room(rec, now, rate_usd_h=rate, minimum_s=offer.billing_minimum_s,
+               expected_h=rec._expected_remaining_h(job)) is not None:
         return None
     regions: list[str] = []
     if market is Market.SPOT:
@@ -79,25 +77,11 @@ def waits(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provider: P
     successor takes the job over and False is returned (it bootstraps now), or, the job no longer waiting for a
     cloud attempt, the successor is ended and True returned."""
     predecessor = successor_of(att)
-    with rec.store.engine.connect() as c:
-        before = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == predecessor)).scalar()
-        row = c.execute(select(s.jobs).where(s.jobs.c.id == job["id"])).mappings().first()
-    if before is not None and not A(before).final:
+    why_not = wait_or_take_over(
+        rec, att, job, provider, predecessor=predecessor, info={**att["info"], "took_over": True},
+        reason=f"resuming on {att['provider']} {att['instance_type']} ({att['market']}): the instance launched at "
+               "the interruption notice", event="attempt.successor_taken_over", successor_for=predecessor)
+    if why_not is not None:
+        rec._stop(att, job, provider, f"successor not needed: {why_not}", outcome=A.ABORTED)
         return True
-    fresh = dict(row) if row is not None else {**job, "state": "gone"}
-    if fresh["placement"] != "cloud" or fresh["state"] not in (JobState.QUEUED.value, JobState.RESUMING.value):
-        rec._stop(att, job, provider, f"successor not needed: job {fresh['state']}", outcome=A.ABORTED)
-        return True
-    info = {**att["info"], "took_over": True}
-    with rec.store.tx() as conn:
-        if not rec.store.update_job(job["id"], conn, expect_state=fresh["state"], state=JobState.RUNNING.value,
-                                    reason=f"resuming on {att['provider']} {att['instance_type']} ({att['market']}): "
-                                           "the instance launched at the interruption notice"):
-            return True  # the job moved meanwhile: looked at again next tick
-        conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
-        rec.app.events.emit("attempt.successor_taken_over", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                            successor_for=predecessor, instance=att["instance_id"], provider=att["provider"],
-                            market=att["market"])
-    att["info"] = info
-    job.update(state=JobState.RUNNING.value)
-    return False
+    return successor_of(att) is not None
