@@ -42,7 +42,9 @@ EnvName = Annotated[str, AfterValidator(check_env_name)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Unknown fields are refused, and so is a value of the wrong TOML type (`launch_on_notice = "no"` is not
+    # false, `monthly_cap_usd = "15"` not 15); an integer still counts as a number.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class HourWindow(Strict):
@@ -216,7 +218,7 @@ class Providers(Strict):
     lambda_: LambdaProvider = Field(default_factory=LambdaProvider, alias="lambda")
     ec2: Ec2Provider = Field(default_factory=Ec2Provider)
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
 
 
 class DaemonSettings(Strict):
@@ -269,7 +271,8 @@ def default_state_dir() -> Path:
 
 
 class StateSettings(Strict):
-    dir: Path = Field(default_factory=default_state_dir, description="State directory: database, logs, records.")
+    dir: Path = Field(default_factory=default_state_dir, strict=False,  # a TOML string is a path
+                      description="State directory: database, logs, records.")
     database_url: str | None = Field(
         None, description="SQLAlchemy URL; default sqlite:///<dir>/burstctl.db. PostgreSQL works too "
         "(postgresql+psycopg://user@host/db, with `pip install burstctl[postgres]`). A password is never written "

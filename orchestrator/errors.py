@@ -52,9 +52,25 @@ class FieldValueError(ValueError):
         self.field = field
 
 
+# What a value of the wrong type should have been, by pydantic's error type (strict models: nothing is converted).
+_EXPECTED_TYPE = {"float_type": "a number", "int_type": "an integer", "int_from_float": "an integer",
+                  "bool_type": "true or false", "string_type": "a string", "list_type": "a list",
+                  "dict_type": "a table", "datetime_type": "an ISO 8601 date and time"}
+
+
+def _what_was_given(value: object) -> str:
+    """The wrong value, shown only when it cannot be a secret (a boolean or a number); else only its kind."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    kinds = {str: "a string", list: "a list", dict: "a table"}
+    return next((word for cls, word in kinds.items() if isinstance(value, cls)), f"a {type(value).__name__}")
+
+
 def format_validation_error(exc: Any, source: str | Path) -> BadInput:
     """Turn a pydantic ValidationError into one BadInput line: file, field, what is expected."""
-    errors = exc.errors(include_url=False, include_input=False)
+    errors = exc.errors(include_url=False)
     first = errors[0]
     path = [str(p) for p in first["loc"]]
     cause = first.get("ctx", {}).get("error")
@@ -69,6 +85,8 @@ def format_validation_error(exc: Any, source: str | Path) -> BadInput:
         msg = "expected a finite number, not inf or nan"
     elif kind == "value_error":
         msg = msg.removeprefix("Value error, ")  # pydantic's prefix on a validator's own words
+    elif kind in _EXPECTED_TYPE:
+        msg = f"expected {_EXPECTED_TYPE[kind]}, got {_what_was_given(first.get('input'))}"
     elif kind == "extra_forbidden":
         msg = "is not a known field"
         if any(s in loc.lower() for s in ("key", "secret", "token", "password")):

@@ -41,7 +41,9 @@ class ModelSpec(BaseModel):
     """Sizing inputs; gate 1 is derived from them instead of a hand-given local throughput of 0."""
 
     # TOML spells inf and nan; no float of a job means either, and an infinite one crashes the arithmetic later.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # Strict: a value of the wrong TOML type is refused, not converted (`deadline_hours = true` is not 1 h,
+    # `resumable = "no"` is not false); an integer still counts as a number of hours or units.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     preset: str | None = Field(None, description="Known architecture, e.g. qwen2.5-7b, llama-3.1-8b.")
     params: Annotated[float, Field(gt=0)] | None = Field(None, description="Parameter count, if no preset.")
@@ -74,7 +76,7 @@ class ModelSpec(BaseModel):
 
 
 class CheckpointSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     dir: str = Field("checkpoints", description="Checkpoint directory, relative to workdir.")
     interval_minutes: Annotated[float, Field(gt=0)] = Field(30.0, description="How often the job checkpoints.")
@@ -85,15 +87,17 @@ class CheckpointSpec(BaseModel):
 
 
 class JobSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)  # as ModelSpec
 
     name: Annotated[str, Field(min_length=1, max_length=48, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")] = Field(
         description="Job name: letters, digits, '.', '_' and '-'."
     )
     kind: JobKind = Field("train", description="train | eval | embed | serve.")
     command: list[str] = Field(description="The command, as an argument list (a string is split shell-style).")
-    workdir: str = Field(".", description="Directory pushed to the instance; relative to the spec file.")
-    deadline: datetime | None = Field(None, description="ISO 8601 instant by which the job must be done.")
+    workdir: str = Field(".", description="Directory pushed to the instance, relative to the spec file; the command "
+                                          "runs in it, and a relative path it names must not climb out of it.")
+    deadline: datetime | None = Field(None, strict=False,  # TOML's own date-time, or the same in a string
+                                      description="ISO 8601 instant by which the job must be done.")
     deadline_hours: Annotated[float, Field(gt=0)] | None = Field(
         None, description=f"Or: hours from now (at most {MAX_DEADLINE_HOURS:.0f}, {MAX_DEADLINE_YEARS} years)."
     )
@@ -221,4 +225,23 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
         raise BadInput(DEADLINE_HOURS_EXPECTED, source=path, field="deadline_hours")
     if not Path(path.parent, spec.workdir).is_dir():
         raise BadInput(f"directory '{spec.workdir}' does not exist", source=path, field="workdir")
+    outside = next((i for i, arg in enumerate(spec.command) if _leaves_workdir(arg)), None)
+    if outside is not None:
+        # The command runs in the workdir, locally and on an instance, and only the workdir is copied there.
+        raise BadInput(f"'{spec.command[outside]}' is outside the workdir '{spec.workdir}', and only the workdir is "
+                       "copied to a rented instance; expected a path inside it (set workdir to a directory that "
+                       "holds it)", source=path, field=f"command.{outside}")
     return spec, deadline_at
+
+
+def _leaves_workdir(arg: str) -> bool:
+    """A relative path argument that climbs out of the directory it is run in (`../train.py`, `a/../../x`)."""
+    value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
+    if not value or value.startswith(("/", "~")) or ("/" not in value and value != ".."):
+        return False
+    depth = 0
+    for part in value.split("/"):
+        depth += -1 if part == ".." else 0 if part in ("", ".") else 1
+        if depth < 0:
+            return True
+    return False

@@ -251,7 +251,7 @@ def spec_of(job: dict[str, Any]) -> JobSpec:
     """The validated spec of a stored job (its workdir already resolved to an absolute path)."""
     # "_"-keys are the daemon's own bookkeeping (retry and spot-probe times), not the user's spec.
     data = {k: v for k, v in job["spec"].items() if k != "source" and not k.startswith("_")}
-    return JobSpec.model_validate(data)
+    return JobSpec.model_validate(data, strict=False)  # stored as JSON: the deadline is a string there
 
 
 def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,

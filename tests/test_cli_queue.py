@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel
 from sqlalchemy import insert
 
-from orchestrator import queue
+from orchestrator import jobspec, queue
 from orchestrator.app import App
 from orchestrator.config import Config
 from orchestrator.errors import OperationalError
@@ -212,7 +212,23 @@ BAD_JOBS = {
     "bad-kind": ({"kind": "finetune"}, "kind", "train"),
     "unknown-preset": ({"model": {"preset": "gpt-17"}}, "model.preset", "qwen2.5-7b"),
     "no-workdir": ({"workdir": "nope"}, "workdir", "does not exist"),
+    # Values of the wrong TOML type are refused, never converted: `true` is not 1 h, "no" is not false.
+    "bool-for-hours": ({"deadline_hours": True}, "deadline_hours", "expected a number, got true"),
+    "string-for-number": ({"deadline_hours": "12"}, "deadline_hours", "expected a number, got a string"),
+    "fraction-for-count": ({"gpus": 2.5}, "gpus", "expected an integer, got 2.5"),
+    "string-for-bool": ({"checkpoint": {"resumable": "no"}}, "checkpoint.resumable", "expected true or false"),
+    "int-for-bool": ({"deadline_critical": 1}, "deadline_critical", "expected true or false, got 1"),
+    # Only the workdir is copied to an instance: a script beside it runs locally and is missing there.
+    "command-outside-workdir": ({"command": ["python3", "../train.py"]}, "command.1", "outside the workdir"),
 }
+
+
+@pytest.mark.parametrize(("arg", "leaves"), [
+    ("../train.py", True), ("..", True), ("a/../../x", True), ("--config=../cfg.yaml", True),
+    ("train.py", False), ("a/../b.py", False), ("./train.py", False), ("/opt/data/../x", False), ("-m", False),
+    ("--lr=0.1", False), ("~/data", False), ("https://host/a/../b", False)])
+def test_a_command_argument_that_climbs_out_of_the_workdir_is_told_apart(arg: str, leaves: bool) -> None:
+    assert jobspec._leaves_workdir(arg) is leaves
 
 
 @pytest.mark.parametrize("case", sorted(BAD_JOBS))

@@ -57,7 +57,7 @@ def decide(path: Path, env: dict[str, str] | None = None) -> subprocess.Complete
     (["WANDB KEY"], "", "pass_env.0", "expected the NAME of an environment variable"),
     (["OK", "sk-live-0123456789"], "", "pass_env.1", "expected the NAME of an environment variable"),
     (["WANDB\nKEY"], "", "pass_env.0", "expected the NAME of an environment variable"),
-    ("HF_TOKEN", "", "pass_env", "valid list"),
+    ("HF_TOKEN", "", "pass_env", "expected a list, got a string"),
     (["PYTHONPATH"], "", "pass_env", "is set by burstctl"),
     (["BURST_RESUME_FROM"], "", "pass_env", "is set by burstctl"),
     (["HF_TOKEN"], '[env]\nHF_TOKEN = "x"\n', "pass_env", "also in [env]"),
