@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from orchestrator.app import App
-from orchestrator.lifecycle import checkpoints, handover, reconcile
+from orchestrator.lifecycle import checkpoints, handover, reconcile, revert
 from orchestrator.lifecycle.cloud_steps import CloudSteps
 from orchestrator.lifecycle.finish import job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState
@@ -360,4 +360,28 @@ def test_an_instance_launched_ahead_waits_for_the_attempt_before_it_then_takes_t
     assert attempt(2)["info"]["took_over"] is True
     (taken,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "attempt.successor_taken_over"]
     assert (taken["attempt_id"], taken["data"]["instance"], taken["data"]["resuming"]) == (f"{job_id}-a2", "i-2", True)
+    app.close()
+
+
+def test_burst_enable_puts_back_on_their_plans_the_jobs_revert_local_moved_home_that_have_not_started(
+        tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    # s_L 0.033/h against a 12 h deadline: local takes 30 h, so its plan bursts (it fits locally: it can go home).
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "home", local_throughput=0.033, deadline_hours=12,
+                                          rented_throughput={"H100": 0.17}))
+    planned = app.store.get_job(job_id)
+    assert planned["placement"] in ("cloud", "hybrid") and planned["decision"]["fits_locally"]
+
+    report = revert.revert_local(app, Reconciler(app, {}, cloud=None), timeout_s=5)
+    reverted = app.store.get_job(job_id)
+    assert report.requeued_local == [job_id] and reverted["placement"] == "local"
+    assert reverted["reason"] == "revert-local: requeued locally from the start (no checkpoint yet)"
+
+    assert revert.set_burst_enabled(app, True, "burst-enable")
+    assert revert.restore_plans(app) == [job_id]
+    restored = app.store.get_job(job_id)
+    assert (restored["state"], restored["placement"]) == ("queued", planned["placement"])
+    assert [e["data"]["placement"] for e in app.store.events(job_id=job_id) if e["type"] == "job.plan_restored"] == [
+        planned["placement"]]
+    assert revert.restore_plans(app) == []  # once
     app.close()

@@ -7,7 +7,7 @@ import click
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
 from orchestrator.errors import OperationalError
-from orchestrator.lifecycle.revert import revert_local, set_burst_enabled
+from orchestrator.lifecycle.revert import restore_plans, revert_local, set_burst_enabled
 from orchestrator.lifecycle.service import build_reconciler
 
 
@@ -45,9 +45,13 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
 @json_option
 @pass_app
 def burst_enable_cmd(app: App, as_json: bool) -> None:
-    """Lift the kill switch: queued jobs may burst again."""
+    """Lift the kill switch: queued jobs may burst again, and those revert-local requeued locally that have not
+    started there go back to their cloud or hybrid plan."""
     changed = set_burst_enabled(app, True, "burst-enable")
+    restored = restore_plans(app)
     if as_json:
-        print_json({"mode": "burst-enabled", "changed": changed})
+        print_json({"mode": "burst-enabled", "changed": changed, "restored": restored})
     else:
         out.print("mode: burst-enabled" + ("" if changed else " (it already was)"))
+        if restored:
+            out.print(f"back to their plans: {', '.join(restored)}")

@@ -21,6 +21,8 @@ from orchestrator.lifecycle.states import JobState
 from state import schema as s
 
 A = AttemptState
+# How the reason of a job revert-local moved home begins, until it starts there (`revert.restore_plans` reads it).
+REQUEUED_LOCAL = "revert-local: requeued locally"
 
 
 def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
@@ -69,7 +71,9 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
     elif outcome is A.ABORTED:
         if stop_reason == "revert-local":
             if current["decision"].get("fits_locally"):
-                to(JobState.QUEUED, "revert-local: requeued locally from the newest checkpoint",
+                newest = checkpoints.latest(app.config, job["id"], deep=False)
+                to(JobState.QUEUED, f"{REQUEUED_LOCAL} from "
+                   + (f"its newest checkpoint, {newest.name}" if newest else "the start (no checkpoint came home)"),
                    "job.requeued_local", _fields={"placement": "local"})
             else:
                 to(JobState.BLOCKED, "revert-local: does not fit locally, waits for `burstctl burst-enable`",

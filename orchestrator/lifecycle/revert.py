@@ -21,6 +21,7 @@ from sqlalchemy import insert, select, update
 
 from orchestrator.app import BURST_ENABLED_KEY, App
 from orchestrator.lifecycle import checkpoints
+from orchestrator.lifecycle.finish import REQUEUED_LOCAL
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.states import JobState
@@ -67,6 +68,28 @@ def set_burst_enabled(app: App, enabled: bool, why: str) -> bool:
         if was != enabled:
             app.events.emit("burst.enabled" if enabled else "burst.disabled", conn=conn, reason=why)
     return was != enabled
+
+
+def restore_plans(app: App) -> list[str]:
+    """Undo revert-local's requeue for the jobs that have not run locally since: each goes back to the placement
+    its decision chose (cloud or hybrid), so `burst-enable` does not leave a job local that revert-local moved there
+    (one that misses its deadline locally by hours). A job that has started locally since stays local; a local
+    run that falls behind its deadline is re-planned as any is. Returns the ids restored."""
+    with app.store.engine.connect() as c:
+        jobs = [dict(r) for r in c.execute(select(s.jobs).where(
+            s.jobs.c.state == JobState.QUEUED.value, s.jobs.c.placement == "local",
+            s.jobs.c.reason.like(f"{REQUEUED_LOCAL}%"))).mappings()]
+    restored = []
+    for job in jobs:
+        placement = job["decision"].get("placement")
+        if placement not in ("cloud", "hybrid"):
+            continue
+        with app.store.tx() as conn:
+            if app.store.update_job(job["id"], conn, expect_state=job["state"], placement=placement,
+                                    reason=f"burst-enable: back to its {placement} plan"):
+                app.events.emit("job.plan_restored", job_id=job["id"], conn=conn, placement=placement)
+                restored.append(job["id"])
+    return restored
 
 
 def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) -> RevertReport:
@@ -214,14 +237,15 @@ def _requeue_local(app: App, report: RevertReport) -> None:
             s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value, JobState.BLOCKED.value,
                                 JobState.AWAITING_APPROVAL.value]))).mappings()]
         local_now = [dict(r) for r in c.execute(select(s.jobs).where(
-            s.jobs.c.state == JobState.QUEUED.value, s.jobs.c.reason.like("revert-local%"))).mappings()]
+            s.jobs.c.state == JobState.QUEUED.value, s.jobs.c.reason.like(f"{REQUEUED_LOCAL}%"))).mappings()]
     for job in jobs:
         fits = bool(job["decision"].get("fits_locally"))
+        newest = checkpoints.latest(app.config, job["id"], deep=False)
+        start = f"from its newest checkpoint, {newest.name}" if newest else "from the start (no checkpoint yet)"
         with app.store.tx() as conn:
             if fits:
                 app.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.QUEUED.value,
-                                     placement="local",
-                                     reason="revert-local: requeued locally from the newest checkpoint")
+                                     placement="local", reason=f"{REQUEUED_LOCAL} {start}")
                 app.events.emit("job.requeued_local", job_id=job["id"], conn=conn)
                 report.requeued_local.append(job["id"])
             elif job["state"] != JobState.BLOCKED.value:
