@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
 from orchestrator.config import Config, load_config
-from orchestrator.errors import OperationalError
+from orchestrator.errors import BadInput, OperationalError
 from orchestrator.events import EventLog, Redactor
 from state import schema as s
 from state.store import Store
@@ -42,7 +42,15 @@ class App:
 
     @cached_property
     def config(self) -> Config:
-        return load_config(self.config_path, self.state_dir_override)
+        cfg = load_config(self.config_path, self.state_dir_override)
+        # --state-dir (or state.dir) naming a file, or a path under one: said once here, before any command
+        # reaches for its lock or database there and fails with a traceback.
+        blocked = next((p for p in (cfg.state_dir, *cfg.state_dir.parents) if p.exists() and not p.is_dir()), None)
+        if blocked is not None:
+            raise BadInput(f"'{blocked}' is a file; expected a directory (or a path that does not exist yet)",
+                           source=None if self.state_dir_override else cfg.source,
+                           field="--state-dir" if self.state_dir_override else "state.dir")
+        return cfg
 
     @cached_property
     def store(self) -> Store:

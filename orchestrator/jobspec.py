@@ -31,6 +31,9 @@ MAX_DEADLINE_HOURS = MAX_DEADLINE_YEARS * 365.25 * 24  # 87660 h
 DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2026-12-01T09:00:00Z"
 DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 and at most {MAX_DEADLINE_HOURS:.0f} "
                            f"({MAX_DEADLINE_YEARS} years)")
+# A job's name is part of file names (decision records): no path separators, no leading dot.
+NAME_PATTERN, NAME_MAX = r"^[A-Za-z0-9][A-Za-z0-9._-]*$", 48
+NAME_EXPECTED = f"letters, digits, '.', '_' and '-', starting with a letter or digit, at most {NAME_MAX}"
 # Variables burstctl itself gives the command (the supervisor's contract, and the runbooks' PYTHONPATH): a value
 # passed under one of these names would be silently replaced, so the name is refused instead.
 RESERVED_ENV = frozenset({"BURST_JOB_ID", "BURST_ATTEMPT", "BURST_CHECKPOINT_DIR", "BURST_RESUME_FROM",
@@ -89,8 +92,8 @@ class CheckpointSpec(BaseModel):
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)  # as ModelSpec
 
-    name: Annotated[str, Field(min_length=1, max_length=48, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")] = Field(
-        description="Job name: letters, digits, '.', '_' and '-'."
+    name: Annotated[str, Field(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN)] = Field(
+        description=f"Job name: {NAME_EXPECTED}."
     )
     kind: JobKind = Field("train", description="train | eval | embed | serve.")
     command: list[str] = Field(description="The command, as an argument list (a string is split shell-style).")

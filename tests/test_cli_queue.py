@@ -441,6 +441,26 @@ def test_usage_errors_are_one_line(burstctl) -> None:
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     r = burstctl("decide", "--s-local", "0.1")
     assert r.returncode == 2 and "--deadline-h" in r.stderr
+    # The program's name once; a near miss of a command is named, else where the list is.
+    r = burstctl("enqeue", "job.toml")
+    assert (r.returncode, r.stderr.strip()) == (2, "burstctl: error: No such command 'enqeue'. Did you mean 'enqueue'?")
+    r = burstctl("submit", "job.toml")
+    assert r.returncode == 2 and r.stderr.strip().endswith("`burstctl --help` lists the commands.")
+    # Flags mode names its decision record after --name: a path there is bad input, not a traceback.
+    r = burstctl("decide", "--s-local", "1", "--deadline-h", "5", "--rate", "3", "--name", "../../x")
+    assert r.returncode == 2 and "field '--name'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = burstctl("events", "--follow", "--interval", "-1")
+    assert r.returncode == 2 and "--interval" in r.stderr
+
+
+def test_a_state_dir_that_is_a_file_is_bad_input(burstctl, tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for where in (afile, afile / "below"):
+        r = burstctl("status", state_dir=where)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip() == (f"burstctl: error: field '--state-dir': '{afile}' is a file; expected a "
+                                    "directory (or a path that does not exist yet)")
 
 
 def test_a_what_if_decide_never_overwrites_the_record_of_an_enqueued_job(burstctl, tmp_path: Path) -> None:

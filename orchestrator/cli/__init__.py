@@ -3,7 +3,9 @@ for the one command that runs (`base.COMMAND_MODULES`)."""
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import sys
 import traceback
 
@@ -20,8 +22,21 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
     except click.UsageError as exc:
-        where = f"{exc.ctx.command_path}: " if exc.ctx else ""
-        print(f"burstctl: error: {where}{exc.format_message()}", file=sys.stderr)
+        # The subcommand's path when it has one ("burstctl events: ..."); the program's name is said once already.
+        where = f"{exc.ctx.command_path}: " if exc.ctx and exc.ctx.parent is not None else ""
+        message = exc.format_message()
+        if isinstance(exc, click.NoSuchOption) or not message.startswith("No such command"):
+            print(f"burstctl: error: {where}{message}", file=sys.stderr)
+            return 2
+        typed = re.search(r"'(.*)'", message)
+        group = exc.ctx.command if exc.ctx else cli
+        names = sorted(group.list_commands(exc.ctx)) if isinstance(group, click.Group) and exc.ctx else []
+        close = difflib.get_close_matches(typed.group(1) if typed else "", names, n=1, cutoff=0.6)
+        path = exc.ctx.command_path if exc.ctx else "burstctl"
+        hint = f" `{path} --help` lists the commands."
+        if "Did you mean" not in message and close:
+            hint = f" Did you mean '{close[0]}'?"
+        print(f"burstctl: error: {where}{message}{hint}", file=sys.stderr)
         return 2
     except click.Abort:
         print("burstctl: aborted", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import replace
 from typing import Any
@@ -14,7 +15,14 @@ from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import BadInput
-from orchestrator.jobspec import DEADLINE_HOURS_EXPECTED, MAX_DEADLINE_HOURS, load_job
+from orchestrator.jobspec import (
+    DEADLINE_HOURS_EXPECTED,
+    MAX_DEADLINE_HOURS,
+    NAME_EXPECTED,
+    NAME_MAX,
+    NAME_PATTERN,
+    load_job,
+)
 from orchestrator.queue import context, facts, measured_rented_throughput, record_decision
 
 FLAG_GPU = "rented"
@@ -84,6 +92,8 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
             _positive(k, flags[k], allow_zero=True)
         if gpus is not None and gpus < 1:
             raise BadInput(f"expected an integer ≥ 1, got {gpus}", field="--gpus")
+        if not re.fullmatch(NAME_PATTERN, name) or len(name) > NAME_MAX:
+            raise BadInput(f"expected {NAME_EXPECTED} characters", field="--name")
         job = JobFacts(name=name, kind="train", work=work or 1.0, s_local=s_local or 0.0,
                        rented={FLAG_GPU: s_rented or 5.0}, gpus=gpus or 1, deadline_h=deadline_h or 0.0,
                        market="on-demand")

@@ -256,7 +256,8 @@ EVENTS_SHOWN = 100  # `burstctl events` without --limit or --all: the newest thi
 @click.option("--after", "after_id", type=click.IntRange(min=0), default=None,
               help="Only events with a higher id, oldest first: every one (streamed), or the first --limit. A "
                    "script pages with the last id it printed.")
-@click.option("--interval", type=float, default=0.5, show_default=True, help="Poll interval with --follow.")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=0.5, show_default=True,
+              help="Poll interval with --follow.")
 @json_option
 @pass_app
 def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | None, limit: int | None,
