@@ -385,3 +385,16 @@ def test_burst_enable_puts_back_on_their_plans_the_jobs_revert_local_moved_home_
         planned["placement"]]
     assert revert.restore_plans(app) == []  # once
     app.close()
+
+
+def test_a_daemon_with_no_usable_cloud_provider_is_reported_local_only_by_status(tmp_path: Path) -> None:
+    # No provider has its credentials (e.g. BURSTCTL_SIM_API_KEY unset): nothing can burst, and status says so
+    # rather than "burst-enabled" (a stopped daemon's last answer says nothing about now).
+    from orchestrator.cli.status import _mode
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    assert _mode(app, daemon_running=True) == "burst-enabled"  # nothing asked yet
+    Reconciler(app, {}, cloud=None)._record_health(time.time())
+    assert _mode(app, daemon_running=True) == "local-only (no cloud provider is usable: `burstctl providers` says why)"
+    assert _mode(app, daemon_running=False) == "burst-enabled"
+    app.close()

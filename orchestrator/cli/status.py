@@ -17,6 +17,8 @@ from orchestrator.lifecycle.states import JobState
 from orchestrator.records import fmt_usd
 from state import schema as s
 
+NO_PROVIDER = "no cloud provider is usable: `burstctl providers` says why"
+
 
 def status_data(app: App) -> dict[str, Any]:
     daemon = running_daemon(app)
@@ -33,7 +35,7 @@ def status_data(app: App) -> dict[str, Any]:
         "daemon": {"running": daemon is not None, "pid": daemon and daemon["pid"],
                    **({"host": daemon["host"]} if daemon and daemon.get("host") else {})},
         "mode": _mode(app, daemon is not None),
-        "cloud_health": app.store.get_setting("cloud_health", {}),
+        "cloud_health": app.store.get_setting("cloud_health") or {},
         "cloud_health_at": app.store.get_setting("cloud_health_at"),
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
         "active_jobs": sum(counts.get(st.value, 0) for st in active_states),
@@ -64,7 +66,9 @@ def _mode(app: App, daemon_running: bool) -> str:
     lately (a stopped daemon's last answer says nothing about now)."""
     if not burst_enabled(app):
         return "local-only"
-    health = app.store.get_setting("cloud_health", {})
+    health = app.store.get_setting("cloud_health")
+    if daemon_running and health == {}:
+        return f"local-only ({NO_PROVIDER})"
     if daemon_running and health and not any(health.values()):
         return "local-only (no cloud reachable)"
     return "burst-enabled"

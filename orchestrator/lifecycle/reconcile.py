@@ -288,6 +288,13 @@ class Reconciler:
         that `status` is never an old answer; written (with when) only when the providers were asked again."""
         if not burst_enabled(self.app):
             return  # local-only: the cloud is not asked at all
+        if not self.providers:  # none configured with credentials: `status` says so rather than burst-enabled
+            if self.store.get_setting("cloud_health") != {}:
+                with self.store.tx() as conn:
+                    self.store.set_setting("cloud_health", {}, conn=conn)
+                    self.store.set_setting("cloud_health_at", now, conn=conn)
+                    self.app.events.emit("cloud.health", conn=conn, providers={})
+            return
         for name, provider in self.providers.items():
             with contextlib.suppress(ProviderError):
                 self.offers.get(name, provider, now)
