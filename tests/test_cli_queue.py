@@ -399,6 +399,7 @@ def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> No
     [
         ("[policy]\ndefault_market = 'cheap'\n", "policy.default_market"),
         ("[providers.lambda]\napi_key = 'sk-live-123'\n", "providers.lambda.api_key"),
+        ("[providers.lambda]\napi_key_env = 'sk_live_123abcdefGHIJKL456'\n", "providers.lambda.api_key_env"),
         ("[providers.gcp]\nenabled = true\n", "providers.gcp"),
         ("[local]\nvram_gib = -4\n", "local.vram_gib"),
         ("[budget]\ncycle_gpu = 'TPU'\n", "budget.cycle_gpu"),
@@ -407,7 +408,7 @@ def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> No
         ("[state]\ndatabase_url = 'mysql://burst@db/burstctl'\n", "state.database_url"),
         ("[state]\ndatabase_url = 'postgresql+pg8000://burst@db/burstctl'\n", "state.database_url"),
     ],
-    ids=["bad-market", "inline-secret", "unknown-provider", "negative-vram", "unpriced-cycle-gpu",
+    ids=["bad-market", "inline-secret", "secret-as-env-name", "unknown-provider", "negative-vram", "unpriced-cycle-gpu",
          "database-password-inline", "database-url-unparsable", "database-not-supported", "database-driver-missing"],
 )
 def test_bad_config_exits_2_naming_the_field(burstctl, tmp_path: Path, text: str, field: str) -> None:
@@ -417,7 +418,7 @@ def test_bad_config_exits_2_naming_the_field(burstctl, tmp_path: Path, text: str
     assert r.returncode == 2
     line = r.stderr.strip()
     assert "\n" not in line and str(cfg) in line and field in line, line
-    assert "sk-live-123" not in line
+    assert "sk-live-123" not in line and "sk_live_123" not in line
 
 
 def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path: Path) -> None:

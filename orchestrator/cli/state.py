@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 from pydantic import ValidationError
+from rich.markup import escape
+from sqlalchemy import make_url
 
 from orchestrator.app import App, open_store
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
@@ -34,6 +38,12 @@ def copy_state_cmd(app: App, url: str, as_json: bool) -> None:
         pid = f" (pid {daemon['pid']})" if daemon["pid"] else ""
         raise OperationalError(f"a daemon is running{pid}: stop it first, so that nothing changes while the state is "
                                "copied")
+    sqlite = make_url(url)
+    if sqlite.get_backend_name() == "sqlite" and sqlite.database and sqlite.database != ":memory:" and \
+            not Path(sqlite.database).parent.is_dir():
+        # A typo in the path would otherwise make the directories it names.
+        raise BadInput(f"directory '{Path(sqlite.database).parent}' does not exist; expected a SQLite file in an "
+                       "existing directory", source="--to")
     target = open_store(url, "--to")
     try:
         if target.holds_data():
@@ -46,7 +56,7 @@ def copy_state_cmd(app: App, url: str, as_json: bool) -> None:
         print_json({"copied": copied})
         return
     table("rows copied", ["table", "rows"], sorted(copied.items()))
-    out.print("now set [state] database_url to it in the config; the old database is unchanged")
+    out.print(escape("now set [state] database_url to it in the config; the old database is unchanged"))
 
 
 @cli.command("prune-events")

@@ -56,6 +56,8 @@ class TracePreemptions:
     @classmethod
     def from_file(cls, path: str | Path, *, time_scale: float = 1.0, started_at: float | None = None,
                   nodes: int | None = None) -> TracePreemptions:
+        if not Path(path).is_file():
+            raise ValueError(f"{path}: no such trace file")
         try:
             doc: Any = json.loads(Path(path).read_text(encoding="utf-8"))
             data = [int(v) for v in doc["data"]]
