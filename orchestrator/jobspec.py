@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 import shlex
 import time
 from datetime import UTC, date, datetime
@@ -81,7 +82,19 @@ class ModelSpec(BaseModel):
 class CheckpointSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
-    dir: str = Field("checkpoints", description="Checkpoint directory, relative to workdir.")
+    dir: str = Field(
+        "checkpoints", description="A directory in the workdir kept out of the push to an instance (e.g. where a "
+                                   "run outside burstctl left its checkpoints), relative to workdir. The trainer "
+                                   "writes its checkpoints to $BURST_CHECKPOINT_DIR, which burstctl gives it and "
+                                   "syncs; not to this.")
+
+    @field_validator("dir")
+    @classmethod
+    def _inside_workdir(cls, v: str) -> str:
+        norm = posixpath.normpath(v) if v else ""
+        if norm in ("", ".", "..") or norm.startswith(("/", "~", "../")):
+            raise ValueError("expected a directory inside the workdir, relative to it (e.g. \"checkpoints\")")
+        return v
     interval_minutes: Annotated[float, Field(gt=0)] = Field(30.0, description="How often the job checkpoints.")
     resumable: bool = Field(True, description="The trainer writes checkpoints and resumes from $BURST_RESUME_FROM. "
                             "false: a stop loses all its work, so it gets no hybrid plan (nothing to hand over), spot "

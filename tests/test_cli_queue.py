@@ -220,6 +220,7 @@ BAD_JOBS = {
     "int-for-bool": ({"deadline_critical": 1}, "deadline_critical", "expected true or false, got 1"),
     # Only the workdir is copied to an instance: a script beside it runs locally and is missing there.
     "command-outside-workdir": ({"command": ["python3", "../train.py"]}, "command.1", "outside the workdir"),
+    "checkpoint-dir-outside-workdir": ({"checkpoint": {"dir": "../../.."}}, "checkpoint.dir", "inside the workdir"),
 }
 
 
