@@ -49,7 +49,7 @@ def test_decide_prints_the_gates_in_the_seed_scripts_words(burstctl) -> None:
     r = burstctl("decide", "--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12", *SEED_FLAGS)
     assert r.returncode == 0
     assert "GATE 2: local MISSES the deadline (30.30 h > 12.00 h)." in r.stdout
-    assert "price of the deadline: dC ~ $16.12 to save 23.92 h." in r.stdout
+    assert "price of the deadline: dC ~ $16.12 to save 23.92 h (all of it on-demand" in r.stdout
 
 
 def test_a_local_run_just_past_the_deadline_is_printed_with_the_decimals_that_show_it(burstctl) -> None:

@@ -131,7 +131,8 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
     if not d["fits_locally"]:
         p("GATE 1: does NOT fit locally -> BURST (no local option).")
         if d["t_rented_h"] is not None:
-            p(f"  rented wall-clock ~ {d['t_rented_h']:.2f} h, cost ~ ${d['c_rented_usd']:.2f}")
+            p(f"  rented wall-clock ~ {d['t_rented_h']:.2f} h, cost ~ ${d['c_rented_usd']:.2f} (on-demand; the plan "
+              "below is the cheapest safe way it runs).")
     else:
         p(f"GATE 1: fits locally. local wall-clock ~ {d['t_local_h']:.2f} h, cost ~ ${d['c_local_usd']:.2f} "
           "(electricity).")
@@ -147,7 +148,8 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
             else:
                 p("  rented makes it: {} h <= {} h.".format(*_apart(d["t_rented_h"], D)))
                 if d["delta_cost_usd"] >= 0:
-                    p(f"  price of the deadline: dC ~ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h.")
+                    p(f"  price of the deadline: dC ~ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h "
+                      "(all of it on-demand; the plan below is the cheapest safe way it runs).")
                 else:
                     p(f"  price of the deadline: none: renting is ${-d['delta_cost_usd']:.2f} cheaper than local "
                       f"and saves {d['hours_saved']:.2f} h.")

@@ -234,13 +234,15 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
             action = "blocked"
         elif g.verdict is Verdict.PRICED and not job.deadline_critical:
             extra = plan.cost_usd - (g.c_local_usd or 0.0)
+            # The plan's cost against local's: what running it adds (dC above is the seed's all-on-demand figure).
+            versus = f"(its plan ${plan.cost_usd:.2f} against ${g.c_local_usd or 0.0:.2f} local)"
             if extra > ctx.max_auto_delta_usd:
                 action = "await-approval"
-                reasons.append(f"the deadline costs ${extra:.2f} more than local, above the "
+                reasons.append(f"the deadline costs ${extra:.2f} more than local {versus}, above the "
                                f"${ctx.max_auto_delta_usd:.2f} approved without asking: `burstctl approve`")
             elif extra < 0:  # local's own hours cost more than renting (a slow card, a long job)
                 reasons.append(f"the deadline costs nothing: renting is ${-extra:.2f} cheaper than local")
             else:
-                reasons.append(f"the deadline costs ${extra:.2f} more than local: within the "
+                reasons.append(f"the deadline costs ${extra:.2f} more than local {versus}: within the "
                                f"${ctx.max_auto_delta_usd:.2f} approved without asking")
     return Decision(g.verdict, action, g, gpu, rate, market, plan, reasons, ctx.overhead_h)
