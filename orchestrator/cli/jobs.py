@@ -28,17 +28,18 @@ def _at(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _job_or_fail(app: App, ref: str) -> dict[str, Any]:
+def _job_or_fail(app: App, ref: str, field: str = "JOB") -> dict[str, Any]:
     """The job `ref` names: an id, or a name that one job has, or that only one job not yet over has (the run of it
-    that `cancel` or `approve` means when earlier runs are done). Otherwise the ids to choose from."""
+    that `cancel` or `approve` means when earlier runs are done). Otherwise the ids to choose from. `field`: the
+    argument or option that named it."""
     found = app.store.find_jobs(ref)
     if not found:
-        raise BadInput(f"no job with id or name '{ref}'", field="JOB")
+        raise BadInput(f"no job with id or name '{ref}'", field=field)
     active = [j for j in found if not JobState(j["state"]).final]
     if len(found) == 1 or len(active) == 1:
         return found[0] if len(found) == 1 else active[0]
     choices = ", ".join(f"{j['id']} ({j['state']})" for j in (active or found))
-    raise BadInput(f"{len(active or found)} jobs are named '{ref}': give one of their ids: {choices}", field="JOB")
+    raise BadInput(f"{len(active or found)} jobs are named '{ref}': give one of their ids: {choices}", field=field)
 
 
 def _public(job: dict[str, Any]) -> dict[str, Any]:
@@ -268,7 +269,7 @@ def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | N
         raise BadInput("--all and --limit exclude each other", field="--limit")
     if show_all and after_id is not None:
         raise BadInput("--all and --after exclude each other (--all is --after 0)", field="--after")
-    job_id = _job_or_fail(app, job_ref)["id"] if job_ref else None
+    job_id = _job_or_fail(app, job_ref, "--job")["id"] if job_ref else None
     last = 0
     if after_id is not None and limit:  # a page
         evs = app.store.events(after_id=after_id, job_id=job_id, type_prefix=type_prefix, limit=limit)

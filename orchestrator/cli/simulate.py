@@ -53,27 +53,33 @@ def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: fl
 
     Semantics and reference figures: Wu et al., "Can't Be Late", NSDI 2024 (see docs/simulate.md).
     """
-    for name, value in (("job-hours", job_hours), ("deadline-hours", deadline_hours)):
+    for name, value in (("--job-hours", job_hours), ("--deadline-hours", deadline_hours)):
         if not math.isfinite(value) or value <= 0:
             raise BadInput(f"must be a number > 0, got {value}", field=name)
-    for name, value in (("changeover-hours", changeover_hours), ("od-price", od_price), ("spot-price", spot_price)):
+    for name, value in (("--changeover-hours", changeover_hours), ("--od-price", od_price),
+                        ("--spot-price", spot_price)):
         _non_negative(name, value)
     if deadline_hours < job_hours:
         raise BadInput(f"deadline {deadline_hours} h is shorter than the job's {job_hours} h: no policy can make it",
-                       field="deadline-hours")
+                       field="--deadline-hours")
     if starts <= 0:
-        raise BadInput(f"must be > 0, got {starts}", field="starts")
+        raise BadInput(f"must be > 0, got {starts}", field="--starts")
     if nodes <= 0:
-        raise BadInput(f"must be > 0, got {nodes}", field="nodes")
+        raise BadInput(f"must be > 0, got {nodes}", field="--nodes")
     if workers is not None and workers <= 0:
-        raise BadInput(f"must be > 0, got {workers}", field="workers")
+        raise BadInput(f"must be > 0, got {workers}", field="--workers")
     names = list(dict.fromkeys(policy_names)) or list(POLICIES)
     for name in names:
         if name not in POLICIES:
-            raise BadInput(f"unknown policy {name!r} (known: {', '.join(POLICIES)})", field="policy")
+            raise BadInput(f"unknown policy {name!r} (known: {', '.join(POLICIES)})", field="--policy")
     job = JobSetting(job_hours=job_hours, deadline_hours=deadline_hours, changeover_hours=changeover_hours,
                      od_price=od_price, spot_price=spot_price)
-    traces = load_traces(trace_paths, nodes=nodes, window=window)
+    try:
+        traces = load_traces(trace_paths, nodes=nodes, window=window)
+    except BadInput as exc:  # the library names its parameters; here they are flags
+        if exc.field in ("nodes", "window", "trace"):
+            raise BadInput(exc.detail, source=exc.source, field=f"--{exc.field}") from None
+        raise
 
     batches = len(traces) * (len(names) + 1)
     # The bar goes to stderr, so --json's stdout stays pure JSON.

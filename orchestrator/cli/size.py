@@ -97,7 +97,12 @@ def size_cmd(app: App, job_path: str | None, gpus: int, as_json: bool, **flags: 
     """Estimate training memory per term (GB = 10^9 bytes), per GPU, and which common GPU sizes fit."""
     model = _model_from(job_path, flags)
     # The margin gate 1 keeps on the local card, so `size` and the daemon give one verdict for a card.
-    est = estimate(model, gpus, margin_gib=app.config.local.safety_margin_gib)
+    try:
+        est = estimate(model, gpus, margin_gib=app.config.local.safety_margin_gib)
+    except BadInput as exc:
+        if job_path is not None or exc.field != "model.preset":
+            raise
+        raise BadInput(exc.detail, field="--model") from None  # the flag that named it, not the job file's field
     if as_json:
         print_json(est.to_json())
         return
