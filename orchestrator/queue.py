@@ -187,13 +187,19 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         fits_local = local.per_gpu_gb <= cfg.local.vram_gb - cfg.local.safety_margin_gib * 2**30 / 1e9
     return JobFacts(
         name=spec.name, kind=spec.kind, work=spec.work_units, s_local=spec.local_throughput,
-        rented={gpu: (measured or {}).get(gpu, s_r) for gpu, s_r in spec.rented_throughput.items()},
+        rented={gpu: (measured or {}).get(gpu, s_r) for gpu, s_r in _priced_names(spec.rented_throughput, cfg).items()},
         gpus=spec.gpus, deadline_h=(deadline_at - now) / 3600.0,
         market=spec.market or cfg.policy.default_market, deadline_critical=spec.deadline_critical,
         market_from="job" if spec.market else "policy.default_market",
         checkpoint_interval_h=spec.checkpoint.interval_minutes / 60.0, checkpoints=spec.checkpoint.resumable,
         fits_local_memory=fits_local, per_gpu_gb=per_gpu,
     )
+
+
+def _priced_names(rented: dict[str, float], cfg: Config) -> dict[str, float]:
+    """GPU types as `[prices]` spells them: `h100` in a job file is the H100 priced there, not an unknown type."""
+    spelled = {name.lower(): name for name in cfg.prices}
+    return {spelled.get(gpu.lower(), gpu): s_r for gpu, s_r in rented.items()}
 
 
 def new_job_id() -> str:

@@ -532,3 +532,9 @@ def test_status_lists_a_local_attempt_which_has_no_market(burstctl, tmp_path: Pa
     r = burstctl("status")
     assert r.returncode == 0, r.stderr
     assert f"{job_id}-a1" in r.stdout and "local" in r.stdout
+
+
+def test_a_gpu_type_is_the_priced_one_whatever_its_case(burstctl, tmp_path: Path) -> None:
+    job = write_job(tmp_path, "lower", local_throughput=0, rented_throughput={"h100": 2.0})
+    d = json.loads(burstctl("decide", str(job), "--json", "--no-record").stdout)
+    assert (d["verdict"], d["gpu"]) == ("burst", "H100"), d["reasons"]
