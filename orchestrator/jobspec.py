@@ -220,15 +220,19 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
     path = Path(path)
     data = read_toml(path)
     now = time.time() if now is None else now
-    try:
-        spec = JobSpec.model_validate(data)
-    except ValidationError as exc:
-        raise format_validation_error(exc, path) from None
-    pasted = [i for i, name in enumerate(spec.pass_env) if len(name) >= 8 and name in set(os.environ.values())]
+    # Before the names are validated: a pasted token that is also a valid name (or shaped like one) is told as
+    # what it is.
+    passed = data.get("pass_env") if isinstance(data.get("pass_env"), list) else []
+    values = set(os.environ.values())
+    pasted = [i for i, name in enumerate(passed) if isinstance(name, str) and len(name) >= 8 and name in values]
     if pasted:
         # The value of one of the user's variables where its name belongs (a pasted token): never quoted back.
         raise BadInput("is the value of an environment variable of this shell, not its name; expected the NAME "
                        "(e.g. HF_TOKEN), never the secret itself", source=path, field=f"pass_env.{pasted[0]}")
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise format_validation_error(exc, path) from None
     deadline_at = spec.deadline_at(now)
     if deadline_at <= now:
         # The file's own instant when it gave one: a year-1 deadline is past but not a timestamp datetime can hold.

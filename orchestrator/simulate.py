@@ -129,10 +129,10 @@ def load_trace(path: str | Path, *, nodes: int = 1, window: int | None = None) -
             raise BadInput(f"window of {window} ticks is longer than the trace ({counts.shape[0]} ticks)",
                            source=p, field="window")
         counts = counts[:window]
-    if counts.max() < nodes:
-        # A gang of more nodes than the trace ever counts could never use spot: a 1-node trace read with --nodes 4.
-        raise BadInput(f"never counts {nodes} spot instances (at most {counts.max():g}); expected --nodes no more "
-                       "than the trace's own node count", source=p, field="nodes")
+    if nodes > 1 and counts.max() <= 1:
+        # A 1-node trace (0 or 1 each tick) read for a gang: spot could never be usable, every policy on-demand.
+        raise BadInput(f"is a 1-node trace (each tick 0 or 1); expected --nodes 1 with it, or a {nodes}-node trace",
+                       source=p, field="nodes")
     return Trace(name=p.stem, path=p, gap_seconds=float(gap), available=counts == nodes)
 
 

@@ -196,6 +196,7 @@ def test_cli_is_deterministic_for_a_seed_whatever_the_worker_count(tmp_path: Pat
     (["--trace", "ok.json", "--deadline-hours", "3"], "deadline"),
     (["--trace", "ok.json", "--od-price", "-1"], "od-price"),
     (["--trace", "ok.json", "--policy", "psychic"], "unknown policy"),
+    (["--trace", "ok.json", "--nodes", "4"], "field '--nodes': is a 1-node trace"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, extra: list[str], expect: str) -> None:
     write_trace(tmp_path / "ok.json", [1, 0] * 60)

@@ -443,7 +443,7 @@ def test_size_reads_the_model_table_of_a_job_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "mentions"),
     [
-        (["--model", "gpt-5"], "model.preset"),
+        (["--model", "gpt-5"], "--model"),
         (["--model", "qwen2.5-7b", "--context", "-5"], "--context"),
         (["--params", "-7e9"], "--params"),
         (["--layers", "28", "--hidden", "3584"], "--kv-heads"),
