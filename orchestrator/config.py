@@ -259,8 +259,9 @@ class DaemonSettings(Strict):
     )
     spot_probe_max_s: NonNegFloat = Field(
         900.0, description="Where spot is seen only by launching (EC2), a job waiting for spot probes it with a "
-                           "launch every launch_backoff_s at first, then every tenth of the outage so far, at most "
-                           "this often: a long outage leaves tens of refused attempts, not one a minute.",
+                           "launch every launch_backoff_s at first, then every tenth of the outage so far, and at "
+                           "least this often (the longest gap between probes): a long outage leaves tens of refused "
+                           "attempts, not one a minute.",
     )
     spot_probe_on_demand: bool = Field(
         True, description="Where spot is seen only by launching (EC2), a job on on-demand whose spot policy would go "

@@ -543,7 +543,7 @@ class Reconciler:
 
     def _note(self, job: dict[str, Any], reason: str, *, same_as: str | None = None) -> None:
         """Say why the job waits. A reason that only updates one starting with `same_as` (a slack counting down)
-        changes what `status` shows without another event."""
+        changes what `show` and `list --json` say without another event."""
         if job["reason"] == reason:
             return
         with self.store.tx() as conn:
