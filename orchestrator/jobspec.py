@@ -222,7 +222,8 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
     now = time.time() if now is None else now
     # Before the names are validated: a pasted token that is also a valid name (or shaped like one) is told as
     # what it is.
-    passed = data.get("pass_env") if isinstance(data.get("pass_env"), list) else []
+    given = data.get("pass_env")
+    passed: list[object] = given if isinstance(given, list) else []
     values = set(os.environ.values())
     pasted = [i for i, name in enumerate(passed) if isinstance(name, str) and len(name) >= 8 and name in values]
     if pasted:

@@ -77,6 +77,7 @@ def waits(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provider: P
     successor takes the job over and False is returned (it bootstraps now), or, the job no longer waiting for a
     cloud attempt, the successor is ended and True returned."""
     predecessor = successor_of(att)
+    assert predecessor is not None, "waits() is asked only of a successor that has not taken over"
     why_not = wait_or_take_over(
         rec, att, job, provider, predecessor=predecessor, info={**att["info"], "took_over": True},
         reason=f"resuming on {att['provider']} {att['instance_type']} ({att['market']}): the instance launched at "
