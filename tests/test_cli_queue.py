@@ -538,3 +538,12 @@ def test_a_gpu_type_is_the_priced_one_whatever_its_case(burstctl, tmp_path: Path
     job = write_job(tmp_path, "lower", local_throughput=0, rented_throughput={"h100": 2.0})
     d = json.loads(burstctl("decide", str(job), "--json", "--no-record").stdout)
     assert (d["verdict"], d["gpu"]) == ("burst", "H100"), d["reasons"]
+
+
+def test_list_says_why_each_held_job_is_held(burstctl, tmp_path: Path) -> None:
+    # Over the $15 budget: blocked, and the table alone would not say why.
+    held = json.loads(burstctl("enqueue", str(write_job(tmp_path, "dear", local_throughput=0, deadline_hours=48,
+                                                        rented_throughput={"H100": 0.01})), "--json").stdout)
+    shown = burstctl("list").stdout
+    assert held["state"] == "blocked"
+    assert f"{held['id']} blocked: budget: projected rented $" in shown, shown

@@ -52,7 +52,7 @@ def test_a_job_that_does_not_resume_from_checkpoints_is_never_moved() -> None:
 
 @pytest.mark.parametrize("ctx, cause", [
     (replace(CTX, burst_enabled=False), "bursting is disabled (revert-local"),
-    (replace(CTX, budget_cap_usd=20.0, spent_usd=15.0), "budget: projected $"),
+    (replace(CTX, budget_cap_usd=20.0, spent_usd=15.0), "budget: projected rented $"),
     (replace(CTX, cloud_kinds=()), "kind 'train' may not run in the cloud"),
 ])
 def test_the_kill_switch_the_budget_and_the_kinds_allowed_keep_it_local_saying_which(

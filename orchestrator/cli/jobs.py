@@ -98,8 +98,20 @@ def list_cmd(app: App, states: tuple[str, ...], show_all: bool, as_json: bool) -
           [(j["id"], j["name"], j["kind"], j["verdict"], j["state"], j["placement"],
             fmt_usd(j["decision"].get("delta_cost_usd")), _plan_txt(j["decision"]), _when(j["deadline_at"]))
            for j in jobs])
+    # Why the jobs that are held are held (blocked, awaiting approval): the question `list` is most often run to
+    # answer. A few lines, not one per job of a long queue.
+    waiting = [j for j in jobs if j["reason"] and j["state"] in WAITING_STATES]
+    for j in waiting[:REASONS_SHOWN]:
+        out.print(f"[dim]{escape(j['id'])} {escape(j['state'])}: {escape(j['reason'])}[/dim]")
+    if len(waiting) > REASONS_SHOWN:
+        out.print(f"[dim]... and {len(waiting) - REASONS_SHOWN} more waiting (`burstctl show JOB` says why)[/dim]")
     if note:
         out.print(f"[dim]{note}[/dim]")
+
+
+# A queued job's reason is its decision's last word, not a hold-up; these states are held until something changes.
+WAITING_STATES = (JobState.BLOCKED.value, JobState.AWAITING_APPROVAL.value)
+REASONS_SHOWN = 10
 
 
 def _listed(app: App, states: tuple[str, ...], show_all: bool) -> tuple[list[dict[str, Any]], int]:

@@ -46,6 +46,6 @@ def admits(projected_usd: float, cap_usd: float, spent_usd: float) -> tuple[bool
     """The hard cap: a job whose projected cost exceeds what is left is refused, with the reason."""
     left = max(0.0, cap_usd - spent_usd)
     if projected_usd > left + 1e-9:
-        return False, (f"projected ${projected_usd:.2f} exceeds the ${left:.2f} left of the ${cap_usd:.2f} "
+        return False, (f"projected rented ${projected_usd:.2f} exceeds the ${left:.2f} left of the ${cap_usd:.2f} "
                        f"monthly budget (${spent_usd:.2f} spent)")
-    return True, f"projected ${projected_usd:.2f} fits the ${left:.2f} left this month"
+    return True, f"projected rented ${projected_usd:.2f} fits the ${left:.2f} left this month"
