@@ -9,6 +9,7 @@ daemon adopts it.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -65,6 +66,16 @@ def daemon_running(state_dir: Path) -> tuple[bool, int | None]:
     """Whether some process holds the lock (and its pid), without taking it."""
     path = state_dir / LOCK_NAME
     return (True, read_lock_pid(path)) if flock_held(path) else (False, None)
+
+
+CONFIG_SEEN_KEY = "daemon_config"
+
+
+def config_fingerprint(app: App) -> dict[str, Any]:
+    """Which config file, and a digest of the settings read from it (names of secrets only, never values)."""
+    cfg = app.config
+    digest = hashlib.sha256(cfg.model_dump_json(exclude={"source"}).encode()).hexdigest()
+    return {"source": str(cfg.source) if cfg.source else None, "sha256": digest}
 
 
 def running_daemon(app: App) -> dict[str, Any] | None:
@@ -136,6 +147,8 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         reconciler = build_reconciler(app)
+        # What the daemon runs on is read once, here: `status` compares it with the config file as it is now.
+        app.store.set_setting(CONFIG_SEEN_KEY, config_fingerprint(app))
         tick_s = tick_s or app.config.daemon.tick_s
         app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
                         providers=sorted(reconciler.providers), mode=reconciler.mode())

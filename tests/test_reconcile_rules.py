@@ -398,3 +398,19 @@ def test_a_daemon_with_no_usable_cloud_provider_is_reported_local_only_by_status
     assert _mode(app, daemon_running=True) == "local-only (no cloud provider is usable: `burstctl providers` says why)"
     assert _mode(app, daemon_running=False) == "burst-enabled"
     app.close()
+
+
+def test_status_says_when_the_config_file_changed_since_the_daemon_read_it(tmp_path: Path) -> None:
+    from orchestrator.cli.status import _config_changed
+    from orchestrator.daemon import CONFIG_SEEN_KEY, config_fingerprint
+
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text("[budget]\nmonthly_cap_usd = 15.0\n")
+    daemon = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+    daemon.store.set_setting(CONFIG_SEEN_KEY, config_fingerprint(daemon))  # what the daemon does at its start
+    assert not _config_changed(App(config_path=str(cfg), state_dir_override=str(tmp_path / "state")))
+    cfg.write_text("[budget]\nmonthly_cap_usd = 100.0\n")  # raised while it runs
+    assert _config_changed(App(config_path=str(cfg), state_dir_override=str(tmp_path / "state")))
+    # Another config file than the daemon's (status run without --config) says nothing about the daemon's.
+    assert not _config_changed(App(state_dir_override=str(tmp_path / "state")))
+    daemon.close()

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from orchestrator.app import App, burst_enabled
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
 from orchestrator.core.budget import month_key
-from orchestrator.daemon import running_daemon
+from orchestrator.daemon import CONFIG_SEEN_KEY, config_fingerprint, running_daemon
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
 from orchestrator.lifecycle.states import JobState
 from orchestrator.records import fmt_usd
@@ -35,6 +35,7 @@ def status_data(app: App) -> dict[str, Any]:
         "daemon": {"running": daemon is not None, "pid": daemon and daemon["pid"],
                    **({"host": daemon["host"]} if daemon and daemon.get("host") else {})},
         "mode": _mode(app, daemon is not None),
+        "config_changed_since_daemon_started": daemon is not None and _config_changed(app),
         "cloud_health": app.store.get_setting("cloud_health") or {},
         "cloud_health_at": app.store.get_setting("cloud_health_at"),
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
@@ -52,6 +53,14 @@ def status_data(app: App) -> dict[str, Any]:
         "budget_cap_usd": app.config.budget.monthly_cap_usd,
         "state_dir": str(app.config.state_dir),
     }
+
+
+def _config_changed(app: App) -> bool:
+    """The running daemon read the same config file as this command, and the file has changed since: the daemon
+    still runs on what it read at its start (budget, policy, providers)."""
+    seen = app.store.get_setting(CONFIG_SEEN_KEY)
+    now = config_fingerprint(app)
+    return bool(seen) and seen.get("source") == now["source"] and seen.get("sha256") != now["sha256"]
 
 
 def _problem(info: dict[str, Any]) -> str | None:
@@ -102,6 +111,9 @@ def status_cmd(app: App, as_json: bool) -> None:
     mode = d["mode"]
     out.print(f"mode: [bold]{mode}[/bold]" + ("  (revert-local is in force; `burstctl burst-enable` lifts it)"
                                               if mode == "local-only" else ""))
+    if d["config_changed_since_daemon_started"]:
+        out.print("[yellow]the config file has changed since the daemon started: it runs on the settings it read "
+                  "then (budget, policy, providers); restart it to apply the change[/yellow]")
     if d["cloud_health"]:
         health = ", ".join(f"{k} {'answers' if v else 'UNREACHABLE'}" for k, v in d["cloud_health"].items())
         at = d["cloud_health_at"]
