@@ -155,9 +155,12 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
     d = j["decision"]
     out.print(f"[bold]{j['name']}[/bold] ({j['id']}) — {j['kind']}, {j['state']}"
               + (f": {escape(j['reason'])}" if j["reason"] else ""))
-    out.print(f"verdict {d['verdict']} → {d['action']}; T_L {fmt_h(d['t_local_h'])}, T_R {fmt_h(d['t_rented_h'])}, "
-              f"ΔC {fmt_usd(d['delta_cost_usd'])}, market {d.get('market') or '—'}, "
-              f"plan {d.get('plan_kind') or '—'} {fmt_usd(d.get('plan_cost_usd'))}")
+    # The decision as it was made (an approval, a revert-local or a hand-over since moves the job, not the record).
+    out.print(f"decided: verdict {d['verdict']} → {d['action']}; T_L {fmt_h(d['t_local_h'])}, "
+              f"T_R {fmt_h(d['t_rented_h'])}, ΔC (all on-demand) {fmt_usd(d['delta_cost_usd'])}, "
+              f"market {d.get('market') or '—'}, plan {d.get('plan_kind') or '—'} {fmt_usd(d.get('plan_cost_usd'))}")
+    if j["placement"] == "local" and d.get("placement") in ("cloud", "hybrid"):  # revert-local brought it home
+        out.print(f"  now placed local, not {d['placement']} as decided: the state line above says why")
     for r in d["reasons"]:
         out.print(f"  · {escape(r)}")
     out.print(f"deadline {_when(j['deadline_at'])} UTC; record {escape(j['record_path'])}")
