@@ -414,3 +414,18 @@ def test_status_says_when_the_config_file_changed_since_the_daemon_read_it(tmp_p
     # Another config file than the daemon's (status run without --config) says nothing about the daemon's.
     assert not _config_changed(App(state_dir_override=str(tmp_path / "state")))
     daemon.close()
+
+
+def test_a_job_stopped_before_the_budget_cap_says_what_was_spent_and_what_came_home(tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "capped", local_throughput=0, rented_throughput={"H100": 2.0}))
+    job = app.store.get_job(job_id)
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000042", {"w.bin": b"x"})
+    att = {"id": f"{job_id}-a1", "where": "cloud", "info": {}, "instance_id": "i-1"}
+    with app.store.tx() as c:
+        job_after_attempt(app, c, att, job, AttemptState.ABORTED, "budget-cap", time.time())
+    held = app.store.get_job(job_id)
+    assert held["state"] == "blocked"
+    assert held["reason"].startswith("stopped before the monthly budget cap: $0.00 spent of $15.00 this month, "
+                                     "checkpoint step-00000042 home; it is decided again as the budget allows")
+    app.close()

@@ -13,6 +13,7 @@ from sqlalchemy import Connection, func, select, update
 
 from orchestrator import records
 from orchestrator.app import App
+from orchestrator.core.budget import month_key
 from orchestrator.core.spot_watch import probe_after_s
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.machine import AttemptState
@@ -79,7 +80,12 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
                 to(JobState.BLOCKED, "revert-local: does not fit locally, waits for `burstctl burst-enable`",
                    "job.blocked")
         elif stop_reason == "budget-cap":
-            to(JobState.BLOCKED, "stopped before the monthly budget cap", "job.blocked")
+            cap = app.config.budget.monthly_cap_usd
+            spent = app.store.month_spend(month_key(now), now)
+            newest = checkpoints.latest(app.config, job["id"], deep=False)
+            to(JobState.BLOCKED, f"stopped before the monthly budget cap: ${spent:.2f} spent of ${cap:.2f} this month, "
+               f"{f'checkpoint {newest.name} home' if newest else 'no checkpoint home'}; it is decided again as "
+               "the budget allows (a new month, or a higher cap and a daemon restart)", "job.blocked")
         elif stop_reason in (TO_ON_DEMAND, TO_SPOT):
             back = back_in_line()
             why = ("moving to on-demand: the spot policy leaves spot to make the deadline"
