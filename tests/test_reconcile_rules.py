@@ -429,3 +429,15 @@ def test_a_job_stopped_before_the_budget_cap_says_what_was_spent_and_what_came_h
     assert held["reason"].startswith("stopped before the monthly budget cap: $0.00 spent of $15.00 this month, "
                                      "checkpoint step-00000042 home; it is decided again as the budget allows")
     app.close()
+
+
+def test_a_launch_the_budget_refuses_names_every_term_of_its_projection(tmp_path: Path) -> None:
+    # The decision projected plan hours at the configured price; the launch check adds today's price, the billing
+    # minimum and the time to stop: a bigger figure, so each term is named.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    rec = Reconciler(app, {}, cloud=None)
+    why = rec.budget_problem(time.time(), rate_usd_h=12.0, minimum_s=60.0, expected_h=1.5)
+    horizon_s = rec.budget_horizon_h() * 3600
+    assert why == (f"budget: ${12.0 * (1.5 + horizon_s / 3600):.2f} projected for the rest (1.5 h at today's $12.00/h, "
+                   f"plus {horizon_s:.0f} s to stop) exceeds the $15.00 left this month ($0.00 spent or committed)")
+    app.close()

@@ -648,8 +648,12 @@ class Reconciler:
                 new_h = max(expected_h, minimum_s / 3600.0) + horizon_h
                 left = cap - reserved
                 if rate_usd_h * new_h > left + 1e-9:
-                    return (f"budget: ${rate_usd_h * new_h:.2f} projected for the rest exceeds the "
-                            f"${max(left, 0.0):.2f} left this month")
+                    # Every term named: the decision's projection (plan hours at the configured price) is smaller.
+                    running = f", ${accruing * horizon_h:.2f} kept for the running ones to stop" if accruing else ""
+                    hours = max(expected_h, minimum_s / 3600.0)
+                    return (f"budget: ${rate_usd_h * new_h:.2f} projected for the rest ({hours:.3g} h at today's "
+                            f"${rate_usd_h:.2f}/h, plus {horizon_h * 3600:.0f} s to stop) exceeds the "
+                            f"${max(left, 0.0):.2f} left this month (${committed:.2f} spent or committed{running})")
             elif reserved >= cap:
                 return f"budget: ${reserved:.2f} committed in {month} reaches the ${cap:.2f} cap"
         return None
