@@ -80,7 +80,9 @@ def test_planted_keys_never_appear_in_any_output_log_event_record_or_database(tm
     with simcloud(tmp_path, env={"BURSTCTL_SIM_API_KEY": SIM_SECRET}) as url:
         # Lambda is pointed at simcloud with the wrong key: its 401s go through every error path too.
         config = write_config(tmp_path, url, **{"providers.lambda": {"enabled": True, "base_url": f"{url}/api/v1"}})
-        burst = json.loads(cmd("enqueue", str(job_file(tmp_path, "burst", trainer(80))), "--json").stdout)["id"]
+        # 30 s of training: still running when its first checkpoint is home, on a loaded machine too (80 steps had
+        # ended and the instance was gone when the test came to preempt it).
+        burst = json.loads(cmd("enqueue", str(job_file(tmp_path, "burst", trainer(300))), "--json").stdout)["id"]
         # One argument that a shell would split into a second command, on the cloud and on the local runner.
         hostile = ["python3", "-c", "import sys; print(sys.argv[1:])", f"x; touch {marker}", f"$(touch {marker})"]
         cloud_argv = cmd("enqueue", str(job_file(tmp_path, "argv-cloud", hostile)), "--json")
