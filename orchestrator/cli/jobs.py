@@ -221,8 +221,12 @@ def approve_cmd(app: App, job: str, as_json: bool) -> None:
         return
     if j["state"] != JobState.AWAITING_APPROVAL.value:
         raise BadInput(f"job {j['id']} is {j['state']}, not awaiting approval", field="JOB")
-    j = _set_state(app, job, JobState.QUEUED, "job.approved", approved=True, reason="deadline price approved")
-    print_json(_public(j)) if as_json else out.print(f"{j['id']} approved: queued to burst")
+    plan = j["decision"].get("plan") or []
+    local_first = next((p for p in plan if p["where"] == "local"), None) if j["placement"] == "hybrid" else None
+    runs = (f"{local_first['hours']:.2f} h on the local GPU first (when it is free), then the rest bursts"
+            if local_first else "queued to burst")
+    j = _set_state(app, job, JobState.QUEUED, "job.approved", approved=True, reason=f"deadline price approved: {runs}")
+    print_json(_public(j)) if as_json else out.print(f"{j['id']} approved: {runs}")
 
 
 @cli.command("budget")
