@@ -441,3 +441,27 @@ def test_a_launch_the_budget_refuses_names_every_term_of_its_projection(tmp_path
     assert why == (f"budget: ${12.0 * (1.5 + horizon_s / 3600):.2f} projected for the rest (1.5 h at today's $12.00/h, "
                    f"plus {horizon_s:.0f} s to stop) exceeds the $15.00 left this month ($0.00 spent or committed)")
     app.close()
+
+
+def test_show_says_how_far_a_job_is_and_what_its_instances_have_cost_so_far(tmp_path: Path) -> None:
+    from orchestrator.cli.jobs import _progress
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "watched", local_throughput=0, rented_throughput={"H100": 2.0}))
+    now = time.time()
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="preempted",
+                                            provider="sim", instance_type="x", market="spot", created_at=0.0,
+                                            info={"metrics": {"units_done": 0.25, "throughput_units_h": 2.0}}))
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a2", job_id=job_id, n=2, where="cloud", state="running",
+                                            provider="sim", instance_type="x", market="spot", created_at=0.0,
+                                            info={"metrics": {"units_done": 0.5, "throughput_units_h": "fast"}}))
+        for attempt, cost, started in ((1, 0.75, now - 7200), (2, None, now - 1800)):
+            c.execute(insert(s.ledger).values(month="2026-12", job_id=job_id, attempt_id=f"{job_id}-a{attempt}",
+                                              provider="sim", rate_usd_h=1.5, started_at=started, cost_usd=cost))
+    progress = _progress(app, app.store.get_job(job_id))
+    # The newest attempt's figures (a speed that is not a number is not shown); the closed charge at its cost,
+    # the open one at its rate for the half hour it has run.
+    assert progress["units_done"] == 0.5 and progress["throughput_units_h"] is None
+    assert progress["cloud_usd"] == pytest.approx(0.75 + 0.75, abs=0.01) and progress["accruing_usd_h"] == 1.5
+    app.close()

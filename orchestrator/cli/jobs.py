@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 from rich.markup import escape
+from sqlalchemy import select
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
@@ -17,6 +18,7 @@ from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.lifecycle.states import JobState, check_transition
 from orchestrator.records import fmt_h, fmt_usd
+from state import schema as s
 
 
 def _when(ts: float | None) -> str:
@@ -76,7 +78,7 @@ LIST_FINISHED = 20  # `burstctl list` without --all: every job not over, and the
 
 
 @cli.command("list")
-@click.option("--state", "states", multiple=True, type=click.Choice([s.value for s in JobState]),
+@click.option("--state", "states", multiple=True, type=click.Choice([st.value for st in JobState]),
               help="Only jobs in this state (repeatable).")
 @click.option("--all", "show_all", is_flag=True, help=f"Every finished job, not only the newest {LIST_FINISHED}.")
 @json_option
@@ -148,8 +150,9 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
     j = _job_or_fail(app, job)
     # The table shows the newest 15: only those are read (a job that ran for weeks has thousands).
     evs = app.store.events(job_id=j["id"], newest=None if as_json else SHOW_EVENTS)
+    progress = _progress(app, j)
     if as_json:
-        print_json({**_public(j), "spec": j["spec"], "decision": j["decision"],
+        print_json({**_public(j), "spec": j["spec"], "decision": j["decision"], "progress": progress,
                     "events": [_event_public(e) for e in evs]})
         return
     d = j["decision"]
@@ -164,14 +167,45 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
     for r in d["reasons"]:
         out.print(f"  · {escape(r)}")
     out.print(f"deadline {_when(j['deadline_at'])} UTC; record {escape(j['record_path'])}")
+    said = []
+    if progress["units_done"] is not None:
+        speed = progress["throughput_units_h"]
+        said.append(f"{progress['units_done']:.4g} of {j['spec'].get('work_units', 1):.4g} units done (the trainer's "
+                    f"figure{f', {speed:.4g} units/h' if speed is not None else ''})")
+    if progress["cloud_usd"] or progress["accruing_usd_h"]:
+        said.append(f"cloud spend so far {fmt_usd(progress['cloud_usd'])}"
+                    + (f", accruing ${progress['accruing_usd_h']:.2f}/h" if progress["accruing_usd_h"] else ""))
+    if said:
+        out.print("progress: " + "; ".join(said))
     if evs:
         table("events", ["time", "type", "data"],
               [(_at(e["ts"]), e["type"], _short(e["data"])) for e in evs])
 
 
+def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
+    """How far the job is, as its trainer last reported it (its newest attempt that said), and what its cloud
+    instances have cost so far (the ledger: closed charges at cost, open ones at their rate until now)."""
+    now = time.time()
+    with app.store.engine.connect() as c:
+        infos = [r[0] or {} for r in c.execute(select(s.attempts.c.info).where(s.attempts.c.job_id == j["id"])
+                                                .order_by(s.attempts.c.n.desc()))]
+        charges = c.execute(select(s.ledger.c.cost_usd, s.ledger.c.rate_usd_h, s.ledger.c.started_at)
+                            .where(s.ledger.c.job_id == j["id"])).all()
+
+    def number(figures: dict[str, Any], key: str) -> float | None:
+        value = figures.get(key)  # the trainer's to write: only a number it means is shown
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else None
+
+    said = next((i.get("metrics") or {} for i in infos if number(i.get("metrics") or {}, "units_done") is not None),
+                {})
+    cloud = sum(cost if cost is not None else rate * max(now - started, 0.0) / 3600 for cost, rate, started in charges)
+    return {"units_done": number(said, "units_done"), "throughput_units_h": number(said, "throughput_units_h"),
+            "cloud_usd": round(cloud, 4), "accruing_usd_h": round(sum(r for c_, r, _ in charges if c_ is None), 4)}
+
+
 def _short(data: dict[str, Any], limit: int = 90) -> str:
-    s = json.dumps({k: v for k, v in data.items() if k not in ("decision", "inputs")}, default=str)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
+    text = json.dumps({k: v for k, v in data.items() if k not in ("decision", "inputs")}, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _event_public(e: dict[str, Any]) -> dict[str, Any]:
