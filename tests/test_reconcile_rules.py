@@ -465,3 +465,30 @@ def test_show_says_how_far_a_job_is_and_what_its_instances_have_cost_so_far(tmp_
     assert progress["units_done"] == 0.5 and progress["throughput_units_h"] is None
     assert progress["cloud_usd"] == pytest.approx(0.75 + 0.75, abs=0.01) and progress["accruing_usd_h"] == 1.5
     app.close()
+
+
+def test_a_short_runs_measured_line_adds_up_and_says_the_meter_billed_more_than_it_ran(tmp_path: Path) -> None:
+    # 126 s locally and 32 s in the cloud, billed 120 s (the provider's minimum and the boot): each part rounds
+    # up, so the whole is their sum, not its own rounding; and a cost for "0.01 h" says what it was billed for.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "short", local_throughput=0.033, rented_throughput={"H100": 0.17},
+                                          deadline_hours=12))
+    job = app.store.get_job(job_id)
+    t0 = time.time() - 600
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="local", state="preempted",
+                                            provider="local", instance_type="local", info={}, created_at=0.0,
+                                            started_at=t0, ended_at=t0 + 126))
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a2", job_id=job_id, n=2, where="cloud", state="succeeded",
+                                            provider="sim", instance_type="x", market="spot", info={}, created_at=0.0,
+                                            started_at=t0 + 200, ended_at=t0 + 232.4))
+        c.execute(insert(s.ledger).values(month="2026-12", job_id=job_id, attempt_id=f"{job_id}-a2", provider="sim",
+                                          rate_usd_h=1.5, started_at=t0 + 190, ended_at=t0 + 310,
+                                          billed_seconds=120.0, cost_usd=0.05))
+    with app.store.tx() as c:
+        job_after_attempt(app, c, {"id": f"{job_id}-a2", "where": "cloud", "info": {}, "instance_id": None}, job,
+                          AttemptState.SUCCEEDED, "completed", t0 + 240)
+    record = Path(job["record_path"]).read_text()
+    assert "- **Measured:** run 0.05 h (local 0.04 h, cloud 0.01 h), cost $0.05 cloud (billed 0.03 h: launch to " \
+           "termination, at least the provider's minimum each) + $0.00 local" in record, record
+    app.close()

@@ -116,8 +116,9 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
     cancelled or failed run spent is part of the trail too."""
     rows = conn.execute(select(s.attempts).where(s.attempts.c.job_id == job["id"])).mappings().all()
     run_h = sum(((r["ended_at"] or now) - r["started_at"]) / 3600.0 for r in rows if r["started_at"])
-    cost = conn.execute(select(func.coalesce(func.sum(s.ledger.c.cost_usd), 0.0))
-                        .where(s.ledger.c.job_id == job["id"])).scalar() or 0.0
+    cost, billed_s = conn.execute(select(func.coalesce(func.sum(s.ledger.c.cost_usd), 0.0),
+                                         func.coalesce(func.sum(s.ledger.c.billed_seconds), 0.0))
+                                  .where(s.ledger.c.job_id == job["id"])).one()
     where = ", ".join(sorted({f"{r['provider']} {r['instance_type']} {r['market']}" if r["where"] == "cloud"
                               else "local" for r in rows if r["started_at"]}))
     preemptions = sum(1 for r in rows if r["state"] == A.PREEMPTED.value and r["where"] == "cloud")
@@ -129,14 +130,24 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
     late_h = (now - float(job["deadline_at"])) / 3600.0 if ended == "done" and job.get("deadline_at") else None
     deadline = "" if late_h is None else (f"; deadline missed by {_span(late_h)}" if late_h > 0
                                           else f"; deadline met with {_span(-late_h)} to spare")
-    split = f" (local {local_h:.2f} h, cloud {run_h - local_h:.2f} h)" if 0 < local_h < run_h else ""
+    # The parts rounded alike, and the whole their sum: "run 0.04 h (local 0.04 h, cloud 0.01 h)" read as a slip.
+    split, run_txt = "", f"{run_h:.2f}"
+    if 0 < local_h < run_h:
+        local_txt, cloud_txt = f"{local_h:.2f}", f"{run_h - local_h:.2f}"
+        run_txt = f"{float(local_txt) + float(cloud_txt):.2f}"
+        split = f" (local {local_txt} h, cloud {cloud_txt} h)"
+    cloud_s = (run_h - local_h) * 3600.0
+    # The meter runs from launch to termination, and bills each instance at least the provider's minimum: more
+    # than the run's hours, which a short run shows as "run 0.00 h, cost $0.02" without this.
+    minimum = (f" (billed {billed_s / 3600:.2f} h: launch to termination, at least the provider's minimum each)"
+               if billed_s > cloud_s + 30 else "")
     # The plan priced local hours at local.usd_per_hour (power, wear): the same figure, so the two compare. The
     # cloud's is the meter's (the ledger), which is what the budget counts.
     local_usd = local_h * app.config.local.usd_per_hour
-    costs = f"${cost:.2f}" + (f" cloud + ${local_usd:.2f} local at {records.fmt_usd(app.config.local.usd_per_hour)}/h"
-                              if local_usd > 0 else "")
+    costs = f"${cost:.2f}" + (f" cloud{minimum} + ${local_usd:.2f} local at "
+                              f"{records.fmt_usd(app.config.local.usd_per_hour)}/h" if local_usd > 0 else minimum)
     text = ("" if ended == "done" else f"{ended}: ") + (
-        f"run {run_h:.2f} h{split}, cost {costs}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
+        f"run {run_txt} h{split}, cost {costs}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
         f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else "") + deadline)
     if job.get("record_path") and Path(job["record_path"]).exists():
         records.fill_measured(Path(job["record_path"]), text)
