@@ -492,3 +492,22 @@ def test_a_short_runs_measured_line_adds_up_and_says_the_meter_billed_more_than_
     assert "- **Measured:** run 0.05 h (local 0.04 h, cloud 0.01 h), cost $0.05 cloud (billed 0.03 h: launch to " \
            "termination, at least the provider's minimum each) + $0.00 local" in record, record
     app.close()
+
+
+def test_budget_shows_what_running_instances_accrue_and_what_is_kept_to_stop_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from orchestrator.cli import main
+    from orchestrator.core.budget import month_key, stop_horizon_h
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    now = time.time()
+    with app.store.tx() as c:
+        c.execute(insert(s.ledger).values(month=month_key(now), job_id="j1", attempt_id="j1-a1", provider="sim",
+                                          rate_usd_h=3.0, started_at=now - 60))
+    app.close()
+    assert main(["--state-dir", str(tmp_path / "state"), "budget", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["accruing_usd_h"] == 3.0
+    assert shown["kept_to_stop_running_usd"] == pytest.approx(3.0 * stop_horizon_h(5.0), abs=1e-4)  # 5 s tick

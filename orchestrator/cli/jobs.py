@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
-from orchestrator.core.budget import BudgetView, cycle_prices, month_key
+from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.lifecycle.states import JobState, check_transition
@@ -277,10 +277,15 @@ def budget_cmd(app: App, as_json: bool) -> None:
     price = cfg.prices[ref_gpu]
     spot, od = cycle_prices(cfg.budget.cycle_gpu_hours, price.on_demand_usd_h, price.spot_usd_h)
     view = BudgetView(month, cfg.budget.monthly_cap_usd, app.store.month_spend(month, now), cycles, spot, od)
+    # Running instances go on billing until stopped: the daemon keeps what stopping them takes out of "left" before
+    # it launches anything new, so a launch can be refused with money seemingly left.
+    accruing = sum(r["rate_usd_h"] for r in rows if r["ended_at"] is None)
+    kept = accruing * stop_horizon_h(cfg.daemon.tick_s)
     data = {"month": month, "cap_usd": view.cap_usd, "spent_usd": round(view.spent_usd, 4),
             "remaining_usd": round(view.remaining_usd, 4), "cycles_this_month": cycles,
             "cycle_gpu_hours": cfg.budget.cycle_gpu_hours, "reference_gpu": ref_gpu,
-            "usd_per_cycle_spot": spot, "usd_per_cycle_on_demand": od,
+            "usd_per_cycle_spot": spot, "usd_per_cycle_on_demand": od, "accruing_usd_h": round(accruing, 4),
+            "kept_to_stop_running_usd": round(kept, 4),
             "cycles_left_spot": view.cycles_left_spot, "cycles_left_on_demand": view.cycles_left_on_demand}
     if as_json:
         print_json(data)
@@ -289,6 +294,8 @@ def budget_cmd(app: App, as_json: bool) -> None:
         ("monthly cap", fmt_usd(view.cap_usd, as_set=True)),
         ("spent", fmt_usd(view.spent_usd)),
         ("left", fmt_usd(view.remaining_usd)),
+        *([("running instances accrue", f"${accruing:.2f}/h"),
+           ("kept to stop them (out of left)", fmt_usd(kept))] if accruing else []),
         ("cycles this month", cycles),
         (f"$/cycle on spot ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h)", fmt_usd(spot)),
         (f"$/cycle on-demand ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h)", fmt_usd(od)),

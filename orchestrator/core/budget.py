@@ -42,6 +42,12 @@ def cycle_prices(cycle_gpu_hours: float, od_usd_per_gpu_h: float,
     return spot, cycle_gpu_hours * od_usd_per_gpu_h
 
 
+def stop_horizon_h(tick_s: float) -> float:
+    """How long a stop may take to end the spending: three ticks to notice and act, 120 s to checkpoint, sync and
+    terminate (also covers a daemon down for less than 120 s). Every running instance is reserved this long."""
+    return (3 * tick_s + 120) / 3600.0
+
+
 def admits(projected_usd: float, cap_usd: float, spent_usd: float) -> tuple[bool, str]:
     """The hard cap: a job whose projected cost exceeds what is left is refused, with the reason."""
     left = max(0.0, cap_usd - spent_usd)

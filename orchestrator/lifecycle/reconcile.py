@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import Connection, func, insert, select, update
 
 from orchestrator.app import App, burst_enabled
-from orchestrator.core.budget import month_key
+from orchestrator.core.budget import month_key, stop_horizon_h
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
@@ -599,9 +599,8 @@ class Reconciler:
 
     # --- the budget: month-to-date spend never crosses budget.monthly_cap_usd (tests/test_budget_property.py) --
     def budget_horizon_h(self) -> float:
-        """How long a stop may take to end the spending: three ticks to notice and act, 120 s to checkpoint,
-        sync and terminate. Also covers a daemon down for less than 120 s."""
-        return (3 * self.cfg.daemon.tick_s + 120) / 3600.0
+        """How long a stop may take to end the spending (`budget.stop_horizon_h`)."""
+        return stop_horizon_h(self.cfg.daemon.tick_s)
 
     def budget_exposure(self, now: float) -> dict[str, tuple[float, float]]:
         """Per month that can still grow: (USD committed, USD/h still accruing). Committed counts closed
