@@ -511,3 +511,19 @@ def test_budget_shows_what_running_instances_accrue_and_what_is_kept_to_stop_the
     shown = json.loads(capsys.readouterr().out)
     assert shown["accruing_usd_h"] == 3.0
     assert shown["kept_to_stop_running_usd"] == pytest.approx(3.0 * stop_horizon_h(5.0), abs=1e-4)  # 5 s tick
+
+
+def test_a_queued_local_job_says_it_waits_for_the_local_gpu_while_another_run_holds_it(tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    first, _, _ = enqueue(app, write_job(tmp_path, "first", local_throughput=1.0, deadline_hours=30))
+    second, _, _ = enqueue(app, write_job(tmp_path, "second", local_throughput=1.0, deadline_hours=40))
+    with app.store.tx() as c:  # the first one runs on the local GPU (local_concurrency 1)
+        c.execute(insert(s.attempts).values(id=f"{first}-a1", job_id=first, n=1, where="local", state="running",
+                                            provider="local", instance_type="local", info={}, created_at=0.0))
+        c.execute(update(s.jobs).where(s.jobs.c.id == first).values(state="running"))
+    Reconciler(app, {}, cloud=None)._schedule()
+    waiting = app.store.get_job(second)
+    assert (waiting["state"], waiting["reason"]) == ("queued", "waiting for the local GPU: 1 local run(s) use its 1 "
+                                                     "slot(s) (daemon.local_concurrency); it starts when one ends")
+    assert [e["type"] for e in app.store.events(job_id=second)][-1] == "job.waiting"
+    app.close()

@@ -57,6 +57,9 @@ from state import schema as s
 
 A = AttemptState
 MAX_STEP_ERRORS = 5
+# Why a queued local (or hybrid) job has not started: the local GPU is busy, or outside local.available_hours.
+LOCAL_GPU_BUSY = "waiting for the local GPU"
+LOCAL_GPU_HOURS = "waiting for the local GPU's hours (local.available_hours)"
 MAX_STEPS_PER_TICK = 4  # intent → provisioning → bootstrapping → running in one tick when nothing waits
 BOOT_WAIT_S, BOOT_POLL_S, BOOT_WAIT_WINDOW_S = 1.0, 0.2, 15.0  # brief in-tick polling of a just-launched instance
 SYNC_FAILING = "checkpoints are not coming home (the instance is kept and the pull retried)"  # a job's reason
@@ -237,6 +240,8 @@ class Reconciler:
 
     # --- scheduling -------------------------------------------------------------------------------------------
     def _schedule(self) -> None:
+        """Start what the free slots allow, earliest deadline first: local (and hybrid) jobs on the local GPU, then
+        cloud jobs; then decide blocked jobs again and record the cloud's health."""
         now = self.clock()
         with self.store.engine.connect() as c:
             busy_jobs = {r[0] for r in c.execute(
@@ -253,10 +258,17 @@ class Reconciler:
         cloud_free = self.cfg.daemon.max_cloud_attempts - n_cloud
         # Local work first: it must never wait behind a slow or unreachable cloud.
         ready = [j for j in ready if j["id"] not in busy_jobs and not self._lacks_passed_env(j)]
-        if local_free > 0 and self.cfg.local.available_at(_clock_time(now)):
-            for job in ready:
-                if job["placement"] in ("local", "hybrid") and local_free > 0 and self.local.start(job):
+        local_open = self.cfg.local.available_at(_clock_time(now))
+        for job in ready:
+            if job["placement"] not in ("local", "hybrid"):
+                continue
+            if local_open and local_free > 0:
+                if self.local.start(job):
                     local_free -= 1
+            else:  # said, so that a queued job does not look stuck (its reason was its decision's last word)
+                self._note(job, LOCAL_GPU_HOURS if not local_open else
+                           f"{LOCAL_GPU_BUSY}: {n_local} local run(s) use its {self.cfg.daemon.local_concurrency} "
+                           "slot(s) (daemon.local_concurrency); it starts when one ends", same_as=LOCAL_GPU_BUSY)
         for job in ready:
             if job["placement"] == "cloud" and cloud_free > 0 and self._start_cloud_attempt(job, now):
                 cloud_free -= 1

@@ -71,14 +71,15 @@ def set_burst_enabled(app: App, enabled: bool, why: str) -> bool:
 
 
 def restore_plans(app: App) -> list[str]:
-    """Undo revert-local's requeue for the jobs that have not run locally since: each goes back to the placement
+    """Undo revert-local's requeue for the jobs that are not running locally now: each goes back to the placement
     its decision chose (cloud or hybrid), so `burst-enable` does not leave a job local that revert-local moved there
-    (one that misses its deadline locally by hours). A job that has started locally since stays local; a local
-    run that falls behind its deadline is re-planned as any is. Returns the ids restored."""
+    (one that misses its deadline locally by hours). Only revert-local places a job local against its decision (a
+    re-plan changes the decision too); its reason may since say it waits for the local GPU. A job running locally
+    stays, and is re-planned if it falls behind its deadline. Returns the ids restored."""
     with app.store.engine.connect() as c:
         jobs = [dict(r) for r in c.execute(select(s.jobs).where(
-            s.jobs.c.state == JobState.QUEUED.value, s.jobs.c.placement == "local",
-            s.jobs.c.reason.like(f"{REQUEUED_LOCAL}%"))).mappings()]
+            s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]),
+            s.jobs.c.placement == "local")).mappings()]
     restored = []
     for job in jobs:
         placement = job["decision"].get("placement")
