@@ -16,6 +16,7 @@ from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, t
 from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
+from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import JobState, check_transition
 from orchestrator.records import fmt_h, fmt_usd
 from state import schema as s
@@ -191,15 +192,9 @@ def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
                                                 .order_by(s.attempts.c.n.desc()))]
         charges = c.execute(select(s.ledger.c.cost_usd, s.ledger.c.rate_usd_h, s.ledger.c.started_at)
                             .where(s.ledger.c.job_id == j["id"])).all()
-
-    def number(figures: dict[str, Any], key: str) -> float | None:
-        value = figures.get(key)  # the trainer's to write: only a number it means is shown
-        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else None
-
-    said = next((i.get("metrics") or {} for i in infos if number(i.get("metrics") or {}, "units_done") is not None),
-                {})
+    said = next((i.get("metrics") for i in infos if reported(i.get("metrics"), "units_done") is not None), None)
     cloud = sum(cost if cost is not None else rate * max(now - started, 0.0) / 3600 for cost, rate, started in charges)
-    return {"units_done": number(said, "units_done"), "throughput_units_h": number(said, "throughput_units_h"),
+    return {"units_done": reported(said, "units_done"), "throughput_units_h": reported(said, "throughput_units_h"),
             "cloud_usd": round(cloud, 4), "accruing_usd_h": round(sum(r for c_, r, _ in charges if c_ is None), 4)}
 
 
