@@ -91,8 +91,7 @@ class CheckpointSpec(BaseModel):
     @field_validator("dir")
     @classmethod
     def _inside_workdir(cls, v: str) -> str:
-        norm = posixpath.normpath(v) if v else ""
-        if norm in ("", ".", "..") or norm.startswith(("/", "~", "../")):
+        if not v or v.startswith(("/", "~")) or posixpath.normpath(v) == "." or _climbs_out(v):
             raise ValueError("expected a directory inside the workdir, relative to it (e.g. \"checkpoints\")")
         return v
     interval_minutes: Annotated[float, Field(gt=0)] = Field(30.0, description="How often the job checkpoints.")
@@ -259,10 +258,11 @@ def _leaves_workdir(arg: str) -> bool:
     """A relative path argument that climbs out of the directory it is run in (`../train.py`, `a/../../x`)."""
     value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
     if not value or value.startswith(("/", "~")) or ("/" not in value and value != ".."):
-        return False
-    depth = 0
-    for part in value.split("/"):
-        depth += -1 if part == ".." else 0 if part in ("", ".") else 1
-        if depth < 0:
-            return True
-    return False
+        return False  # not a relative path (a word, a flag, an absolute path)
+    return _climbs_out(value)
+
+
+def _climbs_out(relative: str) -> bool:
+    """Whether a relative path, once `..` cancels what it can, leads out of where it starts."""
+    norm = posixpath.normpath(relative)
+    return norm == ".." or norm.startswith("../")
