@@ -52,6 +52,12 @@ class App:
                            field="--state-dir" if self.state_dir_override else "state.dir")
         return cfg
 
+    def use_config(self, cfg: Config) -> None:
+        """Run on `cfg` from now on (the daemon's reload). The store and event log opened from the old one stay:
+        `config_watch` keeps their settings as they were."""
+        self.__dict__["config"] = cfg
+        self.redactor.add_env_names(cfg.secret_env_names())
+
     @cached_property
     def store(self) -> Store:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)

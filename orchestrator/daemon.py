@@ -19,15 +19,20 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.blocking import BlockingScheduler
 
 from orchestrator.app import App
+from orchestrator.config import Config
+from orchestrator.config_watch import ConfigWatch
 from orchestrator.errors import OperationalError
 from state.flock import flock_held, try_flock
 from state.store import DaemonLease
+
+if TYPE_CHECKING:
+    from orchestrator.lifecycle.reconcile import Reconciler
 
 LOCK_NAME = "daemon.lock"
 
@@ -71,9 +76,8 @@ def daemon_running(state_dir: Path) -> tuple[bool, int | None]:
 CONFIG_SEEN_KEY = "daemon_config"
 
 
-def config_fingerprint(app: App) -> dict[str, Any]:
+def config_fingerprint(cfg: Config) -> dict[str, Any]:
     """Which config file, and a digest of the settings read from it (names of secrets only, never values)."""
-    cfg = app.config
     digest = hashlib.sha256(cfg.model_dump_json(exclude={"source"}).encode()).hexdigest()
     return {"source": str(cfg.source) if cfg.source else None, "sha256": digest}
 
@@ -125,6 +129,7 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
     from orchestrator.lifecycle.service import build_reconciler
 
     stop = threading.Event()
+    reread = threading.Event()  # SIGHUP: read the config file now, changed or not
     ticks = 0
     logging.getLogger("apscheduler.scheduler").addFilter(_skipped_tick)
     scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
@@ -145,14 +150,26 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
 
     # Before anything that takes time: a stop asked for while the daemon starts is a clean stop, not a death by signal.
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    old[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda _sig, _frame: reread.set())
     try:
         reconciler = build_reconciler(app)
-        # What the daemon runs on is read once, here: `status` compares it with the config file as it is now.
-        app.store.set_setting(CONFIG_SEEN_KEY, config_fingerprint(app))
+        # What the daemon runs on, as read from the file: `status` compares it with the file as it is now.
+        app.store.set_setting(CONFIG_SEEN_KEY, config_fingerprint(app.config))
+        watch = ConfigWatch(app.config_path, app.state_dir_override, app.config)
+        ticks_fixed = tick_s is not None  # --tick-s: a config edit does not change it
         tick_s = tick_s or app.config.daemon.tick_s
         app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
                         providers=sorted(reconciler.providers), mode=reconciler.mode())
-        ticks = _schedule(app, scheduler, shut_down, reconciler, stop, tick_s, max_ticks, exit_when_idle, on_tick,
+
+        def current() -> Reconciler:
+            """The reconciler for this tick or sweep: built again when the config file has changed."""
+            nonlocal reconciler
+            force = reread.is_set()
+            reread.clear()
+            reconciler = _reload(app, scheduler, reconciler, watch, force=force, ticks_fixed=ticks_fixed)
+            return reconciler
+
+        ticks = _schedule(app, scheduler, shut_down, current, stop, tick_s, max_ticks, exit_when_idle, on_tick,
                           lease, lost)
     finally:
         for sig, handler in old.items():
@@ -161,7 +178,44 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
     return ticks
 
 
-def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool], None], reconciler: Any,
+def _reload(app: App, scheduler: BlockingScheduler, reconciler: Reconciler, watch: ConfigWatch, *, force: bool,
+            ticks_fixed: bool) -> Reconciler:
+    """The reconciler to tick with: the same one, or one built from the config file as it is now when the file has
+    changed (what a restart would do, without stopping). A file that does not validate changes nothing."""
+    from orchestrator.lifecycle.service import build_reconciler
+
+    change = watch.check(force=force)
+    if change is None:
+        return reconciler
+    if change.config is None or change.read is None:
+        app.events.emit("daemon.config_rejected", error=app.redactor(change.error or "unreadable"),
+                        running_on="the settings read before")
+        return reconciler
+    before = app.config
+    app.use_config(change.config)
+    try:
+        fresh = build_reconciler(app)
+    except Exception as exc:
+        app.use_config(before)
+        app.events.emit("daemon.config_rejected", error=app.redactor(f"{type(exc).__name__}: {exc}"),
+                        running_on="the settings read before")
+        return reconciler
+    fresh.carry_over(reconciler)
+    watch.running = change.config
+    daemon = change.config.daemon
+    if not ticks_fixed and daemon.tick_s != before.daemon.tick_s:
+        scheduler.reschedule_job("tick", trigger="interval", seconds=daemon.tick_s)
+    if daemon.sweep_s != before.daemon.sweep_s:
+        scheduler.reschedule_job("sweep", trigger="interval", seconds=daemon.sweep_s)
+    app.store.set_setting(CONFIG_SEEN_KEY, {**config_fingerprint(change.read),
+                                            "restart_needed": change.restart_needed})
+    app.events.emit("daemon.config_reloaded", source=change.config.source, changed=change.applied,
+                    restart_needed=change.restart_needed, providers=sorted(fresh.providers), mode=fresh.mode())
+    return fresh
+
+
+def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool], None],
+              reconciler_now: Callable[[], Reconciler],
               stop: threading.Event, tick_s: float, max_ticks: int | None, exit_when_idle: bool,
               on_tick: Callable[[int], None] | None, lease: DaemonLease, lost: threading.Event) -> int:
     """Tick and sweep on the scheduler until `stop`; returns ticks run."""
@@ -182,7 +236,7 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
             shut_down(False)
             return
         try:
-            reconciler.tick()
+            reconciler_now().tick()
         except Exception as exc:  # the loop survives a bad tick; the next one starts from the database
             app.events.emit("daemon.tick_failed", error=f"{type(exc).__name__}: {exc}")
         ticks += 1
@@ -196,7 +250,7 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
         if stop.is_set():
             return
         try:
-            reconciler.sweep()
+            reconciler_now().sweep()
             prune_if_due(app)  # state.events_keep_days: once a day
         except Exception as exc:
             app.events.emit("daemon.sweep_failed", error=f"{type(exc).__name__}: {exc}")

@@ -407,7 +407,7 @@ def test_status_says_when_the_config_file_changed_since_the_daemon_read_it(tmp_p
     cfg = tmp_path / "burstctl.toml"
     cfg.write_text("[budget]\nmonthly_cap_usd = 15.0\n")
     daemon = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
-    daemon.store.set_setting(CONFIG_SEEN_KEY, config_fingerprint(daemon))  # what the daemon does at its start
+    daemon.store.set_setting(CONFIG_SEEN_KEY, config_fingerprint(daemon.config))  # what the daemon does at its start
     assert not _config_changed(App(config_path=str(cfg), state_dir_override=str(tmp_path / "state")))
     cfg.write_text("[budget]\nmonthly_cap_usd = 100.0\n")  # raised while it runs
     assert _config_changed(App(config_path=str(cfg), state_dir_override=str(tmp_path / "state")))

@@ -35,7 +35,8 @@ def status_data(app: App) -> dict[str, Any]:
         "daemon": {"running": daemon is not None, "pid": daemon and daemon["pid"],
                    **({"host": daemon["host"]} if daemon and daemon.get("host") else {})},
         "mode": _mode(app, daemon is not None),
-        "config_changed_since_daemon_started": daemon is not None and _config_changed(app),
+        "config_changed_since_daemon_read_it": daemon is not None and _config_changed(app),
+        "config_restart_needed": _restart_needed(app) if daemon is not None else [],
         "cloud_health": app.store.get_setting("cloud_health") or {},
         "cloud_health_at": app.store.get_setting("cloud_health_at"),
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
@@ -56,11 +57,18 @@ def status_data(app: App) -> dict[str, Any]:
 
 
 def _config_changed(app: App) -> bool:
-    """The running daemon read the same config file as this command, and the file has changed since: the daemon
-    still runs on what it read at its start (budget, policy, providers)."""
+    """The running daemon read the same config file as this command, and the file has changed since it last read
+    it (it reads it again at its next tick: a moment, unless the daemon is stuck)."""
     seen = app.store.get_setting(CONFIG_SEEN_KEY)
-    now = config_fingerprint(app)
+    now = config_fingerprint(app.config)
     return bool(seen) and seen.get("source") == now["source"] and seen.get("sha256") != now["sha256"]
+
+
+def _restart_needed(app: App) -> list[str]:
+    """Settings changed in the daemon's config file that it applies only at its next start (`[state]`,
+    `orchestrator_id`)."""
+    seen = app.store.get_setting(CONFIG_SEEN_KEY) or {}
+    return list(seen.get("restart_needed") or [])
 
 
 def _problem(info: dict[str, Any]) -> str | None:
@@ -111,9 +119,12 @@ def status_cmd(app: App, as_json: bool) -> None:
     mode = d["mode"]
     out.print(f"mode: [bold]{mode}[/bold]" + ("  (revert-local is in force; `burstctl burst-enable` lifts it)"
                                               if mode == "local-only" else ""))
-    if d["config_changed_since_daemon_started"]:
-        out.print("[yellow]the config file has changed since the daemon started: it runs on the settings it read "
-                  "then (budget, policy, providers); restart it to apply the change[/yellow]")
+    if d["config_changed_since_daemon_read_it"]:
+        out.print("[yellow]the config file has changed since the daemon last read it: it applies the change at its "
+                  "next tick (`burstctl events` says config_reloaded, or config_rejected and why)[/yellow]")
+    if d["config_restart_needed"]:
+        out.print(f"[yellow]the daemon applies {', '.join(d['config_restart_needed'])} only when it starts: "
+                  "restart it to apply the change (it runs on the file's other settings)[/yellow]")
     if d["cloud_health"]:
         health = ", ".join(f"{k} {'answers' if v else 'UNREACHABLE'}" for k, v in d["cloud_health"].items())
         at = d["cloud_health_at"]

@@ -129,6 +129,10 @@ class Reconciler:
                                  on_refresh=lambda name, offers, now: record_spot_listings(app, name, offers, now))
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
 
+    def carry_over(self, before: Reconciler) -> None:
+        """Take over from the reconciler this one replaces (a config reload): when each heartbeat last moved."""
+        self._heartbeats = before._heartbeats
+
     # --- the tick -----------------------------------------------------------------------------------------
     def tick(self) -> None:
         with self.store.tx() as conn:

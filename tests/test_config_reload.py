@@ -1,0 +1,149 @@
+"""The daemon applies an edited config file without a restart (at its next tick, or at once on SIGHUP); a file that
+does not validate changes nothing, and what was opened at the start (`[state]`, `orchestrator_id`) waits for one."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from orchestrator import daemon as daemon_module
+from orchestrator.app import App
+from orchestrator.cli import status as status_module
+from orchestrator.cli.status import status_data
+from orchestrator.config import load_config
+from orchestrator.config_watch import ConfigWatch, changed_paths
+from orchestrator.queue import enqueue
+from tests.conftest import write_job
+
+NO_CLOUD = "[providers.sim]\nenabled = false\n"
+
+
+def _config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "burstctl.toml"
+    path.write_text(text)
+    return path
+
+
+def test_changed_settings_are_named_by_path_never_by_value() -> None:
+    old = {"budget": {"monthly_cap_usd": 15.0, "cycle_gpu": "H100"}, "prices": {"H100": {"spot_usd_h": 1.0}}}
+    new = {"budget": {"monthly_cap_usd": 40.0, "cycle_gpu": "H100"}, "prices": {"H100": {"spot_usd_h": 1.0},
+                                                                                "A10": {"spot_usd_h": 0.2}}}
+    assert changed_paths(old, new) == ["budget.monthly_cap_usd", "prices.A10"]
+    assert changed_paths(old, old) == []
+
+
+def test_an_edit_is_seen_once_and_what_needs_a_restart_is_kept_as_running(tmp_path: Path) -> None:
+    path = _config(tmp_path, "[budget]\nmonthly_cap_usd = 15\n[state]\nevents_files_kept = 4\n")
+    running = load_config(str(path))
+    watch = ConfigWatch(str(path), None, running)
+    assert watch.check() is None  # the first look reads the file: unchanged since it was read
+    assert watch.check() is None  # and then only a changed file is read
+    path.write_text("[budget]\nmonthly_cap_usd = 40\n[state]\nevents_files_kept = 9\n")
+    change = watch.check()
+    assert change is not None and change.config is not None and change.read is not None
+    assert change.applied == ["budget.monthly_cap_usd"]
+    assert change.restart_needed == ["state.events_files_kept"]
+    assert change.config.budget.monthly_cap_usd == 40
+    assert change.config.state.events_files_kept == 4  # the event log was opened with 4: kept until a restart
+    assert change.read.state.events_files_kept == 9  # what the file says (status compares it with the file)
+
+
+def test_a_file_that_does_not_validate_is_rejected_with_one_line_naming_file_and_field(tmp_path: Path) -> None:
+    path = _config(tmp_path, "[daemon]\nlocal_concurrency = 1\n")
+    watch = ConfigWatch(str(path), None, load_config(str(path)))
+    path.write_text("[daemon]\nlocal_concurrency = -1\n")
+    change = watch.check()
+    assert change is not None and change.config is None
+    assert change.error is not None and "\n" not in change.error
+    assert change.error.startswith(f"{path}: field 'daemon.local_concurrency':")
+    assert watch.running.daemon.local_concurrency == 1
+
+
+def test_a_raised_budget_cap_frees_a_blocked_job_without_restarting_the_daemon(tmp_path: Path) -> None:
+    """The daemon's own loop: the cap is raised in the file between two ticks, and the next tick decides the job
+    against the new cap (here no cloud is configured, so it is then blocked for that reason instead)."""
+    path = _config(tmp_path, "[budget]\nmonthly_cap_usd = 0.01\n" + NO_CLOUD)
+    app = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
+    job_id, decision, _ = enqueue(app, write_job(tmp_path, "big", local_throughput=0, rented_throughput={"H100": 2.0}))
+    assert decision.action == "blocked" and "budget" in app.store.get_job(job_id)["reason"]
+
+    def on_tick(n: int) -> None:
+        if n == 2:
+            path.write_text("[budget]\nmonthly_cap_usd = 100\n" + NO_CLOUD)
+
+    daemon_module.run_daemon(app, tick_s=0.1, max_ticks=4, on_tick=on_tick)
+    events = list(app.store.events())
+    reloaded = [e for e in events if e["type"] == "daemon.config_reloaded"]
+    assert len(reloaded) == 1
+    assert reloaded[0]["data"]["changed"] == ["budget.monthly_cap_usd"]
+    assert reloaded[0]["data"]["restart_needed"] == []
+    assert app.config.budget.monthly_cap_usd == 100
+    job = app.store.get_job(job_id)
+    assert "budget" not in job["reason"] and "no cloud provider is usable" in job["reason"]
+    # status: the daemon read the file as it is now, and nothing waits for a restart.
+    app2 = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
+    assert daemon_module.config_fingerprint(app2.config)["sha256"] == \
+        app2.store.get_setting(daemon_module.CONFIG_SEEN_KEY)["sha256"]
+    app2.close()
+    app.close()
+
+
+def test_sighup_reads_the_file_even_when_its_stamp_did_not_change(tmp_path: Path) -> None:
+    """An edit that keeps the file's size and time (a copy with -p, a coarse clock) is seen when asked to."""
+    path = _config(tmp_path, "[budget]\nmonthly_cap_usd = 10\n" + NO_CLOUD)
+    app = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
+    stamp = path.stat()
+
+    def on_tick(n: int) -> None:
+        if n == 2:
+            path.write_text("[budget]\nmonthly_cap_usd = 20\n" + NO_CLOUD)
+            os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+        if n == 4:
+            assert app.config.budget.monthly_cap_usd == 10  # not seen: same size, same time
+            os.kill(os.getpid(), signal.SIGHUP)
+
+    before = signal.getsignal(signal.SIGHUP)
+    daemon_module.run_daemon(app, tick_s=0.1, max_ticks=6, on_tick=on_tick)
+    assert signal.getsignal(signal.SIGHUP) is before
+    assert app.config.budget.monthly_cap_usd == 20
+    app.close()
+
+
+def test_a_rejected_edit_leaves_the_daemon_on_its_settings_and_says_why_once(tmp_path: Path) -> None:
+    path = _config(tmp_path, "[budget]\nmonthly_cap_usd = 10\n" + NO_CLOUD)
+    app = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
+
+    def on_tick(n: int) -> None:
+        if n == 2:
+            path.write_text("[budget]\nmonthly_cap_usd = 'lots'\n" + NO_CLOUD)
+
+    daemon_module.run_daemon(app, tick_s=0.1, max_ticks=6, on_tick=on_tick)
+    rejected = [e for e in app.store.events() if e["type"] == "daemon.config_rejected"]
+    assert len(rejected) == 1
+    assert rejected[0]["data"]["error"] == f"{path}: field 'budget.monthly_cap_usd': expected a number, got a string"
+    assert app.config.budget.monthly_cap_usd == 10
+    assert not any(e["type"] == "daemon.tick_failed" for e in app.store.events())
+    app.close()
+
+
+def test_status_names_the_settings_that_wait_for_a_restart(tmp_path: Path, monkeypatch) -> None:
+    path = _config(tmp_path, "[state]\nevents_files_kept = 4\n" + NO_CLOUD)
+    app = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
+
+    def on_tick(n: int) -> None:
+        if n == 2:
+            path.write_text("[state]\nevents_files_kept = 9\n" + NO_CLOUD)
+
+    daemon_module.run_daemon(app, tick_s=0.1, max_ticks=4, on_tick=on_tick)
+    seen = app.store.get_setting(daemon_module.CONFIG_SEEN_KEY)
+    assert seen["restart_needed"] == ["state.events_files_kept"]
+    app.close()
+    viewer = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
+    assert status_data(viewer)["config_restart_needed"] == []  # no daemon running: nothing to restart
+    # As `status` shows it while that daemon runs: what waits, and that the file is otherwise applied.
+    monkeypatch.setattr(status_module, "running_daemon", lambda _app: {"pid": 12345})
+    d = status_data(viewer)
+    assert d["config_restart_needed"] == ["state.events_files_kept"]
+    assert d["config_changed_since_daemon_read_it"] is False
+    viewer.close()
