@@ -200,6 +200,16 @@ def _reload(app: App, scheduler: BlockingScheduler, reconciler: Reconciler, watc
         app.events.emit("daemon.config_rejected", error=app.redactor(f"{type(exc).__name__}: {exc}"),
                         running_on="the settings read before")
         return reconciler
+    stranded = _stranded_providers(app, reconciler, fresh)
+    if stranded:
+        # Dropping a provider would leave its instances running and billed with no daemon to stop them.
+        app.use_config(before)
+        where = f"{change.config.source}: " if change.config.source else ""
+        app.events.emit("daemon.config_rejected", running_on="the settings read before",
+                        error=f"{where}provider(s) {', '.join(stranded)} would no longer be usable while attempts "
+                              "run on them: `burstctl revert-local` (or cancel those jobs) first; the file is read "
+                              "again when it next changes, or on SIGHUP")
+        return reconciler
     fresh.carry_over(reconciler)
     watch.running = change.config
     daemon = change.config.daemon
@@ -212,6 +222,15 @@ def _reload(app: App, scheduler: BlockingScheduler, reconciler: Reconciler, watc
     app.events.emit("daemon.config_reloaded", source=change.config.source, changed=change.applied,
                     restart_needed=change.restart_needed, providers=sorted(fresh.providers), mode=fresh.mode())
     return fresh
+
+
+def _stranded_providers(app: App, before: Reconciler, after: Reconciler) -> list[str]:
+    """Providers the running reconciler has, live attempts are on, and the new one would not have."""
+    from orchestrator.lifecycle.machine import active_attempts
+
+    with app.store.tx() as conn:
+        live = {a["provider"] for a in active_attempts(conn) if a["where"] != "local"}
+    return sorted((live & set(before.providers)) - set(after.providers))
 
 
 def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool], None],

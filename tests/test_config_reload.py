@@ -147,3 +147,38 @@ def test_status_names_the_settings_that_wait_for_a_restart(tmp_path: Path, monke
     assert d["config_restart_needed"] == ["state.events_files_kept"]
     assert d["config_changed_since_daemon_read_it"] is False
     viewer.close()
+
+
+def test_an_edit_that_would_drop_a_provider_with_live_instances_is_rejected(tmp_path: Path, monkeypatch) -> None:
+    """Disabling a provider while an attempt runs on it would leave its instance billed with nobody to stop it."""
+    from apscheduler.schedulers.blocking import BlockingScheduler
+    from sqlalchemy import insert
+
+    from orchestrator.lifecycle.service import build_reconciler
+    from state import schema as s
+
+    monkeypatch.setenv("BURSTCTL_SIM_API_KEY", "sim-reload-key")
+    sim_on = "[providers.sim]\nenabled = true\nbase_url = \"http://127.0.0.1:9/api/v1\"\n"
+    path = _config(tmp_path, "[budget]\nmonthly_cap_usd = 10\n" + sim_on)
+    app = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "big", local_throughput=0, rented_throughput={"H100": 2.0}))
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
+                                            provider="sim", instance_type="gpu_1x_h100", market="spot",
+                                            idempotency_key="k1", info={}, created_at=0.0))
+    running = build_reconciler(app)
+    assert set(running.providers) == {"sim"}
+    watch = ConfigWatch(str(path), str(tmp_path / "state"), app.config)
+    path.write_text("[budget]\nmonthly_cap_usd = 20\n" + NO_CLOUD)
+
+    kept = daemon_module._reload(app, BlockingScheduler(), running, watch, force=False, ticks_fixed=True)
+    assert kept is running and app.config.budget.monthly_cap_usd == 10
+    rejected = [e for e in app.store.events() if e["type"] == "daemon.config_rejected"]
+    assert rejected[-1]["data"]["error"].startswith(f"{path}: provider(s) sim would no longer be usable while "
+                                                    "attempts run on them")
+    # Once nothing runs there, the same file is taken (on its next change, or SIGHUP: `force`).
+    with app.store.tx() as c:
+        c.execute(s.attempts.update().values(state="aborted"))
+    fresh = daemon_module._reload(app, BlockingScheduler(), running, watch, force=True, ticks_fixed=True)
+    assert fresh is not running and fresh.providers == {} and app.config.budget.monthly_cap_usd == 20
+    app.close()
