@@ -20,6 +20,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 # --no-loadscope-reorder.
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=15
 
 demo: $(STAMP)
@@ -27,6 +28,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

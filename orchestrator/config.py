@@ -126,6 +126,10 @@ class Budget(Strict):
     cycle_gpu: str = Field("H100", description="GPU type (a key of [prices]) a typical cycle runs on.")
 
 
+def _train_only() -> list[JobKind]:
+    return ["train"]
+
+
 class Policy(Strict):
     max_auto_delta_usd: NonNegFloat = Field(
         5.0,
@@ -133,7 +137,7 @@ class Policy(Strict):
     )
     default_market: Market = Field("auto", description="Market for jobs that do not choose: auto|spot|on-demand.")
     cloud_kinds: list[JobKind] = Field(
-        default_factory=lambda: ["train"],
+        default_factory=_train_only,
         description="Job kinds the cloud may run. Only 'train' unless you document a fallback here.",
     )
     overhead_h: NonNegFloat = Field(

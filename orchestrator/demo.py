@@ -210,7 +210,7 @@ class Demo:
                                  .where(s.ledger.c.job_id == job_id)).scalar()
         finally:
             st.close()
-        where = []
+        where: list[str] = []
         for a in atts:
             w = "local" if a["where"] == "local" else f"{a['provider']} {a['market']}"
             if not where or where[-1] != w:

@@ -16,12 +16,13 @@ import time
 from orchestrator.app import App
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
 from orchestrator.lifecycle.states import FINAL
+from state.store import PruneCounts
 
 DAY_S = 86400.0
 PRUNED_AT = "events_pruned_at"  # settings key: when the daemon last pruned (it prunes at most once a day)
 
 
-def prune_events(app: App, older_than_days: float, now: float | None = None) -> dict[str, int]:
+def prune_events(app: App, older_than_days: float, now: float | None = None) -> PruneCounts:
     now = time.time() if now is None else now
     cutoff = now - older_than_days * DAY_S
     done = app.store.prune_events(cutoff, final_states=sorted(st.value for st in FINAL),
@@ -30,7 +31,7 @@ def prune_events(app: App, older_than_days: float, now: float | None = None) -> 
     return done
 
 
-def prune_if_due(app: App, now: float | None = None) -> dict[str, int] | None:
+def prune_if_due(app: App, now: float | None = None) -> PruneCounts | None:
     """The daemon's sweep: prune by `state.events_keep_days` once a day (never with it unset)."""
     keep = app.config.state.events_keep_days
     now = time.time() if now is None else now

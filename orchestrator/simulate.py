@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -163,7 +164,8 @@ def may_move_between(traces: Sequence[Trace]) -> Trace:
     zones = np.stack([t.available for t in traces])
     name = f"any of {len(traces)} zones ({instance_of(first) or first.name})"
     return Trace(name=name, path=first.path.parent, gap_seconds=first.gap_seconds,
-                 available=zones.any(axis=0), zones=zones)
+                 available=cast(np.ndarray, zones.any(axis=0)),  # numpy types any(axis=...) as maybe a scalar
+                 zones=zones)
 
 
 def zone_up_for_h(trace: Trace) -> np.ndarray | None:
@@ -198,9 +200,10 @@ class TraceHistory:
     @classmethod
     def of_trace(cls, trace: Trace) -> TraceHistory:
         history = cls.of(trace.available, trace.gap_seconds)
-        if trace.zones is None:
+        up_for_h = zone_up_for_h(trace)
+        if trace.zones is None or up_for_h is None:  # one is None when the other is
             return history
-        spot, restarts = _follow_zones(trace.zones, zone_up_for_h(trace))
+        spot, restarts = _follow_zones(trace.zones, up_for_h)
         return dataclasses.replace(history, moving_spot_ticks=np.cumsum(spot), moving_restarts=np.cumsum(restarts))
 
     @classmethod
@@ -799,7 +802,8 @@ FLICKER_ENDS = 20.0  # the flicker factors' shrinkage towards 1, in ends of spot
 
 def pooled_prior(counts: Sequence[ZoneCounts], tick_h: float) -> ZonePrior:
     """Pooled chances of these traces (see `blend_model`); memoryless defaults where none were observed."""
-    fallback = POLICIES[DEFAULT_POLICY] if isinstance(POLICIES.get(DEFAULT_POLICY), SemiMarkovDP) else SemiMarkovDP()
+    registered = POLICIES.get(DEFAULT_POLICY)
+    fallback = registered if isinstance(registered, SemiMarkovDP) else SemiMarkovDP()
     geometric = np.broadcast_to(fallback.model_for(None, tick_h).hazards(), (SHARE_REGIMES, 2, len(AGE_EDGES_H) + 1))
     stay = np.eye(REGIMES)
     if not counts:

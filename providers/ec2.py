@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any, TypeVar
 
 import boto3
@@ -450,8 +451,8 @@ class Ec2Adapter:
             held = self._key_pair_public_key(name)
             if held is None:
                 try:
-                    self._call("ImportKeyPair", lambda n=name: self.client.import_key_pair(
-                        KeyName=n, PublicKeyMaterial=public_key.encode()))
+                    self._call("ImportKeyPair", partial(self.client.import_key_pair,
+                                                        KeyName=name, PublicKeyMaterial=public_key.encode()))
                     break
                 except InvalidRequest as dup:
                     if dup.code != "InvalidKeyPair.Duplicate":
@@ -557,7 +558,7 @@ class Ec2Adapter:
         live = [i for i, raw in found.items() if (raw.get("State") or {}).get("Name") != "terminated"]
         for chunk in _chunks(live, FILTER_VALUES_MAX):
             try:
-                self._call("TerminateInstances", lambda c=chunk: self.client.terminate_instances(InstanceIds=c))
+                self._call("TerminateInstances", partial(self.client.terminate_instances, InstanceIds=chunk))
             except InvalidRequest as exc:
                 if exc.code != NOT_FOUND_INSTANCE:
                     raise
@@ -565,7 +566,7 @@ class Ec2Adapter:
                 for instance_id in chunk:
                     try:
                         self._call("TerminateInstances",
-                                   lambda i=instance_id: self.client.terminate_instances(InstanceIds=[i]))
+                                   partial(self.client.terminate_instances, InstanceIds=[instance_id]))
                     except InvalidRequest as single:
                         if single.code != NOT_FOUND_INSTANCE:
                             raise

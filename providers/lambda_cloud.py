@@ -422,7 +422,9 @@ def parse_gpu_description(text: str) -> tuple[str, float]:
 
 
 def _is_spot(item: Mapping[str, Any] | None) -> bool:
-    return bool(item) and item["instance_type"].get("market") == "spot"
+    if not item:
+        return False
+    return item["instance_type"].get("market") == "spot"
 
 
 def _on_demand_type(item: Mapping[str, Any]) -> str | None:

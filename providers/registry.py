@@ -60,7 +60,7 @@ def build(cfg: Config, *, orchestrator_id: str | None = None, sink: EventSink | 
     slots: dict[str, ProviderSlot] = {}
     for name, section in (("sim", cfg.providers.sim), ("lambda", cfg.providers.lambda_)):
         present = bool(environ.get(section.api_key_env))
-        provider = None
+        provider: Provider | None = None
         problem = None
         if section.enabled:
             try:

@@ -21,14 +21,14 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-if __package__:  # the daemon: `runbooks.checkpoint_transfer`
+if TYPE_CHECKING or __package__:  # the daemon: `runbooks.checkpoint_transfer` (and mypy, which checks the package)
     from . import burst_checkpoint
     from .burst_checkpoint import MANIFEST, fsync_dir, read_manifest
 else:  # an instance: beside burst_checkpoint.py on PYTHONPATH
-    import burst_checkpoint  # type: ignore[no-redef]
-    from burst_checkpoint import MANIFEST, fsync_dir, read_manifest  # type: ignore[no-redef]
+    import burst_checkpoint
+    from burst_checkpoint import MANIFEST, fsync_dir, read_manifest
 
 STAGING_PREFIX = ".incoming-"  # hidden: burst_checkpoint never lists it, and its prune never deletes it
 RSYNC_PARTIAL_DIR = ".rsync-partial"

@@ -27,14 +27,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import boto3
 import botocore.exceptions
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.config import Config as BotoConfig
 
-if __package__:  # the daemon: `runbooks.s3_checkpoints`
+if TYPE_CHECKING or __package__:  # the daemon: `runbooks.s3_checkpoints` (and mypy, which checks the package)
     from . import burst_checkpoint
     from .checkpoint_transfer import (
         STAGING_PREFIX,
@@ -47,8 +47,8 @@ if __package__:  # the daemon: `runbooks.s3_checkpoints`
         verify_and_fsync,
     )
 else:  # an instance: beside burst_checkpoint.py and checkpoint_transfer.py on PYTHONPATH
-    import burst_checkpoint  # type: ignore[no-redef]
-    from checkpoint_transfer import (  # type: ignore[no-redef]
+    import burst_checkpoint
+    from checkpoint_transfer import (
         STAGING_PREFIX,
         PulledCheckpoints,
         TransferError,

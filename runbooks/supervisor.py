@@ -263,7 +263,7 @@ def resolve_metadata_url(url: str, env: dict | None = None) -> str:
 def fetch_notice(url: str, timeout: float = 2.0) -> dict | None:
     """The instance-action notice at `url`, or None (404, unreachable, or not a notice). EC2 semantics: 404 until
     a notice exists, then {"action": "terminate", "time": ...}. A 401 means IMDSv2: get a token and ask again."""
-    headers = {}
+    headers: dict[str, str] = {}
     for _ in range(2):
         try:
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
@@ -646,7 +646,7 @@ def _claim_run_dir(args: argparse.Namespace) -> tuple[dict, int | None]:
         while (beat is None or not pid_alive(beat.get("supervisor_pid"))) and _now() < deadline:
             time.sleep(0.05)
             beat = read_json(run_dir / HEARTBEAT_FILE)
-        same = bool(beat) and beat.get("attempt") == args.attempt and beat.get("job_id") == args.job_id
+        same = bool(beat and beat.get("attempt") == args.attempt and beat.get("job_id") == args.job_id)
         return ({"status": "already-running" if same else "busy",
                  "supervisor_pid": beat.get("supervisor_pid") if beat else None,
                  "attempt": beat.get("attempt") if beat else None}, None)

@@ -14,10 +14,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from sqlalchemy import (
     Connection,
+    CursorResult,
     Engine,
     Integer,
     create_engine,
@@ -40,6 +41,21 @@ DAEMON_LOCK_KEY = 7216020
 
 
 _BUSY_TIMEOUT_S = 10.0
+
+
+class PruneCounts(TypedDict):
+    """What `Store.prune_events` deleted."""
+
+    finished_jobs: int  # the jobs whose events are gone now
+    events: int  # events deleted
+
+
+def _inserted_id(result: CursorResult[Any]) -> int:
+    """The id of the row a single-row INSERT just made (SQLAlchemy types the key Optional for other statements)."""
+    key = result.inserted_primary_key
+    if key is None:
+        raise RuntimeError("the INSERT reported no primary key")
+    return int(key[0])
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -284,9 +300,9 @@ class Store:
         values = {"ts": ts or time.time(), "type": type_, "job_id": job_id, "attempt_id": attempt_id,
                   "data": data}
         if conn is not None:
-            return int(conn.execute(insert(s.events).values(**values)).inserted_primary_key[0])
+            return _inserted_id(conn.execute(insert(s.events).values(**values)))
         with self.tx() as c:
-            return int(c.execute(insert(s.events).values(**values)).inserted_primary_key[0])
+            return _inserted_id(c.execute(insert(s.events).values(**values)))
 
     def events(self, *, after_id: int = 0, job_id: str | None = None, type_prefix: str | None = None,
                limit: int | None = None, newest: int | None = None) -> list[dict[str, Any]]:
@@ -356,7 +372,7 @@ class Store:
             return int(c.execute(select(func.max(s.events.c.id))).scalar() or 0)
 
     def prune_events(self, cutoff: float, *, final_states: Sequence[str], active_attempt_states: Sequence[str],
-                     batch: int = 200) -> dict[str, int]:
+                     batch: int = 200) -> PruneCounts:
         """Delete the events of jobs in `final_states` last changed before `cutoff` (unix seconds) that have no
         attempt in `active_attempt_states`, no instance not yet confirmed gone and no open ledger charge, and the
         events of no job older than `cutoff`. Nothing else: jobs, attempts, instances, the ledger (the budget's
@@ -372,7 +388,7 @@ class Store:
                                   ~busy_attempt.exists(), ~open_charge.exists()).order_by(j.c.id))
         with self.engine.connect() as c:
             job_ids = [r for (r,) in c.execute(q)]
-        done = {"finished_jobs": len(job_ids), "events": 0}
+        done: PruneCounts = {"finished_jobs": len(job_ids), "events": 0}
         for k in range(0, len(job_ids), batch):
             with self.tx() as c:
                 done["events"] += c.execute(e.delete().where(e.c.job_id.in_(job_ids[k:k + batch]))).rowcount
@@ -433,9 +449,9 @@ class Store:
 
     def open_charge(self, row: dict[str, Any], conn: Connection | None = None) -> int:
         if conn is not None:
-            return int(conn.execute(insert(s.ledger).values(**row)).inserted_primary_key[0])
+            return _inserted_id(conn.execute(insert(s.ledger).values(**row)))
         with self.tx() as c:
-            return int(c.execute(insert(s.ledger).values(**row)).inserted_primary_key[0])
+            return _inserted_id(c.execute(insert(s.ledger).values(**row)))
 
     def close_charge(self, charge_id: int, *, ended_at: float, billed_seconds: float, cost_usd: float,
                      conn: Connection | None = None) -> None:

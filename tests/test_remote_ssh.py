@@ -135,11 +135,11 @@ def test_non_zero_exit_raises_remote_command_failed_with_the_stderr_tail(
     with connect(target, trust=MemoryHostKeyTrust()) as conn:
         with pytest.raises(RemoteCommandFailed, match=r"sh on 127\.0\.0\.1 exited 7: disk on fire") as info:
             run(conn, ["sh", "-c", "echo working; echo disk on fire >&2; exit 7"])
-        assert info.value.exit_code == 7 and info.value.stderr_tail == "disk on fire"
+        assert info.value.remote_exit_code == 7 and info.value.stderr_tail == "disk on fire"
         assert run(conn, ["sh", "-c", "exit 3"], check=False).exit_code == 3
         with pytest.raises(RemoteCommandFailed, match="timeout") as timed_out:
             run(conn, ["sleep", "30"], timeout=1)
-        assert timed_out.value.exit_code is None
+        assert timed_out.value.remote_exit_code is None
 
 
 def test_refused_and_stopped_endpoints_are_ssh_unavailable(backend: SshBackend, key_path: Path) -> None:

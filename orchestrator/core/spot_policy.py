@@ -210,7 +210,8 @@ class SpotBatch:
 
 
 class Policy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: the policies are frozen dataclasses
 
     def decide(self, state: SpotState) -> Market: ...
 
@@ -341,8 +342,9 @@ class DPPlan:
     phases: int
     actions: np.ndarray = field(repr=False)
 
-    def index(self, elapsed_h: np.ndarray, progress_h: np.ndarray, market: np.ndarray, spot_available: np.ndarray,
-              changeover_left_h: np.ndarray, age_h: np.ndarray, deadline_hours: float, job_hours: float,
+    def index(self, elapsed_h: np.ndarray | float, progress_h: np.ndarray | float, market: np.ndarray | int,
+              spot_available: np.ndarray | bool, changeover_left_h: np.ndarray | float, age_h: np.ndarray | float,
+              deadline_hours: float, job_hours: float,
               recent_up_fraction: np.ndarray | float = 1.0, recent_changes: np.ndarray | int = 0) -> np.ndarray:
         """Where runs in these states (arrays or scalars broadcast together) are in `actions.reshape(-1)`: the
         same in every plan of the same job and shape, whatever its model."""
@@ -363,8 +365,9 @@ class DPPlan:
         return np.ravel_multi_index((k, j, np.asarray(spot_available).astype(np.int64), r, age_bucket(age_h), s),
                                     self.actions.shape)
 
-    def lookup(self, elapsed_h: np.ndarray, progress_h: np.ndarray, market: np.ndarray, spot_available: np.ndarray,
-               changeover_left_h: np.ndarray, age_h: np.ndarray, deadline_hours: float, job_hours: float,
+    def lookup(self, elapsed_h: np.ndarray | float, progress_h: np.ndarray | float, market: np.ndarray | int,
+               spot_available: np.ndarray | bool, changeover_left_h: np.ndarray | float, age_h: np.ndarray | float,
+               deadline_hours: float, job_hours: float,
                recent_up_fraction: np.ndarray | float = 1.0, recent_changes: np.ndarray | int = 0) -> np.ndarray:
         """The planned action for runs in these states (arrays or scalars broadcast together)."""
         return self.actions.reshape(-1)[self.index(elapsed_h, progress_h, market, spot_available, changeover_left_h,

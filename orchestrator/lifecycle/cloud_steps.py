@@ -94,11 +94,13 @@ class CloudSteps:
 
     # --- targets ----------------------------------------------------------------------------------------------
     def target(self, att: dict[str, Any], inst: InstanceInfo | None = None) -> ssh.Target:
-        info = att["info"]
-        host = inst.host if inst else info["host"]
-        port = inst.ssh_port if inst else info["port"]
-        user = inst.ssh_user if inst else info["user"]
-        pinned = inst.host_key if inst else None
+        if inst is not None:
+            if inst.host is None:  # callers pass the instance once it has an address
+                raise ValueError(f"instance {inst.id} has no address yet")
+            host, port, user, pinned = inst.host, inst.ssh_port, inst.ssh_user, inst.host_key
+        else:
+            info = att["info"]
+            host, port, user, pinned = info["host"], info["port"], info["user"], None
         if pinned is None:
             with self.app.store.engine.connect() as c:
                 pinned = c.execute(select(s.instances.c.host_key).where(

@@ -114,8 +114,8 @@ class LocalRunner:
         margin, and the work done by this job's earlier local attempts (a local run that died, or a restart)."""
         d = job["decision"]
         plan = d.get("plan") or []
-        local = next((p for p in plan if p["where"] == "local"), {})
-        cloud = next((p for p in plan if p["where"] == "cloud"), {})
+        local: dict[str, Any] = next((p for p in plan if p["where"] == "local"), {})
+        cloud: dict[str, Any] = next((p for p in plan if p["where"] == "cloud"), {})
         overhead_h = float(d.get("overhead_h") or 0.0)
         work = float(job["spec"].get("work_units", 1.0))
         # Plans made before the phases carried their speed: the cloud phase's work over its hours less t_ovh.

@@ -386,6 +386,6 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
     if fitted:
         facts["recent_up_fraction"] = round(fitted.recent_up_fraction, 3)
         facts["recent_changes"] = fitted.recent_changes
-    if not math.isfinite(facts["mean_uptime_h"]):
+    if not math.isfinite(view.stats.mean_uptime_h):  # what as_record() put there
         facts["mean_uptime_h"] = None
     return choice, facts

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, func, insert, select, update
 
@@ -54,6 +54,9 @@ from providers.base import (
     ProviderError,
 )
 from state import schema as s
+
+if TYPE_CHECKING:
+    from orchestrator.lifecycle.cloud_steps import CloudSteps
 
 A = AttemptState
 MAX_STEP_ERRORS = 5
@@ -116,7 +119,7 @@ def _gpus_named(spec: dict[str, Any]) -> str:
 
 
 class Reconciler:
-    def __init__(self, app: App, providers: Mapping[str, Provider], *, cloud: Any | None = None,
+    def __init__(self, app: App, providers: Mapping[str, Provider], *, cloud: CloudSteps | None = None,
                  clock: Callable[[], float] = time.time):
         self.app = app
         self.cfg = app.config
@@ -128,6 +131,13 @@ class Reconciler:
         self.offers = OfferCache(ttl_s=self.cfg.daemon.offers_ttl_s,
                                  on_refresh=lambda name, offers, now: record_spot_listings(app, name, offers, now))
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
+
+    @property
+    def cloud_steps(self) -> CloudSteps:
+        """`cloud`, for an attempt on a provider: configured whenever a provider is (`service.build_reconciler`)."""
+        if self.cloud is None:
+            raise RuntimeError("no cloud steps: the cloud is not configured")
+        return self.cloud
 
     def carry_over(self, before: Reconciler) -> None:
         """Take over from the reconciler this one replaces (a config reload): when each heartbeat last moved."""
@@ -461,12 +471,12 @@ class Reconciler:
             if quiet:
                 return None
             if problems and len(problems) == len(self.providers):  # nobody answered: not a capacity question at all
-                why = "no provider answered (" + "; ".join(problems) + ")"
+                reason = "no provider answered (" + "; ".join(problems) + ")"
             else:
-                why = f"no offer with capacity for {_gpus_named(spec)}"
+                reason = f"no offer with capacity for {_gpus_named(spec)}"
                 if problems:
-                    why += f" ({'; '.join(problems)})"
-            self._note(job, why)
+                    reason += f" ({'; '.join(problems)})"
+            self._note(job, reason)
             return None
         return best[1], best[2], best[3], best[4]
 
@@ -691,7 +701,7 @@ class Reconciler:
             att["info"] = info
             tags = OwnerTags(self.app.orchestrator_id, job["id"], att["id"])
             req = LaunchRequest(instance_type=att["instance_type"], market=Market(att["market"]), tags=tags,
-                                idempotency_key=att["idempotency_key"], ssh_public_key=self.cloud.public_key,
+                                idempotency_key=att["idempotency_key"], ssh_public_key=self.cloud_steps.public_key,
                                 ssh_key_name=None, region_order=tuple(info.get("region_order") or ()))
             chaos_point("before-launch")  # intent and launch_tried are written; the call is not made
             try:
@@ -745,8 +755,8 @@ class Reconciler:
             if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
                 self._stop(att, job, provider, "boot-timeout", outcome=A.FAILED)
             return
-        target = self.cloud.target(att, inst)
-        if not self.cloud.reachable(att, target):
+        target = self.cloud_steps.target(att, inst)
+        if not self.cloud_steps.reachable(att, target):
             if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
                 self._stop(att, job, provider, "ssh-timeout", outcome=A.FAILED)
             return
@@ -768,7 +778,7 @@ class Reconciler:
             self._stop(att, job, provider, problem, outcome=A.ABORTED)
             return
         resume_from = checkpoints.latest(self.cfg, job["id"])
-        timings = self.cloud.bootstrap_and_start(att, job, resume_from)
+        timings = self.cloud_steps.bootstrap_and_start(att, job, resume_from)
         now = self.clock()
         with self.store.tx() as conn:
             info = {**att["info"], "timings": timings, "resume_from": resume_from.name if resume_from else None,
@@ -791,7 +801,7 @@ class Reconciler:
             self._lost(att, job, provider, inst, f"provider reports {inst.state.value if inst else 'unknown'}"
                        + (f" ({inst.reason})" if inst and inst.reason else ""))
             return
-        status = self.cloud.status(att)
+        status = self.cloud_steps.status(att)
         info = dict(att["info"])
         if status is None:  # SSH unreachable
             if now - info.get("last_seen_at", now) > self.cfg.daemon.heartbeat_timeout_s:
@@ -881,7 +891,7 @@ class Reconciler:
         the attempt's, persisted by the caller."""
         started = time.monotonic()
         try:
-            new = self.cloud.pull({**att, "info": info}, job)
+            new = self.cloud_steps.pull({**att, "info": info}, job)
         except Exception as exc:
             self._pull_failed(att, job, info, exc)
             return False
@@ -930,7 +940,7 @@ class Reconciler:
         if not self._pull(att, job, info):
             self._final_pull_failed(att, job, provider, info)
             return
-        self.cloud.release_s3(att, job)  # the final checkpoint is home: the S3 copies are no longer needed
+        self.cloud_steps.release_s3(att, job)  # the final checkpoint is home: the S3 copies are no longer needed
         speed = (info.get("metrics") or {}).get("throughput_units_h")
         if speed and info.get("gpu"):
             # Measured s_R (per GPU) for this job's name on this GPU type: later decisions of the same job use it.
@@ -950,7 +960,7 @@ class Reconciler:
         if inst is None or inst.state.gone:
             self._lost(att, job, provider, inst, "instance gone before its final checkpoint came home", info=info)
             return
-        if self.cloud.status(att) is not None:
+        if self.cloud_steps.status(att) is not None:
             info["last_seen_at"] = now
         elif now - info.get("last_seen_at", now) > self.cfg.daemon.heartbeat_timeout_s:
             self._lost(att, job, provider, inst, "heartbeat lost (SSH unreachable) before the final checkpoint "
@@ -990,7 +1000,7 @@ class Reconciler:
         now = self.clock()
         info = dict(info or att["info"])
         if (inst is not None and not inst.state.gone and reason == "spot interruption notice") \
-                or self.cloud.checkpoints_outlive_instance({**att, "info": info}, job):
+                or self.cloud_steps.checkpoints_outlive_instance({**att, "info": info}, job):
             # The trainer wrote a last checkpoint on the notice; or what the instance uploaded to S3 is there still.
             self._pull(att, job, info)
         last_ckpt = info.get("last_checkpoint_at") or att["started_at"] or now
@@ -1010,8 +1020,8 @@ class Reconciler:
         if att["state"] == A.RUNNING.value and outcome is A.ABORTED:
             # Ask for a last checkpoint (SIGTERM through the supervisor) and bring it home, bounded in time.
             try:
-                self.cloud.request_checkpoint(att)
-                self.cloud.wait_exit(att, timeout_s=60)
+                self.cloud_steps.request_checkpoint(att)
+                self.cloud_steps.wait_exit(att, timeout_s=60)
             except Exception as exc:
                 self.emit("attempt.last_checkpoint_failed", job_id=job["id"], attempt_id=att["id"],
                           error=f"{type(exc).__name__}: {exc}")

@@ -127,17 +127,17 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) 
     with app.store.engine.connect() as c:
         pending = [dict(r) for r in c.execute(select(s.instances).where(s.instances.c.verified_gone.is_(False)))
                    .mappings()]
-    for inst in pending:
-        if any(r.instance == inst["id"] and r.terminated == "yes" for r in report.rows):
+    for row in pending:
+        if any(r.instance == row["id"] and r.terminated == "yes" for r in report.rows):
             continue
-        provider = reconciler.providers.get(inst["provider"])
-        status = "unverified" if provider is None else _terminate_confirm(provider, inst["id"], deadline)
-        _record_instance(app, inst["provider"], inst["id"], inst["attempt_id"], status)
-        if not any(r.instance == inst["id"] for r in report.rows):
-            report.rows.append(RevertRow(None, inst["provider"], inst["id"], None, status))
+        known = reconciler.providers.get(row["provider"])
+        status = "unverified" if known is None else _terminate_confirm(known, row["id"], deadline)
+        _record_instance(app, row["provider"], row["id"], row["attempt_id"], status)
+        if not any(r.instance == row["id"] for r in report.rows):
+            report.rows.append(RevertRow(None, row["provider"], row["id"], None, status))
         else:
             for r in report.rows:
-                if r.instance == inst["id"]:
+                if r.instance == row["id"]:
                     r.terminated = status
 
     _requeue_local(app, report)

@@ -88,7 +88,7 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
     probe = {**row, "started_at": None, "instance_id": None}
     request = LaunchRequest(instance_type=att["instance_type"], market=Market.SPOT,
                             tags=OwnerTags(rec.app.orchestrator_id, job["id"], probe_id),
-                            idempotency_key=row["idempotency_key"], ssh_public_key=rec.cloud.public_key)
+                            idempotency_key=row["idempotency_key"], ssh_public_key=rec.cloud_steps.public_key)
     said = {"job_id": job["id"], "attempt_id": probe_id, "probe_for": att["id"]}
     try:
         inst = provider.launch(request)

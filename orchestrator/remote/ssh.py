@@ -58,7 +58,9 @@ class RemoteCommandFailed(RemoteError):
     def __init__(self, message: str, *, argv: list[str], exit_code: int | None, stderr_tail: str) -> None:
         super().__init__(message)
         self.argv = argv
-        self.exit_code = exit_code  # None when it timed out
+        # The remote command's status, None when it timed out. Not `exit_code`: that is burstctl's own exit status
+        # (BurstctlError), which the CLI returns for an error that reaches it.
+        self.remote_exit_code = exit_code
         self.stderr_tail = stderr_tail
 
 

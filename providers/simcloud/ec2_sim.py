@@ -413,7 +413,9 @@ def _refuse_spot_beyond_capacity(sim: SimEc2) -> None:
 
 
 def _loopback(ip: str | None) -> bool:
-    return bool(ip) and ipaddress.ip_address(ip) in ipaddress.ip_network(LOOPBACK_VPC)
+    if not ip:
+        return False
+    return ipaddress.ip_address(ip) in ipaddress.ip_network(LOOPBACK_VPC)
 
 
 def _wall(launched: Any) -> float:

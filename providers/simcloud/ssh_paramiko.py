@@ -20,12 +20,19 @@ import subprocess
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import paramiko
-from paramiko.common import cMSG_CHANNEL_FAILURE, cMSG_CHANNEL_SUCCESS
+from paramiko.common import (
+    AUTH_FAILED,
+    AUTH_SUCCESSFUL,
+    OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED,
+    OPEN_SUCCEEDED,
+    cMSG_CHANNEL_FAILURE,
+    cMSG_CHANNEL_SUCCESS,
+)
 from paramiko.message import Message
-from paramiko.sftp import SFTP_OK
+from paramiko.sftp import SFTP_FAILURE, SFTP_OK
 
 from providers.simcloud.ssh_keys import PublicKey
 
@@ -39,6 +46,11 @@ class _Outside(OSError):
         super().__init__(errno.EACCES, "outside the instance sandbox")
 
 
+def _sftp_status(e: OSError) -> int:
+    """The SFTP status code for a failed file operation (no errno: a plain failure, as convert_errno answers)."""
+    return SFTP_FAILURE if e.errno is None else paramiko.SFTPServer.convert_errno(e.errno)
+
+
 class _Handle(paramiko.SFTPHandle):
     """An open file; `stat`/`chattr` on the handle (fstat, fsetstat) act on the real file."""
 
@@ -50,7 +62,7 @@ class _Handle(paramiko.SFTPHandle):
         try:
             return paramiko.SFTPAttributes.from_stat(os.fstat(self.readfile.fileno()))
         except OSError as e:
-            return paramiko.SFTPServer.convert_errno(e.errno)
+            return _sftp_status(e)
 
     def chattr(self, attr: paramiko.SFTPAttributes) -> int:
         try:
@@ -59,7 +71,7 @@ class _Handle(paramiko.SFTPHandle):
             if attr.st_atime is not None and attr.st_mtime is not None:
                 os.utime(self.filename, (attr.st_atime, attr.st_mtime))
         except OSError as e:
-            return paramiko.SFTPServer.convert_errno(e.errno)
+            return _sftp_status(e)
         return SFTP_OK
 
 
@@ -91,19 +103,19 @@ class SandboxSftp(paramiko.SFTPServerInterface):
             return [paramiko.SFTPAttributes.from_stat(os.lstat(os.path.join(folder, n)), n)
                     for n in os.listdir(folder)]
         except OSError as e:
-            return paramiko.SFTPServer.convert_errno(e.errno)
+            return _sftp_status(e)
 
     def stat(self, path: str) -> paramiko.SFTPAttributes | int:
         try:
             return paramiko.SFTPAttributes.from_stat(os.stat(self._path(path)))
         except OSError as e:
-            return paramiko.SFTPServer.convert_errno(e.errno)
+            return _sftp_status(e)
 
     def lstat(self, path: str) -> paramiko.SFTPAttributes | int:
         try:
             return paramiko.SFTPAttributes.from_stat(os.lstat(self._path(path)))
         except OSError as e:
-            return paramiko.SFTPServer.convert_errno(e.errno)
+            return _sftp_status(e)
 
     def open(self, path: str, flags: int, attr: paramiko.SFTPAttributes) -> paramiko.SFTPHandle | int:
         try:
@@ -111,7 +123,7 @@ class SandboxSftp(paramiko.SFTPServerInterface):
             mode = attr.st_mode if attr is not None and attr.st_mode is not None else 0o666
             fd = os.open(full, flags | getattr(os, "O_BINARY", 0), mode & 0o7777)
         except OSError as e:
-            return paramiko.SFTPServer.convert_errno(e.errno)
+            return _sftp_status(e)
         if flags & os.O_WRONLY:
             fmode = "ab" if flags & os.O_APPEND else "wb"
         elif flags & os.O_RDWR:
@@ -129,7 +141,7 @@ class SandboxSftp(paramiko.SFTPServerInterface):
         try:
             fn(*args)
         except OSError as e:
-            return paramiko.SFTPServer.convert_errno(e.errno)
+            return _sftp_status(e)
         return SFTP_OK
 
     def remove(self, path: str) -> int:
@@ -166,7 +178,7 @@ class SandboxSftp(paramiko.SFTPServerInterface):
         try:
             return os.readlink(self._path(path))
         except OSError as e:
-            return paramiko.SFTPServer.convert_errno(e.errno)
+            return _sftp_status(e)
 
 
 class _Session(paramiko.ServerInterface):
@@ -179,13 +191,13 @@ class _Session(paramiko.ServerInterface):
     def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
         offered = PublicKey(key.get_name(), key.get_base64())
         if username == self.machine.user and offered in self.machine.authorized:
-            return paramiko.AUTH_SUCCESSFUL
-        return paramiko.AUTH_FAILED
+            return AUTH_SUCCESSFUL
+        return AUTH_FAILED
 
     def check_channel_request(self, kind: str, chanid: int) -> int:
         if kind == "session" and not self.machine.stopped:
-            return paramiko.OPEN_SUCCEEDED
-        return paramiko.OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED
+            return OPEN_SUCCEEDED
+        return OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED
 
     def check_channel_exec_request(self, channel: paramiko.Channel, command: bytes) -> bool:
         return self.machine.run(channel, command.decode(errors="replace"))
@@ -217,7 +229,7 @@ class _ReplyOrderedTransport(paramiko.Transport):
             return self._awaiting.setdefault(channel.remote_chanid, threading.Event())
 
     def _send_user_message(self, data: Message) -> None:  # paramiko's one path for channel replies
-        super()._send_user_message(data)
+        super()._send_user_message(data)  # type: ignore[misc]  # a private method types-paramiko leaves out
         raw = data.asbytes()
         if raw[:1] in (cMSG_CHANNEL_SUCCESS, cMSG_CHANNEL_FAILURE) and len(raw) >= 5:
             with self._awaiting_lock:
@@ -284,7 +296,8 @@ class ParamikoMachine:
             except OSError:
                 return False
             self._procs.append(proc)
-        replied = channel.get_transport().replied(channel)  # type: ignore[union-attr]
+        # Every transport of this machine is one (`_serve` makes them); get_transport() is typed as the base class.
+        replied = cast(_ReplyOrderedTransport, channel.get_transport()).replied(channel)
         threading.Thread(target=self._pump, args=(channel, proc, replied), daemon=True).start()
         return True
 
