@@ -271,6 +271,31 @@ def test_a_cloud_run_slower_than_planned_says_once_that_it_will_miss_the_deadlin
     app.close()
 
 
+def test_a_hybrid_local_phase_runs_on_while_the_budget_would_refuse_its_burst(tmp_path: Path) -> None:
+    # The month's spend has reached the point where the rest's burst would be refused at launch: stopping the local
+    # run for it would leave the local GPU idle and the job blocked. It runs on locally, and hands over once the
+    # budget allows (here: the cap raised in the config, which the daemon applies without a restart).
+    (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 100\n")
+    app = App(config_path=str(tmp_path / "burstctl.toml"), state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "c", local_throughput=0.033, market="on-demand",
+                                          rented_throughput={"H100": 0.17}, deadline_hours=12))
+    job = app.store.get_job(job_id)
+    assert job["placement"] == "hybrid"
+    full = app.config
+    with SimCloudServer(api_key="sim-rules-key") as sim:
+        sim_provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key",
+                                   regions=("us-east-1", "us-west-1"), request_interval_s=0.0)
+        providers = {"sim": sim_provider}
+        app.use_config(full.model_copy(update={"budget": full.budget.model_copy(update={"monthly_cap_usd": 0.5})}))
+        held = Reconciler(app, providers, cloud=CloudSteps(app, providers))._hand_over_held(job, time.time())
+        assert held is not None and held.startswith("the budget would refuse the burst: budget: $")
+        assert "exceeds the $0.50 left this month" in held  # the launch's own words
+        app.use_config(full)
+        assert Reconciler(app, providers, cloud=CloudSteps(app, providers))._hand_over_held(job, time.time()) is None
+        sim_provider.close()
+    app.close()
+
+
 def test_a_hand_over_and_a_launch_count_only_capacity_on_the_market_they_launch_on(tmp_path: Path) -> None:
     # simcloud lists H100 spot capacity and no on-demand capacity. An on-demand cloud phase would be refused: its
     # local phase runs on. A spot one can launch: it hands over.

@@ -530,7 +530,8 @@ class Reconciler:
 
     def _hand_over_held(self, job: dict[str, Any], now: float) -> str | None:
         """Why a hybrid job's local phase cannot hand over now, else None. Stopping the local run for a burst
-        that cannot launch would leave the local GPU idle while the deadline slips further. Only capacity on the
+        that cannot launch (no capacity, or the monthly budget would refuse it) would leave the local GPU idle while
+        the deadline slips further. Only capacity on the
         market the cloud phase would launch on counts (`market_for_attempt`, as `choose_offer` asks it): spot
         capacity does not take an on-demand phase. A provider that lists capacity and lists none for the job's
         GPUs on that market holds it; one that cannot tell without launching (EC2 lists its zones whatever their
@@ -541,11 +542,20 @@ class Reconciler:
             return "no cloud provider is usable"
         offers, problems = self._offers_with_capacity(job, now)
         markets: set[str] = set()  # the markets it would launch on where only the other one has capacity
+        refused: str | None = None  # what the budget says of the launch an offer with capacity would make
         for name, offer in offers:
             market, _ = market_for_attempt(self.app, job, name, offer, now)
             if market is not None and offer.capacity_regions(market):
-                return None
+                # The launch's own budget check (`_start_cloud_attempt`), asked before the local run is stopped.
+                refused = self.budget_problem(now, rate_usd_h=offer.price(market) or offer.on_demand_usd_h,
+                                              minimum_s=offer.billing_minimum_s,
+                                              expected_h=self._expected_remaining_h(job))
+                if refused is None:
+                    return None
+                continue
             markets.add((market or Market.SPOT).value)  # None: the spot policy waits for spot, listed gone
+        if refused is not None:
+            return f"the budget would refuse the burst: {refused}"
         on = f"{' or '.join(sorted(markets))} " if markets else ""
         return (f"no cloud lists {on}capacity for {_gpus_named(job['spec'])}"
                 + (f" ({'; '.join(problems)})" if problems else ""))
