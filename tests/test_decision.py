@@ -117,3 +117,17 @@ def test_a_hybrid_s_rented_phase_is_priced_on_demand_unless_its_margin_leaves_ro
     assert roomy.plan is not None and roomy.plan.kind == "hybrid"
     assert roomy.plan.phases[1].market == "spot"
     assert roomy.plan.phases[1].cost_usd == pytest.approx(1.00 * roomy.plan.phases[1].hours)
+
+
+def test_a_hybrid_plan_the_budget_cannot_pay_yet_still_starts_its_free_local_phase() -> None:
+    # Seed C's hybrid rents about 5 h at the end: $15.9 against the $15 cap. Its first hours are local and cost no
+    # cloud money: it is queued (here within the approval ceiling), and the hand-over waits for the budget.
+    d = decide(C, replace(CTX, budget_cap_usd=15.0, max_auto_delta_usd=50.0))
+    assert d.plan.kind == "hybrid" and d.plan.rented_cost_usd > 15.0
+    assert d.action == "burst" and d.placement == "hybrid"
+    assert any(r.startswith("budget: projected rented $") and "exceeds" in r for r in d.reasons)
+    assert "budget: the local phase runs first, and the hand-over to the cloud waits until the budget allows it " \
+           "(raise the cap, or the month turns); until then it runs on locally, late" in d.reasons
+    # A plan that rents from the start is still blocked by the same budget.
+    d = decide(replace(C, s_local=0.0), replace(CTX, budget_cap_usd=15.0, max_auto_delta_usd=50.0))
+    assert d.action == "blocked" and d.placement == "cloud"

@@ -230,7 +230,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         ok, why = admits(plan.rented_cost_usd, ctx.budget_cap_usd, ctx.spent_usd)
         if math.isfinite(ctx.budget_cap_usd):
             reasons.append(f"budget: {why}")
-        if not ok:
+        if not ok and plan.kind != "hybrid":
             action = "blocked"
         elif g.verdict is Verdict.PRICED and not job.deadline_critical:
             extra = plan.cost_usd - (g.c_local_usd or 0.0)
@@ -245,4 +245,9 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
             else:
                 reasons.append(f"the deadline costs ${extra:.2f} more than local {versus}: within the "
                                f"${ctx.max_auto_delta_usd:.2f} approved without asking")
+        if not ok and plan.kind == "hybrid":
+            # A hybrid's local hours spend no cloud money: they start now, and the budget is asked again at the
+            # hand-over (the launch's own check), which waits for it. The alternative is the local GPU idle.
+            reasons.append("budget: the local phase runs first, and the hand-over to the cloud waits until the "
+                           "budget allows it (raise the cap, or the month turns); until then it runs on locally, late")
     return Decision(g.verdict, action, g, gpu, rate, market, plan, reasons, ctx.overhead_h)

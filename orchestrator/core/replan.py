@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from orchestrator.core.budget import admits
 from orchestrator.core.decision import Decision, DecisionContext, JobFacts, decide
 from orchestrator.core.gates import Verdict
 
@@ -52,7 +53,10 @@ def replan_late_local(job: JobFacts, ctx: DecisionContext, *, done: float, units
         return Replan("not-resumable", left, None,
                       "it does not resume from checkpoints, so it is not moved: it finishes locally, late")
     d = decide(left, ctx)
-    go = d.action == "burst" or (d.action == "await-approval" and approved)
+    # A hybrid the budget cannot pay is queued at enqueue to run its free local phase; this job is already running
+    # locally, so it is kept as it is, said blocked by the budget, and asked again at a later market check.
+    unpaid = d.plan is not None and not admits(d.plan.rented_cost_usd, ctx.budget_cap_usd, ctx.spent_usd)[0]
+    go = (d.action == "burst" or (d.action == "await-approval" and approved)) and not unpaid
     if go and d.plan is not None and d.plan.kind in ("hybrid", "burst"):
         cloud = next(p for p in d.plan.phases if p.where == "cloud")
         where = f"{cloud.gpu} ({cloud.market})"
@@ -62,19 +66,19 @@ def replan_late_local(job: JobFacts, ctx: DecisionContext, *, done: float, units
                           f"{d.plan.phases[0].hours:.2f} h at most, then bursts the rest to {where} as late as is safe")
         return Replan("burst", left, d, f"re-planned: it bursts the rest to {where} now, ${d.plan.cost_usd:.2f}")
     g = d.gates
-    if d.action == "await-approval":
+    if d.action == "await-approval" and not unpaid:
         extra = (d.plan.cost_usd if d.plan else 0.0) - (g.c_local_usd or 0.0)
         return Replan("await-approval", left, d,
                       f"re-planned: bursting the rest makes the deadline for ${extra:.2f} more than finishing "
                       f"locally, above the ${ctx.max_auto_delta_usd:.2f} approved without asking: it runs on "
                       "locally, late, unless `burstctl approve`")
-    if d.action == "blocked":
+    if d.action == "blocked" or unpaid:
         if job.kind not in ctx.cloud_kinds:
             cause = f"kind '{job.kind}' may not run in the cloud"
         elif not ctx.burst_enabled:
             cause = "bursting is disabled (revert-local; `burstctl burst-enable` lifts it)"
         else:
-            cause = next((r for r in reversed(d.reasons) if r.startswith("budget: ")), d.reasons[-1])
+            cause = next((r for r in d.reasons if r.startswith("budget: ")), d.reasons[-1])
         return Replan("blocked", left, d, f"re-planned: it runs on locally, late: {cause}")
     if d.verdict is Verdict.LOCAL:
         return Replan("on-time", left, d, "re-planned: at the speed measured, local still finishes by the deadline")
