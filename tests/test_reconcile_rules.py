@@ -552,3 +552,24 @@ def test_a_queued_local_job_says_it_waits_for_the_local_gpu_while_another_run_ho
                                                      "slot(s) (daemon.local_concurrency); it starts when one ends")
     assert [e["type"] for e in app.store.events(job_id=second)][-1] == "job.waiting"
     app.close()
+
+
+def test_an_attempt_on_a_provider_the_daemon_cannot_use_is_said_once_and_in_the_jobs_reason(tmp_path: Path) -> None:
+    # A daemon started without the provider a live attempt runs on (its credentials gone, or disabled in the
+    # config): the attempt is left as it is, said once (it was an event every tick), and the job says why.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "big", local_throughput=0, rented_throughput={"H100": 2.0}))
+    with app.store.tx() as c:
+        app.store.update_job(job_id, c, state="running", reason="bursting to sim")
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
+                                            provider="sim", instance_type="gpu_1x_h100", market="spot",
+                                            idempotency_key="k1", info={}, created_at=time.time()))
+    rec = Reconciler(app, {}, cloud=None)
+    for _ in range(3):
+        rec.tick()
+    said = [e for e in app.store.events(job_id=job_id) if e["type"] == "attempt.provider_unavailable"]
+    assert len(said) == 1 and said[0]["data"]["provider"] == "sim"
+    assert app.store.get_job(job_id)["reason"] == (
+        f"attempt {job_id}-a1 is on provider sim, which this daemon cannot use (`burstctl providers` says why): "
+        "its instance is neither watched nor stopped until it can")
+    app.close()

@@ -591,9 +591,24 @@ class Reconciler:
     def _cloud_step(self, att: dict[str, Any], job: dict[str, Any]) -> None:
         provider = self.providers.get(att["provider"])
         if provider is None:
-            self.emit("attempt.provider_unavailable", job_id=job["id"], attempt_id=att["id"],
-                      provider=att["provider"])
+            # Said once per attempt (it was an event every tick), and in the job's reason: nobody watches or
+            # stops its instance until the provider is usable again (config fixed, or its credentials restored).
+            if not att["info"].get("provider_unavailable"):
+                info = {**att["info"], "provider_unavailable": True}
+                with self.store.tx() as conn:
+                    conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+                att["info"] = info
+                self.emit("attempt.provider_unavailable", job_id=job["id"], attempt_id=att["id"],
+                          provider=att["provider"])
+            self._note(job, f"attempt {att['id']} is on provider {att['provider']}, which this daemon cannot use "
+                            "(`burstctl providers` says why): its instance is neither watched nor stopped until "
+                            "it can")
             return
+        if att["info"].get("provider_unavailable"):
+            info = {k: v for k, v in att["info"].items() if k != "provider_unavailable"}
+            with self.store.tx() as conn:
+                conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+            att["info"] = info
         if is_probe(att):
             step_probe(self, att, job, provider)
             return
