@@ -25,6 +25,20 @@ def _config(tmp_path: Path, text: str) -> Path:
     return path
 
 
+def _daemon_with_an_edit(tmp_path: Path, before: str, after: str, *, ticks: int = 4) -> tuple[App, Path]:
+    """Run the daemon in this process for `ticks` ticks; the config file goes from `before` to `after` after the
+    second. Returns the daemon's app (closed by the caller) and the file."""
+    path = _config(tmp_path, before)
+    app = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
+
+    def on_tick(n: int) -> None:
+        if n == 2:
+            path.write_text(after)
+
+    daemon_module.run_daemon(app, tick_s=0.1, max_ticks=ticks, on_tick=on_tick)
+    return app, path
+
+
 def test_changed_settings_are_named_by_path_never_by_value() -> None:
     old = {"budget": {"monthly_cap_usd": 15.0, "cycle_gpu": "H100"}, "prices": {"H100": {"spot_usd_h": 1.0}}}
     new = {"budget": {"monthly_cap_usd": 40.0, "cycle_gpu": "H100"}, "prices": {"H100": {"spot_usd_h": 1.0},
@@ -111,14 +125,8 @@ def test_sighup_reads_the_file_even_when_its_stamp_did_not_change(tmp_path: Path
 
 
 def test_a_rejected_edit_leaves_the_daemon_on_its_settings_and_says_why_once(tmp_path: Path) -> None:
-    path = _config(tmp_path, "[budget]\nmonthly_cap_usd = 10\n" + NO_CLOUD)
-    app = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
-
-    def on_tick(n: int) -> None:
-        if n == 2:
-            path.write_text("[budget]\nmonthly_cap_usd = 'lots'\n" + NO_CLOUD)
-
-    daemon_module.run_daemon(app, tick_s=0.1, max_ticks=6, on_tick=on_tick)
+    app, path = _daemon_with_an_edit(tmp_path, "[budget]\nmonthly_cap_usd = 10\n" + NO_CLOUD,
+                                     "[budget]\nmonthly_cap_usd = 'lots'\n" + NO_CLOUD, ticks=6)
     rejected = [e for e in app.store.events() if e["type"] == "daemon.config_rejected"]
     assert len(rejected) == 1
     assert rejected[0]["data"]["error"] == f"{path}: field 'budget.monthly_cap_usd': expected a number, got a string"
@@ -128,14 +136,8 @@ def test_a_rejected_edit_leaves_the_daemon_on_its_settings_and_says_why_once(tmp
 
 
 def test_status_names_the_settings_that_wait_for_a_restart(tmp_path: Path, monkeypatch) -> None:
-    path = _config(tmp_path, "[state]\nevents_files_kept = 4\n" + NO_CLOUD)
-    app = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
-
-    def on_tick(n: int) -> None:
-        if n == 2:
-            path.write_text("[state]\nevents_files_kept = 9\n" + NO_CLOUD)
-
-    daemon_module.run_daemon(app, tick_s=0.1, max_ticks=4, on_tick=on_tick)
+    app, path = _daemon_with_an_edit(tmp_path, "[state]\nevents_files_kept = 4\n" + NO_CLOUD,
+                                     "[state]\nevents_files_kept = 9\n" + NO_CLOUD)
     seen = app.store.get_setting(daemon_module.CONFIG_SEEN_KEY)
     assert seen["restart_needed"] == ["state.events_files_kept"]
     app.close()
