@@ -156,7 +156,7 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
         # What the daemon runs on, as read from the file: `status` compares it with the file as it is now.
         app.store.set_setting(CONFIG_SEEN_KEY, config_fingerprint(app.config))
         watch = ConfigWatch(app.config_path, app.state_dir_override, app.config)
-        ticks_fixed = tick_s is not None  # --tick-s: a config edit does not change it
+        ticks_fixed = tick_s is not None  # `daemon --tick`: a config edit does not change it
         tick_s = tick_s or app.config.daemon.tick_s
         app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
                         providers=sorted(reconciler.providers), mode=reconciler.mode())
@@ -211,6 +211,10 @@ def _reload(app: App, scheduler: BlockingScheduler, reconciler: Reconciler, watc
                               "again when it next changes, or on SIGHUP")
         return reconciler
     fresh.carry_over(reconciler)
+    for provider in reconciler.providers.values():  # the new reconciler has its own clients
+        close = getattr(provider, "close", None)
+        if close is not None:
+            close()
     watch.running = change.config
     daemon = change.config.daemon
     if not ticks_fixed and daemon.tick_s != before.daemon.tick_s:
