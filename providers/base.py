@@ -113,6 +113,10 @@ class Offer:
     def price(self, market: Market) -> float | None:
         return self.spot_usd_h if market is Market.SPOT else self.on_demand_usd_h
 
+    def rate_usd_h(self, market: Market) -> float:
+        """What an instance of this offer on `market` is billed per hour (on-demand's rate without a spot price)."""
+        return self.price(market) or self.on_demand_usd_h
+
     def capacity_regions(self, market: Market) -> tuple[str, ...]:
         """Regions with capacity now on `market`: that market's own listing where the provider has one, else
         `regions` (either market's, or every zone where only a launch can tell)."""

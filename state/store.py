@@ -288,6 +288,15 @@ class Store:
         with self.tx() as c:
             return c.execute(q).rowcount == 1
 
+    def set_attempt_info(self, attempt_id: str, info: dict[str, Any], conn: Connection | None = None) -> None:
+        """Replace an attempt's `info` (what the lifecycle remembers of it between ticks)."""
+        q = update(s.attempts).where(s.attempts.c.id == attempt_id).values(info=info)
+        if conn is not None:
+            conn.execute(q)
+            return
+        with self.tx() as c:
+            c.execute(q)
+
     def count_jobs_by_state(self) -> dict[str, int]:
         with self.engine.connect() as c:
             rows = c.execute(select(s.jobs.c.state, func.count()).group_by(s.jobs.c.state)).all()

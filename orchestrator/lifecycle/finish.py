@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, func, select, update
+from sqlalchemy import Connection, func, select
 
 from orchestrator import records
 from orchestrator.app import App
@@ -56,8 +56,7 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
                      "goes on-demand once waiting no longer pays", "job.waiting", next_probe_s=round(wait_s, 1),
                _fields={"spec": {**current["spec"], "_spot_probe_at": now + wait_s}})
             # An expected refusal: it does not count towards max_launch_failures (which would block the job).
-            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"])
-                         .values(info={**att["info"], "failure_counted": False}))
+            store.set_attempt_info(att["id"], {**att["info"], "failure_counted": False}, conn)
         else:
             to(back, f"launch failed: {reason}", "job.waiting")
     elif outcome is A.PREEMPTED:

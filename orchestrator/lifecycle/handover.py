@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.states import JobState
@@ -70,7 +70,7 @@ def wait_or_take_over(rec: Reconciler, att: dict[str, Any], job: dict[str, Any],
         if not rec.store.update_job(job["id"], conn, expect_state=fresh["state"], state=JobState.RUNNING.value,
                                     reason=reason):
             return None  # the job moved meanwhile: looked at again next tick
-        conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+        rec.store.set_attempt_info(att["id"], info, conn)
         rec.app.events.emit(event, job_id=job["id"], attempt_id=att["id"], conn=conn, instance=att["instance_id"],
                             provider=att["provider"], market=att["market"],
                             resuming=fresh["state"] == JobState.RESUMING.value, **said)

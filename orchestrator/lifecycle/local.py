@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, insert, select
 
 from orchestrator import records
 from orchestrator.app import App
@@ -235,7 +235,7 @@ class LocalRunner:
                                      **({k: v for k, v in progress.items() if k != "reason"}
                                         if wanted == "hybrid-switch" else {}))
             with self.app.store.tx() as conn:
-                conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+                self.app.store.set_attempt_info(att["id"], info, conn)
                 if progress and not wanted and job["reason"] != progress["reason"]:
                     self.app.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value,
                                               reason=progress["reason"])
@@ -345,8 +345,7 @@ class LocalRunner:
             with self.app.store.tx() as conn:
                 # The job's new plan and this attempt's part in it are one change: a restart finds both or neither.
                 if self.app.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value, **fields):
-                    conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"])
-                                 .values(info={**info, **changed}))
+                    self.app.store.set_attempt_info(att["id"], {**info, **changed}, conn)
                     self.app.events.emit(
                         "job.replanned", job_id=job["id"], attempt_id=att["id"], conn=conn, outcome=r.outcome,
                         reason=fields["reason"], units_done=round(done, 6), throughput_units_h=round(speed, 6),

@@ -212,7 +212,7 @@ class Reconciler:
         info["errors"] = int(info.get("errors", 0)) + 1
         info["last_error"] = error
         with self.store.tx() as conn:
-            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+            self.store.set_attempt_info(att["id"], info, conn)
             if not same:  # repeated identical errors are counted, not re-logged every tick
                 self.app.events.emit("attempt.error", job_id=att["job_id"], attempt_id=att["id"], conn=conn,
                                      state=att["state"], error=error, count=info["errors"])
@@ -391,9 +391,8 @@ class Reconciler:
         if choice is None:
             return False
         provider_name, offer, market, market_facts = choice
-        rate = offer.price(market) or offer.on_demand_usd_h
-        problem = self.budget_problem(now, rate_usd_h=rate, minimum_s=offer.billing_minimum_s,
-                                      expected_h=self._expected_remaining_h(job))
+        rate = offer.rate_usd_h(market)
+        problem = self.launch_budget_problem(job, offer, market, now)
         if problem is not None:
             self._block(job, problem, budget_launch={"rate_usd_h": rate, "minimum_s": offer.billing_minimum_s})
             return False
@@ -449,7 +448,7 @@ class Reconciler:
                 continue
             if market is Market.ON_DEMAND and not o.capacity_regions(market):
                 continue  # spot capacity listed, on-demand none: the launch would only be refused
-            price = o.price(market) or o.on_demand_usd_h
+            price = o.rate_usd_h(market)
             speed = wanted[o.gpu_model.upper()]
             cost = price / speed  # $ per unit of work
             if best is None or cost < best[0]:
@@ -526,7 +525,7 @@ class Reconciler:
             if reset_failures:
                 for r in self._recent_launch_failures(job["id"]):
                     info = {**r["info"], "failure_counted": False}
-                    conn.execute(update(s.attempts).where(s.attempts.c.id == r["id"]).values(info=info))
+                    self.store.set_attempt_info(r["id"], info, conn)
 
     def _hand_over_held(self, job: dict[str, Any], now: float) -> str | None:
         """Why a hybrid job's local phase cannot hand over now, else None. Stopping the local run for a burst
@@ -546,10 +545,8 @@ class Reconciler:
         for name, offer in offers:
             market, _ = market_for_attempt(self.app, job, name, offer, now)
             if market is not None and offer.capacity_regions(market):
-                # The launch's own budget check (`_start_cloud_attempt`), asked before the local run is stopped.
-                refused = self.budget_problem(now, rate_usd_h=offer.price(market) or offer.on_demand_usd_h,
-                                              minimum_s=offer.billing_minimum_s,
-                                              expected_h=self._expected_remaining_h(job))
+                # The launch's own budget check, asked before the local run is stopped.
+                refused = self.launch_budget_problem(job, offer, market, now)
                 if refused is None:
                     return None
                 continue
@@ -596,7 +593,7 @@ class Reconciler:
             if not att["info"].get("provider_unavailable"):
                 info = {**att["info"], "provider_unavailable": True}
                 with self.store.tx() as conn:
-                    conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+                    self.store.set_attempt_info(att["id"], info, conn)
                 att["info"] = info
                 self.emit("attempt.provider_unavailable", job_id=job["id"], attempt_id=att["id"],
                           provider=att["provider"])
@@ -607,7 +604,7 @@ class Reconciler:
         if att["info"].get("provider_unavailable"):
             info = {k: v for k, v in att["info"].items() if k != "provider_unavailable"}
             with self.store.tx() as conn:
-                conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+                self.store.set_attempt_info(att["id"], info, conn)
             att["info"] = info
         if is_probe(att):
             step_probe(self, att, job, provider)
@@ -684,6 +681,12 @@ class Reconciler:
         return self.budget_problem(now, rate_usd_h=float(refused["rate_usd_h"]), minimum_s=float(refused["minimum_s"]),
                                    expected_h=self._expected_remaining_h(job)) is not None
 
+    def launch_budget_problem(self, job: dict[str, Any], offer: Offer, market: Market, now: float) -> str | None:
+        """Why the budget refuses launching `job` on `offer` and `market` now (its rate, its billing minimum and
+        the hours of work left to it), or None."""
+        return self.budget_problem(now, rate_usd_h=offer.rate_usd_h(market), minimum_s=offer.billing_minimum_s,
+                                   expected_h=self._expected_remaining_h(job))
+
     def budget_problem(self, now: float, *, rate_usd_h: float = 0.0, minimum_s: float = 0.0,
                        expected_h: float = 0.0) -> str | None:
         """Why spending must not go on (or a launch at `rate_usd_h` must not start), or None. Every running
@@ -722,7 +725,7 @@ class Reconciler:
         if found is None:
             info["launch_tried"] = True
             with self.store.tx() as conn:
-                conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+                self.store.set_attempt_info(att["id"], info, conn)
             att["info"] = info
             tags = OwnerTags(self.app.orchestrator_id, job["id"], att["id"])
             req = LaunchRequest(instance_type=att["instance_type"], market=Market(att["market"]), tags=tags,
@@ -886,7 +889,7 @@ class Reconciler:
                     self._advance(kept, job)  # make before break: the kept probe takes over now, not next tick
                 return
         with self.store.tx() as conn:
-            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+            self.store.set_attempt_info(att["id"], info, conn)
 
     def _market_move(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, now: float
                      ) -> tuple[Market, dict[str, Any]] | None:
@@ -992,7 +995,7 @@ class Reconciler:
                                                  "came home", info=info)
             return
         with self.store.tx() as conn:
-            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+            self.store.set_attempt_info(att["id"], info, conn)
 
     def _on_notice(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], notice: Any,
                    now: float) -> None:
@@ -1007,7 +1010,7 @@ class Reconciler:
         pulled = self._pull(att, job, info)
         home = (self.store.get_job(job["id"]) or job).get("checkpoint")
         with self.store.tx() as conn:
-            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(info=info))
+            self.store.set_attempt_info(att["id"], info, conn)
         successor = launch_successor(self, att, job, now)  # make before break: the next instance boots meanwhile
         with self.store.tx() as conn:
             self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value, reason=(

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, select
 
 from orchestrator.lifecycle.finish import probe_interval_s
 from orchestrator.lifecycle.handover import no_room, wait_or_take_over
@@ -107,7 +107,7 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
     rec._adopt(probe, job, inst, "launched")
     probe["info"] = {**probe["info"], "kept": True}
     with rec.store.tx() as conn:
-        conn.execute(update(s.attempts).where(s.attempts.c.id == probe_id).values(info=probe["info"]))
+        rec.store.set_attempt_info(probe_id, probe["info"], conn)
         rec.app.events.emit("attempt.spot_probe", **said, conn=conn, result="up", instance=inst.id, kept=True)
     _chaos_point("probe-kept")  # the probe is kept; the on-demand attempt has not been stopped
     return probe

@@ -57,7 +57,7 @@ def launch_successor(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], 
     if choice is None:
         return None
     provider_name, offer, market, facts = choice
-    rate = offer.price(market) or offer.on_demand_usd_h
+    rate = offer.rate_usd_h(market)
     if no_room(rec, now, rate_usd_h=rate, minimum_s=offer.billing_minimum_s,
                expected_h=rec._expected_remaining_h(job)) is not None:
         return None
