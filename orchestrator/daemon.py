@@ -194,7 +194,7 @@ def _reload(app: App, scheduler: BlockingScheduler, reconciler: Reconciler, watc
     before = app.config
     app.use_config(change.config)
     try:
-        fresh = build_reconciler(app)
+        fresh = build_reconciler(app, before=reconciler)
     except Exception as exc:
         app.use_config(before)
         app.events.emit("daemon.config_rejected", error=app.redactor(f"{type(exc).__name__}: {exc}"),

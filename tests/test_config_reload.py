@@ -184,3 +184,18 @@ def test_an_edit_that_would_drop_a_provider_with_live_instances_is_rejected(tmp_
     fresh = daemon_module._reload(app, BlockingScheduler(), running, watch, force=True, ticks_fixed=True)
     assert fresh is not running and fresh.providers == {} and app.config.budget.monthly_cap_usd == 20
     app.close()
+
+
+def test_a_provider_without_credentials_is_said_once_not_again_at_every_reload(tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    monkeypatch.delenv("LAMBDA_API_KEY", raising=False)
+    lambda_on = NO_CLOUD + "[providers.lambda]\nenabled = true\n"
+    app, _ = _daemon_with_an_edit(tmp_path, "[budget]\nmonthly_cap_usd = 10\n" + lambda_on,
+                                  "[budget]\nmonthly_cap_usd = 20\n" + lambda_on)
+    events = list(app.store.events())
+    assert [e["data"]["changed"] for e in events if e["type"] == "daemon.config_reloaded"] == [
+        ["budget.monthly_cap_usd"]]
+    said = [e for e in events if e["type"] == "provider.unavailable"]
+    assert len(said) == 1 and said[0]["data"]["provider"] == "lambda"
+    assert "LAMBDA_API_KEY" in said[0]["data"]["problem"]
+    app.close()

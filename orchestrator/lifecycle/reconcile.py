@@ -131,6 +131,7 @@ class Reconciler:
         self.offers = OfferCache(ttl_s=self.cfg.daemon.offers_ttl_s,
                                  on_refresh=lambda name, offers, now: record_spot_listings(app, name, offers, now))
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
+        self.unavailable: dict[str, str] = {}  # enabled providers that cannot be used → why (`build_reconciler`)
 
     @property
     def cloud_steps(self) -> CloudSteps:

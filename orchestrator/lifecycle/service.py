@@ -12,15 +12,21 @@ from providers.registry import build, usable
 from state import schema as s
 
 
-def build_reconciler(app: App) -> Reconciler:
+def build_reconciler(app: App, before: Reconciler | None = None) -> Reconciler:
+    """The reconciler for `app`'s config. An enabled provider that cannot be used is said (`provider.unavailable`),
+    unless `before` (the reconciler a config reload replaces) already had it unusable for the same reason."""
     from orchestrator.lifecycle.cloud_steps import CloudSteps
 
     slots = build(app.config, orchestrator_id=app.orchestrator_id, sink=app.events.provider_sink)
-    for slot in slots.values():
-        if slot.enabled and slot.provider is None:
-            app.events.emit("provider.unavailable", provider=slot.name, problem=slot.problem)
+    unavailable = {slot.name: slot.problem or "" for slot in slots.values() if slot.enabled and slot.provider is None}
+    said = before.unavailable if before is not None else {}
+    for name, problem in unavailable.items():
+        if said.get(name) != problem:
+            app.events.emit("provider.unavailable", provider=name, problem=problem)
     providers = usable(slots)
-    return Reconciler(app, providers, cloud=CloudSteps(app, providers) if providers else None)
+    reconciler = Reconciler(app, providers, cloud=CloudSteps(app, providers) if providers else None)
+    reconciler.unavailable = unavailable
+    return reconciler
 
 
 def has_active_work(app: App) -> bool:
