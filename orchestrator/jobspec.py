@@ -109,6 +109,13 @@ class JobSpec(BaseModel):
     )
     kind: JobKind = Field("train", description="train | eval | embed | serve.")
     command: list[str] = Field(description="The command, as an argument list (a string is split shell-style).")
+    setup: list[str] = Field(
+        default_factory=list,
+        description="Run once on each rented instance, after the workdir is pushed and before the command, in the "
+                    "workdir with the job's environment (e.g. \"pip install -r requirements.txt\"; a string is split "
+                    "shell-style). Not run locally: this machine is set up already. It must be safe to run again on "
+                    "a fresh instance. A successor launched at a spot notice runs it while its predecessor still "
+                    "trains. A failing setup fails the attempt with its last line of output.")
     workdir: str = Field(".", description="Directory pushed to the instance, relative to the spec file; the command "
                                           "runs in it, and a relative path it names must not climb out of it.")
     deadline: datetime | None = Field(None, strict=False,  # TOML's own date-time, or the same in a string
@@ -163,7 +170,7 @@ class JobSpec(BaseModel):
             raise ValueError(f"has no time zone: {DEADLINE_EXPECTED}")
         return v
 
-    @field_validator("command", mode="before")
+    @field_validator("command", "setup", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
         if isinstance(v, str):

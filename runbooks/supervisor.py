@@ -2,8 +2,11 @@
 
     python3 supervisor.py --run-dir RUN --job-id J --attempt A --checkpoint-dir CKPT [--resume-from PATH]
         [--metadata-url URL] [--heartbeat-s 2] [--notice-poll-s 1] [--grace-s 30] [--gpus N] [--torchrun]
-        [--env-file F] [--workdir W] [--max-run-s S] [--s3-uri s3://B/P [--s3-region R]] [--daemonize] [--dry-run]
+        [--env-file F] [--workdir W] [--max-run-s S] [--s3-uri s3://B/P [--s3-region R]]
+        [--setup-json '["pip", "install", "-r", "requirements.txt"]' --setup-dir DIR] [--daemonize] [--dry-run]
         -- CMD ARGS...
+    python3 supervisor.py setup --setup-dir DIR --setup-json JSON --workdir W [--env-file F] [--daemonize]
+        # the setup alone (a successor's, run while its predecessor still trains); one JSON line
     python3 supervisor.py status --run-dir RUN          # one JSON line: heartbeat, exit record, liveness, metrics
     python3 supervisor.py stop --run-dir RUN [--grace-s 30]
 
@@ -11,6 +14,12 @@ Files in RUN: supervisor.pid, supervisor.lock (held for the supervisor's life), 
 replaced every heartbeat period), exit.json (at the end), stdout.log/stderr.log (the command's output, appended),
 metrics.json (written by the trainer via $BURST_METRICS_FILE), supervisor.log (the supervisor's own notes),
 s3.json (with --s3-uri: what the uploader put in S3, and its last error).
+With --setup-json the job's setup command runs first (heartbeat state "setup", output in DIR/setup.log), once per
+instance: DIR/setup-done.json records a success (with the command's hash), after which later attempts and a second
+start skip it. DIR/setup.lock is held while a setup runs, so a setup started early by `supervisor.py setup` and the
+supervisor that needs it never run it twice at once: the supervisor waits, heartbeating, and a stop or a spot
+notice still ends the wait. A failed setup is reported like a failed command, with reason "setup-failed" and the
+last line of its output, and the command never starts.
 
 With --s3-uri every new complete checkpoint is uploaded there (`s3_checkpoints.py upload-newest`, run as a child:
 it needs boto3, this file does not), and once more after the command exits and before exit.json is written, so
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -52,6 +62,9 @@ STDOUT_LOG = "stdout.log"
 STDERR_LOG = "stderr.log"
 SUPERVISOR_LOG = "supervisor.log"
 S3_FILE = "s3.json"
+SETUP_LOCK = "setup.lock"  # in --setup-dir: one per job on the instance, shared by its attempts
+SETUP_DONE = "setup-done.json"
+SETUP_LOG = "setup.log"
 S3_SCRIPT = "s3_checkpoints.py"  # beside this file
 MANIFEST = "manifest.json"  # burst_checkpoint's manifest, written last inside a checkpoint
 
@@ -414,6 +427,7 @@ def parse_run_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--s3-uri", default="", help="upload complete checkpoints to this s3://BUCKET/PREFIX")
     p.add_argument("--s3-region", default="")
     p.add_argument("--s3-final-timeout-s", type=_positive(float), default=600.0)
+    _add_setup_args(p)
     p.add_argument("--daemonize", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print what would run (argv, cwd, env names) as JSON")
     args = p.parse_args(opts)
@@ -434,7 +448,57 @@ def parse_run_args(argv: list[str]) -> argparse.Namespace:
     if args.s3_uri and not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$", args.s3_uri):
         raise BadArgs("--s3-uri: expected s3://BUCKET/PREFIX")
     args.env_extra = read_env_file(args.env_file) if args.env_file else {}
+    _check_setup_args(args)
     return args
+
+
+def _add_setup_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--setup-json", default="", help="the job's setup command, a JSON list of strings")
+    p.add_argument("--setup-dir", default="", help="the setup's lock, log and done record (one per job)")
+
+
+def _check_setup_args(args: argparse.Namespace) -> None:
+    """`args.setup`: the setup argv ([] without one); `args.setup_dir` resolved."""
+    args.setup = []
+    if args.setup_json:
+        try:
+            args.setup = json.loads(args.setup_json)
+        except ValueError:
+            args.setup = None
+        if not (isinstance(args.setup, list) and args.setup and all(isinstance(a, str) for a in args.setup)):
+            raise BadArgs("--setup-json: expected a JSON list of strings, e.g. [\"pip\", \"install\", \"-r\", "
+                          "\"requirements.txt\"]")
+        if not args.setup_dir:
+            raise BadArgs("--setup-json needs --setup-dir")
+    args.setup_dir = Path(args.setup_dir).resolve() if args.setup_dir else None
+
+
+def setup_key(argv: list[str]) -> str:
+    """What a setup-done record is for: the setup command (an edited one runs again)."""
+    return hashlib.sha256(json.dumps(argv).encode()).hexdigest()
+
+
+def setup_done(setup_dir: Path, argv: list[str]) -> dict | None:
+    """The record of this setup's success on this instance, if there is one."""
+    record = read_json(setup_dir / SETUP_DONE)
+    return record if record and record.get("key") == setup_key(argv) else None
+
+
+def open_setup_lock(setup_dir: Path) -> int:
+    setup_dir.mkdir(parents=True, exist_ok=True)
+    return os.open(str(setup_dir / SETUP_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def start_setup(args: argparse.Namespace, env: dict[str, str]) -> subprocess.Popen:
+    """The setup command as a child in its own session (a stop ends its whole group), output to its log."""
+    with open(args.setup_dir / SETUP_LOG, "ab") as log:
+        return subprocess.Popen(args.setup, cwd=str(args.workdir), env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def record_setup_done(args: argparse.Namespace, seconds: float) -> None:
+    write_json_atomic(args.setup_dir / SETUP_DONE, {"key": setup_key(args.setup), "seconds": round(seconds, 3),
+                                                    "at": _now()}, durable=True)
 
 
 def burst_env(args: argparse.Namespace) -> dict[str, str]:
@@ -470,6 +534,7 @@ class Supervisor:
         self.started_at = _now()
         self.notice: dict | None = None
         self.s3: dict | None = None
+        self.setup_s: float | None = None  # how long this start's setup ran (None: none run by it)
         self.my_start_ticks = process_start_ticks(os.getpid())
         self._log_fh = open(self.run_dir / SUPERVISOR_LOG, "a")  # noqa: SIM115  # open for the whole run
 
@@ -487,6 +552,7 @@ class Supervisor:
             "child_pid": child_pid, "child_pgid": child_pid,  # the child leads its own group (new session)
             "job_id": self.args.job_id, "attempt": self.args.attempt, "started_at": self.started_at,
             "last_checkpoint": latest_checkpoint_name(self.args.checkpoint_dir), "notice": self.notice,
+            "setup_s": self.setup_s,
         }
         try:
             write_json_atomic(self.run_dir / HEARTBEAT_FILE, record)
@@ -498,16 +564,78 @@ class Supervisor:
             self.stop_signal = signum
 
     def run(self) -> int:
-        """Start the command and supervise it to the end; returns the exit code to mirror (128+N for signal N)."""
+        """Run the setup (if any) and start the command, supervise it to the end; returns the exit code to mirror
+        (128+N for signal N)."""
         args = self.args
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup semantics: a closing SSH session is not a stop
         self.heartbeat()
+        env = {**os.environ, **args.env_extra}  # the setup's; the command also gets the contract's (burst_env)
+        poller = (NoticePoller(resolve_metadata_url(args.metadata_url), args.notice_poll_s)
+                  if args.metadata_url else None)
+        if poller:
+            poller.start()
+        try:
+            if args.setup:
+                failed = self._setup(env, poller)
+                if failed is not None:
+                    return failed
+            return self._run_command({**env, **burst_env(args)}, poller)
+        finally:
+            if poller:
+                poller.stop()
+
+    def _setup(self, env: dict[str, str], poller: NoticePoller | None) -> int | None:
+        """Run the job's setup unless this instance has done it (an earlier attempt, or this one's early `setup`
+        run, waited for if it still runs). None when it is done; else the exit code to mirror, with the exit record
+        written (the command never starts)."""
+        args = self.args
+        self.state = "setup"
+        fd = open_setup_lock(args.setup_dir)
+        try:
+            next_heartbeat = _now() + args.heartbeat_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:  # an early setup runs: wait for it, still stoppable
+                    pass
+                reason = self._stop_wanted(poller)
+                if reason is not None:
+                    return self._finish(None, None, reason, error="stopped while waiting for the setup")
+                if _now() >= next_heartbeat:
+                    self.heartbeat()
+                    next_heartbeat = _now() + args.heartbeat_s
+                time.sleep(_TICK_S)
+            if setup_done(args.setup_dir, args.setup):
+                self.log("setup: already done on this instance")
+                return None
+            self.log(f"setup: starting {json.dumps(args.setup)} in {args.workdir}")
+            self.heartbeat()
+            started = _now()
+            try:
+                self.child = start_setup(args, env)
+            except OSError as exc:
+                return self._finish(127 if isinstance(exc, FileNotFoundError) else 126, None, "setup-failed",
+                                    error=f"cannot start the setup {args.setup[0]!r}: {exc.strerror}")
+            stop_reason = self._watch(self.child, poller, max_run_s=None)
+            code = self._reap(self.child)
+            if stop_reason is not None or code != 0:
+                exit_code, sig = (code, None) if code >= 0 else (None, -code)
+                return self._finish(exit_code, sig, stop_reason or "setup-failed",
+                                    tail_of=args.setup_dir / SETUP_LOG)
+            self.setup_s = _now() - started
+            record_setup_done(args, self.setup_s)
+            self.log(f"setup: done in {self.setup_s:.1f}s")
+            self.child = None
+            return None
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _run_command(self, env: dict[str, str], poller: NoticePoller | None) -> int:
+        args = self.args
         argv = launcher_argv(args.command, args.gpus, args.torchrun)
-        env = dict(os.environ)
-        env.update(args.env_extra)
-        env.update(burst_env(args))
         args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.log(f"attempt {args.attempt} of job {args.job_id}: starting {json.dumps(argv)} in {args.workdir} "
                  f"(env file keys: {sorted(args.env_extra)})")
@@ -521,18 +649,30 @@ class Supervisor:
                                 error=f"cannot start {argv[0]!r}: {exc.strerror}")
         self.state = "running"
         self.heartbeat()
-        return self._supervise()
-
-    def _supervise(self) -> int:
-        args, child = self.args, self.child
-        assert child is not None
-        poller = (NoticePoller(resolve_metadata_url(args.metadata_url), args.notice_poll_s)
-                  if args.metadata_url else None)
-        if poller:
-            poller.start()
         uploader = S3Uploader(args, self.log) if args.s3_uri else None
         if uploader:
             uploader.start()
+        stop_reason = self._watch(self.child, poller, max_run_s=args.max_run_s)
+        code = self._reap(self.child)
+        exit_code, sig = (code, None) if code >= 0 else (None, -code)
+        reason = stop_reason or ("completed" if code == 0 else "failed")
+        if uploader:
+            self._final_upload(uploader)
+        return self._finish(exit_code, sig, reason)
+
+    def _stop_wanted(self, poller: NoticePoller | None) -> str | None:
+        """Why the run must stop now, if it must: a signal to the supervisor, or a spot notice."""
+        if self.stop_signal is not None:
+            return "terminated"
+        if poller is not None and poller.notice is not None:
+            self.notice = poller.notice
+            return "notice"
+        return None
+
+    def _watch(self, child: subprocess.Popen, poller: NoticePoller | None, max_run_s: float | None) -> str | None:
+        """Heartbeat until `child` exits; on a stop (`_stop_wanted`, or `max_run_s` up) SIGTERM its group, then
+        SIGKILL after the grace period. Returns why it was stopped, or None when it exited by itself."""
+        args = self.args
         child_started = _now()
         next_heartbeat = child_started + args.heartbeat_s
         stop_reason: str | None = None
@@ -544,11 +684,8 @@ class Supervisor:
                 break
             now = _now()
             if stop_reason is None:
-                if self.stop_signal is not None:
-                    stop_reason = "terminated"
-                elif poller is not None and poller.notice is not None:
-                    stop_reason, self.notice = "notice", poller.notice
-                elif args.max_run_s is not None and now - child_started >= args.max_run_s:
+                stop_reason = self._stop_wanted(poller)
+                if stop_reason is None and max_run_s is not None and now - child_started >= max_run_s:
                     stop_reason = "max-run-time"
                 if stop_reason is not None:
                     self.log(f"stopping ({stop_reason}): SIGTERM to process group {child.pid}, "
@@ -566,18 +703,15 @@ class Supervisor:
                 self.heartbeat()
                 next_heartbeat = now + args.heartbeat_s
             time.sleep(_TICK_S)
-        if poller:
-            poller.stop()
+        return stop_reason
+
+    def _reap(self, child: subprocess.Popen) -> int:
+        """End what `child` left running (its group, and this attempt's processes outside it); its return code."""
         if group_alive(child.pid):  # the command left processes behind in its group: end them with it
             _signal_group(child.pid, signal.SIGKILL)
             self.log(f"killed leftover processes of group {child.pid}")
         self._kill_strays()
-        code = child.wait()
-        exit_code, sig = (code, None) if code >= 0 else (None, -code)
-        reason = stop_reason or ("completed" if code == 0 else "failed")
-        if uploader:
-            self._final_upload(uploader)
-        return self._finish(exit_code, sig, reason)
+        return child.wait()
 
     def _kill_strays(self) -> None:
         """SIGKILL what the command started outside its group (e.g. torchrun's workers) and left running."""
@@ -596,7 +730,8 @@ class Supervisor:
             uploader.join(self.args.heartbeat_s)
         self.s3 = dict(uploader.record)
 
-    def _finish(self, exit_code: int | None, sig: int | None, reason: str, error: str | None = None) -> int:
+    def _finish(self, exit_code: int | None, sig: int | None, reason: str, error: str | None = None,
+                tail_of: Path | None = None) -> int:
         record = {
             "job_id": self.args.job_id, "attempt": self.args.attempt,
             "exit_code": exit_code, "signal": sig,
@@ -609,9 +744,11 @@ class Supervisor:
             record["s3"] = self.s3
         if error:
             record["error"] = error
-        if exit_code not in (0, None) or reason == "failed":
+        if self.setup_s is not None:
+            record["setup_s"] = round(self.setup_s, 3)
+        if exit_code not in (0, None) or reason in ("failed", "setup-failed"):
             # Why it failed, in the command's own words: the daemon has only this record, not the log.
-            record["stderr_tail"] = _last_line(self.run_dir / STDERR_LOG)
+            record["stderr_tail"] = _last_line(tail_of or self.run_dir / STDERR_LOG)
         write_json_atomic(self.run_dir / EXIT_FILE, record, durable=True)
         self.state = "exited"
         self.heartbeat()
@@ -785,9 +922,80 @@ def stop(run_dir: Path, grace_s: float) -> dict:
     return {"signalled": "child-group", "pgid": pgid, "killed": bool(killed)}
 
 
+def parse_setup_args(argv: list[str]) -> argparse.Namespace:
+    p = _Parser(prog="supervisor.py setup")
+    _add_setup_args(p)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--env-file", default="")
+    p.add_argument("--daemonize", action="store_true")
+    args = p.parse_args(argv)
+    if not args.setup_json:
+        raise BadArgs("--setup-json is required")
+    _check_setup_args(args)
+    args.workdir = Path(args.workdir).resolve()
+    if not args.workdir.is_dir():
+        raise BadArgs(f"--workdir: directory '{args.workdir}' does not exist")
+    args.env_extra = read_env_file(args.env_file) if args.env_file else {}
+    return args
+
+
+def run_setup(args: argparse.Namespace) -> dict:
+    """The setup alone, ahead of the supervisor that needs it (which then finds it done, or waits for it): run
+    unless done, waiting for a setup already running. Its result, as one JSON-able dict."""
+    fd = open_setup_lock(args.setup_dir)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if setup_done(args.setup_dir, args.setup):
+            return {"status": "done-already"}
+        started = _now()
+        try:
+            code = start_setup(args, {**os.environ, **args.env_extra}).wait()
+        except OSError as exc:
+            return {"status": "failed", "error": f"cannot start the setup {args.setup[0]!r}: {exc.strerror}"}
+        if code != 0:
+            return {"status": "failed", "exit_code": code, "tail": _last_line(args.setup_dir / SETUP_LOG)}
+        record_setup_done(args, _now() - started)
+        return {"status": "done", "seconds": round(_now() - started, 3)}
+    finally:
+        os.close(fd)
+
+
+def setup_command(args: argparse.Namespace) -> int:
+    """`supervisor.py setup`: in the foreground, or detached (--daemonize: the SSH session that starts it may
+    close; the caller gets {"status": "started"} at once and finds the outcome in the setup dir)."""
+    if not args.daemonize:
+        result = run_setup(args)
+        print(json.dumps(result, sort_keys=True), flush=True)
+        return 0 if result["status"] != "failed" else 1
+    args.setup_dir.mkdir(parents=True, exist_ok=True)
+    if os.fork() > 0:
+        print(json.dumps({"status": "started"}), flush=True)
+        return 0
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    code = 1
+    try:
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        log_fd = os.open(str(args.setup_dir / SETUP_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        code = 0 if run_setup(args)["status"] != "failed" else 1
+    except BaseException:  # the traceback goes to the setup log; never return into the caller's code
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["setup"]:
+            return setup_command(parse_setup_args(argv[1:]))
         if argv[:1] in (["status"], ["stop"]):
             p = _Parser(prog=f"supervisor.py {argv[0]}")
             p.add_argument("--run-dir", required=True)

@@ -221,6 +221,7 @@ BAD_JOBS = {
     # Only the workdir is copied to an instance: a script beside it runs locally and is missing there.
     "command-outside-workdir": ({"command": ["python3", "../train.py"]}, "command.1", "outside the workdir"),
     "checkpoint-dir-outside-workdir": ({"checkpoint": {"dir": "../../.."}}, "checkpoint.dir", "inside the workdir"),
+    "setup-not-strings": ({"setup": ["pip", 3]}, "setup.1", "expected a string"),
 }
 
 
@@ -230,6 +231,12 @@ BAD_JOBS = {
     ("--lr=0.1", False), ("~/data", False), ("https://host/a/../b", False)])
 def test_a_command_argument_that_climbs_out_of_the_workdir_is_told_apart(arg: str, leaves: bool) -> None:
     assert jobspec._leaves_workdir(arg) is leaves
+
+
+def test_a_setup_given_as_a_string_is_split_like_the_command(tmp_path: Path) -> None:
+    spec, _ = jobspec.load_job(write_job(tmp_path, "setup", setup="pip install -r 'requirements dev.txt'"))
+    assert spec.setup == ["pip", "install", "-r", "requirements dev.txt"]
+    assert jobspec.load_job(write_job(tmp_path, "plain"))[0].setup == []
 
 
 @pytest.mark.parametrize("case", sorted(BAD_JOBS))

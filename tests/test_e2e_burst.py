@@ -177,11 +177,12 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
     # step 2's checkpoint, nothing has come home yet. The trainer's last checkpoint takes 30 s (a large model's), so
     # the reclaim 6 s after the notice comes first, and its exit is never seen: what the instance holds must come
     # home on the notice itself, or the run starts over. Make before break (`daemon.launch_on_notice`, the
-    # default): the next instance is launched on the notice and boots meanwhile, and takes over once the noticed
-    # attempt has ended.
+    # default): the next instance is launched on the notice and boots meanwhile, runs the job's setup meanwhile
+    # too, and takes over once the noticed attempt has ended.
     state = tmp_path / "state"
     spec = trainer_job(tmp_path, "notice", steps=8, every=1, step_s=2.0, interval_minutes=5,
-                       extra=("--stop-seconds", "30"))
+                       extra=("--stop-seconds", "30"),
+                       setup=["sh", "-c", f"sleep 1 && pwd >> {tmp_path / 'setup-ran'}"])
     with simcloud(tmp_path) as url:
         config = write_config(tmp_path, url, daemon={"launch_on_notice": launch_on_notice})
         job_id = json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"]
@@ -224,6 +225,35 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
         assert taken["attempt_id"] == intents[1]["attempt_id"] == running["attempt_id"]
         assert taken["id"] > preempted["id"]
         assert "its next instance is launching" in told
+        # The setup ran on the successor while it waited, and was not run again when it took over.
+        (early,) = (e for e in trail if e["type"] == "attempt.setup_started_early")
+        assert early["attempt_id"] == taken["attempt_id"] and early["id"] < taken["id"]
     else:
         assert "successor_for" not in intents[1]["data"] and intents[1]["id"] > preempted["id"]
         assert not [e for e in trail if e["type"] == "attempt.successor_taken_over"]
+    # The setup ran once on each instance (simcloud's run on this machine), in the job's workdir there.
+    ran = (tmp_path / "setup-ran").read_text().splitlines()
+    assert len(ran) == 2
+    for instance, workdir in zip((first, resumed["instance"]), ran, strict=True):
+        assert f"/instances/{instance}/" in workdir and workdir.endswith(f"/burst/{job_id}/work")
+
+
+def test_a_failing_setup_fails_the_job_with_its_last_line_and_the_instance_is_terminated(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    spec = trainer_job(tmp_path, "broken-setup", steps=20, every=5,
+                       setup=["sh", "-c", "echo collecting; echo 'ERROR: No matching distribution found for "
+                                          "nothing-such' >&2; exit 3"])
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        job_id = json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"]
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: job(state, job_id)["state"] == "failed", 120, "the job to fail")
+            wait_for(lambda: events(state, "instance.terminated"), 60, "the instance to be terminated")
+        finally:
+            assert daemon.stop() == 0
+        instances = sim_instances(url)
+    reason = job(state, job_id)["reason"]
+    assert "setup-failed (code 3)" in reason and "No matching distribution found for nothing-such" in reason
+    assert [i["status"] for i in instances] == ["terminated"]
+    assert not events(state, "checkpoint.synced")  # the trainer never started

@@ -469,6 +469,110 @@ def test_daemonize_survives_its_parent_and_start_is_idempotent(job: Job) -> None
     wait_for(lambda: (rec := job.exit_record()) and rec["attempt"] == 2, "attempt 2 to finish")
 
 
+# --- the job's setup, once per instance -------------------------------------------------------------------------
+
+# A setup that appends a line (its cwd and $PLAIN) to argv[1], prints, and exits with argv[2].
+SETUP = """
+import os, sys
+with open(sys.argv[1], "a") as fh:
+    fh.write("%s %s\\n" % (os.getcwd(), os.environ.get("PLAIN")))
+print("installing things"); print("ERROR: no matching distribution for nothing-such", file=sys.stderr)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def setup_options(job: Job, argv: list[str]) -> list[str]:
+    return ["--setup-json", json.dumps(argv), "--setup-dir", str(job.root / "setup")]
+
+
+def setup_script(job: Job, code: int = 0) -> list[str]:
+    script = job.root / "setup.py"
+    script.write_text(SETUP)
+    return [sys.executable, str(script), str(job.root / "setup-runs"), str(code)]
+
+
+def setup_runs(job: Job) -> list[str]:
+    path = job.root / "setup-runs"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_the_setup_runs_before_the_command_once_per_instance(job: Job) -> None:
+    env_file = job.root / "job.env"
+    env_file.write_text("PLAIN=from-the-env-file\n")
+    setup = setup_options(job, setup_script(job))
+    first = subprocess.run(job.argv("--env-file", str(env_file), *setup,
+                                    command=[sys.executable, "-c", ENV_DUMP, str(job.root / "e.json"), "0"]),
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert setup_runs(job) == [f"{job.work} from-the-env-file"]  # in the workdir, with the job's environment
+    assert (job.root / "e.json").exists()  # then the command
+    record = job.exit_record()
+    assert record["reason"] == "completed" and record["setup_s"] >= 0
+    assert "installing things" in (job.root / "setup" / sv.SETUP_LOG).read_text()
+    assert sv.setup_done(job.root / "setup", setup_script(job)) is not None
+
+    # The next attempt on the same instance finds it done.
+    second = subprocess.run(job.argv("--env-file", str(env_file), *setup, attempt=2,
+                                     command=[sys.executable, "-c", ENV_DUMP, str(job.root / "e.json"), "0"]),
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert len(setup_runs(job)) == 1
+    assert "setup_s" not in job.exit_record()
+    # An edited setup is another setup: it runs.
+    edited = [*setup_script(job), "--again"]
+    subprocess.run(job.argv(*setup_options(job, edited), attempt=3, command=["true"]), capture_output=True,
+                   timeout=120, check=True)
+    assert len(setup_runs(job)) == 2
+
+
+def test_a_failed_setup_is_reported_with_its_last_line_and_the_command_never_starts(job: Job) -> None:
+    proc = subprocess.run(job.argv(*setup_options(job, setup_script(job, code=4)), command=job.waiter()),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4
+    record = job.exit_record()
+    assert (record["reason"], record["exit_code"]) == ("setup-failed", 4)
+    assert record["stderr_tail"] == "ERROR: no matching distribution for nothing-such"
+    assert job.starts() == []
+    assert sv.setup_done(job.root / "setup", setup_script(job, code=4)) is None
+
+
+def test_a_setup_started_early_is_waited_for_not_run_twice(job: Job) -> None:
+    """A successor's setup runs while its predecessor still trains (`supervisor.py setup`); the supervisor started
+    at the takeover waits for it, heartbeating, then starts the command."""
+    early = job.waiter()  # the setup: records its start, then waits for the release file
+    options = setup_options(job, early)
+    started = subprocess.run([sys.executable, str(SUPERVISOR), "setup", *options, "--workdir", str(job.work),
+                              "--daemonize"], capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    assert one_json_line(started.stdout) == {"status": "started"}
+    wait_for(lambda: len(job.starts()) == 1, "the early setup to start")
+
+    command = [sys.executable, "-c", ENV_DUMP, str(job.root / "e.json"), "0"]
+    proc = subprocess.Popen(job.argv(*options, command=command), stdout=subprocess.PIPE, text=True)
+    first_beat = wait_for(lambda: (hb := job.heartbeat()) and hb["state"] == "setup" and hb, "a setup heartbeat")
+    wait_for(lambda: (hb := job.heartbeat()) and hb["seq"] > first_beat["seq"], "the heartbeat to go on")  # type: ignore[index]
+    assert not (job.root / "e.json").exists()
+    job.release()
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert len(job.starts()) == 1  # the setup ran once, early
+    assert (job.root / "e.json").exists() and job.exit_record()["reason"] == "completed"
+    assert "already done" in (job.run / "supervisor.log").read_text()
+
+
+def test_a_stop_during_the_setup_ends_its_group_and_the_command_never_starts(job: Job) -> None:
+    proc = subprocess.Popen(job.argv(*setup_options(job, job.waiter()), command=["true"]), stdout=subprocess.PIPE,
+                            text=True)
+    wait_for(lambda: job.starts() and (hb := job.heartbeat()) and hb["state"] == "setup", "the setup to start")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    record = job.exit_record()
+    assert (record["reason"], record["exit_code"]) == ("terminated", 143)
+    assert (job.root / "started.term").exists()  # the setup got SIGTERM
+    assert sv.setup_done(job.root / "setup", job.waiter()) is None
+
+
 def test_a_sigkilled_supervisor_leaves_the_group_recorded_and_stop_ends_it(job: Job) -> None:
     proc = subprocess.Popen(job.argv(command=job.waiter()), stdout=subprocess.PIPE, text=True)
     beat = job.wait_running()
@@ -538,6 +642,11 @@ def test_dry_run_prints_the_launch_argv(job: Job, options: list[str], expected_p
       "169.254.169.254/x", "--", "x"], "--metadata-url"),
     (["--job-id", "j", "--attempt", "1", "--checkpoint-dir", "c", "--", "x"], "--run-dir"),
     (["status", "--run-dir", "/no/such/run"], "--run-dir"),
+    (["--run-dir", "r", "--job-id", "j", "--attempt", "1", "--checkpoint-dir", "c", "--setup-json", "pip install",
+      "--setup-dir", "s", "--", "x"], "--setup-json: expected a JSON list"),
+    (["--run-dir", "r", "--job-id", "j", "--attempt", "1", "--checkpoint-dir", "c", "--setup-json", '["pip"]', "--",
+      "x"], "needs --setup-dir"),
+    (["setup", "--setup-dir", "s", "--workdir", "."], "--setup-json is required"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, argv: list[str], expected: str) -> None:
     proc = subprocess.run([sys.executable, str(SUPERVISOR), *argv], capture_output=True, text=True, timeout=60,

@@ -10,6 +10,7 @@ in-region. An attempt whose instance cannot upload (no boto3, no credentials) fa
 Remote layout, under the login directory of the instance:
     burst/runbooks/                 supervisor.py, burst_checkpoint.py (stdlib-only)
     burst/<job>/work/               the job's workdir
+    burst/<job>/setup/              the job's setup (spec `setup`): its lock, log and done record
     burst/<job>/checkpoints/<name>/ complete checkpoints (manifest last, atomic rename)
     burst/<job>/<attempt>/run/      supervisor files: pid, heartbeat, exit.json, logs, metrics.json
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,25 @@ def write_remote_env_file(conn: Any, path: str, env: Mapping[str, str]) -> None:
     goes over the session's stdin, never on a command line (which `ps` shows)."""
     ssh.run(conn, ["sh", "-c", 'umask 077 && rm -f -- "$1.tmp" && cat > "$1.tmp" && mv -f -- "$1.tmp" "$1"', "sh",
                    path], stdin="".join(f"{k}={v}\n" for k, v in env.items()), timeout=60)
+
+
+@dataclass(frozen=True)
+class RemoteJob:
+    """Where a prepared attempt's files are on its instance, and the interpreter that runs the runbooks."""
+
+    base: str  # burst/ under the login's home
+    jobdir: str
+    run_dir: str
+    python: str
+
+    @property
+    def setup_dir(self) -> str:
+        return f"{self.jobdir}/setup"
+
+    def setup_args(self, spec: Mapping[str, Any]) -> list[str]:
+        """The supervisor's options for the job's setup ([] without one)."""
+        setup = spec.get("setup") or []
+        return ["--setup-json", json.dumps(setup), "--setup-dir", self.setup_dir] if setup else []
 
 
 class CloudSteps:
@@ -173,6 +194,54 @@ class CloudSteps:
         return f"{jobdir}/checkpoints/{name}"
 
     # --- bootstrap and start ------------------------------------------------------------------------------------
+    def _prepare(self, conn: Any, att: dict[str, Any], job: dict[str, Any], timings: dict[str, float]) -> RemoteJob:
+        """Everything the supervisor needs before it can start, over the open session: the job's directories, the
+        runbooks, the interpreter, the run's env file, the workdir. Safe to run again (a successor prepared early
+        is prepared again, cheaply, when it takes over)."""
+        target, trust = self.target(att), self.trust(att)
+        spec = job["spec"]
+        t = time.monotonic()
+        # Commands start in the login's home directory: make the job's directories there and learn its path.
+        jobrel = f"burst/{job['id']}"
+        home = ssh.run(conn, ["sh", "-c", 'mkdir -p -- "$@" && pwd', "sh", "burst/runbooks", f"{jobrel}/work",
+                              f"{jobrel}/checkpoints", f"{jobrel}/{att['id']}/run"], timeout=60).stdout.strip()
+        base = f"{home}/burst"
+        jobdir = f"{base}/{job['id']}"
+        for name in RUNBOOK_FILES:
+            conn.put(str(RUNBOOKS / name), f"{base}/runbooks/{name}")
+        # The interpreter bootstrap.sh picks ($BURST_PYTHON, python3, python; >= 3.8), asked once: every later
+        # call runs it directly rather than paying a second Python start for the version check.
+        python = ssh.run(conn, ["sh", f"{base}/runbooks/bootstrap.sh", "--which-python"],
+                         timeout=60).stdout.strip().splitlines()[-1]
+        remote = RemoteJob(base, jobdir, f"{jobdir}/{att['id']}/run", python)
+        env = {**spec.get("env", {}), **passenv.values(spec, self.app.redactor), **work_units_env(spec),
+               "PYTHONPATH": f"{base}/runbooks"}
+        write_remote_env_file(conn, f"{remote.run_dir}/job.env", env)
+        timings["bootstrap"] = time.monotonic() - t
+
+        t = time.monotonic()
+        ckpt_rel = spec.get("checkpoint", {}).get("dir", "checkpoints")
+        sync.push_dir(target, trust, spec["workdir"], f"{jobdir}/work", exclude=(*EXCLUDE, ckpt_rel), conn=conn)
+        timings["push_workdir"] = time.monotonic() - t
+        return remote
+
+    def start_setup_early(self, att: dict[str, Any], job: dict[str, Any]) -> dict[str, float]:
+        """For a successor waiting for its predecessor's end: prepare the instance and start the job's setup,
+        detached, so that the takeover finds it done (or waits for what is left of it) instead of running it all
+        then. Its timings."""
+        timings: dict[str, float] = {}
+        conn = ssh.connect(self.target(att), trust=self.trust(att))
+        try:
+            remote = self._prepare(conn, att, job, timings)
+            t = time.monotonic()
+            ssh.run(conn, [remote.python, f"{remote.base}/runbooks/supervisor.py", "setup",
+                           *remote.setup_args(job["spec"]), "--workdir", f"{remote.jobdir}/work",
+                           "--env-file", f"{remote.run_dir}/job.env", "--daemonize"], timeout=60)
+            timings["start_setup"] = time.monotonic() - t
+        finally:
+            conn.close()
+        return {k: round(v, 4) for k, v in timings.items()}
+
     def bootstrap_and_start(self, att: dict[str, Any], job: dict[str, Any], resume_from: Path | None
                             ) -> dict[str, float]:
         target, trust = self.target(att), self.trust(att)
@@ -182,29 +251,8 @@ class CloudSteps:
         # does not shrink with the data and was most of a resume's runbook time (benchmarks/README.md).
         conn = ssh.connect(target, trust=trust)
         try:
-            t = time.monotonic()
-            # Commands start in the login's home directory: make the job's directories there and learn its path.
-            jobrel = f"burst/{job['id']}"
-            home = ssh.run(conn, ["sh", "-c", 'mkdir -p -- "$@" && pwd', "sh", "burst/runbooks", f"{jobrel}/work",
-                                  f"{jobrel}/checkpoints", f"{jobrel}/{att['id']}/run"], timeout=60).stdout.strip()
-            base = f"{home}/burst"
-            jobdir = f"{base}/{job['id']}"
-            run_dir = f"{jobdir}/{att['id']}/run"
-            for name in RUNBOOK_FILES:
-                conn.put(str(RUNBOOKS / name), f"{base}/runbooks/{name}")
-            # The interpreter bootstrap.sh picks ($BURST_PYTHON, python3, python; >= 3.8), asked once: every later
-            # call runs it directly rather than paying a second Python start for the version check.
-            python = ssh.run(conn, ["sh", f"{base}/runbooks/bootstrap.sh", "--which-python"],
-                             timeout=60).stdout.strip().splitlines()[-1]
-            env = {**spec.get("env", {}), **passenv.values(spec, self.app.redactor), **work_units_env(spec),
-                   "PYTHONPATH": f"{base}/runbooks"}
-            write_remote_env_file(conn, f"{run_dir}/job.env", env)
-            timings["bootstrap"] = time.monotonic() - t
-
-            t = time.monotonic()
-            ckpt_rel = spec.get("checkpoint", {}).get("dir", "checkpoints")
-            sync.push_dir(target, trust, spec["workdir"], f"{jobdir}/work", exclude=(*EXCLUDE, ckpt_rel), conn=conn)
-            timings["push_workdir"] = time.monotonic() - t
+            remote = self._prepare(conn, att, job, timings)
+            base, jobdir, run_dir, python = remote.base, remote.jobdir, remote.run_dir, remote.python
 
             remote_resume = None
             s3 = self.s3_store(att, job)
@@ -241,6 +289,7 @@ class CloudSteps:
                 argv += ["--resume-from", remote_resume]
             if s3 is not None:
                 argv += ["--s3-uri", s3.uri, "--s3-region", s3.region]
+            argv += remote.setup_args(spec)
             url = notice_url(self.providers[att["provider"]], att["instance_id"])
             if url:
                 argv += ["--metadata-url", url]
@@ -249,10 +298,8 @@ class CloudSteps:
         finally:
             conn.close()
         timings["start"] = time.monotonic() - t
-        with self.app.store.tx() as c:
-            c.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(
-                info={**att["info"], "remote_base": base, "remote_run": run_dir, "remote_python": python}))
         att["info"] = {**att["info"], "remote_base": base, "remote_run": run_dir, "remote_python": python}
+        self.app.store.set_attempt_info(att["id"], att["info"])
         return {k: round(v, 4) for k, v in timings.items()}
 
     # --- while running ------------------------------------------------------------------------------------------

@@ -842,6 +842,11 @@ class Reconciler:
             watch_schedule(self.app, att, job, info, now)
         hb = status.get("heartbeat") or {}
         ex = status.get("exit")
+        setup_s = hb.get("setup_s") or (ex or {}).get("setup_s")
+        if setup_s is not None and "setup_s" not in info:  # the job's setup ran on this instance, this long
+            info["setup_s"] = setup_s
+            with self.store.tx() as conn:
+                self._measure(conn, att, "setup_s", float(setup_s))
         self._watch_s3_uploads(att, job, info, (ex or {}).get("s3") or status.get("s3"), exited=ex is not None)
         if hb.get("notice") and "notice_seen_at" not in info:
             self._on_notice(att, job, info, hb["notice"], now)

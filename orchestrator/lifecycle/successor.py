@@ -5,7 +5,8 @@ notice (`Reconciler._on_notice`, once the newest checkpoint is home) the job's n
 on the offer and market its spot policy picks now, spot first in another zone than the one being reclaimed: the
 *successor* (`info.successor_for`: the noticed attempt). It launches and boots like any attempt, then waits at
 `bootstrapping` until the noticed attempt has ended (its last checkpoint pulled, its instance terminated), and is
-bootstrapped from the newest checkpoint: the boot overlapped the last checkpoint instead of following it.
+bootstrapped from the newest checkpoint: the boot overlapped the last checkpoint instead of following it. A job with
+a `setup` (say a pip install) has it started on the successor while it waits, so that it overlaps too.
 
 Until it takes over (`info.took_over`), a successor's end is no news for its job (a refused launch, the job done or
 cancelled meanwhile): the noticed attempt still speaks for the job, and its end decides what the job does next. A
@@ -85,4 +86,21 @@ def waits(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provider: P
     if why_not is not None:
         rec._stop(att, job, provider, f"successor not needed: {why_not}", outcome=A.ABORTED)
         return True
-    return successor_of(att) is not None
+    if successor_of(att) is None:
+        return False
+    _setup_early(rec, att, job)
+    return True
+
+
+def _setup_early(rec: Reconciler, att: dict[str, Any], job: dict[str, Any]) -> None:
+    """A waiting successor's idle minutes: prepare its instance and start the job's setup now (once), so that the
+    takeover finds it done (or waits only for what is left of it) instead of running all of it then. Without a
+    setup nothing is done early: the rest of a bootstrap takes seconds."""
+    if not job["spec"].get("setup") or att["info"].get("setup_started_early"):
+        return
+    timings = rec.cloud_steps.start_setup_early(att, job)
+    att["info"] = {**att["info"], "setup_started_early": rec.clock()}
+    with rec.store.tx() as conn:
+        rec.store.set_attempt_info(att["id"], att["info"], conn)
+        rec.app.events.emit("attempt.setup_started_early", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                            instance=att["instance_id"], successor_for=successor_of(att), timings=timings)
