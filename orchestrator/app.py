@@ -14,6 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from orchestrator.config import Config, load_config
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.events import EventLog, Redactor
+from providers.registry import key_file_secrets
 from state import schema as s
 from state.store import Store
 
@@ -57,6 +58,7 @@ class App:
         `config_watch` keeps their settings as they were."""
         self.__dict__["config"] = cfg
         self.redactor.add_env_names(cfg.secret_env_names())
+        self.redactor.add_values(key_file_secrets(cfg))  # a rotated key file's new key, before any client uses it
 
     @cached_property
     def store(self) -> Store:
@@ -69,7 +71,9 @@ class App:
 
     @cached_property
     def redactor(self) -> Redactor:
-        return Redactor(self.config.secret_env_names())
+        redactor = Redactor(self.config.secret_env_names())
+        redactor.add_values(key_file_secrets(self.config))
+        return redactor
 
     @cached_property
     def events(self) -> EventLog:

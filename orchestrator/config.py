@@ -52,6 +52,24 @@ def check_env_name(value: str) -> str:
 
 EnvName = Annotated[str, AfterValidator(check_env_name)]
 
+KEY_FILE_EXPECTED = ("expected the path of a file that holds the key (absolute, or starting with ~ or $VAR, e.g. "
+                     "\"$CREDENTIALS_DIRECTORY/lambda_api_key\"), not the key itself")
+
+
+def check_key_file(value: str | None) -> str | None:
+    """An `api_key_file` value: a path. Anything else is most likely the key pasted in, so it is never quoted."""
+    if value is not None and not value.startswith(("/", "~", "$")):
+        raise ValueError(KEY_FILE_EXPECTED)
+    return value
+
+
+KeyFile = Annotated[str | None, AfterValidator(check_key_file)]
+KEY_FILE_DESCRIPTION = (
+    "A file whose first line is the API key, used instead of the environment variable: e.g. a systemd credential "
+    "(LoadCredential=, then \"$CREDENTIALS_DIRECTORY/lambda_api_key\"). ~ and $VARS are expanded. The daemon "
+    "watches it: a rotated key is used from its next tick, no restart needed. It must not be readable by other "
+    "users (chmod 600).")
+
 
 class Strict(BaseModel):
     # Unknown fields are refused, and so is a value of the wrong TOML type (`launch_on_notice = "no"` is not
@@ -174,6 +192,7 @@ class SimProvider(Strict):
     enabled: bool = Field(True, description="Use the project's simulated cloud (simcloud).")
     base_url: str = Field("http://127.0.0.1:8790/api/v1", description="simcloud's Lambda-compatible API root.")
     api_key_env: EnvName = Field("BURSTCTL_SIM_API_KEY", description="Env var holding simcloud's API key.")
+    api_key_file: KeyFile = Field(None, description=KEY_FILE_DESCRIPTION)
     ssh_key_name: str = Field("burstctl", description="SSH key name registered with the provider.")
     lists_spot_capacity: bool = Field(
         True, description="Read simcloud's spot capacity listing, so spot is seen without launching. false: spot "
@@ -185,6 +204,7 @@ class LambdaProvider(Strict):
     enabled: bool = Field(False, description="Use Lambda Cloud.")
     base_url: str = Field("https://cloud.lambdalabs.com/api/v1", description="API root (a test server in tests).")
     api_key_env: EnvName = Field("LAMBDA_API_KEY", description="Env var holding the Lambda Cloud API key.")
+    api_key_file: KeyFile = Field(None, description=KEY_FILE_DESCRIPTION)
     ssh_key_name: str = Field("burstctl", description="Name of an SSH key already registered with Lambda.")
     regions: list[str] = Field(default_factory=list, description="Allowed regions in preference order; empty = any.")
     instance_types: list[str] = Field(

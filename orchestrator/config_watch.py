@@ -5,6 +5,9 @@ settings (budget, policy, prices, providers, daemon timings), and it reads every
 every tick does. What was opened once at the start stays as it was until a restart: the state directory, the
 database, the event log (`[state]`) and the owner tag of instances (`orchestrator_id`). A file that does not
 validate changes nothing: the daemon goes on with the settings it has and says why, once per edit.
+
+The API key files the config names (`api_key_file`) are watched the same way: a rotated key is a change of
+`providers.<name>.api_key_file`, and the rebuilt reconciler's clients read the new key.
 """
 
 from __future__ import annotations
@@ -60,6 +63,21 @@ class ConfigWatch:
         self.running = running
         # None: the first check reads the file, as the config may have been edited since `running` was read.
         self.stamp: Stamp | None = None
+        self.key_stamps: dict[str, tuple[str, int, int]] | None = None  # provider → its key file's path, mtime, size
+
+    def _key_stamps(self) -> dict[str, tuple[str, int, int]]:
+        from providers.lambda_cloud import key_file_path
+
+        out = {}
+        for name, section in (("sim", self.running.providers.sim), ("lambda", self.running.providers.lambda_)):
+            path = key_file_path(section)
+            if path is not None:
+                try:
+                    st = path.stat()
+                    out[name] = (str(path), st.st_mtime_ns, st.st_size)
+                except OSError:
+                    out[name] = (str(path), -1, -1)
+        return out
 
     def _stamp(self) -> Stamp:
         out = []
@@ -72,9 +90,15 @@ class ConfigWatch:
         return tuple(out)
 
     def check(self, *, force: bool = False) -> ConfigChange | None:
-        """None when nothing the daemon runs on has changed; else the change (or the rejection) to act on."""
-        stamp = self._stamp()
-        if stamp == self.stamp and not force:
+        """None when nothing the daemon runs on has changed; else the change (or the rejection) to act on. Forced
+        (SIGHUP), a file that has not changed is still a change with nothing applied: the reconciler is built
+        again, and so reads the API key files again."""
+        stamp, key_stamps = self._stamp(), self._key_stamps()
+        before = self.key_stamps or {}
+        # A file named anew is the config's change; only a file that is still named and changed is the key's.
+        keys = sorted(n for n, s in key_stamps.items() if n in before and before[n][0] == s[0] and before[n] != s)
+        self.key_stamps = key_stamps
+        if stamp == self.stamp and not keys and not force:
             return None
         self.stamp = stamp
         try:
@@ -82,7 +106,8 @@ class ConfigWatch:
         except BadInput as exc:
             return ConfigChange(None, error=str(exc))
         changed = changed_paths(_settings(self.running), _settings(read))
-        if not changed and read.source == self.running.source:
+        changed = sorted({*changed, *(f"providers.{name}.api_key_file" for name in keys)})
+        if not changed and read.source == self.running.source and not force:
             return None
         kept = [p for p in changed if p.split(".")[0] in RESTART_ONLY]
         # The settings the daemon opened resources from stay as they are; the rest is the file's.

@@ -31,7 +31,11 @@ class Redactor:
 
     def add_env_names(self, env_names: Iterable[str]) -> None:
         """Scrub these variables' values too (a job's pass_env, known only once the job is read)."""
-        new = {v for n in env_names if (v := os.environ.get(n)) and len(v) >= 4} - set(self.secrets)
+        self.add_values(v for n in env_names if (v := os.environ.get(n)))
+
+    def add_values(self, values: Iterable[str]) -> None:
+        """Scrub these secrets too (API keys read from files)."""
+        new = {v for v in values if len(v) >= 4} - set(self.secrets)
         if new:
             # Longest first, so a secret that contains another is replaced whole.
             self.secrets = sorted({*self.secrets, *new}, key=len, reverse=True)

@@ -21,6 +21,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -391,8 +392,8 @@ class LambdaCloud:
 
 def from_config(section: LambdaProvider | SimProvider, api_key: str | None, *, sink: EventSink | None = None,
                 orchestrator_id: str = "burstctl", **tuning: Any) -> LambdaCloud:
-    """The adapter for a config section. The caller reads the key from the env var the section names
-    (`api_key_from_env`); `tuning` passes through to `LambdaCloud` (timeouts, pacing, retry, clock, sleep)."""
+    """The adapter for a config section. The caller reads the key (`read_api_key`); `tuning` passes through to
+    `LambdaCloud` (timeouts, pacing, retry, clock, sleep)."""
     if not api_key:
         raise AuthFailed(f"no API key: set the environment variable {section.api_key_env}",
                          provider="sim" if isinstance(section, SimProvider) else "lambda")
@@ -405,12 +406,38 @@ def from_config(section: LambdaProvider | SimProvider, api_key: str | None, *, s
                        orchestrator_id=orchestrator_id, sink=sink, **tuning)
 
 
-def api_key_from_env(section: LambdaProvider | SimProvider, environ: Mapping[str, str] = os.environ) -> str:
-    """The API key from the environment variable the section names; AuthFailed naming the variable if unset."""
-    value = environ.get(section.api_key_env, "")
+def key_file_path(section: LambdaProvider | SimProvider, environ: Mapping[str, str] = os.environ) -> Path | None:
+    """The section's `api_key_file`, with ~ and $VARS expanded (from `environ`); None without one."""
+    if section.api_key_file is None:
+        return None
+    expanded = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: environ.get(m.group(1), m.group(0)),
+                      section.api_key_file)
+    return Path(expanded).expanduser()
+
+
+def read_api_key(section: LambdaProvider | SimProvider, environ: Mapping[str, str] = os.environ) -> str:
+    """The section's API key: the first line of its `api_key_file` when it names one, else the environment
+    variable it names. AuthFailed saying what is missing or wrong (never a byte of the file)."""
+    provider = "sim" if isinstance(section, SimProvider) else "lambda"
+    path = key_file_path(section, environ)
+    if path is None:
+        value = environ.get(section.api_key_env, "")
+        if not value:
+            raise AuthFailed(f"no API key: set the environment variable {section.api_key_env}", provider=provider)
+        return value
+    try:
+        mode = path.stat().st_mode
+        if mode & 0o077:
+            raise AuthFailed(f"the API key file {path} can be read by other users (mode {mode & 0o777:04o}): "
+                             "chmod 600 it", provider=provider)
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise AuthFailed(f"cannot read the API key file {path}: {exc.strerror}", provider=provider) from None
+    except UnicodeDecodeError:
+        raise AuthFailed(f"the API key file {path} is not text", provider=provider) from None
+    value = lines[0].strip() if lines else ""
     if not value:
-        raise AuthFailed(f"no API key: set the environment variable {section.api_key_env}",
-                         provider="sim" if isinstance(section, SimProvider) else "lambda")
+        raise AuthFailed(f"the API key file {path} is empty", provider=provider)
     return value
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ class ProviderSlot:
 
     name: str
     enabled: bool
-    credential: str  # what holds the credential: an env var's *name*, or the AWS chain
+    credential: str  # what holds the credential: an env var's *name*, a key file's path, or the AWS chain
     credential_present: bool
     provider: Provider | None
     problem: str | None = None
@@ -59,17 +60,18 @@ def build(cfg: Config, *, orchestrator_id: str | None = None, sink: EventSink | 
               **(tuning or {})}
     slots: dict[str, ProviderSlot] = {}
     for name, section in (("sim", cfg.providers.sim), ("lambda", cfg.providers.lambda_)):
-        present = bool(environ.get(section.api_key_env))
+        key_file = lambda_cloud.key_file_path(section, environ)
+        try:
+            key: str | None = lambda_cloud.read_api_key(section, environ)
+            problem = None
+        except AuthFailed as exc:
+            key, problem = None, str(exc)
         provider: Provider | None = None
-        problem = None
-        if section.enabled:
-            try:
-                key = lambda_cloud.api_key_from_env(section, environ)
-                provider = lambda_cloud.from_config(section, key, sink=sink, orchestrator_id=owner,
-                                                    **tuning.get(name, {}))
-            except AuthFailed as exc:
-                problem = str(exc)
-        slots[name] = ProviderSlot(name, section.enabled, f"${section.api_key_env}", present, provider, problem)
+        if section.enabled and key is not None:
+            provider = lambda_cloud.from_config(section, key, sink=sink, orchestrator_id=owner, **tuning.get(name, {}))
+        credential = f"file {key_file}" if key_file is not None else f"${section.api_key_env}"
+        slots[name] = ProviderSlot(name, section.enabled, credential, key is not None, provider,
+                                   problem if section.enabled else None)
 
     ec2 = cfg.providers.ec2
     problem = _aws_credentials_problem(ec2.profile) if ec2.enabled else None
@@ -85,3 +87,16 @@ def build(cfg: Config, *, orchestrator_id: str | None = None, sink: EventSink | 
 
 def usable(slots: Mapping[str, ProviderSlot]) -> dict[str, Provider]:
     return {n: s.provider for n, s in slots.items() if s.provider is not None}
+
+
+def key_file_secrets(cfg: Config, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The API keys held in files the config names (`api_key_file`), for the redactor: they are in no environment
+    variable it could read them from. A file that cannot be read holds nothing to scrub."""
+    from providers import lambda_cloud
+
+    keys = []
+    for section in (cfg.providers.sim, cfg.providers.lambda_):
+        if section.api_key_file is not None:
+            with contextlib.suppress(AuthFailed):
+                keys.append(lambda_cloud.read_api_key(section, environ))
+    return keys

@@ -199,3 +199,34 @@ def test_a_provider_without_credentials_is_said_once_not_again_at_every_reload(t
     assert len(said) == 1 and said[0]["data"]["provider"] == "lambda"
     assert "LAMBDA_API_KEY" in said[0]["data"]["problem"]
     app.close()
+
+
+def test_a_rotated_api_key_file_is_read_again_at_the_next_tick_without_a_restart(tmp_path: Path) -> None:
+    """simcloud takes only the new key: the daemon's calls fail with the old one, and succeed once the file holds
+    the new one, with no signal and no edit of the config. Neither key reaches an event."""
+    from providers.simcloud.api import SimCloudServer
+
+    key = tmp_path / "sim.key"
+    key.write_text("old-key-000000\n")
+    key.chmod(0o600)
+    with SimCloudServer(api_key="new-key-111111") as sim:
+        path = _config(tmp_path, f'[providers.sim]\nbase_url = "{sim.api_url}"\napi_key_file = "{key}"\n'
+                                 "[daemon]\nsweep_s = 0.1\n")
+        app = App(config_path=str(path), state_dir_override=str(tmp_path / "state"))
+
+        def on_tick(n: int) -> None:
+            if n == 4:
+                key.write_text("new-key-111111\n")
+
+        daemon_module.run_daemon(app, tick_s=0.25, max_ticks=10, on_tick=on_tick)
+    events = list(app.store.events())
+    (reloaded,) = [e for e in events if e["type"] == "daemon.config_reloaded"]
+    assert reloaded["data"]["changed"] == ["providers.sim.api_key_file"]
+    # Refused before (a successful call is not kept in the trail), reachable after, and refused no more.
+    failed = [e["id"] > reloaded["id"] for e in events if e["type"] == "provider.call"]
+    assert failed and not any(failed)
+    health = [(e["id"] > reloaded["id"], e["data"]["providers"]) for e in events if e["type"] == "cloud.health"]
+    assert health == [(False, {"sim": False}), (True, {"sim": True})]
+    trail = str(events) + (tmp_path / "state" / "events.jsonl").read_text()
+    assert "old-key-000000" not in trail and "new-key-111111" not in trail
+    app.close()

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator.config import LambdaProvider, SimProvider
+from orchestrator.config import KEY_FILE_EXPECTED, LambdaProvider, SimProvider, load_config
+from orchestrator.errors import BadInput
 from providers.base import (
     AuthFailed,
     InstanceState,
@@ -26,7 +27,7 @@ from providers.base import (
     QuotaExceeded,
     RetryPolicy,
 )
-from providers.lambda_cloud import LambdaCloud, Pacer, api_key_from_env, from_config, parse_gpu_description
+from providers.lambda_cloud import LambdaCloud, Pacer, from_config, parse_gpu_description, read_api_key
 from providers.simcloud.api import FaultKind, SimCloudServer
 
 CONTRACT = Path(__file__).resolve().parents[2] / "shared" / "contracts" / "lambda-cloud" / "openapi-1.8.3.json"
@@ -255,15 +256,50 @@ def test_revoked_key_mid_session_is_auth_failed(sim: SimCloudServer, lam: Lambda
 def test_missing_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LAMBDA_API_KEY", raising=False)
     with pytest.raises(AuthFailed, match="LAMBDA_API_KEY"):
-        api_key_from_env(LambdaProvider())
+        read_api_key(LambdaProvider())
     with pytest.raises(AuthFailed, match="BURSTCTL_SIM_API_KEY"):
         from_config(SimProvider(), None)
+
+
+def test_a_key_file_is_read_instead_of_the_variable_and_its_problems_never_quote_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAMBDA_API_KEY", "from-the-environment")
+    key = tmp_path / "creds" / "lambda_api_key"
+    section = LambdaProvider(api_key_file="$CREDS_DIR/lambda_api_key")
+    environ = {"CREDS_DIR": str(tmp_path / "creds")}
+    with pytest.raises(AuthFailed, match=f"cannot read the API key file {key}: No such file"):
+        read_api_key(section, environ)
+    key.parent.mkdir()
+    key.write_text("secret-from-the-file\n# a comment line is not part of it\n")
+    key.chmod(0o644)
+    with pytest.raises(AuthFailed, match=r"can be read by other users \(mode 0644\): chmod 600 it") as refused:
+        read_api_key(section, environ)
+    assert "secret-from-the-file" not in str(refused.value)
+    key.chmod(0o600)
+    assert read_api_key(section, environ) == "secret-from-the-file"
+    key.write_text("\n")
+    with pytest.raises(AuthFailed, match="is empty"):
+        read_api_key(section, environ)
+    # ~ is the user's home.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "k").write_text("from-home")
+    (tmp_path / "k").chmod(0o600)
+    assert read_api_key(LambdaProvider(api_key_file="~/k"), {}) == "from-home"
+
+
+def test_a_key_pasted_as_the_key_file_is_bad_input_and_never_echoed(tmp_path: Path) -> None:
+    config = tmp_path / "burstctl.toml"
+    config.write_text('[providers.lambda]\napi_key_file = "secret_live_4f9a8b7c6d5e"\n')
+    with pytest.raises(BadInput) as refused:
+        load_config(str(config))
+    assert str(refused.value) == (f"{config}: field 'providers.lambda.api_key_file': {KEY_FILE_EXPECTED}")
+    assert "secret_live_4f9a8b7c6d5e" not in str(refused.value)
 
 
 def test_factory_builds_a_working_sim_adapter(sim: SimCloudServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BURSTCTL_SIM_API_KEY", API_KEY)
     section = SimProvider(base_url=sim.api_url)
-    adapter = from_config(section, api_key_from_env(section), request_interval_s=0.0, launch_interval_s=0.0)
+    adapter = from_config(section, read_api_key(section), request_interval_s=0.0, launch_interval_s=0.0)
     assert adapter.name == "sim"
     assert adapter.offers()
     adapter.close()

@@ -35,7 +35,8 @@ SIM_SECRET = "sk-PLANTED-sim-7f3e9a1c0b2d"
 AWS_SECRET = "PLANTED/aws+secret/9b8c7d6e5f4a3b2c1d0e"
 LAMBDA_SECRET = "PLANTED-lambda-4d5e6f7a8b9c"
 PG_SECRET = "PLANTED-pg-2a3b4c5d6e7f"  # the database password, where libpq reads it (never in database_url)
-SECRETS = (SIM_SECRET, AWS_SECRET, LAMBDA_SECRET, PG_SECRET)
+LAMBDA_FILE_SECRET = "PLANTED-lambda-file-5e6f7a8b9c0d"  # the key Lambda is given, in its api_key_file
+SECRETS = (SIM_SECRET, AWS_SECRET, LAMBDA_SECRET, PG_SECRET, LAMBDA_FILE_SECRET)
 ENV = {"BURSTCTL_SIM_API_KEY": SIM_SECRET, "AWS_SECRET_ACCESS_KEY": AWS_SECRET, "LAMBDA_API_KEY": LAMBDA_SECRET,
        "PGPASSWORD": PG_SECRET}
 
@@ -78,8 +79,13 @@ def test_planted_keys_never_appear_in_any_output_log_event_record_or_database(tm
 
     marker = tmp_path / "pwned"
     with simcloud(tmp_path, env={"BURSTCTL_SIM_API_KEY": SIM_SECRET}) as url:
-        # Lambda is pointed at simcloud with the wrong key: its 401s go through every error path too.
-        config = write_config(tmp_path, url, **{"providers.lambda": {"enabled": True, "base_url": f"{url}/api/v1"}})
+        # Lambda is pointed at simcloud with the wrong key, read from a key file: its 401s go through every error
+        # path too, and the key is in no environment variable the redactor could learn it from.
+        key_file = tmp_path / "lambda.key"
+        key_file.write_text(LAMBDA_FILE_SECRET + "\n")
+        key_file.chmod(0o600)
+        config = write_config(tmp_path, url, **{"providers.lambda": {"enabled": True, "base_url": f"{url}/api/v1",
+                                                                     "api_key_file": str(key_file)}})
         # 30 s of training: still running when its first checkpoint is home, on a loaded machine too (80 steps had
         # ended and the instance was gone when the test came to preempt it).
         burst = json.loads(cmd("enqueue", str(job_file(tmp_path, "burst", trainer(300))), "--json").stdout)["id"]
@@ -111,7 +117,7 @@ def test_planted_keys_never_appear_in_any_output_log_event_record_or_database(tm
 
     # Every output, and every byte of every file the run left: events.jsonl, the database (and its WAL), decision
     # records, daemon logs, run logs, simcloud's state.
-    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and p != key_file]
     assert any(p.name == "events.jsonl" for p in files) and any(p.suffix == ".md" for p in files)
     st = Store(f"sqlite:///{state / 'burstctl.db'}")
     try:
@@ -197,3 +203,13 @@ def test_a_valid_api_key_env_name_is_shown_as_the_variable_it_names(tmp_path: Pa
     r = run(config, tmp_path / "state", "providers", "--json")
     sim = next(p for p in json.loads(r.stdout)["providers"] if p["name"] == "sim")
     assert sim["credential"] == "$_MY_SIM_KEY_2" and sim["credential_present"] is False
+
+
+def test_a_key_file_is_shown_as_the_file_and_a_missing_one_is_named_as_the_problem(tmp_path: Path) -> None:
+    config = tmp_path / "k.toml"
+    missing = tmp_path / "nowhere" / "sim.key"
+    config.write_text(f'[providers.sim]\napi_key_file = "{missing}"\n')
+    r = run(config, tmp_path / "state", "providers", "--json")
+    sim = next(p for p in json.loads(r.stdout)["providers"] if p["name"] == "sim")
+    assert sim["credential"] == f"file {missing}" and sim["credential_present"] is False
+    assert f"cannot read the API key file {missing}: No such file or directory" in json.dumps(sim)
