@@ -115,6 +115,43 @@ def throughput_key(gpu: str, job_name: str) -> str:
     return f"{gpu}:{job_name}"[:64]
 
 
+def setup_key(job_name: str) -> str:
+    """Where a job name's measured setup time is kept (`measurements.instance_type`, metric `setup_s`)."""
+    return f"setup:{job_name}"[:64]
+
+
+def measured_setup_hours(app: App, names: Iterable[str], recent: int = 10) -> dict[str, float]:
+    """How long each job name's `setup` took on a fresh instance (median of its recent runs, in hours), for the
+    names that have run one: one query for a batch."""
+    from statistics import median
+
+    from sqlalchemy import select
+
+    from state import schema as s
+
+    keys: dict[str, list[str]] = {}
+    for name in names:
+        keys.setdefault(setup_key(name), []).append(name)
+    if not keys:
+        return {}
+    with app.store.engine.connect() as c:
+        rows = c.execute(select(s.measurements.c.id, s.measurements.c.instance_type, s.measurements.c.value)
+                         .where(s.measurements.c.metric == "setup_s",
+                                s.measurements.c.instance_type.in_(list(keys)))).all()
+    seen: dict[str, list[float]] = {}
+    for _, key, value in sorted(rows, reverse=True):  # newest first
+        for name in keys[key]:
+            values = seen.setdefault(name, [])
+            if len(values) < recent:
+                values.append(value)
+    return {name: median(v) / 3600.0 for name, v in seen.items()}
+
+
+def measured_setup_h(app: App, spec: JobSpec) -> float:
+    """The job's setup time as measured on its name's earlier runs; 0 without a setup or a measurement."""
+    return measured_setup_hours(app, [spec.name]).get(spec.name, 0.0) if spec.setup else 0.0
+
+
 def work_done(app: App, job_id: str, conn: Any = None) -> float:
     """Work units a job has done, as its trainer last reported them (`units_done` in its metrics, or a hybrid
     local phase's count); 0 when it never said. Counts only with a checkpoint of the job home to resume from."""
@@ -173,7 +210,7 @@ def measured_rented_throughput(app: App, spec: JobSpec) -> dict[str, float]:
 
 
 def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: str | Path | None = None,
-          measured: dict[str, float] | None = None) -> JobFacts:
+          measured: dict[str, float] | None = None, setup_h: float = 0.0) -> JobFacts:
     fits_local: bool | None = None
     per_gpu: float | None = None
     if spec.model is not None:
@@ -192,7 +229,7 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         market=spec.market or cfg.policy.default_market, deadline_critical=spec.deadline_critical,
         market_from="job" if spec.market else "policy.default_market",
         checkpoint_interval_h=spec.checkpoint.interval_minutes / 60.0, checkpoints=spec.checkpoint.resumable,
-        fits_local_memory=fits_local, per_gpu_gb=per_gpu,
+        fits_local_memory=fits_local, per_gpu_gb=per_gpu, setup_h=setup_h if spec.setup else 0.0,
     )
 
 
@@ -216,7 +253,7 @@ def enqueue(app: App, path: str | Path, now: float | None = None) -> tuple[str, 
     now = time.time() if now is None else now
     spec, deadline_at = load_job(path, now)
     cfg = app.config
-    job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec))
+    job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec), measured_setup_h(app, spec))
     decision = decide(job, context(app, now))
     d = decision.to_dict()
     job_id = new_job_id()
@@ -248,7 +285,7 @@ def _inputs(job: JobFacts) -> dict[str, Any]:
     return {"work": job.work, "s_local": job.s_local, "s_rented": job.rented, "gpus": job.gpus,
             "deadline_h": round(job.deadline_h, 4), "kind": job.kind, "market": job.market,
             "deadline_critical": job.deadline_critical, "fits_local_memory": job.fits_local_memory,
-            "per_gpu_gb": job.per_gpu_gb}
+            "per_gpu_gb": job.per_gpu_gb, **({"setup_h": round(job.setup_h, 4)} if job.setup_h else {})}
 
 
 
@@ -261,15 +298,18 @@ def spec_of(job: dict[str, Any]) -> JobSpec:
 
 
 def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,
-               measured: dict[str, float] | None = None) -> str | None:
+               measured: dict[str, float] | None = None, setup_h: float | None = None) -> str | None:
     """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state.
-    `measured`: its name's measured s_R when the caller read it for a batch (else read here)."""
+    `measured`, `setup_h`: its name's measured s_R and setup time when the caller read them for a batch (else read
+    here)."""
     from orchestrator.lifecycle import checkpoints
 
     spec = spec_of(job)
     if measured is None:
         measured = measured_rented_throughput(app, spec)
-    job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured)
+    if setup_h is None:
+        setup_h = measured_setup_h(app, spec)
+    job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured, setup_h=setup_h)
     # A job that has run, its checkpoint home, is decided on the work it has left, not on the whole of W (its next
     # attempt resumes from the checkpoint), and is never dropped into rethink with that work (`JobFacts.started`).
     started = checkpoints.latest(app.config, job["id"], deep=False) is not None

@@ -131,3 +131,16 @@ def test_a_hybrid_plan_the_budget_cannot_pay_yet_still_starts_its_free_local_pha
     # A plan that rents from the start is still blocked by the same budget.
     d = decide(replace(C, s_local=0.0), replace(CTX, budget_cap_usd=15.0, max_auto_delta_usd=50.0))
     assert d.action == "blocked" and d.placement == "cloud"
+
+
+def test_a_jobs_measured_setup_is_part_of_every_instance_overhead() -> None:
+    # C rents 1/0.17 = 5.88 h + t_ovh 0.5 h = 6.38 h; with a 1.5 h setup it rents 7.88 h. Local misses a 7 h
+    # deadline (30.3 h): that setup is the difference between renting to meet it and rethinking the job.
+    job = replace(C, deadline_h=7.0)
+    without = decide(job, CTX)
+    assert without.verdict is Verdict.PRICED and without.gates.t_rented_h == pytest.approx(6.382, abs=1e-3)
+    with_setup = decide(replace(job, setup_h=1.5), CTX)
+    assert with_setup.overhead_h == pytest.approx(2.0)
+    assert with_setup.gates.t_rented_h == pytest.approx(7.882, abs=1e-3) and with_setup.action == "rethink"
+    assert with_setup.reasons[0] == ("t_ovh 2.00 h: 0.50 h per instance, plus this job's setup (90.0 min, "
+                                     "measured on its earlier runs)")

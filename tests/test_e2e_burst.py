@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from orchestrator.app import App
+from orchestrator.queue import measured_setup_hours
 from runbooks.burst_checkpoint import MANIFEST
 from tests.e2e import (
     SIM_KEY,
@@ -236,6 +238,12 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
     assert len(ran) == 2
     for instance, workdir in zip((first, resumed["instance"]), ran, strict=True):
         assert f"/instances/{instance}/" in workdir and workdir.endswith(f"/burst/{job_id}/work")
+    # Its time was measured (on the first instance, which ran it itself) for the job's next decisions' t_ovh.
+    app = App(config_path=str(config), state_dir_override=str(state))
+    try:
+        assert measured_setup_hours(app, ["notice"])["notice"] * 3600 >= 1.0  # its `sleep 1`
+    finally:
+        app.close()
 
 
 def test_a_failing_setup_fails_the_job_with_its_last_line_and_the_instance_is_terminated(tmp_path: Path) -> None:

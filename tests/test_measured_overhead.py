@@ -91,3 +91,22 @@ def test_a_blocked_job_is_decided_again_with_its_measured_throughput(tmp_path: P
     assert app.store.get_job(job_id)["state"] == "queued"
     app.close()
 
+
+
+def test_a_jobs_measured_setup_adds_to_its_overhead_and_only_to_a_job_that_has_a_setup(tmp_path: Path) -> None:
+    from orchestrator.jobspec import JobSpec
+    from orchestrator.queue import measured_setup_h, setup_key
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    fields = {"command": ["true"], "deadline_hours": 10, "local_throughput": 0, "rented_throughput": {"H100": 0.17}}
+    spec = JobSpec.model_validate({"name": "weekly-finetune", "setup": "pip install -r requirements.txt", **fields})
+    assert measured_setup_h(app, spec) == 0.0  # nothing measured yet
+    with app.store.tx() as c:
+        for v in (600.0, 660.0, 540.0):  # three earlier instances' setups
+            c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type=setup_key(spec.name),
+                                                    metric="setup_s", value=v))
+    assert measured_setup_h(app, spec) == pytest.approx(600.0 / 3600.0)
+    # The same name without a setup now (it was dropped from the spec) pays none.
+    no_setup = JobSpec.model_validate({"name": "weekly-finetune", **fields})
+    assert measured_setup_h(app, no_setup) == 0.0
+    app.close()

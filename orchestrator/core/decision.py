@@ -46,6 +46,9 @@ class JobFacts:
     started: bool = False
     fits_local_memory: bool | None = None  # from sizing; None when no [model] table
     per_gpu_gb: float | None = None  # from sizing, on the rented GPU count
+    # The job's `setup` on a fresh instance, as measured on its earlier runs: every instance it rents pays it, so it
+    # is part of the job's t_ovh.
+    setup_h: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,10 @@ def _r(v: float | None) -> float | None:
 
 def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
     reasons: list[str] = []
+    overhead_h = ctx.overhead_h + job.setup_h  # t_ovh of this job's instances
+    if job.setup_h > 0:
+        reasons.append(f"t_ovh {overhead_h:.2f} h: {ctx.overhead_h:.2f} h per instance, plus this job's setup "
+                       f"({job.setup_h * 60:.1f} min, measured on its earlier runs)")
     s_local = job.s_local * ctx.local_available_fraction
     if ctx.local_available_fraction < 1.0 and job.s_local > 0:
         reasons.append(f"local GPU free {ctx.local_available_fraction:.0%} of the day: "
@@ -147,7 +154,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
 
     def gate(s_r: float, rate: float) -> GateResult:
         return evaluate(GateInputs(work=job.work, s_local=s_local, s_rented=s_r, deadline_h=job.deadline_h,
-                                   rate_usd_per_gpu_h=rate, gpus=job.gpus, overhead_h=ctx.overhead_h,
+                                   rate_usd_per_gpu_h=rate, gpus=job.gpus, overhead_h=overhead_h,
                                    local_usd_h=ctx.local_usd_h, fits_locally=job.fits_local_memory))
 
     if not candidates:
@@ -155,14 +162,14 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         if g.verdict is Verdict.LOCAL:
             return Decision(Verdict.LOCAL, "run-local", g, None, None, None,
                             Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),)),
-                            reasons, ctx.overhead_h)
+                            reasons, overhead_h)
         if too_small:
             reasons.append("no rented GPU type can run this job: rethink scope (e.g. LoRA/QLoRA, or FSDP over more "
                            "GPUs: `burstctl size --gpus N --parallelism fsdp`)")
         else:  # nothing was too small: the types it names are only unpriced
             reasons.append("no GPU type in rented_throughput has a price: name a type of [prices] in the config "
                            f"({', '.join(sorted(ctx.offers)) or 'none configured'}) or add a [prices.<GPU>] table")
-        return Decision(Verdict.RETHINK, "rethink", g, None, None, None, None, reasons, ctx.overhead_h)
+        return Decision(Verdict.RETHINK, "rethink", g, None, None, None, None, reasons, overhead_h)
 
     # Cheapest type that meets the deadline on-demand; if none does, the fastest.
     evaluated = [(gate(s_r, o.od_usd_per_gpu_h), gpu, s_r, o) for gpu, s_r, o in candidates]
@@ -176,9 +183,9 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
 
     if g.verdict is Verdict.LOCAL:
         plan = Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),))
-        return Decision(g.verdict, "run-local", g, gpu, offer.od_usd_per_gpu_h, None, plan, reasons, ctx.overhead_h)
+        return Decision(g.verdict, "run-local", g, gpu, offer.od_usd_per_gpu_h, None, plan, reasons, overhead_h)
     if g.verdict is Verdict.RETHINK and not job.started:
-        return Decision(g.verdict, "rethink", g, gpu, offer.od_usd_per_gpu_h, None, None, reasons, ctx.overhead_h)
+        return Decision(g.verdict, "rethink", g, gpu, offer.od_usd_per_gpu_h, None, None, reasons, overhead_h)
     if g.verdict is Verdict.RETHINK:
         # Gate 2's verdict, so the job fits locally. The deadline is lost either way, and it was the only reason to
         # rent: finish what is left locally rather than throw the work done away.
@@ -186,14 +193,14 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
                        f"({g.t_rented_h:.2f} h): it finishes late, locally; `burstctl cancel` ends it instead")
         plan = Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),))
         return Decision(g.verdict, "run-local", g, gpu, offer.od_usd_per_gpu_h, None, plan, reasons,
-                        ctx.overhead_h)
+                        overhead_h)
 
     t_r = g.t_rented_h or math.inf
     rate_h, basis = ctx.preemptions_by_gpu.get(gpu.upper(), (ctx.preemptions_per_h, ctx.preemptions_basis))
     market = choose_market(MarketInputs(
         run_h=t_r, gpus=job.gpus, od_usd_per_gpu_h=offer.od_usd_per_gpu_h,
         spot_usd_per_gpu_h=offer.spot_usd_per_gpu_h, preemptions_per_h=rate_h,
-        checkpoint_interval_h=job.checkpoint_interval_h, restart_overhead_h=ctx.overhead_h,
+        checkpoint_interval_h=job.checkpoint_interval_h, restart_overhead_h=overhead_h,
         deadline_h=job.deadline_h, deadline_critical=job.deadline_critical, preference=job.market,
         resumable=job.checkpoints, preference_from=job.market_from))
     reasons.extend(f"market: {r}" for r in market.reasons)
@@ -208,8 +215,8 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         # Bursting as late as is safe leaves the rented phase t_ovh + margin of slack. A preemption costs another
         # t_ovh at least, and the spot policy's safety net keeps 2·t_ovh: unless the margin is larger than t_ovh,
         # that phase runs on on-demand (tests/test_e2e_hybrid.py), so it is priced so.
-        spot_room = market.market == "spot" and ctx.hybrid_margin_h > ctx.overhead_h
-        hybrid = hybrid_plan(work=job.work, s_local=s_local, s_rented=s_r, gpus=job.gpus, overhead_h=ctx.overhead_h,
+        spot_room = market.market == "spot" and ctx.hybrid_margin_h > overhead_h
+        hybrid = hybrid_plan(work=job.work, s_local=s_local, s_rented=s_r, gpus=job.gpus, overhead_h=overhead_h,
                              deadline_h=job.deadline_h, margin_h=ctx.hybrid_margin_h, local_usd_h=ctx.local_usd_h,
                              rented_usd_per_gpu_h=market.rate_usd_per_gpu_h if spot_room else offer.od_usd_per_gpu_h,
                              market="spot" if spot_room else "on-demand", gpu=gpu)
@@ -250,4 +257,4 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
             # hand-over (the launch's own check), which waits for it. The alternative is the local GPU idle.
             reasons.append("budget: the local phase runs first, and the hand-over to the cloud waits until the "
                            "budget allows it (raise the cap, or the month turns); until then it runs on locally, late")
-    return Decision(g.verdict, action, g, gpu, rate, market, plan, reasons, ctx.overhead_h)
+    return Decision(g.verdict, action, g, gpu, rate, market, plan, reasons, overhead_h)

@@ -40,7 +40,7 @@ from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
-from orchestrator.queue import throughput_key
+from orchestrator.queue import setup_key, throughput_key
 from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
     LAUNCH_REFUSALS,
@@ -336,7 +336,7 @@ class Reconciler:
 
     def _redecide_blocked(self, now: float) -> None:
         """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
-        from orchestrator.queue import context, measured_rented_throughputs, reconsider
+        from orchestrator.queue import context, measured_rented_throughputs, measured_setup_hours, reconsider
 
         with self.store.engine.connect() as c:
             blocked = [dict(r) for r in c.execute(
@@ -352,11 +352,13 @@ class Reconciler:
         for job in due:
             gpus_by_name.setdefault(job["name"], set()).update(job["spec"].get("rented_throughput", {}))
         measured = measured_rented_throughputs(self.app, gpus_by_name)
+        setup_h = measured_setup_hours(self.app, gpus_by_name)
         # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
         # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
         with self.store.tx() as conn:
             moved = {job["id"] for job in due
-                     if reconsider(self.app, job, ctx, now, conn, measured.get(job["name"], {})) is not None}
+                     if reconsider(self.app, job, ctx, now, conn, measured.get(job["name"], {}),
+                                   setup_h.get(job["name"], 0.0)) is not None}
             unchanged = [job["id"] for job in blocked if job["id"] not in moved]
             if unchanged:
                 conn.execute(update(s.jobs).where(s.jobs.c.id.in_(unchanged)).values(updated_at=now))
@@ -845,8 +847,8 @@ class Reconciler:
         setup_s = hb.get("setup_s") or (ex or {}).get("setup_s")
         if setup_s is not None and "setup_s" not in info:  # the job's setup ran on this instance, this long
             info["setup_s"] = setup_s
-            with self.store.tx() as conn:
-                self._measure(conn, att, "setup_s", float(setup_s))
+            with self.store.tx() as conn:  # the job name's: `queue.measured_setup_h` adds it to the job's t_ovh
+                self._measure(conn, att, "setup_s", float(setup_s), key=setup_key(job["name"]))
         self._watch_s3_uploads(att, job, info, (ex or {}).get("s3") or status.get("s3"), exited=ex is not None)
         if hb.get("notice") and "notice_seen_at" not in info:
             self._on_notice(att, job, info, hb["notice"], now)
@@ -1108,10 +1110,11 @@ class Reconciler:
             return  # a spot probe's end is a sighting, a successor's before it took over is its predecessor's news
         job_after_attempt(self.app, conn, att, job, outcome, reason, self.clock())
 
-    def _measure(self, conn: Any, att: dict[str, Any], metric: str, value: float) -> None:
+    def _measure(self, conn: Any, att: dict[str, Any], metric: str, value: float, key: str | None = None) -> None:
+        """A measurement of the attempt's instance type (or of `key`: a job name's, say)."""
         conn.execute(insert(s.measurements).values(ts=self.clock(), provider=att["provider"] or "local",
-                                                   instance_type=att["instance_type"] or "local", metric=metric,
-                                                   value=float(value)))
+                                                   instance_type=key or att["instance_type"] or "local",
+                                                   metric=metric, value=float(value)))
 
 
 def _clock_time(now: float) -> Any:
