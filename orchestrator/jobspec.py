@@ -115,7 +115,12 @@ class JobSpec(BaseModel):
                     "workdir with the job's environment (e.g. \"pip install -r requirements.txt\"; a string is split "
                     "shell-style). Not run locally: this machine is set up already. It must be safe to run again on "
                     "a fresh instance. A successor launched at a spot notice runs it while its predecessor still "
-                    "trains. A failing setup fails the attempt with its last line of output.")
+                    "trains. A setup that still fails after `setup_retries` fails the attempt with its last line of "
+                    "output.")
+    setup_retries: Annotated[int, Field(ge=0, le=10)] = Field(
+        2, description="How many times a failed setup runs again on the same instance, after 10 s, then 20 s, 40 s "
+                       "…, before the attempt fails: a network blip in a pip install passes, a missing package "
+                       "costs a few seconds of the instance's time. 0 to fail at once.")
     workdir: str = Field(".", description="Directory pushed to the instance, relative to the spec file; the command "
                                           "runs in it, and a relative path it names must not climb out of it.")
     deadline: datetime | None = Field(None, strict=False,  # TOML's own date-time, or the same in a string

@@ -3,9 +3,10 @@
     python3 supervisor.py --run-dir RUN --job-id J --attempt A --checkpoint-dir CKPT [--resume-from PATH]
         [--metadata-url URL] [--heartbeat-s 2] [--notice-poll-s 1] [--grace-s 30] [--gpus N] [--torchrun]
         [--env-file F] [--workdir W] [--max-run-s S] [--s3-uri s3://B/P [--s3-region R]]
-        [--setup-json '["pip", "install", "-r", "requirements.txt"]' --setup-dir DIR] [--daemonize] [--dry-run]
-        -- CMD ARGS...
-    python3 supervisor.py setup --setup-dir DIR --setup-json JSON --workdir W [--env-file F] [--daemonize]
+        [--setup-json '["pip", "install", "-r", "requirements.txt"]' --setup-dir DIR [--setup-retries N]
+        [--setup-retry-s 10]] [--daemonize] [--dry-run] -- CMD ARGS...
+    python3 supervisor.py setup --setup-dir DIR --setup-json JSON [--setup-retries N] [--setup-retry-s 10]
+        --workdir W [--env-file F] [--daemonize]
         # the setup alone (a successor's, run while its predecessor still trains); one JSON line
     python3 supervisor.py status --run-dir RUN          # one JSON line: heartbeat, exit record, liveness, metrics
     python3 supervisor.py stop --run-dir RUN [--grace-s 30]
@@ -18,8 +19,10 @@ With --setup-json the job's setup command runs first (heartbeat state "setup", o
 instance: DIR/setup-done.json records a success (with the command's hash), after which later attempts and a second
 start skip it. DIR/setup.lock is held while a setup runs, so a setup started early by `supervisor.py setup` and the
 supervisor that needs it never run it twice at once: the supervisor waits, heartbeating, and a stop or a spot
-notice still ends the wait. A failed setup is reported like a failed command, with reason "setup-failed" and the
-last line of its output, and the command never starts.
+notice still ends the wait. A setup that fails is run again up to --setup-retries times (after --setup-retry-s,
+doubling: a pip install's network blip passes), each try's output after a marker line in setup.log. One that still
+fails is reported like a failed command, with reason "setup-failed" and the last line of its output, and the
+command never starts.
 
 With --s3-uri every new complete checkpoint is uploaded there (`s3_checkpoints.py upload-newest`, run as a child:
 it needs boto3, this file does not), and once more after the command exits and before exit.json is written, so
@@ -403,6 +406,21 @@ def _positive(kind: type) -> Callable[[str], object]:
     return parse
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number, 0 or more, got {text!r}")
+    return value
+
+
+def _code_and_signal(returncode: int) -> tuple[int | None, int | None]:
+    """A Popen return code as (exit code, signal): a negative one is the signal that ended the process."""
+    return (returncode, None) if returncode >= 0 else (None, -returncode)
+
+
 def parse_run_args(argv: list[str]) -> argparse.Namespace:
     if "--" in argv:
         split = argv.index("--")
@@ -455,6 +473,10 @@ def parse_run_args(argv: list[str]) -> argparse.Namespace:
 def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--setup-json", default="", help="the job's setup command, a JSON list of strings")
     p.add_argument("--setup-dir", default="", help="the setup's lock, log and done record (one per job)")
+    p.add_argument("--setup-retries", type=_non_negative_int, default=0,
+                   help="run a failed setup again this many times (a network blip in a pip install)")
+    p.add_argument("--setup-retry-s", type=_positive(float), default=10.0,
+                   help="the wait before the first retry; it doubles for each next one")
 
 
 def _check_setup_args(args: argparse.Namespace) -> None:
@@ -482,6 +504,17 @@ def setup_done(setup_dir: Path, argv: list[str]) -> dict | None:
     """The record of this setup's success on this instance, if there is one."""
     record = read_json(setup_dir / SETUP_DONE)
     return record if record and record.get("key") == setup_key(argv) else None
+
+
+def setup_waits(args: argparse.Namespace) -> list[float]:
+    """The wait before each try of the setup: none before the first, then --setup-retry-s, doubling."""
+    return [0.0] + [args.setup_retry_s * 2 ** k for k in range(args.setup_retries)]
+
+
+def mark_setup_try(args: argparse.Namespace, n: int, tries: int) -> None:
+    """A line in the setup log before a retry, so that its output reads apart from the failed try's."""
+    with open(args.setup_dir / SETUP_LOG, "a") as log:
+        log.write(f"--- burstctl: setup try {n} of {tries} ---\n")
 
 
 def open_setup_lock(setup_dir: Path) -> int:
@@ -614,17 +647,28 @@ class Supervisor:
             self.log(f"setup: starting {json.dumps(args.setup)} in {args.workdir}")
             self.heartbeat()
             started = _now()
-            try:
-                self.child = start_setup(args, env)
-            except OSError as exc:
-                return self._finish(127 if isinstance(exc, FileNotFoundError) else 126, None, "setup-failed",
-                                    error=f"cannot start the setup {args.setup[0]!r}: {exc.strerror}")
-            stop_reason = self._watch(self.child, poller, max_run_s=None)
-            code = self._reap(self.child)
-            if stop_reason is not None or code != 0:
-                exit_code, sig = (code, None) if code >= 0 else (None, -code)
-                return self._finish(exit_code, sig, stop_reason or "setup-failed",
-                                    tail_of=args.setup_dir / SETUP_LOG)
+            waits, code = setup_waits(args), 0
+            for n, wait_s in enumerate(waits, start=1):
+                if wait_s:
+                    self.log(f"setup: failed (exit {code}); try {n} of {len(waits)} in {wait_s:g}s")
+                    self.child = None
+                    if (reason := self._pause(wait_s, poller)) is not None:
+                        return self._finish(None, None, reason, error="stopped between tries of the setup")
+                    mark_setup_try(args, n, len(waits))
+                try:
+                    self.child = start_setup(args, env)
+                except OSError as exc:  # not there, not executable: another try would not change it
+                    return self._finish(127 if isinstance(exc, FileNotFoundError) else 126, None, "setup-failed",
+                                        error=f"cannot start the setup {args.setup[0]!r}: {exc.strerror}")
+                stop_reason = self._watch(self.child, poller, max_run_s=None)
+                code = self._reap(self.child)
+                if stop_reason is not None:
+                    return self._finish(*_code_and_signal(code), stop_reason, tail_of=args.setup_dir / SETUP_LOG)
+                if code == 0:
+                    break
+            else:
+                return self._finish(*_code_and_signal(code), "setup-failed", tail_of=args.setup_dir / SETUP_LOG,
+                                    error=f"the setup failed {len(waits)} times" if len(waits) > 1 else None)
             self.setup_s = _now() - started
             record_setup_done(args, self.setup_s)
             self.log(f"setup: done in {self.setup_s:.1f}s")
@@ -632,6 +676,19 @@ class Supervisor:
             return None
         finally:
             os.close(fd)  # releases the lock
+
+    def _pause(self, seconds: float, poller: NoticePoller | None) -> str | None:
+        """Wait `seconds`, heartbeating, unless a stop is wanted first: then why."""
+        now = _now()
+        until, next_heartbeat = now + seconds, now
+        while (now := _now()) < until:
+            if (reason := self._stop_wanted(poller)) is not None:
+                return reason
+            if now >= next_heartbeat:
+                self.heartbeat()
+                next_heartbeat = now + self.args.heartbeat_s
+            time.sleep(min(_TICK_S, until - now))
+        return None
 
     def _run_command(self, env: dict[str, str], poller: NoticePoller | None) -> int:
         args = self.args
@@ -654,7 +711,7 @@ class Supervisor:
             uploader.start()
         stop_reason = self._watch(self.child, poller, max_run_s=args.max_run_s)
         code = self._reap(self.child)
-        exit_code, sig = (code, None) if code >= 0 else (None, -code)
+        exit_code, sig = _code_and_signal(code)
         reason = stop_reason or ("completed" if code == 0 else "failed")
         if uploader:
             self._final_upload(uploader)
@@ -948,12 +1005,20 @@ def run_setup(args: argparse.Namespace) -> dict:
         if setup_done(args.setup_dir, args.setup):
             return {"status": "done-already"}
         started = _now()
-        try:
-            code = start_setup(args, {**os.environ, **args.env_extra}).wait()
-        except OSError as exc:
-            return {"status": "failed", "error": f"cannot start the setup {args.setup[0]!r}: {exc.strerror}"}
-        if code != 0:
-            return {"status": "failed", "exit_code": code, "tail": _last_line(args.setup_dir / SETUP_LOG)}
+        waits, code = setup_waits(args), 0
+        for n, wait_s in enumerate(waits, start=1):
+            if wait_s:
+                time.sleep(wait_s)
+                mark_setup_try(args, n, len(waits))
+            try:
+                code = start_setup(args, {**os.environ, **args.env_extra}).wait()
+            except OSError as exc:
+                return {"status": "failed", "error": f"cannot start the setup {args.setup[0]!r}: {exc.strerror}"}
+            if code == 0:
+                break
+        else:
+            return {"status": "failed", "exit_code": code, "tries": len(waits),
+                    "tail": _last_line(args.setup_dir / SETUP_LOG)}
         record_setup_done(args, _now() - started)
         return {"status": "done", "seconds": round(_now() - started, 3)}
     finally:

@@ -222,6 +222,8 @@ BAD_JOBS = {
     "command-outside-workdir": ({"command": ["python3", "../train.py"]}, "command.1", "outside the workdir"),
     "checkpoint-dir-outside-workdir": ({"checkpoint": {"dir": "../../.."}}, "checkpoint.dir", "inside the workdir"),
     "setup-not-strings": ({"setup": ["pip", 3]}, "setup.1", "expected a string"),
+    "setup-retries-too-many": ({"setup": "pip install x", "setup_retries": 11}, "setup_retries",
+                               "less than or equal to 10"),
 }
 
 

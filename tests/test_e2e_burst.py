@@ -248,9 +248,9 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
 
 def test_a_failing_setup_fails_the_job_with_its_last_line_and_the_instance_is_terminated(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    spec = trainer_job(tmp_path, "broken-setup", steps=20, every=5,
-                       setup=["sh", "-c", "echo collecting; echo 'ERROR: No matching distribution found for "
-                                          "nothing-such' >&2; exit 3"])
+    spec = trainer_job(tmp_path, "broken-setup", steps=20, every=5, setup_retries=1,
+                       setup=["sh", "-c", f"echo try >> {tmp_path / 'tries'}; echo collecting; "
+                                          "echo 'ERROR: No matching distribution found for nothing-such' >&2; exit 3"])
     with simcloud(tmp_path) as url:
         config = write_config(tmp_path, url)
         job_id = json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"]
@@ -263,5 +263,6 @@ def test_a_failing_setup_fails_the_job_with_its_last_line_and_the_instance_is_te
         instances = sim_instances(url)
     reason = job(state, job_id)["reason"]
     assert "setup-failed (code 3)" in reason and "No matching distribution found for nothing-such" in reason
+    assert (tmp_path / "tries").read_text().split() == ["try", "try"]  # it was given its one more try (10 s later)
     assert [i["status"] for i in instances] == ["terminated"]
     assert not events(state, "checkpoint.synced")  # the trainer never started

@@ -471,12 +471,15 @@ def test_daemonize_survives_its_parent_and_start_is_idempotent(job: Job) -> None
 
 # --- the job's setup, once per instance -------------------------------------------------------------------------
 
-# A setup that appends a line (its cwd and $PLAIN) to argv[1], prints, and exits with argv[2].
+# A setup that appends a line (its cwd and $PLAIN) to argv[1], prints, and exits with argv[2]; with argv[3], only
+# its first argv[3] runs fail (a network blip), the later ones pass.
 SETUP = """
 import os, sys
 with open(sys.argv[1], "a") as fh:
     fh.write("%s %s\\n" % (os.getcwd(), os.environ.get("PLAIN")))
 print("installing things"); print("ERROR: no matching distribution for nothing-such", file=sys.stderr)
+if sys.argv[3:4] and sys.argv[3].isdigit() and len(open(sys.argv[1]).read().splitlines()) > int(sys.argv[3]):
+    sys.exit(0)
 sys.exit(int(sys.argv[2]))
 """
 
@@ -485,10 +488,11 @@ def setup_options(job: Job, argv: list[str]) -> list[str]:
     return ["--setup-json", json.dumps(argv), "--setup-dir", str(job.root / "setup")]
 
 
-def setup_script(job: Job, code: int = 0) -> list[str]:
+def setup_script(job: Job, code: int = 0, failing_runs: int | None = None) -> list[str]:
     script = job.root / "setup.py"
     script.write_text(SETUP)
-    return [sys.executable, str(script), str(job.root / "setup-runs"), str(code)]
+    blip = [] if failing_runs is None else [str(failing_runs)]
+    return [sys.executable, str(script), str(job.root / "setup-runs"), str(code), *blip]
 
 
 def setup_runs(job: Job) -> list[str]:
@@ -534,6 +538,60 @@ def test_a_failed_setup_is_reported_with_its_last_line_and_the_command_never_sta
     assert record["stderr_tail"] == "ERROR: no matching distribution for nothing-such"
     assert job.starts() == []
     assert sv.setup_done(job.root / "setup", setup_script(job, code=4)) is None
+
+
+def test_a_failed_setup_is_tried_again_after_a_wait_and_a_passing_try_starts_the_command(job: Job) -> None:
+    setup = setup_script(job, code=1, failing_runs=2)  # a network blip: two runs fail, the third passes
+    proc = subprocess.run(job.argv(*setup_options(job, setup), "--setup-retries", "3", "--setup-retry-s", "0.3",
+                                   command=["true"]), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(setup_runs(job)) == 3
+    record = job.exit_record()
+    assert record["reason"] == "completed" and record["setup_s"] >= 0.3 + 0.6  # it waited 0.3 s, then 0.6 s
+    log = (job.root / "setup" / sv.SETUP_LOG).read_text()
+    assert "--- burstctl: setup try 2 of 4 ---" in log and "--- burstctl: setup try 3 of 4 ---" in log
+    assert "setup: failed (exit 1); try 3 of 4 in 0.6s" in (job.run / "supervisor.log").read_text()
+    assert sv.setup_done(job.root / "setup", setup) is not None
+
+
+def test_a_setup_that_fails_every_try_fails_with_the_last_tries_line(job: Job) -> None:
+    proc = subprocess.run(job.argv(*setup_options(job, setup_script(job, code=4)), "--setup-retries", "1",
+                                   "--setup-retry-s", "0.1", command=job.waiter()),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4
+    record = job.exit_record()
+    assert (record["reason"], record["exit_code"], record["error"]) == ("setup-failed", 4, "the setup failed 2 times")
+    assert record["stderr_tail"] == "ERROR: no matching distribution for nothing-such"
+    assert len(setup_runs(job)) == 2 and job.starts() == []
+
+
+def test_a_stop_between_tries_of_the_setup_ends_the_wait(job: Job) -> None:
+    proc = subprocess.Popen(job.argv(*setup_options(job, setup_script(job, code=1)), "--setup-retries", "2",
+                                     "--setup-retry-s", "60", command=job.waiter()), stdout=subprocess.PIPE, text=True)
+    log = job.run / "supervisor.log"
+    wait_for(lambda: log.exists() and "try 2 of 3 in 60s" in log.read_text(), "the wait before the second try")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)  # not the 60 s wait
+    record = job.exit_record()
+    assert (record["reason"], record["error"]) == ("terminated", "stopped between tries of the setup")
+    assert len(setup_runs(job)) == 1 and job.starts() == []
+
+
+def test_an_early_setup_is_tried_again_too(job: Job) -> None:
+    setup = setup_script(job, code=1, failing_runs=1)
+    proc = subprocess.run([sys.executable, str(SUPERVISOR), "setup", *setup_options(job, setup), "--setup-retries",
+                           "1", "--setup-retry-s", "0.1", "--workdir", str(job.work)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert one_json_line(proc.stdout)["status"] == "done"
+    assert len(setup_runs(job)) == 2 and sv.setup_done(job.root / "setup", setup) is not None
+    # Without a retry left, it says so: how many tries, and the last line.
+    fails = setup_script(job, code=5)
+    proc = subprocess.run([sys.executable, str(SUPERVISOR), "setup", *setup_options(job, fails), "--workdir",
+                           str(job.work)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert one_json_line(proc.stdout) == {"status": "failed", "exit_code": 5, "tries": 1,
+                                          "tail": "ERROR: no matching distribution for nothing-such"}
 
 
 def test_a_setup_started_early_is_waited_for_not_run_twice(job: Job) -> None:
@@ -647,6 +705,8 @@ def test_dry_run_prints_the_launch_argv(job: Job, options: list[str], expected_p
     (["--run-dir", "r", "--job-id", "j", "--attempt", "1", "--checkpoint-dir", "c", "--setup-json", '["pip"]', "--",
       "x"], "needs --setup-dir"),
     (["setup", "--setup-dir", "s", "--workdir", "."], "--setup-json is required"),
+    (["setup", "--setup-dir", "s", "--setup-json", '["pip"]', "--setup-retries", "-1", "--workdir", "."],
+     "--setup-retries: expected a whole number, 0 or more"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, argv: list[str], expected: str) -> None:
     proc = subprocess.run([sys.executable, str(SUPERVISOR), *argv], capture_output=True, text=True, timeout=60,

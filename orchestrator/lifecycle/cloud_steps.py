@@ -27,6 +27,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from orchestrator.app import App
+from orchestrator.jobspec import JobSpec
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.local import work_units_env
 from orchestrator.remote import ssh, sync
@@ -104,7 +105,10 @@ class RemoteJob:
     def setup_args(self, spec: Mapping[str, Any]) -> list[str]:
         """The supervisor's options for the job's setup ([] without one)."""
         setup = spec.get("setup") or []
-        return ["--setup-json", json.dumps(setup), "--setup-dir", self.setup_dir] if setup else []
+        if not setup:
+            return []
+        retries = spec.get("setup_retries", JobSpec.model_fields["setup_retries"].default)  # a job queued before it
+        return ["--setup-json", json.dumps(setup), "--setup-dir", self.setup_dir, "--setup-retries", str(retries)]
 
 
 class CloudSteps:
