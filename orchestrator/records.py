@@ -27,6 +27,14 @@ def fmt_usd(v: float | None, *, as_set: bool = False) -> str:
     return f"${text}" if v >= 0 else f"−${text}"
 
 
+def plan_name(decision: dict[str, Any]) -> str | None:
+    """A decision's plan in a few words ("hybrid spot", "burst on-demand", "local"); None without a plan."""
+    if not decision.get("plan_kind"):
+        return None
+    markets = "+".join(dict.fromkeys(p["market"] for p in decision.get("plan") or [] if p.get("market")))
+    return f"{decision['plan_kind']}{' ' + markets if markets else ''}"
+
+
 def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, deadline_h: float,
            work: float, s_local: float, gpus: int, local_gpu: str) -> str:
     when = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d %H:%M UTC")

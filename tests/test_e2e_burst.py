@@ -238,6 +238,12 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
     assert len(ran) == 2
     for instance, workdir in zip((first, resumed["instance"]), ran, strict=True):
         assert f"/instances/{instance}/" in workdir and workdir.endswith(f"/burst/{job_id}/work")
+    # `burstctl report` reads the same run from the ledger and the attempts as the job's Measured line did.
+    measured = next(e for e in trail if e["type"] == "job.measured")["data"]
+    (row,) = json.loads(cli(config, state, "report", "--days", "1", "--json").stdout)["jobs"]
+    assert (row["id"], row["attempts"]) == (job_id, 2) and row["preemptions"] == measured["preemptions"] == 1
+    assert row["spot_usd"] + row["on_demand_usd"] == pytest.approx(measured["cost_usd"], abs=1e-3)
+    assert row["run_h"] == pytest.approx(measured["run_h"], abs=1e-3) and row["deadline_met"] is True
     # Its time was measured (on the first instance, which ran it itself) for the job's next decisions' t_ovh.
     app = App(config_path=str(config), state_dir_override=str(state))
     try:

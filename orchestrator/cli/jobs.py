@@ -18,7 +18,7 @@ from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import JobState, check_transition
-from orchestrator.records import fmt_h, fmt_usd
+from orchestrator.records import fmt_h, fmt_usd, plan_name
 from state import schema as s
 
 
@@ -133,10 +133,8 @@ def _listed(app: App, states: tuple[str, ...], show_all: bool) -> tuple[list[dic
 
 
 def _plan_txt(d: dict[str, Any]) -> str:
-    if not d.get("plan_kind"):
-        return "—"
-    markets = "+".join(dict.fromkeys(p["market"] for p in d.get("plan") or [] if p.get("market")))
-    return f"{d['plan_kind']}{' ' + markets if markets else ''} {fmt_usd(d.get('plan_cost_usd'))}"
+    name = plan_name(d)
+    return "—" if name is None else f"{name} {fmt_usd(d.get('plan_cost_usd'))}"
 
 
 SHOW_EVENTS = 15

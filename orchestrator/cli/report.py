@@ -1,0 +1,97 @@
+"""`burstctl report`: the finished jobs' plans beside what they cost and took (orchestrator/report.py)."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import UTC, datetime
+
+import click
+
+from orchestrator.app import App
+from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.core.budget import month_key
+from orchestrator.errors import BadInput
+from orchestrator.records import fmt_h, fmt_usd
+from orchestrator.report import JobOutcome, outcomes, totals
+
+MONTH = re.compile(r"^(\d{4})-(0[1-9]|1[0-2])$")
+
+
+def window(month: str | None, days: float | None, every: bool, now: float) -> tuple[str, float | None, float]:
+    """What the flags select: a label, and [since, until) in unix seconds (since None: from the first job)."""
+    if sum((month is not None, days is not None, every)) > 1:
+        raise BadInput("give one of --month, --days and --all")
+    if every:
+        return "every finished job", None, now + 1
+    if days is not None:
+        if not days > 0 or days == float("inf"):
+            raise BadInput(f"expected a number of days above 0, got {days:g}", field="--days")
+        return f"the last {days:g} days", now - days * 86400.0, now + 1
+    month = month or month_key(now)
+    found = MONTH.match(month)
+    if found is None:
+        raise BadInput(f"expected a month as YYYY-MM, e.g. {month_key(now)}; got '{month}'", field="--month")
+    year, mon = int(found[1]), int(found[2])
+    start = datetime(year, mon, 1, tzinfo=UTC)
+    end = datetime(year + mon // 12, mon % 12 + 1, 1, tzinfo=UTC)
+    return month, start.timestamp(), end.timestamp()
+
+
+def _deadline(o: JobOutcome) -> str:
+    if o.late_h is None:
+        return "—"
+    return f"missed by {fmt_h(o.late_h)}" if o.late_h > 0 else f"met, {fmt_h(-o.late_h)} to spare"
+
+
+def _ratio(r: dict[str, float] | None) -> str:
+    if r is None:
+        return "—"
+    spread = f" (×{r['min']:.2f} to ×{r['max']:.2f})" if r["jobs"] > 1 else ""
+    return f"×{r['median']:.2f}{spread} over {r['jobs']} job{'s' if r['jobs'] != 1 else ''}"
+
+
+@cli.command("report")
+@click.option("--month", default=None, metavar="YYYY-MM", help="The jobs finished in this month (UTC; default this "
+              "month).")
+@click.option("--days", type=float, default=None, help="The jobs finished in the last DAYS days instead.")
+@click.option("--all", "every", is_flag=True, help="Every finished job.")
+@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Jobs shown in the table, newest first (the totals and --json cover every one).")
+@json_option
+@pass_app
+def report_cmd(app: App, month: str | None, days: float | None, every: bool, limit: int, as_json: bool) -> None:
+    """What the finished jobs were expected to cost and take, beside what they did: per job, the plan it ran on
+    against the meter (cloud charges, and local hours at local.usd_per_hour) and whether its deadline held; in all,
+    the spend by market, measured over expected (the done jobs), and what spot saved against on-demand at the rate
+    each decision priced on-demand at."""
+    now = time.time()
+    label, since, until = window(month, days, every, now)
+    found = outcomes(app, since, until, now)
+    sums = totals(found)
+    if as_json:
+        print_json({"window": {"label": label, "since": since, "until": min(until, now)}, "totals": sums,
+                    "jobs": [o.as_dict() for o in found]})
+        return
+    if not found:
+        out.print(f"no job finished in {label}")
+        return
+    counts = ", ".join(f"{sums[st]} {st}" for st in ("done", "failed", "cancelled") if sums[st])
+    table(f"{label}: {sums['jobs']} job{'s' if sums['jobs'] != 1 else ''} finished ({counts})",
+          ["id", "name", "state", "plan", "expected", "measured", "hours planned → run", "preempted", "deadline"],
+          [(o.id, o.name, o.state, o.plan, fmt_usd(o.expected_usd), fmt_usd(o.measured_usd),
+            f"{fmt_h(o.expected_h)} → {fmt_h(o.run_h)}", o.preemptions, _deadline(o)) for o in found[:limit]])
+    if len(found) > limit:
+        out.print(f"[dim]{len(found) - limit} older not shown (--limit, or --json for every one)[/dim]")
+    met, missed = sums["deadlines_met"], sums["deadlines_missed"]
+    table(None, ["", "value"], [
+        ("spent", f"{fmt_usd(sums['spent_usd'])}: cloud {fmt_usd(sums['cloud_usd'])} (spot {fmt_usd(sums['spot_usd'])}"
+                  f", on-demand {fmt_usd(sums['on_demand_usd'])}), local {fmt_usd(sums['local_usd'])}"),
+        ("spot saved against on-demand", fmt_usd(sums["spot_saved_usd"])),
+        ("done jobs: expected → measured", f"{fmt_usd(sums['done_expected_usd'])} → "
+                                          f"{fmt_usd(sums['done_measured_usd'])}"),
+        ("cost, measured / expected", _ratio(sums["cost_ratio"])),
+        ("hours, run / planned", _ratio(sums["hours_ratio"])),
+        ("deadlines met", f"{met} of {met + missed}" if met + missed else "—"),
+        ("attempts, preemptions", f"{sums['attempts']}, {sums['preemptions']}"),
+    ])
