@@ -5,7 +5,8 @@
    on another instance from its checkpoint, finishes, and its instance is torn down.
 3. A second trainer that fits locally but misses its deadline bursts within the auto-approve ceiling; then
    `burstctl revert-local` brings it home: last checkpoint synced, instance terminated, the job finishes locally.
-Everything runs in a throwaway state directory; simcloud and the daemon are child processes stopped at the end.
+Everything runs in a throwaway state directory (or the empty one given with --state-dir); simcloud and the daemon
+are child processes stopped at the end.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sqlalchemy import func, select
 
 from orchestrator.children import Children, free_port
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
-from orchestrator.errors import OperationalError
+from orchestrator.errors import BadInput, OperationalError
 from state import schema as s
 from state.store import Store
 
@@ -58,9 +59,9 @@ class DemoResult:
 
 
 class Demo:
-    def __init__(self, workdir: Path, say: Callable[[str], None]):
+    def __init__(self, workdir: Path, say: Callable[[str], None], state: Path | None = None):
         self.dir = workdir
-        self.state = workdir / "state"
+        self.state = state or workdir / "state"
         self.say = say
         self.key = "demo-" + secrets.token_hex(12)  # simcloud's API key, only in the children's environment
         self.config = workdir / "burstctl.toml"
@@ -221,9 +222,13 @@ class Demo:
                 "cost_usd": round(float(cost or 0.0), 4)}
 
 
-def run_demo(say: Callable[[str], None], keep: bool = False) -> DemoResult:
+def run_demo(say: Callable[[str], None], keep: bool = False, state_dir: Path | None = None) -> DemoResult:
+    """The story; its state (records, event log) in `state_dir` when given (new or empty), else a throwaway one."""
+    if state_dir is not None and state_dir.exists() and (not state_dir.is_dir() or any(state_dir.iterdir())):
+        raise BadInput(f"'{state_dir}' is not an empty directory: the demo keeps its state apart from yours; "
+                       "give a new directory, or none", field="--state-dir")
     workdir = Path(tempfile.mkdtemp(prefix="burstctl-demo-"))
-    demo = Demo(workdir, say)
+    demo = Demo(workdir, say, state_dir)
     try:
         return demo.run()
     finally:

@@ -37,9 +37,11 @@ def test_demo_plays_the_whole_story_whatever_the_users_config_and_leaves_nothing
     monkeypatch.setenv("BURSTCTL_CONFIG", str(user_config))
     monkeypatch.delenv("MY_SIM_KEY", raising=False)
     before = _our_processes()
-    r = run_burstctl("demo", "--json", timeout=600)
+    state = tmp_path / "demo-state"  # its trail is kept where the user asked (the default is a throwaway dir)
+    r = run_burstctl("--state-dir", str(state), "demo", "--json", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout)
+    assert summary["state_dir"] == str(state) and Path(summary["event_log"]) == state / "events.jsonl"
     assert [c["verdict"] for c in summary["candidates"]] == ["local", "burst", "priced"]
     assert summary["candidates"][2]["delta_cost_usd"] == pytest.approx(16.12, abs=0.01)
     spot, home = summary["jobs"]
@@ -48,3 +50,15 @@ def test_demo_plays_the_whole_story_whatever_the_users_config_and_leaves_nothing
     assert summary["instances_left"] == 0
     assert Path(summary["event_log"]).exists() and any(Path(summary["decision_records"]).iterdir())
     assert _our_processes() <= before
+
+
+def test_the_demo_refuses_a_state_dir_that_is_not_empty_and_changes_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "mine"
+    state.mkdir()
+    (state / "state.db").write_text("the user's")
+    r = run_burstctl("--state-dir", str(state), "demo", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"burstctl: error: field '--state-dir': '{state}' is not an empty directory: the demo keeps its state apart "
+        "from yours; give a new directory, or none"]
+    assert [f.name for f in state.iterdir()] == ["state.db"] and (state / "state.db").read_text() == "the user's"

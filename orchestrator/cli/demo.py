@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
+from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, print_json, table
 from orchestrator.demo import run_demo
 from orchestrator.errors import OperationalError
@@ -25,7 +27,9 @@ def demo_cmd(keep: bool, as_json: bool) -> None:
         else:
             out.print(f"[dim]·[/dim] {line}")
 
-    res = run_demo(say, keep=keep)
+    app = click.get_current_context().find_object(App)
+    given = app.state_dir_override if app is not None else None
+    res = run_demo(say, keep=keep, state_dir=Path(given).expanduser().resolve() if given else None)
     if as_json:
         print_json(res.as_dict())
     else:
