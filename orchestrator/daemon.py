@@ -223,8 +223,10 @@ def _reload(app: App, scheduler: BlockingScheduler, reconciler: Reconciler, watc
         scheduler.reschedule_job("sweep", trigger="interval", seconds=daemon.sweep_s)
     app.store.set_setting(CONFIG_SEEN_KEY, {**config_fingerprint(change.read),
                                             "restart_needed": change.restart_needed})
+    # `on_sighup`: asked for, so it was read and rebuilt even when nothing in it changed (`changed` then empty).
     app.events.emit("daemon.config_reloaded", source=change.config.source, changed=change.applied,
-                    restart_needed=change.restart_needed, providers=sorted(fresh.providers), mode=fresh.mode())
+                    restart_needed=change.restart_needed, providers=sorted(fresh.providers), mode=fresh.mode(),
+                    on_sighup=force)
     return fresh
 
 

@@ -121,6 +121,8 @@ def test_sighup_reads_the_file_even_when_its_stamp_did_not_change(tmp_path: Path
     daemon_module.run_daemon(app, tick_s=0.1, max_ticks=6, on_tick=on_tick)
     assert signal.getsignal(signal.SIGHUP) is before
     assert app.config.budget.monthly_cap_usd == 20
+    (reloaded,) = (e["data"] for e in app.store.events() if e["type"] == "daemon.config_reloaded")
+    assert (reloaded["changed"], reloaded["on_sighup"]) == (["budget.monthly_cap_usd"], True)
     app.close()
 
 
