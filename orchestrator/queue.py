@@ -120,31 +120,37 @@ def setup_key(job_name: str) -> str:
     return f"setup:{job_name}"[:64]
 
 
-def measured_setup_hours(app: App, names: Iterable[str], recent: int = 10) -> dict[str, float]:
-    """How long each job name's `setup` took on a fresh instance (median of its recent runs, in hours), for the
-    names that have run one: one query for a batch."""
-    from statistics import median
-
+def recent_measurements(app: App, metric: str, keys: Iterable[str], recent: int = 10) -> dict[str, list[float]]:
+    """Each key's newest `recent` values of `metric` (`measurements.instance_type` is the key), newest first: one
+    query for a whole batch, by exact key."""
     from sqlalchemy import select
 
     from state import schema as s
 
-    keys: dict[str, list[str]] = {}
-    for name in names:
-        keys.setdefault(setup_key(name), []).append(name)
-    if not keys:
+    wanted = list(dict.fromkeys(keys))
+    if not wanted:
         return {}
     with app.store.engine.connect() as c:
+        # Newest first, sorted here: ORDER BY id in SQL makes SQLite walk the (metric, id) index through every
+        # job's rows instead of looking up these keys in (metric, instance_type).
         rows = c.execute(select(s.measurements.c.id, s.measurements.c.instance_type, s.measurements.c.value)
-                         .where(s.measurements.c.metric == "setup_s",
-                                s.measurements.c.instance_type.in_(list(keys)))).all()
-    seen: dict[str, list[float]] = {}
-    for _, key, value in sorted(rows, reverse=True):  # newest first
-        for name in keys[key]:
-            values = seen.setdefault(name, [])
-            if len(values) < recent:
-                values.append(value)
-    return {name: median(v) / 3600.0 for name, v in seen.items()}
+                         .where(s.measurements.c.metric == metric, s.measurements.c.instance_type.in_(wanted))).all()
+    found: dict[str, list[float]] = {}
+    for _, key, value in sorted(rows, reverse=True):
+        values = found.setdefault(key, [])
+        if len(values) < recent:
+            values.append(value)
+    return found
+
+
+def measured_setup_hours(app: App, names: Iterable[str]) -> dict[str, float]:
+    """How long each job name's `setup` took on a fresh instance (median of its recent runs, in hours), for the
+    names that have run one."""
+    from statistics import median
+
+    names = list(names)
+    found = recent_measurements(app, "setup_s", (setup_key(name) for name in names))
+    return {name: median(found[setup_key(name)]) / 3600.0 for name in names if setup_key(name) in found}
 
 
 def measured_setup_h(app: App, spec: JobSpec) -> float:
@@ -179,29 +185,13 @@ def measured_rented_throughputs(app: App, gpus_by_name: Mapping[str, Iterable[st
     types each name's spec lists: one query for a whole batch of jobs, by exact key."""
     from statistics import median
 
-    from sqlalchemy import select
-
-    from state import schema as s
-
-    wanted: dict[str, list[tuple[str, str]]] = {}  # key -> (name, gpu); two long names can share a key
-    for name, gpus in gpus_by_name.items():
-        for gpu in gpus:
-            wanted.setdefault(throughput_key(gpu, name), []).append((name, gpu))
-    if not wanted:
-        return {}
-    with app.store.engine.connect() as c:
-        # Newest first, sorted here: ORDER BY id in SQL makes SQLite walk the (metric, id) index through every
-        # job's rows instead of looking up these keys in (metric, instance_type).
-        rows = c.execute(select(s.measurements.c.id, s.measurements.c.instance_type, s.measurements.c.value)
-                         .where(s.measurements.c.metric == "throughput_units_h",
-                                s.measurements.c.instance_type.in_(list(wanted)))).all()
-    seen: dict[str, dict[str, list[float]]] = {}
-    for _, key, value in sorted(rows, reverse=True):
-        for name, gpu in wanted[key]:
-            values = seen.setdefault(name, {}).setdefault(gpu, [])
-            if len(values) < recent:
-                values.append(value)
-    return {name: {gpu: median(v) for gpu, v in by_gpu.items()} for name, by_gpu in seen.items()}
+    wanted = {(name, gpu): throughput_key(gpu, name) for name, gpus in gpus_by_name.items() for gpu in gpus}
+    found = recent_measurements(app, "throughput_units_h", wanted.values(), recent)
+    out: dict[str, dict[str, float]] = {}
+    for (name, gpu), key in wanted.items():  # two long names can share a key: each gets its values
+        if key in found:
+            out.setdefault(name, {})[gpu] = median(found[key])
+    return out
 
 
 def measured_rented_throughput(app: App, spec: JobSpec) -> dict[str, float]:

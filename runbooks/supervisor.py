@@ -55,6 +55,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 PID_FILE = "supervisor.pid"
 LOCK_FILE = "supervisor.lock"
@@ -908,6 +909,20 @@ def start_daemonized(args: argparse.Namespace) -> int:
         return _report_code(report)
 
     os.close(read_fd)
+
+    def supervise() -> int:
+        report, fd = _claim_run_dir(args)
+        os.write(write_fd, json.dumps(report).encode())
+        os.close(write_fd)
+        return Supervisor(args).run() if fd is not None else _report_code(report)
+
+    _run_detached(args.run_dir / SUPERVISOR_LOG, supervise)
+
+
+def _run_detached(log: Path, body: Callable[[], int]) -> NoReturn:
+    """In a forked child: a session of its own, forked once more (no controlling terminal can come back), stdin
+    from /dev/null and output appended to `log`; run `body` and exit with its code, never returning into the
+    caller's code (a traceback goes to `log`)."""
     os.setsid()
     if os.fork() > 0:
         os._exit(0)
@@ -915,14 +930,11 @@ def start_daemonized(args: argparse.Namespace) -> int:
     try:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
-        log_fd = os.open(str(args.run_dir / SUPERVISOR_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        log_fd = os.open(str(log), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
-        report, fd = _claim_run_dir(args)
-        os.write(write_fd, json.dumps(report).encode())
-        os.close(write_fd)
-        code = Supervisor(args).run() if fd is not None else _report_code(report)
-    except BaseException:  # the traceback goes to supervisor.log; never return into the caller's code
+        code = body()
+    except BaseException:
         import traceback
         traceback.print_exc()
     finally:
@@ -1036,24 +1048,7 @@ def setup_command(args: argparse.Namespace) -> int:
     if os.fork() > 0:
         print(json.dumps({"status": "started"}), flush=True)
         return 0
-    os.setsid()
-    if os.fork() > 0:
-        os._exit(0)
-    code = 1
-    try:
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        log_fd = os.open(str(args.setup_dir / SETUP_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        code = 0 if run_setup(args)["status"] != "failed" else 1
-    except BaseException:  # the traceback goes to the setup log; never return into the caller's code
-        import traceback
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    _run_detached(args.setup_dir / SETUP_LOG, lambda: 0 if run_setup(args)["status"] != "failed" else 1)
 
 
 def main(argv: list[str] | None = None) -> int:
