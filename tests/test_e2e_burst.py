@@ -98,6 +98,12 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path, backend: s
     assert events(state, "job.resuming")[0]["data"]["lost_work_h"] == pre["lost_work_h"]  # one figure, said twice
     resumed = events(state, "job.resumed")[0]["data"]
     assert resumed["instance"] != first and resumed["checkpoint"].startswith("step-")
+    # Both instances are gone; what the trainer printed on each came home (`burstctl logs`): the first attempt's
+    # from step 0, the resumed one's from its checkpoint, to its end.
+    assert "training from step 0 to" in cli(config, state, "logs", job_id, "--attempt", "1").stdout
+    last = cli(config, state, "logs", job_id).stdout
+    assert f"training from step {int(resumed['checkpoint'][5:])} to {STEPS}" in last
+    assert f"done: step {STEPS}, result in" in last  # its last line: pulled once its exit was seen
 
     # The final state is bit-identical to an uninterrupted run's.
     final = state / "checkpoints" / job_id / f"step-{STEPS:08d}" / "state.json"
@@ -270,5 +276,7 @@ def test_a_failing_setup_fails_the_job_with_its_last_line_and_the_instance_is_te
     reason = job(state, job_id)["reason"]
     assert "setup-failed (code 3)" in reason and "No matching distribution found for nothing-such" in reason
     assert (tmp_path / "tries").read_text().split() == ["try", "try"]  # it was given its one more try (10 s later)
+    setup_log = cli(config, state, "logs", job_id, "--setup").stdout  # home, though the instance is gone
+    assert setup_log.count("collecting") == 2 and "--- burstctl: setup try 2 of 2 ---" in setup_log
     assert [i["status"] for i in instances] == ["terminated"]
     assert not events(state, "checkpoint.synced")  # the trainer never started

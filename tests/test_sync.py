@@ -26,8 +26,10 @@ from orchestrator.remote.sync import (
     PulledCheckpoints,
     PushedCheckpoint,
     SyncError,
+    SyncStats,
     choose_transport,
     pull_checkpoints,
+    pull_logs,
     push_checkpoint,
     push_dir,
 )
@@ -173,6 +175,34 @@ def test_incremental_pull_moves_only_the_changed_shard(instance: Instance, tmp_p
     # Unchanged shards are hard links to the previous checkpoint's files: no second copy on disk either.
     same = (local / "step-00000100" / "model-00000.safetensors").stat().st_ino
     assert (local / "step-00000200" / "model-00000.safetensors").stat().st_ino == same
+
+
+def test_logs_come_home_by_what_they_grew_and_one_not_written_yet_is_skipped(instance: Instance,
+                                                                              tmp_path: Path) -> None:
+    run = instance.sandbox / "job" / "run"
+    run.mkdir(parents=True)
+    lines = b"".join(b"step %d loss %.4f\n" % (i, 1 / (i + 1)) for i in range(40_000))  # ~0.8 MiB
+    (run / "stdout.log").write_bytes(lines)
+    (run / "supervisor.log").write_bytes(b"attempt 1 of job j: starting\n")
+    local = tmp_path / "runs" / "j-a1"
+
+    def logs() -> SyncStats:
+        return pull_logs(instance.target, instance.trust, "job/run", ["stdout.log", "stderr.log", "supervisor.log"],
+                         local, transport=instance.transport)  # type: ignore[arg-type]
+
+    first = logs()
+    assert (local / "stdout.log").read_bytes() == lines and not (local / "stderr.log").exists()
+    assert first.bytes_received >= len(lines)
+    # The trainer prints on; the next pull brings the new lines, not the log again.
+    with open(run / "stdout.log", "ab") as out:
+        out.write(b"step 40000 loss 0.0000\n")
+    (run / "stderr.log").write_bytes(b"Traceback: a warning\n")
+    second = logs()
+    assert (local / "stdout.log").read_bytes() == lines + b"step 40000 loss 0.0000\n"
+    assert (local / "stderr.log").read_bytes() == b"Traceback: a warning\n"
+    assert (local / "supervisor.log").read_bytes() == b"attempt 1 of job j: starting\n"
+    assert second.bytes_received < 32 * 1024
+    assert logs().files_transferred == 0
 
 
 def test_remote_checkpoints_without_a_manifest_or_still_hidden_are_ignored(

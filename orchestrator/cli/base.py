@@ -32,7 +32,7 @@ COMMAND_MODULES = {
     "show": "jobs", "decide": "decide", "size": "size", "simulate": "simulate", "daemon": "daemon",
     "status": "status", "providers": "providers", "revert-local": "revert", "burst-enable": "revert",
     "copy-state": "state", "prune-events": "state", "simcloud": "simcloud", "rehearse": "rehearse", "demo": "demo",
-    "report": "report",
+    "report": "report", "logs": "logs",
 }
 
 # Each command's line in `burstctl --help`, so that listing them imports none (the docstring is the long help).
@@ -48,6 +48,7 @@ COMMAND_SUMMARIES = {
     "enqueue": "Validate, decide and queue a job.",
     "events": "Print the event log, or follow it.",
     "list": "List jobs, oldest first.",
+    "logs": "Print a job's log, local or cloud (brought home).",
     "prune-events": "Delete the events of jobs finished long ago.",
     "providers": "Configured providers: credentials, answering, offers.",
     "rehearse": "Run a job on a private simulated cloud with preemptions.",

@@ -31,7 +31,7 @@ def _at(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _job_or_fail(app: App, ref: str, field: str = "JOB") -> dict[str, Any]:
+def job_or_fail(app: App, ref: str, field: str = "JOB") -> dict[str, Any]:
     """The job `ref` names: an id, or a name that one job has, or that only one job not yet over has (the run of it
     that `cancel` or `approve` means when earlier runs are done). Otherwise the ids to choose from. `field`: the
     argument or option that named it."""
@@ -146,7 +146,7 @@ SHOW_EVENTS = 15
 @pass_app
 def show_cmd(app: App, job: str, as_json: bool) -> None:
     """Show one job: its decision, state and recent events."""
-    j = _job_or_fail(app, job)
+    j = job_or_fail(app, job)
     # The table shows the newest 15: only those are read (a job that ran for weeks has thousands).
     evs = app.store.events(job_id=j["id"], newest=None if as_json else SHOW_EVENTS)
     progress = _progress(app, j)
@@ -207,7 +207,7 @@ def _event_public(e: dict[str, Any]) -> dict[str, Any]:
 
 
 def _set_state(app: App, ref: str, target: JobState, event: str, **extra: Any) -> dict[str, Any]:
-    j = _job_or_fail(app, ref)
+    j = job_or_fail(app, ref)
     check_transition(j["state"], target.value, j["id"])
     with app.store.tx() as conn:
         if not app.store.update_job(j["id"], conn, expect_state=j["state"], state=target.value, **extra):
@@ -235,7 +235,7 @@ def cancel_cmd(app: App, job: str, as_json: bool) -> None:
 def approve_cmd(app: App, job: str, as_json: bool) -> None:
     """Approve the price of a job's deadline (ΔC above the configured ceiling); it is queued to burst. A local run
     re-planned behind schedule (running, its price awaiting approval) bursts the rest instead of running on, late."""
-    j = _job_or_fail(app, job)
+    j = job_or_fail(app, job)
     if j["state"] == JobState.RUNNING.value and j["decision"].get("action") == "await-approval" and not j["approved"]:
         with app.store.tx() as conn:
             if not app.store.update_job(j["id"], conn, expect_state=j["state"], approved=True,
@@ -322,7 +322,7 @@ def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | N
         raise BadInput("--all and --limit exclude each other", field="--limit")
     if show_all and after_id is not None:
         raise BadInput("--all and --after exclude each other (--all is --after 0)", field="--after")
-    job_id = _job_or_fail(app, job_ref, "--job")["id"] if job_ref else None
+    job_id = job_or_fail(app, job_ref, "--job")["id"] if job_ref else None
     last = 0
     if after_id is not None and limit:  # a page
         evs = app.store.events(after_id=after_id, job_id=job_id, type_prefix=type_prefix, limit=limit)

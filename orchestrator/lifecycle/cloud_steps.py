@@ -1,5 +1,5 @@
 """The runbook steps of a cloud attempt, over SSH: bootstrap, push the workdir, push the newest checkpoint, start
-the supervisor; then poll it, pull checkpoints, and ask it for a last checkpoint. Each step is idempotent, so a
+the supervisor; then poll it, pull checkpoints and logs, and ask it for a last checkpoint. Each step is idempotent, so a
 daemon that died midway simply runs it again.
 
 Checkpoints travel over SSH, or through S3 when the provider has a checkpoint store (EC2 with
@@ -29,9 +29,10 @@ from sqlalchemy import select, update
 from orchestrator.app import App
 from orchestrator.jobspec import JobSpec
 from orchestrator.lifecycle import checkpoints, passenv
-from orchestrator.lifecycle.local import work_units_env
+from orchestrator.lifecycle.local import attempt_run_dir, work_units_env
 from orchestrator.remote import ssh, sync
 from providers.base import InstanceInfo, Provider
+from runbooks import supervisor
 from runbooks.checkpoint_transfer import PulledCheckpoints, TransferError
 from runbooks.s3_checkpoints import S3CheckpointStore
 from state import schema as s
@@ -109,6 +110,9 @@ class RemoteJob:
             return []
         retries = spec.get("setup_retries", JobSpec.model_fields["setup_retries"].default)  # a job queued before it
         return ["--setup-json", json.dumps(setup), "--setup-dir", self.setup_dir, "--setup-retries", str(retries)]
+
+
+LOG_FILES = (supervisor.STDOUT_LOG, supervisor.STDERR_LOG, supervisor.SUPERVISOR_LOG)  # what pull_logs brings home
 
 
 class CloudSteps:
@@ -349,6 +353,20 @@ class CloudSteps:
                 if s3 is not None:
                     s3.prune(keep=checkpoints.KEEP)  # what is home need not be paid for in S3 as well
         return pulled
+
+    def pull_logs(self, att: dict[str, Any], job: dict[str, Any]) -> sync.SyncStats:
+        """The attempt's logs home, into <state>/runs/<attempt>/ where a local attempt's are: the command's stdout
+        and stderr, the supervisor's notes, and the log of the job's setup on this instance. Only what they grew by
+        crosses: a long run's log costs each sync its new lines."""
+        target, trust = self.target(att), self.trust(att)
+        base, run_dir = self._remote(att)
+        local = attempt_run_dir(self.app.config, att["id"])
+        with ssh.connect(target, trust=trust) as conn:
+            stats = sync.pull_logs(target, trust, run_dir, LOG_FILES, local, conn=conn)
+            if job["spec"].get("setup"):
+                stats.add(sync.pull_logs(target, trust, f"{base}/{job['id']}/setup", [supervisor.SETUP_LOG], local,
+                                         conn=conn))
+        return stats
 
     def request_checkpoint(self, att: dict[str, Any]) -> None:
         """SIGTERM through the supervisor: the trainer writes a last checkpoint and exits."""

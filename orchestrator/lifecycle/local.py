@@ -20,6 +20,7 @@ from sqlalchemy import func, insert, select
 
 from orchestrator import records
 from orchestrator.app import App
+from orchestrator.config import Config
 from orchestrator.core.plan import latest_switch_at
 from orchestrator.core.replan import replan_late_local
 from orchestrator.lifecycle import checkpoints, passenv
@@ -45,6 +46,12 @@ def supervisor_status(run_dir: Path) -> dict[str, Any]:
 
 def _switch_args(terms: dict[str, Any]) -> dict[str, float]:
     return {k: terms[k] for k in ("deadline_at", "work", "rented_units_h", "overhead_h", "margin_h")}
+
+
+def attempt_run_dir(cfg: Config, attempt_id: str) -> Path:
+    """Where an attempt's run is kept on this machine: a local attempt's supervisor files, a cloud attempt's logs
+    as they come home (`CloudSteps.pull_logs`)."""
+    return cfg.state_dir / "runs" / attempt_id
 
 
 def work_units_env(spec: dict[str, Any]) -> dict[str, str]:
@@ -76,7 +83,7 @@ class LocalRunner:
         self.hand_over_held = hand_over_held
 
     def run_dir(self, attempt_id: str) -> Path:
-        return self.cfg.state_dir / "runs" / attempt_id
+        return attempt_run_dir(self.cfg, attempt_id)
 
     # --- start ------------------------------------------------------------------------------------------------
     def start(self, job: dict[str, Any]) -> bool:

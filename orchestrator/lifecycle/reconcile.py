@@ -867,6 +867,7 @@ class Reconciler:
         since_sync = now - info.get("last_sync_at", 0)
         if ex is not None or since_sync >= sync_every or since_sync < 0:  # < 0: our clock went back, sync now
             self._pull(att, job, info)
+            self._pull_logs(att, job, info)
         if ex is not None:
             reason = ex.get("reason")
             if reason == "completed" and ex.get("exit_code") == 0:
@@ -947,6 +948,20 @@ class Reconciler:
                                      checkpoints=[p.name for p in new], seconds=round(took, 3),
                                      via=new.stats.transport)
         return True
+
+    def _pull_logs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
+        """Bring the attempt's logs home (`CloudSteps.pull_logs`) at each sync and at its end, while the instance
+        answers. A failure costs only the logs' freshness: said once per distinct error, tried at the next sync.
+        `info` is the attempt's, persisted by the caller."""
+        try:
+            self.cloud_steps.pull_logs({**att, "info": info}, job)
+        except Exception as exc:
+            error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:300]
+            if info.get("logs_error") != error:
+                info["logs_error"] = error
+                self.emit("attempt.logs_pull_failed", job_id=job["id"], attempt_id=att["id"], error=error)
+            return
+        info.pop("logs_error", None)
 
     def _pull_failed(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], exc: Exception) -> None:
         """A failed pull (rsync killed, local disk full, SSH dropped...) keeps the attempt going and is retried at
@@ -1062,6 +1077,7 @@ class Reconciler:
                 self.emit("attempt.last_checkpoint_failed", job_id=job["id"], attempt_id=att["id"],
                           error=f"{type(exc).__name__}: {exc}")
             self._pull(att, job, info)
+            self._pull_logs(att, job, info)
         with self.store.tx() as conn:
             if move(conn, att, A.TERMINATING, info={**info, "outcome": outcome.value, "stop_reason": reason},
                     reason=reason):

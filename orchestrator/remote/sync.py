@@ -313,6 +313,32 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
     return PulledCheckpoints(pulled, total, rejected)
 
 
+def pull_logs(target: Target, trust: HostKeyTrust, remote_dir: str, names: Sequence[str], local_dir: str | Path, *,
+              transport: Transport = "auto", conn: fabric.Connection | None = None) -> SyncStats:
+    """Bring the files `names` of `remote_dir` home into `local_dir`: logs, which the instance only appends to.
+    What a file already home holds is not sent again: only the bytes after its end (rsync `--append`; SFTP reads
+    from that offset), so a long run's log costs each sync what it grew by. A file not there (yet) is skipped."""
+    local = Path(local_dir)
+    local.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    what = f"pulling logs into {local}"
+    with _connection(target, trust, conn) as conn:
+        chosen = choose_transport(target, conn, transport)
+        try:
+            if chosen == "rsync":
+                stats = _rsync(target, trust, ["--append", "--ignore-missing-args", "--files-from=-", "--from0",
+                                               _remote_spec(target, remote_dir) + "/", f"{local}/"],
+                               what=what, stdin="".join(f"{name}\0" for name in names))
+            else:
+                stats = _sftp_append_files(conn.sftp(), remote_dir, names, local)
+        except OSError as e:
+            raise SyncError(f"{what} failed: {e.strerror or e}") from None
+        except (EOFError, paramiko.SSHException):
+            raise SshUnavailable(f"instance {target.instance_id}: SSH dropped while {what}") from None
+    stats.seconds = time.monotonic() - started
+    return stats
+
+
 def _drop_stale_staging(local_root: Path, wanted: Sequence[str]) -> None:
     """Remove the staging dirs of checkpoints this pull will not fetch (superseded, or gone remotely): nothing
     resumes them, and each would otherwise keep the partial bytes of an interrupted multi-GB pull forever.
@@ -463,6 +489,28 @@ def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: 
                 limit.account(len(block))
         stats.files_transferred += 1
     (staging / MANIFEST).write_bytes(manifest_bytes)  # last, as the trainer wrote it
+    return stats
+
+
+def _sftp_append_files(sftp: paramiko.SFTPClient, remote_dir: str, names: Sequence[str], local: Path) -> SyncStats:
+    """Each file's bytes past the end of the copy home, appended to it (the whole file when none is home)."""
+    stats = SyncStats("sftp")
+    for name in names:
+        try:
+            size = sftp.stat(f"{remote_dir}/{name}").st_size or 0
+        except FileNotFoundError:
+            continue
+        dest = local / safe_relpath(name)
+        have = dest.stat().st_size if dest.exists() else 0
+        if have >= size:
+            continue
+        with sftp.open(f"{remote_dir}/{name}", "rb") as remote, open(dest, "ab") as out:
+            remote.seek(have)
+            remote.prefetch(size)  # up to the end, from the offset sought
+            while block := remote.read(_CHUNK):
+                out.write(block)
+                stats.bytes_received += len(block)
+        stats.files_transferred += 1
     return stats
 
 

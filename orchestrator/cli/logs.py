@@ -1,0 +1,129 @@
+"""`burstctl logs JOB`: what a job's command printed, on this machine or on a rented instance.
+
+Every attempt's logs are in `<state>/runs/<attempt>/`: a local attempt writes them there; a cloud attempt's come home
+at each checkpoint sync and at its end (`CloudSteps.pull_logs`), so they outlive the instance.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import click
+from sqlalchemy import select
+
+from orchestrator.app import App
+from orchestrator.cli.base import cli, pass_app
+from orchestrator.cli.jobs import job_or_fail
+from orchestrator.errors import BadInput, OperationalError
+from orchestrator.lifecycle.local import attempt_run_dir
+from orchestrator.lifecycle.machine import AttemptState
+from state import schema as s
+
+FOLLOW_POLL_S = 0.5
+
+
+def _attempts(app: App, job_id: str) -> list[dict[str, Any]]:
+    with app.store.engine.connect() as c:
+        return [dict(r) for r in c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id)
+                                           .order_by(s.attempts.c.n)).mappings()]
+
+
+def _tail(fh: BinaryIO, lines: int, size: int) -> int:
+    """Where the last `lines` lines of a file of `size` bytes start, reading it backwards in blocks."""
+    pos, found, block = size, 0, 64 * 1024
+    while pos > 0:
+        start = max(0, pos - block)
+        fh.seek(start)
+        chunk = fh.read(pos - start)
+        # A final newline ends the last line, it does not start another.
+        for i in range(len(chunk) - 1, -1, -1):
+            if chunk[i] == 0x0A and start + i != size - 1:
+                found += 1
+                if found == lines:
+                    return start + i + 1
+        pos = start
+    return 0
+
+
+def _describe(att: dict[str, Any]) -> str:
+    where = "local" if att["where"] == "local" else f"{att['provider']} {att['instance_type']} {att['market']}"
+    return f"attempt {att['n']} ({where}, {att['state']})"
+
+
+@cli.command("logs")
+@click.argument("job")
+@click.option("--attempt", "attempt_n", type=click.IntRange(min=1), default=None,
+              help="The attempt's number (default: the newest that has run).")
+@click.option("--stdout", "log", flag_value="stdout.log", default=True, help="The command's stdout (the default).")
+@click.option("--stderr", "log", flag_value="stderr.log", help="The command's stderr.")
+@click.option("--setup", "log", flag_value="setup.log", help="The job's setup on the instance.")
+@click.option("--supervisor", "log", flag_value="supervisor.log", help="The supervisor's notes: start, stop, exit.")
+@click.option("--tail", "lines", type=click.IntRange(min=0), default=None, help="Only the last N lines.")
+@click.option("--follow", "-f", is_flag=True, help="Go on printing what the log gains until its attempt is over.")
+@pass_app
+def logs_cmd(app: App, job: str, attempt_n: int | None, log: str, lines: int | None, follow: bool) -> None:
+    """Print a job's log: the newest attempt's stdout by default. A cloud attempt's logs are as they were at its
+    last checkpoint sync while it runs, and whole once it has ended; they stay after the instance is gone."""
+    found = job_or_fail(app, job)
+    attempts = [a for a in _attempts(app, found["id"]) if a["started_at"] is not None]
+    if attempt_n is not None:
+        chosen = next((a for a in attempts if a["n"] == attempt_n), None)
+        if chosen is None:
+            ran = ", ".join(str(a["n"]) for a in attempts) or "none"
+            raise BadInput(f"job {found['id']} has no attempt {attempt_n} that ran (attempts that ran: {ran})",
+                           field="--attempt")
+    elif attempts:
+        chosen = attempts[-1]
+    else:
+        raise OperationalError(f"job {found['id']} ({found['state']}) has not run yet: no logs")
+    path = attempt_run_dir(app.config, chosen["id"]) / log
+    note = "" if chosen["where"] == "local" or AttemptState(chosen["state"]).final else \
+        ", as of its last checkpoint sync"
+    click.echo(f"# {found['name']} ({found['id']}), {_describe(chosen)}: {log}{note}", err=True)
+    _print(app, chosen, path, lines, follow)
+
+
+def _print(app: App, att: dict[str, Any], path: Path, lines: int | None, follow: bool) -> None:
+    out = sys.stdout.buffer
+    pos = 0
+    if path.exists():
+        with open(path, "rb") as fh:
+            size = path.stat().st_size
+            pos = _tail(fh, lines, size) if lines is not None else 0
+            if lines == 0:
+                pos = size
+            fh.seek(pos)
+            while block := fh.read(1 << 20):
+                out.write(block)
+                pos += len(block)
+        out.flush()
+    elif not follow:
+        click.echo(f"(no {path.name} for this attempt{' yet' if not AttemptState(att['state']).final else ''})",
+                   err=True)
+        return
+    if not follow:
+        return
+    try:
+        while True:
+            over = _over(app, att["id"])  # read before the file: what the attempt wrote before it ended is printed
+            if path.exists() and path.stat().st_size > pos:
+                with open(path, "rb") as fh:
+                    fh.seek(pos)
+                    while block := fh.read(1 << 20):
+                        out.write(block)
+                        pos += len(block)
+                out.flush()
+            if over:
+                return
+            time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        return
+
+
+def _over(app: App, attempt_id: str) -> bool:
+    with app.store.engine.connect() as c:
+        state = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == attempt_id)).scalar()
+    return state is None or AttemptState(state).final
