@@ -62,6 +62,8 @@ def test_the_newest_attempts_stdout_by_default_and_any_attempts_other_logs_on_re
     assert job.logs("--supervisor").stdout == "attempt 2: starting\n"
     ended = job.logs("--attempt", "1")
     assert ended.stdout == "training from step 0 to 300\nstep 100\n" and "as of" not in ended.stderr
+    shown = run_burstctl("--state-dir", str(job.state), "show", job.id).stdout
+    assert f"logs: burstctl logs {job.id} (2 attempts, in {job.state / 'runs'}/{job.id}-a<N>/)" in shown
     missing = job.logs("--setup")
     assert missing.returncode == 0 and missing.stdout == "" and "(no setup.log for this attempt yet)" in missing.stderr
 

@@ -176,6 +176,10 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
                     + (f", accruing ${progress['accruing_usd_h']:.2f}/h" if progress["accruing_usd_h"] else ""))
     if said:
         out.print("progress: " + "; ".join(said))
+    if progress["attempts_run"]:
+        runs = progress["attempts_run"]
+        out.print(f"logs: burstctl logs {j['id']} ({runs} attempt{'s' if runs != 1 else ''}, in "
+                  f"{escape(str(app.config.state_dir / 'runs'))}/{j['id']}-a<N>/)")
     if evs:
         table("events", ["time", "type", "data"],
               [(_at(e["ts"]), e["type"], _short(e["data"])) for e in evs])
@@ -186,14 +190,16 @@ def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
     instances have cost so far (the ledger: closed charges at cost, open ones at their rate until now)."""
     now = time.time()
     with app.store.engine.connect() as c:
-        infos = [r[0] or {} for r in c.execute(select(s.attempts.c.info).where(s.attempts.c.job_id == j["id"])
-                                                .order_by(s.attempts.c.n.desc()))]
+        rows = c.execute(select(s.attempts.c.info, s.attempts.c.started_at).where(s.attempts.c.job_id == j["id"])
+                         .order_by(s.attempts.c.n.desc())).all()
         charges = c.execute(select(s.ledger.c.cost_usd, s.ledger.c.rate_usd_h, s.ledger.c.started_at)
                             .where(s.ledger.c.job_id == j["id"])).all()
+    infos = [info or {} for info, _ in rows]
     said = next((i.get("metrics") for i in infos if reported(i.get("metrics"), "units_done") is not None), None)
     cloud = sum(cost if cost is not None else rate * max(now - started, 0.0) / 3600 for cost, rate, started in charges)
     return {"units_done": reported(said, "units_done"), "throughput_units_h": reported(said, "throughput_units_h"),
-            "cloud_usd": round(cloud, 4), "accruing_usd_h": round(sum(r for c_, r, _ in charges if c_ is None), 4)}
+            "cloud_usd": round(cloud, 4), "accruing_usd_h": round(sum(r for c_, r, _ in charges if c_ is None), 4),
+            "attempts_run": sum(1 for _, started in rows if started is not None)}
 
 
 def _short(data: dict[str, Any], limit: int = 90) -> str:
