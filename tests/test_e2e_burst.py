@@ -244,6 +244,12 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
     assert len(ran) == 2
     for instance, workdir in zip((first, resumed["instance"]), ran, strict=True):
         assert f"/instances/{instance}/" in workdir and workdir.endswith(f"/burst/{job_id}/work")
+    # The first attempt's log came home on the notice: its one sync was at its start, and its exit was never seen.
+    first_log = cli(config, state, "logs", job_id, "--attempt", "1").stdout
+    print("DEBUG", [(e["type"], e["attempt_id"]) for e in trail][:40])
+    print("DEBUGLOG", first_log)
+    print("DEBUGSUP", cli(config, state, "logs", job_id, "--attempt", "1", "--supervisor").stdout)
+    assert "training from step 0 to 8" in first_log and "checkpoint step-00000002" in first_log
     # `burstctl report` reads the same run from the ledger and the attempts as the job's Measured line did.
     measured = next(e for e in trail if e["type"] == "job.measured")["data"]
     (row,) = json.loads(cli(config, state, "report", "--days", "1", "--json").stdout)["jobs"]

@@ -864,7 +864,9 @@ class Reconciler:
             return
         interval = float(job["spec"]["checkpoint"]["interval_minutes"]) * 60.0
         sync_every = min(interval, max(self.cfg.daemon.tick_s, interval / 2))
-        since_sync = now - info.get("last_sync_at", 0)
+        # The clock now, not the tick's `now`: a notice handled above has just synced, and would read as a clock
+        # gone back (a second pull in the same tick).
+        since_sync = self.clock() - info.get("last_sync_at", 0)
         if ex is not None or since_sync >= sync_every or since_sync < 0:  # < 0: our clock went back, sync now
             self._pull(att, job, info)
             self._pull_logs(att, job, info)
@@ -1044,6 +1046,9 @@ class Reconciler:
                 + ("; its next instance is launching" if successor else "; it resumes elsewhere")))
         if successor:
             self._advance_new_attempt(job["id"])  # launched now, not a tick later: every second of boot counts
+        # The logs since the last sync, once the successor is on its way: the exit may never be seen before the
+        # reclaim. (`info` is persisted by the caller, `_step_running`.)
+        self._pull_logs(att, job, info)
 
     def _lost(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, inst: InstanceInfo | None,
               reason: str, info: dict[str, Any] | None = None) -> None:
