@@ -12,7 +12,7 @@ import posixpath
 import shlex
 import time
 from datetime import UTC, date, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -117,6 +117,12 @@ class JobSpec(BaseModel):
                     "a fresh instance. A successor launched at a spot notice runs it while its predecessor still "
                     "trains. A setup that still fails after `setup_retries` fails the attempt with its last line of "
                     "output.")
+    outputs: list[str] = Field(
+        default_factory=list,
+        description="What the job writes in its workdir besides checkpoints that must come home when it finishes on "
+                    "a rented instance: paths or globs relative to the workdir (\"result.json\", \"eval/*.json\"; a "
+                    "directory brings everything under it), copied into <state>/outputs/<job>/ before the instance "
+                    "is terminated. A run on this machine leaves them in the workdir itself.")
     setup_retries: Annotated[int, Field(ge=0, le=10)] = Field(
         2, description="How many times a failed setup runs again on the same instance, after 10 s, then 20 s, 40 s "
                        "…, before the attempt fails: a network blip in a pip install passes, a missing package "
@@ -180,6 +186,15 @@ class JobSpec(BaseModel):
     def _split(cls, v: object) -> object:
         if isinstance(v, str):
             return shlex.split(v)
+        return v
+
+    @field_validator("outputs")
+    @classmethod
+    def _inside_the_workdir(cls, v: list[str]) -> list[str]:
+        for path in v:
+            if not path.strip() or path.startswith(("/", "~")) or ".." in PurePosixPath(path).parts:
+                raise ValueError(f"'{path}' is not inside the workdir: expected a path or glob relative to it, "
+                                 "e.g. \"result.json\" or \"eval/*.json\"")
         return v
 
     @field_validator("command")

@@ -69,7 +69,8 @@ def _answers(url: str) -> bool:
 def trainer_job(tmp: Path, name: str, *, steps: int, every: int, step_s: float = 0.1, local_throughput: float = 0,
                 rented: float = 0.5, gpu: str = "H100", deadline_hours: float = 10, work_units: float = 1,
                 interval_minutes: float = 0.02, shard_mib: int = 0, extra: tuple[str, ...] = (),
-                setup: list[str] | None = None, setup_retries: int | None = None) -> Path:
+                setup: list[str] | None = None, setup_retries: int | None = None,
+                outputs: list[str] | None = None) -> Path:
     """A job spec running the example checkpointing trainer (copied into <tmp>/work), the e2e tests' workload."""
     work = tmp / "work"
     work.mkdir(exist_ok=True)
@@ -83,6 +84,7 @@ def trainer_job(tmp: Path, name: str, *, steps: int, every: int, step_s: float =
         f"local_throughput = {local_throughput}", f"rented_throughput = {{ {gpu} = {rented} }}",
         *([f"setup = {json.dumps(setup)}"] if setup else []),
         *([f"setup_retries = {setup_retries}"] if setup_retries is not None else []),
+        *([f"outputs = {json.dumps(outputs)}"] if outputs else []),
         "[checkpoint]", f"interval_minutes = {interval_minutes}",
     ]) + "\n")
     return path

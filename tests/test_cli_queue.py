@@ -224,6 +224,9 @@ BAD_JOBS = {
     "setup-not-strings": ({"setup": ["pip", 3]}, "setup.1", "expected a string"),
     "setup-retries-too-many": ({"setup": "pip install x", "setup_retries": 11}, "setup_retries",
                                "less than or equal to 10"),
+    "outputs-outside-workdir": ({"outputs": ["result.json", "../results"]}, "outputs",
+                                "'../results' is not inside the workdir"),
+    "outputs-absolute": ({"outputs": ["/etc/passwd"]}, "outputs", "'/etc/passwd' is not inside the workdir"),
 }
 
 

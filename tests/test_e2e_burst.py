@@ -41,8 +41,9 @@ STEPS, EVERY, STEP_S = 160, 10, 0.1
 
 
 def spot_job(tmp: Path, steps: int = STEPS) -> Path:
-    """The trainer, which does not fit locally: it bursts."""
-    return trainer_job(tmp, "trainer", steps=steps, every=EVERY, step_s=STEP_S)
+    """The trainer, which does not fit locally: it bursts. Its result.json, in its workdir, is an output."""
+    return trainer_job(tmp, "trainer", steps=steps, every=EVERY, step_s=STEP_S, extra=("--out", "result.json"),
+                       outputs=["result.json"])
 
 
 def uninterrupted_final_state(tmp: Path) -> bytes:
@@ -105,9 +106,15 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path, backend: s
     assert f"training from step {int(resumed['checkpoint'][5:])} to {STEPS}" in last
     assert f"done: step {STEPS}, result in" in last  # its last line: pulled once its exit was seen
 
-    # The final state is bit-identical to an uninterrupted run's.
+    # The final state is bit-identical to an uninterrupted run's, and so is the result it wrote in its workdir on
+    # the instance, which came home as the job's output before the instance went.
     final = state / "checkpoints" / job_id / f"step-{STEPS:08d}" / "state.json"
     assert final.read_bytes() == uninterrupted_final_state(tmp_path)
+    assert (state / "outputs" / job_id / "result.json").read_bytes() == (tmp_path / "reference" / "result.json"
+                                                                          ).read_bytes()
+    (home,) = events(state, "job.outputs_home")
+    assert home["data"]["files"] == 1 and types.index("job.outputs_home") < types.index("job.done")
+    assert f"outputs: {state / 'outputs' / job_id} (1 file)" in cli(config, state, "show", job_id).stdout
 
     # Nothing is left running, and the meter agrees with the provider's billing record.
     assert len(instances) == 2 and all(i["status"] in ("terminated", "preempted") for i in instances)

@@ -29,6 +29,7 @@ from orchestrator.remote.sync import (
     SyncStats,
     choose_transport,
     pull_checkpoints,
+    pull_files,
     pull_logs,
     push_checkpoint,
     push_dir,
@@ -203,6 +204,30 @@ def test_logs_come_home_by_what_they_grew_and_one_not_written_yet_is_skipped(ins
     assert (local / "supervisor.log").read_bytes() == b"attempt 1 of job j: starting\n"
     assert second.bytes_received < 32 * 1024
     assert logs().files_transferred == 0
+
+
+def test_named_files_come_home_under_their_paths_and_only_a_changed_one_crosses_again(instance: Instance,
+                                                                                     tmp_path: Path) -> None:
+    work = instance.sandbox / "job" / "work"
+    (work / "eval").mkdir(parents=True)
+    (work / "result.json").write_text('{"loss": 0.5}')
+    (work / "eval" / "samples.bin").write_bytes(os.urandom(200_000))
+    (work / "not-asked.txt").write_text("stays there")
+    local = tmp_path / "outputs" / "j1"
+
+    def outputs() -> SyncStats:
+        return pull_files(instance.target, instance.trust, "job/work", ["result.json", "eval/samples.bin"], local,
+                          transport=instance.transport)  # type: ignore[arg-type]
+
+    first = outputs()
+    assert (local / "result.json").read_text() == '{"loss": 0.5}' and not (local / "not-asked.txt").exists()
+    assert (local / "eval" / "samples.bin").read_bytes() == (work / "eval" / "samples.bin").read_bytes()
+    assert first.files_transferred == 2 and sorted(p.name for p in local.rglob("*")) == [
+        "eval", "result.json", "samples.bin"]  # no temporary left behind
+    assert outputs().files_transferred == 0
+    (work / "result.json").write_text('{"loss": 0.25}')
+    os.utime(work / "result.json", (1, 1))
+    assert outputs().files_transferred == 1 and (local / "result.json").read_text() == '{"loss": 0.25}'
 
 
 def test_remote_checkpoints_without_a_manifest_or_still_hidden_are_ignored(

@@ -16,6 +16,7 @@ from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, t
 from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
+from orchestrator.lifecycle.local import job_outputs_dir
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import JobState, check_transition
 from orchestrator.records import fmt_h, fmt_usd, plan_name
@@ -180,6 +181,10 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
         runs = progress["attempts_run"]
         out.print(f"logs: burstctl logs {j['id']} ({runs} attempt{'s' if runs != 1 else ''}, in "
                   f"{escape(str(app.config.state_dir / 'runs'))}/{j['id']}-a<N>/)")
+    outputs = job_outputs_dir(app.config, j["id"])
+    if outputs.is_dir():  # brought home from the instance it finished on
+        count = sum(1 for f in outputs.rglob("*") if f.is_file())
+        out.print(f"outputs: {escape(str(outputs))} ({count} file{'s' if count != 1 else ''})")
     if evs:
         table("events", ["time", "type", "data"],
               [(_at(e["ts"]), e["type"], _short(e["data"])) for e in evs])

@@ -29,7 +29,7 @@ from sqlalchemy import select, update
 from orchestrator.app import App
 from orchestrator.jobspec import JobSpec
 from orchestrator.lifecycle import checkpoints, passenv
-from orchestrator.lifecycle.local import attempt_run_dir, work_units_env
+from orchestrator.lifecycle.local import attempt_run_dir, job_outputs_dir, work_units_env
 from orchestrator.remote import ssh, sync
 from providers.base import InstanceInfo, Provider
 from runbooks import supervisor
@@ -112,6 +112,20 @@ class RemoteJob:
         return ["--setup-json", json.dumps(setup), "--setup-dir", self.setup_dir, "--setup-retries", str(retries)]
 
 
+# Run on the instance (Python >= 3.8): the regular files the `outputs` globs match under the workdir, a directory
+# standing for everything below it. Nothing through a link: one may point anywhere on the instance. One JSON line.
+LIST_OUTPUTS = """
+import json, sys
+from pathlib import Path
+root = Path(sys.argv[1]).resolve()
+found = set()
+for pattern in sys.argv[2:]:
+    for match in root.glob(pattern.rstrip("/")):
+        for path in [match] if not match.is_dir() else match.rglob("*"):
+            if path.is_file() and path.resolve() == path:  # under the resolved root: no link on its way
+                found.add(path.relative_to(root).as_posix())
+print(json.dumps(sorted(found)))
+"""
 LOG_FILES = (supervisor.STDOUT_LOG, supervisor.STDERR_LOG, supervisor.SUPERVISOR_LOG)  # what pull_logs brings home
 
 
@@ -367,6 +381,21 @@ class CloudSteps:
                 stats.add(sync.pull_logs(target, trust, f"{base}/{job['id']}/setup", [supervisor.SETUP_LOG], local,
                                          conn=conn))
         return stats
+
+    def pull_outputs(self, att: dict[str, Any], job: dict[str, Any]) -> list[str]:
+        """The files the job's `outputs` name in its workdir on the instance, home into <state>/outputs/<job>/ under
+        their paths relative to the workdir. The globs are expanded on the instance, by its Python, so that rsync
+        and SFTP bring the same files. Returns those paths."""
+        target, trust = self.target(att), self.trust(att)
+        base, _ = self._remote(att)
+        work = f"{base}/{job['id']}/work"
+        python = att["info"].get("remote_python", "python3")
+        with ssh.connect(target, trust=trust) as conn:
+            found = ssh.run(conn, [python, "-c", LIST_OUTPUTS, work, *job["spec"]["outputs"]], timeout=120)
+            names: list[str] = json.loads(found.stdout.strip().splitlines()[-1])
+            if names:
+                sync.pull_files(target, trust, work, names, job_outputs_dir(self.app.config, job["id"]), conn=conn)
+        return names
 
     def request_checkpoint(self, att: dict[str, Any]) -> None:
         """SIGTERM through the supervisor: the trainer writes a last checkpoint and exits."""

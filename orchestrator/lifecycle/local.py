@@ -54,6 +54,11 @@ def attempt_run_dir(cfg: Config, attempt_id: str) -> Path:
     return cfg.state_dir / "runs" / attempt_id
 
 
+def job_outputs_dir(cfg: Config, job_id: str) -> Path:
+    """Where a job's `outputs` come home to from the instance it finished on."""
+    return cfg.state_dir / "outputs" / job_id
+
+
 def work_units_env(spec: dict[str, Any]) -> dict[str, str]:
     """The job's W for its trainer, so that `units_done` and `throughput_units_h` come back in the job's units."""
     return {"BURST_WORK_UNITS": repr(float(spec.get("work_units", 1.0)))}

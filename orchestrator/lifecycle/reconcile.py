@@ -24,7 +24,7 @@ from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key, stop_horizon_h
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason
-from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
+from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, job_outputs_dir
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
 from orchestrator.lifecycle.market_switch import (
     TO_ON_DEMAND,
@@ -951,6 +951,25 @@ class Reconciler:
                                      via=new.stats.transport)
         return True
 
+    def _pull_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
+        """The job's `outputs` home once it has finished on the instance (`CloudSteps.pull_outputs`); False when that
+        failed (said once per distinct error; the caller keeps the instance and tries again)."""
+        if not job["spec"].get("outputs") or "outputs" in info:
+            return True
+        try:
+            names = self.cloud_steps.pull_outputs({**att, "info": info}, job)
+        except Exception as exc:
+            error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:300]
+            if info.get("outputs_error") != error:
+                info["outputs_error"] = error
+                self.emit("attempt.outputs_pull_failed", job_id=job["id"], attempt_id=att["id"], error=error)
+            return False
+        info.pop("outputs_error", None)
+        info["outputs"] = names
+        self.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
+                  dir=str(job_outputs_dir(self.cfg, job["id"])))
+        return True
+
     def _pull_logs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
         """Bring the attempt's logs home (`CloudSteps.pull_logs`) at each sync and at its end, while the instance
         answers. A failure costs only the logs' freshness: said once per distinct error, tried at the next sync.
@@ -993,6 +1012,9 @@ class Reconciler:
         if not self._pull(att, job, info):
             self._final_pull_failed(att, job, provider, info)
             return
+        if not self._pull_outputs(att, job, info):
+            self._final_pull_failed(att, job, provider, info, what="its outputs")
+            return
         self.cloud_steps.release_s3(att, job)  # the final checkpoint is home: the S3 copies are no longer needed
         speed = (info.get("metrics") or {}).get("throughput_units_h")
         if speed and info.get("gpu"):
@@ -1004,20 +1026,20 @@ class Reconciler:
         self._stop(att, job, provider, "completed", outcome=A.SUCCEEDED, info=info)
 
     def _final_pull_failed(self, att: dict[str, Any], job: dict[str, Any], provider: Provider,
-                           info: dict[str, Any]) -> None:
-        """The job finished on the instance but its final checkpoint is not home: the instance is kept and the
-        pull retried every tick (the budget cap and max_run_hours still stop it), unless the instance is gone or
-        unreachable past the heartbeat timeout, which is a loss: the job resumes from what is home."""
+                           info: dict[str, Any], what: str = "its final checkpoint") -> None:
+        """The job finished on the instance but `what` is not home: the instance is kept and the pull retried every
+        tick (the budget cap and max_run_hours still stop it), unless the instance is gone or unreachable past the
+        heartbeat timeout, which is a loss: the job resumes from what is home."""
         now = self.clock()
         inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
         if inst is None or inst.state.gone:
-            self._lost(att, job, provider, inst, "instance gone before its final checkpoint came home", info=info)
+            self._lost(att, job, provider, inst, f"instance gone before {what} came home", info=info)
             return
         if self.cloud_steps.status(att) is not None:
             info["last_seen_at"] = now
         elif now - info.get("last_seen_at", now) > self.cfg.daemon.heartbeat_timeout_s:
-            self._lost(att, job, provider, inst, "heartbeat lost (SSH unreachable) before the final checkpoint "
-                                                 "came home", info=info)
+            self._lost(att, job, provider, inst, f"heartbeat lost (SSH unreachable) before {what} came home",
+                       info=info)
             return
         with self.store.tx() as conn:
             self.store.set_attempt_info(att["id"], info, conn)

@@ -339,6 +339,33 @@ def pull_logs(target: Target, trust: HostKeyTrust, remote_dir: str, names: Seque
     return stats
 
 
+def pull_files(target: Target, trust: HostKeyTrust, remote_dir: str, names: Sequence[str], local_dir: str | Path, *,
+               transport: Transport = "auto", conn: fabric.Connection | None = None) -> SyncStats:
+    """Copy the files `names` (relative to `remote_dir`) home into `local_dir`, under the same relative paths. A file
+    already home with the same size and time is not sent again; each arrives under a temporary name, then replaces
+    the one there."""
+    local = Path(local_dir)
+    local.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    what = f"pulling {len(names)} file(s) into {local}"
+    with _connection(target, trust, conn) as conn:
+        chosen = choose_transport(target, conn, transport)
+        try:
+            if chosen == "rsync":
+                stats = _rsync(target, trust, ["--files-from=-", "--from0", _remote_spec(target, remote_dir) + "/",
+                                               f"{local}/"], what=what, stdin="".join(f"{n}\0" for n in names))
+            else:
+                stats = _sftp_get_files(conn.sftp(), remote_dir, names, local)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise SyncError(f"local disk full (No space left on device) while {what}") from None
+            raise SyncError(f"{what} failed: {e.strerror or e}") from None
+        except (EOFError, paramiko.SSHException):
+            raise SshUnavailable(f"instance {target.instance_id}: SSH dropped while {what}") from None
+    stats.seconds = time.monotonic() - started
+    return stats
+
+
 def _drop_stale_staging(local_root: Path, wanted: Sequence[str]) -> None:
     """Remove the staging dirs of checkpoints this pull will not fetch (superseded, or gone remotely): nothing
     resumes them, and each would otherwise keep the partial bytes of an interrupted multi-GB pull forever.
@@ -510,6 +537,24 @@ def _sftp_append_files(sftp: paramiko.SFTPClient, remote_dir: str, names: Sequen
             while block := remote.read(_CHUNK):
                 out.write(block)
                 stats.bytes_received += len(block)
+        stats.files_transferred += 1
+    return stats
+
+
+def _sftp_get_files(sftp: paramiko.SFTPClient, remote_dir: str, names: Sequence[str], local: Path) -> SyncStats:
+    stats = SyncStats("sftp")
+    for name in names:
+        remote = f"{remote_dir}/{name}"
+        attrs = sftp.stat(remote)
+        dest = local / safe_relpath(name)
+        if dest.exists() and dest.stat().st_size == attrs.st_size and int(dest.stat().st_mtime) == attrs.st_mtime:
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = dest.with_name(f".{dest.name}.partial")
+        sftp.get(remote, str(partial))
+        os.utime(partial, (attrs.st_atime or 0, attrs.st_mtime or 0))
+        os.replace(partial, dest)
+        stats.bytes_received += attrs.st_size or 0
         stats.files_transferred += 1
     return stats
 
