@@ -30,7 +30,6 @@ from orchestrator.remote.sync import (
     choose_transport,
     pull_checkpoints,
     pull_files,
-    pull_logs,
     push_checkpoint,
     push_dir,
 )
@@ -188,8 +187,8 @@ def test_logs_come_home_by_what_they_grew_and_one_not_written_yet_is_skipped(ins
     local = tmp_path / "runs" / "j-a1"
 
     def logs() -> SyncStats:
-        return pull_logs(instance.target, instance.trust, "job/run", ["stdout.log", "stderr.log", "supervisor.log"],
-                         local, transport=instance.transport)  # type: ignore[arg-type]
+        return pull_files(instance.target, instance.trust, "job/run", ["stdout.log", "stderr.log", "supervisor.log"],
+                          local, append=True, transport=instance.transport)  # type: ignore[arg-type]
 
     first = logs()
     assert (local / "stdout.log").read_bytes() == lines and not (local / "stderr.log").exists()

@@ -376,10 +376,10 @@ class CloudSteps:
         base, run_dir = self._remote(att)
         local = attempt_run_dir(self.app.config, att["id"])
         with ssh.connect(target, trust=trust) as conn:
-            stats = sync.pull_logs(target, trust, run_dir, LOG_FILES, local, conn=conn)
+            stats = sync.pull_files(target, trust, run_dir, LOG_FILES, local, append=True, conn=conn)
             if job["spec"].get("setup"):
-                stats.add(sync.pull_logs(target, trust, f"{base}/{job['id']}/setup", [supervisor.SETUP_LOG], local,
-                                         conn=conn))
+                stats.add(sync.pull_files(target, trust, f"{base}/{job['id']}/setup", [supervisor.SETUP_LOG], local,
+                                          append=True, conn=conn))
         return stats
 
     def pull_outputs(self, att: dict[str, Any], job: dict[str, Any]) -> list[str]:

@@ -313,37 +313,15 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
     return PulledCheckpoints(pulled, total, rejected)
 
 
-def pull_logs(target: Target, trust: HostKeyTrust, remote_dir: str, names: Sequence[str], local_dir: str | Path, *,
-              transport: Transport = "auto", conn: fabric.Connection | None = None) -> SyncStats:
-    """Bring the files `names` of `remote_dir` home into `local_dir`: logs, which the instance only appends to.
-    What a file already home holds is not sent again: only the bytes after its end (rsync `--append`; SFTP reads
-    from that offset), so a long run's log costs each sync what it grew by. A file not there (yet) is skipped."""
-    local = Path(local_dir)
-    local.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    what = f"pulling logs into {local}"
-    with _connection(target, trust, conn) as conn:
-        chosen = choose_transport(target, conn, transport)
-        try:
-            if chosen == "rsync":
-                stats = _rsync(target, trust, ["--append", "--ignore-missing-args", "--files-from=-", "--from0",
-                                               _remote_spec(target, remote_dir) + "/", f"{local}/"],
-                               what=what, stdin="".join(f"{name}\0" for name in names))
-            else:
-                stats = _sftp_append_files(conn.sftp(), remote_dir, names, local)
-        except OSError as e:
-            raise SyncError(f"{what} failed: {e.strerror or e}") from None
-        except (EOFError, paramiko.SSHException):
-            raise SshUnavailable(f"instance {target.instance_id}: SSH dropped while {what}") from None
-    stats.seconds = time.monotonic() - started
-    return stats
-
-
 def pull_files(target: Target, trust: HostKeyTrust, remote_dir: str, names: Sequence[str], local_dir: str | Path, *,
-               transport: Transport = "auto", conn: fabric.Connection | None = None) -> SyncStats:
-    """Copy the files `names` (relative to `remote_dir`) home into `local_dir`, under the same relative paths. A file
-    already home with the same size and time is not sent again; each arrives under a temporary name, then replaces
-    the one there."""
+               append: bool = False, transport: Transport = "auto", conn: fabric.Connection | None = None
+               ) -> SyncStats:
+    """Copy the files `names` (relative to `remote_dir`) home into `local_dir`, under the same relative paths.
+
+    A file already home with the same size and time is not sent again; any other arrives under a temporary name,
+    then replaces the one there. With `append` (logs, which the instance only appends to) a file not there (yet) is
+    skipped, and what a file already home holds is not sent again: only the bytes after its end (rsync `--append`;
+    SFTP reads from that offset), so a long run's log costs each sync what it grew by."""
     local = Path(local_dir)
     local.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -352,8 +330,12 @@ def pull_files(target: Target, trust: HostKeyTrust, remote_dir: str, names: Sequ
         chosen = choose_transport(target, conn, transport)
         try:
             if chosen == "rsync":
-                stats = _rsync(target, trust, ["--files-from=-", "--from0", _remote_spec(target, remote_dir) + "/",
-                                               f"{local}/"], what=what, stdin="".join(f"{n}\0" for n in names))
+                how = ["--append", "--ignore-missing-args"] if append else []
+                src = _remote_spec(target, remote_dir) + "/"
+                stats = _rsync(target, trust, [*how, "--files-from=-", "--from0", src, f"{local}/"], what=what,
+                               stdin="".join(f"{n}\0" for n in names))
+            elif append:
+                stats = _sftp_append_files(conn.sftp(), remote_dir, names, local)
             else:
                 stats = _sftp_get_files(conn.sftp(), remote_dir, names, local)
         except OSError as e:
