@@ -98,6 +98,21 @@ def run_burstctl(*args: str, cwd: Path | None = None, env: dict[str, str] | None
 
 
 @pytest.fixture
+def burstctl_here(capsys: pytest.CaptureFixture[str]):
+    """`burstctl_here(...)`: the CLI run in this process (no interpreter start: a second less a call), its exit
+    code and output as a CompletedProcess, like `run_burstctl`'s."""
+    from orchestrator.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return run
+
+
+@pytest.fixture
 def burstctl(tmp_path: Path):
     """`burstctl(...)` with a private state dir; returns the CompletedProcess."""
     state = tmp_path / "state"

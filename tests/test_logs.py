@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,12 @@ from sqlalchemy import insert, update
 from orchestrator.app import App
 from orchestrator.queue import enqueue
 from state import schema as s
-from tests.conftest import run_burstctl, write_job
+from tests.conftest import write_job
 
 
 class Job:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, cli: Callable[..., subprocess.CompletedProcess[str]]) -> None:
+        self.cli = cli
         self.state = tmp / "state"
         self.app = App(state_dir_override=str(self.state))
         self.id, _, _ = enqueue(self.app, write_job(tmp, "trainer", local_throughput=0))
@@ -40,12 +42,12 @@ class Job:
         return run
 
     def logs(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return run_burstctl("--state-dir", str(self.state), "logs", self.id, *args)
+        return self.cli("--state-dir", str(self.state), "logs", self.id, *args)
 
 
 @pytest.fixture
-def job(tmp_path: Path):
-    j = Job(tmp_path)
+def job(tmp_path: Path, burstctl_here: Callable[..., subprocess.CompletedProcess[str]]):
+    j = Job(tmp_path, burstctl_here)
     yield j
     j.app.close()
 
@@ -62,7 +64,7 @@ def test_the_newest_attempts_stdout_by_default_and_any_attempts_other_logs_on_re
     assert job.logs("--supervisor").stdout == "attempt 2: starting\n"
     ended = job.logs("--attempt", "1")
     assert ended.stdout == "training from step 0 to 300\nstep 100\n" and "as of" not in ended.stderr
-    shown = run_burstctl("--state-dir", str(job.state), "show", job.id).stdout
+    shown = job.cli("--state-dir", str(job.state), "show", job.id).stdout
     assert f"logs: burstctl logs {job.id} (2 attempts, in {job.state / 'runs'}/{job.id}-a<N>/)" in shown
     missing = job.logs("--setup")
     assert missing.returncode == 0 and missing.stdout == "" and "(no setup.log for this attempt yet)" in missing.stderr
@@ -77,9 +79,8 @@ def test_the_newest_attempts_stdout_by_default_and_any_attempts_other_logs_on_re
 ])
 def test_tail_prints_the_last_lines(job: Job, text: bytes, lines: int, expected: bytes) -> None:
     job.attempt(1, "succeeded", where="local", stdout=text)
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--state-dir", str(job.state), "logs", job.id,
-                        "--tail", str(lines)], capture_output=True, timeout=60)
-    assert r.returncode == 0 and r.stdout == expected
+    r = job.logs("--tail", str(lines))
+    assert r.returncode == 0 and r.stdout == expected.decode()
 
 
 def test_follow_prints_what_the_log_gains_until_its_attempt_is_over(job: Job) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from sqlalchemy import insert, update
 from orchestrator.app import App
 from orchestrator.queue import enqueue
 from state import schema as s
-from tests.conftest import run_burstctl, write_job
+from tests.conftest import write_job
 
 # The runs start 4 h ago (all over before now); the month is theirs, and "last month" the one before it.
 T0 = time.time() - 4 * 3600
@@ -36,7 +38,8 @@ vram_gib = 80
 
 
 class Lab:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, cli: Callable[..., subprocess.CompletedProcess[str]]) -> None:
+        self.cli = cli
         self.tmp = tmp
         self.config = tmp / "burstctl.toml"
         self.config.write_text(CONFIG)
@@ -71,14 +74,14 @@ class Lab:
                 state=state, updated_at=base + end_h * 3600, deadline_at=base + deadline_h * 3600))
 
     def report(self, *args: str) -> dict:
-        r = run_burstctl("--config", str(self.config), "--state-dir", str(self.state), "report", *args, "--json")
+        r = self.cli("--config", str(self.config), "--state-dir", str(self.state), "report", *args, "--json")
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
 
 @pytest.fixture
-def lab(tmp_path: Path):
-    lab = Lab(tmp_path)
+def lab(tmp_path: Path, burstctl_here: Callable[..., subprocess.CompletedProcess[str]]):
+    lab = Lab(tmp_path, burstctl_here)
     yield lab
     lab.app.close()
 
@@ -145,15 +148,15 @@ def test_the_table_says_the_same_in_words(lab: Lab) -> None:
     spot = lab.job("spot-job", local_throughput=0, rented_throughput={"H100": 1.0}, work_units=2)
     lab.attempt(spot, 1, "cloud", "succeeded", 0, 2.5, market="spot", charge_usd=2.5)
     lab.finish(spot, "done", end_h=2.5, deadline_h=4.5)
-    r = run_burstctl("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--days", "1")
+    r = lab.cli("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--days", "1")
     assert r.returncode == 0, r.stderr
     assert "the last 1 days: 1 job finished (1 done)" in r.stdout
     assert "met, 2.00 h to spare" in r.stdout and " h → 2.50 h " in r.stdout
     assert "$2.50: cloud $2.50 (spot $2.50, on-demand $0.00), local $0.00" in r.stdout
     assert re.search(r"spot saved against on-demand +│ \$5\.00 ", r.stdout)
-    empty = run_burstctl("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--month", "2020-01")
+    empty = lab.cli("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--month", "2020-01")
     assert empty.stdout.strip() == "no job finished in 2020-01"
-    this_month = run_burstctl("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--json")
+    this_month = lab.cli("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--json")
     assert json.loads(this_month.stdout)["window"]["label"] == datetime.now(UTC).strftime("%Y-%m")  # the default
 
 
@@ -165,7 +168,7 @@ def test_the_table_says_the_same_in_words(lab: Lab) -> None:
     (["--month", "2026-11", "--all"], "give one of --month, --days and --all"),
 ])
 def test_a_bad_window_is_one_line_and_exit_2(lab: Lab, args: list[str], expected: str) -> None:
-    r = run_burstctl("--config", str(lab.config), "--state-dir", str(lab.state), "report", *args)
+    r = lab.cli("--config", str(lab.config), "--state-dir", str(lab.state), "report", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     [line] = r.stderr.strip().splitlines()
     assert expected in line
