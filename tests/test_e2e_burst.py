@@ -293,3 +293,28 @@ def test_a_failing_setup_fails_the_job_with_its_last_line_and_the_instance_is_te
     assert setup_log.count("collecting") == 2 and "--- burstctl: setup try 2 of 2 ---" in setup_log
     assert [i["status"] for i in instances] == ["terminated"]
     assert not events(state, "checkpoint.synced")  # the trainer never started
+
+
+def test_outputs_that_cannot_come_home_keep_the_instance_until_they_can(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    spec = trainer_job(tmp_path, "outputs", steps=20, every=5, extra=("--out", "result.json"),
+                       outputs=["result.json"])
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        job_id = json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"]
+        in_the_way = state / "outputs" / job_id  # a file where the outputs' directory goes: the pull fails
+        in_the_way.parent.mkdir(parents=True, exist_ok=True)
+        in_the_way.write_text("in the way")
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: events(state, "attempt.outputs_pull_failed"), 120, "the outputs' pull to fail")
+            time.sleep(2)  # ticks go by: the finished job's instance is kept, not terminated
+            assert job(state, job_id)["state"] == "running" and not events(state, "instance.terminated")
+            in_the_way.unlink()
+            wait_for(lambda: job(state, job_id)["state"] == "done", 60, "the job to finish")
+        finally:
+            assert daemon.stop() == 0
+        instances = sim_instances(url)
+    assert len(events(state, "attempt.outputs_pull_failed")) == 1  # said once, though tried at every tick
+    assert json.loads((state / "outputs" / job_id / "result.json").read_text())["step"] == 20
+    assert [i["status"] for i in instances] == ["terminated"]
