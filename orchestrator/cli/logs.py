@@ -92,9 +92,7 @@ def _print(app: App, att: dict[str, Any], path: Path, lines: int | None, follow:
     if path.exists():
         with open(path, "rb") as fh:
             size = path.stat().st_size
-            pos = _tail(fh, lines, size) if lines is not None else 0
-            if lines == 0:
-                pos = size
+            pos = 0 if lines is None else size if lines == 0 else _tail(fh, lines, size)
             fh.seek(pos)
             while block := fh.read(1 << 20):
                 out.write(block)
