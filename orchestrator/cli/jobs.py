@@ -16,7 +16,7 @@ from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, t
 from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
-from orchestrator.lifecycle.local import job_outputs_dir
+from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import JobState, check_transition
 from orchestrator.records import fmt_h, fmt_usd, plan_name

@@ -18,7 +18,7 @@ from orchestrator.app import App
 from orchestrator.cli.base import cli, pass_app
 from orchestrator.cli.jobs import job_or_fail
 from orchestrator.errors import BadInput, OperationalError
-from orchestrator.lifecycle.local import attempt_run_dir
+from orchestrator.lifecycle.homes import attempt_run_dir
 from orchestrator.lifecycle.machine import AttemptState
 from state import schema as s
 

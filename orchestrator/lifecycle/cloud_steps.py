@@ -29,7 +29,8 @@ from sqlalchemy import select, update
 from orchestrator.app import App
 from orchestrator.jobspec import JobSpec
 from orchestrator.lifecycle import checkpoints, passenv
-from orchestrator.lifecycle.local import attempt_run_dir, job_outputs_dir, work_units_env
+from orchestrator.lifecycle.homes import attempt_run_dir, job_outputs_dir
+from orchestrator.lifecycle.local import work_units_env
 from orchestrator.remote import ssh, sync
 from providers.base import InstanceInfo, Provider
 from runbooks import supervisor

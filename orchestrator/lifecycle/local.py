@@ -20,11 +20,11 @@ from sqlalchemy import func, insert, select
 
 from orchestrator import records
 from orchestrator.app import App
-from orchestrator.config import Config
 from orchestrator.core.plan import latest_switch_at
 from orchestrator.core.replan import replan_late_local
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason, job_after_attempt
+from orchestrator.lifecycle.homes import attempt_run_dir
 from orchestrator.lifecycle.machine import AttemptState, move
 from orchestrator.lifecycle.schedule import behind, reported, watch_schedule
 from orchestrator.lifecycle.states import JobState
@@ -46,17 +46,6 @@ def supervisor_status(run_dir: Path) -> dict[str, Any]:
 
 def _switch_args(terms: dict[str, Any]) -> dict[str, float]:
     return {k: terms[k] for k in ("deadline_at", "work", "rented_units_h", "overhead_h", "margin_h")}
-
-
-def attempt_run_dir(cfg: Config, attempt_id: str) -> Path:
-    """Where an attempt's run is kept on this machine: a local attempt's supervisor files, a cloud attempt's logs
-    as they come home (`CloudSteps.pull_logs`)."""
-    return cfg.state_dir / "runs" / attempt_id
-
-
-def job_outputs_dir(cfg: Config, job_id: str) -> Path:
-    """Where a job's `outputs` come home to from the instance it finished on."""
-    return cfg.state_dir / "outputs" / job_id
 
 
 def work_units_env(spec: dict[str, Any]) -> dict[str, str]:

@@ -24,7 +24,8 @@ from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key, stop_horizon_h
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason
-from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, job_outputs_dir
+from orchestrator.lifecycle.homes import job_outputs_dir
+from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
 from orchestrator.lifecycle.market_switch import (
     TO_ON_DEMAND,
