@@ -960,10 +960,7 @@ class Reconciler:
         try:
             names = self.cloud_steps.pull_outputs({**att, "info": info}, job)
         except Exception as exc:
-            error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:300]
-            if info.get("outputs_error") != error:
-                info["outputs_error"] = error
-                self.emit("attempt.outputs_pull_failed", job_id=job["id"], attempt_id=att["id"], error=error)
+            self._said_once(att, job, info, "outputs_error", "attempt.outputs_pull_failed", exc)
             return False
         info.pop("outputs_error", None)
         info["outputs"] = names
@@ -978,12 +975,17 @@ class Reconciler:
         try:
             self.cloud_steps.pull_logs({**att, "info": info}, job)
         except Exception as exc:
-            error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:300]
-            if info.get("logs_error") != error:
-                info["logs_error"] = error
-                self.emit("attempt.logs_pull_failed", job_id=job["id"], attempt_id=att["id"], error=error)
+            self._said_once(att, job, info, "logs_error", "attempt.logs_pull_failed", exc)
             return
         info.pop("logs_error", None)
+
+    def _said_once(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], key: str, event: str,
+                   exc: Exception) -> None:
+        """A failure that is tried again: `event` once per distinct error (the last one said is `info[key]`)."""
+        error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:300]
+        if info.get(key) != error:
+            info[key] = error
+            self.emit(event, job_id=job["id"], attempt_id=att["id"], error=error)
 
     def _pull_failed(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], exc: Exception) -> None:
         """A failed pull (rsync killed, local disk full, SSH dropped...) keeps the attempt going and is retried at
