@@ -87,38 +87,46 @@ def logs_cmd(app: App, job: str, attempt_n: int | None, log: str, lines: int | N
 
 
 def _print(app: App, att: dict[str, Any], path: Path, lines: int | None, follow: bool) -> None:
-    out = sys.stdout.buffer
-    pos = 0
     if path.exists():
-        with open(path, "rb") as fh:
-            size = path.stat().st_size
-            pos = 0 if lines is None else size if lines == 0 else _tail(fh, lines, size)
-            fh.seek(pos)
-            while block := fh.read(1 << 20):
-                out.write(block)
-                pos += len(block)
-        out.flush()
+        size = path.stat().st_size
+        if lines is None:
+            pos = 0
+        elif lines == 0:
+            pos = size
+        else:
+            with open(path, "rb") as fh:
+                pos = _tail(fh, lines, size)
+        pos = _copy_from(path, pos)
     elif not follow:
         click.echo(f"(no {path.name} for this attempt{' yet' if not AttemptState(att['state']).final else ''})",
                    err=True)
         return
+    else:
+        pos = 0
     if not follow:
         return
     try:
         while True:
             over = _over(app, att["id"])  # read before the file: what the attempt wrote before it ended is printed
             if path.exists() and path.stat().st_size > pos:
-                with open(path, "rb") as fh:
-                    fh.seek(pos)
-                    while block := fh.read(1 << 20):
-                        out.write(block)
-                        pos += len(block)
-                out.flush()
+                pos = _copy_from(path, pos)
             if over:
                 return
             time.sleep(FOLLOW_POLL_S)
     except KeyboardInterrupt:
         return
+
+
+def _copy_from(path: Path, pos: int) -> int:
+    """The file's bytes from `pos` on, to stdout as they are; where it ended."""
+    out = sys.stdout.buffer
+    with open(path, "rb") as fh:
+        fh.seek(pos)
+        while block := fh.read(1 << 20):
+            out.write(block)
+            pos += len(block)
+    out.flush()
+    return pos
 
 
 def _over(app: App, attempt_id: str) -> bool:
