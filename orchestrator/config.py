@@ -321,9 +321,10 @@ class StateSettings(Strict):
     events_files_kept: Annotated[int, Field(ge=1)] = Field(
         4, description="Rotated events.jsonl.N files kept; the oldest beyond these is deleted.")
     events_keep_days: PositiveFloat | None = Field(
-        None, description="The daemon deletes, once a day, the events of jobs finished longer ago than this many "
-        "days (and events of no job as old); unset keeps every event. Jobs, attempts, the ledger and decision "
-        "records stay. `burstctl prune-events --older-than DAYS` does the same by hand.")
+        None, description="The daemon deletes, once a day, the events and the attempts' logs (<state>/runs/) of jobs "
+        "finished longer ago than this many days (and events of no job as old); unset keeps them all. Jobs, attempts, "
+        "the ledger, decision records, checkpoints and outputs stay. `burstctl prune-events --older-than DAYS` does "
+        "the same by hand.")
 
     @field_validator("database_url")
     @classmethod

@@ -1,34 +1,79 @@
-"""How long the events table keeps a finished job's history: `burstctl prune-events` and `state.events_keep_days`.
+"""How long a finished job's history is kept: `burstctl prune-events` and `state.events_keep_days`.
 
-The events table is the trail: every decision, launch, sync and provider retry, some 130 rows per cloud job, and it
-is never read back by the daemon for a job that is over. Months of it make a database of gigabytes. What is
-pruned is only the events of jobs finished (done, failed, cancelled, rethink) and last changed longer ago than the
+The history is the events table, the trail of every decision, launch, sync and provider retry (some 130 rows per
+cloud job, never read back by the daemon for a job that is over), and each attempt's logs in `<state>/runs/`
+(a cloud run's stdout comes home whole: tens of MB for a chatty trainer). Months of both make gigabytes. What is
+pruned is only the history of jobs finished (done, failed, cancelled, rethink) and last changed longer ago than the
 limit, with nothing of theirs still live (an attempt not over, an instance not confirmed gone, an open ledger
 charge), and the events of no job (daemon, provider, sweep) as old. The jobs, attempts, instances, the ledger (the
-month's spend and the budget cap are computed from it alone), measurements, spot listings and decision records
-(markdown files) are never touched.
+month's spend and the budget cap are computed from it alone), measurements, spot listings, decision records
+(markdown files), checkpoints and a job's `outputs` (its results) are never touched.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
+from collections.abc import Collection
+from pathlib import Path
+from typing import TypedDict
 
 from orchestrator.app import App
+from orchestrator.lifecycle.homes import runs_dir
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
 from orchestrator.lifecycle.states import FINAL
-from state.store import PruneCounts
 
 DAY_S = 86400.0
 PRUNED_AT = "events_pruned_at"  # settings key: when the daemon last pruned (it prunes at most once a day)
+LOGS_PRUNED_AT = "logs_pruned_at"  # attempts.info key: when the attempt's logs were deleted (`burstctl logs` says)
 
 
-def prune_events(app: App, older_than_days: float, now: float | None = None) -> PruneCounts:
+class PruneCounts(TypedDict):
+    """What a prune deleted."""
+
+    finished_jobs: int  # the jobs whose history is gone now
+    events: int  # events deleted
+    run_dirs: int  # attempts' log directories deleted
+    run_bytes: int  # what those held
+
+
+def prune_events(app: App, older_than_days: float, now: float | None = None, *,
+                 keep_logs: bool = False) -> PruneCounts:
+    """Delete the events, and unless `keep_logs` the attempts' logs, of jobs over more than `older_than_days` ago."""
     now = time.time() if now is None else now
     cutoff = now - older_than_days * DAY_S
-    done = app.store.prune_events(cutoff, final_states=sorted(st.value for st in FINAL),
-                                  active_attempt_states=ACTIVE_ATTEMPT_STATES)
+    job_ids = app.store.jobs_over_before(cutoff, final_states=sorted(st.value for st in FINAL),
+                                         active_attempt_states=ACTIVE_ATTEMPT_STATES)
+    done: PruneCounts = {"finished_jobs": len(job_ids),
+                         "events": app.store.delete_events(job_ids, no_job_before=cutoff),
+                         "run_dirs": 0, "run_bytes": 0}
+    if not keep_logs:
+        removed, done["run_bytes"] = _remove_run_dirs(runs_dir(app.config), set(job_ids))
+        done["run_dirs"] = len(removed)
+        app.store.mark_attempts(removed, LOGS_PRUNED_AT, now)
     app.store.set_setting(PRUNED_AT, now)
     return done
+
+
+def _remove_run_dirs(runs: Path, job_ids: Collection[str]) -> tuple[list[str], int]:
+    """Delete the run directories (`<job>-a<N>`) of these jobs: one listing of `runs`, however many jobs there are
+    (each prune looks at every job ever over, and most have nothing left). Returns their attempt ids and bytes."""
+    removed: list[str] = []
+    freed = 0
+    try:
+        entries = list(os.scandir(runs))
+    except FileNotFoundError:
+        return removed, freed
+    for entry in entries:
+        job_id, sep, n = entry.name.rpartition("-a")
+        if not (sep and n.isdigit() and job_id in job_ids and entry.is_dir(follow_symlinks=False)):
+            continue
+        for root, _, files in os.walk(entry.path):
+            freed += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+        shutil.rmtree(entry.path)
+        removed.append(entry.name)
+    return removed, freed
 
 
 def prune_if_due(app: App, now: float | None = None) -> PruneCounts | None:
@@ -38,6 +83,6 @@ def prune_if_due(app: App, now: float | None = None) -> PruneCounts | None:
     if keep is None or now - float(app.store.get_setting(PRUNED_AT, 0.0)) < DAY_S:
         return None
     done = prune_events(app, keep, now)
-    if done["events"]:
+    if done["events"] or done["run_dirs"]:
         app.events.emit("state.events_pruned", older_than_days=keep, **done)
     return done

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 from sqlalchemy import (
     Connection,
@@ -41,13 +41,6 @@ DAEMON_LOCK_KEY = 7216020
 
 
 _BUSY_TIMEOUT_S = 10.0
-
-
-class PruneCounts(TypedDict):
-    """What `Store.prune_events` deleted."""
-
-    finished_jobs: int  # the jobs whose events are gone now
-    events: int  # events deleted
 
 
 def _inserted_id(result: CursorResult[Any]) -> int:
@@ -380,15 +373,12 @@ class Store:
         with self.engine.connect() as c:
             return int(c.execute(select(func.max(s.events.c.id))).scalar() or 0)
 
-    def prune_events(self, cutoff: float, *, final_states: Sequence[str], active_attempt_states: Sequence[str],
-                     batch: int = 200) -> PruneCounts:
-        """Delete the events of jobs in `final_states` last changed before `cutoff` (unix seconds) that have no
-        attempt in `active_attempt_states`, no instance not yet confirmed gone and no open ledger charge, and the
-        events of no job older than `cutoff`. Nothing else: jobs, attempts, instances, the ledger (the budget's
-        meter), measurements and spot listings stay. Deleted `batch` jobs (or 20 x `batch` events of no job) per
-        transaction, so a daemon writing beside it waits milliseconds, not the whole prune.
-        Returns {"finished_jobs": the jobs whose events are gone now, "events": events deleted}."""
-        j, a, i, led, e = s.jobs, s.attempts, s.instances, s.ledger, s.events
+    def jobs_over_before(self, cutoff: float, *, final_states: Sequence[str],
+                         active_attempt_states: Sequence[str]) -> list[str]:
+        """The jobs in `final_states` last changed before `cutoff` (unix seconds) with nothing of theirs live: no
+        attempt in `active_attempt_states`, no instance not yet confirmed gone, no open ledger charge. Their history
+        may go (`orchestrator/retention.py`)."""
+        j, a, i, led = s.jobs, s.attempts, s.instances, s.ledger
         busy_attempt = select(a.c.id).where(a.c.job_id == j.c.id).where(
             a.c.state.in_(list(active_attempt_states)) | a.c.id.in_(
                 select(i.c.attempt_id).where(i.c.verified_gone.is_(False), i.c.attempt_id.is_not(None))))
@@ -396,19 +386,35 @@ class Store:
         q = (select(j.c.id).where(j.c.state.in_(list(final_states)), j.c.updated_at < cutoff,
                                   ~busy_attempt.exists(), ~open_charge.exists()).order_by(j.c.id))
         with self.engine.connect() as c:
-            job_ids = [r for (r,) in c.execute(q)]
-        done: PruneCounts = {"finished_jobs": len(job_ids), "events": 0}
+            return [r for (r,) in c.execute(q)]
+
+    def delete_events(self, job_ids: Sequence[str], *, no_job_before: float, batch: int = 200) -> int:
+        """Delete every event of `job_ids`, and the events of no job (daemon, provider, sweep) older than
+        `no_job_before`. Nothing else: jobs, attempts, instances, the ledger (the budget's meter), measurements and
+        spot listings stay. `batch` jobs (or 20 x `batch` events of no job) per transaction, so a daemon writing
+        beside it waits milliseconds, not the whole prune. Returns the events deleted."""
+        e = s.events
+        deleted = 0
         for k in range(0, len(job_ids), batch):
             with self.tx() as c:
-                done["events"] += c.execute(e.delete().where(e.c.job_id.in_(job_ids[k:k + batch]))).rowcount
+                deleted += c.execute(e.delete().where(e.c.job_id.in_(job_ids[k:k + batch]))).rowcount
         while True:  # no job's: read through the (job_id, id) index's NULL range, oldest first
             with self.tx() as c:
-                ids = [r for (r,) in c.execute(select(e.c.id).where(e.c.job_id.is_(None), e.c.ts < cutoff)
+                ids = [r for (r,) in c.execute(select(e.c.id).where(e.c.job_id.is_(None), e.c.ts < no_job_before)
                                                .order_by(e.c.id).limit(20 * batch))]
                 if not ids:
                     break
-                done["events"] += c.execute(e.delete().where(e.c.id.in_(ids))).rowcount
-        return done
+                deleted += c.execute(e.delete().where(e.c.id.in_(ids))).rowcount
+        return deleted
+
+    def mark_attempts(self, attempt_ids: Sequence[str], key: str, value: Any, batch: int = 200) -> None:
+        """Set `info[key] = value` on each of these attempts (finished ones: nothing else writes their info)."""
+        a = s.attempts
+        for k in range(0, len(attempt_ids), batch):
+            with self.tx() as c:
+                rows = c.execute(select(a.c.id, a.c.info).where(a.c.id.in_(attempt_ids[k:k + batch]))).all()
+                for attempt_id, info in rows:
+                    c.execute(update(a).where(a.c.id == attempt_id).values(info={**(info or {}), key: value}))
 
     def compact(self) -> None:
         """Give the space of deleted rows back to the file system: SQLite VACUUM (rewrites the file; needs as much

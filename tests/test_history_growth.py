@@ -147,7 +147,7 @@ def _attempt(app: App, job_id: str, state: str, *, ended: bool, month: str, cost
     with app.store.tx() as c:
         c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state=state,
                                             provider="sim", instance_type="t", market="spot", info={},
-                                            instance_id=f"i-{job_id}", created_at=1000.0))
+                                            instance_id=f"i-{job_id}", created_at=1000.0, started_at=1000.0))
         c.execute(insert(s.instances).values(provider="sim", id=f"i-{job_id}", attempt_id=f"{job_id}-a1",
                                              state="terminated" if ended else "running", verified_gone=ended))
     app.store.open_charge({"month": month, "job_id": job_id, "attempt_id": f"{job_id}-a1", "provider": "sim",
@@ -180,12 +180,21 @@ def test_pruning_drops_only_the_history_of_jobs_long_over_and_the_budget_meter_r
     for job_id in (done_long_ago, done_lately, unverified, running):
         app.store.append_event("checkpoint.synced", {"path": "x"}, job_id=job_id, ts=old)
     before = {j: len(app.store.events(job_id=j)) for j in (done_long_ago, done_lately, unverified, running)}
+    logs = {j: _run_logs(tmp_path, f"{j}-a1") for j in (done_long_ago, done_lately, unverified, running)}
     ledger_before = app.store.ledger_rows()
     app.close()
     budget_before = json.loads(burstctl("budget", "--json").stdout)
 
     pruned = json.loads(burstctl("prune-events", "--older-than", "30", "--json").stdout)
     assert pruned["finished_jobs"] == 1 and pruned["events"] == before[done_long_ago] + 1
+    # Its attempts' logs went with its events; every other job's stay.
+    assert pruned["run_dirs"] == 1 and pruned["run_bytes"] == logs[done_long_ago]
+    assert not (tmp_path / "state" / "runs" / f"{done_long_ago}-a1").exists()
+    assert [j for j in logs if (tmp_path / "state" / "runs" / f"{j}-a1" / "stdout.log").exists()] == [
+        done_lately, unverified, running]
+    said = burstctl("logs", done_long_ago)
+    assert said.returncode == 0 and said.stdout == ""
+    assert "its logs were deleted on " in said.stderr and "state.events_keep_days" in said.stderr
 
     app = _app(tmp_path)
     assert app.store.events(job_id=done_long_ago) == []
@@ -206,6 +215,29 @@ def test_pruning_drops_only_the_history_of_jobs_long_over_and_the_budget_meter_r
     assert shown.returncode == 0 and done_long_ago in shown.stdout
 
 
+def _run_logs(tmp_path: Path, attempt_id: str) -> int:
+    """An attempt's logs as a run leaves them in <state>/runs/<attempt>/; returns their bytes."""
+    run = tmp_path / "state" / "runs" / attempt_id
+    run.mkdir(parents=True)
+    (run / "stdout.log").write_text("step 1 loss 2.5\n" * 1000)
+    (run / "supervisor.log").write_text("started\nexited 0\n")
+    return sum(f.stat().st_size for f in run.iterdir())
+
+
+def test_keep_logs_prunes_the_events_alone(burstctl, tmp_path: Path) -> None:
+    app = _app(tmp_path)
+    old = _job(app, tmp_path, "old", "done", time.time() - 40 * 86400)
+    _attempt(app, old, "succeeded", ended=True, month="2026-01", cost=1.0)
+    _run_logs(tmp_path, f"{old}-a1")
+    app.close()
+    pruned = json.loads(burstctl("prune-events", "--older-than", "30", "--keep-logs", "--json").stdout)
+    assert pruned["events"] > 0 and pruned["run_dirs"] == 0
+    assert burstctl("logs", old).stdout == "step 1 loss 2.5\n" * 1000
+    said = burstctl("prune-events", "--older-than", "30")
+    assert said.returncode == 0
+    assert said.stdout.startswith("0 events deleted, 1 attempts' logs deleted (0.0 MiB)"), said.stdout
+
+
 def test_the_daemon_prunes_once_a_day_only_when_configured(tmp_path: Path) -> None:
     app = _app(tmp_path)
     now = time.time()
@@ -214,7 +246,8 @@ def test_the_daemon_prunes_once_a_day_only_when_configured(tmp_path: Path) -> No
     assert prune_if_due(app, now) is None  # unset: every event is kept
     app.close()
     app = _app(tmp_path, "[state]\nevents_keep_days = 30\n")
-    assert prune_if_due(app, now) == {"finished_jobs": 1, "events": 3}  # enqueued, decided, synced
+    assert prune_if_due(app, now) == {"finished_jobs": 1, "events": 3,  # enqueued, decided, synced
+                                      "run_dirs": 0, "run_bytes": 0}
     app.store.append_event("checkpoint.synced", {}, job_id=job_id, ts=now)
     assert prune_if_due(app, now + 3600) is None  # pruned less than a day ago
     assert prune_if_due(app, now + 86400)["events"] == 1

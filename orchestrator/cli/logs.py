@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -20,6 +21,7 @@ from orchestrator.cli.jobs import job_or_fail
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.lifecycle.homes import attempt_run_dir
 from orchestrator.lifecycle.machine import AttemptState
+from orchestrator.retention import LOGS_PRUNED_AT
 from state import schema as s
 
 FOLLOW_POLL_S = 0.5
@@ -98,8 +100,11 @@ def _print(app: App, att: dict[str, Any], path: Path, lines: int | None, follow:
                 pos = _tail(fh, lines, size)
         pos = _copy_from(path, pos)
     elif not follow:
-        click.echo(f"(no {path.name} for this attempt{' yet' if not AttemptState(att['state']).final else ''})",
-                   err=True)
+        pruned = (att["info"] or {}).get(LOGS_PRUNED_AT)
+        click.echo(f"(no {path.name} for this attempt{' yet' if not AttemptState(att['state']).final else ''}"
+                   + (f": its logs were deleted on {datetime.fromtimestamp(pruned).astimezone():%Y-%m-%d} with "
+                      "the job's events, long after it finished (state.events_keep_days, prune-events)"
+                      if pruned else "") + ")", err=True)
         return
     else:
         pos = 0

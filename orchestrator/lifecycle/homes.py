@@ -8,10 +8,16 @@ from pathlib import Path
 from orchestrator.config import Config
 
 
+def runs_dir(cfg: Config) -> Path:
+    """Where every attempt's run is kept, one directory each (`attempt_run_dir`)."""
+    return cfg.state_dir / "runs"
+
+
 def attempt_run_dir(cfg: Config, attempt_id: str) -> Path:
     """Where an attempt's run is kept: a local attempt's supervisor files, a cloud attempt's logs as they come home
-    (`CloudSteps.pull_logs`)."""
-    return cfg.state_dir / "runs" / attempt_id
+    (`CloudSteps.pull_logs`). Deleted with the job's events when it has been over long enough
+    (`orchestrator/retention.py`)."""
+    return runs_dir(cfg) / attempt_id
 
 
 def job_outputs_dir(cfg: Config, job_id: str) -> Path:
