@@ -18,7 +18,16 @@ from orchestrator import records
 from orchestrator.app import App, burst_enabled
 from orchestrator.config import Config
 from orchestrator.core.budget import month_key
-from orchestrator.core.decision import Decision, DecisionContext, GpuOffer, JobFacts, decide
+from orchestrator.core.decision import (
+    MEASURED_SETUP,
+    UNMEASURED_SETUP,
+    Decision,
+    DecisionContext,
+    GpuOffer,
+    JobFacts,
+    SetupEstimate,
+    decide,
+)
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import JobSpec, load_job
 from orchestrator.lifecycle.schedule import reported
@@ -153,9 +162,38 @@ def measured_setup_hours(app: App, names: Iterable[str]) -> dict[str, float]:
     return {name: median(found[setup_key(name)]) / 3600.0 for name in names if setup_key(name) in found}
 
 
-def measured_setup_h(app: App, spec: JobSpec) -> float:
-    """The job's setup time as measured on its name's earlier runs; 0 without a setup or a measurement."""
-    return measured_setup_hours(app, [spec.name]).get(spec.name, 0.0) if spec.setup else 0.0
+SETUPS_BORROWED = 20  # a job whose setup has never run is priced with the median of this many newest setups
+
+
+def setup_estimates(app: App, names: Iterable[str]) -> dict[str, SetupEstimate]:
+    """What each job name's `setup` adds to t_ovh: its own measured median; for a name that has never run its
+    setup, the median of the newest setups of any job (a first run pays one too, and 0 would make its first burst
+    look cheaper than every later one); nothing when no setup has ever run here."""
+    from statistics import median
+
+    from sqlalchemy import select
+
+    from state import schema as s
+
+    names = list(names)
+    measured = measured_setup_hours(app, names)
+    out = {name: SetupEstimate(h, MEASURED_SETUP) for name, h in measured.items()}
+    if len(out) < len(names):
+        m = s.measurements
+        with app.store.engine.connect() as c:
+            newest = [v for (v,) in c.execute(select(m.c.value).where(m.c.metric == "setup_s")
+                                              .order_by(m.c.id.desc()).limit(SETUPS_BORROWED))]
+        if newest:
+            borrowed = SetupEstimate(median(newest) / 3600.0, f"not measured for this job yet: the median of the "
+                                                              f"newest {len(newest)} setups of any job")
+            out.update({name: borrowed for name in names if name not in out})
+    return out
+
+
+def setup_estimate(app: App, spec: JobSpec) -> SetupEstimate:
+    """The job's setup time (`setup_estimates`); `UNMEASURED_SETUP` when there is nothing to go on. A job without a
+    setup ignores it (`facts`)."""
+    return setup_estimates(app, [spec.name]).get(spec.name, UNMEASURED_SETUP)
 
 
 def work_done(app: App, job_id: str, conn: Any = None) -> float:
@@ -200,7 +238,7 @@ def measured_rented_throughput(app: App, spec: JobSpec) -> dict[str, float]:
 
 
 def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: str | Path | None = None,
-          measured: dict[str, float] | None = None, setup_h: float = 0.0) -> JobFacts:
+          measured: dict[str, float] | None = None, setup: SetupEstimate = UNMEASURED_SETUP) -> JobFacts:
     fits_local: bool | None = None
     per_gpu: float | None = None
     if spec.model is not None:
@@ -219,7 +257,8 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         market=spec.market or cfg.policy.default_market, deadline_critical=spec.deadline_critical,
         market_from="job" if spec.market else "policy.default_market",
         checkpoint_interval_h=spec.checkpoint.interval_minutes / 60.0, checkpoints=spec.checkpoint.resumable,
-        fits_local_memory=fits_local, per_gpu_gb=per_gpu, setup_h=setup_h if spec.setup else 0.0,
+        fits_local_memory=fits_local, per_gpu_gb=per_gpu, setup_h=setup.hours if spec.setup else 0.0,
+        setup_basis=setup.basis if spec.setup else "",
     )
 
 
@@ -243,7 +282,7 @@ def enqueue(app: App, path: str | Path, now: float | None = None) -> tuple[str, 
     now = time.time() if now is None else now
     spec, deadline_at = load_job(path, now)
     cfg = app.config
-    job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec), measured_setup_h(app, spec))
+    job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec), setup_estimate(app, spec))
     decision = decide(job, context(app, now))
     d = decision.to_dict()
     job_id = new_job_id()
@@ -275,7 +314,7 @@ def _inputs(job: JobFacts) -> dict[str, Any]:
     return {"work": job.work, "s_local": job.s_local, "s_rented": job.rented, "gpus": job.gpus,
             "deadline_h": round(job.deadline_h, 4), "kind": job.kind, "market": job.market,
             "deadline_critical": job.deadline_critical, "fits_local_memory": job.fits_local_memory,
-            "per_gpu_gb": job.per_gpu_gb, **({"setup_h": round(job.setup_h, 4)} if job.setup_h else {})}
+            "per_gpu_gb": job.per_gpu_gb, **({"setup_h": round(job.setup_h, 4), "setup_basis": job.setup_basis} if job.setup_basis else {})}
 
 
 
@@ -288,18 +327,18 @@ def spec_of(job: dict[str, Any]) -> JobSpec:
 
 
 def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,
-               measured: dict[str, float] | None = None, setup_h: float | None = None) -> str | None:
+               measured: dict[str, float] | None = None, setup: SetupEstimate | None = None) -> str | None:
     """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state.
-    `measured`, `setup_h`: its name's measured s_R and setup time when the caller read them for a batch (else read
+    `measured`, `setup`: its name's measured s_R and setup time when the caller read them for a batch (else read
     here)."""
     from orchestrator.lifecycle import checkpoints
 
     spec = spec_of(job)
     if measured is None:
         measured = measured_rented_throughput(app, spec)
-    if setup_h is None:
-        setup_h = measured_setup_h(app, spec)
-    job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured, setup_h=setup_h)
+    if setup is None:
+        setup = setup_estimate(app, spec)
+    job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured, setup=setup)
     # A job that has run, its checkpoint home, is decided on the work it has left, not on the whole of W (its next
     # attempt resumes from the checkpoint), and is never dropped into rethink with that work (`JobFacts.started`).
     started = checkpoints.latest(app.config, job["id"], deep=False) is not None

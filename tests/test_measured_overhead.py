@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -94,19 +95,41 @@ def test_a_blocked_job_is_decided_again_with_its_measured_throughput(tmp_path: P
 
 
 def test_a_jobs_measured_setup_adds_to_its_overhead_and_only_to_a_job_that_has_a_setup(tmp_path: Path) -> None:
+    from orchestrator.core.decision import UNMEASURED_SETUP, SetupEstimate, decide
     from orchestrator.jobspec import JobSpec
-    from orchestrator.queue import measured_setup_h, setup_key
+    from orchestrator.queue import facts, setup_estimate, setup_key
 
     app = App(state_dir_override=str(tmp_path / "state"))
     fields = {"command": ["true"], "deadline_hours": 10, "local_throughput": 0, "rented_throughput": {"H100": 0.17}}
     spec = JobSpec.model_validate({"name": "weekly-finetune", "setup": "pip install -r requirements.txt", **fields})
-    assert measured_setup_h(app, spec) == 0.0  # nothing measured yet
-    with app.store.tx() as c:
-        for v in (600.0, 660.0, 540.0):  # three earlier instances' setups
-            c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type=setup_key(spec.name),
-                                                    metric="setup_s", value=v))
-    assert measured_setup_h(app, spec) == pytest.approx(600.0 / 3600.0)
-    # The same name without a setup now (it was dropped from the spec) pays none.
+
+    def measure(name: str, *seconds: float) -> None:
+        with app.store.tx() as c:
+            for v in seconds:
+                c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type=setup_key(name),
+                                                        metric="setup_s", value=v))
+
+    def reasons(setup: SetupEstimate) -> list[str]:
+        now = time.time()
+        job = facts(spec, now + 10 * 3600, now, app.config, setup=setup)
+        return [r for r in decide(job, context(app, now)).to_dict()["reasons"] if "setup" in r]
+
+    # Nothing has ever run a setup here: nothing to go on, and the record says it is left out.
+    assert setup_estimate(app, spec) == UNMEASURED_SETUP
+    assert reasons(setup_estimate(app, spec)) == [f"this job's setup: {UNMEASURED_SETUP.basis}"]
+    # Other jobs' setups have run: a first run is priced with their median, and says so.
+    measure("nightly-eval", 120.0, 300.0, 180.0)
+    first = setup_estimate(app, spec)
+    assert first.hours == pytest.approx(180.0 / 3600.0)
+    assert "not measured for this job yet: the median of the newest 3 setups of any job" in first.basis
+    assert reasons(first)[0].endswith(f"(3.0 min, {first.basis})")
+    # Its own runs, once it has them, are what counts.
+    measure(spec.name, 600.0, 660.0, 540.0)
+    own = setup_estimate(app, spec)
+    assert own.hours == pytest.approx(600.0 / 3600.0) and own.basis == "measured on its earlier runs"
+    assert reasons(own)[0].endswith("plus this job's setup (10.0 min, measured on its earlier runs)")
+    # The same name without a setup now (it was dropped from the spec) pays none and the record says nothing.
     no_setup = JobSpec.model_validate({"name": "weekly-finetune", **fields})
-    assert measured_setup_h(app, no_setup) == 0.0
+    now = time.time()
+    assert facts(no_setup, now + 36000, now, app.config, setup=own).setup_h == 0.0
     app.close()

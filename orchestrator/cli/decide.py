@@ -23,7 +23,7 @@ from orchestrator.jobspec import (
     NAME_PATTERN,
     load_job,
 )
-from orchestrator.queue import context, facts, measured_rented_throughput, measured_setup_h, record_decision
+from orchestrator.queue import context, facts, measured_rented_throughput, record_decision, setup_estimate
 
 FLAG_GPU = "rented"
 
@@ -74,7 +74,7 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
             raise BadInput(f"{', '.join(given)} cannot be combined with a job file; edit the file instead")
         spec, deadline_at = load_job(job_file, now)
         job = facts(spec, deadline_at, now, app.config, job_file, measured_rented_throughput(app, spec),
-                    measured_setup_h(app, spec))
+                    setup_estimate(app, spec))
         ctx = context(app, now)
         if overhead_h is not None:
             _positive("--overhead-h", overhead_h, allow_zero=True)

@@ -46,9 +46,23 @@ class JobFacts:
     started: bool = False
     fits_local_memory: bool | None = None  # from sizing; None when no [model] table
     per_gpu_gb: float | None = None  # from sizing, on the rented GPU count
-    # The job's `setup` on a fresh instance, as measured on its earlier runs: every instance it rents pays it, so it
-    # is part of the job's t_ovh.
+    # The job's `setup` on a fresh instance: every instance it rents pays it, so it is part of the job's t_ovh.
     setup_h: float = 0.0
+    setup_basis: str = ""  # where setup_h comes from, for the record (`SetupEstimate.basis`); "" without a setup
+
+
+MEASURED_SETUP = "measured on its earlier runs"
+
+
+@dataclass(frozen=True)
+class SetupEstimate:
+    """What a job's `setup` adds to each instance's t_ovh, and where that figure comes from."""
+
+    hours: float
+    basis: str
+
+
+UNMEASURED_SETUP = SetupEstimate(0.0, "not measured yet, and no job's setup has run here: left out of t_ovh")
 
 
 @dataclass(frozen=True)
@@ -132,7 +146,9 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
     overhead_h = ctx.overhead_h + job.setup_h  # t_ovh of this job's instances
     if job.setup_h > 0:
         reasons.append(f"t_ovh {overhead_h:.2f} h: {ctx.overhead_h:.2f} h per instance, plus this job's setup "
-                       f"({job.setup_h * 60:.1f} min, measured on its earlier runs)")
+                       f"({job.setup_h * 60:.1f} min, {job.setup_basis or MEASURED_SETUP})")
+    elif job.setup_basis:
+        reasons.append(f"this job's setup: {job.setup_basis}")
     s_local = job.s_local * ctx.local_available_fraction
     if ctx.local_available_fraction < 1.0 and job.s_local > 0:
         reasons.append(f"local GPU free {ctx.local_available_fraction:.0%} of the day: "

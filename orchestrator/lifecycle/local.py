@@ -28,7 +28,7 @@ from orchestrator.lifecycle.homes import attempt_run_dir
 from orchestrator.lifecycle.machine import AttemptState, move
 from orchestrator.lifecycle.schedule import behind, reported, watch_schedule
 from orchestrator.lifecycle.states import JobState
-from orchestrator.queue import context, facts, measured_rented_throughput, measured_setup_h, record_decision, spec_of
+from orchestrator.queue import context, facts, measured_rented_throughput, record_decision, setup_estimate, spec_of
 from runbooks import supervisor
 from state import schema as s
 
@@ -307,7 +307,7 @@ class LocalRunner:
             done = 0.0  # nothing to resume from yet: the cloud would start over
         spec = spec_of(job)
         base = facts(spec, float(job["deadline_at"]), now, self.cfg,
-                     measured=measured_rented_throughput(self.app, spec), setup_h=measured_setup_h(self.app, spec))
+                     measured=measured_rented_throughput(self.app, spec), setup=setup_estimate(self.app, spec))
         r = replan_late_local(base, context(self.app, now), done=done, units_h=speed,
                               approved=bool(job.get("approved")))
         answer = {"at": now, "outcome": r.outcome}

@@ -22,6 +22,7 @@ from sqlalchemy import Connection, func, insert, select, update
 
 from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key, stop_horizon_h
+from orchestrator.core.decision import UNMEASURED_SETUP
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason
 from orchestrator.lifecycle.homes import job_outputs_dir
@@ -337,7 +338,7 @@ class Reconciler:
 
     def _redecide_blocked(self, now: float) -> None:
         """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
-        from orchestrator.queue import context, measured_rented_throughputs, measured_setup_hours, reconsider
+        from orchestrator.queue import context, measured_rented_throughputs, reconsider, setup_estimates
 
         with self.store.engine.connect() as c:
             blocked = [dict(r) for r in c.execute(
@@ -353,13 +354,13 @@ class Reconciler:
         for job in due:
             gpus_by_name.setdefault(job["name"], set()).update(job["spec"].get("rented_throughput", {}))
         measured = measured_rented_throughputs(self.app, gpus_by_name)
-        setup_h = measured_setup_hours(self.app, gpus_by_name)
+        setups = setup_estimates(self.app, gpus_by_name)
         # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
         # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
         with self.store.tx() as conn:
             moved = {job["id"] for job in due
                      if reconsider(self.app, job, ctx, now, conn, measured.get(job["name"], {}),
-                                   setup_h.get(job["name"], 0.0)) is not None}
+                                   setups.get(job["name"], UNMEASURED_SETUP)) is not None}
             unchanged = [job["id"] for job in blocked if job["id"] not in moved]
             if unchanged:
                 conn.execute(update(s.jobs).where(s.jobs.c.id.in_(unchanged)).values(updated_at=now))
@@ -848,7 +849,7 @@ class Reconciler:
         setup_s = hb.get("setup_s") or (ex or {}).get("setup_s")
         if setup_s is not None and "setup_s" not in info:  # the job's setup ran on this instance, this long
             info["setup_s"] = setup_s
-            with self.store.tx() as conn:  # the job name's: `queue.measured_setup_h` adds it to the job's t_ovh
+            with self.store.tx() as conn:  # the job name's: `queue.setup_estimate` adds it to the job's t_ovh
                 self._measure(conn, att, "setup_s", float(setup_s), key=setup_key(job["name"]))
         self._watch_s3_uploads(att, job, info, (ex or {}).get("s3") or status.get("s3"), exited=ex is not None)
         if hb.get("notice") and "notice_seen_at" not in info:
