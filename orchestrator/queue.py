@@ -314,7 +314,8 @@ def _inputs(job: JobFacts) -> dict[str, Any]:
     return {"work": job.work, "s_local": job.s_local, "s_rented": job.rented, "gpus": job.gpus,
             "deadline_h": round(job.deadline_h, 4), "kind": job.kind, "market": job.market,
             "deadline_critical": job.deadline_critical, "fits_local_memory": job.fits_local_memory,
-            "per_gpu_gb": job.per_gpu_gb, **({"setup_h": round(job.setup_h, 4), "setup_basis": job.setup_basis} if job.setup_basis else {})}
+            "per_gpu_gb": job.per_gpu_gb,
+            **({"setup_h": round(job.setup_h, 4), "setup_basis": job.setup_basis} if job.setup_basis else {})}
 
 
 
