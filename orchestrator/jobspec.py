@@ -119,10 +119,10 @@ class JobSpec(BaseModel):
                     "output.")
     outputs: list[str] = Field(
         default_factory=list,
-        description="What the job writes in its workdir besides checkpoints that must come home when it finishes on "
-                    "a rented instance: paths or globs relative to the workdir (\"result.json\", \"eval/*.json\"; a "
-                    "directory brings everything under it), copied into <state>/outputs/<job>/ before the instance "
-                    "is terminated. A run on this machine leaves them in the workdir itself.")
+        description="What the job writes in its workdir besides checkpoints that is its result: paths or globs "
+                    "relative to the workdir (\"result.json\", \"eval/*.json\"; a directory brings everything under "
+                    "it), copied into <state>/outputs/<job>/ when it finishes: from a rented instance before it is "
+                    "terminated, from the workdir when it finished on this machine (which keeps its own).")
     setup_retries: Annotated[int, Field(ge=0, le=10)] = Field(
         2, description="How many times a failed setup runs again on the same instance, after 10 s, then 20 s, 40 s "
                        "…, before the attempt fails: a network blip in a pip install passes, a missing package "

@@ -136,3 +136,63 @@ def test_a_local_attempt_given_up_after_failing_steps_does_not_leave_its_trainer
     status = supervisor.read_status(run)
     assert not status["supervisor_alive"] and not status["child_alive"]
     app.close()
+
+
+def _finish(app: App, job_id: str) -> None:
+    """Start the job's local run, wait for its command to exit, and let the runner see it."""
+    job = app.store.get_job(job_id)
+    assert job is not None and job["placement"] == "local"
+    runner = LocalRunner(app)
+    assert runner.start(job)
+    run = runner.run_dir(only_attempt(app, job_id)["id"])
+    deadline = time.monotonic() + 30
+    while supervisor.read_status(run).get("exit") is None:
+        assert time.monotonic() < deadline, "the command did not exit"
+        time.sleep(0.1)
+    runner.step(only_attempt(app, job_id), app.store.get_job(job_id))
+
+
+WRITES_RESULTS = ("import os, pathlib; p = pathlib.Path; p('eval').mkdir(); "
+                  "p('result.json').write_text('{\"loss\": 1}'); p('eval/a.json').write_text('a'); "
+                  "p('eval/b.json').write_text('b'); p('notes.txt').write_text('n'); "
+                  "os.symlink('/etc/hostname', 'eval/elsewhere.json')")
+
+
+def test_a_job_that_finishes_here_copies_its_outputs_where_a_cloud_run_s_come_home(tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    (tmp_path / "work").mkdir()
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "eval-here", workdir="work", local_throughput=1.0,
+                                          command=[sys.executable, "-c", WRITES_RESULTS],
+                                          outputs=["result.json", "eval/"]))
+    _finish(app, job_id)
+
+    assert app.store.get_job(job_id)["state"] == "done"
+    home = tmp_path / "state" / "outputs" / job_id
+    # What the globs name, a directory standing for the files below it; not a link, which may point anywhere.
+    assert sorted(str(f.relative_to(home)) for f in home.rglob("*") if f.is_file()) == [
+        "eval/a.json", "eval/b.json", "result.json"]
+    assert only_attempt(app, job_id)["info"]["outputs"] == ["eval/a.json", "eval/b.json", "result.json"]
+    (told,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.outputs_home"]
+    assert told == {"files": 3, "dir": str(home)}
+    # A copy: the workdir keeps its own, and the next run rewriting them there leaves this job's alone.
+    (tmp_path / "work" / "result.json").write_text('{"loss": 0.5}')
+    assert (home / "result.json").read_text() == '{"loss": 1}'
+    app.close()
+
+
+def test_outputs_that_cannot_be_copied_are_said_and_the_job_is_done_with_them_in_its_workdir(tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    (tmp_path / "work").mkdir()
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "eval-here", workdir="work", local_throughput=1.0,
+                                          command=[sys.executable, "-c", WRITES_RESULTS], outputs=["result.json"]))
+    (tmp_path / "state" / "outputs").mkdir(parents=True)
+    (tmp_path / "state" / "outputs" / job_id).write_text("in the way")  # a file where the job's directory goes
+    _finish(app, job_id)
+
+    assert app.store.get_job(job_id)["state"] == "done"
+    (failed,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "attempt.outputs_copy_failed"]
+    assert failed["workdir"] == str(tmp_path / "work") and failed["error"].startswith(("FileExistsError",
+                                                                                        "NotADirectoryError"))
+    assert (tmp_path / "work" / "result.json").exists()
+    assert not [e for e in app.store.events(job_id=job_id) if e["type"] == "job.outputs_home"]
+    app.close()

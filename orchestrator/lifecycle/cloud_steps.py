@@ -113,20 +113,7 @@ class RemoteJob:
         return ["--setup-json", json.dumps(setup), "--setup-dir", self.setup_dir, "--setup-retries", str(retries)]
 
 
-# Run on the instance (Python >= 3.8): the regular files the `outputs` globs match under the workdir, a directory
-# standing for everything below it. Nothing through a link: one may point anywhere on the instance. One JSON line.
-LIST_OUTPUTS = """
-import json, sys
-from pathlib import Path
-root = Path(sys.argv[1]).resolve()
-found = set()
-for pattern in sys.argv[2:]:
-    for match in root.glob(pattern.rstrip("/")):
-        for path in [match] if not match.is_dir() else match.rglob("*"):
-            if path.is_file() and path.resolve() == path:  # under the resolved root: no link on its way
-                found.add(path.relative_to(root).as_posix())
-print(json.dumps(sorted(found)))
-"""
+LIST_OUTPUTS = (RUNBOOKS / "job_outputs.py").read_text()  # run on the instance through `python -c`
 LOG_FILES = (supervisor.STDOUT_LOG, supervisor.STDERR_LOG, supervisor.SUPERVISOR_LOG)  # what pull_logs brings home
 
 

@@ -8,6 +8,7 @@ checkpoints go straight into the local store <state>/checkpoints/<job>/.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,12 +25,12 @@ from orchestrator.core.plan import latest_switch_at
 from orchestrator.core.replan import replan_late_local
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason, job_after_attempt
-from orchestrator.lifecycle.homes import attempt_run_dir
+from orchestrator.lifecycle.homes import attempt_run_dir, job_outputs_dir
 from orchestrator.lifecycle.machine import AttemptState, move
 from orchestrator.lifecycle.schedule import behind, reported, watch_schedule
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import context, facts, measured_rented_throughput, record_decision, setup_estimate, spec_of
-from runbooks import supervisor
+from runbooks import job_outputs, supervisor
 from state import schema as s
 
 A = AttemptState
@@ -243,6 +244,7 @@ class LocalRunner:
             return
         reason = ex.get("reason")
         if reason == "completed" and ex.get("exit_code") == 0:
+            self._outputs_home(att, job, info)
             self._end(att, job, A.SUCCEEDED, "completed", info)
         elif info.get("stop_reason") == "hybrid-switch":
             self._end(att, job, A.PREEMPTED, "hybrid-switch", info)
@@ -252,6 +254,31 @@ class LocalRunner:
             self._end(att, job, A.PREEMPTED, STOPPED_OUTSIDE, info)
         else:
             self._end(att, job, A.FAILED, exit_reason(self.app, job, ex), info)
+
+    def _outputs_home(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
+        """A run that finished here copies the files its `outputs` name into <state>/outputs/<job>/, where a cloud
+        run's come home: a job's results are in one place wherever it finished (a copy, not a link: the next run in
+        the same workdir rewrites its files in place). A copy that fails (a full disk) is said, and the job is done
+        all the same: its files are still in the workdir."""
+        patterns = job["spec"].get("outputs")
+        if not patterns:
+            return
+        work, home = Path(job["spec"]["workdir"]), job_outputs_dir(self.cfg, job["id"])
+        try:
+            names = job_outputs.list_outputs(work, patterns)
+            for name in names:
+                dest = home / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                part = dest.with_name(f".{dest.name}.part")
+                shutil.copy2(work / name, part)
+                os.replace(part, dest)
+        except OSError as exc:
+            self.app.events.emit("attempt.outputs_copy_failed", job_id=job["id"], attempt_id=att["id"],
+                                 error=f"{type(exc).__name__}: {exc.strerror or exc}", workdir=str(work))
+            return
+        info["outputs"] = names
+        self.app.events.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
+                             dir=str(home))
 
     def _hold(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], why: str) -> str:
         """The hand-over is due but no cloud can take the rest: run on locally, say so (an event when it starts
