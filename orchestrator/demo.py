@@ -151,7 +151,8 @@ class Demo:
         spec.write_text("\n".join([
             f'name = "{name}"',
             f'command = ["python3", "trainer.py", "--steps", "{steps}", "--checkpoint-every", "10", '
-            '"--step-seconds", "0.1"]',
+            '"--step-seconds", "0.1", "--out", "result.json"]',
+            'outputs = ["result.json"]  # home into <state>/outputs/<job>/ wherever it finishes',
             'workdir = "work"', f"deadline_hours = {deadline_h}", f"local_throughput = {s_local}",
             "rented_throughput = { H100 = 10 }", "[checkpoint]", "interval_minutes = 0.02", ""]))
         return json.loads(self._burstctl("enqueue", str(spec), "--json").stdout)["id"]
@@ -219,7 +220,8 @@ class Demo:
         return {"job": job.get("name"), "id": job_id, "verdict": job.get("verdict"), "state": job.get("state"),
                 "where": " → ".join(where), "attempts": len(atts),
                 "preemptions": sum(1 for a in atts if a["state"] == "preempted" and a["where"] == "cloud"),
-                "cost_usd": round(float(cost or 0.0), 4)}
+                "cost_usd": round(float(cost or 0.0), 4),
+                "outputs": sorted(str(f) for f in (self.state / "outputs" / job_id).rglob("*") if f.is_file())}
 
 
 def run_demo(say: Callable[[str], None], keep: bool = False, state_dir: Path | None = None) -> DemoResult:

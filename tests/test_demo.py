@@ -47,6 +47,10 @@ def test_demo_plays_the_whole_story_whatever_the_users_config_and_leaves_nothing
     spot, home = summary["jobs"]
     assert spot["state"] == "done" and spot["preemptions"] == 1 and spot["attempts"] == 2
     assert home["state"] == "done" and home["where"].endswith("local")
+    # Each one's result is in one place, whether it finished on an instance or here after revert-local.
+    for job in (spot, home):
+        assert job["outputs"] == [str(state / "outputs" / job["id"] / "result.json")]
+        assert json.loads(Path(job["outputs"][0]).read_text())["step"] > 0
     assert summary["instances_left"] == 0
     assert Path(summary["event_log"]).exists() and any(Path(summary["decision_records"]).iterdir())
     assert _our_processes() <= before
