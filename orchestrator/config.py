@@ -353,6 +353,52 @@ class StateSettings(Strict):
         return v
 
 
+CRON_EXPECTED = ("expected five crontab fields, minute hour day-of-month month day-of-week, e.g. \"0 2 * * mon\" "
+                 "(Mondays at 02:00)")
+
+
+class Schedule(Strict):
+    """A job queued again and again: a weekly fine-tune is a cycle a week. Each cycle is decided on its own when its
+    slot comes (gates, market, this month's budget), as `burstctl enqueue` would."""
+
+    job: Path = Field(strict=False, description="The job file, relative to this config file (or absolute). It is "
+                      "read at each slot, so an edit applies from the next cycle. Its deadline must be "
+                      "`deadline_hours`, counted from the slot.")
+    cron: str = Field(description="When: a five-field crontab, minute hour day-of-month month day-of-week, read in "
+                      "`timezone` (\"0 2 * * mon\": Mondays at 02:00; \"30 1 1,15 * *\": the 1st and 15th at 01:30).")
+    timezone: str | None = Field(None, description="IANA time zone the cron is read in (\"Europe/Berlin\"); unset: "
+                                 "this machine's.")
+    overlap: Literal["skip", "queue"] = Field(
+        "skip", description="A slot that comes while the previous cycle is not over: skip it (said, with "
+        "`schedule.skipped`), or queue the new cycle beside it.")
+
+    @field_validator("cron")
+    @classmethod
+    def _crontab(cls, v: str) -> str:
+        from apscheduler.triggers.cron import CronTrigger  # only with a schedule: the CLI's start stays lean
+
+        try:
+            if len(v.split()) != 5:
+                raise ValueError(v)
+            CronTrigger.from_crontab(v)
+        except ValueError:
+            raise ValueError(f"'{v}' is not a crontab: {CRON_EXPECTED}") from None
+        return v
+
+    @field_validator("timezone")
+    @classmethod
+    def _zone(cls, v: str | None) -> str | None:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        if v is not None:
+            try:
+                ZoneInfo(v)
+            except (ZoneInfoNotFoundError, ValueError):
+                raise ValueError(f"'{v}' is not a time zone: expected an IANA name such as \"Europe/Berlin\" or "
+                                 "\"UTC\"") from None
+        return v
+
+
 class Config(Strict):
     local: LocalMachine = Field(default_factory=LocalMachine)
     budget: Budget = Field(default_factory=Budget)
@@ -364,6 +410,9 @@ class Config(Strict):
     providers: Providers = Field(default_factory=Providers)
     state: StateSettings = Field(default_factory=StateSettings)
     daemon: DaemonSettings = Field(default_factory=DaemonSettings)
+    schedule: list[Schedule] = Field(
+        default_factory=list, description="Jobs queued on a schedule ([[schedule]] tables), one per job file: the "
+        "daemon queues each cycle when its slot comes (`burstctl schedules` lists them).")
     orchestrator_id: str | None = Field(
         None, description="Owner tag on every instance this installation creates. Unset: one is made for this state "
         "on first use and kept in it (`burstctl-` and 8 hex digits; a state from before that keeps `burstctl`). Two "
@@ -378,6 +427,23 @@ class Config(Strict):
             raise FieldValueError("budget.cycle_gpu", f"'{self.budget.cycle_gpu}' has no entry in [prices] "
                                   f"(known: {', '.join(sorted(self.prices))})")
         return self
+
+    @model_validator(mode="after")
+    def _one_schedule_per_job(self) -> Config:
+        seen: set[Path] = set()
+        for k, sched in enumerate(self.schedule):
+            path = self.schedule_job(sched)
+            if path in seen:
+                raise FieldValueError(f"schedule.{k}.job", f"'{sched.job}' has a schedule already: expected one "
+                                      "[[schedule]] per job file (several slots fit in one cron, e.g. \"0 2 * * "
+                                      "mon,thu\")")
+            seen.add(path)
+        return self
+
+    def schedule_job(self, sched: Schedule) -> Path:
+        """A schedule's job file: relative to the config file it was read from."""
+        base = Path(self.source).parent if self.source else Path.cwd()
+        return (base / sched.job.expanduser()).resolve()
 
     @property
     def state_dir(self) -> Path:

@@ -246,6 +246,7 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
     """Tick and sweep on the scheduler until `stop`; returns ticks run."""
     from orchestrator.lifecycle.service import has_active_work
     from orchestrator.retention import prune_if_due
+    from orchestrator.schedules import fire_due
 
     ticks = 0
 
@@ -261,7 +262,13 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
             shut_down(False)
             return
         try:
-            reconciler_now().tick()
+            reconciler = reconciler_now()  # the config as it is now: its [[schedule]] tables too
+            if app.config.schedule:
+                try:
+                    fire_due(app)  # before the tick: a cycle queued now starts in it
+                except Exception as exc:
+                    app.events.emit("daemon.schedule_failed", error=app.redactor(f"{type(exc).__name__}: {exc}"))
+            reconciler.tick()
         except Exception as exc:  # the loop survives a bad tick; the next one starts from the database
             app.events.emit("daemon.tick_failed", error=f"{type(exc).__name__}: {exc}")
         ticks += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -278,9 +278,12 @@ def record_decision(app: App, job: JobFacts, decision: dict[str, Any], now: floa
     return records.write(app.config.state_dir, job.name, job_id, text, now)
 
 
-def enqueue(app: App, path: str | Path, now: float | None = None) -> tuple[str, Decision, Path]:
+def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: float | None = None,
+            also: Callable[[Any, str], None] | None = None) -> tuple[str, Decision, Path]:
+    """Validate, decide, record and queue a job file. A scheduled cycle (`orchestrator/schedules.py`) passes its
+    `slot_at`, from which `deadline_hours` count, and `also(conn, job_id)`, done in the job's own transaction."""
     now = time.time() if now is None else now
-    spec, deadline_at = load_job(path, now)
+    spec, deadline_at = load_job(path, now if slot_at is None else slot_at)
     cfg = app.config
     job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec), setup_estimate(app, spec))
     decision = decide(job, context(app, now))
@@ -289,7 +292,8 @@ def enqueue(app: App, path: str | Path, now: float | None = None) -> tuple[str, 
     workdir = (Path(path).parent / spec.workdir).resolve()
     deadline = datetime.fromtimestamp(deadline_at).astimezone().isoformat()
     state = STATE_FOR_ACTION[decision.action]
-    spec_data = {**spec.model_dump(mode="json"), "workdir": str(workdir), "source": str(Path(path).resolve())}
+    spec_data = {**spec.model_dump(mode="json"), "workdir": str(workdir), "source": str(Path(path).resolve()),
+                 **({"_slot_at": slot_at} if slot_at is not None else {})}
     record_path = record_decision(app, job, d, now, job_id)
     try:
         with app.store.tx() as conn:
@@ -303,6 +307,8 @@ def enqueue(app: App, path: str | Path, now: float | None = None) -> tuple[str, 
                             deadline=deadline)
             app.events.emit("job.decided", job_id=job_id, conn=conn, verdict=d["verdict"], action=d["action"],
                             inputs=_inputs(job), decision=d)
+            if also is not None:
+                also(conn, job_id)
     except BaseException:
         # The job was never written: no record may describe it.
         record_path.unlink(missing_ok=True)

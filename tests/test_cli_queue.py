@@ -8,6 +8,7 @@ import os
 import re
 import sqlite3
 import stat
+import typing
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,8 @@ def _setting_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
     out: list[str] = []
     for name, field in model.model_fields.items():
         key, kind = field.alias or name, field.annotation
+        if prefix == "" and typing.get_origin(kind) is list:
+            kind = typing.get_args(kind)[0]  # a top-level list of tables is an array of tables, [[key]]
         if isinstance(kind, type) and issubclass(kind, BaseModel):
             out += _setting_paths(kind, f"{prefix}{key}.")
         else:
@@ -189,7 +192,7 @@ def test_config_example_shows_every_setting_in_its_section() -> None:
     sections: dict[str, str] = {}
     current = ""
     for line in (REPO / "config.example.toml").read_text().splitlines():
-        header = re.match(r"^\[([\w.]+)\]", line)
+        header = re.match(r"^#? ?\[\[?([\w.]+)\]", line)  # [table], [[array of tables]], or one commented out
         if header:
             current = header.group(1)
         sections[current] = sections.get(current, "") + line + "\n"

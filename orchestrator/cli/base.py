@@ -32,7 +32,7 @@ COMMAND_MODULES = {
     "show": "jobs", "decide": "decide", "size": "size", "simulate": "simulate", "daemon": "daemon",
     "status": "status", "providers": "providers", "revert-local": "revert", "burst-enable": "revert",
     "copy-state": "state", "prune-events": "state", "simcloud": "simcloud", "rehearse": "rehearse", "demo": "demo",
-    "report": "report", "logs": "logs",
+    "report": "report", "logs": "logs", "schedules": "schedules",
 }
 
 # Each command's line in `burstctl --help`, so that listing them imports none (the docstring is the long help).
@@ -54,6 +54,7 @@ COMMAND_SUMMARIES = {
     "rehearse": "Run a job on a private simulated cloud with preemptions.",
     "report": "Finished jobs: what each was expected to cost and take, and did.",
     "revert-local": "Go back to local-only in one command.",
+    "schedules": "Jobs queued on a schedule: next slot, last cycle.",
     "show": "Show one job: its decision, state and recent events.",
     "simcloud": "The embedded simulated cloud.",
     "simulate": "Replay spot/on-demand policies against real spot traces.",

@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
-from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h
+from orchestrator.core.budget import BudgetView, cycle_prices, month_end, month_key, stop_horizon_h
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.lifecycle.homes import job_outputs_dir
@@ -167,6 +167,8 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
     for r in d["reasons"]:
         out.print(f"  · {escape(r)}")
     out.print(f"deadline {_when(j['deadline_at'])} UTC; record {escape(j['record_path'])}")
+    if j["spec"].get("_slot_at"):
+        out.print(f"queued by its schedule for the slot of {_when(j['spec']['_slot_at'])} UTC (burstctl schedules)")
     said = []
     if progress["units_done"] is not None:
         speed = progress["throughput_units_h"]
@@ -285,12 +287,18 @@ def budget_cmd(app: App, as_json: bool) -> None:
     # it launches anything new, so a launch can be refused with money seemingly left.
     accruing = sum(r["rate_usd_h"] for r in rows if r["ended_at"] is None)
     kept = accruing * stop_horizon_h(cfg.daemon.tick_s)
+    scheduled: int | None = None  # the cadence the schedules ask for, beside the one the budget buys
+    if cfg.schedule:
+        from orchestrator.schedules import slots_between, trigger
+
+        scheduled = sum(len(slots_between(trigger(sc), now, month_end(now))) for sc in cfg.schedule)
     data = {"month": month, "cap_usd": view.cap_usd, "spent_usd": round(view.spent_usd, 4),
             "remaining_usd": round(view.remaining_usd, 4), "cycles_this_month": cycles,
             "cycle_gpu_hours": cfg.budget.cycle_gpu_hours, "reference_gpu": ref_gpu,
             "usd_per_cycle_spot": spot, "usd_per_cycle_on_demand": od, "accruing_usd_h": round(accruing, 4),
             "kept_to_stop_running_usd": round(kept, 4),
-            "cycles_left_spot": view.cycles_left_spot, "cycles_left_on_demand": view.cycles_left_on_demand}
+            "cycles_left_spot": view.cycles_left_spot, "cycles_left_on_demand": view.cycles_left_on_demand,
+            "scheduled_cycles_left": scheduled}
     if as_json:
         print_json(data)
         return
@@ -305,7 +313,12 @@ def budget_cmd(app: App, as_json: bool) -> None:
         (f"$/cycle on-demand ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h)", fmt_usd(od)),
         ("cycles left on spot", "—" if view.cycles_left_spot is None else view.cycles_left_spot),
         ("cycles left on-demand", view.cycles_left_on_demand),
+        *([("cycles the schedules queue this month", scheduled)] if scheduled is not None else []),
     ])
+    buys = view.cycles_left_spot if view.cycles_left_spot is not None else view.cycles_left_on_demand
+    if scheduled is not None and scheduled > buys:
+        out.print(f"the schedules queue {scheduled} more cycles this month, and what is left buys {buys} reference "
+                  "cycles: a cycle that must burst once the money is gone waits, blocked by the budget")
 
 
 EVENTS_SHOWN = 100  # `burstctl events` without --limit or --all: the newest this many, as `tail` shows the end

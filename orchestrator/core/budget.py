@@ -12,6 +12,14 @@ def month_key(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m")
 
 
+def month_end(ts: float) -> float:
+    """When the budget's month (UTC) that `ts` is in ends: the first instant of the next."""
+    at = datetime.fromtimestamp(ts, UTC)
+    nxt = at.replace(year=at.year + at.month // 12, month=at.month % 12 + 1, day=1, hour=0, minute=0, second=0,
+                     microsecond=0)
+    return nxt.timestamp()
+
+
 @dataclass(frozen=True)
 class BudgetView:
     month: str

@@ -1,0 +1,144 @@
+"""Jobs on a schedule (`[[schedule]]` in the config): the daemon queues each cycle when its slot comes.
+
+Level-triggered, like the rest of the daemon: every tick compares each schedule's slots with what the database says
+it last did (the setting `schedule:<job file>`), and queues the newest slot that has come since, if any. So:
+- A schedule seen for the first time is armed (`schedule.armed`) and fires from its next slot on: adding one to
+  the config never queues a slot from before it was there.
+- A daemon that was down across several slots queues only the newest of them, its deadline counted from that slot;
+  when that deadline has passed too, the slot is skipped (`schedule.missed`).
+- The cycle is queued and the slot recorded in one transaction: a daemon killed at any moment queues a slot once.
+- A slot that comes while the schedule's previous cycle is not over is skipped (`schedule.skipped`), unless the
+  schedule says `overlap = "queue"`.
+- A job file that does not validate at its slot skips that slot, said with the line `enqueue` would print
+  (`schedule.job_invalid`); nothing is queued.
+Each cycle is then a job like any other: both gates, the market and this month's budget decide it when it is queued.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from apscheduler.triggers.cron import CronTrigger
+
+from orchestrator.app import App
+from orchestrator.config import Schedule
+from orchestrator.errors import BadInput
+from orchestrator.jobspec import load_job
+from orchestrator.lifecycle.states import FINAL, JobState
+
+KEY_PREFIX = "schedule:"  # settings key, + the job file's resolved path
+DENSE_WINDOW_S = 32 * 86400.0  # newest_slot looks this far back first (a month and a bit)
+_TICK = timedelta(microseconds=1)  # APScheduler's "next" is at or after its `now`: strictly after a slot
+
+
+def trigger(sched: Schedule) -> CronTrigger:
+    """The schedule's cron in its time zone (unset: this machine's, daylight saving included)."""
+    return CronTrigger.from_crontab(sched.cron, timezone=sched.timezone)
+
+
+def _next(trig: CronTrigger, after: float) -> float | None:
+    at = trig.get_next_fire_time(None, datetime.fromtimestamp(after, trig.timezone) + _TICK)
+    return None if at is None else at.timestamp()
+
+
+def next_slot(trig: CronTrigger, after: float) -> float | None:
+    """The first slot strictly after `after` (unix seconds)."""
+    return _next(trig, after)
+
+
+def slots_between(trig: CronTrigger, after: float, until: float) -> list[float]:
+    """The slots in (after, until], oldest first (callers ask for a month at most: 44,640 slots of a cron that
+    fires every minute, 0.8 s)."""
+    found: list[float] = []
+    at = _next(trig, after)
+    while at is not None and at <= until:
+        found.append(at)
+        at = _next(trig, at)
+    return found
+
+
+def newest_slot(trig: CronTrigger, after: float, until: float) -> float | None:
+    """The newest slot in (after, until]. Looks back a month first, so a daemon that was down for a year on an
+    hourly cron walks a month of slots, not a year; a cron sparser than that walks the rest, which is short."""
+    start = max(after, until - DENSE_WINDOW_S)
+    for lo, hi in ((start, until), (after, start)):
+        newest = None
+        at = _next(trig, lo)
+        while at is not None and at <= hi:
+            newest = at
+            at = _next(trig, at)
+        if newest is not None:
+            return newest
+    return None
+
+
+@dataclass(frozen=True)
+class Fired:
+    """What a schedule did at a tick (for tests and the event log)."""
+
+    job_file: str
+    outcome: str  # armed | queued | skipped | missed | job_invalid
+    slot_at: float | None = None
+    job_id: str | None = None
+
+
+def fire_due(app: App, now: float | None = None) -> list[Fired]:
+    """The daemon's tick: queue every schedule's newest slot that has come since its last (see the module's
+    docstring). Returns what was done; nothing for a schedule with no slot due."""
+    now = time.time() if now is None else now
+    done: list[Fired] = []
+    for sched in app.config.schedule:
+        path = app.config.schedule_job(sched)
+        key = KEY_PREFIX + str(path)
+        rec: dict[str, Any] | None = app.store.get_setting(key)
+        trig = trigger(sched)
+        if rec is None:
+            app.store.set_setting(key, {"armed_at": now})
+            nxt = next_slot(trig, now)
+            app.events.emit("schedule.armed", job_file=str(path), cron=sched.cron, next_slot_at=nxt)
+            done.append(Fired(str(path), "armed"))
+            continue
+        slot = newest_slot(trig, float(rec.get("last_slot_at") or rec["armed_at"]), now)
+        if slot is not None:
+            done.append(_fire(app, sched, path, key, rec, slot, now))
+    return done
+
+
+def _fire(app: App, sched: Schedule, path: Path, key: str, rec: dict[str, Any], slot: float, now: float) -> Fired:
+    def passed(outcome: str, **said: Any) -> Fired:
+        """The slot is over without a cycle: recorded, so it is said once."""
+        app.store.set_setting(key, {**rec, "last_slot_at": slot})
+        app.events.emit(f"schedule.{outcome}", job_file=str(path), slot_at=slot, **said)
+        return Fired(str(path), outcome, slot)
+
+    previous = rec.get("last_job_id")
+    if previous and sched.overlap == "skip":
+        job = app.store.get_job(previous)
+        if job is not None and JobState(job["state"]) not in FINAL:
+            return passed("skipped", reason=f"its previous cycle {previous} is {job['state']}",
+                          previous_job_id=previous)
+    try:
+        spec, deadline_at = load_job(path, slot)
+        if spec.deadline is not None:
+            raise BadInput("is an instant, which a cycle after the first would have passed; expected "
+                           "deadline_hours, counted from each slot", source=path, field="deadline")
+    except BadInput as exc:
+        return passed("job_invalid", error=app.redactor(str(exc)))
+    if deadline_at <= now:
+        return passed("missed", reason="the daemon was not running at the slot, and its deadline has passed since")
+    from orchestrator.queue import enqueue  # the decision core: only once a slot is due
+
+    def record(conn: Any, job_id: str) -> None:
+        app.store.set_setting(key, {**rec, "last_slot_at": slot, "last_job_id": job_id}, conn=conn)
+
+    try:
+        job_id, decision, _ = enqueue(app, path, now, slot_at=slot, also=record)
+    except BadInput as exc:  # what only the decision finds (a GPU type no price names, sizing)
+        return passed("job_invalid", error=app.redactor(str(exc)))
+    app.events.emit("schedule.queued", job_id=job_id, job_file=str(path), slot_at=slot, cron=sched.cron,
+                    verdict=decision.verdict.value, late_s=round(now - slot, 3))
+    return Fired(str(path), "queued", slot, job_id)

@@ -1,0 +1,200 @@
+"""Jobs on a schedule: the daemon queues one cycle per slot, never a slot from before the schedule was there, only the
+newest of the slots it slept through, never one while the previous cycle runs (unless told), never twice, and
+nothing for a job file that does not validate, saying so once."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from apscheduler.triggers.cron import CronTrigger
+
+from orchestrator.app import App
+from orchestrator.schedules import KEY_PREFIX, fire_due, newest_slot, slots_between
+from state import schema as s
+from tests.conftest import write_job
+
+DAY = 86400.0
+ARMED = datetime(2030, 1, 7, 3, 0, tzinfo=UTC).timestamp()  # a Monday, 03:00 UTC: after that day's 02:00 slot
+SLOT_1 = datetime(2030, 1, 8, 2, 0, tzinfo=UTC).timestamp()  # the first slot after it ("0 2 * * *")
+
+
+def _setup(tmp_path: Path, schedule: str = "", **job: object) -> App:
+    (tmp_path / "work").mkdir(exist_ok=True)
+    write_job(tmp_path, "nightly", command=["true"], workdir="work", deadline_hours=12, local_throughput=1.0,
+              **job)
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('[[schedule]]\njob = "nightly.toml"\ncron = "0 2 * * *"\ntimezone = "UTC"\n' + schedule)
+    return App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+
+
+def _events(app: App, prefix: str = "schedule.") -> list[tuple[str, dict]]:
+    return [(e["type"], e["data"]) for e in app.store.events(type_prefix=prefix)]
+
+
+def _jobs(app: App) -> list[dict]:
+    with app.store.engine.connect() as c:
+        return [dict(r) for r in c.execute(s.jobs.select().order_by(s.jobs.c.created_at)).mappings()]
+
+
+def test_a_new_schedule_is_armed_and_queues_from_its_next_slot_on_once_per_slot(tmp_path: Path) -> None:
+    app = _setup(tmp_path)
+    assert [f.outcome for f in fire_due(app, ARMED)] == ["armed"]  # that day's 02:00 slot was before it existed
+    assert fire_due(app, ARMED + 3600) == [] and _jobs(app) == []
+    (fired,) = fire_due(app, SLOT_1 + 5)
+    assert (fired.outcome, fired.slot_at) == ("queued", SLOT_1)
+    assert fire_due(app, SLOT_1 + 10) == []  # the slot is recorded: the next tick queues nothing
+    (job,) = _jobs(app)
+    assert job["id"] == fired.job_id and job["name"] == "nightly"
+    assert job["deadline_at"] == SLOT_1 + 12 * 3600  # counted from the slot, not from when it was queued
+    assert job["spec"]["_slot_at"] == SLOT_1
+    assert [t for t, _ in _events(app)] == ["schedule.armed", "schedule.queued"]
+    queued = _events(app)[1][1]
+    assert queued["slot_at"] == SLOT_1 and queued["late_s"] == 5.0 and queued["cron"] == "0 2 * * *"
+    app.close()
+
+
+def test_a_daemon_down_across_slots_queues_only_the_newest_and_skips_one_whose_deadline_passed(
+        tmp_path: Path) -> None:
+    app = _setup(tmp_path)
+    fire_due(app, ARMED)
+    (fired,) = fire_due(app, SLOT_1 + 3 * DAY + 3600)  # four slots slept through: one cycle, the newest
+    assert fired.slot_at == SLOT_1 + 3 * DAY and len(_jobs(app)) == 1
+    app.store.update_job(fired.job_id, None, state="done")
+    # Down again, past the newest slot's 12 h deadline: nothing to queue, said once.
+    (missed,) = fire_due(app, SLOT_1 + 5 * DAY + 13 * 3600)
+    assert (missed.outcome, missed.slot_at) == ("missed", SLOT_1 + 5 * DAY)
+    assert fire_due(app, SLOT_1 + 5 * DAY + 14 * 3600) == [] and len(_jobs(app)) == 1
+    assert [t for t, _ in _events(app)][-1] == "schedule.missed"
+    app.close()
+
+
+@pytest.mark.parametrize("overlap", ["skip", "queue"])
+def test_a_slot_that_comes_while_the_previous_cycle_is_not_over(tmp_path: Path, overlap: str) -> None:
+    app = _setup(tmp_path, f'overlap = "{overlap}"\n')
+    fire_due(app, ARMED)
+    (first,) = fire_due(app, SLOT_1 + 1)
+    (second,) = fire_due(app, SLOT_1 + DAY + 1)  # the first cycle is still queued
+    if overlap == "skip":
+        assert second.outcome == "skipped" and len(_jobs(app)) == 1
+        assert _events(app)[-1][1]["previous_job_id"] == first.job_id
+        app.store.update_job(first.job_id, None, state="done")
+        (third,) = fire_due(app, SLOT_1 + 2 * DAY + 1)  # over now: the next slot queues
+        assert third.outcome == "queued" and len(_jobs(app)) == 2
+    else:
+        assert second.outcome == "queued" and len(_jobs(app)) == 2
+    app.close()
+
+
+def test_a_job_file_that_does_not_validate_skips_its_slot_says_why_once_and_queues_nothing(tmp_path: Path) -> None:
+    app = _setup(tmp_path, kind="pretrain")  # not a job kind
+    fire_due(app, ARMED)
+    (bad,) = fire_due(app, SLOT_1 + 1)
+    assert bad.outcome == "job_invalid" and _jobs(app) == []
+    error = _events(app)[-1][1]["error"]
+    assert error.startswith(f"{tmp_path / 'nightly.toml'}: field 'kind': ")
+    assert fire_due(app, SLOT_1 + 60) == []  # said once for the slot
+    write_job(tmp_path, "nightly", command=["true"], workdir="work", deadline_hours=None, local_throughput=1.0,
+              deadline="2030-01-20T00:00:00Z")  # an instant: a later cycle would be past it
+    (instant,) = fire_due(app, SLOT_1 + DAY + 1)
+    assert instant.outcome == "job_invalid" and "field 'deadline': is an instant" in _events(app)[-1][1]["error"]
+    write_job(tmp_path, "nightly", command=["true"], workdir="work", deadline_hours=12, local_throughput=1.0)
+    (fixed,) = fire_due(app, SLOT_1 + 2 * DAY + 1)  # read again at each slot: the fix applies from the next
+    assert fixed.outcome == "queued" and len(_jobs(app)) == 1
+    app.close()
+
+
+def test_a_cycle_is_queued_and_its_slot_recorded_in_one_transaction(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    app = _setup(tmp_path)
+    fire_due(app, ARMED)
+    real = app.store.set_setting
+
+    def dies_while_recording(key: str, value: object, conn: object = None) -> None:
+        if conn is not None and key.startswith(KEY_PREFIX):
+            raise RuntimeError("killed")  # inside the job's transaction: the job is rolled back with it
+        real(key, value, conn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(app.store, "set_setting", dies_while_recording)
+    with pytest.raises(RuntimeError):
+        fire_due(app, SLOT_1 + 1)
+    assert _jobs(app) == [] and not list((tmp_path / "state" / "decisions").glob("*.md"))
+    monkeypatch.setattr(app.store, "set_setting", real)
+    (fired,) = fire_due(app, SLOT_1 + 2)  # the next tick: the same slot, once
+    assert fired.outcome == "queued" and len(_jobs(app)) == 1
+    app.close()
+
+
+class Counted:
+    """A cron trigger that counts the slots asked of it."""
+
+    def __init__(self, crontab: str) -> None:
+        self.trigger = CronTrigger.from_crontab(crontab, timezone="UTC")
+        self.timezone = self.trigger.timezone
+        self.asked = 0
+
+    def get_next_fire_time(self, previous: datetime | None, now: datetime) -> datetime | None:
+        self.asked += 1
+        return self.trigger.get_next_fire_time(previous, now)
+
+
+def test_the_newest_slot_is_found_without_walking_every_slot_of_a_long_sleep() -> None:
+    every_minute = Counted("* * * * *")
+    yearly = CronTrigger.from_crontab("0 0 1 1 *", timezone="UTC")
+    start = datetime(2030, 1, 1, 0, 30, tzinfo=UTC).timestamp()
+    a_year_on = start + 365 * DAY  # 00:30 on Jan 1st, 2031: itself a slot
+    assert newest_slot(every_minute, start, a_year_on) == a_year_on  # type: ignore[arg-type]
+    assert every_minute.asked < 33 * 1440  # the last month's slots, not the year's 525,600
+    assert newest_slot(every_minute, start, a_year_on - 1) == a_year_on - 60  # type: ignore[arg-type]
+    assert newest_slot(yearly, start, a_year_on) == datetime(2031, 1, 1, tzinfo=UTC).timestamp()
+    assert newest_slot(yearly, start, a_year_on - DAY) is None
+    assert slots_between(yearly, start - DAY, a_year_on) == [datetime(2030, 1, 1, tzinfo=UTC).timestamp(),
+                                                             datetime(2031, 1, 1, tzinfo=UTC).timestamp()]
+
+
+@pytest.mark.parametrize(("entry", "field", "says"), [
+    ('job = "nightly.toml"\ncron = "0 2 * * monday"', "schedule.0.cron", "is not a crontab: expected five crontab"),
+    ('job = "nightly.toml"\ncron = "0 2 * *"', "schedule.0.cron", "is not a crontab"),
+    ('job = "nightly.toml"\ncron = "0 2 * * *"\ntimezone = "Mars/Base"', "schedule.0.timezone",
+     "'Mars/Base' is not a time zone"),
+    ('job = "nightly.toml"\ncron = "0 2 * * *"\noverlap = "maybe"', "schedule.0.overlap", "'skip' or 'queue'"),
+    ('job = "nightly.toml"\ncron = "0 2 * * *"\n\n[[schedule]]\njob = "./nightly.toml"\ncron = "0 3 * * *"',
+     "schedule.1.job", "has a schedule already"),
+])
+def test_a_bad_schedule_is_one_line_naming_the_file_and_field_and_changes_nothing(
+        burstctl, tmp_path: Path, entry: str, field: str, says: str) -> None:
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(f"[[schedule]]\n{entry}\n")
+    r = burstctl("--config", str(cfg), "schedules")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"burstctl: error: {cfg}: field '{field}': ") and says in line
+    assert not (tmp_path / "state").exists()
+
+
+def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burstctl, tmp_path: Path) -> None:
+    (tmp_path / "work").mkdir()
+    write_job(tmp_path, "every-minute", command=["true"], workdir="work", deadline_hours=4, local_throughput=1.0)
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('[daemon]\ntick_s = 0.5\n\n[[schedule]]\njob = "every-minute.toml"\ncron = "* * * * *"\n')
+    app = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+    app.store.set_setting(KEY_PREFIX + str(tmp_path / "every-minute.toml"), {"armed_at": time.time() - 120})
+    app.close()
+
+    r = burstctl("--config", str(cfg), "daemon", "--exit-when-idle")
+    assert r.returncode == 0, r.stderr[-2000:]
+    listed = json.loads(burstctl("--config", str(cfg), "list", "--json").stdout)
+    assert [(j["name"], j["state"]) for j in listed] == [("every-minute", "done")]
+    (row,) = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
+    assert row["name"] == "every-minute" and row["armed"] and row["problem"] is None
+    assert (row["last_job_id"], row["last_job_state"]) == (listed[0]["id"], "done")
+    assert row["next_slot_at"] > row["last_slot_at"] > time.time() - 120
+    budget = json.loads(burstctl("--config", str(cfg), "budget", "--json").stdout)
+    # Counted a moment apart: a minute may turn between the two.
+    assert abs(budget["scheduled_cycles_left"] - row["slots_left_this_month"]) <= 1 and row["slots_left_this_month"]
+    assert "queued by its schedule for the slot of " in burstctl("--config", str(cfg), "show", listed[0]["id"]).stdout
+    shown = burstctl("--config", str(cfg), "schedules").stdout
+    assert "every-minute" in shown and f"{listed[0]['id']} (done)" in shown
