@@ -263,11 +263,10 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
             return
         try:
             reconciler = reconciler_now()  # the config as it is now: its [[schedule]] tables too
-            if app.config.schedule:
-                try:
-                    fire_due(app)  # before the tick: a cycle queued now starts in it
-                except Exception as exc:
-                    app.events.emit("daemon.schedule_failed", error=app.redactor(f"{type(exc).__name__}: {exc}"))
+            try:
+                fire_due(app)  # before the tick: a cycle queued now starts in it
+            except Exception as exc:
+                app.events.emit("daemon.schedule_failed", error=app.redactor(f"{type(exc).__name__}: {exc}"))
             reconciler.tick()
         except Exception as exc:  # the loop survives a bad tick; the next one starts from the database
             app.events.emit("daemon.tick_failed", error=f"{type(exc).__name__}: {exc}")

@@ -3,7 +3,8 @@
 Level-triggered, like the rest of the daemon: every tick compares each schedule's slots with what the database says
 it last did (the setting `schedule:<job file>`), and queues the newest slot that has come since, if any. So:
 - A schedule seen for the first time is armed (`schedule.armed`) and fires from its next slot on: adding one to
-  the config never queues a slot from before it was there.
+  the config never queues a slot from before it was there. One taken out of the config is forgotten
+  (`schedule.removed`), so putting it back arms it afresh.
 - A daemon that was down across several slots queues only the newest of them, its deadline counted from that slot;
   when that deadline has passed too, the slot is skipped (`schedule.missed`).
 - The cycle is queued and the slot recorded in one transaction: a daemon killed at any moment queues a slot once.
@@ -81,7 +82,7 @@ class Fired:
     """What a schedule did at a tick (for tests and the event log)."""
 
     job_file: str
-    outcome: str  # armed | queued | skipped | missed | job_invalid
+    outcome: str  # armed | queued | skipped | missed | job_invalid | removed
     slot_at: float | None = None
     job_id: str | None = None
 
@@ -91,9 +92,14 @@ def fire_due(app: App, now: float | None = None) -> list[Fired]:
     docstring). Returns what was done; nothing for a schedule with no slot due."""
     now = time.time() if now is None else now
     done: list[Fired] = []
-    for sched in app.config.schedule:
+    configured = {KEY_PREFIX + str(app.config.schedule_job(sched)): sched for sched in app.config.schedule}
+    for key in set(app.store.setting_keys(KEY_PREFIX)) - set(configured):
+        # Taken out of the config: forgotten, so that one put back later is armed afresh rather than catching up.
+        app.store.delete_setting(key)
+        app.events.emit("schedule.removed", job_file=key.removeprefix(KEY_PREFIX))
+        done.append(Fired(key.removeprefix(KEY_PREFIX), "removed"))
+    for key, sched in configured.items():
         path = app.config.schedule_job(sched)
-        key = KEY_PREFIX + str(path)
         rec: dict[str, Any] | None = app.store.get_setting(key)
         trig = trigger(sched)
         if rec is None:

@@ -426,6 +426,15 @@ class Store:
             c.exec_driver_sql("VACUUM")
 
     # --- settings -------------------------------------------------------------------------------------
+    def setting_keys(self, prefix: str) -> list[str]:
+        with self.engine.connect() as c:
+            return [k for (k,) in c.execute(select(s.settings.c.key).where(s.settings.c.key.startswith(prefix,
+                                                                                                   autoescape=True)))]
+
+    def delete_setting(self, key: str) -> None:
+        with self.tx() as c:
+            c.execute(s.settings.delete().where(s.settings.c.key == key))
+
     def get_setting(self, key: str, default: Any = None) -> Any:
         with self.engine.connect() as c:
             v = c.execute(select(s.settings.c.value).where(s.settings.c.key == key)).scalar()

@@ -198,3 +198,22 @@ def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burst
     assert "queued by its schedule for the slot of " in burstctl("--config", str(cfg), "show", listed[0]["id"]).stdout
     shown = burstctl("--config", str(cfg), "schedules").stdout
     assert "every-minute" in shown and f"{listed[0]['id']} (done)" in shown
+
+
+def test_a_schedule_taken_out_of_the_config_and_put_back_is_armed_afresh_not_caught_up(tmp_path: Path) -> None:
+    app = _setup(tmp_path)
+    fire_due(app, ARMED)
+    cfg = tmp_path / "burstctl.toml"
+    with_schedule = cfg.read_text()
+    app.close()
+    cfg.write_text("")
+    app = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+    assert [f.outcome for f in fire_due(app, ARMED + DAY)] == ["removed"]
+    assert fire_due(app, ARMED + DAY + 1) == []
+    app.close()
+    cfg.write_text(with_schedule)
+    app = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+    # Back ten days later: the slots while it was out are not its to catch up.
+    assert [f.outcome for f in fire_due(app, ARMED + 10 * DAY)] == ["armed"] and _jobs(app) == []
+    assert [f.outcome for f in fire_due(app, SLOT_1 + 10 * DAY + 1)] == ["queued"]
+    app.close()
