@@ -196,6 +196,8 @@ def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burst
     # Counted a moment apart: a minute may turn between the two.
     assert abs(budget["scheduled_cycles_left"] - row["slots_left_this_month"]) <= 1 and row["slots_left_this_month"]
     assert "queued by its schedule for the slot of " in burstctl("--config", str(cfg), "show", listed[0]["id"]).stdout
+    (soonest,) = json.loads(burstctl("--config", str(cfg), "status", "--json").stdout)["schedules"]
+    assert soonest == {"job_file": row["job_file"], "next_slot_at": pytest.approx(row["next_slot_at"], abs=60)}
     shown = burstctl("--config", str(cfg), "schedules").stdout
     assert "every-minute" in shown and f"{listed[0]['id']} (done)" in shown
 

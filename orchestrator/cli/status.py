@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
@@ -52,8 +54,20 @@ def status_data(app: App) -> dict[str, Any]:
         "month": month_key(now),
         "month_to_date_usd": round(app.store.month_spend(month_key(now), now), 4),
         "budget_cap_usd": app.config.budget.monthly_cap_usd,
+        "schedules": _next_slots(app, now),
         "state_dir": str(app.config.state_dir),
     }
+
+
+def _next_slots(app: App, now: float) -> list[dict[str, Any]]:
+    """Each schedule's job file and next slot, soonest first (`burstctl schedules` has the rest)."""
+    if not app.config.schedule:
+        return []
+    from orchestrator.schedules import next_slot, trigger  # only with a schedule: cron parsing
+
+    rows = [{"job_file": str(app.config.schedule_job(sc)), "next_slot_at": next_slot(trigger(sc), now)}
+            for sc in app.config.schedule]
+    return sorted(rows, key=lambda r: r["next_slot_at"] or float("inf"))
 
 
 def _config_changed(app: App) -> bool:
@@ -135,6 +149,12 @@ def status_cmd(app: App, as_json: bool) -> None:
     out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in d["jobs"].items() if v) if d["active_jobs"] or any(
         d["jobs"].values()) else "jobs: none")
     out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'], as_set=True)}")
+    if d["schedules"]:
+        soonest = d["schedules"][0]
+        at = datetime.fromtimestamp(soonest["next_slot_at"]).astimezone().strftime("%Y-%m-%d %H:%M %Z") \
+            if soonest["next_slot_at"] else "never"
+        out.print(f"schedules: {len(d['schedules'])}; next slot {at} ({escape(Path(soonest['job_file']).name)}; "
+                  "`burstctl schedules`)")
     if d["attempts"]:
         table("active attempts", ["attempt", "where", "state", "provider", "instance", "market"],
               [(a["id"], a["where"], a["state"], a["provider"], a["instance"], _market_txt(a)) for a in d["attempts"]])
