@@ -21,6 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.remote.ssh import MemoryHostKeyTrust, Target, generate_keypair, rsync_ssh_command
@@ -53,6 +56,32 @@ def make_checkpoint(ckpt_dir: Path, name: str, shard_size: int, shards: int, *, 
     return burst_checkpoint.write_checkpoint(ckpt_dir, name, writer=writer, meta={"step": int(name.split("-")[1])})
 
 
+@dataclass(frozen=True)
+class Loopback:
+    """A simcloud instance on 127.0.0.1 and what it takes to reach it."""
+
+    scratch: Path  # a temporary directory, removed afterwards
+    mode: str  # the SSH server: OpenSSH when installed, else paramiko
+    target: Target
+    trust: MemoryHostKeyTrust
+    sandbox: Path  # the instance's home directory, as this machine sees it
+
+
+@contextmanager
+def loopback_instance(scratch_in: str | None = None) -> Iterator[Loopback]:
+    scratch = Path(tempfile.mkdtemp(prefix="burstctl-bench-", dir=scratch_in))
+    backend = SshBackend(scratch / "simcloud")
+    try:
+        key = scratch / "keys" / "id_ed25519"
+        ep = backend.start("i-bench", generate_keypair(key))
+        assert ep.sandbox is not None
+        yield Loopback(scratch, backend.mode, Target(ep.host, ep.port, ep.user, key, ep.host_key, "i-bench"),
+                       MemoryHostKeyTrust(), Path(ep.sandbox))
+    finally:
+        backend.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def timed(fn: object, *args: object, **kwargs: object) -> tuple[float, object]:
     start = time.perf_counter()
     result = fn(*args, **kwargs)  # type: ignore[operator]
@@ -69,18 +98,11 @@ def main() -> int:
 
     shard_size = int(args.size_gib * 1024 * MiB) // args.shards
     total = shard_size * args.shards
-    scratch = Path(tempfile.mkdtemp(prefix="burstctl-bench-", dir=args.dir))
-    backend = SshBackend(scratch / "simcloud")
-    try:
-        key = scratch / "keys" / "id_ed25519"
-        pub = generate_keypair(key)
-        ep = backend.start("i-bench", pub)
-        assert ep.sandbox is not None
-        target = Target(ep.host, ep.port, ep.user, key, ep.host_key, "i-bench")
-        trust = MemoryHostKeyTrust()
-        remote_ckpt = Path(ep.sandbox) / "ckpt"
+    with loopback_instance(args.dir) as box:
+        scratch, target, trust = box.scratch, box.target, box.trust
+        remote_ckpt = box.sandbox / "ckpt"
         rsync_version = subprocess.run(["rsync", "--version"], capture_output=True, text=True).stdout.split()[2]
-        print(f"server: {backend.mode}; checkpoint: {args.shards} shards x {shard_size / MiB:.0f} MiB = "
+        print(f"server: {box.mode}; checkpoint: {args.shards} shards x {shard_size / MiB:.0f} MiB = "
               f"{total / MiB / 1024:.2f} GiB; rsync {rsync_version}; {os.cpu_count()} cores")
         first = make_checkpoint(remote_ckpt, "step-00000100", shard_size, args.shards)
         second_args = {"reuse": first, "changed": args.shards // 2}
@@ -91,7 +113,7 @@ def main() -> int:
 
         with rsync_ssh_command(target, trust) as rsh:
             plain = scratch / "plain-rsync"
-            t, _ = timed(subprocess.run, ["rsync", "-a", "-e", rsh, f"{ep.user}@{ep.host}:ckpt/step-00000100/",
+            t, _ = timed(subprocess.run, ["rsync", "-a", "-e", rsh, f"{target.user}@{target.host}:ckpt/step-00000100/",
                                           f"{plain}/"], check=True)
         rows.append(("plain rsync -a, full", t, None))
         t, _ = timed(subprocess.run, ["cp", "-a", str(first), str(scratch / "cp-copy")], check=True)
@@ -119,9 +141,6 @@ def main() -> int:
         print(f"incremental rsync bytes received / shard size: {inc_rsync / shard_size:.3f}")
         if not args.no_sftp:
             print(f"incremental sftp bytes received / shard size: {inc_sftp / shard_size:.3f}")
-    finally:
-        backend.close()
-        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from sync import loopback_instance  # benchmarks/sync.py
+
 from orchestrator.lifecycle.cloud_steps import LOG_FILES
 from orchestrator.remote import ssh, sync
-from orchestrator.remote.ssh import MemoryHostKeyTrust, Target, generate_keypair
-from providers.simcloud.ssh_backend import SshBackend
+from orchestrator.remote.ssh import MemoryHostKeyTrust, Target
 from runbooks import burst_checkpoint, supervisor
 
 
@@ -47,15 +46,8 @@ def main() -> int:
     parser.add_argument("--log-kib", type=float, default=4.0, help="what stdout grows by between syncs (KiB)")
     args = parser.parse_args()
 
-    scratch = Path(tempfile.mkdtemp(prefix="burstctl-bench-"))
-    backend = SshBackend(scratch / "simcloud")
-    try:
-        key = scratch / "keys" / "id_ed25519"
-        ep = backend.start("i-bench", generate_keypair(key))
-        assert ep.sandbox is not None
-        target = Target(ep.host, ep.port, ep.user, key, ep.host_key, "i-bench")
-        trust = MemoryHostKeyTrust()
-        sandbox = Path(ep.sandbox)
+    with loopback_instance() as box:
+        scratch, target, trust, sandbox = box.scratch, box.target, box.trust, box.sandbox
         burst_checkpoint.write_checkpoint(sandbox / "ckpt", "step-00000100",
                                           writer=lambda tmp: (tmp / "model.bin").write_bytes(os.urandom(1 << 20)),
                                           meta={"step": 100})
@@ -67,7 +59,7 @@ def main() -> int:
         (setup / supervisor.SETUP_LOG).write_text("Successfully installed everything\n")
         line = b"step 1234 loss 2.345 lr 1e-4 tokens/s 12345\n"
         growth = line * max(1, int(args.log_kib * 1024 / len(line)))
-        print(f"server: {backend.mode}; {args.rounds} rounds; stdout grows {len(growth) / 1024:.1f} KiB a sync; "
+        print(f"server: {box.mode}; {args.rounds} rounds; stdout grows {len(growth) / 1024:.1f} KiB a sync; "
               f"{os.cpu_count()} cores")
 
         # (checkpoints' transport, logs' transport): the daemon pulls logs over SFTP whatever carries checkpoints
@@ -99,9 +91,6 @@ def main() -> int:
         for ckpt, logs in cases:
             m = statistics.median(times[(ckpt, logs)])
             print(f"| {ckpt} | {logs or '(no logs)'} | {m:.3f} | {m / statistics.median(times[(ckpt, None)]):.2f} |")
-    finally:
-        backend.close()
-        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 
