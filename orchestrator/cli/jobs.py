@@ -32,16 +32,22 @@ def _at(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def job_or_fail(app: App, ref: str, field: str = "JOB") -> dict[str, Any]:
+def job_or_fail(app: App, ref: str, field: str = "JOB", *, newest: bool = False) -> dict[str, Any]:
     """The job `ref` names: an id, or a name that one job has, or that only one job not yet over has (the run of it
-    that `cancel` or `approve` means when earlier runs are done). Otherwise the ids to choose from. `field`: the
+    that `cancel` or `approve` means when earlier runs are done). Otherwise the ids to choose from, or, for a command
+    that only reads (`newest`), the newest of them (a schedule's cycles share a name), said on stderr. `field`: the
     argument or option that named it."""
-    found = app.store.find_jobs(ref)
+    found = app.store.find_jobs(ref)  # newest first
     if not found:
         raise BadInput(f"no job with id or name '{ref}'", field=field)
     active = [j for j in found if not JobState(j["state"]).final]
     if len(found) == 1 or len(active) == 1:
         return found[0] if len(found) == 1 else active[0]
+    if newest:
+        chosen = (active or found)[0]
+        click.echo(f"{ref}: the newest of {len(found)} jobs of that name, {chosen['id']} ({chosen['state']}); "
+                   "give an id for another (burstctl list --all)", err=True)
+        return chosen
     choices = ", ".join(f"{j['id']} ({j['state']})" for j in (active or found))
     raise BadInput(f"{len(active or found)} jobs are named '{ref}': give one of their ids: {choices}", field=field)
 
@@ -147,7 +153,7 @@ SHOW_EVENTS = 15
 @pass_app
 def show_cmd(app: App, job: str, as_json: bool) -> None:
     """Show one job: its decision, state and recent events."""
-    j = job_or_fail(app, job)
+    j = job_or_fail(app, job, newest=True)
     # The table shows the newest 15: only those are read (a job that ran for weeks has thousands).
     evs = app.store.events(job_id=j["id"], newest=None if as_json else SHOW_EVENTS)
     progress = _progress(app, j)
@@ -346,7 +352,7 @@ def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | N
         raise BadInput("--all and --limit exclude each other", field="--limit")
     if show_all and after_id is not None:
         raise BadInput("--all and --after exclude each other (--all is --after 0)", field="--after")
-    job_id = job_or_fail(app, job_ref, "--job")["id"] if job_ref else None
+    job_id = job_or_fail(app, job_ref, "--job", newest=True)["id"] if job_ref else None
     last = 0
     if after_id is not None and limit:  # a page
         evs = app.store.events(after_id=after_id, job_id=job_id, type_prefix=type_prefix, limit=limit)

@@ -69,7 +69,7 @@ def _describe(att: dict[str, Any]) -> str:
 def logs_cmd(app: App, job: str, attempt_n: int | None, log: str, lines: int | None, follow: bool) -> None:
     """Print a job's log: the newest attempt's stdout by default. A cloud attempt's logs are as they were at its
     last checkpoint sync while it runs, and whole once it has ended; they stay after the instance is gone."""
-    found = job_or_fail(app, job)
+    found = job_or_fail(app, job, newest=True)
     attempts = [a for a in _attempts(app, found["id"]) if a["started_at"] is not None]
     if attempt_n is not None:
         chosen = next((a for a in attempts if a["n"] == attempt_n), None)
