@@ -124,3 +124,32 @@ def test_a_type_prefix_reads_every_type_it_starts_and_only_those_in_id_order(db_
     assert [e["id"] for e in st.iter_events(type_prefix="job.", batch=2)] == [ids[0], ids[2], ids[5]]
     assert st.last_event_id() == ids[-1]
     st.close()
+
+
+def test_settings_are_listed_by_a_literal_prefix_and_deleted_one_by_one(db_url: str) -> None:
+    st = Store(db_url)
+    for key in ("schedule:/jobs/a.toml", "schedule:/jobs/b_c.toml", "schedules-seen", "sched%:x", "other"):
+        st.set_setting(key, {"armed_at": 1.0})
+    assert sorted(st.setting_keys("schedule:")) == ["schedule:/jobs/a.toml", "schedule:/jobs/b_c.toml"]
+    assert st.setting_keys("sched%") == ["sched%:x"]  # % and _ are characters here, not LIKE's wildcards
+    st.delete_setting("schedule:/jobs/a.toml")
+    st.delete_setting("schedule:/jobs/gone.toml")  # not there: nothing to do
+    assert st.setting_keys("schedule:") == ["schedule:/jobs/b_c.toml"]
+    assert st.get_setting("schedule:/jobs/b_c.toml") == {"armed_at": 1.0}
+    st.close()
+
+
+def test_marking_finished_attempts_adds_to_their_info_and_keeps_the_rest(db_url: str) -> None:
+    st = Store(db_url)
+    st.insert_job({"id": "j1", "name": "x", "kind": "train", "state": "done", "verdict": "local",
+                   "placement": "local", "spec": {}, "decision": {}, "deadline_at": 0.0})
+    with st.tx() as c:
+        for n in (1, 2):
+            c.execute(schema.attempts.insert().values(id=f"j1-a{n}", job_id="j1", n=n, where="local",
+                                                      state="succeeded", info={"units_done": n}, created_at=0.0))
+    st.mark_attempts(["j1-a1", "j1-a2", "j9-a1"], "logs_pruned_at", 123.0, batch=1)
+    with st.engine.connect() as c:
+        infos = dict(c.execute(select(schema.attempts.c.id, schema.attempts.c.info)).all())
+    assert infos == {"j1-a1": {"units_done": 1, "logs_pruned_at": 123.0},
+                     "j1-a2": {"units_done": 2, "logs_pruned_at": 123.0}}
+    st.close()
