@@ -464,6 +464,18 @@ class Store:
                                 .where(led.c.month == month, led.c.cost_usd.is_(None))).all()
         return float(closed or 0.0) + sum(rate * max(0.0, now - started) / 3600.0 for rate, started in running)
 
+    def job_spend(self, job_id: str, now: float | None = None) -> tuple[float, float]:
+        """What a job's cloud instances have cost (closed charges, open ones accrued up to now), and the $/h its open
+        ones still accrue."""
+        now = now or time.time()
+        led = s.ledger
+        with self.engine.connect() as c:
+            charges = c.execute(select(led.c.cost_usd, led.c.rate_usd_h, led.c.started_at)
+                                .where(led.c.job_id == job_id)).all()
+        spent = sum(cost if cost is not None else rate * max(now - started, 0.0) / 3600.0
+                    for cost, rate, started in charges)
+        return spent, sum(rate for cost, rate, _ in charges if cost is None)
+
     def ledger_rows(self, month: str | None = None) -> list[dict[str, Any]]:
         q = select(s.ledger).order_by(s.ledger.c.id)
         if month:

@@ -192,6 +192,9 @@ def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burst
     assert row["name"] == "every-minute" and row["armed"] and row["problem"] is None
     assert (row["last_job_id"], row["last_job_state"]) == (listed[0]["id"], "done")
     assert row["next_slot_at"] > row["last_slot_at"] > time.time() - 120
+    # A cycle of it runs here: nothing of the cloud, last time or planned now.
+    assert row["last_cycle_cloud_usd"] == 0 and row["plan_now"]["cloud_usd"] == 0
+    assert row["plan_now"]["plan_kind"] == "local"
     budget = json.loads(burstctl("--config", str(cfg), "budget", "--json").stdout)
     # Counted a moment apart: a minute may turn between the two.
     assert abs(budget["scheduled_cycles_left"] - row["slots_left_this_month"]) <= 1 and row["slots_left_this_month"]
@@ -199,7 +202,25 @@ def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burst
     (soonest,) = json.loads(burstctl("--config", str(cfg), "status", "--json").stdout)["schedules"]
     assert soonest == {"job_file": row["job_file"], "next_slot_at": pytest.approx(row["next_slot_at"], abs=60)}
     shown = burstctl("--config", str(cfg), "schedules").stdout
-    assert "every-minute" in shown and f"{listed[0]['id']} (done)" in shown
+    assert "every-minute" in shown and f"{listed[0]['id']} (done)" in shown and "local, $0.00 of cloud" in shown
+    assert "this month's cycles left, planned as a cycle would be now: $0.00 of cloud; $15.00 of the budget" in shown
+
+
+def test_schedules_prices_a_cycle_that_bursts_and_what_the_month_s_cycles_would_cost(burstctl, tmp_path: Path
+                                                                                      ) -> None:
+    # The job does not fit locally: each cycle bursts, at today's plan.
+    write_job(tmp_path, "weekly", command=["true"], deadline_hours=48, local_throughput=0,
+              rented_throughput={"H100": 0.5}, market="on-demand")
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('[[schedule]]\njob = "weekly.toml"\ncron = "0 2 * * mon"\ntimezone = "UTC"\n')
+    decided = json.loads(burstctl("--config", str(cfg), "decide", str(tmp_path / "weekly.toml"), "--json").stdout)
+    (row,) = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
+    assert row["plan_now"] == {"verdict": "burst", "plan_kind": "burst", "market": "on-demand",
+                               "cloud_usd": pytest.approx(decided["plan_cost_usd"], abs=1e-4)}
+    assert row["plan_now"]["cloud_usd"] > 0 and row["last_job_id"] is None and not row["armed"]
+    shown = burstctl("--config", str(cfg), "schedules").stdout
+    month = row["slots_left_this_month"] * row["plan_now"]["cloud_usd"]
+    assert f"planned as a cycle would be now: ${month:,.2f} of cloud" in shown
 
 
 def test_a_schedule_taken_out_of_the_config_and_put_back_is_armed_afresh_not_caught_up(tmp_path: Path) -> None:

@@ -201,17 +201,14 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
 def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
     """How far the job is, as its trainer last reported it (its newest attempt that said), and what its cloud
     instances have cost so far (the ledger: closed charges at cost, open ones at their rate until now)."""
-    now = time.time()
     with app.store.engine.connect() as c:
         rows = c.execute(select(s.attempts.c.info, s.attempts.c.started_at).where(s.attempts.c.job_id == j["id"])
                          .order_by(s.attempts.c.n.desc())).all()
-        charges = c.execute(select(s.ledger.c.cost_usd, s.ledger.c.rate_usd_h, s.ledger.c.started_at)
-                            .where(s.ledger.c.job_id == j["id"])).all()
     infos = [info or {} for info, _ in rows]
     said = next((i.get("metrics") for i in infos if reported(i.get("metrics"), "units_done") is not None), None)
-    cloud = sum(cost if cost is not None else rate * max(now - started, 0.0) / 3600 for cost, rate, started in charges)
+    cloud, accruing = app.store.job_spend(j["id"])
     return {"units_done": reported(said, "units_done"), "throughput_units_h": reported(said, "throughput_units_h"),
-            "cloud_usd": round(cloud, 4), "accruing_usd_h": round(sum(r for c_, r, _ in charges if c_ is None), 4),
+            "cloud_usd": round(cloud, 4), "accruing_usd_h": round(accruing, 4),
             "attempts_run": sum(1 for _, started in rows if started is not None)}
 
 

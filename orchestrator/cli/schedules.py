@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
-from orchestrator.core.budget import month_end
+from orchestrator.core.budget import month_end, month_key
 from orchestrator.errors import BadInput
-from orchestrator.jobspec import load_job
+from orchestrator.jobspec import JobSpec, load_job
+from orchestrator.records import fmt_usd
 from orchestrator.schedules import KEY_PREFIX, next_slot, slots_between, trigger
 
 
@@ -29,9 +31,11 @@ def schedule_rows(app: App, now: float) -> list[dict[str, Any]]:
         trig = trigger(sched)
         rec = app.store.get_setting(KEY_PREFIX + str(path)) or {}
         last_job = app.store.get_job(rec["last_job_id"]) if rec.get("last_job_id") else None
-        name, problem = None, None
+        name, problem, plan = None, None, None
         try:
-            name = load_job(path, now)[0].name
+            spec, deadline_at = load_job(path, now)
+            name = spec.name
+            plan = _plan_now(app, spec, path, deadline_at, now)
         except BadInput as exc:
             problem = app.redactor(str(exc))
         rows.append({
@@ -39,17 +43,33 @@ def schedule_rows(app: App, now: float) -> list[dict[str, Any]]:
             "overlap": sched.overlap, "armed": bool(rec), "next_slot_at": next_slot(trig, now),
             "last_slot_at": rec.get("last_slot_at"), "last_job_id": rec.get("last_job_id"),
             "last_job_state": last_job["state"] if last_job else None,
-            "slots_left_this_month": len(slots_between(trig, now, month_end(now))), "problem": problem})
+            "slots_left_this_month": len(slots_between(trig, now, month_end(now))),
+            "last_cycle_cloud_usd": None if last_job is None else round(app.store.job_spend(last_job["id"])[0], 4),
+            "plan_now": plan, "problem": problem})
     return rows
+
+
+def _plan_now(app: App, spec: JobSpec, path: Path, deadline_at: float, now: float) -> dict[str, Any]:
+    """How a cycle queued now would be decided (`burstctl decide` on the job file): its plan and its cloud cost."""
+    from orchestrator.core.decision import decide
+    from orchestrator.queue import context, facts, measured_rented_throughput, setup_estimate
+
+    d = decide(facts(spec, deadline_at, now, app.config, path, measured_rented_throughput(app, spec),
+                     setup_estimate(app, spec)), context(app, now)).to_dict()
+    cloud = sum(p["cost_usd"] for p in d["plan"] or [] if p["where"] == "cloud")
+    return {"verdict": d["verdict"], "plan_kind": d["plan_kind"], "cloud_usd": round(cloud, 4),
+            "market": d["market"]}
+
 
 
 @cli.command("schedules")
 @json_option
 @pass_app
 def schedules_cmd(app: App, as_json: bool) -> None:
-    """The jobs queued on a schedule ([[schedule]] in the config): each one's cron, next slot, last cycle and its
-    state, the slots left this month, and whether its job file validates now (one that does not is skipped at its
-    slot, and said). The daemon arms a new schedule at its next tick and queues from the slot after that."""
+    """The jobs queued on a schedule ([[schedule]] in the config): each one's cron, next slot, last cycle (its state
+    and cloud cost), how a cycle queued now would be decided and what it would cost, the slots left this month, and
+    whether its job file validates now (one that does not is skipped at its slot, and said). The daemon arms a new
+    schedule at its next tick and queues from the slot after that."""
     rows = schedule_rows(app, time.time())
     if as_json:
         print_json(rows)
@@ -57,12 +77,33 @@ def schedules_cmd(app: App, as_json: bool) -> None:
     if not rows:
         out.print(escape(f"no [[schedule]] in {app.config.source or 'the config (none was read)'}"))
         return
-    table("schedules", ["job", "cron", "next slot", "last cycle", "left this month"], [
+    table("schedules", ["job", "cron", "next slot", "last cycle", "a cycle now", "left this month"], [
         (escape(r["name"] or r["job_file"]), escape(f"{r['cron']} ({r['timezone']})"), _local(r["next_slot_at"]),
-         (f"{r['last_job_id']} ({r['last_job_state']}), slot {_local(r['last_slot_at'])}" if r["last_job_id"] else
-          f"none yet (slot {_local(r['last_slot_at'])} passed)" if r["last_slot_at"] else
-          "none yet" if r["armed"] else "none: armed at the daemon's next tick"),
-         r["slots_left_this_month"]) for r in rows])
+         _last(r), _plan_txt(r["plan_now"]), r["slots_left_this_month"]) for r in rows])
     for r in rows:
         if r["problem"]:
             out.print(f"[bold]{escape(r['job_file'])}[/bold] would be skipped at its slot: {escape(r['problem'])}")
+    priced = [r for r in rows if r["plan_now"]]
+    if priced:
+        month = sum(r["slots_left_this_month"] * r["plan_now"]["cloud_usd"] for r in priced)
+        left = max(0.0, app.config.budget.monthly_cap_usd - app.store.month_spend(month_key(time.time())))
+        out.print(f"this month's cycles left, planned as a cycle would be now: {fmt_usd(month)} of cloud; "
+                  f"{fmt_usd(left)} of the budget is left")
+
+
+def _last(r: dict[str, Any]) -> str:
+    if r["last_job_id"]:
+        cost = f", {fmt_usd(r['last_cycle_cloud_usd'])} of cloud" if r["last_cycle_cloud_usd"] else ""
+        return f"{r['last_job_id']} ({r['last_job_state']}{cost}), slot {_local(r['last_slot_at'])}"
+    if r["last_slot_at"]:
+        return f"none yet (slot {_local(r['last_slot_at'])} passed)"
+    return "none yet" if r["armed"] else "none: armed at the daemon's next tick"
+
+
+def _plan_txt(plan: dict[str, Any] | None) -> str:
+    """How a cycle queued now would run, and its cloud cost."""
+    if plan is None:
+        return "—"
+    how = plan["plan_kind"] or plan["verdict"]
+    market = f" {plan['market']}" if plan["market"] and plan["cloud_usd"] else ""
+    return f"{how}{market}, {fmt_usd(plan['cloud_usd'])} of cloud"
