@@ -1,6 +1,7 @@
 """Scheduler tick time against queue size: 100, 1,000 and 10,000 queued jobs (run by hand).
 
     .venv/bin/python benchmarks/tick.py [--sizes 100 1000 10000] [--ticks 30] [--postgres] [--measurements N]
+                                        [--schedules N]
 
 The scheduling half of a tick is what grows with the queue: it reads the queued jobs in deadline order (only as
 many as there are free slots), and re-decides up to `daemon.redecide_per_tick` blocked jobs. Here every slot is
@@ -8,9 +9,11 @@ taken (the cloud slots by running attempts, the local slot is configured to 0), 
 the rest are queued, the steady state of a long queue. Attempt steps are not included: they scale with the number
 of *running* attempts (bounded by `max_cloud_attempts`), not with the queue.
 Reported: median tick in ms per size, and the growth against the smallest size measured in the same run.
-`--measurements N` keeps N measured throughputs of other job names first (each cloud run keeps one), as after
-months of use. `--postgres` measures each size on PostgreSQL too (a private server started as the tests start it,
-tests/postgres.py, on 127.0.0.1 with fsync off), as a ratio to SQLite's tick in the same run.
+`--schedules N` configures N [[schedule]] tables and times the daemon's look at them before each tick
+(`fire_due`), as a ratio to that tick. `--measurements N` keeps N measured throughputs of other job names first
+(each cloud run keeps one), as after months of use. `--postgres` measures each size on PostgreSQL too (a private
+server started as the tests start it, tests/postgres.py, on 127.0.0.1 with fsync off), as a ratio to SQLite's tick
+in the same run.
 """
 
 from __future__ import annotations
@@ -54,22 +57,42 @@ def populate(app: App, n: int, measurements: int = 0) -> None:
                                                 state="running", provider="sim", info={}, created_at=now))
 
 
-def measure(n: int, ticks: int, database_url: str | None = None, measurements: int = 0) -> float:
+def schedule_tables(folder: Path, count: int) -> str:
+    """`count` [[schedule]] tables, each with its own job file, a daily slot apiece."""
+    (folder / "work").mkdir()
+    tables = []
+    for k in range(count):
+        (folder / f"cycle-{k}.toml").write_text(f'name = "cycle-{k}"\ncommand = ["true"]\nworkdir = "work"\n'
+                                               'deadline_hours = 24\nlocal_throughput = 1.0\n')
+        tables.append(f'[[schedule]]\njob = "cycle-{k}.toml"\ncron = "{k % 60} {k % 24} * * *"\n')
+    return "\n".join(tables)
+
+
+def measure(n: int, ticks: int, database_url: str | None = None, measurements: int = 0,
+            schedules: int = 0) -> tuple[float, float]:
+    """Median of the scheduling half of a tick, and of the daemon's look at its schedules (`fire_due`) before it."""
+    from orchestrator.schedules import fire_due
+
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "burstctl.toml"
         # The budget is spent, so blocked jobs stay blocked when re-decided: the steady state of a long queue.
         store = f'[state]\ndatabase_url = "{database_url}"\n' if database_url else ""
-        cfg.write_text("[daemon]\nlocal_concurrency = 0\n[budget]\nmonthly_cap_usd = 0\n" + store)
+        cfg.write_text("[daemon]\nlocal_concurrency = 0\n[budget]\nmonthly_cap_usd = 0\n" + store + "\n"
+                       + schedule_tables(Path(tmp), schedules))
         app = App(config_path=str(cfg), state_dir_override=str(Path(tmp) / "state"))
         populate(app, n, measurements)
+        fire_due(app)  # arms them: each tick after looks for a slot that has come, as the daemon does all day
         rec = Reconciler(app, {}, cloud=None)
-        times = []
+        times, looks = [], []
         for _ in range(ticks):
+            t = time.perf_counter()
+            fire_due(app)
+            looks.append(time.perf_counter() - t)
             t = time.perf_counter()
             rec._schedule()
             times.append(time.perf_counter() - t)
         app.close()
-        return statistics.median(times)
+        return statistics.median(times), statistics.median(looks)
 
 
 def main() -> None:
@@ -78,8 +101,11 @@ def main() -> None:
     p.add_argument("--ticks", type=int, default=30)
     p.add_argument("--postgres", action="store_true", help="also on a private PostgreSQL server")
     p.add_argument("--measurements", type=int, default=0, help="rows of measured s_R already kept (other jobs)")
+    p.add_argument("--schedules", type=int, default=0, help="[[schedule]] tables configured (the daemon looks at "
+                   "them every tick): their look is printed beside the tick")
     a = p.parse_args()
-    results = {n: measure(n, a.ticks, measurements=a.measurements) for n in a.sizes}
+    both = {n: measure(n, a.ticks, measurements=a.measurements, schedules=a.schedules) for n in a.sizes}
+    results = {n: tick for n, (tick, _) in both.items()}
     base = results[a.sizes[0]]
     on_pg: dict[int, float] = {}
     if a.postgres:
@@ -91,7 +117,7 @@ def main() -> None:
             raise SystemExit("--postgres: PostgreSQL's initdb/pg_ctl not found")
         server = PostgresServer(bin_dir).start()
         try:
-            on_pg = {n: measure(n, a.ticks, server.new_database(), a.measurements) for n in a.sizes}
+            on_pg = {n: measure(n, a.ticks, server.new_database(), a.measurements)[0] for n in a.sizes}
         finally:
             server.stop()
     head = f"{'queued jobs':>12} {'median tick':>12} {'vs ' + str(a.sizes[0]):>10}"
@@ -101,6 +127,9 @@ def main() -> None:
         if on_pg:
             row += f" {on_pg[n] * 1000:>10.2f} ms {on_pg[n] / t:>9.2f}×"
         print(row)
+    for n, (tick, look) in both.items():
+        print(f"{n:>12,} jobs: the look at {a.schedules} schedule(s) before the tick {look * 1000:.2f} ms, "
+              f"{look / tick:.2f}× the scheduling half of the tick")
 
 
 if __name__ == "__main__":

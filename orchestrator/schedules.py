@@ -17,6 +17,7 @@ Each cycle is then a job like any other: both gates, the market and this month's
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -38,7 +39,13 @@ _TICK = timedelta(microseconds=1)  # APScheduler's "next" is at or after its `no
 
 def trigger(sched: Schedule) -> CronTrigger:
     """The schedule's cron in its time zone (unset: this machine's, daylight saving included)."""
-    return CronTrigger.from_crontab(sched.cron, timezone=sched.timezone)
+    return _trigger(sched.cron, sched.timezone)
+
+
+@functools.lru_cache(maxsize=256)
+def _trigger(cron: str, timezone: str | None) -> CronTrigger:
+    # Built once per cron, not at every tick: parsing one costs about as much as the look at its slots.
+    return CronTrigger.from_crontab(cron, timezone=timezone)
 
 
 def _next(trig: CronTrigger, after: float) -> float | None:
@@ -92,15 +99,16 @@ def fire_due(app: App, now: float | None = None) -> list[Fired]:
     docstring). Returns what was done; nothing for a schedule with no slot due."""
     now = time.time() if now is None else now
     done: list[Fired] = []
-    configured = {KEY_PREFIX + str(app.config.schedule_job(sched)): sched for sched in app.config.schedule}
-    for key in set(app.store.setting_keys(KEY_PREFIX)) - set(configured):
+    configured = {app.config.schedule_job(sched): sched for sched in app.config.schedule}
+    records: dict[str, Any] = app.store.settings_with_prefix(KEY_PREFIX)  # one read for them all, every tick
+    for key in set(records) - {KEY_PREFIX + str(path) for path in configured}:
         # Taken out of the config: forgotten, so that one put back later is armed afresh rather than catching up.
         app.store.delete_setting(key)
         app.events.emit("schedule.removed", job_file=key.removeprefix(KEY_PREFIX))
         done.append(Fired(key.removeprefix(KEY_PREFIX), "removed"))
-    for key, sched in configured.items():
-        path = app.config.schedule_job(sched)
-        rec: dict[str, Any] | None = app.store.get_setting(key)
+    for path, sched in configured.items():
+        key = KEY_PREFIX + str(path)
+        rec: dict[str, Any] | None = records.get(key)
         trig = trigger(sched)
         if rec is None:
             app.store.set_setting(key, {"armed_at": now})

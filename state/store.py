@@ -426,10 +426,12 @@ class Store:
             c.exec_driver_sql("VACUUM")
 
     # --- settings -------------------------------------------------------------------------------------
-    def setting_keys(self, prefix: str) -> list[str]:
+    def settings_with_prefix(self, prefix: str) -> dict[str, Any]:
+        """Every setting whose key starts with `prefix` (literally: % and _ are characters), in one read."""
+        st = s.settings
         with self.engine.connect() as c:
-            return [k for (k,) in c.execute(select(s.settings.c.key).where(s.settings.c.key.startswith(prefix,
-                                                                                                   autoescape=True)))]
+            return {k: v for k, v in c.execute(select(st.c.key, st.c.value)
+                                               .where(st.c.key.startswith(prefix, autoescape=True)))}
 
     def delete_setting(self, key: str) -> None:
         with self.tx() as c:

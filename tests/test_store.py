@@ -130,12 +130,12 @@ def test_settings_are_listed_by_a_literal_prefix_and_deleted_one_by_one(db_url: 
     st = Store(db_url)
     for key in ("schedule:/jobs/a.toml", "schedule:/jobs/b_c.toml", "schedules-seen", "sched%:x", "other"):
         st.set_setting(key, {"armed_at": 1.0})
-    assert sorted(st.setting_keys("schedule:")) == ["schedule:/jobs/a.toml", "schedule:/jobs/b_c.toml"]
-    assert st.setting_keys("sched%") == ["sched%:x"]  # % and _ are characters here, not LIKE's wildcards
+    assert st.settings_with_prefix("schedule:") == {"schedule:/jobs/a.toml": {"armed_at": 1.0},
+                                                    "schedule:/jobs/b_c.toml": {"armed_at": 1.0}}
+    assert list(st.settings_with_prefix("sched%")) == ["sched%:x"]  # % and _ are characters, not LIKE's wildcards
     st.delete_setting("schedule:/jobs/a.toml")
     st.delete_setting("schedule:/jobs/gone.toml")  # not there: nothing to do
-    assert st.setting_keys("schedule:") == ["schedule:/jobs/b_c.toml"]
-    assert st.get_setting("schedule:/jobs/b_c.toml") == {"armed_at": 1.0}
+    assert st.settings_with_prefix("schedule:") == {"schedule:/jobs/b_c.toml": {"armed_at": 1.0}}
     st.close()
 
 
