@@ -221,6 +221,7 @@ def test_schedules_prices_a_cycle_that_bursts_and_what_the_month_s_cycles_would_
     shown = burstctl("--config", str(cfg), "schedules").stdout
     month = row["slots_left_this_month"] * row["plan_now"]["cloud_usd"]
     assert f"planned as a cycle would be now: ${month:,.2f} of cloud" in shown
+    assert "the daemon is not running: no cycle is queued until it is" in shown  # a schedule alone does nothing
 
 
 def test_a_schedule_taken_out_of_the_config_and_put_back_is_armed_afresh_not_caught_up(tmp_path: Path) -> None:

@@ -83,6 +83,11 @@ def schedules_cmd(app: App, as_json: bool) -> None:
     for r in rows:
         if r["problem"]:
             out.print(f"[bold]{escape(r['job_file'])}[/bold] would be skipped at its slot: {escape(r['problem'])}")
+    from orchestrator.daemon import running_daemon
+
+    if running_daemon(app) is None:
+        out.print("[yellow]the daemon is not running: no cycle is queued until it is (`burstctl daemon`, or its "
+                  "systemd unit)[/yellow]")
     priced = [r for r in rows if r["plan_now"]]
     if priced:
         month = sum(r["slots_left_this_month"] * r["plan_now"]["cloud_usd"] for r in priced)
