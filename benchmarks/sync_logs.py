@@ -8,15 +8,16 @@ already home, so each checkpoint pull is what most syncs are: a look that finds 
 trainer's stdout grows by --log-kib. Each round times, in alternating order, for checkpoints over rsync and over
 SFTP:
   - the sync alone: `pull_checkpoints(newest_only=True)`;
-  - the sync and the logs: the same, then the calls `CloudSteps.pull_logs` makes (one SSH connection; the three
-    run logs with append, then the setup log) with that connection's set-up included, the logs over rsync (as
-    before) or SFTP (as now).
+  - the sync and the logs: the same, then the calls `CloudSteps.pull_logs` makes (the three run logs with append,
+    then the setup log): over rsync (as two stops ago) or SFTP, on a connection of their own (as the stop before)
+    or on the checkpoint pull's (as now), each connection's set-up included.
 Prints the medians and each one's ratio to the sync alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -32,9 +33,10 @@ from runbooks import burst_checkpoint, supervisor
 
 
 def pull_logs(target: Target, trust: MemoryHostKeyTrust, run_dir: str, setup_dir: str, local: Path,
-              transport: sync.Transport) -> None:
+              transport: sync.Transport, shared: ssh.SharedConnection | None = None) -> None:
     """`CloudSteps.pull_logs`, its calls as they are, with the transport pinned."""
-    with ssh.connect(target, trust=trust) as conn:
+    with contextlib.ExitStack() as stack:
+        conn = shared.get() if shared is not None else stack.enter_context(ssh.connect(target, trust=trust))
         sync.pull_files(target, trust, run_dir, LOG_FILES, local, append=True, conn=conn, transport=transport)
         sync.pull_files(target, trust, setup_dir, [supervisor.SETUP_LOG], local, append=True, conn=conn,
                         transport=transport)
@@ -62,35 +64,43 @@ def main() -> int:
         print(f"server: {box.mode}; {args.rounds} rounds; stdout grows {len(growth) / 1024:.1f} KiB a sync; "
               f"{os.cpu_count()} cores")
 
-        # (checkpoints' transport, logs' transport): the daemon pulls logs over SFTP whatever carries checkpoints
-        # (`CloudSteps.pull_logs`); logs over rsync is how it was before.
-        cases: list[tuple[sync.Transport, sync.Transport | None]] = [
-            ("rsync", None), ("rsync", "rsync"), ("rsync", "sftp"), ("sftp", None), ("sftp", "sftp")]
-        times: dict[tuple[sync.Transport, sync.Transport | None], list[float]] = {case: [] for case in cases}
-        for ckpt, logs in cases:  # everything home once: the rounds measure what a later sync costs
-            sync.pull_checkpoints(target, trust, "ckpt", scratch / f"home-{ckpt}" / "ckpt", transport=ckpt)
-            if logs is not None:
-                pull_logs(target, trust, "run", "setup", scratch / f"home-{ckpt}-{logs}", logs)
+        # (checkpoints' transport, logs' transport, one connection for both): the daemon pulls logs over SFTP on the
+        # checkpoint pull's connection (`Reconciler` with `CloudSteps.shared_ssh`); the rest is how it was before.
+        Case = tuple[sync.Transport, sync.Transport | None, bool]
+        cases: list[Case] = [("rsync", None, False), ("rsync", "rsync", False), ("rsync", "sftp", False),
+                             ("rsync", "sftp", True), ("sftp", None, False), ("sftp", "sftp", False),
+                             ("sftp", "sftp", True)]
+        times: dict[Case, list[float]] = {case: [] for case in cases}
+
+        def one_sync(ckpt: sync.Transport, logs: sync.Transport | None, share: bool, newest_only: bool) -> bool:
+            with ssh.SharedConnection(target, trust) as shared:
+                got = sync.pull_checkpoints(target, trust, "ckpt", scratch / f"home-{ckpt}" / "ckpt",
+                                            transport=ckpt, newest_only=newest_only,
+                                            conn=shared.get() if share else None)
+                if logs is not None:
+                    pull_logs(target, trust, "run", "setup", scratch / f"home-{ckpt}-{logs}-{share}", logs,
+                              shared if share else None)
+            return bool(got)
+
+        for case in cases:  # everything home once: the rounds measure what a later sync costs
+            one_sync(*case, newest_only=False)
         for k in range(args.rounds):
             with open(run / supervisor.STDOUT_LOG, "ab") as f:
                 f.write(growth)
-            for ckpt, logs in cases[::-1] if k % 2 else cases:
+            for case in cases[::-1] if k % 2 else cases:
                 t = time.perf_counter()
-                got = sync.pull_checkpoints(target, trust, "ckpt", scratch / f"home-{ckpt}" / "ckpt",
-                                            transport=ckpt, newest_only=True)
-                assert not got, "the checkpoint is home: nothing new"
-                if logs is not None:
-                    pull_logs(target, trust, "run", "setup", scratch / f"home-{ckpt}-{logs}", logs)
-                times[(ckpt, logs)].append(time.perf_counter() - t)
-        for ckpt, logs in cases:
+                assert not one_sync(*case, newest_only=True), "the checkpoint is home: nothing new"
+                times[case].append(time.perf_counter() - t)
+        for ckpt, logs, share in cases:
             if logs is not None:
-                home = scratch / f"home-{ckpt}-{logs}" / supervisor.STDOUT_LOG
+                home = scratch / f"home-{ckpt}-{logs}-{share}" / supervisor.STDOUT_LOG
                 assert home.read_bytes() == (run / supervisor.STDOUT_LOG).read_bytes()
 
         print("\n| checkpoints over | logs over | median s a sync | against the sync alone |\n|---|---|---:|---:|")
-        for ckpt, logs in cases:
-            m = statistics.median(times[(ckpt, logs)])
-            print(f"| {ckpt} | {logs or '(no logs)'} | {m:.3f} | {m / statistics.median(times[(ckpt, None)]):.2f} |")
+        for ckpt, logs, share in cases:
+            m = statistics.median(times[(ckpt, logs, share)])
+            how = "(no logs)" if logs is None else f"{logs}, {'the same' if share else 'its own'} connection"
+            print(f"| {ckpt} | {how} | {m:.3f} | {m / statistics.median(times[(ckpt, None, False)]):.2f} |")
     return 0
 
 

@@ -17,6 +17,7 @@ Remote layout, under the login directory of the instance:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Mapping
@@ -338,8 +339,14 @@ class CloudSteps:
             conn.close()
         return json.loads(res.stdout.strip().splitlines()[-1])
 
-    def pull(self, att: dict[str, Any], job: dict[str, Any]) -> PulledCheckpoints:
-        """The newest checkpoint home: from S3 when the instance uploads there, else from the instance over SSH."""
+    def shared_ssh(self, att: dict[str, Any]) -> ssh.SharedConnection:
+        """One connection for the steps of a sync (`pull`, then `pull_logs`), opened when the first needs it."""
+        return ssh.SharedConnection(self.target(att), self.trust(att))
+
+    def pull(self, att: dict[str, Any], job: dict[str, Any],
+             shared: ssh.SharedConnection | None = None) -> PulledCheckpoints:
+        """The newest checkpoint home: from S3 when the instance uploads there, else from the instance over SSH
+        (on `shared`'s connection when given)."""
         store = checkpoints.store_dir(self.app.config, job["id"])
         s3 = self.s3_store(att, job)
         # The daemon and `revert-local` may pull the same job at once: one at a time per job's store.
@@ -349,24 +356,27 @@ class CloudSteps:
             else:
                 base, _ = self._remote(att)
                 pulled = sync.pull_checkpoints(self.target(att), self.trust(att),
-                                               f"{base}/{job['id']}/checkpoints", store, newest_only=True)
+                                               f"{base}/{job['id']}/checkpoints", store, newest_only=True,
+                                               conn=shared.get() if shared is not None else None)
             if pulled:
                 checkpoints.prune_store(self.app.config, job["id"])  # multi-GB checkpoints: keep the newest few
                 if s3 is not None:
                     s3.prune(keep=checkpoints.KEEP)  # what is home need not be paid for in S3 as well
         return pulled
 
-    def pull_logs(self, att: dict[str, Any], job: dict[str, Any]) -> sync.SyncStats:
+    def pull_logs(self, att: dict[str, Any], job: dict[str, Any],
+                  shared: ssh.SharedConnection | None = None) -> sync.SyncStats:
         """The attempt's logs home, into <state>/runs/<attempt>/ where a local attempt's are: the command's stdout
         and stderr, the supervisor's notes, and the log of the job's setup on this instance. Only what they grew by
         crosses: a long run's log costs each sync its new lines.
-        Over SFTP on this one connection, whatever carries the checkpoints: a log's new lines are kilobytes, and
-        rsync's two runs (a process and an SSH handshake each) made a sync that finds no new checkpoint 5.6x as
-        slow, SFTP 2.0x (benchmarks/sync_logs.py)."""
+        Over SFTP, whatever carries the checkpoints, on `shared`'s connection when given (the sync's): a log's new
+        lines are kilobytes, and rsync's two runs (a process and an SSH handshake each) made a sync that finds no
+        new checkpoint 5.8x as slow; SFTP on its own connection 2.0x, on the sync's 1.45x (benchmarks/sync_logs.py)."""
         target, trust = self.target(att), self.trust(att)
         base, run_dir = self._remote(att)
         local = attempt_run_dir(self.app.config, att["id"])
-        with ssh.connect(target, trust=trust) as conn:
+        with contextlib.ExitStack() as stack:
+            conn = shared.get() if shared is not None else stack.enter_context(ssh.connect(target, trust=trust))
             stats = sync.pull_files(target, trust, run_dir, LOG_FILES, local, append=True, conn=conn,
                                     transport="sftp")
             if job["spec"].get("setup"):

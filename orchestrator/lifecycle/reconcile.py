@@ -43,7 +43,7 @@ from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_du
 from orchestrator.lifecycle.states import JobState
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
 from orchestrator.queue import setup_key, throughput_key
-from orchestrator.remote.ssh import HostKeyMismatch
+from orchestrator.remote.ssh import HostKeyMismatch, SharedConnection
 from providers.base import (
     LAUNCH_REFUSALS,
     InstanceInfo,
@@ -870,8 +870,9 @@ class Reconciler:
         # gone back (a second pull in the same tick).
         since_sync = self.clock() - info.get("last_sync_at", 0)
         if ex is not None or since_sync >= sync_every or since_sync < 0:  # < 0: our clock went back, sync now
-            self._pull(att, job, info)
-            self._pull_logs(att, job, info)
+            with self.cloud_steps.shared_ssh({**att, "info": info}) as shared:  # one handshake for both
+                self._pull(att, job, info, shared)
+                self._pull_logs(att, job, info, shared)
         if ex is not None:
             reason = ex.get("reason")
             if reason == "completed" and ex.get("exit_code") == 0:
@@ -927,13 +928,16 @@ class Reconciler:
             self.emit("checkpoint.s3_unavailable", job_id=job["id"], attempt_id=att["id"],
                       error=info["s3_unavailable"], fallback="ssh")
 
-    def _pull(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
+    def _pull(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
+              shared: SharedConnection | None = None) -> bool:
         """Bring the newest checkpoint home; False when the pull failed (nothing partial is visible). `info` is
-        the attempt's, persisted by the caller."""
+        the attempt's, persisted by the caller. `shared`: the sync's SSH connection, when it has one."""
         started = time.monotonic()
         try:
-            new = self.cloud_steps.pull({**att, "info": info}, job)
+            new = self.cloud_steps.pull({**att, "info": info}, job, shared)
         except Exception as exc:
+            if shared is not None:
+                shared.drop()
             self._pull_failed(att, job, info, exc)
             return False
         took = time.monotonic() - started
@@ -969,13 +973,16 @@ class Reconciler:
                   dir=str(job_outputs_dir(self.cfg, job["id"])))
         return True
 
-    def _pull_logs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
+    def _pull_logs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
+                   shared: SharedConnection | None = None) -> None:
         """Bring the attempt's logs home (`CloudSteps.pull_logs`) at each sync and at its end, while the instance
         answers. A failure costs only the logs' freshness: said once per distinct error, tried at the next sync.
-        `info` is the attempt's, persisted by the caller."""
+        `info` is the attempt's, persisted by the caller. `shared`: the sync's SSH connection, when it has one."""
         try:
-            self.cloud_steps.pull_logs({**att, "info": info}, job)
+            self.cloud_steps.pull_logs({**att, "info": info}, job, shared)
         except Exception as exc:
+            if shared is not None:
+                shared.drop()
             self._said_once(att, job, info, "logs_error", "attempt.logs_pull_failed", exc)
             return
         info.pop("logs_error", None)

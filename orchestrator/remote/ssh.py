@@ -229,6 +229,33 @@ def connect(target: Target, *, trust: HostKeyTrust, timeout_s: float = 10.0) -> 
     return conn
 
 
+
+class SharedConnection:
+    """One SSH connection to an instance, opened when a step first asks for it and shared by the steps after it (a
+    sync's checkpoint pull, then its logs: each SSH handshake is a tenth of a second, benchmarks/sync_logs.py). A
+    step that failed drops it, so that the next one connects afresh."""
+
+    def __init__(self, target: Target, trust: HostKeyTrust) -> None:
+        self.target, self.trust = target, trust
+        self._conn: fabric.Connection | None = None
+
+    def get(self) -> fabric.Connection:
+        if self._conn is None:
+            self._conn = connect(self.target, trust=self.trust)
+        return self._conn
+
+    def drop(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):  # closing a broken connection may fail too
+                self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> SharedConnection:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.drop()
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, socket.timeout | TimeoutError):
         return "timed out"

@@ -253,7 +253,7 @@ def _connection(target: Target, trust: HostKeyTrust, conn: fabric.Connection | N
 
 def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, local_ckpt_dir: str | Path, *,
                      transport: Transport = "auto", bwlimit_kib: int | None = None,
-                     newest_only: bool = False) -> PulledCheckpoints:
+                     newest_only: bool = False, conn: fabric.Connection | None = None) -> PulledCheckpoints:
     """Bring back every complete remote checkpoint not yet complete locally; return the new local ones.
 
     With `newest_only`, just the newest: older ones are superseded, and a trainer pruning them while they are
@@ -262,14 +262,15 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
     Each is verified (sizes + sha256 against its manifest) before it becomes visible. One that fails
     verification stays invisible and is listed in `.rejected`; transport failures raise SyncError (retry to
     resume) and a full local disk raises SyncError after removing that checkpoint's staging dir.
-    `bwlimit_kib` caps the transfer rate (KiB/s) so a pull does not starve the trainer's own traffic.
+    `bwlimit_kib` caps the transfer rate (KiB/s) so a pull does not starve the trainer's own traffic. `conn`: an
+    open connection to use (the caller closes it), else one of its own.
     """
     local_root = Path(local_ckpt_dir)
     local_root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     pulled: list[Path] = []
     rejected: dict[str, str] = {}
-    with connect(target, trust=trust) as conn:
+    with _connection(target, trust, conn) as conn:
         chosen = choose_transport(target, conn, transport)
         total = SyncStats(chosen)
         names = _remote_complete(conn, remote_ckpt_dir)
