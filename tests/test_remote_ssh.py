@@ -22,6 +22,7 @@ from orchestrator.remote.ssh import (
     JsonFileHostKeyTrust,
     MemoryHostKeyTrust,
     RemoteCommandFailed,
+    SharedConnection,
     SshUnavailable,
     Target,
     connect,
@@ -191,4 +192,20 @@ def test_rsync_ssh_command_pins_the_host_key(backend: SshBackend, key_path: Path
 
     with pytest.raises(HostKeyMismatch, match="no host key pinned or recorded"), \
             rsync_ssh_command(replace(target, host_key=None), MemoryHostKeyTrust()):
+        pass
+
+
+def test_a_shared_connection_is_opened_once_for_the_steps_of_a_sync_and_afresh_after_a_failed_step(
+        backend: SshBackend, key_path: Path) -> None:
+    target = launch(backend, key_path, "i-shared")
+    with SharedConnection(target, MemoryHostKeyTrust()) as shared:
+        first = shared.get()
+        assert shared.get() is first  # the logs' pull rides on the checkpoint pull's connection
+        assert run(first, ["echo", "one"]).stdout.strip() == "one"
+        shared.drop()  # a step failed: the next one must not inherit a connection that may be broken
+        again = shared.get()
+        assert again is not first and run(again, ["echo", "two"]).stdout.strip() == "two"
+    assert not again.is_connected  # closed on the way out
+    # Nothing is opened until a step asks for it: a sync through S3 needs no SSH at all.
+    with SharedConnection(replace(target, port=free_port()), MemoryHostKeyTrust()):
         pass
