@@ -206,6 +206,8 @@ def test_a_shared_connection_is_opened_once_for_the_steps_of_a_sync_and_afresh_a
         again = shared.get()
         assert again is not first and run(again, ["echo", "two"]).stdout.strip() == "two"
     assert not again.is_connected  # closed on the way out
-    # Nothing is opened until a step asks for it: a sync through S3 needs no SSH at all.
-    with SharedConnection(replace(target, port=free_port()), MemoryHostKeyTrust()):
-        pass
+    # Nothing is opened until a step asks for it (a sync through S3 needs no SSH at all): entering one for a port
+    # nothing listens on is fine; asking it for the connection is what fails.
+    nowhere = SharedConnection(replace(target, port=free_port()), MemoryHostKeyTrust())
+    with nowhere, pytest.raises(SshUnavailable):
+        nowhere.get()
