@@ -191,8 +191,10 @@ def setup_estimates(app: App, names: Iterable[str]) -> dict[str, SetupEstimate]:
 
 
 def setup_estimate(app: App, spec: JobSpec) -> SetupEstimate:
-    """The job's setup time (`setup_estimates`); `UNMEASURED_SETUP` when there is nothing to go on. A job without a
-    setup ignores it (`facts`)."""
+    """The job's setup time (`setup_estimates`); `UNMEASURED_SETUP` when there is nothing to go on, or no setup to
+    look up (`facts` leaves a job without one at 0)."""
+    if not spec.setup:
+        return UNMEASURED_SETUP
     return setup_estimates(app, [spec.name]).get(spec.name, UNMEASURED_SETUP)
 
 

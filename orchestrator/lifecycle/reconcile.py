@@ -354,7 +354,7 @@ class Reconciler:
         for job in due:
             gpus_by_name.setdefault(job["name"], set()).update(job["spec"].get("rented_throughput", {}))
         measured = measured_rented_throughputs(self.app, gpus_by_name)
-        setups = setup_estimates(self.app, gpus_by_name)
+        setups = setup_estimates(self.app, {job["name"] for job in due if job["spec"].get("setup")})
         # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
         # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
         with self.store.tx() as conn:
