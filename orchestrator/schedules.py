@@ -48,24 +48,20 @@ def _trigger(cron: str, timezone: str | None) -> CronTrigger:
     return CronTrigger.from_crontab(cron, timezone=timezone)
 
 
-def _next(trig: CronTrigger, after: float) -> float | None:
-    at = trig.get_next_fire_time(None, datetime.fromtimestamp(after, trig.timezone) + _TICK)
-    return None if at is None else at.timestamp()
-
-
 def next_slot(trig: CronTrigger, after: float) -> float | None:
     """The first slot strictly after `after` (unix seconds)."""
-    return _next(trig, after)
+    at = trig.get_next_fire_time(None, datetime.fromtimestamp(after, trig.timezone) + _TICK)
+    return None if at is None else at.timestamp()
 
 
 def slots_between(trig: CronTrigger, after: float, until: float) -> list[float]:
     """The slots in (after, until], oldest first (callers ask for a month at most: 44,640 slots of a cron that
     fires every minute, 0.8 s)."""
     found: list[float] = []
-    at = _next(trig, after)
+    at = next_slot(trig, after)
     while at is not None and at <= until:
         found.append(at)
-        at = _next(trig, at)
+        at = next_slot(trig, at)
     return found
 
 
@@ -74,13 +70,9 @@ def newest_slot(trig: CronTrigger, after: float, until: float) -> float | None:
     hourly cron walks a month of slots, not a year; a cron sparser than that walks the rest, which is short."""
     start = max(after, until - DENSE_WINDOW_S)
     for lo, hi in ((start, until), (after, start)):
-        newest = None
-        at = _next(trig, lo)
-        while at is not None and at <= hi:
-            newest = at
-            at = _next(trig, at)
-        if newest is not None:
-            return newest
+        found = slots_between(trig, lo, hi)
+        if found:
+            return found[-1]
     return None
 
 
