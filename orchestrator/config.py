@@ -399,6 +399,58 @@ class Schedule(Strict):
         return v
 
 
+# What a person should hear of without watching `status`: the notices `[[notify]]` sends when it names none.
+DEFAULT_NOTICES = ["job.done", "job.failed", "job.awaiting_approval", "job.rethink", "job.blocked",
+                   "job.behind_schedule", "schedule.missed", "schedule.job_invalid", "instance.terminate_unverified",
+                   "instance.orphan_terminate_failed", "attempt.provider_unavailable", "daemon.config_rejected",
+                   "daemon.lock_lost"]
+NOTIFIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+class Notify(Strict):
+    """Where the daemon sends notices of the events a person should hear of: a webhook (`url_env`) or a command,
+    exactly one of the two. Notices go in the order their events happened, none skipped: one that cannot be
+    delivered is tried again (5 s, doubling, at most 15 min) before any later one."""
+
+    name: str = Field(description="The notifier's name, in events and `burstctl status`, and the key of its place "
+                      "in the event log: renaming it starts it afresh from the newest event.")
+    url_env: EnvName | None = Field(
+        None, description="The environment variable holding the webhook's URL. Slack, Discord, Mattermost and ntfy "
+        "put their token in the URL, so it is treated as a secret: never in the config, an event or an error. Each "
+        "notice is POSTed to it; any 2xx is delivered.")
+    format: Literal["json", "slack", "text"] = Field(
+        "json", description="The webhook's body: `json` (the notice: id, type, text, job, event data), `slack` "
+        "({\"text\": ...}: Slack, Mattermost, Rocket.Chat) or `text` (the line as text/plain: ntfy).")
+    command: list[str] | None = Field(
+        None, description="A command run for each notice, with the notice as JSON on its stdin; `{text}`, `{type}` "
+        "and `{job}` in its arguments are replaced (e.g. [\"notify-send\", \"burstctl\", \"{text}\"]). Exit 0 is "
+        "delivered.")
+    events: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_NOTICES), min_length=1,
+        description="The notices to send: event types, `*` a wildcard (\"job.*\", \"*\"). A job queued or decided "
+        "again into a state that needs a person is `job.awaiting_approval`, `job.blocked` or `job.rethink`. The "
+        "notifiers' own `notify.*` events are never sent.")
+    timeout_s: PositiveFloat = Field(10.0, description="How long one delivery may take before it counts as failed.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NOTIFIER_NAME.fullmatch(v):
+            raise ValueError(f"'{v}' is not a notifier name: expected letters, digits, '.', '_' and '-'")
+        return v
+
+    @model_validator(mode="after")
+    def _one_target(self) -> Notify:
+        if (self.url_env is None) == (self.command is None):
+            raise ValueError("expected exactly one of url_env (a webhook) and command")
+        if self.command is not None and not self.command:
+            raise FieldValueError("command", "empty: expected the program and its arguments, e.g. "
+                                  "[\"notify-send\", \"burstctl\", \"{text}\"]")
+        if self.command is not None and self.format != "json":
+            raise FieldValueError("format", "only a webhook (url_env) has a format: a command gets the notice as JSON")
+        return self
+
+
 class Config(Strict):
     local: LocalMachine = Field(default_factory=LocalMachine)
     budget: Budget = Field(default_factory=Budget)
@@ -413,6 +465,10 @@ class Config(Strict):
     schedule: list[Schedule] = Field(
         default_factory=list, description="Jobs queued on a schedule ([[schedule]] tables), one per job file: the "
         "daemon queues each cycle when its slot comes (`burstctl schedules` lists them).")
+    notify: list[Notify] = Field(
+        default_factory=list, description="Where the daemon sends notices ([[notify]] tables): a job done or failed, "
+        "one waiting for approval, a slot missed, an instance not confirmed gone (`burstctl notify-test` tries "
+        "them).")
     orchestrator_id: str | None = Field(
         None, description="Owner tag on every instance this installation creates. Unset: one is made for this state "
         "on first use and kept in it (`burstctl-` and 8 hex digits; a state from before that keeps `burstctl`). Two "
@@ -440,6 +496,16 @@ class Config(Strict):
             seen.add(path)
         return self
 
+    @model_validator(mode="after")
+    def _notifier_names_unique(self) -> Config:
+        seen: set[str] = set()
+        for k, n in enumerate(self.notify):
+            if n.name in seen:
+                raise FieldValueError(f"notify.{k}.name", f"'{n.name}' names another [[notify]] already: expected "
+                                      "one name per notifier")
+            seen.add(n.name)
+        return self
+
     def schedule_job(self, sched: Schedule) -> Path:
         """A schedule's job file: relative to the config file it was read from."""
         base = Path(self.source).parent if self.source else Path.cwd()
@@ -456,7 +522,7 @@ class Config(Strict):
     def secret_env_names(self) -> list[str]:
         p = self.providers
         names = [p.sim.api_key_env, p.lambda_.api_key_env, "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                 "PGPASSWORD"]
+                 "PGPASSWORD", *(n.url_env for n in self.notify if n.url_env)]
         return [n for n in names if n]
 
 

@@ -132,7 +132,8 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
     reread = threading.Event()  # SIGHUP: read the config file now, changed or not
     ticks = 0
     logging.getLogger("apscheduler.scheduler").addFilter(_skipped_tick)
-    scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
+    # Notices go out on a thread of their own: a webhook that hangs never holds up the tick.
+    scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1), "notify": ThreadPoolExecutor(1)},
                                   job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
 
     shutting = threading.Lock()
@@ -169,8 +170,12 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
             reconciler = _reload(app, scheduler, reconciler, watch, force=force, ticks_fixed=ticks_fixed)
             return reconciler
 
+        notifying = threading.Lock()  # one pass at a time: the scheduler's, or the last one below
         ticks = _schedule(app, scheduler, shut_down, current, stop, tick_s, max_ticks, exit_when_idle, on_tick,
-                          lease, lost)
+                          lease, lost, notifying)
+        if not lost.is_set():
+            with notifying:  # what the last ticks did (a job done just before an idle exit) is told before exit
+                _notify(app)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
@@ -218,7 +223,8 @@ def _reload(app: App, scheduler: BlockingScheduler, reconciler: Reconciler, watc
     watch.running = change.config
     daemon = change.config.daemon
     if not ticks_fixed and daemon.tick_s != before.daemon.tick_s:
-        scheduler.reschedule_job("tick", trigger="interval", seconds=daemon.tick_s)
+        for job_id in ("tick", "notify"):
+            scheduler.reschedule_job(job_id, trigger="interval", seconds=daemon.tick_s)
     if daemon.sweep_s != before.daemon.sweep_s:
         scheduler.reschedule_job("sweep", trigger="interval", seconds=daemon.sweep_s)
     app.store.set_setting(CONFIG_SEEN_KEY, {**config_fingerprint(change.read),
@@ -242,8 +248,9 @@ def _stranded_providers(app: App, before: Reconciler, after: Reconciler) -> list
 def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool], None],
               reconciler_now: Callable[[], Reconciler],
               stop: threading.Event, tick_s: float, max_ticks: int | None, exit_when_idle: bool,
-              on_tick: Callable[[int], None] | None, lease: DaemonLease, lost: threading.Event) -> int:
-    """Tick and sweep on the scheduler until `stop`; returns ticks run."""
+              on_tick: Callable[[int], None] | None, lease: DaemonLease, lost: threading.Event,
+              notifying: threading.Lock) -> int:
+    """Tick, sweep and notify on the scheduler until `stop`; returns ticks run."""
     from orchestrator.lifecycle.service import has_active_work
     from orchestrator.retention import prune_if_due
     from orchestrator.schedules import fire_due
@@ -286,11 +293,28 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
         except Exception as exc:
             app.events.emit("daemon.sweep_failed", error=f"{type(exc).__name__}: {exc}")
 
+    def notify() -> None:
+        if stop.is_set():
+            return
+        with notifying:
+            _notify(app)
+
     scheduler.add_job(tick, "interval", seconds=tick_s, id="tick", next_run_time=_now_dt())
+    scheduler.add_job(notify, "interval", seconds=tick_s, id="notify", executor="notify", next_run_time=_now_dt())
     scheduler.add_job(sweep, "interval", seconds=app.config.daemon.sweep_s, id="sweep",
                       next_run_time=_now_dt())
     scheduler.start()
     return ticks
+
+
+def _notify(app: App) -> None:
+    """Deliver what the [[notify]] notifiers are due; a failure is said, and the next pass starts afresh."""
+    from orchestrator.notify import notify_due
+
+    try:
+        notify_due(app)
+    except Exception as exc:
+        app.events.emit("daemon.notify_failed", error=app.redactor(f"{type(exc).__name__}: {exc}"))
 
 
 def _now_dt() -> Any:

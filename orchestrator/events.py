@@ -187,20 +187,31 @@ class EventTail:
     """
 
     def __init__(self, store: Store, *, job_id: str | None = None, type_prefix: str | None = None,
-                 after_id: int = 0, grace_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+                 after_id: int = 0, recent: dict[int, float] | None = None, grace_s: float = 10.0,
+                 limit: int | None = None, clock: Callable[[], float] = time.monotonic):
         self.store, self.job_id, self.type_prefix = store, job_id, type_prefix
-        self.grace_s, self.clock = grace_s, clock
-        self.settled = after_id  # every event at or below this id has been printed, or is given up on
-        self.recent: dict[int, float] = {}  # ids above `settled` already printed -> when
+        self.grace_s, self.limit, self.clock = grace_s, limit, clock
+        self.settled = after_id  # every event at or below this id has been taken, or is given up on
+        self.recent: dict[int, float] = dict(recent or {})  # ids above `settled` already taken -> when
 
     def poll(self) -> list[dict[str, Any]]:
+        """The events not yet taken, taken."""
+        new = self.peek()
+        self.take(e["id"] for e in new)
+        return new
+
+    def peek(self) -> list[dict[str, Any]]:
+        """The events not yet taken, oldest first (the first `limit` after `settled`, less those taken)."""
+        return [e for e in self.store.events(after_id=self.settled, job_id=self.job_id, type_prefix=self.type_prefix,
+                                             limit=self.limit)
+                if e["id"] not in self.recent]
+
+    def take(self, ids: Iterable[int]) -> None:
+        """Mark these events handled: `peek` no longer returns them."""
         now = self.clock()
-        new = [e for e in self.store.events(after_id=self.settled, job_id=self.job_id, type_prefix=self.type_prefix)
-               if e["id"] not in self.recent]
-        for e in new:
-            self.recent[e["id"]] = now
+        for i in ids:
+            self.recent[i] = now
         old = [i for i, seen in self.recent.items() if now - seen > self.grace_s]
         if old:
             self.settled = max(old)
             self.recent = {i: seen for i, seen in self.recent.items() if i > self.settled}
-        return new

@@ -33,6 +33,7 @@ COMMAND_MODULES = {
     "status": "status", "providers": "providers", "revert-local": "revert", "burst-enable": "revert",
     "copy-state": "state", "prune-events": "state", "simcloud": "simcloud", "rehearse": "rehearse", "demo": "demo",
     "report": "report", "logs": "logs", "schedules": "schedules",
+    "notify-test": "notify",
 }
 
 # Each command's line in `burstctl --help`, so that listing them imports none (the docstring is the long help).
@@ -49,6 +50,7 @@ COMMAND_SUMMARIES = {
     "events": "Print the event log, or follow it.",
     "list": "List jobs, oldest first.",
     "logs": "Print a job's log, local or cloud (brought home).",
+    "notify-test": "Send a test notice through the [[notify]] notifiers.",
     "prune-events": "Delete the events of jobs finished long ago.",
     "providers": "Configured providers: credentials, answering, offers.",
     "rehearse": "Run a job on a private simulated cloud with preemptions.",

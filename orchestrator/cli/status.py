@@ -55,6 +55,7 @@ def status_data(app: App) -> dict[str, Any]:
         "month_to_date_usd": round(app.store.month_spend(month_key(now), now), 4),
         "budget_cap_usd": app.config.budget.monthly_cap_usd,
         "schedules": _next_slots(app, now),
+        "notify": _notifiers(app, now),
         "state_dir": str(app.config.state_dir),
     }
 
@@ -118,6 +119,24 @@ def _ago(ts: float, now: float) -> str:
     return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.0f} h ago"
 
 
+def _notifiers(app: App, now: float) -> list[dict[str, Any]]:
+    if not app.config.notify:
+        return []
+    from orchestrator.notify import health
+
+    return health(app, now)
+
+
+def _notifier_txt(n: dict[str, Any], now: float) -> str:
+    if not n["armed"]:
+        return f"{escape(n['name'])} (not started: the daemon starts it)"
+    if n["failing_since"] is not None:
+        return (f"[yellow]{escape(n['name'])} FAILING for {_ago(n['failing_since'], now).removesuffix(' ago')}: "
+                f"{escape(n['last_error'] or '')}; next try in {n['next_try_in_s']:.0f} s[/yellow]")
+    last = f", last {_ago(n['last_delivered_at'], now)}" if n["last_delivered_at"] else ""
+    return f"{escape(n['name'])} ok ({n['delivered']} delivered{last})"
+
+
 @cli.command("status")
 @json_option
 @pass_app
@@ -155,6 +174,8 @@ def status_cmd(app: App, as_json: bool) -> None:
             if soonest["next_slot_at"] else "never"
         out.print(f"schedules: {len(d['schedules'])}; next slot {at} ({escape(Path(soonest['job_file']).name)}; "
                   "`burstctl schedules`)")
+    if d["notify"]:
+        out.print("notify: " + "; ".join(_notifier_txt(n, time.time()) for n in d["notify"]))
     if d["attempts"]:
         table("active attempts", ["attempt", "where", "state", "provider", "instance", "market"],
               [(a["id"], a["where"], a["state"], a["provider"], a["instance"], _market_txt(a)) for a in d["attempts"]])

@@ -1,0 +1,337 @@
+"""Notices: the daemon tells a webhook or a command about the events a person should hear of. A notifier starts from
+the newest event, sends what matches in order, never twice and none skipped; one that fails is tried again later,
+said once, and never with its URL; a restarted daemon carries on from where it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from orchestrator.app import App
+from orchestrator.cli.status import status_data
+from orchestrator.notify import KEY_PREFIX, notify_due
+from orchestrator.queue import enqueue
+from tests.conftest import write_job
+
+TOKEN = "T0KEN-9f8e7d6c5b4a"  # the secret part of a webhook URL, as Slack's and ntfy's carry one
+HOOK_ENV = "BURSTCTL_TEST_HOOK_URL"
+
+
+class Webhook:
+    """A real HTTP server on loopback that records each POST and answers with the next of `statuses` (then 200)."""
+
+    def __init__(self) -> None:
+        self.received: list[dict] = []
+        self.statuses: list[int] = []
+        self.delay_s = 0.0
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                time.sleep(hook.delay_s)
+                hook.received.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                self.send_response(hook.statuses.pop(0) if hook.statuses else 200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *_args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/{TOKEN}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def notices(self) -> list[dict]:
+        return [json.loads(r["body"]) for r in self.received]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def webhook(monkeypatch: pytest.MonkeyPatch) -> Iterator[Webhook]:
+    hook = Webhook()
+    monkeypatch.setenv(HOOK_ENV, hook.url)
+    yield hook
+    hook.close()
+
+
+def _app(tmp_path: Path, notify: str) -> App:
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(notify)
+    return App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+
+
+def _webhook_app(tmp_path: Path, extra: str = "") -> App:
+    return _app(tmp_path, f'[[notify]]\nname = "phone"\nurl_env = "{HOOK_ENV}"\n{extra}')
+
+
+def _job(app: App, tmp_path: Path, name: str = "nightly") -> str:
+    (tmp_path / "work").mkdir(exist_ok=True)
+    path = write_job(tmp_path, name, command=["true"], workdir="work", deadline_hours=12, local_throughput=1.0)
+    return enqueue(app, path)[0]
+
+
+def _events(app: App, prefix: str = "notify.") -> list[tuple[str, dict]]:
+    return [(e["type"], e["data"]) for e in app.store.events(type_prefix=prefix)]
+
+
+def _nowhere_but_the_environment(app: App, secret: str) -> None:
+    """The secret is in no event, no line of events.jsonl and no setting."""
+    assert secret not in json.dumps([e["data"] for e in app.store.events()])
+    assert secret not in (app.config.state_dir / "events.jsonl").read_text()
+    assert secret not in json.dumps(app.store.settings_with_prefix(""))
+
+
+def test_a_new_notifier_starts_from_the_newest_event_and_sends_what_needs_a_person_in_order(
+        tmp_path: Path, webhook: Webhook) -> None:
+    app = _webhook_app(tmp_path)
+    job_id = _job(app, tmp_path)
+    app.events.emit("job.done", job_id=job_id, reason="completed", where="local")  # before the notifier was there
+    t = time.time()
+    assert notify_due(app, t) == 0 and webhook.received == []
+    assert [ty for ty, _ in _events(app)] == ["notify.armed"]
+
+    app.events.emit("job.redecided", job_id=job_id, previous="queued", state="awaiting_approval")
+    app.events.emit("attempt.running", job_id=job_id)  # not a notice by default
+    app.events.emit("job.done", job_id=job_id, reason="completed", where="local")
+    app.events.emit("schedule.missed", job_file=str(tmp_path / "nightly.toml"), slot_at=t - 3600)
+    assert notify_due(app, t + 1) == 3
+    sent = webhook.notices()
+    assert [n["type"] for n in sent] == ["job.awaiting_approval", "job.done", "schedule.missed"]
+    assert [n["event"] for n in sent] == ["job.redecided", "job.done", "schedule.missed"]
+    assert sent[0]["text"] == "burstctl: nightly waits for approval (`burstctl approve`)"
+    assert sent[1]["text"] == "burstctl: nightly done" and sent[1]["job"]["id"] == job_id
+    assert sent[1]["data"] == {"reason": "completed", "where": "local"}
+    assert sent[2]["text"] == "burstctl: nightly.toml: schedule missed a slot" and sent[2]["job"] is None
+    assert sent[0]["id"] < sent[1]["id"] < sent[2]["id"]  # event ids: a receiver tells a notice sent twice
+    headers = webhook.received[1]["headers"]
+    assert headers["X-Burstctl-Notice"] == "job.done" and headers["X-Burstctl-Event-Id"] == str(sent[1]["id"])
+    assert notify_due(app, t + 2) == 0 and len(webhook.received) == 3  # nothing twice
+
+    # Another daemon on the same state (a restart) carries on from there.
+    app.close()
+    again = _webhook_app(tmp_path)
+    again.events.emit("job.failed", job_id=job_id, reason="exit 1")
+    assert notify_due(again, t + 3) == 1
+    assert webhook.notices()[-1]["text"] == "burstctl: nightly failed: exit 1"
+    again.close()
+
+
+def test_a_finished_job_s_notice_says_what_it_cost_in_the_cloud(tmp_path: Path, webhook: Webhook) -> None:
+    app = _webhook_app(tmp_path)
+    job_id = _job(app, tmp_path)
+    t = time.time()
+    charge = app.store.open_charge({"month": "2030-01", "job_id": job_id, "attempt_id": "a-1", "provider": "sim",
+                                    "instance_id": "i-1", "instance_type": "gpu_1x_h100", "market": "spot",
+                                    "rate_usd_h": 1.1, "started_at": t - 3600})
+    app.store.close_charge(charge, ended_at=t, billed_seconds=3600, cost_usd=1.1)
+    notify_due(app, t)
+    app.events.emit("job.done", job_id=job_id, reason="completed", where="cloud")
+    notify_due(app, t + 1)
+    assert webhook.notices()[0]["text"] == "burstctl: nightly done (cloud $1.10)"
+    app.close()
+
+
+@pytest.mark.parametrize(("extra", "content_type", "read"), [
+    ('format = "slack"', "application/json", json.loads),
+    ('format = "text"', "text/plain", lambda body: {"text": body.decode()}),
+])
+def test_a_webhook_s_format_is_its_body(tmp_path: Path, webhook: Webhook, extra: str, content_type: str,
+                                        read) -> None:
+    app = _webhook_app(tmp_path, extra)
+    notify_due(app)
+    app.events.emit("daemon.lock_lost")
+    assert notify_due(app) == 1
+    (got,) = webhook.received
+    assert read(got["body"]) == {"text": "burstctl: daemon lost its database lock and stopped"}
+    assert got["headers"]["Content-Type"].startswith(content_type)
+    app.close()
+
+
+def test_events_chooses_the_notices_with_wildcards_and_never_a_notifier_s_own(tmp_path: Path,
+                                                                             webhook: Webhook) -> None:
+    app = _webhook_app(tmp_path, 'events = ["instance.*", "*.behind_schedule"]')
+    notify_due(app)
+    for ty in ("job.done", "instance.preempted", "job.behind_schedule", "notify.failed", "instance.terminated"):
+        app.events.emit(ty)
+    assert notify_due(app) == 3
+    assert [n["type"] for n in webhook.notices()] == ["instance.preempted", "job.behind_schedule",
+                                                      "instance.terminated"]
+    app.close()
+
+
+def test_a_failing_webhook_is_tried_again_later_said_once_and_the_notices_keep_their_order(
+        tmp_path: Path, webhook: Webhook) -> None:
+    app = _webhook_app(tmp_path)
+    job_id = _job(app, tmp_path)
+    t = time.time()
+    notify_due(app, t)
+    app.events.emit("job.done", job_id=job_id, reason="completed")
+    app.events.emit("job.failed", job_id=job_id, reason="exit 3")
+    webhook.statuses = [503, 503]
+
+    assert notify_due(app, t + 1) == 0
+    (failed,) = [d for ty, d in _events(app) if ty == "notify.failed"]
+    assert failed["notifier"] == "phone" and failed["error"] == "the webhook answered HTTP 503"
+    (row,) = status_data(app)["notify"]
+    assert row["failing_since"] == t + 1 and row["next_try_in_s"] == pytest.approx(5 - (time.time() - t - 1), 0.5)
+    assert notify_due(app, t + 2) == 0 and len(webhook.received) == 1  # not before its time
+    assert notify_due(app, t + 7) == 0 and len(webhook.received) == 2  # 5 s later: 503 again, not said again
+    assert [ty for ty, _ in _events(app)].count("notify.failed") == 1
+    assert notify_due(app, t + 8) == 0 and len(webhook.received) == 2  # the wait doubled: 10 s from t + 7
+    assert notify_due(app, t + 18) == 2
+    assert [n["type"] for n in webhook.notices()] == ["job.done"] * 3 + ["job.failed"]
+    (recovered,) = [d for ty, d in _events(app) if ty == "notify.recovered"]
+    assert recovered == {"notifier": "phone", "after_tries": 3, "failing_for_s": 17.0}
+    (row,) = status_data(app)["notify"]
+    assert row["failing_since"] is None and row["delivered"] == 2
+    app.close()
+
+
+@pytest.mark.parametrize("trouble", ["closed port", "hangs", "unset"])
+def test_a_webhook_that_cannot_be_reached_is_said_without_its_url(tmp_path: Path, webhook: Webhook,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 trouble: str) -> None:
+    app = _webhook_app(tmp_path, "timeout_s = 0.5")
+    notify_due(app)
+    if trouble == "closed port":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        monkeypatch.setenv(HOOK_ENV, f"http://127.0.0.1:{port}/hooks/{TOKEN}")
+    elif trouble == "hangs":
+        webhook.delay_s = 2.0
+    else:
+        monkeypatch.delenv(HOOK_ENV)
+    app.events.emit("job.done", reason="completed")
+    assert notify_due(app) == 0
+    (failed,) = [d for ty, d in _events(app) if ty == "notify.failed"]
+    assert failed["error"] == {
+        "closed port": "cannot reach the webhook (ConnectError)",
+        "hangs": "no answer within 0.5 s",
+        "unset": f"the environment variable {HOOK_ENV} (url_env) is not set in the daemon's environment"}[trouble]
+    _nowhere_but_the_environment(app, TOKEN)
+    app.close()
+
+
+def test_a_command_gets_the_notice_on_stdin_and_in_its_arguments_and_a_failure_is_said_scrubbed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "notifier.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "notice = json.load(sys.stdin)\n"
+        "if os.path.exists(sys.argv[1] + '.fail'):\n"
+        "    sys.exit(f\"refused: key {os.environ['BURSTCTL_SIM_API_KEY']}\")\n"
+        "with open(sys.argv[1], 'a') as fh:\n"
+        "    fh.write(json.dumps([sys.argv[2:], notice['id'], os.environ['BURSTCTL_NOTICE_TYPE']]) + '\\n')\n")
+    got = tmp_path / "got.jsonl"
+    monkeypatch.setenv("BURSTCTL_SIM_API_KEY", "sim-key-abcdef123456")
+    command = json.dumps([sys.executable, str(script), str(got), "{type}", "{job}", "{text}"])
+    app = _app(tmp_path, f'[[notify]]\nname = "desk"\ncommand = {command}\n')
+    job_id = _job(app, tmp_path)
+    notify_due(app)
+    done = app.events.emit("job.done", job_id=job_id, reason="completed")
+    assert notify_due(app) == 1
+    assert [json.loads(x) for x in got.read_text().splitlines()] == [
+        [["job.done", "nightly", "burstctl: nightly done"], done, "job.done"]]
+
+    Path(str(got) + ".fail").touch()
+    app.events.emit("job.failed", job_id=job_id, reason="exit 1")
+    assert notify_due(app) == 0
+    (failed,) = [d for ty, d in _events(app) if ty == "notify.failed"]
+    assert failed["error"] == "the command exited 1: refused: key ***"
+    _nowhere_but_the_environment(app, "sim-key-abcdef123456")
+    app.close()
+
+
+def test_a_notifier_taken_out_of_the_config_is_forgotten(tmp_path: Path, webhook: Webhook) -> None:
+    app = _webhook_app(tmp_path)
+    notify_due(app)
+    assert list(app.store.settings_with_prefix(KEY_PREFIX)) == [KEY_PREFIX + "phone"]
+    app.close()
+    app = _app(tmp_path, "")
+    notify_due(app)
+    assert app.store.settings_with_prefix(KEY_PREFIX) == {}
+    assert _events(app)[-1] == ("notify.removed", {"notifier": "phone"})
+    app.close()
+
+
+@pytest.mark.parametrize(("entry", "field", "says"), [
+    (f'name = "a"\nurl_env = "{HOOK_ENV}"\ncommand = ["true"]', "notify.0", "exactly one of url_env"),
+    ('name = "a"', "notify.0", "exactly one of url_env"),
+    ('name = "a"\ncommand = ["true"]\nformat = "slack"', "notify.0.format", "only a webhook"),
+    ('name = "a"\ncommand = []', "notify.0.command", "empty"),
+    ('name = "a b"\ncommand = ["true"]', "notify.0.name", "not a notifier name"),
+    ('name = "a"\ncommand = ["true"]\nevents = []', "notify.0.events", ""),
+    ('name = "a"\ncommand = ["true"]\n\n[[notify]]\nname = "a"\ncommand = ["true"]', "notify.1.name",
+     "names another"),
+])
+def test_a_bad_notifier_is_one_line_naming_the_file_and_field(burstctl, tmp_path: Path, entry: str, field: str,
+                                                              says: str) -> None:
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(f"[[notify]]\n{entry}\n")
+    r = burstctl("--config", str(cfg), "status")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"burstctl: error: {cfg}: field '{field}': ") and says in line
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_webhook_url_pasted_where_its_variable_s_name_belongs_is_refused_unquoted(burstctl, tmp_path: Path
+                                                                                   ) -> None:
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(f'[[notify]]\nname = "a"\nurl_env = "https://hooks.example/{TOKEN}"\n')
+    r = burstctl("--config", str(cfg), "status")
+    assert r.returncode == 2 and "field 'notify.0.url_env'" in r.stderr and TOKEN not in r.stderr
+
+
+def test_notify_test_sends_through_each_notifier_and_fails_naming_those_that_did_not(
+        burstctl, tmp_path: Path, webhook: Webhook) -> None:
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(f'[[notify]]\nname = "phone"\nurl_env = "{HOOK_ENV}"\n\n'
+                   '[[notify]]\nname = "broken"\ncommand = ["false"]\n')
+    env = {HOOK_ENV: webhook.url}
+    ok = burstctl("--config", str(cfg), "notify-test", "--name", "phone", "--json", env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert [r["result"] for r in json.loads(ok.stdout)["notifiers"]] == ["delivered"]
+    (notice,) = webhook.notices()
+    assert notice["type"] == "notify.test" and notice["text"].startswith("burstctl: test notice from ")
+
+    both = burstctl("--config", str(cfg), "notify-test", env=env)
+    assert both.returncode == 1 and "not delivered by broken" in both.stderr and len(webhook.received) == 2
+    assert "the command exited 1" in both.stdout
+    unknown = burstctl("--config", str(cfg), "notify-test", "--name", "pager")
+    assert unknown.returncode == 2 and "no notifier named pager (configured: phone, broken)" in unknown.stderr
+
+
+def test_the_daemon_tells_the_webhook_a_job_is_done_before_it_exits(burstctl, tmp_path: Path,
+                                                                   webhook: Webhook) -> None:
+    (tmp_path / "work").mkdir()
+    write_job(tmp_path, "quick", command=["true"], workdir="work", deadline_hours=4, local_throughput=1.0)
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(f'[daemon]\ntick_s = 0.5\n\n[[notify]]\nname = "phone"\nurl_env = "{HOOK_ENV}"\n')
+    app = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+    notify_due(app)  # armed before the job exists, as a daemon running all along would be
+    app.close()
+    assert burstctl("--config", str(cfg), "enqueue", str(tmp_path / "quick.toml")).returncode == 0
+
+    r = burstctl("--config", str(cfg), "daemon", "--exit-when-idle", env={HOOK_ENV: webhook.url})
+    assert r.returncode == 0, r.stderr[-2000:]
+    (done,) = webhook.notices()
+    assert (done["type"], done["text"], done["job"]["state"]) == ("job.done", "burstctl: quick done", "done")
+    shown = burstctl("--config", str(cfg), "status").stdout
+    assert "notify: phone ok (1 delivered, last " in shown
+    assert TOKEN not in (tmp_path / "state" / "events.jsonl").read_text() and TOKEN not in r.stderr
+    assert os.environ.get(HOOK_ENV) == webhook.url  # the fixture's, for the in-process parts above
