@@ -5,6 +5,7 @@
    on another instance from its checkpoint, finishes, and its instance is torn down.
 3. A second trainer that fits locally but misses its deadline bursts within the auto-approve ceiling; then
    `burstctl revert-local` brings it home: last checkpoint synced, instance terminated, the job finishes locally.
+4. A [[notify]] command tells of each job done (with its cloud cost), as it would tell your phone.
 Everything runs in a throwaway state directory (or the empty one given with --state-dir); simcloud and the daemon
 are child processes stopped at the end.
 """
@@ -28,6 +29,7 @@ import httpx
 from sqlalchemy import func, select
 
 from orchestrator.children import Children, free_port
+from orchestrator.config import toml_value
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import BadInput, OperationalError
 from state import schema as s
@@ -35,6 +37,9 @@ from state.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "examples" / "trainer.py"
+# The demo's notifier: the notice's line appended to the file in $0. The text comes in the environment, never into
+# the shell's script.
+NOTICE_TO_FILE = 'printf "%s\\n" "$BURSTCTL_NOTICE_TEXT" >> "$0"'
 SEED_CANDIDATES = [  # name, s_local, s_rented, deadline_h — the seed's lab, at $3.00/GPU-h
     ("A-grpo-smoke", 0.33, 2.0, 24.0),
     ("B-full-grpo-7b", 0.0, 0.17, 48.0),
@@ -50,12 +55,14 @@ class DemoResult:
     state_dir: str = ""
     records_dir: str = ""
     event_log: str = ""
+    notices: list[str] = field(default_factory=list)
+    notices_log: str = ""
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"candidates": self.candidates, "jobs": self.jobs, "instances_left": self.instances_left,
                 "state_dir": self.state_dir, "decision_records": self.records_dir, "event_log": self.event_log,
-                "seconds": round(self.seconds, 1)}
+                "notices": self.notices, "notices_log": self.notices_log, "seconds": round(self.seconds, 1)}
 
 
 class Demo:
@@ -69,6 +76,7 @@ class Demo:
         self.env = self.children.env  # without $BURSTCTL_CONFIG: the demo's commands read its config only
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.notices_log = self.state / "notices.log"
 
     # --- processes --------------------------------------------------------------------------------------------
     def _burstctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -85,7 +93,7 @@ class Demo:
     def run(self) -> DemoResult:
         started = time.monotonic()
         res = DemoResult(state_dir=str(self.state), records_dir=str(self.state / "decisions"),
-                         event_log=str(self.state / "events.jsonl"))
+                         event_log=str(self.state / "events.jsonl"), notices_log=str(self.notices_log))
         self._write_config()
         res.candidates = self.candidates()
 
@@ -122,7 +130,8 @@ class Demo:
 
         res.instances_left = sum(1 for i in self._sim_instances() if i["status"] not in ("terminated", "preempted"))
         res.jobs = [self._summary(j) for j in (spot_job, home_job)]
-        self.stop_all()
+        self.stop_all()  # the daemon sends what its last ticks did before it exits
+        res.notices = self.notices_log.read_text().splitlines() if self.notices_log.exists() else []
         res.seconds = time.monotonic() - started
         return res
 
@@ -144,6 +153,10 @@ class Demo:
             "[providers.sim]", f'base_url = "{self.url}/api/v1"', "",
             "[daemon]", "tick_s = 0.5", "heartbeat_timeout_s = 20.0", "sweep_s = 10.0", "",
             "[policy]", "hybrid_margin_h = 5.0  # keep the demo's deadline job a plain burst", "",
+            "[[notify]]  # each notice a line in <state>/notices.log; url_env would send it to a webhook",
+            'name = "demo-log"',
+            f"command = {toml_value(['sh', '-c', NOTICE_TO_FILE, str(self.notices_log)])}",
+            'events = ["job.done", "job.failed"]', "",
         ]))
 
     def _enqueue(self, name: str, *, steps: int, s_local: float, deadline_h: float) -> str:

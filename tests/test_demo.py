@@ -52,6 +52,9 @@ def test_demo_plays_the_whole_story_whatever_the_users_config_and_leaves_nothing
         assert job["outputs"] == [str(state / "outputs" / job["id"] / "result.json")]
         assert json.loads(Path(job["outputs"][0]).read_text())["step"] > 0
     assert summary["instances_left"] == 0
+    # Its notifier told of each job as it was done, with what the cloud cost, the last one before the daemon exited.
+    assert summary["notices"] == [f"burstctl: {j['job']} done (cloud ${j['cost_usd']:.2f})" for j in (spot, home)]
+    assert Path(summary["notices_log"]).read_text().splitlines() == summary["notices"]
     assert Path(summary["event_log"]).exists() and any(Path(summary["decision_records"]).iterdir())
     assert _our_processes() <= before
 

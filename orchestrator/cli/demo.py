@@ -43,6 +43,9 @@ def demo_cmd(keep: bool, as_json: bool) -> None:
         out.print(f"instances left: {res.instances_left}   ({res.seconds:.0f} s)")
         for j in res.jobs:
             out.print(f"{j['job']}'s result: {', '.join(j['outputs']) or '(none came home)'}")
+        out.print(f"notices ({res.notices_log}):")
+        for line in res.notices or ["(none)"]:
+            out.print(f"  {line}")
         out.print(f"decision records: {res.records_dir}")
         out.print(f"event log:        {res.event_log}")
         out.print(f"look around:      burstctl --state-dir {res.state_dir} events | list | status")
