@@ -73,8 +73,9 @@ def _app(tmp_path: Path, notify: str) -> App:
     return App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
 
 
-def _webhook_app(tmp_path: Path, extra: str = "") -> App:
-    return _app(tmp_path, f'[[notify]]\nname = "phone"\nurl_env = "{HOOK_ENV}"\n{extra}')
+def _webhook_app(tmp_path: Path, extra: str = "", database_url: str | None = None) -> App:
+    state = f'[state]\ndatabase_url = "{database_url}"\n\n' if database_url else ""
+    return _app(tmp_path, f'{state}[[notify]]\nname = "phone"\nurl_env = "{HOOK_ENV}"\n{extra}')
 
 
 def _job(app: App, tmp_path: Path, name: str = "nightly") -> str:
@@ -95,8 +96,8 @@ def _nowhere_but_the_environment(app: App, secret: str) -> None:
 
 
 def test_a_new_notifier_starts_from_the_newest_event_and_sends_what_needs_a_person_in_order(
-        tmp_path: Path, webhook: Webhook) -> None:
-    app = _webhook_app(tmp_path)
+        tmp_path: Path, webhook: Webhook, db_url: str) -> None:
+    app = _webhook_app(tmp_path, database_url=db_url)
     job_id = _job(app, tmp_path)
     app.events.emit("job.done", job_id=job_id, reason="completed", where="local")  # before the notifier was there
     t = time.time()
@@ -122,11 +123,28 @@ def test_a_new_notifier_starts_from_the_newest_event_and_sends_what_needs_a_pers
 
     # Another daemon on the same state (a restart) carries on from there.
     app.close()
-    again = _webhook_app(tmp_path)
+    again = _webhook_app(tmp_path, database_url=db_url)
     again.events.emit("job.failed", job_id=job_id, reason="exit 1")
     assert notify_due(again, t + 3) == 1
     assert webhook.notices()[-1]["text"] == "burstctl: nightly failed: exit 1"
     again.close()
+
+
+def test_an_event_that_commits_after_a_later_one_was_sent_is_sent_too(tmp_path: Path, webhook: Webhook,
+                                                                      postgres_server) -> None:
+    # On PostgreSQL ids are handed out before commit: a slow transaction's event can become visible after one with
+    # a higher id was already delivered. Reading only past the last id delivered would skip it for good.
+    app = _webhook_app(tmp_path, database_url=postgres_server.new_database())
+    notify_due(app)
+    with app.store.tx() as conn:
+        slow = app.events.emit("job.failed", conn=conn, reason="slow transaction")
+        fast = app.events.emit("job.done", reason="completed")
+        assert fast > slow
+        assert notify_due(app) == 1  # only the committed one is visible yet
+    assert notify_due(app) == 1
+    assert [n["id"] for n in webhook.notices()] == [fast, slow]
+    assert notify_due(app, time.time() + 60) == 0  # and neither again once the look-back has passed
+    app.close()
 
 
 def test_a_finished_job_s_notice_says_what_it_cost_in_the_cloud(tmp_path: Path, webhook: Webhook) -> None:
