@@ -57,12 +57,14 @@ class DemoResult:
     event_log: str = ""
     notices: list[str] = field(default_factory=list)
     notices_log: str = ""
+    workdir: str = ""  # the demo's own files: its config, simcloud's sandboxes and logs (kept with --keep)
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"candidates": self.candidates, "jobs": self.jobs, "instances_left": self.instances_left,
                 "state_dir": self.state_dir, "decision_records": self.records_dir, "event_log": self.event_log,
-                "notices": self.notices, "notices_log": self.notices_log, "seconds": round(self.seconds, 1)}
+                "notices": self.notices, "notices_log": self.notices_log, "workdir": self.workdir,
+                "seconds": round(self.seconds, 1)}
 
 
 class Demo:
@@ -93,7 +95,8 @@ class Demo:
     def run(self) -> DemoResult:
         started = time.monotonic()
         res = DemoResult(state_dir=str(self.state), records_dir=str(self.state / "decisions"),
-                         event_log=str(self.state / "events.jsonl"), notices_log=str(self.notices_log))
+                         event_log=str(self.state / "events.jsonl"), notices_log=str(self.notices_log),
+                         workdir=str(self.dir))
         self._write_config()
         res.candidates = self.candidates()
 

@@ -13,8 +13,9 @@ from tests.conftest import run_burstctl
 pytestmark = pytest.mark.slow
 
 
-def _our_processes() -> set[int]:
-    """Processes running simcloud, a daemon or a per-instance sshd started from a burstctl demo."""
+def _processes_of(*marks: str) -> set[int]:
+    """Processes whose command line names one of `marks` (the demo's workdir or state directory): its simcloud,
+    daemon and per-instance sshds, and none of another demo's running on the machine at the same time."""
     found = set()
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -23,7 +24,7 @@ def _our_processes() -> set[int]:
             cmd = (p / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"burstctl-demo-" in cmd or (b"orchestrator.cli" in cmd and b"demo" in cmd):
+        if any(m.encode() in cmd for m in marks):
             found.add(int(p.name))
     found.discard(os.getpid())
     return found
@@ -36,7 +37,6 @@ def test_demo_plays_the_whole_story_whatever_the_users_config_and_leaves_nothing
     user_config.write_text('[providers.sim]\napi_key_env = "MY_SIM_KEY"\n')
     monkeypatch.setenv("BURSTCTL_CONFIG", str(user_config))
     monkeypatch.delenv("MY_SIM_KEY", raising=False)
-    before = _our_processes()
     state = tmp_path / "demo-state"  # its trail is kept where the user asked (the default is a throwaway dir)
     r = run_burstctl("--state-dir", str(state), "demo", "--json", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -56,7 +56,8 @@ def test_demo_plays_the_whole_story_whatever_the_users_config_and_leaves_nothing
     assert summary["notices"] == [f"burstctl: {j['job']} done (cloud ${j['cost_usd']:.2f})" for j in (spot, home)]
     assert Path(summary["notices_log"]).read_text().splitlines() == summary["notices"]
     assert Path(summary["event_log"]).exists() and any(Path(summary["decision_records"]).iterdir())
-    assert _our_processes() <= before
+    assert Path(summary["workdir"]).name.startswith("burstctl-demo-")
+    assert _processes_of(summary["workdir"], str(state)) == set()
 
 
 def test_the_demo_refuses_a_state_dir_that_is_not_empty_and_changes_nothing(tmp_path: Path) -> None:

@@ -49,5 +49,7 @@ def demo_cmd(keep: bool, as_json: bool) -> None:
         out.print(f"decision records: {res.records_dir}")
         out.print(f"event log:        {res.event_log}")
         out.print(f"look around:      burstctl --state-dir {res.state_dir} events | list | status")
+        if keep:
+            out.print(f"simcloud's sandboxes and logs: {res.workdir}/sim")
     if res.instances_left != 0:
         raise OperationalError(f"{res.instances_left} simulated instance(s) were left running")
