@@ -197,6 +197,9 @@ class Trainer:
             if self.state["step"] % args.checkpoint_every == 0:
                 self.save()
                 self.report()
+            if self.state["step"] == args.fail_at_step:
+                print(f"trainer: error: a planted bug at step {args.fail_at_step} (--fail-at-step)", file=sys.stderr)
+                return 1
             self.sleep(args.step_seconds)
         if self.state["step"] < args.steps:  # stopped by SIGTERM: keep the work done so far
             time.sleep(args.stop_seconds)  # not in slices: a big model's last state leaving the GPU is not cut short
@@ -228,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also write a shard.bin of this many MiB per checkpoint, like a model's weights")
     p.add_argument("--stop-seconds", type=float, default=0.0,
                    help="on SIGTERM, this long before the last checkpoint is written (a large model's takes a while)")
+    p.add_argument("--fail-at-step", type=int, default=0,
+                   help="exit 1 on reaching this step, after its checkpoint if one falls due (a bug, to try "
+                        "`burstctl retry`); 0: never")
     p.add_argument("--out", default="", help="result.json path (default: $BURST_CHECKPOINT_DIR/../result.json)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.checkpoint_every < 1 or min(args.step_seconds, args.stop_seconds, args.keep,

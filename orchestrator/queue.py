@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from orchestrator.core.decision import (
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import JobSpec, load_job
 from orchestrator.lifecycle.schedule import reported
-from orchestrator.lifecycle.states import STATE_FOR_ACTION
+from orchestrator.lifecycle.states import RETRIABLE, STATE_FOR_ACTION, JobState, check_transition
 
 
 def local_available_fraction(cfg: Config) -> float:
@@ -335,11 +335,21 @@ def spec_of(job: dict[str, Any]) -> JobSpec:
     return JobSpec.model_validate(data, strict=False)  # stored as JSON: the deadline is a string there
 
 
-def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,
-               measured: dict[str, float] | None = None, setup: SetupEstimate | None = None) -> str | None:
-    """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state.
-    `measured`, `setup`: its name's measured s_R and setup time when the caller read them for a batch (else read
-    here)."""
+@dataclass(frozen=True)
+class Redecision:
+    """A stored job decided again with today's facts, on the work it has left."""
+
+    target: JobState
+    decision: dict[str, Any]
+    facts: JobFacts
+    work_done: float
+
+
+def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,
+             measured: dict[str, float] | None = None, setup: SetupEstimate | None = None) -> Redecision:
+    """Decide a stored job again (deadline `job["deadline_at"]`). A job that has run, its checkpoint home, is decided
+    on the work it has left, not on the whole of W (its next attempt resumes from the checkpoint), and is never
+    dropped into rethink with that work (`JobFacts.started`)."""
     from orchestrator.lifecycle import checkpoints
 
     spec = spec_of(job)
@@ -348,32 +358,89 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
     if setup is None:
         setup = setup_estimate(app, spec)
     job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured, setup=setup)
-    # A job that has run, its checkpoint home, is decided on the work it has left, not on the whole of W (its next
-    # attempt resumes from the checkpoint), and is never dropped into rethink with that work (`JobFacts.started`).
     started = checkpoints.latest(app.config, job["id"], deep=False) is not None
     done = work_done(app, job["id"], conn) if started else 0.0
     if started:
         job_facts = replace(job_facts, started=True, work=max(job_facts.work - done, job_facts.work * 1e-6))
     decision = decide(job_facts, ctx)
-    target = STATE_FOR_ACTION[decision.action]
-    if target.value == job["state"]:
-        return None
     d = decision.to_dict()
     if done > 0:
         d["work_done"] = round(done, 6)
         d["reasons"].insert(0, f"{done:.4g} of {spec.work_units:.4g} units done (its checkpoint is home): "
                                f"decided on the {job_facts.work:.4g} left")
+    return Redecision(STATE_FOR_ACTION[decision.action], d, job_facts, done)
+
+
+def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,
+               measured: dict[str, float] | None = None, setup: SetupEstimate | None = None) -> str | None:
+    """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state.
+    `measured`, `setup`: its name's measured s_R and setup time when the caller read them for a batch (else read
+    here)."""
+    again = redecide(app, job, ctx, now, conn, measured, setup)
+    if again.target.value == job["state"]:
+        return None
+    d = again.decision
 
     def _apply(c: Any) -> str | None:
-        if not app.store.update_job(job["id"], c, expect_state=job["state"], state=target.value,
-                                    verdict=decision.verdict.value, placement=decision.placement, decision=d,
+        if not app.store.update_job(job["id"], c, expect_state=job["state"], state=again.target.value,
+                                    verdict=d["verdict"], placement=d["placement"], decision=d,
                                     reason=d["reasons"][-1] if d["reasons"] else None):
             return None
-        app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=target.value,
+        app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=again.target.value,
                         verdict=d["verdict"], action=d["action"])
-        return target.value
+        return again.target.value
 
     if conn is not None:
         return _apply(conn)
     with app.store.tx() as c:
         return _apply(c)
+
+
+def retry(app: App, job: dict[str, Any], now: float | None = None, *,
+          deadline_at: float | None = None) -> Redecision:
+    """Queue a failed, cancelled or rethink job again, decided afresh on the work it has left: its next attempt
+    resumes from its newest checkpoint, with the workdir as it is now (a fixed bug is picked up). The deadline stays,
+    unless `deadline_at` gives a new one. Refused, changing nothing, while an attempt of it is still being stopped,
+    or when the decision would be rethink again. A new decision record describes the retry."""
+    from orchestrator.lifecycle.machine import active_attempts
+
+    now = time.time() if now is None else now
+    if JobState(job["state"]) not in RETRIABLE:
+        raise BadInput(f"job {job['id']} is {job['state']}: only a failed, cancelled or rethink job is retried "
+                       "(`burstctl cancel` stops one that runs)", field="JOB")
+    with app.store.tx() as conn:
+        live = [a["id"] for a in active_attempts(conn) if a["job_id"] == job["id"]]
+    if live:
+        raise BadInput(f"job {job['id']}'s attempt {live[0]} is still being stopped; retry it once `burstctl show "
+                       f"{job['id']}` says it ended", field="JOB")
+    deadline = float(job["deadline_at"]) if deadline_at is None else deadline_at
+    if deadline <= now:
+        when = datetime.fromtimestamp(deadline).astimezone().isoformat(timespec="minutes")
+        raise BadInput(f"job {job['id']}'s deadline ({when}) has passed: give a new one, counted from now",
+                       field="--deadline-hours")
+    again = redecide(app, {**job, "deadline_at": deadline}, context(app, now), now)
+    d = again.decision
+    if again.target is JobState.RETHINK:
+        raise BadInput(f"job {job['id']} would be rethink again: {d['reasons'][-1] if d['reasons'] else ''} (a "
+                       "later deadline, --deadline-hours, may do)", field="--deadline-hours")
+    check_transition(job["state"], again.target.value, job["id"])
+    d["retry_of"] = job["state"]
+    d["reasons"].insert(0, f"retry of a {job['state']} job ({job['reason'] or 'no reason given'}); its Measured line "
+                           "counts every attempt of the job, the earlier ones too")
+    record_path = record_decision(app, again.facts, d, now, job["id"])
+    spec = {k: v for k, v in job["spec"].items() if k == "_slot_at" or not k.startswith("_")}  # the daemon's waits go
+    try:
+        with app.store.tx() as conn:
+            if not app.store.update_job(job["id"], conn, expect_state=job["state"], state=again.target.value,
+                                        verdict=d["verdict"], placement=d["placement"], decision=d, spec=spec,
+                                        deadline_at=deadline, approved=False, record_path=str(record_path),
+                                        reason=d["reasons"][-1] if d["reasons"] else None):
+                raise BadInput(f"job {job['id']} changed state meanwhile; try again", field="JOB")
+            app.events.emit("job.retried", job_id=job["id"], conn=conn, previous=job["state"],
+                            state=again.target.value, verdict=d["verdict"], action=d["action"],
+                            work_done=round(again.work_done, 6), work_left=round(again.facts.work, 6),
+                            deadline=datetime.fromtimestamp(deadline).astimezone().isoformat())
+    except BaseException:
+        record_path.unlink(missing_ok=True)  # the retry never happened: no record may describe it
+        raise
+    return again

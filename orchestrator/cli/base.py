@@ -29,7 +29,7 @@ out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty()
 # decision core, the simulator and the providers' SDKs (benchmarks/cli_start.py).
 COMMAND_MODULES = {
     "approve": "jobs", "budget": "jobs", "cancel": "jobs", "enqueue": "jobs", "events": "jobs", "list": "jobs",
-    "show": "jobs", "decide": "decide", "size": "size", "simulate": "simulate", "daemon": "daemon",
+    "retry": "jobs", "show": "jobs", "decide": "decide", "size": "size", "simulate": "simulate", "daemon": "daemon",
     "status": "status", "providers": "providers", "revert-local": "revert", "burst-enable": "revert",
     "copy-state": "state", "prune-events": "state", "simcloud": "simcloud", "rehearse": "rehearse", "demo": "demo",
     "report": "report", "logs": "logs", "schedules": "schedules",
@@ -55,6 +55,7 @@ COMMAND_SUMMARIES = {
     "providers": "Configured providers: credentials, answering, offers.",
     "rehearse": "Run a job on a private simulated cloud with preemptions.",
     "report": "Finished jobs: what each was expected to cost and take, and did.",
+    "retry": "Queue a failed or cancelled job again, from its newest checkpoint.",
     "revert-local": "Go back to local-only in one command.",
     "schedules": "Jobs queued on a schedule: next slot, last cycle.",
     "show": "Show one job: its decision, state and recent events.",

@@ -1,4 +1,4 @@
-"""Queue commands: enqueue, list, show, cancel, approve, budget, events."""
+"""Queue commands: enqueue, list, show, cancel, approve, retry, budget, events."""
 
 from __future__ import annotations
 
@@ -270,6 +270,34 @@ def approve_cmd(app: App, job: str, as_json: bool) -> None:
             if local_first else "queued to burst")
     j = _set_state(app, job, JobState.QUEUED, "job.approved", approved=True, reason=f"deadline price approved: {runs}")
     print_json(_public(j)) if as_json else out.print(f"{j['id']} approved: {runs}")
+
+
+@cli.command("retry")
+@click.argument("job")
+@click.option("--deadline-hours", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="A new deadline, this many hours from now (else the job's own, which must not have passed).")
+@json_option
+@pass_app
+def retry_cmd(app: App, job: str, deadline_hours: float | None, as_json: bool) -> None:
+    """Queue a failed, cancelled or rethink job again. It is decided afresh on the work it has left, and its next
+    attempt resumes from its newest checkpoint with the workdir as it is now: fix the bug, then retry. Its job file
+    is not read again. A new decision record describes the retry."""
+    from orchestrator.queue import retry  # the decision core: only this command of the module needs it
+
+    j = job_or_fail(app, job)
+    now = time.time()
+    again = retry(app, j, now, deadline_at=None if deadline_hours is None else now + deadline_hours * 3600)
+    new = app.store.get_job(j["id"])
+    assert new is not None
+    if as_json:
+        print_json({**_public(new), "work_done": again.work_done, "work_left": again.facts.work,
+                    "decision": again.decision})
+        return
+    out.print(f"{new['id']} {j['state']} → {new['state']}: {escape(new['reason'] or '')}")
+    if again.work_done > 0:
+        out.print(f"[dim]resumes from its newest checkpoint: {again.work_done:.4g} units done, "
+                  f"{again.facts.work:.4g} left[/dim]")
+    out.print(f"[dim]decision record: {new['record_path']}[/dim]")
 
 
 @cli.command("budget")

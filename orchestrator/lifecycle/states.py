@@ -8,6 +8,8 @@
     blocked (budget / kind / kill switch; re-decided every tick)
     rethink (neither local nor rented meets the deadline; never runs)
     cancelled (from any non-final state)
+    failed, cancelled, rethink ── retry ──► queued | awaiting_approval | blocked (decided again on the work left;
+                                            `burstctl retry`, `queue.retry`)
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class JobState(StrEnum):
 
 FINAL = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED, JobState.RETHINK})
 
+# Where `retry` may put a job that is over without being done; until then it counts as over (FINAL).
+RETRIED = frozenset({JobState.QUEUED, JobState.AWAITING_APPROVAL, JobState.BLOCKED})
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.RUNNING, JobState.BLOCKED, JobState.AWAITING_APPROVAL,
                                 JobState.CANCELLED, JobState.FAILED}),
@@ -44,11 +48,14 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
                                  JobState.BLOCKED, JobState.CANCELLED}),
     JobState.RESUMING: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.BLOCKED, JobState.FAILED,
                                   JobState.CANCELLED}),
-    JobState.RETHINK: frozenset(),
+    JobState.RETHINK: RETRIED,
     JobState.DONE: frozenset(),
-    JobState.FAILED: frozenset(),
-    JobState.CANCELLED: frozenset(),
+    JobState.FAILED: RETRIED,
+    JobState.CANCELLED: RETRIED,
 }
+
+# The states `retry` takes a job from: over, and with somewhere to go.
+RETRIABLE = frozenset(st for st, targets in JOB_TRANSITIONS.items() if st in FINAL and targets)
 
 # What a fresh decision's action puts a new job in.
 STATE_FOR_ACTION: dict[str, JobState] = {
