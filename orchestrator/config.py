@@ -325,6 +325,11 @@ class StateSettings(Strict):
         "finished longer ago than this many days (and events of no job as old); unset keeps them all. Jobs, attempts, "
         "the ledger, decision records, checkpoints and outputs stay. `burstctl prune-events --older-than DAYS` does "
         "the same by hand.")
+    checkpoints_keep_days: PositiveFloat | None = Field(
+        None, description="The daemon deletes, once a day, the checkpoints (<state>/checkpoints/<job>/) of jobs done "
+        "longer ago than this many days; unset keeps them. A done job keeps only its newest checkpoint anyway, and a "
+        "failed or cancelled one keeps all of its own (`burstctl retry` resumes from them). A job's `outputs` stay. "
+        "`burstctl prune-events --older-than DAYS --checkpoints` does the same by hand.")
 
     @field_validator("database_url")
     @classmethod

@@ -7,7 +7,11 @@ pruned is only the history of jobs finished (done, failed, cancelled, rethink) a
 limit, with nothing of theirs still live (an attempt not over, an instance not confirmed gone, an open ledger
 charge), and the events of no job (daemon, provider, sweep) as old. The jobs, attempts, instances, the ledger (the
 month's spend and the budget cap are computed from it alone), measurements, spot listings, decision records
-(markdown files), checkpoints and a job's `outputs` (its results) are never touched.
+(markdown files) and a job's `outputs` (its results) are never touched.
+
+Checkpoints are pruned apart (`state.checkpoints_keep_days`, `prune-events --checkpoints`), and only those of jobs
+done: a failed or cancelled job may still be retried from its own. A done job keeps only its newest one from the
+moment it is done (`checkpoints.trim_done`); a weekly fine-tune of a 7B model still leaves one of ~15 GB a week.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from pathlib import Path
 from typing import TypedDict
 
 from orchestrator.app import App
+from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.homes import runs_dir
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
-from orchestrator.lifecycle.states import FINAL
+from orchestrator.lifecycle.states import FINAL, JobState
 
 DAY_S = 86400.0
 PRUNED_AT = "events_pruned_at"  # settings key: when the daemon last pruned (it prunes at most once a day)
@@ -69,20 +74,57 @@ def _remove_run_dirs(runs: Path, job_ids: Collection[str]) -> tuple[list[str], i
         job_id, sep, n = entry.name.rpartition("-a")
         if not (sep and n.isdigit() and job_id in job_ids and entry.is_dir(follow_symlinks=False)):
             continue
-        for root, _, files in os.walk(entry.path):
-            freed += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+        freed += _tree_bytes(entry.path)
         shutil.rmtree(entry.path)
         removed.append(entry.name)
     return removed, freed
 
 
-def prune_if_due(app: App, now: float | None = None) -> PruneCounts | None:
-    """The daemon's sweep: prune by `state.events_keep_days` once a day (never with it unset)."""
-    keep = app.config.state.events_keep_days
+class CheckpointCounts(TypedDict):
+    """What a prune of checkpoints deleted."""
+
+    checkpoint_dirs: int  # done jobs whose checkpoints are gone now
+    checkpoint_bytes: int  # what they held
+
+
+def prune_checkpoints(app: App, older_than_days: float, now: float | None = None) -> CheckpointCounts:
+    """Delete the checkpoints of jobs done more than `older_than_days` ago with nothing of theirs live."""
     now = time.time() if now is None else now
-    if keep is None or now - float(app.store.get_setting(PRUNED_AT, 0.0)) < DAY_S:
+    job_ids = app.store.jobs_over_before(now - older_than_days * DAY_S, final_states=[JobState.DONE.value],
+                                         active_attempt_states=ACTIVE_ATTEMPT_STATES)
+    try:  # one listing, however many jobs were ever done (most have nothing left)
+        present = set(os.listdir(app.config.state_dir / "checkpoints"))
+    except FileNotFoundError:
+        present = set()
+    removed = freed = 0
+    for job_id in present.intersection(job_ids):
+        store = checkpoints.store_dir(app.config, job_id)
+        with checkpoints.store_lock(app.config, job_id):
+            freed += _tree_bytes(store)
+            shutil.rmtree(store)
+        removed += 1
+    return {"checkpoint_dirs": removed, "checkpoint_bytes": freed}
+
+
+def _tree_bytes(path: Path | str) -> int:
+    return sum(os.lstat(os.path.join(root, f)).st_size for root, _, files in os.walk(path) for f in files)
+
+
+def prune_if_due(app: App, now: float | None = None) -> PruneCounts | None:
+    """The daemon's sweep: prune by `state.events_keep_days` and `state.checkpoints_keep_days` once a day (never with
+    both unset)."""
+    keep, keep_checkpoints = app.config.state.events_keep_days, app.config.state.checkpoints_keep_days
+    now = time.time() if now is None else now
+    if (keep is None and keep_checkpoints is None) or now - float(app.store.get_setting(PRUNED_AT, 0.0)) < DAY_S:
         return None
-    done = prune_events(app, keep, now)
-    if done["events"] or done["run_dirs"]:
-        app.events.emit("state.events_pruned", older_than_days=keep, **done)
+    done: PruneCounts = {"finished_jobs": 0, "events": 0, "run_dirs": 0, "run_bytes": 0}
+    if keep is not None:
+        done = prune_events(app, keep, now)
+        if done["events"] or done["run_dirs"]:
+            app.events.emit("state.events_pruned", older_than_days=keep, **done)
+    if keep_checkpoints is not None:
+        gone = prune_checkpoints(app, keep_checkpoints, now)
+        if gone["checkpoint_dirs"]:
+            app.events.emit("state.checkpoints_pruned", older_than_days=keep_checkpoints, **gone)
+    app.store.set_setting(PRUNED_AT, now)
     return done

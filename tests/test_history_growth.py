@@ -254,3 +254,50 @@ def test_the_daemon_prunes_once_a_day_only_when_configured(tmp_path: Path) -> No
     assert [e["type"] for e in app.store.events(type_prefix="state.")] == ["state.events_pruned"] * 2
     assert prune_events(app, 30, now + 86400)["events"] == 0
     app.close()
+
+
+def _checkpoints(tmp_path: Path, job_id: str, steps: int = 2) -> int:
+    """Complete checkpoints of a job in the local store, as a sync leaves them; returns their bytes."""
+    from runbooks.burst_checkpoint import write_checkpoint
+
+    store = tmp_path / "state" / "checkpoints" / job_id
+    for step in range(1, steps + 1):
+        write_checkpoint(store, f"step-{step:08d}", {"weights.bin": b"w" * 50_000})
+    return sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
+
+
+def test_checkpoints_of_jobs_done_long_ago_go_only_when_asked_and_a_failed_job_keeps_its_own(
+        burstctl, tmp_path: Path) -> None:
+    app = _app(tmp_path)
+    now = time.time()
+    done_long_ago = _job(app, tmp_path, "old", "done", now - 40 * 86400)
+    failed_long_ago = _job(app, tmp_path, "broken", "failed", now - 40 * 86400)  # `burstctl retry` resumes from them
+    done_lately = _job(app, tmp_path, "recent", "done", now - 86400)
+    held = {j: _checkpoints(tmp_path, j) for j in (done_long_ago, failed_long_ago, done_lately)}
+    app.close()
+    store = tmp_path / "state" / "checkpoints"
+
+    kept = json.loads(burstctl("prune-events", "--older-than", "30", "--json").stdout)
+    assert "checkpoint_dirs" not in kept and sorted(p.name for p in store.iterdir() if p.is_dir()) == sorted(held)
+    pruned = json.loads(burstctl("prune-events", "--older-than", "30", "--checkpoints", "--json").stdout)
+    assert (pruned["checkpoint_dirs"], pruned["checkpoint_bytes"]) == (1, held[done_long_ago])
+    assert sorted(p.name for p in store.iterdir() if p.is_dir()) == sorted([failed_long_ago, done_lately])
+    said = burstctl("prune-events", "--older-than", "0", "--checkpoints")
+    assert "the checkpoints of 1 done jobs deleted (0.00 GiB)" in said.stdout
+    assert [p.name for p in store.iterdir() if p.is_dir()] == [failed_long_ago]
+
+
+def test_the_daemon_prunes_done_jobs_checkpoints_once_a_day_when_configured(tmp_path: Path) -> None:
+    app = _app(tmp_path, "[state]\ncheckpoints_keep_days = 30\n")
+    now = time.time()
+    job_id = _job(app, tmp_path, "old", "done", now - 40 * 86400)
+    held = _checkpoints(tmp_path, job_id)
+    assert prune_if_due(app, now) == {"finished_jobs": 0, "events": 0, "run_dirs": 0, "run_bytes": 0}
+    assert not (tmp_path / "state" / "checkpoints" / job_id).exists()
+    (said,) = app.store.events(type_prefix="state.")
+    assert (said["type"], said["data"]) == ("state.checkpoints_pruned", {
+        "older_than_days": 30, "checkpoint_dirs": 1, "checkpoint_bytes": held})
+    _checkpoints(tmp_path, job_id)
+    assert prune_if_due(app, now + 3600) is None  # once a day
+    assert (tmp_path / "state" / "checkpoints" / job_id).exists()
+    app.close()

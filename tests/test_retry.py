@@ -124,6 +124,12 @@ def test_a_job_that_failed_halfway_resumes_from_its_checkpoint_once_fixed_and_en
                    env={"PATH": "/usr/bin:/bin", "BURST_CHECKPOINT_DIR": str(straight / "ckpt")})
     result, expected = (json.loads(p.read_text()) for p in (work / "result.json", straight / "result.json"))
     assert result["step"] == 100 and result["state_sha256"] == expected["state_sha256"]
+    # Done, it keeps only its newest checkpoint: nothing resumes it now.
+    store = tmp_path / "state" / "checkpoints" / job_id
+    assert [p.name for p in store.iterdir() if not p.name.startswith(".")] == ["step-00000100"]
+    said = burstctl("--config", str(cfg), "events", "--job", job_id, "--type", "job.done", "--json").stdout
+    (done,) = [json.loads(line) for line in said.splitlines()]
+    assert done["checkpoints_trimmed"] == 2
     # The second record is the retry's, its Measured line filled when the job was done.
     record = Path(shown["record"]).read_text()
     assert "retry of a failed job" in record and "- **Measured:** run" in record

@@ -63,17 +63,19 @@ def copy_state_cmd(app: App, url: str, as_json: bool) -> None:
 @click.option("--older-than", "days", required=True, type=click.FloatRange(min=0), metavar="DAYS",
               help="Delete the history of jobs finished (and last changed) more than DAYS days ago.")
 @click.option("--keep-logs", is_flag=True, help="Delete only their events; keep their attempts' logs.")
+@click.option("--checkpoints", is_flag=True, help="Also delete the checkpoints of the jobs among them that are done "
+              "(a failed or cancelled job's stay: `burstctl retry` resumes from them).")
 @click.option("--vacuum", is_flag=True, help="Then give the space back to the file system (SQLite VACUUM: the "
               "daemon must be stopped; needs as much free space as the database).")
 @json_option
 @pass_app
-def prune_events_cmd(app: App, days: float, keep_logs: bool, vacuum: bool, as_json: bool) -> None:
+def prune_events_cmd(app: App, days: float, keep_logs: bool, checkpoints: bool, vacuum: bool, as_json: bool) -> None:
     """Delete the events and the attempts' logs (<state>/runs/) of jobs finished more than DAYS ago with nothing of
     theirs live (an attempt not over, an instance not confirmed gone, an open charge), and events of no job as
-    old. Jobs, attempts, the ledger (the month's spend and the budget cap), measurements, decision records,
-    checkpoints and outputs stay. Safe beside a running daemon (short transactions); the freed space is reused by
-    new events, or given back with --vacuum."""
-    from orchestrator.retention import prune_events
+    old; with --checkpoints, the checkpoints of those done too. Jobs, attempts, the ledger (the month's spend and the
+    budget cap), measurements, decision records and outputs stay. Safe beside a running daemon (short transactions);
+    the freed space is reused by new events, or given back with --vacuum."""
+    from orchestrator.retention import CheckpointCounts, prune_checkpoints, prune_events
 
     if vacuum:
         daemon = running_daemon(app)
@@ -82,12 +84,16 @@ def prune_events_cmd(app: App, days: float, keep_logs: bool, vacuum: bool, as_js
             raise OperationalError(f"a daemon is running{pid}: stop it for --vacuum, which locks the database while "
                                    "it rewrites it (or prune without --vacuum: the space is reused)")
     done = prune_events(app, days, keep_logs=keep_logs)
+    gone: CheckpointCounts | None = prune_checkpoints(app, days) if checkpoints else None
     if vacuum:
         app.store.compact()
     if as_json:
-        print_json({**done, "vacuumed": vacuum and app.store.is_sqlite})
+        print_json({**done, **(gone or {}), "vacuumed": vacuum and app.store.is_sqlite})
         return
     logs = "" if keep_logs else f", {done['run_dirs']} attempts' logs deleted ({done['run_bytes'] / 2**20:.1f} MiB)"
+    if gone is not None:
+        logs += (f", the checkpoints of {gone['checkpoint_dirs']} done jobs deleted "
+                 f"({gone['checkpoint_bytes'] / 2**30:.2f} GiB)")
     out.print(f"{done['events']} events deleted{logs} ({done['finished_jobs']} jobs finished more than {days:g} days "
               "ago keep their job, attempts and ledger rows)" + ("; database compacted" if vacuum and
                                                                  app.store.is_sqlite else ""))

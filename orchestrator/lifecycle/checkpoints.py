@@ -11,7 +11,8 @@ from pathlib import Path
 from orchestrator.config import Config
 from runbooks import burst_checkpoint
 
-KEEP = 3  # complete checkpoints kept per job in the local store
+KEEP = 3  # complete checkpoints kept per job in the local store while it may still resume
+KEEP_DONE = 1  # and once it is done: its final state (nothing resumes a done job)
 
 
 def store_dir(cfg: Config, job_id: str) -> Path:
@@ -47,3 +48,11 @@ def prune_store(cfg: Config, job_id: str) -> list[Path]:
     newest three again after every pull read them in full, gigabytes each, every sync interval. A resume still
     hashes the one it resumes from (`latest`)."""
     return burst_checkpoint.prune(store_dir(cfg, job_id), keep=KEEP, deep=False)
+
+
+def trim_done(cfg: Config, job_id: str) -> list[Path]:
+    """A done job keeps only its newest checkpoint: the older ones were resume points, and nothing resumes it."""
+    if not store_dir(cfg, job_id).is_dir():
+        return []
+    with store_lock(cfg, job_id):
+        return burst_checkpoint.prune(store_dir(cfg, job_id), keep=KEEP_DONE, deep=False)

@@ -45,7 +45,8 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
         return JobState.RESUMING if checkpoints.latest(app.config, job["id"]) else JobState.QUEUED
 
     if outcome is A.SUCCEEDED:
-        to(JobState.DONE, "completed", "job.done", where=att["where"])
+        trimmed = checkpoints.trim_done(app.config, job["id"])
+        to(JobState.DONE, "completed", "job.done", where=att["where"], checkpoints_trimmed=len(trimmed))
         _fill_measured(app, conn, job, att, now)
     elif outcome is A.LAUNCH_FAILED:
         back = back_in_line()
