@@ -142,6 +142,9 @@ class Budget(Strict):
         1.5, description="GPU-hours of one typical training cycle, for the cycles-left estimate of `budget`."
     )
     cycle_gpu: str = Field("H100", description="GPU type (a key of [prices]) a typical cycle runs on.")
+    alert_at: list[Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=lambda: [0.5, 0.8, 1.0], description="Fractions of monthly_cap_usd: when the month's spend "
+        "reaches one, the daemon says so once (`budget.crossed`, a notice by default). [] says nothing.")
 
 
 def _train_only() -> list[JobKind]:
@@ -406,9 +409,9 @@ class Schedule(Strict):
 
 # What a person should hear of without watching `status`: the notices `[[notify]]` sends when it names none.
 DEFAULT_NOTICES = ["job.done", "job.failed", "job.awaiting_approval", "job.rethink", "job.blocked",
-                   "job.behind_schedule", "schedule.missed", "schedule.job_invalid", "instance.terminate_unverified",
-                   "instance.orphan_terminate_failed", "attempt.provider_unavailable", "daemon.config_rejected",
-                   "daemon.lock_lost"]
+                   "job.behind_schedule", "budget.crossed", "schedule.missed", "schedule.job_invalid",
+                   "instance.terminate_unverified", "instance.orphan_terminate_failed", "attempt.provider_unavailable",
+                   "daemon.config_rejected", "daemon.lock_lost"]
 NOTIFIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 

@@ -251,6 +251,7 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
               on_tick: Callable[[int], None] | None, lease: DaemonLease, lost: threading.Event,
               notifying: threading.Lock) -> int:
     """Tick, sweep and notify on the scheduler until `stop`; returns ticks run."""
+    from orchestrator.budget_alerts import alert_if_crossed
     from orchestrator.lifecycle.service import has_active_work
     from orchestrator.retention import prune_if_due
     from orchestrator.schedules import fire_due
@@ -290,6 +291,7 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
         try:
             reconciler_now().sweep()
             prune_if_due(app)  # state.events_keep_days: once a day
+            alert_if_crossed(app)  # budget.alert_at
         except Exception as exc:
             app.events.emit("daemon.sweep_failed", error=f"{type(exc).__name__}: {exc}")
 

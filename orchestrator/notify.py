@@ -80,6 +80,9 @@ def wanted(patterns: Iterable[str], kind: str) -> bool:
 
 def notice_text(kind: str, data: dict[str, Any], job_name: str | None, spent_usd: float | None = None) -> str:
     """One line: `burstctl: <job> <what happened>[: <reason>][ (cloud $x.xx)]`."""
+    if kind == "budget.crossed":
+        return (f"burstctl: {data['fraction']:.0%} of {data['month']}'s cloud budget spent "
+                f"(${data['spent_usd']:.2f} of ${data['cap_usd']:.2f})")
     what = _PHRASES.get(kind, kind)
     subject = f"{job_name} {what}" if job_name else what
     reason = data.get("reason") or data.get("error")

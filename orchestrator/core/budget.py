@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -63,3 +64,12 @@ def admits(projected_usd: float, cap_usd: float, spent_usd: float) -> tuple[bool
         return False, (f"projected rented ${projected_usd:.2f} exceeds the ${left:.2f} left of the ${cap_usd:.2f} "
                        f"monthly budget (${spent_usd:.2f} spent)")
     return True, f"projected rented ${projected_usd:.2f} fits the ${left:.2f} left this month"
+
+
+def newly_crossed(spent_usd: float, cap_usd: float, fractions: Sequence[float], said: float) -> float | None:
+    """The highest of `fractions` of the cap that the month's spend has reached, when it is above `said` (the highest
+    already said this month); else None. A cap of 0 (no cloud) is never crossed."""
+    if cap_usd <= 0:
+        return None
+    reached = [f for f in fractions if spent_usd >= f * cap_usd - 1e-9]
+    return max(reached) if reached and max(reached) > said else None
