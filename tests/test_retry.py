@@ -135,3 +135,43 @@ def test_a_job_that_failed_halfway_resumes_from_its_checkpoint_once_fixed_and_en
     assert "retry of a failed job" in record and "- **Measured:** run" in record
 
     assert burstctl("--config", str(cfg), "retry", job_id).returncode == 2  # done: nothing to retry
+
+
+@pytest.mark.slow
+def test_a_cloud_job_that_failed_resumes_on_a_new_instance_from_the_checkpoint_that_came_home(tmp_path: Path) -> None:
+    from tests.e2e import Daemon, cli, events, job, sim_instances, simcloud, trainer_job, wait_for, write_config
+
+    state = tmp_path / "state"
+    spec = trainer_job(tmp_path, "flaky-cloud", steps=100, every=10, step_s=0.05, extra=("--out", "result.json"),
+                       outputs=["result.json"])
+    train = "exec python3 trainer.py --steps 100 --checkpoint-every 10 --step-seconds 0.05 --out result.json"
+    text = spec.read_text().splitlines()
+    text[1] = f"command = {json.dumps(['sh', '-c', f'if [ -e BUG ]; then {train} --fail-at-step 40; fi; {train}'])}"
+    spec.write_text("\n".join(text) + "\n")
+    (tmp_path / "work" / "BUG").touch()
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        job_id = json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"]
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: job(state, job_id)["state"] == "failed", 180, "the job to fail at step 40")
+        finally:
+            assert daemon.stop() == 0
+        assert "a planted bug at step 40" in job(state, job_id)["reason"]
+
+        (tmp_path / "work" / "BUG").unlink()  # the fix, in the workdir the next attempt pushes
+        again = json.loads(cli(config, state, "retry", job_id, "--json").stdout)
+        assert (again["state"], again["work_done"], again["work_left"]) == ("queued", 0.4, pytest.approx(0.6))
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the retried job to finish")
+        finally:
+            assert daemon.stop() == 0
+        instances = sim_instances(url)
+    resumed = [e["data"] for e in events(state, "job.resumed")]
+    assert [r["checkpoint"] for r in resumed] == ["step-00000040"]
+    assert "resumed from" in cli(config, state, "logs", job_id).stdout
+    result = json.loads((state / "outputs" / job_id / "result.json").read_text())
+    assert result["step"] == 100
+    # Two instances, one per attempt, both gone; the job's cost counts both.
+    assert len(instances) == 2 and {i["status"] for i in instances} <= {"terminated"}
