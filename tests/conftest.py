@@ -195,3 +195,15 @@ def child_processes(pid: int, comm: str) -> list[tuple[int, list[str]]]:
         if name == comm and ppid == pid:
             found.append((int(entry), argv))
     return found
+
+
+def assert_config_refused(burstctl, tmp_path: Path, text: str, command: str, field: str, says: str) -> None:
+    """A config file that does not validate: `burstctl COMMAND` exits 2 with one line naming the file and the field,
+    no traceback, and nothing is created in the state directory."""
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(text)
+    r = burstctl("--config", str(cfg), command)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"burstctl: error: {cfg}: field '{field}': ") and says in line
+    assert not (tmp_path / "state").exists()

@@ -147,6 +147,15 @@ def cli(config: Path, state: Path, *args: str) -> subprocess.CompletedProcess[st
                           timeout=300)
 
 
+def daemon_until(tmp: Path, config: Path, state: Path, pred: Callable[[], Any], timeout: float, what: str) -> None:
+    """Run a daemon until `pred` holds (or `timeout` runs out, failing with `what`), then stop it: it must exit 0."""
+    daemon = Daemon(tmp, config, state).start()
+    try:
+        wait_for(pred, timeout, what)
+    finally:
+        assert daemon.stop() == 0
+
+
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
     deadline = time.monotonic() + timeout
     while True:

@@ -20,7 +20,7 @@ from orchestrator.app import App
 from orchestrator.cli.status import status_data
 from orchestrator.notify import KEY_PREFIX, notify_due
 from orchestrator.queue import enqueue
-from tests.conftest import write_job
+from tests.conftest import assert_config_refused, write_job
 
 TOKEN = "T0KEN-9f8e7d6c5b4a"  # the secret part of a webhook URL, as Slack's and ntfy's carry one
 HOOK_ENV = "BURSTCTL_TEST_HOOK_URL"
@@ -298,13 +298,7 @@ def test_a_notifier_taken_out_of_the_config_is_forgotten(tmp_path: Path, webhook
 ])
 def test_a_bad_notifier_is_one_line_naming_the_file_and_field(burstctl, tmp_path: Path, entry: str, field: str,
                                                               says: str) -> None:
-    cfg = tmp_path / "burstctl.toml"
-    cfg.write_text(f"[[notify]]\n{entry}\n")
-    r = burstctl("--config", str(cfg), "status")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    (line,) = r.stderr.strip().splitlines()
-    assert line.startswith(f"burstctl: error: {cfg}: field '{field}': ") and says in line
-    assert not (tmp_path / "state").exists()
+    assert_config_refused(burstctl, tmp_path, f"[[notify]]\n{entry}\n", "status", field, says)
 
 
 def test_a_webhook_url_pasted_where_its_variable_s_name_belongs_is_refused_unquoted(burstctl, tmp_path: Path

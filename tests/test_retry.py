@@ -139,7 +139,7 @@ def test_a_job_that_failed_halfway_resumes_from_its_checkpoint_once_fixed_and_en
 
 @pytest.mark.slow
 def test_a_cloud_job_that_failed_resumes_on_a_new_instance_from_the_checkpoint_that_came_home(tmp_path: Path) -> None:
-    from tests.e2e import Daemon, cli, events, job, sim_instances, simcloud, trainer_job, wait_for, write_config
+    from tests.e2e import cli, daemon_until, events, job, sim_instances, simcloud, trainer_job, write_config
 
     state = tmp_path / "state"
     spec = trainer_job(tmp_path, "flaky-cloud", steps=100, every=10, step_s=0.05, extra=("--out", "result.json"),
@@ -152,21 +152,15 @@ def test_a_cloud_job_that_failed_resumes_on_a_new_instance_from_the_checkpoint_t
     with simcloud(tmp_path) as url:
         config = write_config(tmp_path, url)
         job_id = json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"]
-        daemon = Daemon(tmp_path, config, state).start()
-        try:
-            wait_for(lambda: job(state, job_id)["state"] == "failed", 180, "the job to fail at step 40")
-        finally:
-            assert daemon.stop() == 0
+        daemon_until(tmp_path, config, state, lambda: job(state, job_id)["state"] == "failed", 180,
+                     "the job to fail at step 40")
         assert "a planted bug at step 40" in job(state, job_id)["reason"]
 
         (tmp_path / "work" / "BUG").unlink()  # the fix, in the workdir the next attempt pushes
         again = json.loads(cli(config, state, "retry", job_id, "--json").stdout)
         assert (again["state"], again["work_done"], again["work_left"]) == ("queued", 0.4, pytest.approx(0.6))
-        daemon = Daemon(tmp_path, config, state).start()
-        try:
-            wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the retried job to finish")
-        finally:
-            assert daemon.stop() == 0
+        daemon_until(tmp_path, config, state, lambda: job(state, job_id)["state"] == "done", 180,
+                     "the retried job to finish")
         instances = sim_instances(url)
     resumed = [e["data"] for e in events(state, "job.resumed")]
     assert [r["checkpoint"] for r in resumed] == ["step-00000040"]

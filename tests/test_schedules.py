@@ -15,7 +15,7 @@ from apscheduler.triggers.cron import CronTrigger
 from orchestrator.app import App
 from orchestrator.schedules import KEY_PREFIX, fire_due, newest_slot, slots_between
 from state import schema as s
-from tests.conftest import write_job
+from tests.conftest import assert_config_refused, write_job
 
 DAY = 86400.0
 ARMED = datetime(2030, 1, 7, 3, 0, tzinfo=UTC).timestamp()  # a Monday, 03:00 UTC: after that day's 02:00 slot
@@ -166,13 +166,7 @@ def test_the_newest_slot_is_found_without_walking_every_slot_of_a_long_sleep() -
 ])
 def test_a_bad_schedule_is_one_line_naming_the_file_and_field_and_changes_nothing(
         burstctl, tmp_path: Path, entry: str, field: str, says: str) -> None:
-    cfg = tmp_path / "burstctl.toml"
-    cfg.write_text(f"[[schedule]]\n{entry}\n")
-    r = burstctl("--config", str(cfg), "schedules")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    (line,) = r.stderr.strip().splitlines()
-    assert line.startswith(f"burstctl: error: {cfg}: field '{field}': ") and says in line
-    assert not (tmp_path / "state").exists()
+    assert_config_refused(burstctl, tmp_path, f"[[schedule]]\n{entry}\n", "schedules", field, says)
 
 
 def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burstctl, tmp_path: Path) -> None:
