@@ -280,6 +280,14 @@ def record_decision(app: App, job: JobFacts, decision: dict[str, Any], now: floa
     return records.write(app.config.state_dir, job.name, job_id, text, now)
 
 
+def stored_spec(spec: JobSpec, path: str | Path, slot_at: float | None = None) -> dict[str, Any]:
+    """A job file's spec as the jobs table keeps it: its workdir resolved, where it came from, and the slot of the
+    schedule that queued it."""
+    workdir = (Path(path).parent / spec.workdir).resolve()
+    return {**spec.model_dump(mode="json"), "workdir": str(workdir), "source": str(Path(path).resolve()),
+            **({"_slot_at": slot_at} if slot_at is not None else {})}
+
+
 def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: float | None = None,
             also: Callable[[Any, str], None] | None = None) -> tuple[str, Decision, Path]:
     """Validate, decide, record and queue a job file. A scheduled cycle (`orchestrator/schedules.py`) passes its
@@ -291,11 +299,9 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
     decision = decide(job, context(app, now))
     d = decision.to_dict()
     job_id = new_job_id()
-    workdir = (Path(path).parent / spec.workdir).resolve()
     deadline = datetime.fromtimestamp(deadline_at).astimezone().isoformat()
     state = STATE_FOR_ACTION[decision.action]
-    spec_data = {**spec.model_dump(mode="json"), "workdir": str(workdir), "source": str(Path(path).resolve()),
-                 **({"_slot_at": slot_at} if slot_at is not None else {})}
+    spec_data = stored_spec(spec, path, slot_at)
     record_path = record_decision(app, job, d, now, job_id)
     try:
         with app.store.tx() as conn:
@@ -397,11 +403,12 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
 
 
 def retry(app: App, job: dict[str, Any], now: float | None = None, *,
-          deadline_at: float | None = None) -> Redecision:
+          deadline_at: float | None = None, reread: bool = False) -> Redecision:
     """Queue a failed, cancelled or rethink job again, decided afresh on the work it has left: its next attempt
     resumes from its newest checkpoint, with the workdir as it is now (a fixed bug is picked up). The deadline stays,
-    unless `deadline_at` gives a new one. Refused, changing nothing, while an attempt of it is still being stopped,
-    or when the decision would be rethink again. A new decision record describes the retry."""
+    unless `deadline_at` gives a new one. `reread`: its job file is read again (a fixed command line), and its
+    deadline counts from now as `enqueue`'s would. Refused, changing nothing, while an attempt of it is still being
+    stopped, or when the decision would be rethink again. A new decision record describes the retry."""
     from orchestrator.lifecycle.machine import active_attempts
 
     now = time.time() if now is None else now
@@ -413,22 +420,33 @@ def retry(app: App, job: dict[str, Any], now: float | None = None, *,
     if live:
         raise BadInput(f"job {job['id']}'s attempt {live[0]} is still being stopped; retry it once `burstctl show "
                        f"{job['id']}` says it ended", field="JOB")
-    deadline = float(job["deadline_at"]) if deadline_at is None else deadline_at
+    spec = {k: v for k, v in job["spec"].items() if k == "_slot_at" or not k.startswith("_")}  # the daemon's waits go
+    deadline = float(job["deadline_at"])
+    if reread:
+        source = job["spec"].get("source")
+        if not source:
+            raise BadInput(f"job {job['id']} does not say which job file it came from", field="--reread")
+        fresh, deadline = load_job(source, now)
+        if fresh.name != job["name"]:
+            raise BadInput(f"names the job '{fresh.name}', not '{job['name']}': a different job is enqueued, not "
+                           "retried", source=source, field="name")
+        spec = stored_spec(fresh, source, job["spec"].get("_slot_at"))
+    deadline = deadline if deadline_at is None else deadline_at
     if deadline <= now:
         when = datetime.fromtimestamp(deadline).astimezone().isoformat(timespec="minutes")
         raise BadInput(f"job {job['id']}'s deadline ({when}) has passed: give a new one, counted from now",
                        field="--deadline-hours")
-    again = redecide(app, {**job, "deadline_at": deadline}, context(app, now), now)
+    again = redecide(app, {**job, "spec": spec, "deadline_at": deadline}, context(app, now), now)
     d = again.decision
     if again.target is JobState.RETHINK:
         raise BadInput(f"job {job['id']} would be rethink again: {d['reasons'][-1] if d['reasons'] else ''} (a "
                        "later deadline, --deadline-hours, may do)", field="--deadline-hours")
     check_transition(job["state"], again.target.value, job["id"])
     d["retry_of"] = job["state"]
-    d["reasons"].insert(0, f"retry of a {job['state']} job ({job['reason'] or 'no reason given'}); its Measured line "
-                           "counts every attempt of the job, the earlier ones too")
+    d["reasons"].insert(0, f"retry of a {job['state']} job ({job['reason'] or 'no reason given'})"
+                           f"{', its job file read again' if reread else ''}; its Measured line counts every attempt "
+                           "of the job, the earlier ones too")
     record_path = record_decision(app, again.facts, d, now, job["id"])
-    spec = {k: v for k, v in job["spec"].items() if k == "_slot_at" or not k.startswith("_")}  # the daemon's waits go
     try:
         with app.store.tx() as conn:
             if not app.store.update_job(job["id"], conn, expect_state=job["state"], state=again.target.value,

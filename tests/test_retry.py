@@ -86,6 +86,31 @@ def test_a_retry_is_refused_and_changes_nothing_when_it_cannot_be(tmp_path: Path
     app.close()
 
 
+def test_reread_takes_the_fixed_job_file_and_its_deadline_from_now_and_refuses_another_job(tmp_path: Path) -> None:
+    app, job_id = _failed_job(tmp_path)
+    path = tmp_path / "nightly.toml"
+    write_job(tmp_path, "nightly", command=["python3", "train.py", "--lr", "0.01"], workdir="work", deadline_hours=30,
+              local_throughput=1.0)
+    now = time.time()
+    retry(app, app.store.get_job(job_id), now, reread=True)
+    job = app.store.get_job(job_id)
+    assert job["spec"]["command"] == ["python3", "train.py", "--lr", "0.01"]
+    assert job["deadline_at"] == pytest.approx(now + 30 * 3600) and job["spec"]["_slot_at"] == 1.0
+    assert "retry of a failed job (exited: failed (code 1): boom), its job file read again" in \
+        Path(job["record_path"]).read_text()
+
+    app.store.update_job(job_id, None, state="failed")
+    before = app.store.get_job(job_id)
+    path.write_text(path.read_text().replace('name = "nightly"', 'name = "other"'))
+    with pytest.raises(BadInput, match="names the job 'other', not 'nightly': a different job is enqueued"):
+        retry(app, before, reread=True)
+    path.write_text(path.read_text().replace('name = "other"', 'name = "nightly"\nbogus = 1'))
+    with pytest.raises(BadInput, match="bogus"):
+        retry(app, before, reread=True)
+    assert app.store.get_job(job_id) == before
+    app.close()
+
+
 def test_a_job_that_failed_halfway_resumes_from_its_checkpoint_once_fixed_and_ends_as_if_it_never_failed(
         burstctl, tmp_path: Path) -> None:
     work = tmp_path / "work"

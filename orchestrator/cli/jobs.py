@@ -276,17 +276,20 @@ def approve_cmd(app: App, job: str, as_json: bool) -> None:
 @click.argument("job")
 @click.option("--deadline-hours", type=click.FloatRange(min=0, min_open=True), default=None,
               help="A new deadline, this many hours from now (else the job's own, which must not have passed).")
+@click.option("--reread", is_flag=True, help="Read its job file again (a fixed command line, setup or env); its "
+              "deadline then counts from now, as enqueue's would.")
 @json_option
 @pass_app
-def retry_cmd(app: App, job: str, deadline_hours: float | None, as_json: bool) -> None:
+def retry_cmd(app: App, job: str, deadline_hours: float | None, reread: bool, as_json: bool) -> None:
     """Queue a failed, cancelled or rethink job again. It is decided afresh on the work it has left, and its next
-    attempt resumes from its newest checkpoint with the workdir as it is now: fix the bug, then retry. Its job file
-    is not read again. A new decision record describes the retry."""
+    attempt resumes from its newest checkpoint with the workdir as it is now: fix the bug, then retry. With
+    --reread its job file is read again too. A new decision record describes the retry."""
     from orchestrator.queue import retry  # the decision core: only this command of the module needs it
 
     j = job_or_fail(app, job)
     now = time.time()
-    again = retry(app, j, now, deadline_at=None if deadline_hours is None else now + deadline_hours * 3600)
+    again = retry(app, j, now, deadline_at=None if deadline_hours is None else now + deadline_hours * 3600,
+                  reread=reread)
     new = app.store.get_job(j["id"])
     assert new is not None
     if as_json:
