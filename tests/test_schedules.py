@@ -235,3 +235,32 @@ def test_a_schedule_taken_out_of_the_config_and_put_back_is_armed_afresh_not_cau
     assert [f.outcome for f in fire_due(app, ARMED + 10 * DAY)] == ["armed"] and _jobs(app) == []
     assert [f.outcome for f in fire_due(app, SLOT_1 + 10 * DAY + 1)] == ["queued"]
     app.close()
+
+
+@pytest.mark.slow
+def test_a_scheduled_cycle_that_does_not_fit_locally_bursts_and_schedules_prices_it(tmp_path: Path) -> None:
+    from tests.e2e import cli, daemon_until, sim_instances, simcloud, trainer_job, write_config
+
+    state = tmp_path / "state"
+    spec = trainer_job(tmp_path, "weekly-burst", steps=20, every=5, step_s=0.05)  # no local throughput: it bursts
+    now = datetime.now(UTC)
+    cron = f"{now.minute} {now.hour} * * *"  # its slot is this minute's, which has come; the next is tomorrow
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        config.write_text(config.read_text() + f'\n[[schedule]]\njob = "weekly-burst.toml"\ncron = "{cron}"\n'
+                                               'timezone = "UTC"\n')
+        app = App(config_path=str(config), state_dir_override=str(state))
+        app.store.set_setting(KEY_PREFIX + str(spec.resolve()), {"armed_at": time.time() - 120})
+        app.close()
+
+        def cycle_done() -> bool:
+            listed = json.loads(cli(config, state, "list", "--json").stdout)
+            return [j["state"] for j in listed] == ["done"]
+
+        daemon_until(tmp_path, config, state, cycle_done, 180, "the scheduled cycle to burst and finish")
+        instances = sim_instances(url)
+    (row,) = json.loads(cli(config, state, "schedules", "--json").stdout)
+    assert row["last_job_state"] == "done" and row["last_cycle_cloud_usd"] > 0
+    (listed,) = json.loads(cli(config, state, "list", "--json").stdout)
+    assert listed["verdict"] == "burst" and listed["id"] == row["last_job_id"]
+    assert len(instances) == 1 and instances[0]["status"] == "terminated"
