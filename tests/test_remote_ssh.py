@@ -211,3 +211,18 @@ def test_a_shared_connection_is_opened_once_for_the_steps_of_a_sync_and_afresh_a
     nowhere = SharedConnection(replace(target, port=free_port()), MemoryHostKeyTrust())
     with nowhere, pytest.raises(SshUnavailable):
         nowhere.get()
+
+
+def test_a_timeout_s_kill_of_a_session_already_gone_is_nothing_to_do(backend: SshBackend, key_path: Path) -> None:
+    # A command's timeout kills it from a timer thread by closing its channel; when the connection is closed under
+    # that thread, the close fails there, where nothing catches it. Connections use a runner whose kill allows that.
+    target = launch(backend, key_path, "i-gone")
+    with connect(target, trust=MemoryHostKeyTrust()) as conn:
+        runner = conn.config.runners.remote(context=conn)
+
+    class GoneChannel:
+        def close(self) -> None:
+            raise EOFError  # paramiko's packetizer, writing to a transport that is closed
+
+    runner.channel = GoneChannel()
+    runner.kill()  # nothing raised

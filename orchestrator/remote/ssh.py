@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 import fabric
+import fabric.runners
 import invoke
 import paramiko
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -191,11 +192,24 @@ class Result:
     stderr: str
 
 
+class _Remote(fabric.runners.Remote):
+    """Fabric's remote runner, whose timeout kill tolerates a session already gone.
+
+    A command's timeout kills it from a timer thread by closing its channel. When the command's IO threads fail
+    first (the same close), `run` returns while that thread may still be closing the channel; a caller that then
+    closes the connection makes the close fail in the thread, where nothing catches it (an unhandled exception
+    printed to the daemon's stderr). A channel whose session is gone has nothing left to kill."""
+
+    def kill(self) -> None:
+        with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
+            super().kill()
+
+
 def connect(target: Target, *, trust: HostKeyTrust, timeout_s: float = 10.0) -> fabric.Connection:
     """An open fabric Connection whose host key was verified (pinned, or trusted on first use)."""
     expected = expected_host_key(target, trust)
     # An explicit empty ssh_config: the user's ~/.ssh/config must not redirect or relax anything.
-    config = fabric.Config(ssh_config=paramiko.SSHConfig())
+    config = fabric.Config(ssh_config=paramiko.SSHConfig(), overrides={"runners": {"remote": _Remote}})
     conn = fabric.Connection(
         target.host, user=target.user, port=target.port, config=config,
         connect_timeout=max(1, int(timeout_s)),
