@@ -435,9 +435,9 @@ class Notify(Strict):
         "delivered.")
     events: list[str] = Field(
         default_factory=lambda: list(DEFAULT_NOTICES), min_length=1,
-        description="The notices to send: event types, `*` a wildcard (\"job.*\", \"*\"). A job queued or decided "
-        "again into a state that needs a person is `job.awaiting_approval`, `job.blocked` or `job.rethink`. The "
-        "notifiers' own `notify.*` events are never sent.")
+        description="The notices to send: event types, `*` a wildcard (\"job.*\", \"*\"). A job queued, decided "
+        "again or retried into a state that needs a person is `job.awaiting_approval`, `job.blocked` or "
+        "`job.rethink`. The notifiers' own `notify.*` events are never sent.")
     timeout_s: PositiveFloat = Field(10.0, description="How long one delivery may take before it counts as failed.")
 
     @field_validator("name")

@@ -65,8 +65,9 @@ class DeliveryFailed(Exception):
 
 
 def notice_type(event: dict[str, Any]) -> str:
-    """The event's type, or, for a job queued or decided again into a state that needs a person, `job.<state>`."""
-    if event["type"] in ("job.enqueued", "job.redecided"):
+    """The event's type, or, for a job queued, decided again or retried into a state that needs a person,
+    `job.<state>`."""
+    if event["type"] in ("job.enqueued", "job.redecided", "job.retried"):
         state = (event.get("data") or {}).get("state")
         if state in _NEEDS_A_PERSON:
             return f"job.{state}"

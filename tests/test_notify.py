@@ -105,6 +105,7 @@ def test_a_new_notifier_starts_from_the_newest_event_and_sends_what_needs_a_pers
     assert [ty for ty, _ in _events(app)] == ["notify.armed"]
 
     app.events.emit("job.redecided", job_id=job_id, previous="queued", state="awaiting_approval")
+    app.events.emit("job.retried", job_id=job_id, previous="failed", state="queued")  # needs no one
     app.events.emit("attempt.running", job_id=job_id)  # not a notice by default
     app.events.emit("job.done", job_id=job_id, reason="completed", where="local")
     app.events.emit("schedule.missed", job_file=str(tmp_path / "nightly.toml"), slot_at=t - 3600)
