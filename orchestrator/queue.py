@@ -239,8 +239,52 @@ def measured_rented_throughput(app: App, spec: JobSpec) -> dict[str, float]:
     return measured_rented_throughputs(app, {spec.name: spec.rented_throughput}).get(spec.name, {})
 
 
+@dataclass(frozen=True)
+class LocalBacklog:
+    """The local work queued or running on the local GPU, as (deadline, hours of local work left, job id), earliest
+    deadline first: the order the daemon starts local jobs in. Read once, asked for many jobs."""
+
+    ahead: tuple[tuple[float, float, str], ...]
+    slots: int  # daemon.local_concurrency
+
+    def wait_h(self, deadline_at: float, exclude: str | None = None) -> float:
+        """How long a job with this deadline waits for the local GPU: the local work of the jobs before it in
+        line (an earlier or equal deadline), shared by the GPU's slots."""
+        if self.slots < 1:
+            return 0.0  # no local runs at all: gate 2 has nothing to wait for (and the job never starts locally)
+        hours = sum(h for at, h, job_id in self.ahead if at <= deadline_at and job_id != exclude)
+        return hours / self.slots
+
+
+def local_backlog(app: App, now: float) -> LocalBacklog:
+    """The jobs that hold the local GPU or wait for it (queued, running, resuming; placed local or hybrid), each with
+    its plan's local hours, less what its running local attempt has already run."""
+    from sqlalchemy import select
+
+    from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
+    from state import schema as s
+
+    states = [JobState.QUEUED.value, JobState.RUNNING.value, JobState.RESUMING.value]
+    with app.store.engine.connect() as c:
+        rows = c.execute(select(s.jobs.c.id, s.jobs.c.deadline_at, s.jobs.c.decision)
+                         .where(s.jobs.c.state.in_(states), s.jobs.c.placement.in_(["local", "hybrid"]))).all()
+        started = dict(c.execute(select(s.attempts.c.job_id, s.attempts.c.started_at).where(
+            s.attempts.c.where == "local", s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES),
+            s.attempts.c.started_at.is_not(None))).all())
+    ahead = []
+    for job_id, deadline_at, decision in rows:
+        plan = (decision or {}).get("plan") or []
+        hours = sum(float(p["hours"]) for p in plan if p.get("where") == "local")
+        if job_id in started:
+            hours -= (now - float(started[job_id])) / 3600.0
+        if hours > 0:
+            ahead.append((float(deadline_at), hours, str(job_id)))
+    return LocalBacklog(tuple(sorted(ahead)), app.config.daemon.local_concurrency)
+
+
 def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: str | Path | None = None,
-          measured: dict[str, float] | None = None, setup: SetupEstimate = UNMEASURED_SETUP) -> JobFacts:
+          measured: dict[str, float] | None = None, setup: SetupEstimate = UNMEASURED_SETUP,
+          local_wait_h: float = 0.0) -> JobFacts:
     fits_local: bool | None = None
     per_gpu: float | None = None
     if spec.model is not None:
@@ -260,7 +304,7 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         market_from="job" if spec.market else "policy.default_market",
         checkpoint_interval_h=spec.checkpoint.interval_minutes / 60.0, checkpoints=spec.checkpoint.resumable,
         fits_local_memory=fits_local, per_gpu_gb=per_gpu, setup_h=setup.hours if spec.setup else 0.0,
-        setup_basis=setup.basis if spec.setup else "",
+        setup_basis=setup.basis if spec.setup else "", local_wait_h=local_wait_h,
     )
 
 
@@ -295,7 +339,8 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
     now = time.time() if now is None else now
     spec, deadline_at = load_job(path, now if slot_at is None else slot_at)
     cfg = app.config
-    job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec), setup_estimate(app, spec))
+    job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec), setup_estimate(app, spec),
+                local_backlog(app, now).wait_h(deadline_at))
     decision = decide(job, context(app, now))
     d = decision.to_dict()
     job_id = new_job_id()
@@ -352,7 +397,8 @@ class Redecision:
 
 
 def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,
-             measured: dict[str, float] | None = None, setup: SetupEstimate | None = None) -> Redecision:
+             measured: dict[str, float] | None = None, setup: SetupEstimate | None = None,
+             backlog: LocalBacklog | None = None) -> Redecision:
     """Decide a stored job again (deadline `job["deadline_at"]`). A job that has run, its checkpoint home, is decided
     on the work it has left, not on the whole of W (its next attempt resumes from the checkpoint), and is never
     dropped into rethink with that work (`JobFacts.started`)."""
@@ -363,7 +409,10 @@ def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, co
         measured = measured_rented_throughput(app, spec)
     if setup is None:
         setup = setup_estimate(app, spec)
-    job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured, setup=setup)
+    if backlog is None:
+        backlog = local_backlog(app, now)
+    job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured, setup=setup,
+                      local_wait_h=backlog.wait_h(float(job["deadline_at"]), exclude=job["id"]))
     started = checkpoints.latest(app.config, job["id"], deep=False) is not None
     done = work_done(app, job["id"], conn) if started else 0.0
     if started:
@@ -378,11 +427,12 @@ def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, co
 
 
 def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,
-               measured: dict[str, float] | None = None, setup: SetupEstimate | None = None) -> str | None:
+               measured: dict[str, float] | None = None, setup: SetupEstimate | None = None,
+               backlog: LocalBacklog | None = None) -> str | None:
     """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state.
-    `measured`, `setup`: its name's measured s_R and setup time when the caller read them for a batch (else read
-    here)."""
-    again = redecide(app, job, ctx, now, conn, measured, setup)
+    `measured`, `setup`, `backlog`: its name's measured s_R and setup time, and the local GPU's queue, when the
+    caller read them for a batch (else read here)."""
+    again = redecide(app, job, ctx, now, conn, measured, setup, backlog)
     if again.target.value == job["state"]:
         return None
     d = again.decision

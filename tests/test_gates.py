@@ -55,3 +55,27 @@ def test_more_gpus_divide_the_compute_but_not_the_overhead() -> None:
     r = evaluate(GateInputs(s_local=0.0, s_rented=0.17, deadline_h=48, **{**SEED, "gpus": 4}))
     assert r.t_rented_h == pytest.approx(1 / (0.17 * 4) + 0.5)
     assert r.c_rented_usd == pytest.approx(3.0 * 4 * r.t_rented_h)
+
+
+@pytest.mark.parametrize(("wait_h", "verdict", "says"), [
+    (0.0, Verdict.LOCAL, "local finishes in 3.03 h within"),
+    (20.0, Verdict.LOCAL, "local finishes in 23.03 h after the 20.00 h of local work queued ahead of it within"),
+    (22.0, Verdict.PRICED, "local misses (25.03 h after the 22.00 h of local work queued ahead of it > 24.00 h)"),
+])
+def test_local_work_queued_ahead_counts_against_the_deadline(wait_h: float, verdict: Verdict, says: str) -> None:
+    # Candidate A alone makes its 24 h easily; behind a day of other local work on the one GPU it does not.
+    r = evaluate(GateInputs(s_local=0.33, s_rented=2.0, deadline_h=24, local_wait_h=wait_h, **SEED))
+    assert r.verdict is verdict and any(says in reason for reason in r.reasons), r.reasons
+    assert r.t_local_h == pytest.approx(3.03, abs=0.005) and r.local_wait_h == wait_h  # T_L is the run alone
+    if verdict is Verdict.PRICED:
+        # Renting saves the wait too: what it saves is local's finish (w + T_L) less T_R.
+        assert r.hours_saved == pytest.approx(22 + 3.03 - 1.0, abs=0.005)
+        assert r.delta_cost_usd == pytest.approx(3.0 * 1.0 - 0.10 * 3.0303, abs=0.005)
+
+
+def test_a_job_late_only_because_of_the_queue_with_renting_too_slow_runs_local_late_not_rethink() -> None:
+    r = evaluate(GateInputs(s_local=0.33, s_rented=0.04, deadline_h=24, local_wait_h=22.0, **SEED))
+    assert r.verdict is Verdict.LOCAL
+    assert any("run local, late (it would make it alone: 3.03 h)" in reason for reason in r.reasons), r.reasons
+    alone_too_slow = evaluate(GateInputs(s_local=0.033, s_rented=0.04, deadline_h=24, local_wait_h=2.0, **SEED))
+    assert alone_too_slow.verdict is Verdict.RETHINK  # local misses by itself: the queue is not the reason

@@ -49,6 +49,8 @@ class JobFacts:
     # The job's `setup` on a fresh instance: every instance it rents pays it, so it is part of the job's t_ovh.
     setup_h: float = 0.0
     setup_basis: str = ""  # where setup_h comes from, for the record (`SetupEstimate.basis`); "" without a setup
+    # Local work queued ahead of it (earlier deadlines) before the local GPU is free for it: gate 2's w.
+    local_wait_h: float = 0.0
 
 
 MEASURED_SETUP = "measured on its earlier runs"
@@ -115,6 +117,7 @@ class Decision:
             "placement": self.placement,
             "fits_locally": g.fits_locally,
             "t_local_h": _r(g.t_local_h),
+            "local_wait_h": _r(g.local_wait_h),
             "c_local_usd": _r(g.c_local_usd),
             "t_rented_h": _r(g.t_rented_h),
             "c_rented_usd": _r(g.c_rented_usd),
@@ -171,7 +174,8 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
     def gate(s_r: float, rate: float) -> GateResult:
         return evaluate(GateInputs(work=job.work, s_local=s_local, s_rented=s_r, deadline_h=job.deadline_h,
                                    rate_usd_per_gpu_h=rate, gpus=job.gpus, overhead_h=overhead_h,
-                                   local_usd_h=ctx.local_usd_h, fits_locally=job.fits_local_memory))
+                                   local_usd_h=ctx.local_usd_h, fits_locally=job.fits_local_memory,
+                                   local_wait_h=job.local_wait_h))
 
     if not candidates:
         g = gate(0.0, 0.0)
@@ -233,7 +237,8 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         # that phase runs on on-demand (tests/test_e2e_hybrid.py), so it is priced so.
         spot_room = market.market == "spot" and ctx.hybrid_margin_h > overhead_h
         hybrid = hybrid_plan(work=job.work, s_local=s_local, s_rented=s_r, gpus=job.gpus, overhead_h=overhead_h,
-                             deadline_h=job.deadline_h, margin_h=ctx.hybrid_margin_h, local_usd_h=ctx.local_usd_h,
+                             deadline_h=job.deadline_h - job.local_wait_h,  # its local phase starts after the wait
+                             margin_h=ctx.hybrid_margin_h, local_usd_h=ctx.local_usd_h,
                              rented_usd_per_gpu_h=market.rate_usd_per_gpu_h if spot_room else offer.od_usd_per_gpu_h,
                              market="spot" if spot_room else "on-demand", gpu=gpu)
         if hybrid is not None and hybrid.cost_usd < plan.cost_usd:

@@ -1,7 +1,8 @@
 """The two gates, exactly the seed's break-even model. Pure: numbers in, a verdict out.
 
 Gate 1, feasibility: a job that does not fit on the local GPU bursts, no dollar argument.
-Gate 2, deadline: T_L = W/s_L, C_L = p_L·T_L. If T_L ≤ D the job runs locally: renting is waste.
+Gate 2, deadline: T_L = W/s_L, C_L = p_L·T_L. If T_L ≤ D the job runs locally: renting is waste. With local
+work queued ahead of it (earlier deadlines, on the one GPU), local finishes after that wait: w + T_L ≤ D.
 Otherwise T_R = W/(s_R·g) + t_ovh and C_R = r·g·T_R. If T_R > D neither makes it (rethink scope);
 else the deadline has a price: ΔC = C_R − C_L to save T_L − T_R hours.
 """
@@ -31,6 +32,7 @@ class GateInputs:
     overhead_h: float = 0.5  # t_ovh
     local_usd_h: float = 0.10  # p_L
     fits_locally: bool | None = None  # from sizing; None = judge by s_local alone
+    local_wait_h: float = 0.0  # w: local work queued ahead of this job, before the local GPU is free for it
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class GateResult:
     delta_cost_usd: float | None
     hours_saved: float | None
     reasons: list[str] = field(default_factory=list)
+    local_wait_h: float = 0.0
 
 
 def rented_time_h(work: float, s_rented: float, gpus: int, overhead_h: float) -> float:
@@ -67,28 +70,37 @@ def evaluate(x: GateInputs) -> GateResult:
 
     t_l = x.work / x.s_local
     c_l = x.local_usd_h * t_l
+    wait = x.local_wait_h
+    finish = wait + t_l  # when local is done: after the local work queued ahead of it
+    behind = f" after the {wait:.2f} h of local work queued ahead of it" if wait > 0 else ""
     reasons.append("Gate 1: fits locally")
-    if t_l <= x.deadline_h:
+    if finish <= x.deadline_h:
         reasons.append(
-            f"Gate 2: local finishes in {t_l:.2f} h within the {x.deadline_h:.2f} h deadline: run local"
+            f"Gate 2: local finishes in {finish:.2f} h{behind} within the {x.deadline_h:.2f} h deadline: run local"
         )
-        return GateResult(Verdict.LOCAL, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons)
+        return GateResult(Verdict.LOCAL, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons, wait)
 
     if t_r > x.deadline_h:
+        if t_l <= x.deadline_h:  # only the queue ahead makes it late, and renting is too slow anyway
+            reasons.append(
+                f"Gate 2: local finishes in {finish:.2f} h{behind}, past the {x.deadline_h:.2f} h deadline, and "
+                f"rented {t_r:.2f} h misses it too: run local, late (it would make it alone: {t_l:.2f} h)"
+            )
+            return GateResult(Verdict.LOCAL, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons, wait)
         reasons.append(
             f"Gate 2: local {t_l:.2f} h and rented {t_r:.2f} h both miss {x.deadline_h:.2f} h: "
             "rethink scope, not hardware"
         )
-        return GateResult(Verdict.RETHINK, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons)
+        return GateResult(Verdict.RETHINK, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons, wait)
 
     delta = c_r - c_l
-    saved = t_l - t_r
+    saved = finish - t_r
     price = f"ΔC = ${delta:.2f}" if delta >= 0 else f"ΔC = −${-delta:.2f}, cheaper than local,"
     reasons.append(
-        f"Gate 2: local misses ({t_l:.2f} h > {x.deadline_h:.2f} h); renting meets it for "
+        f"Gate 2: local misses ({finish:.2f} h{behind} > {x.deadline_h:.2f} h); renting meets it for "
         f"{price} to save {saved:.2f} h"
     )
-    return GateResult(Verdict.PRICED, True, t_l, c_l, t_r, c_r, delta, saved, reasons)
+    return GateResult(Verdict.PRICED, True, t_l, c_l, t_r, c_r, delta, saved, reasons, wait)
 
 
 def _f(v: float) -> float | None:

@@ -338,7 +338,7 @@ class Reconciler:
 
     def _redecide_blocked(self, now: float) -> None:
         """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
-        from orchestrator.queue import context, measured_rented_throughputs, reconsider, setup_estimates
+        from orchestrator.queue import context, local_backlog, measured_rented_throughputs, reconsider, setup_estimates
 
         with self.store.engine.connect() as c:
             blocked = [dict(r) for r in c.execute(
@@ -355,12 +355,13 @@ class Reconciler:
             gpus_by_name.setdefault(job["name"], set()).update(job["spec"].get("rented_throughput", {}))
         measured = measured_rented_throughputs(self.app, gpus_by_name)
         setups = setup_estimates(self.app, {job["name"] for job in due if job["spec"].get("setup")})
+        backlog = local_backlog(self.app, now) if due else None  # the local GPU's queue, read once for the batch
         # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
         # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
         with self.store.tx() as conn:
             moved = {job["id"] for job in due
                      if reconsider(self.app, job, ctx, now, conn, measured.get(job["name"], {}),
-                                   setups.get(job["name"], UNMEASURED_SETUP)) is not None}
+                                   setups.get(job["name"], UNMEASURED_SETUP), backlog) is not None}
             unchanged = [job["id"] for job in blocked if job["id"] not in moved]
             if unchanged:
                 conn.execute(update(s.jobs).where(s.jobs.c.id.in_(unchanged)).values(updated_at=now))

@@ -1,0 +1,75 @@
+"""Gate 2 with a queue: the local GPU runs one job at a time, earliest deadline first, so a job's local finish is
+the local work queued ahead of it (earlier or equal deadlines) plus its own T_L. A job that would make its deadline
+alone but not behind the queue has its deadline priced like any other (it bursts, or waits for approval)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import insert
+
+from orchestrator.app import App
+from orchestrator.queue import enqueue, local_backlog
+from state import schema as s
+from tests.conftest import write_job
+
+
+def _app(tmp_path: Path, extra: str = "") -> App:
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text("[policy]\nmax_auto_delta_usd = 100.0\n" + extra)
+    return App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+
+
+def _enqueue(app: App, tmp_path: Path, name: str, deadline_hours: float) -> dict:
+    # Four hours of work on the local GPU alone; 2.5 h rented (2 h at s_R 2, plus t_ovh).
+    path = write_job(tmp_path, name, work_units=4, local_throughput=1.0, rented_throughput={"H100": 2.0},
+                     deadline_hours=deadline_hours)
+    job_id = enqueue(app, path)[0]
+    return app.store.get_job(job_id)
+
+
+def test_the_third_four_hour_job_due_in_ten_hours_has_its_deadline_priced_and_an_earlier_one_goes_first(
+        tmp_path: Path) -> None:
+    app = _app(tmp_path)
+    first, second, third = (_enqueue(app, tmp_path, f"job-{k}", 10) for k in (1, 2, 3))
+    assert [(j["placement"], j["decision"]["local_wait_h"]) for j in (first, second, third)] == [
+        ("local", 0.0), ("local", 4.0), ("cloud", 8.0)]
+    assert third["decision"]["verdict"] == "priced"
+    assert any("local misses (12.00 h after the 8.00 h of local work queued ahead of it > 10.00 h)" in r
+               for r in third["decision"]["reasons"])
+    assert third["decision"]["hours_saved"] == pytest.approx(12 - 2.5)
+    # Due sooner, it is ahead of all of them in line: nothing waits before it.
+    urgent = _enqueue(app, tmp_path, "urgent", 5)
+    assert (urgent["placement"], urgent["decision"]["local_wait_h"]) == ("local", 0.0)
+    app.close()
+
+
+def test_a_running_local_job_holds_the_gpu_for_what_it_has_left(tmp_path: Path) -> None:
+    app = _app(tmp_path)
+    running = _enqueue(app, tmp_path, "running", 10)
+    now = time.time()
+    app.store.update_job(running["id"], None, state="running")
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{running['id']}-a1", job_id=running["id"], n=1, where="local",
+                                            state="running", info={}, created_at=now - 3600, started_at=now - 3600))
+    assert local_backlog(app, now).wait_h(now + 10 * 3600) == pytest.approx(3.0, abs=1e-3)  # 4 h planned, 1 h run
+    assert local_backlog(app, now).wait_h(now + 10 * 3600, exclude=running["id"]) == 0.0
+    app.close()
+    two_slots = _app(tmp_path, "[daemon]\nlocal_concurrency = 2\n")
+    assert local_backlog(two_slots, now).wait_h(now + 10 * 3600) == pytest.approx(1.5, abs=1e-3)
+    two_slots.close()
+
+
+def test_decide_says_what_a_job_would_wait_for_the_local_gpu(burstctl, tmp_path: Path) -> None:
+    app = _app(tmp_path)
+    _enqueue(app, tmp_path, "ahead", 10)
+    app.close()
+    path = write_job(tmp_path, "what-if", work_units=4, local_throughput=1.0, rented_throughput={"H100": 2.0},
+                     deadline_hours=10)
+    shown = burstctl("--config", str(tmp_path / "burstctl.toml"), "decide", str(path), "--json")
+    assert shown.returncode == 0, shown.stderr
+    d = json.loads(shown.stdout)
+    assert d["local_wait_h"] == 4.0 and d["verdict"] == "local"
