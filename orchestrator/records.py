@@ -43,7 +43,14 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
         f"{p['where']}{' ' + p['gpu'] if p.get('gpu') else ''}{' ' + p['market'] if p.get('market') else ''} "
         f"{p['hours']:.2f} h" for p in plan) or "—"
     gate1 = ("fits locally" if d["fits_locally"] else "does not fit locally → burst")
-    if d["verdict"] == "local":
+    wait = d.get("local_wait_h") or 0.0
+    queued = f"w = {fmt_h(wait)} queued ahead + " if wait else ""  # local work ahead of it on the one GPU
+    if d["verdict"] == "local" and wait:
+        finish = wait + (d["t_local_h"] or 0.0)
+        gate2 = (f"{queued}T_L = {fmt_h(d['t_local_h'])} = {finish:.2f} h "
+                 + (f"≤ D = {deadline_h:.2f} h → local" if finish <= deadline_h + 1e-9 else
+                    f"> D = {deadline_h:.2f} h, renting misses too → local, late"))
+    elif d["verdict"] == "local":
         gate2 = f"T_L = {fmt_h(d['t_local_h'])} ≤ D = {deadline_h:.2f} h → local"
     elif d["verdict"] == "burst":
         gate2 = f"not reached (gate 1 decides); T_R = {fmt_h(d['t_rented_h'])}"
@@ -51,7 +58,7 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
         gate2 = (f"T_L = {fmt_h(d['t_local_h'])} and T_R = {fmt_h(d['t_rented_h'])} both exceed D = {deadline_h:.2f} h "
                  "→ rethink scope")
     else:
-        gate2 = (f"T_L = {fmt_h(d['t_local_h'])} > D = {deadline_h:.2f} h; T_R = {fmt_h(d['t_rented_h'])} ≤ D; "
+        gate2 = (f"{queued}T_L = {fmt_h(d['t_local_h'])} > D = {deadline_h:.2f} h; T_R = {fmt_h(d['t_rented_h'])} ≤ D; "
                  f"ΔC = {fmt_usd(d['delta_cost_usd'])} to save {fmt_h(d['hours_saved'])}")
     mc = d.get("market_costs") or {}
     lines = [

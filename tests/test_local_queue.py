@@ -41,6 +41,11 @@ def test_the_third_four_hour_job_due_in_ten_hours_has_its_deadline_priced_and_an
     assert any("local misses (12.00 h after the 8.00 h of local work queued ahead of it > 10.00 h)" in r
                for r in third["decision"]["reasons"])
     assert third["decision"]["hours_saved"] == pytest.approx(12 - 2.5)
+    # Each record shows the wait in its gate 2 line.
+    assert "w = 4.00 h queued ahead + T_L = 4.00 h = 8.00 h ≤ D = 10.00 h → local" in \
+        Path(second["record_path"]).read_text()
+    assert "w = 8.00 h queued ahead + T_L = 4.00 h > D = 10.00 h; T_R = 2.50 h ≤ D" in \
+        Path(third["record_path"]).read_text()
     # Due sooner, it is ahead of all of them in line: nothing waits before it.
     urgent = _enqueue(app, tmp_path, "urgent", 5)
     assert (urgent["placement"], urgent["decision"]["local_wait_h"]) == ("local", 0.0)
