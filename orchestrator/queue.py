@@ -241,18 +241,20 @@ def measured_rented_throughput(app: App, spec: JobSpec) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class LocalBacklog:
-    """The local work queued or running on the local GPU, as (deadline, hours of local work left, job id), earliest
-    deadline first: the order the daemon starts local jobs in. Read once, asked for many jobs."""
+    """The local work running on the local GPU or queued for it, as (deadline, hours of local work left, job id,
+    running), earliest deadline first: the order the daemon starts local jobs in. Read once, asked for many jobs."""
 
-    ahead: tuple[tuple[float, float, str], ...]
+    ahead: tuple[tuple[float, float, str, bool], ...]
     slots: int  # daemon.local_concurrency
 
     def wait_h(self, deadline_at: float, exclude: str | None = None) -> float:
-        """How long a job with this deadline waits for the local GPU: the local work of the jobs before it in
-        line (an earlier or equal deadline), shared by the GPU's slots."""
+        """How long a job with this deadline waits for the local GPU: what the runs on it have left (a run is never
+        stopped for a more urgent job), and the local work queued before it in line (an earlier or equal deadline),
+        shared by the GPU's slots."""
         if self.slots < 1:
             return 0.0  # no local runs at all: gate 2 has nothing to wait for (and the job never starts locally)
-        hours = sum(h for at, h, job_id in self.ahead if at <= deadline_at and job_id != exclude)
+        hours = sum(h for at, h, job_id, running in self.ahead
+                    if (running or at <= deadline_at) and job_id != exclude)
         return hours / self.slots
 
 
@@ -278,7 +280,7 @@ def local_backlog(app: App, now: float) -> LocalBacklog:
         if job_id in started:
             hours -= (now - float(started[job_id])) / 3600.0
         if hours > 0:
-            ahead.append((float(deadline_at), hours, str(job_id)))
+            ahead.append((float(deadline_at), hours, str(job_id), job_id in started))
     return LocalBacklog(tuple(sorted(ahead)), app.config.daemon.local_concurrency)
 
 

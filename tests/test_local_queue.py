@@ -61,6 +61,8 @@ def test_a_running_local_job_holds_the_gpu_for_what_it_has_left(tmp_path: Path) 
         c.execute(insert(s.attempts).values(id=f"{running['id']}-a1", job_id=running["id"], n=1, where="local",
                                             state="running", info={}, created_at=now - 3600, started_at=now - 3600))
     assert local_backlog(app, now).wait_h(now + 10 * 3600) == pytest.approx(3.0, abs=1e-3)  # 4 h planned, 1 h run
+    # A run is never stopped for a more urgent job: even one due before it waits for what it has left.
+    assert local_backlog(app, now).wait_h(now + 3600) == pytest.approx(3.0, abs=1e-3)
     assert local_backlog(app, now).wait_h(now + 10 * 3600, exclude=running["id"]) == 0.0
     app.close()
     two_slots = _app(tmp_path, "[daemon]\nlocal_concurrency = 2\n")
@@ -78,3 +80,53 @@ def test_decide_says_what_a_job_would_wait_for_the_local_gpu(burstctl, tmp_path:
     assert shown.returncode == 0, shown.stderr
     d = json.loads(shown.stdout)
     assert d["local_wait_h"] == 4.0 and d["verdict"] == "local"
+
+
+def _running(app: App, job: dict, started_ago_h: float = 0.0) -> None:
+    """The job holds the local GPU: its local attempt runs (a row, as the local runner writes it)."""
+    now = time.time()
+    app.store.update_job(job["id"], None, state="running")
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job['id']}-a1", job_id=job["id"], n=1, where="local",
+                                            state="running", info={}, created_at=now,
+                                            started_at=now - started_ago_h * 3600))
+
+
+def test_a_queued_job_that_a_more_urgent_one_makes_late_is_decided_again_and_bursts(tmp_path: Path) -> None:
+    from orchestrator.lifecycle.reconcile import Reconciler
+
+    app = _app(tmp_path)
+    holding = _enqueue(app, tmp_path, "holding", 10)
+    _running(app, holding)  # 4 h left on the GPU
+    later = _enqueue(app, tmp_path, "later", 10)
+    assert (later["placement"], later["decision"]["local_wait_h"]) == ("local", 4.0)  # 8 h: in time, then
+    urgent = _enqueue(app, tmp_path, "urgent", 9)  # ahead of `later` in line: 4 + 4 = 8 h, in time
+    assert (urgent["placement"], urgent["decision"]["local_wait_h"]) == ("local", 4.0)
+
+    Reconciler(app, {}, cloud=None)._schedule()  # the GPU is held: nothing starts; the line is looked at
+    later, urgent = app.store.get_job(later["id"]), app.store.get_job(urgent["id"])
+    assert urgent["placement"] == "local"
+    assert (later["state"], later["placement"], later["decision"]["local_wait_h"]) == ("queued", "cloud", 8.0)
+    assert later["decision"]["reasons"][0].startswith("decided again while queued: 8.00 h of local work is now")
+    (moved,) = app.store.events(job_id=later["id"], type_prefix="job.redecided")
+    assert moved["data"]["why"] == "late in line" and moved["data"]["placement"] == "cloud"
+    assert "decided again while queued" in Path(later["record_path"]).read_text()  # a record of its own
+    app.close()
+
+
+def test_a_queued_job_the_cloud_cannot_save_stays_local_and_is_asked_again_later(tmp_path: Path) -> None:
+    from orchestrator.lifecycle.reconcile import Reconciler
+
+    app = _app(tmp_path)
+    holding = _enqueue(app, tmp_path, "holding", 10)
+    _running(app, holding)
+    path = write_job(tmp_path, "slow-rented", work_units=4, local_throughput=1.0, rented_throughput={"H100": 0.1},
+                     deadline_hours=9)
+    stuck = app.store.get_job(enqueue(app, path)[0])
+    _enqueue(app, tmp_path, "urgent", 8.5)  # ahead of it: 4 + 4 + 4 = 12 h > 9 h, and 40 h rented
+    rec = Reconciler(app, {}, cloud=None)
+    rec._schedule()
+    stuck = app.store.get_job(stuck["id"])
+    assert stuck["placement"] == "local" and stuck["spec"]["_late_in_line_at"] > 0
+    assert app.store.events(job_id=stuck["id"], type_prefix="job.redecided") == []
+    app.close()

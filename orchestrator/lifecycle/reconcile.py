@@ -276,16 +276,20 @@ class Reconciler:
         # Local work first: it must never wait behind a slow or unreachable cloud.
         ready = [j for j in ready if j["id"] not in busy_jobs and not self._lacks_passed_env(j)]
         local_open = self.cfg.local.available_at(_clock_time(now))
+        started: set[str] = set()
         for job in ready:
             if job["placement"] not in ("local", "hybrid"):
                 continue
             if local_open and local_free > 0:
                 if self.local.start(job):
                     local_free -= 1
+                    started.add(job["id"])
             else:  # said, so that a queued job does not look stuck (its reason was its decision's last word)
                 self._note(job, LOCAL_GPU_HOURS if not local_open else
                            f"{LOCAL_GPU_BUSY}: {n_local} local run(s) use its {self.cfg.daemon.local_concurrency} "
                            "slot(s) (daemon.local_concurrency); it starts when one ends", same_as=LOCAL_GPU_BUSY)
+        self._redecide_late_in_line([j for j in ready if j["placement"] == "local" and j["state"] ==
+                                     JobState.QUEUED.value and j["id"] not in started], now)
         for job in ready:
             if job["placement"] == "cloud" and cloud_free > 0 and self._start_cloud_attempt(job, now):
                 cloud_free -= 1
@@ -335,6 +339,51 @@ class Reconciler:
                 self.store.set_setting("cloud_health", health, conn=conn)
                 self.app.events.emit("cloud.health", conn=conn, providers=health)
             self.store.set_setting("cloud_health_at", at, conn=conn)
+
+    def _redecide_late_in_line(self, waiting: list[dict[str, Any]], now: float) -> None:
+        """Queued local jobs that the line ahead of them now makes late (a more urgent job arrived after they were
+        decided, or a run ahead took longer) are decided again, with the queue as it is: one whose deadline renting
+        can still save goes to the cloud, a hybrid, or approval. One that stays local is asked again a
+        `daemon.market_check_s` later."""
+        from orchestrator.queue import local_backlog, record_decision, redecide
+
+        if not waiting:
+            return
+        backlog = local_backlog(self.app, now)
+        late = []
+        for job in waiting:
+            asked = float(job["spec"].get("_late_in_line_at", 0.0))
+            if 0 <= now - asked < self.cfg.daemon.market_check_s:
+                continue
+            finish_h = backlog.wait_h(job["deadline_at"], exclude=job["id"]) + float(
+                job["decision"].get("t_local_h") or 0.0)
+            if now + finish_h * 3600.0 > float(job["deadline_at"]) + 1.0:
+                late.append(job)
+        if not late:
+            return
+        from orchestrator.queue import context
+
+        ctx = context(self.app, now)
+        for job in late:
+            again = redecide(self.app, job, ctx, now, backlog=backlog)
+            d = again.decision
+            if d["placement"] == "local":  # renting cannot save it either: it runs here, late; asked again later
+                self.store.update_job(job["id"], None, spec={**job["spec"], "_late_in_line_at": now})
+                continue
+            wait = d.get("local_wait_h") or 0.0
+            d["reasons"].insert(0, f"decided again while queued: {wait:.2f} h of local work is now ahead of it in "
+                                   "line (earlier deadlines), so local no longer makes its deadline")
+            record = record_decision(self.app, again.facts, d, now, job["id"])
+            with self.store.tx() as conn:
+                if not self.store.update_job(job["id"], conn, expect_state=job["state"], state=again.target.value,
+                                             verdict=d["verdict"], placement=d["placement"], decision=d,
+                                             record_path=str(record),
+                                             reason=d["reasons"][-1] if d["reasons"] else None):
+                    record.unlink(missing_ok=True)
+                    continue
+                self.app.events.emit("job.redecided", job_id=job["id"], conn=conn, previous=job["state"],
+                                     state=again.target.value, verdict=d["verdict"], action=d["action"],
+                                     placement=d["placement"], local_wait_h=wait, why="late in line")
 
     def _redecide_blocked(self, now: float) -> None:
         """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
