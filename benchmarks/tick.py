@@ -1,7 +1,7 @@
 """Scheduler tick time against queue size: 100, 1,000 and 10,000 queued jobs (run by hand).
 
     .venv/bin/python benchmarks/tick.py [--sizes 100 1000 10000] [--ticks 30] [--postgres] [--measurements N]
-                                        [--schedules N]
+                                        [--schedules N] [--local]
 
 The scheduling half of a tick is what grows with the queue: it reads the queued jobs in deadline order (only as
 many as there are free slots), and re-decides up to `daemon.redecide_per_tick` blocked jobs. Here every slot is
@@ -13,7 +13,9 @@ Reported: median tick in ms per size, and the growth against the smallest size m
 (`fire_due`), as a ratio to that tick. `--measurements N` keeps N measured throughputs of other job names first
 (each cloud run keeps one), as after months of use. `--postgres` measures each size on PostgreSQL too (a private
 server started as the tests start it, tests/postgres.py, on 127.0.0.1 with fsync off), as a ratio to SQLite's tick
-in the same run.
+in the same run. `--local` measures each size a second time with the queue placed on the local GPU instead (one
+local run holds it, every queued job is 2 h of local work, all of them late in line and none that the cloud can
+save), so every tick also looks at the local line (`_redecide_late_in_line`), as a ratio to the cloud queue's tick.
 """
 
 from __future__ import annotations
@@ -32,22 +34,32 @@ from orchestrator.lifecycle.reconcile import Reconciler
 from state import schema as s
 
 
-def populate(app: App, n: int, measurements: int = 0) -> None:
+def populate(app: App, n: int, measurements: int = 0, local: bool = False) -> None:
     now = time.time()
     decision = {"verdict": "burst", "action": "burst", "fits_locally": False, "plan": [], "t_rented_h": 1.0,
                 "overhead_h": 0.5, "reasons": []}
     spec = {"name": "x", "kind": "train", "command": ["true"], "workdir": "/tmp", "deadline_hours": 48,
             "work_units": 1, "local_throughput": 0, "rented_throughput": {"H100": 1.0}, "gpus": 1,
             "checkpoint": {"dir": "checkpoints", "interval_minutes": 30}, "env": {}}
+    if local:  # 2 h of local work each, that nothing rented can do
+        decision = {"verdict": "local", "action": "run-local", "fits_locally": True, "t_local_h": 2.0,
+                    "plan": [{"where": "local", "hours": 2.0, "cost_usd": 0.2}], "overhead_h": 0.5, "reasons": []}
+        spec = {**spec, "work_units": 2, "local_throughput": 1.0, "rented_throughput": {}}
     rows = []
     for i in range(n):
         blocked = i % 10 == 0
         rows.append({"id": f"j{i:06d}", "name": f"job-{i}", "kind": "train",
-                     "state": "blocked" if blocked else "queued", "verdict": "burst", "placement": "cloud",
+                     "state": "blocked" if blocked else "queued", "verdict": decision["verdict"],
+                     "placement": "local" if local else "cloud",
                      "approved": False, "spec": spec, "decision": decision, "reason": None,
                      "deadline_at": now + 3600 * (24 + i % 100), "created_at": now, "updated_at": now})
+    if local:  # the local GPU is held by a run
+        rows[-1]["state"] = "running"
     with app.store.tx() as c:
         c.execute(insert(s.jobs), rows)
+        if local:
+            c.execute(insert(s.attempts).values(id=f"j{n - 1:06d}-a1", job_id=f"j{n - 1:06d}", n=1, where="local",
+                                                state="running", info={}, created_at=now, started_at=now))
         if measurements:  # months of finished cloud runs: measured s_R of many job names
             c.execute(insert(s.measurements), [
                 {"ts": now, "provider": "sim", "instance_type": f"H100:old-job-{i % 2000}",
@@ -69,7 +81,7 @@ def schedule_tables(folder: Path, count: int) -> str:
 
 
 def measure(n: int, ticks: int, database_url: str | None = None, measurements: int = 0,
-            schedules: int = 0) -> tuple[float, float]:
+            schedules: int = 0, local: bool = False) -> tuple[float, float]:
     """Median of the scheduling half of a tick, and of the daemon's look at its schedules (`fire_due`) before it."""
     from orchestrator.schedules import fire_due
 
@@ -77,10 +89,10 @@ def measure(n: int, ticks: int, database_url: str | None = None, measurements: i
         cfg = Path(tmp) / "burstctl.toml"
         # The budget is spent, so blocked jobs stay blocked when re-decided: the steady state of a long queue.
         store = f'[state]\ndatabase_url = "{database_url}"\n' if database_url else ""
-        cfg.write_text("[daemon]\nlocal_concurrency = 0\n[budget]\nmonthly_cap_usd = 0\n" + store + "\n"
+        cfg.write_text(f"[daemon]\nlocal_concurrency = {int(local)}\n[budget]\nmonthly_cap_usd = 0\n" + store + "\n"
                        + schedule_tables(Path(tmp), schedules))
         app = App(config_path=str(cfg), state_dir_override=str(Path(tmp) / "state"))
-        populate(app, n, measurements)
+        populate(app, n, measurements, local)
         fire_due(app)  # arms them: each tick after looks for a slot that has come, as the daemon does all day
         rec = Reconciler(app, {}, cloud=None)
         times, looks = [], []
@@ -103,6 +115,7 @@ def main() -> None:
     p.add_argument("--measurements", type=int, default=0, help="rows of measured s_R already kept (other jobs)")
     p.add_argument("--schedules", type=int, default=0, help="[[schedule]] tables configured (the daemon looks at "
                    "them every tick): their look is printed beside the tick")
+    p.add_argument("--local", action="store_true", help="also with the queue on the local GPU, late in line")
     a = p.parse_args()
     both = {n: measure(n, a.ticks, measurements=a.measurements, schedules=a.schedules) for n in a.sizes}
     results = {n: tick for n, (tick, _) in both.items()}
@@ -127,6 +140,11 @@ def main() -> None:
         if on_pg:
             row += f" {on_pg[n] * 1000:>10.2f} ms {on_pg[n] / t:>9.2f}×"
         print(row)
+    if a.local:
+        for n, tick in results.items():
+            local_tick = measure(n, a.ticks, local=True)[0]
+            print(f"{n:>12,} jobs on the local GPU, late in line: {local_tick * 1000:.2f} ms a tick, "
+                  f"{local_tick / tick:.2f}× the cloud queue's")
     for n, (tick, look) in both.items():
         print(f"{n:>12,} jobs: the look at {a.schedules} schedule(s) before the tick {look * 1000:.2f} ms, "
               f"{look / tick:.2f}× the scheduling half of the tick")

@@ -258,18 +258,22 @@ class LocalBacklog:
         return hours / self.slots
 
 
-def local_backlog(app: App, now: float) -> LocalBacklog:
+def local_backlog(app: App, now: float, until: float | None = None) -> LocalBacklog:
     """The jobs that hold the local GPU or wait for it (queued, running, resuming; placed local or hybrid), each with
-    its plan's local hours, less what its running local attempt has already run."""
-    from sqlalchemy import select
+    its plan's local hours, less what its running local attempt has already run. `until`: only the queued ones due
+    by then matter to the caller (those behind them in line are not read: a long queue costs nothing here)."""
+    from sqlalchemy import or_, select
 
     from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
     from state import schema as s
 
     states = [JobState.QUEUED.value, JobState.RUNNING.value, JobState.RESUMING.value]
     with app.store.engine.connect() as c:
-        rows = c.execute(select(s.jobs.c.id, s.jobs.c.deadline_at, s.jobs.c.decision)
-                         .where(s.jobs.c.state.in_(states), s.jobs.c.placement.in_(["local", "hybrid"]))).all()
+        q = select(s.jobs.c.id, s.jobs.c.deadline_at, s.jobs.c.decision).where(
+            s.jobs.c.state.in_(states), s.jobs.c.placement.in_(["local", "hybrid"]))
+        if until is not None:
+            q = q.where(or_(s.jobs.c.deadline_at <= until, s.jobs.c.state == JobState.RUNNING.value))
+        rows = c.execute(q).all()
         started = dict(c.execute(select(s.attempts.c.job_id, s.attempts.c.started_at).where(
             s.attempts.c.where == "local", s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES),
             s.attempts.c.started_at.is_not(None))).all())
@@ -342,7 +346,7 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
     spec, deadline_at = load_job(path, now if slot_at is None else slot_at)
     cfg = app.config
     job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec), setup_estimate(app, spec),
-                local_backlog(app, now).wait_h(deadline_at))
+                local_backlog(app, now, until=deadline_at).wait_h(deadline_at))
     decision = decide(job, context(app, now))
     d = decision.to_dict()
     job_id = new_job_id()
@@ -412,7 +416,7 @@ def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, co
     if setup is None:
         setup = setup_estimate(app, spec)
     if backlog is None:
-        backlog = local_backlog(app, now)
+        backlog = local_backlog(app, now, until=float(job["deadline_at"]))
     job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured, setup=setup,
                       local_wait_h=backlog.wait_h(float(job["deadline_at"]), exclude=job["id"]))
     started = checkpoints.latest(app.config, job["id"], deep=False) is not None

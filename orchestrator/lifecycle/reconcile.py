@@ -349,7 +349,7 @@ class Reconciler:
 
         if not waiting:
             return
-        backlog = local_backlog(self.app, now)
+        backlog = local_backlog(self.app, now, until=max(float(j["deadline_at"]) for j in waiting))
         late = []
         for job in waiting:
             asked = float(job["spec"].get("_late_in_line_at", 0.0))
@@ -404,7 +404,8 @@ class Reconciler:
             gpus_by_name.setdefault(job["name"], set()).update(job["spec"].get("rented_throughput", {}))
         measured = measured_rented_throughputs(self.app, gpus_by_name)
         setups = setup_estimates(self.app, {job["name"] for job in due if job["spec"].get("setup")})
-        backlog = local_backlog(self.app, now) if due else None  # the local GPU's queue, read once for the batch
+        # The local GPU's queue, read once for the batch.
+        backlog = local_backlog(self.app, now, until=max(float(j["deadline_at"]) for j in due)) if due else None
         # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
         # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
         with self.store.tx() as conn:
