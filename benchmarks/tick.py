@@ -41,18 +41,20 @@ def populate(app: App, n: int, measurements: int = 0, local: bool = False) -> No
     spec = {"name": "x", "kind": "train", "command": ["true"], "workdir": "/tmp", "deadline_hours": 48,
             "work_units": 1, "local_throughput": 0, "rented_throughput": {"H100": 1.0}, "gpus": 1,
             "checkpoint": {"dir": "checkpoints", "interval_minutes": 30}, "env": {}}
-    if local:  # 2 h of local work each, that nothing rented can do
-        decision = {"verdict": "local", "action": "run-local", "fits_locally": True, "t_local_h": 2.0,
-                    "plan": [{"where": "local", "hours": 2.0, "cost_usd": 0.2}], "overhead_h": 0.5, "reasons": []}
-        spec = {**spec, "work_units": 2, "local_throughput": 1.0, "rented_throughput": {}}
+    # With `local`, the queued jobs are 2 h of local work each, that nothing rented can do (the blocked stay cloud's).
+    local_decision = {"verdict": "local", "action": "run-local", "fits_locally": True, "t_local_h": 2.0,
+                      "plan": [{"where": "local", "hours": 2.0, "cost_usd": 0.2}], "overhead_h": 0.5, "reasons": []}
+    local_spec = {**spec, "work_units": 2, "local_throughput": 1.0, "rented_throughput": {"H100": 0.001}}
     rows = []
     for i in range(n):
         blocked = i % 10 == 0
+        here = local and not blocked
         rows.append({"id": f"j{i:06d}", "name": f"job-{i}", "kind": "train",
-                     "state": "blocked" if blocked else "queued", "verdict": decision["verdict"],
-                     "placement": "local" if local else "cloud",
-                     "approved": False, "spec": spec, "decision": decision, "reason": None,
-                     "deadline_at": now + 3600 * (24 + i % 100), "created_at": now, "updated_at": now})
+                     "state": "blocked" if blocked else "queued", "verdict": "local" if here else "burst",
+                     "placement": "local" if here else "cloud", "approved": False,
+                     "spec": local_spec if here else spec, "decision": local_decision if here else decision,
+                     "reason": None, "deadline_at": now + 3600 * (24 + i % 100), "created_at": now,
+                     "updated_at": now})
     if local:  # the local GPU is held by a run
         rows[-1]["state"] = "running"
     with app.store.tx() as c:

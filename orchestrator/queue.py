@@ -6,6 +6,7 @@ and nothing else; a bad spec or a failed decision leaves the queue untouched.
 
 from __future__ import annotations
 
+import bisect
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -241,21 +242,37 @@ def measured_rented_throughput(app: App, spec: JobSpec) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class LocalBacklog:
-    """The local work running on the local GPU or queued for it, as (deadline, hours of local work left, job id,
-    running), earliest deadline first: the order the daemon starts local jobs in. Read once, asked for many jobs."""
+    """The local work running on the local GPU or queued for it: read once, asked for many jobs in O(log n) each.
+    Queued work is in the order the daemon starts local jobs in, earliest deadline first."""
 
-    ahead: tuple[tuple[float, float, str, bool], ...]
+    running_h: float  # what the runs on the GPU have left: every job waits for them (a run is never stopped)
+    deadlines: tuple[float, ...]  # the queued jobs' deadlines, sorted
+    queued_h: tuple[float, ...]  # queued_h[k]: the local hours of the first k of them
+    own: dict[str, tuple[float, float, bool]]  # job id -> (deadline, local hours left, running)
     slots: int  # daemon.local_concurrency
 
+    @classmethod
+    def of(cls, jobs: Iterable[tuple[str, float, float, bool]], slots: int) -> LocalBacklog:
+        """From (job id, deadline, local hours left, running) rows."""
+        own = {job_id: (deadline, hours, running) for job_id, deadline, hours, running in jobs if hours > 0}
+        queued = sorted((deadline, hours) for deadline, hours, running in own.values() if not running)
+        sums = [0.0]
+        for _, hours in queued:
+            sums.append(sums[-1] + hours)
+        return cls(sum(h for _, h, running in own.values() if running), tuple(d for d, _ in queued), tuple(sums),
+                   own, slots)
+
     def wait_h(self, deadline_at: float, exclude: str | None = None) -> float:
-        """How long a job with this deadline waits for the local GPU: what the runs on it have left (a run is never
-        stopped for a more urgent job), and the local work queued before it in line (an earlier or equal deadline),
-        shared by the GPU's slots."""
+        """How long a job with this deadline waits for the local GPU: what the runs on it have left, and the local
+        work queued before it in line (an earlier or equal deadline), shared by the GPU's slots."""
         if self.slots < 1:
             return 0.0  # no local runs at all: gate 2 has nothing to wait for (and the job never starts locally)
-        hours = sum(h for at, h, job_id, running in self.ahead
-                    if (running or at <= deadline_at) and job_id != exclude)
-        return hours / self.slots
+        hours = self.running_h + self.queued_h[bisect.bisect_right(self.deadlines, deadline_at)]
+        if exclude in self.own:
+            deadline, own_h, running = self.own[exclude]
+            if running or deadline <= deadline_at:
+                hours -= own_h
+        return max(hours, 0.0) / self.slots
 
 
 def local_backlog(app: App, now: float, until: float | None = None) -> LocalBacklog:
@@ -268,8 +285,12 @@ def local_backlog(app: App, now: float, until: float | None = None) -> LocalBack
     from state import schema as s
 
     states = [JobState.QUEUED.value, JobState.RUNNING.value, JobState.RESUMING.value]
+    # A local plan and a hybrid's both begin with their local phase: its hours, read in SQL, so that thousands of
+    # queued jobs' decisions are never parsed here.
+    local_h = s.jobs.c.decision[("plan", 0, "hours")].as_float()
+    first = s.jobs.c.decision[("plan", 0, "where")].as_string()
     with app.store.engine.connect() as c:
-        q = select(s.jobs.c.id, s.jobs.c.deadline_at, s.jobs.c.decision).where(
+        q = select(s.jobs.c.id, s.jobs.c.deadline_at, local_h, first).where(
             s.jobs.c.state.in_(states), s.jobs.c.placement.in_(["local", "hybrid"]))
         if until is not None:
             q = q.where(or_(s.jobs.c.deadline_at <= until, s.jobs.c.state == JobState.RUNNING.value))
@@ -277,15 +298,20 @@ def local_backlog(app: App, now: float, until: float | None = None) -> LocalBack
         started = dict(c.execute(select(s.attempts.c.job_id, s.attempts.c.started_at).where(
             s.attempts.c.where == "local", s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES),
             s.attempts.c.started_at.is_not(None))).all())
-    ahead = []
-    for job_id, deadline_at, decision in rows:
-        plan = (decision or {}).get("plan") or []
-        hours = sum(float(p["hours"]) for p in plan if p.get("where") == "local")
+    jobs = []
+    for job_id, deadline_at, planned_h, where in rows:
+        hours = float(planned_h or 0.0) if where == "local" else 0.0  # a run re-planned to burst at once: none
         if job_id in started:
             hours -= (now - float(started[job_id])) / 3600.0
-        if hours > 0:
-            ahead.append((float(deadline_at), hours, str(job_id), job_id in started))
-    return LocalBacklog(tuple(sorted(ahead)), app.config.daemon.local_concurrency)
+        jobs.append((str(job_id), float(deadline_at), hours, job_id in started))
+    return LocalBacklog.of(jobs, app.config.daemon.local_concurrency)
+
+
+def local_wait_h(app: App, spec: JobSpec, deadline_at: float, now: float, exclude: str | None = None) -> float:
+    """Gate 2's w for this job: the local GPU's queue ahead of it, read only for a job that can run locally at all."""
+    if spec.local_throughput <= 0:
+        return 0.0
+    return local_backlog(app, now, until=deadline_at).wait_h(deadline_at, exclude)
 
 
 def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: str | Path | None = None,
@@ -346,7 +372,7 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
     spec, deadline_at = load_job(path, now if slot_at is None else slot_at)
     cfg = app.config
     job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec), setup_estimate(app, spec),
-                local_backlog(app, now, until=deadline_at).wait_h(deadline_at))
+                local_wait_h(app, spec, deadline_at, now))
     decision = decide(job, context(app, now))
     d = decision.to_dict()
     job_id = new_job_id()
@@ -415,10 +441,10 @@ def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, co
         measured = measured_rented_throughput(app, spec)
     if setup is None:
         setup = setup_estimate(app, spec)
-    if backlog is None:
-        backlog = local_backlog(app, now, until=float(job["deadline_at"]))
-    job_facts = facts(spec, job["deadline_at"], now, app.config, measured=measured, setup=setup,
-                      local_wait_h=backlog.wait_h(float(job["deadline_at"]), exclude=job["id"]))
+    deadline_at = float(job["deadline_at"])
+    wait = local_wait_h(app, spec, deadline_at, now, job["id"]) if backlog is None else \
+        backlog.wait_h(deadline_at, exclude=job["id"]) if spec.local_throughput > 0 else 0.0
+    job_facts = facts(spec, deadline_at, now, app.config, measured=measured, setup=setup, local_wait_h=wait)
     started = checkpoints.latest(app.config, job["id"], deep=False) is not None
     done = work_done(app, job["id"], conn) if started else 0.0
     if started:

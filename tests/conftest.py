@@ -35,10 +35,12 @@ LONGEST_FILES_FIRST = (
     "test_e2e_faults.py",  # 77
     "test_e2e_torchrun.py",  # 77
     "test_demo.py",  # 64
+    "test_retry.py",  # ~55 (2026-12-02, its two runs end to end)
     "test_secrets.py",  # 62
     "test_simcloud_cli.py",  # 56
     "test_e2e_ec2_s3.py",  # 50
     "test_torchrun.py",  # 44
+    "test_notify.py",  # ~40 (2026-12-02)
 )
 
 

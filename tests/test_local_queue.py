@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from sqlalchemy import insert
 
 from orchestrator.app import App
-from orchestrator.queue import enqueue, local_backlog
+from orchestrator.queue import LocalBacklog, enqueue, local_backlog
 from state import schema as s
 from tests.conftest import write_job
 
@@ -130,3 +132,14 @@ def test_a_queued_job_the_cloud_cannot_save_stays_local_and_is_asked_again_later
     assert stuck["placement"] == "local" and stuck["spec"]["_late_in_line_at"] > 0
     assert app.store.events(job_id=stuck["id"], type_prefix="job.redecided") == []
     app.close()
+
+
+@given(st.lists(st.tuples(st.floats(0, 100), st.floats(-1, 10), st.booleans()), max_size=30),
+       st.floats(0, 110), st.integers(1, 3), st.integers(-1, 29))
+def test_the_wait_is_the_work_of_the_runs_and_of_the_queued_jobs_due_no_later(
+        jobs: list[tuple[float, float, bool]], deadline: float, slots: int, excluded: int) -> None:
+    rows = [(f"j{k}", at, hours, running) for k, (at, hours, running) in enumerate(jobs)]
+    exclude = f"j{excluded}"
+    straight = sum(hours for job_id, at, hours, running in rows
+                   if hours > 0 and (running or at <= deadline) and job_id != exclude)
+    assert LocalBacklog.of(rows, slots).wait_h(deadline, exclude) == pytest.approx(straight / slots, abs=1e-9)

@@ -26,7 +26,7 @@ from orchestrator.jobspec import (
 from orchestrator.queue import (
     context,
     facts,
-    local_backlog,
+    local_wait_h,
     measured_rented_throughput,
     record_decision,
     setup_estimate,
@@ -81,7 +81,7 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
             raise BadInput(f"{', '.join(given)} cannot be combined with a job file; edit the file instead")
         spec, deadline_at = load_job(job_file, now)
         job = facts(spec, deadline_at, now, app.config, job_file, measured_rented_throughput(app, spec),
-                    setup_estimate(app, spec), local_backlog(app, now, until=deadline_at).wait_h(deadline_at))
+                    setup_estimate(app, spec), local_wait_h(app, spec, deadline_at, now))
         ctx = context(app, now)
         if overhead_h is not None:
             _positive("--overhead-h", overhead_h, allow_zero=True)

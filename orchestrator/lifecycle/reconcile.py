@@ -387,7 +387,14 @@ class Reconciler:
 
     def _redecide_blocked(self, now: float) -> None:
         """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
-        from orchestrator.queue import context, local_backlog, measured_rented_throughputs, reconsider, setup_estimates
+        from orchestrator.queue import (
+            LocalBacklog,
+            context,
+            local_backlog,
+            measured_rented_throughputs,
+            reconsider,
+            setup_estimates,
+        )
 
         with self.store.engine.connect() as c:
             blocked = [dict(r) for r in c.execute(
@@ -404,8 +411,9 @@ class Reconciler:
             gpus_by_name.setdefault(job["name"], set()).update(job["spec"].get("rented_throughput", {}))
         measured = measured_rented_throughputs(self.app, gpus_by_name)
         setups = setup_estimates(self.app, {job["name"] for job in due if job["spec"].get("setup")})
-        # The local GPU's queue, read once for the batch.
-        backlog = local_backlog(self.app, now, until=max(float(j["deadline_at"]) for j in due)) if due else None
+        # The local GPU's queue, read once for the batch (and only for the jobs that can run locally at all).
+        here = [float(j["deadline_at"]) for j in due if j["spec"].get("local_throughput", 0) > 0]
+        backlog = local_backlog(self.app, now, until=max(here)) if here else LocalBacklog.of([], 1)
         # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
         # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
         with self.store.tx() as conn:
