@@ -225,11 +225,14 @@ def _catch_up(app: App, target: Notify, place: Place, now: float, send: Callable
     sent = 0
     passed: list[int] = []  # events handled since the place was last written: not matching, or delivered
 
-    def save() -> None:
+    def save(changed: bool = True) -> None:
+        """Write the place; unless `changed` (a delivery, a failure), only when it moved: an idle daemon writes
+        nothing every tick."""
         tail.take(passed)
         passed.clear()
-        place.settled, place.recent = tail.settled, tail.recent
-        app.store.set_setting(key, place.kept())
+        if changed or (tail.settled, tail.recent) != (place.settled, place.recent):
+            place.settled, place.recent = tail.settled, dict(tail.recent)
+            app.store.set_setting(key, place.kept())
 
     for event in tail.peek():
         kind = notice_type(event)
@@ -257,7 +260,7 @@ def _catch_up(app: App, target: Notify, place: Place, now: float, send: Callable
                             failing_for_s=round(now - (place.failing_since or now), 1))
             place.failures, place.failing_since, place.last_error, place.next_try_at = 0, None, None, 0.0
         save()  # after each delivery: a daemon killed now sends this notice no more than once again
-    save()
+    save(changed=False)
     return sent
 
 

@@ -348,3 +348,21 @@ def test_the_daemon_tells_the_webhook_a_job_is_done_before_it_exits(burstctl, tm
     assert "notify: phone ok (1 delivered, last " in shown
     assert TOKEN not in (tmp_path / "state" / "events.jsonl").read_text() and TOKEN not in r.stderr
     assert os.environ.get(HOOK_ENV) == webhook.url  # the fixture's, for the in-process parts above
+
+
+def test_an_idle_notifier_writes_its_place_only_when_it_moves(tmp_path: Path, webhook: Webhook,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    app = _webhook_app(tmp_path)
+    t = time.time()
+    notify_due(app, t)
+    app.events.emit("job.failed", reason="exit 1")
+    assert notify_due(app, t + 1) == 1
+    writes: list[str] = []
+    real = app.store.set_setting
+    monkeypatch.setattr(app.store, "set_setting", lambda key, *a, **kw: (writes.append(key), real(key, *a, **kw)))
+    for k in range(3):
+        assert notify_due(app, t + 2 + k) == 0
+    assert writes == []  # nothing new: nothing written, tick after tick
+    assert notify_due(app, t + 30) == 0 and writes == [KEY_PREFIX + "phone"]  # the look-back let go of the event
+    assert notify_due(app, t + 31) == 0 and writes == [KEY_PREFIX + "phone"]
+    app.close()

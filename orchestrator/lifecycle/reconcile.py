@@ -345,7 +345,7 @@ class Reconciler:
         decided, or a run ahead took longer) are decided again, with the queue as it is: one whose deadline renting
         can still save goes to the cloud, a hybrid, or approval. One that stays local is asked again a
         `daemon.market_check_s` later."""
-        from orchestrator.queue import local_backlog, record_decision, redecide
+        from orchestrator.queue import context, local_backlog, record_decision, redecide
 
         if not waiting:
             return
@@ -361,8 +361,6 @@ class Reconciler:
                 late.append(job)
         if not late:
             return
-        from orchestrator.queue import context
-
         ctx = context(self.app, now)
         for job in late:
             again = redecide(self.app, job, ctx, now, backlog=backlog)
