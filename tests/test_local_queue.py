@@ -19,9 +19,10 @@ from state import schema as s
 from tests.conftest import write_job
 
 
-def _app(tmp_path: Path, extra: str = "") -> App:
+def _app(tmp_path: Path, extra: str = "", database_url: str | None = None) -> App:
     cfg = tmp_path / "burstctl.toml"
-    cfg.write_text("[policy]\nmax_auto_delta_usd = 100.0\n" + extra)
+    state = f'[state]\ndatabase_url = "{database_url}"\n' if database_url else ""
+    cfg.write_text("[policy]\nmax_auto_delta_usd = 100.0\n" + state + extra)
     return App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
 
 
@@ -54,8 +55,9 @@ def test_the_third_four_hour_job_due_in_ten_hours_has_its_deadline_priced_and_an
     app.close()
 
 
-def test_a_running_local_job_holds_the_gpu_for_what_it_has_left(tmp_path: Path) -> None:
-    app = _app(tmp_path)
+def test_a_running_local_job_holds_the_gpu_for_what_it_has_left(tmp_path: Path, db_url: str) -> None:
+    # On both stores: the plans' local hours are read in SQL (a JSON path), which each dialect spells its own way.
+    app = _app(tmp_path, database_url=db_url)
     running = _enqueue(app, tmp_path, "running", 10)
     now = time.time()
     app.store.update_job(running["id"], None, state="running")
@@ -67,7 +69,7 @@ def test_a_running_local_job_holds_the_gpu_for_what_it_has_left(tmp_path: Path) 
     assert local_backlog(app, now).wait_h(now + 3600) == pytest.approx(3.0, abs=1e-3)
     assert local_backlog(app, now).wait_h(now + 10 * 3600, exclude=running["id"]) == 0.0
     app.close()
-    two_slots = _app(tmp_path, "[daemon]\nlocal_concurrency = 2\n")
+    two_slots = _app(tmp_path, "[daemon]\nlocal_concurrency = 2\n", database_url=db_url)
     assert local_backlog(two_slots, now).wait_h(now + 10 * 3600) == pytest.approx(1.5, abs=1e-3)
     two_slots.close()
 
