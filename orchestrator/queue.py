@@ -307,11 +307,15 @@ def local_backlog(app: App, now: float, until: float | None = None) -> LocalBack
     return LocalBacklog.of(jobs, app.config.daemon.local_concurrency)
 
 
-def local_wait_h(app: App, spec: JobSpec, deadline_at: float, now: float, exclude: str | None = None) -> float:
-    """Gate 2's w for this job: the local GPU's queue ahead of it, read only for a job that can run locally at all."""
+def local_wait_h(app: App, spec: JobSpec, deadline_at: float, now: float, exclude: str | None = None,
+                 backlog: LocalBacklog | None = None) -> float:
+    """Gate 2's w for this job: the local GPU's queue ahead of it (`backlog` when the caller read it for a batch),
+    read only for a job that can run locally at all."""
     if spec.local_throughput <= 0:
         return 0.0
-    return local_backlog(app, now, until=deadline_at).wait_h(deadline_at, exclude)
+    if backlog is None:
+        backlog = local_backlog(app, now, until=deadline_at)
+    return backlog.wait_h(deadline_at, exclude)
 
 
 def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: str | Path | None = None,
@@ -442,8 +446,7 @@ def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, co
     if setup is None:
         setup = setup_estimate(app, spec)
     deadline_at = float(job["deadline_at"])
-    wait = local_wait_h(app, spec, deadline_at, now, job["id"]) if backlog is None else \
-        backlog.wait_h(deadline_at, exclude=job["id"]) if spec.local_throughput > 0 else 0.0
+    wait = local_wait_h(app, spec, deadline_at, now, job["id"], backlog)
     job_facts = facts(spec, deadline_at, now, app.config, measured=measured, setup=setup, local_wait_h=wait)
     started = checkpoints.latest(app.config, job["id"], deep=False) is not None
     done = work_done(app, job["id"], conn) if started else 0.0

@@ -42,12 +42,12 @@ def latest(cfg: Config, job_id: str, *, deep: bool = True) -> Path | None:
         return burst_checkpoint.latest_complete(folder, deep=deep)
 
 
-def prune_store(cfg: Config, job_id: str) -> list[Path]:
-    """Keep the newest `KEEP` checkpoints of a job's store (the caller holds `store_lock`). Each was verified against
+def prune_store(cfg: Config, job_id: str, keep: int = KEEP) -> list[Path]:
+    """Keep the newest `keep` checkpoints of a job's store (the caller holds `store_lock`). Each was verified against
     its manifest's sha256 as it arrived (sync.pull_checkpoints, S3's pull), so sizes suffice here: hashing the
     newest three again after every pull read them in full, gigabytes each, every sync interval. A resume still
     hashes the one it resumes from (`latest`)."""
-    return burst_checkpoint.prune(store_dir(cfg, job_id), keep=KEEP, deep=False)
+    return burst_checkpoint.prune(store_dir(cfg, job_id), keep=keep, deep=False)
 
 
 def trim_done(cfg: Config, job_id: str) -> list[Path]:
@@ -55,4 +55,4 @@ def trim_done(cfg: Config, job_id: str) -> list[Path]:
     if not store_dir(cfg, job_id).is_dir():
         return []
     with store_lock(cfg, job_id):
-        return burst_checkpoint.prune(store_dir(cfg, job_id), keep=KEEP_DONE, deep=False)
+        return prune_store(cfg, job_id, keep=KEEP_DONE)
