@@ -439,6 +439,14 @@ class Notify(Strict):
         "again or retried into a state that needs a person is `job.awaiting_approval`, `job.blocked` or "
         "`job.rethink`. The notifiers' own `notify.*` events are never sent.")
     timeout_s: PositiveFloat = Field(10.0, description="How long one delivery may take before it counts as failed.")
+    digest_over: Annotated[int, Field(ge=1)] = Field(
+        5, description="When more notices than this are due at once (a hundred jobs done in one tick, the backlog "
+        "of a webhook that was down), they go as one digest: its first line counts them, then a line each (the "
+        "first 20 in the text; all of them in the JSON's `notices`).")
+    secret_env: EnvName | None = Field(
+        None, description="The environment variable holding a shared secret: each webhook POST then carries "
+        "`X-Burstctl-Signature: sha256=<hex>`, the HMAC-SHA256 of its exact body with that secret, so the receiver "
+        "can tell notices from burstctl from forgeries. Treated as a secret like the URL.")
 
     @field_validator("name")
     @classmethod
@@ -456,6 +464,8 @@ class Notify(Strict):
                                   "[\"notify-send\", \"burstctl\", \"{text}\"]")
         if self.command is not None and self.format != "json":
             raise FieldValueError("format", "only a webhook (url_env) has a format: a command gets the notice as JSON")
+        if self.command is not None and self.secret_env is not None:
+            raise FieldValueError("secret_env", "only a webhook (url_env) is signed: a command runs on this machine")
         return self
 
 
@@ -530,7 +540,8 @@ class Config(Strict):
     def secret_env_names(self) -> list[str]:
         p = self.providers
         names = [p.sim.api_key_env, p.lambda_.api_key_env, "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                 "PGPASSWORD", *(n.url_env for n in self.notify if n.url_env)]
+                 "PGPASSWORD", *(n.url_env for n in self.notify if n.url_env),
+                 *(n.secret_env for n in self.notify if n.secret_env)]
         return [n for n in names if n]
 
 

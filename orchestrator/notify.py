@@ -14,15 +14,21 @@ has handled, delivered or not matching its `events`. So:
   Each notice carries its event's id to tell.
 - On PostgreSQL an event can commit after one with a higher id: the place is an `EventTail`, which looks back 10 s
   for such events.
+- More than `digest_over` notices due at once (a hundred jobs done in one tick, the backlog of a webhook that was
+  down for a day) go as one digest, not a hundred POSTs that a chat's rate limit would refuse.
+- A webhook with `secret_env` signs each body (HMAC-SHA256), so its receiver can refuse forgeries.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import hmac
 import json
 import os
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +41,7 @@ KEY_PREFIX = "notify:"  # settings key, + the notifier's name
 RETRY_FIRST_S = 5.0
 RETRY_MAX_S = 900.0
 PAGE = 1000  # events read per pass: a notifier stopped for a week reads its backlog a page at a time
+DIGEST_LINES = 20  # lines of a digest's text (ntfy takes 4 KB a message); its JSON carries every notice
 _NEEDS_A_PERSON = ("awaiting_approval", "blocked", "rethink")  # job states a decision can land a job in
 
 # What each notice says after the job's name (or alone, for events of no job).
@@ -104,6 +111,24 @@ def notice(event: dict[str, Any], kind: str, job: dict[str, Any] | None, spent_u
             "attempt": event.get("attempt_id"), "data": data}
 
 
+def digest(notices: list[dict[str, Any]], now: float) -> dict[str, Any]:
+    """One notice for many: a first line that counts them by type, then a line each (the first DIGEST_LINES in
+    `text`; `notices` has them all, each with its event's id)."""
+    kinds = Counter(n["type"] for n in notices)
+    lines = [f"burstctl: {len(notices)} notices ("
+             + ", ".join(f"{count} {kind}" for kind, count in kinds.most_common()) + ")"]
+    lines += [f"- {n['text'].removeprefix('burstctl: ')}" for n in notices[:DIGEST_LINES]]
+    if len(notices) > DIGEST_LINES:
+        lines.append(f"- and {len(notices) - DIGEST_LINES} more (`burstctl events`)")
+    return {"id": notices[-1]["id"], "ts": now, "type": "digest", "event": "digest", "text": "\n".join(lines),
+            "job": None, "attempt": None, "data": {"count": len(notices), "types": dict(kinds)}, "notices": notices}
+
+
+def signature(secret: str, body: bytes) -> str:
+    """`X-Burstctl-Signature`: what a receiver recomputes from the body it got and the shared secret."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
 # --- delivery -------------------------------------------------------------------------------------------------
 
 
@@ -126,16 +151,22 @@ def _post(target: Notify, payload: dict[str, Any]) -> None:
     if not url.startswith(("http://", "https://")):
         raise DeliveryFailed(f"{target.url_env} does not hold an http(s) URL")
     headers = {"X-Burstctl-Notice": payload["type"], "X-Burstctl-Event-Id": str(payload["id"])}
-    if target.format == "json":
-        body: dict[str, Any] = {"json": payload}
-    elif target.format == "slack":
-        body = {"json": {"text": payload["text"]}}
-    else:
-        body = {"content": payload["text"].encode()}
+    # The body as bytes here, not by httpx: the signature is over exactly what is sent.
+    if target.format == "text":
+        body = payload["text"].encode()
         headers["Content-Type"] = "text/plain; charset=utf-8"
+    else:
+        body = json.dumps(payload if target.format == "json" else {"text": payload["text"]}).encode()
+        headers["Content-Type"] = "application/json"
+    if target.secret_env is not None:
+        secret = os.environ.get(target.secret_env, "")
+        if not secret:
+            raise DeliveryFailed(f"the environment variable {target.secret_env} (secret_env) is not set in the "
+                                 "daemon's environment")
+        headers["X-Burstctl-Signature"] = signature(secret, body)
     try:
         # Errors are said by their class and status only: httpx puts the URL (the secret) in its messages.
-        response = httpx.post(url, timeout=target.timeout_s, headers=headers, **body)
+        response = httpx.post(url, timeout=target.timeout_s, headers=headers, content=body)
     except httpx.TimeoutException:
         raise DeliveryFailed(f"no answer within {target.timeout_s:g} s") from None
     except httpx.HTTPError as exc:
@@ -234,31 +265,48 @@ def _catch_up(app: App, target: Notify, place: Place, now: float, send: Callable
             place.settled, place.recent = tail.settled, dict(tail.recent)
             app.store.set_setting(key, place.kept())
 
-    for event in tail.peek():
-        kind = notice_type(event)
-        if not wanted(target.events, kind):
-            passed.append(event["id"])
-            continue
+    def notice_of(event: dict[str, Any], kind: str) -> dict[str, Any]:
         job = None
         if event.get("job_id"):
             if event["job_id"] not in jobs:
                 jobs[event["job_id"]] = app.store.get_job(event["job_id"])
             job = jobs[event["job_id"]]
         spent = app.store.job_spend(job["id"], now)[0] if job and kind in ("job.done", "job.failed") else None
+        return notice(event, kind, job, spent)
+
+    def delivered(payload: dict[str, Any], count: int) -> bool:
+        """Send; on success count it and say a recovery, on failure say it and set the next try."""
         try:
-            send(target, notice(event, kind, job, spent), app.redactor)
+            send(target, payload, app.redactor)
         except DeliveryFailed as exc:
-            _failed(app, target, place, now, str(exc), event["id"])
-            save()
-            return sent
-        sent += 1
-        passed.append(event["id"])
-        place.delivered += 1
+            _failed(app, target, place, now, str(exc), payload.get("notices", [payload])[0]["id"])
+            return False
+        place.delivered += count
         place.last_delivered_at = now
         if place.failures:
             app.events.emit("notify.recovered", notifier=target.name, after_tries=place.failures + 1,
                             failing_for_s=round(now - (place.failing_since or now), 1))
             place.failures, place.failing_since, place.last_error, place.next_try_at = 0, None, None, 0.0
+        return True
+
+    page = [(event, notice_type(event)) for event in tail.peek()]
+    due = [(event, kind) for event, kind in page if wanted(target.events, kind)]
+    if len(due) > target.digest_over:
+        if not delivered(digest([notice_of(event, kind) for event, kind in due], now), len(due)):
+            save()
+            return 0
+        passed.extend(event["id"] for event, _ in page)
+        save()
+        return len(due)
+    for event, kind in page:
+        if not wanted(target.events, kind):
+            passed.append(event["id"])
+            continue
+        if not delivered(notice_of(event, kind), 1):
+            save()
+            return sent
+        sent += 1
+        passed.append(event["id"])
         save()  # after each delivery: a daemon killed now sends this notice no more than once again
     save(changed=False)
     return sent

@@ -4,6 +4,8 @@ said once, and never with its URL; a restarted daemon carries on from where it w
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -219,6 +221,74 @@ def test_a_failing_webhook_is_tried_again_later_said_once_and_the_notices_keep_t
     app.close()
 
 
+def test_many_notices_due_at_once_go_as_one_digest_that_counts_them_and_lists_each(tmp_path: Path,
+                                                                                   webhook: Webhook) -> None:
+    app = _webhook_app(tmp_path)  # digest_over = 5 by default
+    job_id = _job(app, tmp_path)
+    notify_due(app)
+    ids = [app.events.emit("job.done" if i % 3 else "job.failed", job_id=job_id, reason=f"exit {i}")
+           for i in range(30)]
+    app.events.emit("attempt.running", job_id=job_id)  # not a notice: not in the digest
+    assert notify_due(app) == 30
+    (got,) = webhook.received
+    assert got["headers"]["X-Burstctl-Notice"] == "digest" and got["headers"]["X-Burstctl-Event-Id"] == str(ids[-1])
+    body = json.loads(got["body"])
+    assert body["type"] == "digest" and body["data"] == {"count": 30, "types": {"job.done": 20, "job.failed": 10}}
+    assert [n["id"] for n in body["notices"]] == ids  # each notice, in order, with its event's id
+    lines = body["text"].splitlines()
+    assert lines[0] == "burstctl: 30 notices (20 job.done, 10 job.failed)"
+    assert lines[1:3] == ["- nightly failed: exit 0", "- nightly done: exit 1"]
+    assert len(lines) == 1 + 20 + 1 and lines[-1] == "- and 10 more (`burstctl events`)"
+    assert status_data(app)["notify"][0]["delivered"] == 30
+
+    # As many as digest_over, or fewer, still go one by one.
+    for _ in range(5):
+        app.events.emit("job.done", job_id=job_id, reason="completed")
+    assert notify_due(app) == 5 and [n["type"] for n in webhook.notices()[1:]] == ["job.done"] * 5
+    app.close()
+
+
+def test_the_backlog_of_a_webhook_that_was_down_comes_as_one_digest(tmp_path: Path, webhook: Webhook) -> None:
+    app = _webhook_app(tmp_path, "digest_over = 2")
+    t = time.time()
+    notify_due(app, t)
+    first = app.events.emit("job.failed", reason="exit 1")
+    webhook.statuses = [503]
+    assert notify_due(app, t + 1) == 0
+    (failed,) = [d for ty, d in _events(app) if ty == "notify.failed"]
+    assert failed["event_id"] == first
+    for _ in range(3):
+        app.events.emit("job.done", reason="completed")
+    assert notify_due(app, t + 7) == 4
+    assert len(webhook.received) == 2 and webhook.notices()[1]["data"]["count"] == 4
+    assert [ty for ty, _ in _events(app)][-1] == "notify.recovered"
+    app.close()
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_a_signed_webhook_carries_the_hmac_of_its_exact_body(tmp_path: Path, webhook: Webhook,
+                                                             monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    secret = "whsec-0123456789abcdef"
+    monkeypatch.setenv("BURSTCTL_TEST_HOOK_SECRET", secret)
+    app = _webhook_app(tmp_path, f'format = "{fmt}"\nsecret_env = "BURSTCTL_TEST_HOOK_SECRET"')
+    notify_due(app)
+    app.events.emit("job.failed", reason=f"exit 1 with {secret} in it")  # a secret a job printed, say
+    assert notify_due(app) == 1
+    (got,) = webhook.received
+    expected = "sha256=" + hmac.new(secret.encode(), got["body"], hashlib.sha256).hexdigest()
+    assert got["headers"]["X-Burstctl-Signature"] == expected
+    assert secret not in got["body"].decode()  # scrubbed from the event before it was a notice
+
+    monkeypatch.delenv("BURSTCTL_TEST_HOOK_SECRET")  # never sent unsigned
+    app.events.emit("job.done", reason="completed")
+    assert notify_due(app) == 0 and len(webhook.received) == 1
+    (failed,) = [d for ty, d in _events(app) if ty == "notify.failed"]
+    assert failed["error"] == ("the environment variable BURSTCTL_TEST_HOOK_SECRET (secret_env) is not set in the "
+                               "daemon's environment")
+    _nowhere_but_the_environment(app, secret)
+    app.close()
+
+
 @pytest.mark.parametrize("trouble", ["closed port", "hangs", "unset"])
 def test_a_webhook_that_cannot_be_reached_is_said_without_its_url(tmp_path: Path, webhook: Webhook,
                                                                  monkeypatch: pytest.MonkeyPatch,
@@ -292,6 +362,8 @@ def test_a_notifier_taken_out_of_the_config_is_forgotten(tmp_path: Path, webhook
     ('name = "a"', "notify.0", "exactly one of url_env"),
     ('name = "a"\ncommand = ["true"]\nformat = "slack"', "notify.0.format", "only a webhook"),
     ('name = "a"\ncommand = []', "notify.0.command", "empty"),
+    ('name = "a"\ncommand = ["true"]\nsecret_env = "S"', "notify.0.secret_env", "only a webhook"),
+    ('name = "a"\ncommand = ["true"]\ndigest_over = 0', "notify.0.digest_over", ""),
     ('name = "a b"\ncommand = ["true"]', "notify.0.name", "not a notifier name"),
     ('name = "a"\ncommand = ["true"]\nevents = []', "notify.0.events", ""),
     ('name = "a"\ncommand = ["true"]\n\n[[notify]]\nname = "a"\ncommand = ["true"]', "notify.1.name",
