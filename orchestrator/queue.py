@@ -277,31 +277,54 @@ class LocalBacklog:
 
 def local_backlog(app: App, now: float, until: float | None = None) -> LocalBacklog:
     """The jobs that hold the local GPU or wait for it (queued, running, resuming; placed local or hybrid), each with
-    its plan's local hours, less what its running local attempt has already run. `until`: only the queued ones due
-    by then matter to the caller (those behind them in line are not read: a long queue costs nothing here)."""
+    what it has left locally. `until`: only the queued ones due by then matter to the caller (those behind them in
+    line are not read: a long queue costs nothing here).
+
+    What a job has left: its decision's local hours (a local job's T_L, also when revert-local brought a cloud job
+    home; a hybrid's local phase), less its progress since that decision. A local job whose trainer reports
+    `units_done` counts the units it has left, whatever attempts did them (one resumed after a reboot holds the GPU
+    for the rest of its work, not all of it again); otherwise, and for a hybrid, its running attempt's time so far.
+    """
     from sqlalchemy import or_, select
 
     from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
     from state import schema as s
 
     states = [JobState.QUEUED.value, JobState.RUNNING.value, JobState.RESUMING.value]
-    # A local plan and a hybrid's both begin with their local phase: its hours, read in SQL, so that thousands of
-    # queued jobs' decisions are never parsed here.
-    local_h = s.jobs.c.decision[("plan", 0, "hours")].as_float()
-    first = s.jobs.c.decision[("plan", 0, "where")].as_string()
+    # The figures are read through JSON paths in SQL, so that thousands of queued jobs' decisions are never parsed.
+    d = s.jobs.c.decision
+    held = s.jobs.c.state.in_(states) & s.jobs.c.placement.in_(["local", "hybrid"])
+    if until is not None:
+        held &= or_(s.jobs.c.deadline_at <= until, s.jobs.c.state == JobState.RUNNING.value)
     with app.store.engine.connect() as c:
-        q = select(s.jobs.c.id, s.jobs.c.deadline_at, local_h, first).where(
-            s.jobs.c.state.in_(states), s.jobs.c.placement.in_(["local", "hybrid"]))
-        if until is not None:
-            q = q.where(or_(s.jobs.c.deadline_at <= until, s.jobs.c.state == JobState.RUNNING.value))
-        rows = c.execute(q).all()
+        rows = c.execute(select(
+            s.jobs.c.id, s.jobs.c.deadline_at, s.jobs.c.placement, d[("plan", 0, "hours")].as_float(),
+            d[("plan", 0, "where")].as_string(), d[("t_local_h",)].as_float(), d[("work_done",)].as_float(),
+            s.jobs.c.spec[("work_units",)].as_float()).where(held)).all()
         started = dict(c.execute(select(s.attempts.c.job_id, s.attempts.c.started_at).where(
             s.attempts.c.where == "local", s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES),
             s.attempts.c.started_at.is_not(None))).all())
+        # Only jobs that have run have attempts: few rows, whose reported units are checked here, not cast in SQL
+        # (metrics.json is the trainer's to write).
+        reports = c.execute(select(s.attempts.c.job_id, s.attempts.c.info[("metrics",)], s.attempts.c.info[
+            ("units_done",)]).join(s.jobs, s.jobs.c.id == s.attempts.c.job_id).where(
+            held, s.jobs.c.placement == "local")).all()
+    units_done: dict[str, float] = {}
+    for job_id, metrics, units in reports:
+        for value in (reported(metrics if isinstance(metrics, dict) else None, "units_done"),
+                      reported({"units_done": units}, "units_done")):
+            if value is not None and value > units_done.get(job_id, 0.0):
+                units_done[job_id] = value
     jobs = []
-    for job_id, deadline_at, planned_h, where in rows:
-        hours = float(planned_h or 0.0) if where == "local" else 0.0  # a run re-planned to burst at once: none
-        if job_id in started:
+    for job_id, deadline_at, placement, plan_h, plan_where, t_local_h, done_then, work in rows:
+        if placement == "local":
+            hours = float(t_local_h or 0.0)
+        else:  # a hybrid's local phase; none when re-planned to burst at once
+            hours = float(plan_h or 0.0) if plan_where == "local" else 0.0
+        done_now, done_then, work = units_done.get(job_id, 0.0), float(done_then or 0.0), float(work or 0.0)
+        if placement == "local" and done_now > done_then and work > done_then:
+            hours *= max(work - done_now, 0.0) / (work - done_then)
+        elif job_id in started:
             hours -= (now - float(started[job_id])) / 3600.0
         jobs.append((str(job_id), float(deadline_at), hours, job_id in started))
     return LocalBacklog.of(jobs, app.config.daemon.local_concurrency)

@@ -74,6 +74,50 @@ def test_a_running_local_job_holds_the_gpu_for_what_it_has_left(tmp_path: Path, 
     two_slots.close()
 
 
+def test_a_job_resumed_locally_holds_the_gpu_for_the_units_it_has_left_not_its_whole_plan(tmp_path: Path,
+                                                                                          db_url: str) -> None:
+    # A machine rebooted three quarters into a 4-hour run: the job resumes from its checkpoint, with 1 h left. Counted
+    # as its whole plan, the 3 h it no longer needs would push the jobs behind it to the cloud.
+    app = _app(tmp_path, database_url=db_url)
+    resumed = _enqueue(app, tmp_path, "resumed", 6)
+    now = time.time()
+    app.store.update_job(resumed["id"], None, state="resuming")
+    with app.store.tx() as c:
+        for n, metrics in ((1, {"units_done": 3.0}), (2, {"units_done": "a lot"})):  # the trainer's word, checked
+            c.execute(insert(s.attempts).values(id=f"{resumed['id']}-a{n}", job_id=resumed["id"], n=n, where="local",
+                                                state="preempted", info={"metrics": metrics}, created_at=now - 4000,
+                                                started_at=now - 4000, ended_at=now - 100))
+    assert local_backlog(app, now).wait_h(now + 10 * 3600) == pytest.approx(1.0)
+    behind = _enqueue(app, tmp_path, "behind", 6)  # 1 h + 4 h <= 6 h: local (counted whole, 8 h: it would burst)
+    assert (behind["placement"], behind["decision"]["local_wait_h"]) == ("local", pytest.approx(1.0))
+    app.close()
+
+
+def test_a_job_decided_again_on_the_work_it_had_left_counts_its_units_from_that_decision(tmp_path: Path) -> None:
+    app = _app(tmp_path)
+    job = _enqueue(app, tmp_path, "retried", 10)
+    now = time.time()
+    # Retried with 2 of 4 units done: decided on the 2 h left; since then it has reached 3.
+    app.store.update_job(job["id"], None, state="resuming",
+                         decision={**job["decision"], "work_done": 2.0, "t_local_h": 2.0,
+                                   "plan": [{"where": "local", "hours": 2.0, "cost_usd": 0.2}]})
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job['id']}-a1", job_id=job["id"], n=1, where="local",
+                                            state="preempted", info={"units_done": 3.0}, created_at=now - 60))
+    assert local_backlog(app, now).wait_h(now + 10 * 3600) == pytest.approx(1.0)
+    app.close()
+
+
+def test_a_cloud_job_revert_local_brought_home_holds_the_gpu_for_its_local_hours(tmp_path: Path) -> None:
+    app = _app(tmp_path)
+    job = _enqueue(app, tmp_path, "reverted", 3)  # 4 h local > 3 h: it bursts
+    assert job["placement"] == "cloud" and job["decision"]["plan"][0]["where"] == "cloud"
+    assert local_backlog(app, time.time()).wait_h(time.time() + 10 * 3600) == 0.0
+    app.store.update_job(job["id"], None, placement="local")  # what revert-local does to a queued cloud job
+    assert local_backlog(app, time.time()).wait_h(time.time() + 10 * 3600) == pytest.approx(4.0)
+    app.close()
+
+
 def test_decide_says_what_a_job_would_wait_for_the_local_gpu(burstctl, tmp_path: Path) -> None:
     app = _app(tmp_path)
     _enqueue(app, tmp_path, "ahead", 10)
