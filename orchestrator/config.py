@@ -83,13 +83,6 @@ class HourWindow(Strict):
     start: time
     end: time
 
-    def contains(self, t: time) -> bool:
-        if self.start == self.end:
-            return True
-        if self.start < self.end:
-            return self.start <= t < self.end
-        return t >= self.start or t < self.end
-
 
 def _parse_window(value: object) -> object:
     if isinstance(value, str):
@@ -113,8 +106,10 @@ class LocalMachine(Strict):
     )
     available_hours: list[HourWindow] = Field(
         default_factory=list,
-        description="Daily windows when the local GPU may train (e.g. ['22:00-08:00'] if it serves by day). "
-        "Empty means always.",
+        description="Daily windows of local time when the local GPU may train (e.g. ['22:00-08:00'] if it serves a "
+        "desktop by day). A local run is checkpointed when they end and resumes from it when they begin again (one "
+        "that cannot resume runs on: stopping it would lose its work), and gate 2's T_L is the wall-clock time "
+        "through them from now. Empty means always.",
     )
 
     @field_validator("available_hours", mode="before")
@@ -131,9 +126,6 @@ class LocalMachine(Strict):
     @property
     def vram_gb(self) -> float:
         return self.vram_gib * 2**30 / 1e9
-
-    def available_at(self, t: time) -> bool:
-        return not self.available_hours or any(w.contains(t) for w in self.available_hours)
 
 
 class Budget(Strict):

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
+from datetime import time as dtime
 from pathlib import Path
 from typing import Any
 
@@ -29,22 +30,21 @@ from orchestrator.core.decision import (
     SetupEstimate,
     decide,
 )
+from orchestrator.core.local_hours import LocalHours
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import JobSpec, load_job
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import RETRIABLE, STATE_FOR_ACTION, JobState, check_transition
 
 
-def local_available_fraction(cfg: Config) -> float:
-    windows = cfg.local.available_hours
-    if not windows:
-        return 1.0
-    total = 0.0
-    for w in windows:
-        a = w.start.hour * 60 + w.start.minute
-        b = w.end.hour * 60 + w.end.minute
-        total += (b - a) % (24 * 60) or 24 * 60
-    return min(1.0, total / (24 * 60))
+def local_hours(cfg: Config, now: float) -> LocalHours:
+    """`local.available_hours` and the local time now, for the decision core."""
+    return LocalHours(windows=tuple((_minutes(w.start), _minutes(w.end)) for w in cfg.local.available_hours),
+                      clock_min=_minutes(datetime.fromtimestamp(now).time()))
+
+
+def _minutes(t: dtime) -> float:
+    return t.hour * 60 + t.minute + t.second / 60 + t.microsecond / 60e6
 
 
 def reference_offers(cfg: Config) -> dict[str, GpuOffer]:
@@ -116,7 +116,7 @@ def context(app: App, now: float) -> DecisionContext:
         budget_cap_usd=cfg.budget.monthly_cap_usd,
         spent_usd=app.store.month_spend(month_key(now), now),
         burst_enabled=burst_enabled(app),
-        local_available_fraction=local_available_fraction(cfg),
+        local_hours=local_hours(cfg, now),
     )
 
 

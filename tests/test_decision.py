@@ -9,6 +9,7 @@ import pytest
 
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.core.gates import Verdict
+from orchestrator.core.local_hours import LocalHours
 
 OFFERS = {
     "H100": GpuOffer("H100", 3.00, 1.00, 85.9),
@@ -90,13 +91,17 @@ def test_spot_is_the_default_market_for_a_checkpointing_burst() -> None:
     assert d.to_dict()["market_costs"]["on_demand_usd"] == pytest.approx(19.147, abs=0.01)
 
 
-def test_local_availability_windows_slow_the_local_wall_clock() -> None:
-    d = decide(replace(C, s_local=0.33, deadline_h=24), replace(CTX, local_available_fraction=0.25))
-    # 3.03 h of GPU time at 25 % availability is 12.1 h of wall clock: still within 24 h.
-    assert d.verdict is Verdict.LOCAL
-    assert d.gates.t_local_h == pytest.approx(1 / (0.33 * 0.25))
-    assert decide(replace(C, s_local=0.33, deadline_h=10),
-                  replace(CTX, local_available_fraction=0.25)).verdict is Verdict.PRICED
+def test_the_local_gpu_s_hours_make_t_local_the_wall_clock_time_through_them() -> None:
+    # 3.03 h of GPU time; the GPU trains 00:00-06:00 only.
+    early = replace(CTX, local_hours=LocalHours(windows=((0.0, 360.0),), clock_min=0.0))
+    d = decide(replace(C, s_local=0.33, deadline_h=10), early)
+    assert d.verdict is Verdict.LOCAL and d.gates.t_local_h == pytest.approx(1 / 0.33)  # done by 03:02
+    # Queued at 08:00, the same run waits for midnight: done at 03:02 the next day, 19.03 h from now.
+    late = replace(CTX, local_hours=LocalHours(windows=((0.0, 360.0),), clock_min=480.0))
+    d = decide(replace(C, s_local=0.33, deadline_h=10), late)
+    assert d.verdict is Verdict.PRICED and d.gates.t_local_h == pytest.approx(16 + 1 / 0.33)
+    assert any("local GPU open 3.03 h of the 19.03 h from now" in r for r in d.reasons)
+    assert decide(replace(C, s_local=0.33, deadline_h=24), late).verdict is Verdict.LOCAL
 
 
 def test_decision_json_has_the_documented_keys() -> None:

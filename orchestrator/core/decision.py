@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from orchestrator.core.budget import admits
 from orchestrator.core.gates import GateInputs, GateResult, Verdict, evaluate
+from orchestrator.core.local_hours import LocalHours
 from orchestrator.core.market import MarketChoice, MarketInputs, choose_market
 from orchestrator.core.plan import Phase, Plan, hybrid_plan
 
@@ -83,7 +84,7 @@ class DecisionContext:
     budget_cap_usd: float = math.inf
     spent_usd: float = 0.0
     burst_enabled: bool = True
-    local_available_fraction: float = 1.0  # share of wall-clock hours the local GPU may train
+    local_hours: LocalHours | None = None  # local.available_hours, and the local time now (None: always open)
 
 
 @dataclass(frozen=True)
@@ -152,10 +153,15 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
                        f"({job.setup_h * 60:.1f} min, {job.setup_basis or MEASURED_SETUP})")
     elif job.setup_basis:
         reasons.append(f"this job's setup: {job.setup_basis}")
-    s_local = job.s_local * ctx.local_available_fraction
-    if ctx.local_available_fraction < 1.0 and job.s_local > 0:
-        reasons.append(f"local GPU free {ctx.local_available_fraction:.0%} of the day: "
-                       f"effective s_L {s_local:.4g} units/h")
+    s_local = job.s_local
+    if ctx.local_hours is not None and ctx.local_hours.windows and job.s_local > 0:
+        # The run's own wall-clock time through the GPU's hours, from now: T_L below is when it would be done.
+        gpu_h = job.work / job.s_local
+        share = ctx.local_hours.share(gpu_h)
+        s_local = job.s_local * share
+        if share < 1.0:
+            reasons.append(f"local GPU open {gpu_h:.2f} h of the {gpu_h / share:.2f} h from now to the end of its "
+                           f"run (local.available_hours): effective s_L {s_local:.4g} units/h")
 
     # Candidate rented GPU types: priced, and big enough when sizing says how much memory a GPU needs.
     candidates: list[tuple[str, float, GpuOffer]] = []

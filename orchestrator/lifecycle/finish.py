@@ -66,7 +66,10 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
                _fields={"placement": "cloud"})
             return
         ckpt = checkpoints.latest(app.config, job["id"])
-        to(JobState.RESUMING, f"preempted: {stop_reason}", "job.resuming",
+        why = f"preempted: {stop_reason}"
+        if att["where"] == "local" and stop_reason == "local-hours":
+            why = "paused: the local GPU's hours (local.available_hours) are over; it resumes when they begin"
+        to(JobState.RESUMING, why, "job.resuming",
            checkpoint=ckpt.name if ckpt else None, lost_work_h=att.get("lost_work_h"),
            instance=att.get("instance_id"))
     elif outcome is A.ABORTED:

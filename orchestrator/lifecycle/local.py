@@ -29,7 +29,15 @@ from orchestrator.lifecycle.homes import attempt_run_dir, job_outputs_dir
 from orchestrator.lifecycle.machine import AttemptState, move
 from orchestrator.lifecycle.schedule import behind, reported, watch_schedule
 from orchestrator.lifecycle.states import JobState
-from orchestrator.queue import context, facts, measured_rented_throughput, record_decision, setup_estimate, spec_of
+from orchestrator.queue import (
+    context,
+    facts,
+    local_hours,
+    measured_rented_throughput,
+    record_decision,
+    setup_estimate,
+    spec_of,
+)
 from runbooks import job_outputs, supervisor
 from state import schema as s
 
@@ -66,6 +74,7 @@ def write_env_file(path: Path, env: dict[str, str]) -> None:
 # someone's kill. The trainer was asked for a last checkpoint, so this is a preemption: the job resumes. (A user
 # who wants it over runs `burstctl cancel`.)
 STOPPED_OUTSIDE = "stopped from outside burstctl (SIGTERM or SIGINT to its supervisor)"
+LOCAL_HOURS_OVER = "local-hours"  # the stop reason of a run whose local.available_hours ended
 
 
 class LocalRunner:
@@ -223,6 +232,10 @@ class LocalRunner:
                 progress = self._replan(att, info, now)  # a hybrid hands over earlier instead
             if job["state"] == JobState.CANCELLED.value:
                 wanted = "cancelled"
+            elif not local_hours(self.cfg, now).is_open() and job["spec"]["checkpoint"].get("resumable", True):
+                # The GPU's hours are over (local.available_hours): a last checkpoint, and the job waits for them
+                # to begin again. A job that cannot resume runs on: stopping it would throw its work away.
+                wanted = LOCAL_HOURS_OVER
             elif info.get("switch_at") and now >= info["switch_at"] and not info.get("stop_requested"):
                 held = self.hand_over_held(job, now) if self.hand_over_held is not None else None
                 if held is None:
@@ -246,8 +259,8 @@ class LocalRunner:
         if reason == "completed" and ex.get("exit_code") == 0:
             self._outputs_home(att, job, info)
             self._end(att, job, A.SUCCEEDED, "completed", info)
-        elif info.get("stop_reason") == "hybrid-switch":
-            self._end(att, job, A.PREEMPTED, "hybrid-switch", info)
+        elif info.get("stop_reason") in ("hybrid-switch", LOCAL_HOURS_OVER):
+            self._end(att, job, A.PREEMPTED, info["stop_reason"], info)
         elif info.get("stop_reason") == "cancelled":
             self._end(att, job, A.ABORTED, "cancelled", info)
         elif reason == "terminated":

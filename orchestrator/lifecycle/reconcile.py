@@ -15,7 +15,6 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, func, insert, select, update
@@ -42,7 +41,7 @@ from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
-from orchestrator.queue import setup_key, throughput_key
+from orchestrator.queue import local_hours, setup_key, throughput_key
 from orchestrator.remote.ssh import HostKeyMismatch, SharedConnection
 from providers.base import (
     LAUNCH_REFUSALS,
@@ -275,7 +274,7 @@ class Reconciler:
         cloud_free = self.cfg.daemon.max_cloud_attempts - n_cloud
         # Local work first: it must never wait behind a slow or unreachable cloud.
         ready = [j for j in ready if j["id"] not in busy_jobs and not self._lacks_passed_env(j)]
-        local_open = self.cfg.local.available_at(_clock_time(now))
+        local_open = local_hours(self.cfg, now).is_open()
         started: set[str] = set()
         for job in ready:
             if job["placement"] not in ("local", "hybrid"):
@@ -1226,11 +1225,6 @@ class Reconciler:
         conn.execute(insert(s.measurements).values(ts=self.clock(), provider=att["provider"] or "local",
                                                    instance_type=key or att["instance_type"] or "local",
                                                    metric=metric, value=float(value)))
-
-
-def _clock_time(now: float) -> Any:
-
-    return datetime.fromtimestamp(now).time()
 
 
 def sweep_orphans(reconciler: Reconciler) -> dict[str, list[str]]:

@@ -1,0 +1,119 @@
+"""The local GPU's daily hours (`local.available_hours`): a local run pauses while they are over, so its wall-clock
+time is the time from now until the GPU has been open for as long as the run needs, not its GPU hours over a share
+of the day. The daemon checkpoints a run when they end and resumes it when they begin again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from orchestrator.core.local_hours import LocalHours
+from tests.e2e import Daemon, enqueue, events, job, trainer_job, wait_for, write_config
+
+NIGHTS = ((22 * 60.0, 8 * 60.0),)  # 22:00-08:00: the GPU serves a desktop by day
+
+
+def at(hour: float, windows: tuple[tuple[float, float], ...] = NIGHTS) -> LocalHours:
+    return LocalHours(windows=windows, clock_min=hour * 60)
+
+
+def test_a_run_of_four_hours_queued_at_nine_in_the_evening_is_done_at_two_in_the_morning() -> None:
+    assert at(21).wall_h(4) == pytest.approx(5)  # 22:00 to 02:00; a share of the day (10/24) said 9.6 h
+    assert at(21).share(4) == pytest.approx(0.8)
+    assert at(9).wall_h(4) == pytest.approx(17)  # the same job queued at 09:00: 02:00 too
+    assert at(23).wall_h(4) == pytest.approx(4)  # inside the window: no pause
+
+
+def test_a_run_longer_than_a_night_pauses_for_the_day_and_goes_on_the_next_night() -> None:
+    assert at(21).wall_h(12) == pytest.approx(1 + 10 + 14 + 2)  # ends at 00:00 the night after
+    assert at(21).wall_h(10) == pytest.approx(11)  # ends at 08:00 exactly, not a day later
+    assert at(21).wall_h(20) == pytest.approx(1 + 24 + 10)  # two whole nights: done at 08:00 the day after next
+    assert at(21).wall_h(24 * 10) == pytest.approx(1 + 24 * 23 + 10)  # 24 nights: weeks are no slower
+
+
+def test_windows_that_overlap_count_once_and_start_equal_to_end_is_the_whole_day() -> None:
+    overlapping = ((9 * 60.0, 12 * 60.0), (11 * 60.0, 13 * 60.0))
+    assert at(9, overlapping).wall_h(4) == pytest.approx(4)
+    assert at(9, overlapping).wall_h(5) == pytest.approx(25)  # 09-13 today, then an hour from 09:00 tomorrow
+    assert at(17, ((6 * 60.0, 6 * 60.0),)).wall_h(30) == pytest.approx(30)
+    assert LocalHours(windows=(), clock_min=0).wall_h(7) == 7 and LocalHours((), 0).share(7) == 1.0
+
+
+def test_open_now_is_the_window_s_start_but_not_its_end() -> None:
+    assert at(22).is_open() and at(7.99).is_open() and not at(8).is_open() and not at(12).is_open()
+    assert LocalHours(windows=(), clock_min=600).is_open()
+
+
+@given(st.lists(st.tuples(st.integers(0, 1439), st.integers(60, 1440)), min_size=1, max_size=4),
+       st.floats(0, 1439.9), st.floats(0.01, 48))
+def test_the_wall_clock_time_is_what_a_minute_by_minute_walk_takes(windows: list[tuple[int, int]], clock: float,
+                                                                   open_h: float) -> None:
+    # Windows of an hour at least (start, length), so that the walk below stays short.
+    hours = LocalHours(windows=tuple((float(a), float((a + n) % 1440)) for a, n in windows), clock_min=clock)
+    wall = hours.wall_h(open_h)
+    assert wall >= open_h - 1e-9
+    # Walked a minute at a time from a whole minute: the walk's end is within a minute or two of the exact one.
+    day = hours._day()
+    t, left = clock, open_h * 60
+    while left > 0:
+        minute = t % 1440
+        if any(lo <= minute < hi for lo, hi in day):
+            left -= 1
+        t += 1
+    assert wall * 60 == pytest.approx(t - clock, abs=2.0)
+
+
+def _window(from_now_h: float, to_now_h: float) -> str:
+    """A daily window of local time, as `local.available_hours` takes it, from and to these hours from now."""
+    def hhmm(h: float) -> str:
+        return (datetime.now() + timedelta(hours=h)).strftime("%H:%M")
+    return f"{hhmm(from_now_h)}-{hhmm(to_now_h)}"
+
+
+def test_a_local_run_is_checkpointed_when_the_gpu_s_hours_end_and_resumes_when_they_begin(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    path = trainer_job(tmp_path, "nightly", steps=120, every=10, step_s=0.1, local_throughput=1000, work_units=120,
+                       extra=("--out", "result.json"))
+
+    def hours(window: str) -> Path:
+        return write_config(tmp_path, None, local={"available_hours": [window]})
+
+    config = hours(_window(-1, 1))
+    job_id = enqueue(config, state, path)
+    assert job(state, job_id)["placement"] == "local"
+    daemon = Daemon(tmp_path, config, state).start()
+    try:
+        store = state / "checkpoints" / job_id
+        wait_for(lambda: store.exists() and any(p.name >= "step-00000020" for p in store.iterdir()), 60,
+                 "a checkpoint of step 20")
+        hours(_window(2, 3))  # the GPU's hours are over (the daemon reads its edited config at its next tick)
+        wait_for(lambda: job(state, job_id)["state"] == "resuming", 60, "the run to be stopped")
+        (stopped,) = [e for e in events(state, "attempt.stop_requested") if e["job_id"] == job_id]
+        assert stopped["data"]["reason"] == "local-hours"
+        assert "local GPU's hours" in job(state, job_id)["reason"]
+        time.sleep(3)  # six ticks outside its hours: it stays paused
+        assert job(state, job_id)["state"] == "resuming"
+
+        hours(_window(-1, 1))
+        wait_for(lambda: job(state, job_id)["state"] == "done", 90, "the job to finish in its hours again")
+    finally:
+        assert daemon.stop() == 0
+    (resumed,) = [e for e in events(state, "job.resumed") if e["job_id"] == job_id]
+    assert resumed["data"]["where"] == "local" and resumed["data"]["checkpoint"] >= "step-00000020"
+    # Nothing lost or done twice: the result of an uninterrupted run.
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    subprocess.run([sys.executable, str(tmp_path / "work" / "trainer.py"), "--steps", "120", "--checkpoint-every",
+                    "10", "--out", str(straight / "result.json")], cwd=straight, check=True, capture_output=True,
+                   env={"PATH": "/usr/bin:/bin", "BURST_CHECKPOINT_DIR": str(straight / "ckpt")})
+    result, expected = (json.loads(p.read_text()) for p in (tmp_path / "work" / "result.json",
+                                                            straight / "result.json"))
+    assert result["step"] == 120 and result["state_sha256"] == expected["state_sha256"]
