@@ -18,6 +18,7 @@ installed `runbooks` package, else in ../runbooks of a source checkout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -28,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 EXIT_TERMINATED = 143  # 128 + SIGTERM: what a shell reports for a job that stopped on SIGTERM
 SAMPLES = 512
@@ -174,6 +176,11 @@ class Trainer:
         }
         write_json_atomic(self.metrics_file, metrics)
 
+    def run_log(self) -> IO[str]:
+        """--log-dir's file of this run (a file of its own per run, as TensorBoard writes an events file per run)."""
+        Path(self.args.log_dir).mkdir(parents=True, exist_ok=True)
+        return open(Path(self.args.log_dir) / f"run-attempt{os.environ.get('BURST_ATTEMPT') or 0}.jsonl", "a")
+
     def sleep(self, seconds: float) -> None:
         # In slices, so SIGTERM is acted on promptly even with long simulated steps.
         end = time.monotonic() + seconds
@@ -192,15 +199,21 @@ class Trainer:
         args = self.args
         print(f"training from step {self.state['step']} to {args.steps}", flush=True)  # SIGTERM handled from here
         loss = float("nan")
-        while self.state["step"] < args.steps and not self.stop_requested:
-            loss = sgd_step(self.state, self.xs, self.ys, args.steps, args.lr)
-            if self.state["step"] % args.checkpoint_every == 0:
-                self.save()
-                self.report()
-            if self.state["step"] == args.fail_at_step:
-                print(f"trainer: error: a planted bug at step {args.fail_at_step} (--fail-at-step)", file=sys.stderr)
-                return 1
-            self.sleep(args.step_seconds)
+        with contextlib.ExitStack() as closing:
+            log = closing.enter_context(self.run_log()) if args.log_dir else None
+            while self.state["step"] < args.steps and not self.stop_requested:
+                loss = sgd_step(self.state, self.xs, self.ys, args.steps, args.lr)
+                if log is not None:
+                    log.write(json.dumps({"step": self.state["step"], "loss": loss}) + "\n")
+                    log.flush()
+                if self.state["step"] % args.checkpoint_every == 0:
+                    self.save()
+                    self.report()
+                if self.state["step"] == args.fail_at_step:
+                    print(f"trainer: error: a planted bug at step {args.fail_at_step} (--fail-at-step)",
+                          file=sys.stderr)
+                    return 1
+                self.sleep(args.step_seconds)
         if self.state["step"] < args.steps:  # stopped by SIGTERM: keep the work done so far
             time.sleep(args.stop_seconds)  # not in slices: a big model's last state leaving the GPU is not cut short
             if self.saved_step != self.state["step"]:
@@ -235,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="exit 1 on reaching this step, after its checkpoint if one falls due (a bug, to try "
                         "`burstctl retry`); 0: never")
     p.add_argument("--out", default="", help="result.json path (default: $BURST_CHECKPOINT_DIR/../result.json)")
+    p.add_argument("--log-dir", default="", help="write a line per step (step, loss) to a file of this run's own "
+                   "in this directory, run-attempt<N>.jsonl (N: $BURST_ATTEMPT), as TensorBoard writes one per run")
     args = p.parse_args(argv)
     if args.steps < 1 or args.checkpoint_every < 1 or min(args.step_seconds, args.stop_seconds, args.keep,
                                                            args.shard_mib) < 0:

@@ -41,9 +41,10 @@ STEPS, EVERY, STEP_S = 160, 10, 0.1
 
 
 def spot_job(tmp: Path, steps: int = STEPS) -> Path:
-    """The trainer, which does not fit locally: it bursts. Its result.json, in its workdir, is an output."""
-    return trainer_job(tmp, "trainer", steps=steps, every=EVERY, step_s=STEP_S, extra=("--out", "result.json"),
-                       outputs=["result.json"])
+    """The trainer, which does not fit locally: it bursts. Its outputs, in its workdir: result.json, and a log file
+    per run under runs/ (as TensorBoard writes an events file per run)."""
+    return trainer_job(tmp, "trainer", steps=steps, every=EVERY, step_s=STEP_S,
+                       extra=("--out", "result.json", "--log-dir", "runs"), outputs=["result.json", "runs/"])
 
 
 def uninterrupted_final_state(tmp: Path) -> bytes:
@@ -113,8 +114,19 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path, backend: s
     assert (state / "outputs" / job_id / "result.json").read_bytes() == (tmp_path / "reference" / "result.json"
                                                                           ).read_bytes()
     (home,) = events(state, "job.outputs_home")
-    assert home["data"]["files"] == 1 and types.index("job.outputs_home") < types.index("job.done")
-    assert f"outputs: {state / 'outputs' / job_id} (1 file)" in cli(config, state, "show", job_id).stdout
+    assert home["data"]["files"] == 2 and types.index("job.outputs_home") < types.index("job.done")
+    # The preempted attempt's run log came home with its checkpoints, before its instance went (the resumed run's
+    # log starts after its checkpoint: the steps before it would have been lost with the first instance). It is as
+    # of the newest checkpoint that came home with it; the notice's last sync may find the instance reclaimed.
+    first_syncs = [e["data"] for e in events(state, "checkpoint.synced") if e["attempt_id"].endswith("-a1")]
+    with_outputs = [int(d["checkpoints"][-1][5:]) for d in first_syncs if d.get("outputs") == 1]
+    assert with_outputs
+    runs = state / "outputs" / job_id / "runs"
+    first_steps = [json.loads(line)["step"] for line in (runs / "run-attempt1.jsonl").read_text().splitlines()]
+    last_steps = [json.loads(line)["step"] for line in (runs / "run-attempt2.jsonl").read_text().splitlines()]
+    assert first_steps == list(range(1, len(first_steps) + 1)) and first_steps[-1] >= max(with_outputs)
+    assert last_steps == list(range(int(resumed["checkpoint"][5:]) + 1, STEPS + 1))
+    assert f"outputs: {state / 'outputs' / job_id} (3 files)" in cli(config, state, "show", job_id).stdout
 
     # Nothing is left running, and the meter agrees with the provider's billing record.
     assert len(instances) == 2 and all(i["status"] in ("terminated", "preempted") for i in instances)

@@ -384,15 +384,17 @@ class CloudSteps:
                                           append=True, conn=conn, transport="sftp"))
         return stats
 
-    def pull_outputs(self, att: dict[str, Any], job: dict[str, Any]) -> list[str]:
+    def pull_outputs(self, att: dict[str, Any], job: dict[str, Any],
+                     shared: ssh.SharedConnection | None = None) -> list[str]:
         """The files the job's `outputs` name in its workdir on the instance, home into <state>/outputs/<job>/ under
-        their paths relative to the workdir. The globs are expanded on the instance, by its Python, so that rsync
-        and SFTP bring the same files. Returns those paths."""
+        their paths relative to the workdir (on `shared`'s connection when given: a sync's). The globs are expanded
+        on the instance, by its Python, so that rsync and SFTP bring the same files. Returns those paths."""
         target, trust = self.target(att), self.trust(att)
         base, _ = self._remote(att)
         work = f"{base}/{job['id']}/work"
         python = att["info"].get("remote_python", "python3")
-        with ssh.connect(target, trust=trust) as conn:
+        with contextlib.ExitStack() as stack:
+            conn = shared.get() if shared is not None else stack.enter_context(ssh.connect(target, trust=trust))
             found = ssh.run(conn, [python, "-c", LIST_OUTPUTS, work, *job["spec"]["outputs"]], timeout=120)
             names: list[str] = json.loads(found.stdout.strip().splitlines()[-1])
             if names:

@@ -1005,12 +1005,13 @@ class Reconciler:
                              .values(reason=info.pop("reason_before_sync_error", None), updated_at=time.time()))
         if new:
             info["last_checkpoint_at"] = self.clock()
+            outputs = self._sync_outputs(att, job, info, shared)
             with self.store.tx() as conn:
                 self.store.update_job(job["id"], conn, checkpoint=new[-1].name)
                 self._measure(conn, att, "sync_s", took)
                 self.app.events.emit("checkpoint.synced", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      checkpoints=[p.name for p in new], seconds=round(took, 3),
-                                     via=new.stats.transport)
+                                     via=new.stats.transport, **({} if outputs is None else {"outputs": outputs}))
         return True
 
     def _pull_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
@@ -1028,6 +1029,24 @@ class Reconciler:
         self.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
                   dir=str(job_outputs_dir(self.cfg, job["id"])))
         return True
+
+    def _sync_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
+                      shared: SharedConnection | None) -> int | None:
+        """The job's `outputs` as they are on the instance, home with each checkpoint that came home: what an attempt
+        wrote (a TensorBoard events file per run, say) is not lost with its instance when it is preempted, and
+        is as of its newest checkpoint. A later attempt's file replaces an earlier one of the same path. The number
+        of files, or None when that failed (said once per distinct error; tried again with the next checkpoint)."""
+        if not job["spec"].get("outputs"):
+            return None
+        try:
+            names = self.cloud_steps.pull_outputs({**att, "info": info}, job, shared)
+        except Exception as exc:
+            if shared is not None:
+                shared.drop()
+            self._said_once(att, job, info, "outputs_error", "attempt.outputs_pull_failed", exc)
+            return None
+        info.pop("outputs_error", None)
+        return len(names)
 
     def _pull_logs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
                    shared: SharedConnection | None = None) -> None:
