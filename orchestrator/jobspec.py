@@ -122,7 +122,9 @@ class JobSpec(BaseModel):
         description="What the job writes in its workdir besides checkpoints that is its result: paths or globs "
                     "relative to the workdir (\"result.json\", \"eval/*.json\"; a directory brings everything under "
                     "it), copied into <state>/outputs/<job>/ when it finishes: from a rented instance before it is "
-                    "terminated, from the workdir when it finished on this machine (which keeps its own).")
+                    "terminated, from the workdir when it finished on this machine (which keeps its own). On a rented "
+                    "instance they also come home with each checkpoint, so a preempted attempt's files (a "
+                    "TensorBoard events file per run) are not lost with it.")
     setup_retries: Annotated[int, Field(ge=0, le=10)] = Field(
         2, description="How many times a failed setup runs again on the same instance, after 10 s, then 20 s, 40 s "
                        "…, before the attempt fails: a network blip in a pip install passes, a missing package "
