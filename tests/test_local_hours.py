@@ -15,6 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from orchestrator.app import App
+from orchestrator.cli.status import status_data
 from orchestrator.core.local_hours import LocalHours
 from tests.e2e import Daemon, enqueue, events, job, trainer_job, wait_for, write_config
 
@@ -47,9 +49,14 @@ def test_windows_that_overlap_count_once_and_start_equal_to_end_is_the_whole_day
     assert LocalHours(windows=(), clock_min=0).wall_h(7) == 7 and LocalHours((), 0).share(7) == 1.0
 
 
-def test_open_now_is_the_window_s_start_but_not_its_end() -> None:
+def test_open_now_is_the_window_s_start_but_not_its_end_and_status_says_until_when() -> None:
     assert at(22).is_open() and at(7.99).is_open() and not at(8).is_open() and not at(12).is_open()
     assert LocalHours(windows=(), clock_min=600).is_open()
+    assert at(23).until_change_h() == pytest.approx(9)  # open across midnight, until 08:00
+    assert at(12).until_change_h() == pytest.approx(10)  # closed until 22:00
+    assert at(8).until_change_h() == pytest.approx(14)
+    assert LocalHours(windows=(), clock_min=600).until_change_h() is None
+    assert at(3, ((6 * 60.0, 6 * 60.0),)).until_change_h() is None
 
 
 @given(st.lists(st.tuples(st.integers(0, 1439), st.integers(60, 1440)), min_size=1, max_size=4),
@@ -117,3 +124,19 @@ def test_a_local_run_is_checkpointed_when_the_gpu_s_hours_end_and_resumes_when_t
     result, expected = (json.loads(p.read_text()) for p in (tmp_path / "work" / "result.json",
                                                             straight / "result.json"))
     assert result["step"] == 120 and result["state_sha256"] == expected["state_sha256"]
+
+
+def test_status_says_whether_the_local_gpu_may_train_now_and_until_when(tmp_path: Path) -> None:
+    now = datetime.now()
+    config = tmp_path / "burstctl.toml"
+    config.write_text(f'[local]\navailable_hours = ["{_window(2, 3)}"]\n')
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    hours = status_data(app)["local_hours"]
+    assert hours["open"] is False and hours["windows"] == [_window(2, 3)]
+    opens = datetime.fromtimestamp(hours["until"])
+    assert timedelta(hours=1, minutes=58) < opens - now <= timedelta(hours=2)  # at the window's whole minute
+    app.close()
+    config.write_text("")
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    assert status_data(app)["local_hours"] is None  # no hours set: always open, nothing to say
+    app.close()

@@ -54,10 +54,23 @@ def status_data(app: App) -> dict[str, Any]:
         "month": month_key(now),
         "month_to_date_usd": round(app.store.month_spend(month_key(now), now), 4),
         "budget_cap_usd": app.config.budget.monthly_cap_usd,
+        "local_hours": _local_hours(app, now),
         "schedules": _next_slots(app, now),
         "notify": _notifiers(app, now),
         "state_dir": str(app.config.state_dir),
     }
+
+
+def _local_hours(app: App, now: float) -> dict[str, Any] | None:
+    """With `local.available_hours`: whether the local GPU may train now, and until when (None: always)."""
+    if not app.config.local.available_hours:
+        return None
+    from orchestrator.queue import local_hours
+
+    hours = local_hours(app.config, now)
+    change = hours.until_change_h()
+    return {"open": hours.is_open(), "until": None if change is None else now + change * 3600.0,
+            "windows": [f"{w.start:%H:%M}-{w.end:%H:%M}" for w in app.config.local.available_hours]}
 
 
 def _next_slots(app: App, now: float) -> list[dict[str, Any]]:
@@ -168,6 +181,12 @@ def status_cmd(app: App, as_json: bool) -> None:
     out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in d["jobs"].items() if v) if d["active_jobs"] or any(
         d["jobs"].values()) else "jobs: none")
     out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'], as_set=True)}")
+    if d["local_hours"]:
+        hours = d["local_hours"]
+        until = "" if hours["until"] is None else \
+            f" until {datetime.fromtimestamp(hours['until']).strftime('%a %H:%M')}"
+        out.print(f"local GPU: {'open' if hours['open'] else 'closed'} to training{until} "
+                  f"(local.available_hours {', '.join(hours['windows'])})")
     if d["schedules"]:
         soonest = d["schedules"][0]
         at = datetime.fromtimestamp(soonest["next_slot_at"]).astimezone().strftime("%Y-%m-%d %H:%M %Z") \

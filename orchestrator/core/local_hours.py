@@ -41,6 +41,26 @@ class LocalHours:
     def is_open(self) -> bool:
         return not self.windows or any(lo <= self.clock_min < hi for lo, hi in self._day())
 
+    def until_change_h(self) -> float | None:
+        """Hours from now until the GPU's hours end (while open) or begin (while closed); None: always open."""
+        day = self._day()
+        if not self.windows or day == [(0.0, DAY_MIN)]:
+            return None
+        # Today's and the next two days' intervals, joined where one runs on past midnight into the next.
+        spans: list[tuple[float, float]] = []
+        for d in range(3):
+            for lo, hi in day:
+                if spans and spans[-1][1] == d * DAY_MIN + lo:
+                    spans[-1] = (spans[-1][0], d * DAY_MIN + hi)
+                else:
+                    spans.append((d * DAY_MIN + lo, d * DAY_MIN + hi))
+        for lo, hi in spans:
+            if lo <= self.clock_min < hi:
+                return (hi - self.clock_min) / 60.0
+            if lo > self.clock_min:
+                return (lo - self.clock_min) / 60.0
+        raise AssertionError("a day with open hours has an interval in the next two days")
+
     def wall_h(self, open_h: float) -> float:
         """Hours from now until the GPU has been open for `open_h` hours (a run that starts now and pauses while
         it is closed ends then)."""
