@@ -18,6 +18,9 @@ from hypothesis import strategies as st
 from orchestrator.app import App
 from orchestrator.cli.status import status_data
 from orchestrator.core.local_hours import LocalHours
+from orchestrator.lifecycle.local import LocalRunner
+from orchestrator.queue import enqueue as enqueue_job
+from tests.conftest import write_job
 from tests.e2e import Daemon, enqueue, events, job, trainer_job, wait_for, write_config
 
 NIGHTS = ((22 * 60.0, 8 * 60.0),)  # 22:00-08:00: the GPU serves a desktop by day
@@ -139,4 +142,27 @@ def test_status_says_whether_the_local_gpu_may_train_now_and_until_when(tmp_path
     config.write_text("")
     app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
     assert status_data(app)["local_hours"] is None  # no hours set: always open, nothing to say
+    app.close()
+
+
+def test_a_hybrid_that_cannot_start_locally_is_handed_to_the_cloud_when_its_switch_time_comes(tmp_path: Path
+                                                                                              ) -> None:
+    # The seed's job C: 30 h locally, 6.4 h rented, due in 12 h: about 6.9 h locally, then the rest rented. Kept off
+    # the local GPU (outside its hours, or behind another run), it waits; once the latest safe switch has passed,
+    # waiting on for the GPU would cost the deadline, so it is the cloud's now.
+    config = tmp_path / "burstctl.toml"
+    config.write_text("[policy]\nmax_auto_delta_usd = 50.0\n")
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    job_id = enqueue_job(app, write_job(tmp_path, "big-local-job", local_throughput=0.033, deadline_hours=12,
+                                        rented_throughput={"H100": 0.17}, market="on-demand"))[0]
+    job = app.store.get_job(job_id)
+    assert job is not None and job["placement"] == "hybrid"
+    local_h = job["decision"]["plan"][0]["hours"]
+    runner = LocalRunner(app)
+    assert not runner.hand_over_if_due(job, time.time())  # hours to go: it waits for the GPU
+    assert app.store.get_job(job_id)["placement"] == "hybrid"
+    assert runner.hand_over_if_due(job, time.time() + local_h * 3600 + 60)
+    assert app.store.get_job(job_id)["placement"] == "cloud"
+    (switching,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "job.switching"]
+    assert "need the cloud now to make the deadline" in switching["data"]["reason"]
     app.close()

@@ -101,11 +101,7 @@ class LocalRunner:
             info["hybrid"] = terms
             info["units_done"] = terms["done_at_start"]
             info["switch_at"] = latest_switch_at(done=terms["done_at_start"], **_switch_args(terms))
-            if info["switch_at"] <= now and (self.hand_over_held is None or self.hand_over_held(job, now) is None):
-                # The job waited (behind another local job, outside the local GPU's hours, or after a restart):
-                # the rest no longer fits after a local phase, so it bursts at once (unless no cloud can take it:
-                # then it runs locally meanwhile, and `step` hands over when one can).
-                self._hand_over_now(job, terms)
+            if self._hand_over_if_due(job, terms, info["switch_at"], now):
                 return False
         with self.app.store.tx() as conn:
             conn.execute(insert(s.attempts).values(
@@ -141,6 +137,22 @@ class LocalRunner:
         return {"deadline_at": float(job["deadline_at"]), "work": work, "rented_units_h": float(rented),
                 "local_units_h": float(local_units_h), "overhead_h": overhead_h,
                 "margin_h": float(self.cfg.policy.hybrid_margin_h), "done_at_start": min(done, work)}
+
+    def hand_over_if_due(self, job: dict[str, Any], now: float) -> bool:
+        """For a hybrid job that cannot start locally now (the GPU busy, or outside its hours): True when its
+        hand-over is due and it now waits for the cloud instead. Waiting on for the GPU would cost the deadline."""
+        terms = self._hybrid_terms(job)
+        return self._hand_over_if_due(job, terms, latest_switch_at(done=terms["done_at_start"],
+                                                                   **_switch_args(terms)), now)
+
+    def _hand_over_if_due(self, job: dict[str, Any], terms: dict[str, Any], switch_at: float, now: float) -> bool:
+        if switch_at > now or (self.hand_over_held is not None and self.hand_over_held(job, now) is not None):
+            return False
+        # The job waited (behind another local job, outside the local GPU's hours, or after a restart): the rest no
+        # longer fits after a local phase, so it bursts at once (unless no cloud can take it: then it runs locally
+        # when it can, and `step` hands over when a cloud can).
+        self._hand_over_now(job, terms)
+        return True
 
     def _hand_over_now(self, job: dict[str, Any], terms: dict[str, Any]) -> None:
         why = (f"no time left for a local phase: {terms['work'] - terms['done_at_start']:.4g} of "

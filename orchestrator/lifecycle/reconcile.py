@@ -283,6 +283,8 @@ class Reconciler:
                 if self.local.start(job):
                     local_free -= 1
                     started.add(job["id"])
+            elif job["placement"] == "hybrid" and self.local.hand_over_if_due(job, now):
+                continue  # placed on the cloud now: the loop below may start its attempt this tick
             else:  # said, so that a queued job does not look stuck (its reason was its decision's last word)
                 self._note(job, LOCAL_GPU_HOURS if not local_open else
                            f"{LOCAL_GPU_BUSY}: {n_local} local run(s) use its {self.cfg.daemon.local_concurrency} "
