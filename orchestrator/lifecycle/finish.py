@@ -24,6 +24,7 @@ from state import schema as s
 A = AttemptState
 # How the reason of a job revert-local moved home begins, until it starts there (`revert.restore_plans` reads it).
 REQUEUED_LOCAL = "revert-local: requeued locally"
+LOCAL_HOURS_OVER = "local-hours"  # the stop reason of a local run whose local.available_hours ended
 
 
 def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
@@ -67,7 +68,7 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
             return
         ckpt = checkpoints.latest(app.config, job["id"])
         why = f"preempted: {stop_reason}"
-        if att["where"] == "local" and stop_reason == "local-hours":
+        if att["where"] == "local" and stop_reason == LOCAL_HOURS_OVER:
             why = "paused: the local GPU's hours (local.available_hours) are over; it resumes when they begin"
         to(JobState.RESUMING, why, "job.resuming",
            checkpoint=ckpt.name if ckpt else None, lost_work_h=att.get("lost_work_h"),

@@ -24,7 +24,7 @@ from orchestrator.app import App
 from orchestrator.core.plan import latest_switch_at
 from orchestrator.core.replan import replan_late_local
 from orchestrator.lifecycle import checkpoints, passenv
-from orchestrator.lifecycle.finish import exit_reason, job_after_attempt
+from orchestrator.lifecycle.finish import LOCAL_HOURS_OVER, exit_reason, job_after_attempt
 from orchestrator.lifecycle.homes import attempt_run_dir, job_outputs_dir
 from orchestrator.lifecycle.machine import AttemptState, move
 from orchestrator.lifecycle.schedule import behind, reported, watch_schedule
@@ -74,7 +74,6 @@ def write_env_file(path: Path, env: dict[str, str]) -> None:
 # someone's kill. The trainer was asked for a last checkpoint, so this is a preemption: the job resumes. (A user
 # who wants it over runs `burstctl cancel`.)
 STOPPED_OUTSIDE = "stopped from outside burstctl (SIGTERM or SIGINT to its supervisor)"
-LOCAL_HOURS_OVER = "local-hours"  # the stop reason of a run whose local.available_hours ended
 
 
 class LocalRunner:
