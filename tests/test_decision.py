@@ -100,6 +100,7 @@ def test_the_local_gpu_s_hours_make_t_local_the_wall_clock_time_through_them() -
     late = replace(CTX, local_hours=LocalHours(windows=((0.0, 360.0),), clock_min=480.0))
     d = decide(replace(C, s_local=0.33, deadline_h=10), late)
     assert d.verdict is Verdict.PRICED and d.gates.t_local_h == pytest.approx(16 + 1 / 0.33)
+    assert d.gates.c_local_usd == pytest.approx(CTX.local_usd_h / 0.33)  # power for the hours it trains, not waits
     assert any("local GPU open 3.03 h of the 19.03 h from now" in r for r in d.reasons)
     assert decide(replace(C, s_local=0.33, deadline_h=24), late).verdict is Verdict.LOCAL
 

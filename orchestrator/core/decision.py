@@ -153,12 +153,13 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
                        f"({job.setup_h * 60:.1f} min, {job.setup_basis or MEASURED_SETUP})")
     elif job.setup_basis:
         reasons.append(f"this job's setup: {job.setup_basis}")
-    s_local = job.s_local
+    s_local, local_usd_h = job.s_local, ctx.local_usd_h
     if ctx.local_hours is not None and ctx.local_hours.windows and job.s_local > 0:
-        # The run's own wall-clock time through the GPU's hours, from now: T_L below is when it would be done.
+        # The run's own wall-clock time through the GPU's hours, from now: T_L below is when it would be done. It
+        # draws power only while it trains: per wall-clock hour, the share of it that is open.
         gpu_h = job.work / job.s_local
         share = ctx.local_hours.share(gpu_h)
-        s_local = job.s_local * share
+        s_local, local_usd_h = job.s_local * share, ctx.local_usd_h * share
         if share < 1.0:
             reasons.append(f"local GPU open {gpu_h:.2f} h of the {gpu_h / share:.2f} h from now to the end of its "
                            f"run (local.available_hours): effective s_L {s_local:.4g} units/h")
@@ -180,7 +181,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
     def gate(s_r: float, rate: float) -> GateResult:
         return evaluate(GateInputs(work=job.work, s_local=s_local, s_rented=s_r, deadline_h=job.deadline_h,
                                    rate_usd_per_gpu_h=rate, gpus=job.gpus, overhead_h=overhead_h,
-                                   local_usd_h=ctx.local_usd_h, fits_locally=job.fits_local_memory,
+                                   local_usd_h=local_usd_h, fits_locally=job.fits_local_memory,
                                    local_wait_h=job.local_wait_h))
 
     if not candidates:
@@ -244,7 +245,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         spot_room = market.market == "spot" and ctx.hybrid_margin_h > overhead_h
         hybrid = hybrid_plan(work=job.work, s_local=s_local, s_rented=s_r, gpus=job.gpus, overhead_h=overhead_h,
                              deadline_h=job.deadline_h - job.local_wait_h,  # its local phase starts after the wait
-                             margin_h=ctx.hybrid_margin_h, local_usd_h=ctx.local_usd_h,
+                             margin_h=ctx.hybrid_margin_h, local_usd_h=local_usd_h,
                              rented_usd_per_gpu_h=market.rate_usd_per_gpu_h if spot_room else offer.od_usd_per_gpu_h,
                              market="spot" if spot_room else "on-demand", gpu=gpu)
         if hybrid is not None and hybrid.cost_usd < plan.cost_usd:
