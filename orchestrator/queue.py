@@ -212,9 +212,16 @@ def work_done(app: App, job_id: str, conn: Any = None) -> float:
     else:
         with app.store.engine.connect() as c:
             infos = [r[0] or {} for r in c.execute(query)]
+    return most_units_done((info.get("metrics"), info.get("units_done")) for info in infos)
+
+
+def most_units_done(reports: Iterable[tuple[Any, Any]]) -> float:
+    """The most work units any of these attempts reported, as (its metrics, its own `units_done`: a hybrid local
+    phase's count); 0 when none did. Each figure is checked (`reported`): metrics.json is the trainer's to write."""
     done = 0.0
-    for info in infos:
-        for value in (reported(info.get("metrics"), "units_done"), reported(info, "units_done")):
+    for metrics, units in reports:
+        for value in (reported(metrics if isinstance(metrics, dict) else None, "units_done"),
+                      reported({"units_done": units}, "units_done")):
             if value is not None and value > done:
                 done = value
     return done
@@ -309,12 +316,10 @@ def local_backlog(app: App, now: float, until: float | None = None) -> LocalBack
         reports = c.execute(select(s.attempts.c.job_id, s.attempts.c.info[("metrics",)], s.attempts.c.info[
             ("units_done",)]).join(s.jobs, s.jobs.c.id == s.attempts.c.job_id).where(
             held, s.jobs.c.placement == "local")).all()
-    units_done: dict[str, float] = {}
+    by_job: dict[str, list[tuple[Any, Any]]] = {}
     for job_id, metrics, units in reports:
-        for value in (reported(metrics if isinstance(metrics, dict) else None, "units_done"),
-                      reported({"units_done": units}, "units_done")):
-            if value is not None and value > units_done.get(job_id, 0.0):
-                units_done[job_id] = value
+        by_job.setdefault(job_id, []).append((metrics, units))
+    units_done = {job_id: most_units_done(pairs) for job_id, pairs in by_job.items()}
     jobs = []
     for job_id, deadline_at, placement, plan_h, plan_where, t_local_h, done_then, work in rows:
         if placement == "local":
