@@ -108,8 +108,8 @@ class LocalMachine(Strict):
         default_factory=list,
         description="Daily windows of local time when the local GPU may train (e.g. ['22:00-08:00'] if it serves a "
         "desktop by day). A local run is checkpointed when they end and resumes from it when they begin again (one "
-        "that cannot resume runs on: stopping it would lose its work), and gate 2's T_L is the wall-clock time "
-        "through them from now. Empty means always.",
+        "that cannot resume is never paused: it starts only when its whole run fits in the hours left), and gate "
+        "2's T_L is the wall-clock time through them from now. Empty means always.",
     )
 
     @field_validator("available_hours", mode="before")

@@ -287,8 +287,9 @@ def local_backlog(app: App, now: float, until: float | None = None) -> LocalBack
     what it has left locally. `until`: only the queued ones due by then matter to the caller (those behind them in
     line are not read: a long queue costs nothing here).
 
-    What a job has left: its decision's local hours (a local job's T_L, also when revert-local brought a cloud job
-    home; a hybrid's local phase), less its progress since that decision. A local job whose trainer reports
+    What a job has left: its decision's local GPU hours (a local job's T_L, also when revert-local brought a cloud
+    job home; a hybrid's local phase; with `local.available_hours`, the share of them it trains), less its progress
+    since that decision. A local job whose trainer reports
     `units_done` counts the units it has left, whatever attempts did them (one resumed after a reboot holds the GPU
     for the rest of its work, not all of it again); otherwise, and for a hybrid, its running attempt's time so far.
     """
@@ -307,7 +308,7 @@ def local_backlog(app: App, now: float, until: float | None = None) -> LocalBack
         rows = c.execute(select(
             s.jobs.c.id, s.jobs.c.deadline_at, s.jobs.c.placement, d[("plan", 0, "hours")].as_float(),
             d[("plan", 0, "where")].as_string(), d[("t_local_h",)].as_float(), d[("work_done",)].as_float(),
-            s.jobs.c.spec[("work_units",)].as_float()).where(held)).all()
+            d[("local_share",)].as_float(), s.jobs.c.spec[("work_units",)].as_float()).where(held)).all()
         started = dict(c.execute(select(s.attempts.c.job_id, s.attempts.c.started_at).where(
             s.attempts.c.where == "local", s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES),
             s.attempts.c.started_at.is_not(None))).all())
@@ -321,11 +322,12 @@ def local_backlog(app: App, now: float, until: float | None = None) -> LocalBack
         by_job.setdefault(job_id, []).append((metrics, units))
     units_done = {job_id: most_units_done(pairs) for job_id, pairs in by_job.items()}
     jobs = []
-    for job_id, deadline_at, placement, plan_h, plan_where, t_local_h, done_then, work in rows:
+    for job_id, deadline_at, placement, plan_h, plan_where, t_local_h, done_then, share, work in rows:
         if placement == "local":
             hours = float(t_local_h or 0.0)
         else:  # a hybrid's local phase; none when re-planned to burst at once
             hours = float(plan_h or 0.0) if plan_where == "local" else 0.0
+        hours *= float(share or 1.0)  # GPU hours: with local.available_hours, T_L is wall-clock time
         done_now, done_then, work = units_done.get(job_id, 0.0), float(done_then or 0.0), float(work or 0.0)
         if placement == "local" and done_now > done_then and work > done_then:
             hours *= max(work - done_now, 0.0) / (work - done_then)

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -17,11 +18,15 @@ from hypothesis import strategies as st
 
 from orchestrator.app import App
 from orchestrator.cli.status import status_data
+from orchestrator.core.decision import decide
+from orchestrator.core.gates import Verdict
 from orchestrator.core.local_hours import LocalHours
+from orchestrator.daemon import run_daemon
 from orchestrator.lifecycle.local import LocalRunner
 from orchestrator.queue import enqueue as enqueue_job
 from tests.conftest import write_job
 from tests.e2e import Daemon, enqueue, events, job, trainer_job, wait_for, write_config
+from tests.test_decision import CTX, C
 
 NIGHTS = ((22 * 60.0, 8 * 60.0),)  # 22:00-08:00: the GPU serves a desktop by day
 
@@ -32,7 +37,6 @@ def at(hour: float, windows: tuple[tuple[float, float], ...] = NIGHTS) -> LocalH
 
 def test_a_run_of_four_hours_queued_at_nine_in_the_evening_is_done_at_two_in_the_morning() -> None:
     assert at(21).wall_h(4) == pytest.approx(5)  # 22:00 to 02:00; a share of the day (10/24) said 9.6 h
-    assert at(21).share(4) == pytest.approx(0.8)
     assert at(9).wall_h(4) == pytest.approx(17)  # the same job queued at 09:00: 02:00 too
     assert at(23).wall_h(4) == pytest.approx(4)  # inside the window: no pause
 
@@ -49,7 +53,7 @@ def test_windows_that_overlap_count_once_and_start_equal_to_end_is_the_whole_day
     assert at(9, overlapping).wall_h(4) == pytest.approx(4)
     assert at(9, overlapping).wall_h(5) == pytest.approx(25)  # 09-13 today, then an hour from 09:00 tomorrow
     assert at(17, ((6 * 60.0, 6 * 60.0),)).wall_h(30) == pytest.approx(30)
-    assert LocalHours(windows=(), clock_min=0).wall_h(7) == 7 and LocalHours((), 0).share(7) == 1.0
+    assert LocalHours(windows=(), clock_min=0).wall_h(7) == 7
 
 
 def test_open_now_is_the_window_s_start_but_not_its_end_and_status_says_until_when() -> None:
@@ -63,22 +67,19 @@ def test_open_now_is_the_window_s_start_but_not_its_end_and_status_says_until_wh
 
 
 @given(st.lists(st.tuples(st.integers(0, 1439), st.integers(60, 1440)), min_size=1, max_size=4),
-       st.floats(0, 1439.9), st.floats(0.01, 48))
-def test_the_wall_clock_time_is_what_a_minute_by_minute_walk_takes(windows: list[tuple[int, int]], clock: float,
-                                                                   open_h: float) -> None:
-    # Windows of an hour at least (start, length), so that the walk below stays short.
+       st.integers(0, 1439), st.integers(1, 48 * 60))
+def test_the_wall_clock_time_is_what_a_minute_by_minute_walk_takes(windows: list[tuple[int, int]], clock: int,
+                                                                   open_min: int) -> None:
+    # Whole minutes everywhere, so that each minute of the walk is open or closed throughout: the walk is exact.
+    # Windows of an hour at least (start, length), so that it stays short.
     hours = LocalHours(windows=tuple((float(a), float((a + n) % 1440)) for a, n in windows), clock_min=clock)
-    wall = hours.wall_h(open_h)
-    assert wall >= open_h - 1e-9
-    # Walked a minute at a time from a whole minute: the walk's end is within a minute or two of the exact one.
     day = hours._day()
-    t, left = clock, open_h * 60
+    t, left = clock, open_min
     while left > 0:
-        minute = t % 1440
-        if any(lo <= minute < hi for lo, hi in day):
+        if any(lo <= t % 1440 < hi for lo, hi in day):
             left -= 1
         t += 1
-    assert wall * 60 == pytest.approx(t - clock, abs=2.0)
+    assert hours.wall_h(open_min / 60) * 60 == pytest.approx(t - clock, abs=1e-6)
 
 
 def _window(from_now_h: float, to_now_h: float) -> str:
@@ -165,4 +166,42 @@ def test_a_hybrid_that_cannot_start_locally_is_handed_to_the_cloud_when_its_swit
     assert app.store.get_job(job_id)["placement"] == "cloud"
     (switching,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "job.switching"]
     assert "need the cloud now to make the deadline" in switching["data"]["reason"]
+    app.close()
+
+
+def test_a_run_that_cannot_pause_starts_only_in_a_stretch_of_hours_long_enough_for_all_of_it() -> None:
+    assert at(23).room_for(9) and not at(23).room_for(9.5) and not at(12).room_for(1)
+    assert at(21).one_sitting_wall_h(4) == pytest.approx(5)  # at 22:00, in one sitting anyway
+    assert at(7).one_sitting_wall_h(4) == pytest.approx(15 + 4)  # 1 h left tonight: from 22:00
+    assert at(7).one_sitting_wall_h(1) == pytest.approx(1)
+    assert at(21).one_sitting_wall_h(12) is None  # no night is 12 h long: never here
+    assert LocalHours(windows=(), clock_min=0).room_for(100) and at(3, ((0.0, 0.0),)).one_sitting_wall_h(30) == 30
+
+
+def test_gate_2_runs_a_job_that_cannot_checkpoint_in_one_sitting_or_not_at_all() -> None:
+    job = replace(C, s_local=0.25, deadline_h=24, checkpoints=False)  # 4 h of GPU time
+    d = decide(job, replace(CTX, local_hours=at(7)))
+    assert d.verdict is Verdict.LOCAL and d.gates.t_local_h == pytest.approx(19)  # tonight's stretch, not 1 h now
+    assert any("in one sitting" in r for r in d.reasons)
+    d = decide(replace(job, s_local=1 / 12), replace(CTX, local_hours=at(7)))  # 12 h: longer than any night
+    assert d.verdict is Verdict.BURST and not d.gates.fits_locally
+    assert "no stretch of local.available_hours is 12.00 h long" in " ".join(d.gates.reasons)
+
+
+def test_the_daemon_starts_a_job_that_cannot_checkpoint_only_if_it_ends_before_the_hours_do(tmp_path: Path) -> None:
+    config = tmp_path / "burstctl.toml"
+    config.write_text(f'[providers.sim]\nenabled = false\n[local]\navailable_hours = ["{_window(-1, 3)}"]\n')
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    (tmp_path / "work").mkdir()
+    # Three of today's four hours are left. The job that cannot pause needs 3.5 h: it waits for tomorrow's hours
+    # (it makes its deadline then: local). The one behind it, an hour long, can pause: it starts now.
+    stubborn, pausable = (enqueue_job(app, write_job(
+        tmp_path, name, command=["sleep", "30"], workdir="work", deadline_hours=30, work_units=units,
+        local_throughput=2, checkpoint={"resumable": resumable}))[0]
+        for name, units, resumable in (("stubborn", 7, False), ("pausable", 2, True)))
+    assert [app.store.get_job(j)["placement"] for j in (stubborn, pausable)] == ["local", "local"]
+    run_daemon(app, tick_s=0.1, max_ticks=2)
+    assert app.store.get_job(pausable)["state"] == "running"
+    waiting = app.store.get_job(stubborn)
+    assert waiting["state"] == "queued" and "it cannot checkpoint, so it is never paused" in waiting["reason"]
     app.close()

@@ -8,7 +8,7 @@ and the simulator all call it, so what is reported is what runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from orchestrator.core.budget import admits
@@ -98,6 +98,9 @@ class Decision:
     plan: Plan | None
     reasons: list[str] = field(default_factory=list)
     overhead_h: float = 0.0
+    # With local.available_hours: the share of the local run's wall-clock hours that it trains (T_L times it is its
+    # GPU hours, what the local queue counts it for).
+    local_share: float = 1.0
 
     @property
     def placement(self) -> str:
@@ -119,6 +122,7 @@ class Decision:
             "fits_locally": g.fits_locally,
             "t_local_h": _r(g.t_local_h),
             "local_wait_h": _r(g.local_wait_h),
+            "local_share": _r(self.local_share),
             "c_local_usd": _r(g.c_local_usd),
             "t_rented_h": _r(g.t_rented_h),
             "c_rented_usd": _r(g.c_rented_usd),
@@ -145,7 +149,50 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 4)
 
 
+@dataclass(frozen=True)
+class LocalRun:
+    """The local GPU's terms for one job: its effective s_L and $/h (per wall-clock hour), the wait before it
+    (wall-clock hours), why it cannot run there at all, and the share of its run's wall-clock time it trains."""
+
+    s_local: float
+    usd_h: float
+    wait_h: float
+    unfit_why: str | None = None
+    share: float = 1.0
+    reason: str | None = None
+
+
+def through_local_hours(job: JobFacts, ctx: DecisionContext) -> LocalRun:
+    """The job's local run through `local.available_hours`, from now: first the work queued ahead of it (w, GPU
+    hours), then its own W / s_L. T_L is then when it would be done, and it draws power only while it trains. A run
+    that cannot checkpoint is never paused: it waits for a stretch of hours long enough to run in one sitting."""
+    hours = ctx.local_hours
+    if hours is None or hours.always_open() or job.s_local <= 0:
+        return LocalRun(job.s_local, ctx.local_usd_h, job.local_wait_h)
+    gpu_h = job.work / job.s_local
+    wait_h = hours.wall_h(job.local_wait_h)
+    free = hours.later(wait_h)
+    wall = free.wall_h(gpu_h) if job.checkpoints else free.one_sitting_wall_h(gpu_h)
+    if wall is None:
+        return LocalRun(0.0, ctx.local_usd_h, wait_h, unfit_why=(
+            f"no stretch of local.available_hours is {gpu_h:.2f} h long, and a run that cannot checkpoint is never "
+            "paused"))
+    if wall <= gpu_h:
+        return LocalRun(job.s_local, ctx.local_usd_h, wait_h)
+    share = gpu_h / wall
+    return LocalRun(job.s_local * share, ctx.local_usd_h * share, wait_h, share=share, reason=(
+        f"local GPU open {gpu_h:.2f} h of the {wall:.2f} h from {'now' if wait_h <= 0 else 'its turn'} to the end "
+        f"of its run (local.available_hours{'' if job.checkpoints else ', in one sitting'}): effective s_L "
+        f"{job.s_local * share:.4g} units/h"))
+
+
 def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
+    local = through_local_hours(job, ctx)
+    d = _decide(job, ctx, local)
+    return replace(d, local_share=local.share) if local.share != 1.0 else d
+
+
+def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
     reasons: list[str] = []
     overhead_h = ctx.overhead_h + job.setup_h  # t_ovh of this job's instances
     if job.setup_h > 0:
@@ -153,16 +200,9 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
                        f"({job.setup_h * 60:.1f} min, {job.setup_basis or MEASURED_SETUP})")
     elif job.setup_basis:
         reasons.append(f"this job's setup: {job.setup_basis}")
-    s_local, local_usd_h = job.s_local, ctx.local_usd_h
-    if ctx.local_hours is not None and ctx.local_hours.windows and job.s_local > 0:
-        # The run's own wall-clock time through the GPU's hours, from now: T_L below is when it would be done. It
-        # draws power only while it trains: per wall-clock hour, the share of it that is open.
-        gpu_h = job.work / job.s_local
-        share = ctx.local_hours.share(gpu_h)
-        s_local, local_usd_h = job.s_local * share, ctx.local_usd_h * share
-        if share < 1.0:
-            reasons.append(f"local GPU open {gpu_h:.2f} h of the {gpu_h / share:.2f} h from now to the end of its "
-                           f"run (local.available_hours): effective s_L {s_local:.4g} units/h")
+    s_local, local_usd_h, wait_h = local.s_local, local.usd_h, local.wait_h
+    if local.reason:
+        reasons.append(local.reason)
 
     # Candidate rented GPU types: priced, and big enough when sizing says how much memory a GPU needs.
     candidates: list[tuple[str, float, GpuOffer]] = []
@@ -182,7 +222,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         return evaluate(GateInputs(work=job.work, s_local=s_local, s_rented=s_r, deadline_h=job.deadline_h,
                                    rate_usd_per_gpu_h=rate, gpus=job.gpus, overhead_h=overhead_h,
                                    local_usd_h=local_usd_h, fits_locally=job.fits_local_memory,
-                                   local_wait_h=job.local_wait_h))
+                                   local_wait_h=wait_h, unfit_why=local.unfit_why))
 
     if not candidates:
         g = gate(0.0, 0.0)
@@ -244,7 +284,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
         # that phase runs on on-demand (tests/test_e2e_hybrid.py), so it is priced so.
         spot_room = market.market == "spot" and ctx.hybrid_margin_h > overhead_h
         hybrid = hybrid_plan(work=job.work, s_local=s_local, s_rented=s_r, gpus=job.gpus, overhead_h=overhead_h,
-                             deadline_h=job.deadline_h - job.local_wait_h,  # its local phase starts after the wait
+                             deadline_h=job.deadline_h - wait_h,  # its local phase starts after the wait
                              margin_h=ctx.hybrid_margin_h, local_usd_h=local_usd_h,
                              rented_usd_per_gpu_h=market.rate_usd_per_gpu_h if spot_room else offer.od_usd_per_gpu_h,
                              market="spot" if spot_room else "on-demand", gpu=gpu)

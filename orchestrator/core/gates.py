@@ -33,6 +33,7 @@ class GateInputs:
     local_usd_h: float = 0.10  # p_L
     fits_locally: bool | None = None  # from sizing; None = judge by s_local alone
     local_wait_h: float = 0.0  # w: local work queued ahead of this job, before the local GPU is free for it
+    unfit_why: str | None = None  # why the local GPU cannot run it, when that is not its memory or s_L = 0
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def evaluate(x: GateInputs) -> GateResult:
     reasons: list[str] = []
 
     if not fits:
-        why = "local throughput is 0" if x.s_local <= 0 else "the memory estimate exceeds local VRAM"
+        why = x.unfit_why or ("local throughput is 0" if x.s_local <= 0 else "the memory estimate exceeds local VRAM")
         reasons.append(f"Gate 1: does not fit locally ({why}): burst, no dollar argument")
         if math.isfinite(t_r) and t_r > x.deadline_h:
             reasons.append(f"rented T_R {t_r:.2f} h also misses the {x.deadline_h:.2f} h deadline")

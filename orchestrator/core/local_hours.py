@@ -41,25 +41,55 @@ class LocalHours:
     def is_open(self) -> bool:
         return not self.windows or any(lo <= self.clock_min < hi for lo, hi in self._day())
 
-    def until_change_h(self) -> float | None:
-        """Hours from now until the GPU's hours end (while open) or begin (while closed); None: always open."""
-        day = self._day()
-        if not self.windows or day == [(0.0, DAY_MIN)]:
-            return None
-        # Today's and the next two days' intervals, joined where one runs on past midnight into the next.
+    def later(self, hours: float) -> LocalHours:
+        """The same hours, seen `hours` from now."""
+        return LocalHours(self.windows, (self.clock_min + hours * 60.0) % DAY_MIN)
+
+    def always_open(self) -> bool:
+        return not self.windows or self._day() == [(0.0, DAY_MIN)]
+
+    def _spans(self) -> list[tuple[float, float]]:
+        """The open stretches of today and the next two days, in minutes from today's midnight, joined where one
+        runs on past midnight into the next (every length a stretch can have is among them)."""
         spans: list[tuple[float, float]] = []
         for d in range(3):
-            for lo, hi in day:
+            for lo, hi in self._day():
                 if spans and spans[-1][1] == d * DAY_MIN + lo:
                     spans[-1] = (spans[-1][0], d * DAY_MIN + hi)
                 else:
                     spans.append((d * DAY_MIN + lo, d * DAY_MIN + hi))
-        for lo, hi in spans:
+        return spans
+
+    def until_change_h(self) -> float | None:
+        """Hours from now until the GPU's hours end (while open) or begin (while closed); None: always open."""
+        if self.always_open():
+            return None
+        for lo, hi in self._spans():
             if lo <= self.clock_min < hi:
                 return (hi - self.clock_min) / 60.0
             if lo > self.clock_min:
                 return (lo - self.clock_min) / 60.0
         raise AssertionError("a day with open hours has an interval in the next two days")
+
+    def room_for(self, open_h: float) -> bool:
+        """Open now, for `open_h` hours at least before the hours end: what a run that cannot pause (it cannot
+        checkpoint) needs to start."""
+        if self.always_open():
+            return True
+        left = self.until_change_h() if self.is_open() else None
+        return left is not None and left >= open_h - 1e-9
+
+    def one_sitting_wall_h(self, open_h: float) -> float | None:
+        """Hours from now until a run that cannot pause ends: it starts in the first stretch with `open_h` hours
+        open left (now, if this one has). None when no stretch is that long: such a run never fits here."""
+        if self.always_open():
+            return max(open_h, 0.0)
+        need = open_h * 60.0
+        for lo, hi in self._spans():
+            start = max(lo, self.clock_min)
+            if hi - start >= need - 1e-6:
+                return (start - self.clock_min + need) / 60.0
+        return None
 
     def wall_h(self, open_h: float) -> float:
         """Hours from now until the GPU has been open for `open_h` hours (a run that starts now and pauses while
@@ -85,9 +115,3 @@ class LocalHours:
                 left -= hi - lo
             offset += DAY_MIN
             since = 0.0
-
-    def share(self, open_h: float) -> float:
-        """The share of the wall-clock time to `open_h` open hours that is open: s_L times it is the local GPU's
-        effective throughput for that run."""
-        wall = self.wall_h(open_h)
-        return open_h / wall if wall > 0 else 1.0

@@ -22,6 +22,7 @@ from sqlalchemy import Connection, func, insert, select, update
 from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key, stop_horizon_h
 from orchestrator.core.decision import UNMEASURED_SETUP
+from orchestrator.core.local_hours import LocalHours
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason
 from orchestrator.lifecycle.homes import job_outputs_dir
@@ -274,12 +275,16 @@ class Reconciler:
         cloud_free = self.cfg.daemon.max_cloud_attempts - n_cloud
         # Local work first: it must never wait behind a slow or unreachable cloud.
         ready = [j for j in ready if j["id"] not in busy_jobs and not self._lacks_passed_env(j)]
-        local_open = local_hours(self.cfg, now).is_open()
+        hours = local_hours(self.cfg, now)
+        local_open = hours.is_open()
         started: set[str] = set()
         for job in ready:
             if job["placement"] not in ("local", "hybrid"):
                 continue
-            if local_open and local_free > 0:
+            if local_open and not _room_to_run(job, hours):
+                self._note(job, f"{LOCAL_GPU_HOURS}: it cannot checkpoint, so it is never paused, and its "
+                           f"{_gpu_h(job):.2f} h do not fit before they end", same_as=LOCAL_GPU_HOURS)
+            elif local_open and local_free > 0:
                 if self.local.start(job):
                     local_free -= 1
                     started.add(job["id"])
@@ -1246,6 +1251,18 @@ class Reconciler:
         conn.execute(insert(s.measurements).values(ts=self.clock(), provider=att["provider"] or "local",
                                                    instance_type=key or att["instance_type"] or "local",
                                                    metric=metric, value=float(value)))
+
+
+def _gpu_h(job: dict[str, Any]) -> float:
+    """The local GPU hours a job takes from the start (W / s_L)."""
+    s_local = float(job["spec"].get("local_throughput") or 0.0)
+    return float(job["spec"].get("work_units") or 1.0) / s_local if s_local > 0 else 0.0
+
+
+def _room_to_run(job: dict[str, Any], hours: LocalHours) -> bool:
+    """Whether a local job may start in the local GPU's hours now: one that cannot checkpoint is never paused when
+    they end (its work would be lost), so it starts only when its whole run fits before they do."""
+    return job["spec"]["checkpoint"].get("resumable", True) or hours.room_for(_gpu_h(job))
 
 
 def sweep_orphans(reconciler: Reconciler) -> dict[str, list[str]]:
