@@ -205,3 +205,21 @@ def test_the_daemon_starts_a_job_that_cannot_checkpoint_only_if_it_ends_before_t
     waiting = app.store.get_job(stubborn)
     assert waiting["state"] == "queued" and "it cannot checkpoint, so it is never paused" in waiting["reason"]
     app.close()
+
+
+def test_jobs_in_line_for_the_local_gpu_wait_for_its_hours_once_not_once_each(tmp_path: Path) -> None:
+    # Seen from 09:00 with the GPU's hours 22:00-08:00: two 4-hour jobs due in 24 h. The first is done at 02:00, 17 h
+    # from now; the second follows it, done at 06:00, 21 h from now: both local. Counting the first for its 17
+    # wall-clock hours, the second would finish 17 + 17 + 4 h from now and burst.
+    config = tmp_path / "burstctl.toml"
+    config.write_text(f'[policy]\nmax_auto_delta_usd = 100.0\n[local]\navailable_hours = ["{_window(13, 23)}"]\n')
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    first, second = (app.store.get_job(enqueue_job(app, write_job(
+        tmp_path, name, work_units=4, local_throughput=1.0, rented_throughput={"H100": 2.0},
+        deadline_hours=24))[0]) for name in ("first", "second"))
+    assert first["placement"] == "local" and first["decision"]["t_local_h"] == pytest.approx(17, abs=0.02)
+    assert first["decision"]["local_share"] == pytest.approx(4 / 17, abs=0.01)
+    assert second["placement"] == "local"
+    assert second["decision"]["local_wait_h"] == pytest.approx(17, abs=0.02)
+    assert second["decision"]["t_local_h"] == pytest.approx(4, abs=0.02)  # in the same night, after the first
+    app.close()
