@@ -1018,7 +1018,7 @@ class Reconciler:
                 self._measure(conn, att, "sync_s", took)
                 self.app.events.emit("checkpoint.synced", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      checkpoints=[p.name for p in new], seconds=round(took, 3),
-                                     via=new.stats.transport, **({} if outputs is None else {"outputs": outputs}))
+                                     via=new.stats.transport, **({} if outputs is None else {"outputs": len(outputs)}))
         return True
 
     def _pull_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
@@ -1026,23 +1026,21 @@ class Reconciler:
         failed (said once per distinct error; the caller keeps the instance and tries again)."""
         if not job["spec"].get("outputs") or "outputs" in info:
             return True
-        try:
-            names = self.cloud_steps.pull_outputs({**att, "info": info}, job)
-        except Exception as exc:
-            self._said_once(att, job, info, "outputs_error", "attempt.outputs_pull_failed", exc)
+        names = self._sync_outputs(att, job, info)
+        if names is None:
             return False
-        info.pop("outputs_error", None)
         info["outputs"] = names
         self.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
                   dir=str(job_outputs_dir(self.cfg, job["id"])))
         return True
 
     def _sync_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
-                      shared: SharedConnection | None) -> int | None:
-        """The job's `outputs` as they are on the instance, home with each checkpoint that came home: what an attempt
-        wrote (a TensorBoard events file per run, say) is not lost with its instance when it is preempted, and
-        is as of its newest checkpoint. A later attempt's file replaces an earlier one of the same path. The number
-        of files, or None when that failed (said once per distinct error; tried again with the next checkpoint)."""
+                      shared: SharedConnection | None = None) -> list[str] | None:
+        """The job's `outputs` as they are on the instance, home: with each checkpoint that came home (so what an
+        attempt wrote, a TensorBoard events file per run say, is not lost with its instance when it is preempted,
+        and is as of its newest checkpoint), and once it has finished (`_pull_outputs`). A later attempt's file
+        replaces an earlier one of the same path. The paths, or None without outputs or when the pull failed (said
+        once per distinct error)."""
         if not job["spec"].get("outputs"):
             return None
         try:
@@ -1053,7 +1051,7 @@ class Reconciler:
             self._said_once(att, job, info, "outputs_error", "attempt.outputs_pull_failed", exc)
             return None
         info.pop("outputs_error", None)
-        return len(names)
+        return names
 
     def _pull_logs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
                    shared: SharedConnection | None = None) -> None:
