@@ -289,9 +289,9 @@ def local_backlog(app: App, now: float, until: float | None = None) -> LocalBack
 
     What a job has left: its decision's local GPU hours (a local job's T_L, also when revert-local brought a cloud
     job home; a hybrid's local phase; with `local.available_hours`, the share of them it trains), less its progress
-    since that decision. A local job whose trainer reports
-    `units_done` counts the units it has left, whatever attempts did them (one resumed after a reboot holds the GPU
-    for the rest of its work, not all of it again); otherwise, and for a hybrid, its running attempt's time so far.
+    since that decision. A local job whose trainer reports `units_done` counts the units it has left, whatever
+    attempts did them (one resumed after a reboot holds the GPU for the rest of its work, not all of it again);
+    otherwise, and for a hybrid, its running attempt's time so far.
     """
     from sqlalchemy import or_, select
 
