@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.app import App
@@ -68,6 +68,8 @@ def test_open_now_is_the_window_s_start_but_not_its_end_and_status_says_until_wh
 
 @given(st.lists(st.tuples(st.integers(0, 1439), st.integers(60, 1440)), min_size=1, max_size=4),
        st.integers(0, 1439), st.integers(1, 48 * 60))
+@example(windows=[(0, 62)], clock=0, open_min=62)  # exactly what the stretch holds (62 / 60 * 60 > 62 in floats)
+@settings(max_examples=500)
 def test_the_wall_clock_time_is_what_a_minute_by_minute_walk_takes(windows: list[tuple[int, int]], clock: int,
                                                                    open_min: int) -> None:
     # Whole minutes everywhere, so that each minute of the walk is open or closed throughout: the walk is exact.

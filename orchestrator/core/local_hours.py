@@ -9,9 +9,13 @@ the same job queued at 09:00 is done 17 h later, at 02:00 too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DAY_MIN = 24 * 60.0
+# Hours become minutes through floating point (62 / 60 * 60 is 62.00000000000001): a run that needs exactly what a
+# stretch has left must end in that stretch, not a day later.
+EPS_MIN = 1e-6
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class LocalHours:
         need = open_h * 60.0
         for lo, hi in self._spans():
             start = max(lo, self.clock_min)
-            if hi - start >= need - 1e-6:
+            if hi - start >= need - EPS_MIN:
                 return (start - self.clock_min + need) / 60.0
         return None
 
@@ -102,15 +106,15 @@ class LocalHours:
         offset = -self.clock_min  # minutes from now to the start of the day being walked
         since = self.clock_min  # where the walk starts in that day
         while True:
-            if since == 0.0 and left > per_day:  # whole days at once: a deadline weeks away costs no more
-                days = int((left - 1e-9) // per_day)
+            if since == 0.0 and left > per_day + EPS_MIN:  # whole days at once: a deadline weeks away costs no more
+                days = math.ceil((left - EPS_MIN) / per_day) - 1  # leaves (0, per_day] for the last day
                 left -= days * per_day
                 offset += days * DAY_MIN
             for lo, hi in day:
                 lo = max(lo, since)
                 if hi <= lo:
                     continue
-                if left <= hi - lo:
+                if left <= hi - lo + EPS_MIN:
                     return (offset + lo + left) / 60.0
                 left -= hi - lo
             offset += DAY_MIN
