@@ -225,3 +225,49 @@ def test_jobs_in_line_for_the_local_gpu_wait_for_its_hours_once_not_once_each(tm
     assert second["decision"]["local_wait_h"] == pytest.approx(17, abs=0.02)
     assert second["decision"]["t_local_h"] == pytest.approx(4, abs=0.02)  # in the same night, after the first
     app.close()
+
+
+def test_a_job_that_cannot_checkpoint_is_decided_again_when_the_hours_no_longer_hold_its_run(tmp_path: Path) -> None:
+    # Decided local while the GPU was always open; then the hours are cut to 3 h a day, and its 3.5 h run cannot
+    # pause. Waiting would be forever: it is decided again, and gate 1 sends it to the cloud.
+    config = tmp_path / "burstctl.toml"
+    config.write_text("[policy]\nmax_auto_delta_usd = 100.0\n")
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    (tmp_path / "work").mkdir()
+    job_id = enqueue_job(app, write_job(tmp_path, "stubborn", command=["sleep", "30"], workdir="work",
+                                        deadline_hours=30, work_units=7, local_throughput=2,
+                                        rented_throughput={"H100": 10.0}, checkpoint={"resumable": False}))[0]
+    assert app.store.get_job(job_id)["placement"] == "local"
+    app.close()
+    config.write_text(f'[policy]\nmax_auto_delta_usd = 100.0\n[providers.sim]\nenabled = false\n'
+                      f'[local]\navailable_hours = ["{_window(-1, 2)}"]\n')
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    run_daemon(app, tick_s=0.1, max_ticks=2)
+    again = app.store.get_job(job_id)
+    assert again["placement"] == "cloud" and again["state"] == "blocked"  # this config has no provider to rent from
+    assert again["decision"]["reasons"][0] == ("decided again while queued: its 3.50 h run cannot checkpoint, and no "
+                                               "stretch of local.available_hours is that long now")
+    (redecided,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "job.redecided"]
+    assert redecided["data"]["why"] == "no local stretch long enough"
+    app.close()
+
+
+def test_a_job_made_late_by_one_queued_ahead_of_it_is_decided_again_through_the_gpu_s_hours(tmp_path: Path) -> None:
+    # Seen from 09:00 with the GPU's hours 22:00-08:00, 4-hour jobs. `later` (due in 24 h) is queued behind
+    # `first` (24 h): done at 06:00, local. Then `urgent` (due in 20 h) comes ahead of it in line. Eight GPU hours
+    # ahead of `later` end at 06:00; it trains until 08:00 and waits for the next night: done 39 h from now, late.
+    # Its hours added up without the nights (8 + 4 h) say it is on time.
+    config = tmp_path / "burstctl.toml"
+    config.write_text(f'[policy]\nmax_auto_delta_usd = 100.0\n[providers.sim]\nenabled = false\n'
+                      f'[local]\navailable_hours = ["{_window(13, 23)}"]\n')
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    first, later, urgent = (enqueue_job(app, write_job(
+        tmp_path, name, work_units=4, local_throughput=1.0, rented_throughput={"H100": 2.0},
+        deadline_hours=deadline_h))[0] for name, deadline_h in (("first", 24), ("later", 24), ("urgent", 20)))
+    assert [app.store.get_job(j)["placement"] for j in (first, later, urgent)] == ["local"] * 3
+    run_daemon(app, tick_s=0.1, max_ticks=2)
+    assert [app.store.get_job(j)["placement"] for j in (first, later, urgent)] == ["local", "cloud", "local"]
+    (redecided,) = [e for e in app.store.events(job_id=later) if e["type"] == "job.redecided"]
+    assert redecided["data"]["why"] == "late in line"
+    assert app.store.get_job(later)["decision"]["local_wait_h"] == pytest.approx(21, abs=0.02)  # 8 GPU hours
+    app.close()

@@ -172,7 +172,7 @@ def through_local_hours(job: JobFacts, ctx: DecisionContext) -> LocalRun:
     gpu_h = job.work / job.s_local
     wait_h = hours.wall_h(job.local_wait_h)
     free = hours.later(wait_h)
-    wall = free.wall_h(gpu_h) if job.checkpoints else free.one_sitting_wall_h(gpu_h)
+    wall = free.run_wall_h(gpu_h, pauses=job.checkpoints)
     if wall is None:
         return LocalRun(0.0, ctx.local_usd_h, wait_h, unfit_why=(
             f"no stretch of local.available_hours is {gpu_h:.2f} h long, and a run that cannot checkpoint is never "

@@ -95,6 +95,18 @@ class LocalHours:
                 return (start - self.clock_min + need) / 60.0
         return None
 
+    def run_wall_h(self, open_h: float, pauses: bool = True) -> float | None:
+        """Hours from now until a run of `open_h` GPU hours that starts now is done: paused while the GPU is closed
+        when it can be (`pauses`: it checkpoints), else in one sitting (None: no stretch is that long)."""
+        return self.wall_h(open_h) if pauses else self.one_sitting_wall_h(open_h)
+
+    def finish_h(self, wait_open_h: float, open_h: float, pauses: bool = True) -> float | None:
+        """Hours from now until a run of `open_h` GPU hours is done, after `wait_open_h` GPU hours of work ahead of
+        it (the local queue's). None: it cannot run here in one sitting."""
+        wait = self.wall_h(wait_open_h)
+        run = self.later(wait).run_wall_h(open_h, pauses)
+        return None if run is None else wait + run
+
     def wall_h(self, open_h: float) -> float:
         """Hours from now until the GPU has been open for `open_h` hours (a run that starts now and pauses while
         it is closed ends then)."""

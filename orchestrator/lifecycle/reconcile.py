@@ -350,33 +350,40 @@ class Reconciler:
         """Queued local jobs that the line ahead of them now makes late (a more urgent job arrived after they were
         decided, or a run ahead took longer) are decided again, with the queue as it is: one whose deadline renting
         can still save goes to the cloud, a hybrid, or approval. One that stays local is asked again a
-        `daemon.market_check_s` later."""
+        `daemon.market_check_s` later. The line is walked through `local.available_hours`, as gate 2 walks it; a job
+        that cannot checkpoint and that no stretch of them holds any more (they were cut after it was decided) is
+        decided again too: waiting would be for ever."""
         from orchestrator.queue import context, local_backlog, record_decision, redecide
 
         if not waiting:
             return
         backlog = local_backlog(self.app, now, until=max(float(j["deadline_at"]) for j in waiting))
-        late = []
+        hours = local_hours(self.cfg, now)
+        late: list[tuple[dict[str, Any], bool]] = []  # (job, whether it can no longer run here at all)
         for job in waiting:
             asked = float(job["spec"].get("_late_in_line_at", 0.0))
             if 0 <= now - asked < self.cfg.daemon.market_check_s:
                 continue
-            finish_h = backlog.wait_h(job["deadline_at"], exclude=job["id"]) + float(
-                job["decision"].get("t_local_h") or 0.0)
-            if now + finish_h * 3600.0 > float(job["deadline_at"]) + 1.0:
-                late.append(job)
+            planned = job["decision"]
+            gpu_h = float(planned.get("t_local_h") or 0.0) * float(planned.get("local_share") or 1.0)
+            finish_h = hours.finish_h(backlog.wait_h(job["deadline_at"], exclude=job["id"]), gpu_h,
+                                      pauses=job["spec"]["checkpoint"].get("resumable", True))
+            if finish_h is None or now + finish_h * 3600.0 > float(job["deadline_at"]) + 1.0:
+                late.append((job, finish_h is None))
         if not late:
             return
         ctx = context(self.app, now)
-        for job in late:
+        for job, unfit in late:
             again = redecide(self.app, job, ctx, now, backlog=backlog)
             d = again.decision
             if d["placement"] == "local":  # renting cannot save it either: it runs here, late; asked again later
                 self.store.update_job(job["id"], None, spec={**job["spec"], "_late_in_line_at": now})
                 continue
             wait = d.get("local_wait_h") or 0.0
-            d["reasons"].insert(0, f"decided again while queued: {wait:.2f} h of local work is now ahead of it in "
-                                   "line (earlier deadlines), so local no longer makes its deadline")
+            why = (f"its {_gpu_h(job):.2f} h run cannot checkpoint, and no stretch of local.available_hours is that "
+                   "long now" if unfit else f"{wait:.2f} h of local work is now ahead of it in line (earlier "
+                   "deadlines), so local no longer makes its deadline")
+            d["reasons"].insert(0, f"decided again while queued: {why}")
             record = record_decision(self.app, again.facts, d, now, job["id"])
             with self.store.tx() as conn:
                 if not self.store.update_job(job["id"], conn, expect_state=job["state"], state=again.target.value,
@@ -387,7 +394,8 @@ class Reconciler:
                     continue
                 self.app.events.emit("job.redecided", job_id=job["id"], conn=conn, previous=job["state"],
                                      state=again.target.value, verdict=d["verdict"], action=d["action"],
-                                     placement=d["placement"], local_wait_h=wait, why="late in line")
+                                     placement=d["placement"], local_wait_h=wait,
+                                     why="no local stretch long enough" if unfit else "late in line")
 
     def _redecide_blocked(self, now: float) -> None:
         """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
