@@ -84,6 +84,19 @@ class HourWindow(Strict):
     end: time
 
 
+def _iana_zone(v: str | None) -> str | None:
+    """A `timezone` setting: an IANA name this machine's zone database knows, or unset."""
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    if v is not None:
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"'{v}' is not a time zone: expected an IANA name such as \"Europe/Berlin\" or "
+                             "\"UTC\"") from None
+    return v
+
+
 def _parse_window(value: object) -> object:
     if isinstance(value, str):
         try:
@@ -112,12 +125,18 @@ class LocalMachine(Strict):
         "2's T_L is the wall-clock time through them from now. Empty means always.",
     )
 
+    timezone: str | None = Field(
+        None, description="IANA time zone `available_hours` are read in (\"Europe/Berlin\"), so that a daemon started "
+        "under another TZ (a service manager's UTC, say) keeps the user's hours; unset: this machine's.")
+
     @field_validator("available_hours", mode="before")
     @classmethod
     def _windows(cls, v: object) -> object:
         if isinstance(v, list):
             return [_parse_window(x) for x in v]
         return v
+
+    _zone = field_validator("timezone")(_iana_zone)
 
     @property
     def usd_per_hour(self) -> float:
@@ -385,18 +404,7 @@ class Schedule(Strict):
             raise ValueError(f"'{v}' is not a crontab: {CRON_EXPECTED}") from None
         return v
 
-    @field_validator("timezone")
-    @classmethod
-    def _zone(cls, v: str | None) -> str | None:
-        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
-        if v is not None:
-            try:
-                ZoneInfo(v)
-            except (ZoneInfoNotFoundError, ValueError):
-                raise ValueError(f"'{v}' is not a time zone: expected an IANA name such as \"Europe/Berlin\" or "
-                                 "\"UTC\"") from None
-        return v
+    _zone = field_validator("timezone")(_iana_zone)
 
 
 # What a person should hear of without watching `status`: the notices `[[notify]]` sends when it names none.

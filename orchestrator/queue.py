@@ -38,9 +38,17 @@ from orchestrator.lifecycle.states import RETRIABLE, STATE_FOR_ACTION, JobState,
 
 
 def local_hours(cfg: Config, now: float) -> LocalHours:
-    """`local.available_hours` and the local time now, for the decision core."""
+    """`local.available_hours` and the time of day now in `local.timezone`, for the decision core."""
     return LocalHours(windows=tuple((_minutes(w.start), _minutes(w.end)) for w in cfg.local.available_hours),
-                      clock_min=_minutes(datetime.fromtimestamp(now).time()))
+                      clock_min=_minutes(local_time(cfg, now).time()))
+
+
+def local_time(cfg: Config, now: float) -> datetime:
+    """`now` as the local GPU's hours read it: in `local.timezone`, else this machine's zone."""
+    from zoneinfo import ZoneInfo
+
+    zone = cfg.local.timezone
+    return datetime.fromtimestamp(now, ZoneInfo(zone)) if zone else datetime.fromtimestamp(now).astimezone()
 
 
 def _minutes(t: dtime) -> float:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,8 @@ from orchestrator.core.local_hours import LocalHours
 from orchestrator.daemon import run_daemon
 from orchestrator.lifecycle.local import LocalRunner
 from orchestrator.queue import enqueue as enqueue_job
-from tests.conftest import write_job
+from orchestrator.queue import local_hours
+from tests.conftest import assert_config_refused, write_job
 from tests.e2e import Daemon, enqueue, events, job, trainer_job, wait_for, write_config
 from tests.test_decision import CTX, C
 
@@ -271,3 +272,32 @@ def test_a_job_made_late_by_one_queued_ahead_of_it_is_decided_again_through_the_
     assert redecided["data"]["why"] == "late in line"
     assert app.store.get_job(later)["decision"]["local_wait_h"] == pytest.approx(21, abs=0.02)  # 8 GPU hours
     app.close()
+
+
+def test_the_hours_are_read_in_local_timezone_whatever_zone_the_daemon_runs_under(tmp_path: Path) -> None:
+    # 12:00 UTC is 02:00 the next day on Kiritimati (UTC+14) and midnight at UTC-12: a 01:00-03:00 window is open
+    # in the first and closed in the second, whatever TZ this process has.
+    noon_utc = datetime(2026, 12, 2, 12, 0, tzinfo=UTC).timestamp()
+    config = tmp_path / "burstctl.toml"
+
+    def in_zone(zone: str) -> LocalHours:
+        config.write_text(f'[local]\navailable_hours = ["01:00-03:00"]\ntimezone = "{zone}"\n')
+        app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+        try:
+            return local_hours(app.config, noon_utc)
+        finally:
+            app.close()
+
+    kiritimati, west = in_zone("Pacific/Kiritimati"), in_zone("Etc/GMT+12")
+    assert kiritimati.is_open() and kiritimati.until_change_h() == pytest.approx(1)
+    assert not west.is_open() and west.until_change_h() == pytest.approx(1)
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    shown = status_data(app, noon_utc)["local_hours"]
+    app.close()
+    assert shown["open"] is False and shown["until"] == pytest.approx(noon_utc + 3600)
+    assert shown["timezone"] == "Etc/GMT+12" and shown["until_local"] == "2026-12-02T01:00-12:00"
+
+
+def test_a_time_zone_that_is_not_one_is_refused_in_one_line(burstctl, tmp_path: Path) -> None:
+    assert_config_refused(burstctl, tmp_path, '[local]\ntimezone = "Mars/Base"\n', "status", "local.timezone",
+                          "'Mars/Base' is not a time zone")

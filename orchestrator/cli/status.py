@@ -22,9 +22,9 @@ from state import schema as s
 NO_PROVIDER = "no cloud provider is usable: `burstctl providers` says why"
 
 
-def status_data(app: App) -> dict[str, Any]:
+def status_data(app: App, now: float | None = None) -> dict[str, Any]:
     daemon = running_daemon(app)
-    now = time.time()
+    now = time.time() if now is None else now
     with app.store.engine.connect() as c:
         attempts = [dict(r) for r in c.execute(select(s.attempts).where(
             s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
@@ -65,11 +65,14 @@ def _local_hours(app: App, now: float) -> dict[str, Any] | None:
     """With `local.available_hours`: whether the local GPU may train now, and until when (None: always)."""
     if not app.config.local.available_hours:
         return None
-    from orchestrator.queue import local_hours
+    from orchestrator.queue import local_hours, local_time
 
     hours = local_hours(app.config, now)
     change = hours.until_change_h()
-    return {"open": hours.is_open(), "until": None if change is None else now + change * 3600.0,
+    until = None if change is None else now + change * 3600.0
+    return {"open": hours.is_open(), "until": until,
+            "until_local": None if until is None else local_time(app.config, until).isoformat(timespec="minutes"),
+            "timezone": app.config.local.timezone or local_time(app.config, now).tzname(),
             "windows": [f"{w.start:%H:%M}-{w.end:%H:%M}" for w in app.config.local.available_hours]}
 
 
@@ -183,10 +186,10 @@ def status_cmd(app: App, as_json: bool) -> None:
     out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'], as_set=True)}")
     if d["local_hours"]:
         hours = d["local_hours"]
-        until = "" if hours["until"] is None else \
-            f" until {datetime.fromtimestamp(hours['until']).strftime('%a %H:%M')}"
+        until = "" if hours["until_local"] is None else \
+            f" until {datetime.fromisoformat(hours['until_local']).strftime('%a %H:%M')}"
         out.print(f"local GPU: {'open' if hours['open'] else 'closed'} to training{until} "
-                  f"(local.available_hours {', '.join(hours['windows'])})")
+                  f"(local.available_hours {', '.join(hours['windows'])}, {hours['timezone']})")
     if d["schedules"]:
         soonest = d["schedules"][0]
         at = datetime.fromtimestamp(soonest["next_slot_at"]).astimezone().strftime("%Y-%m-%d %H:%M %Z") \
