@@ -508,7 +508,7 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
     again = redecide(app, job, ctx, now, conn, measured, setup, backlog)
     if again.target.value == job["state"]:
         return None
-    d = again.decision
+    d = records.supersede(job["decision"], again.decision)
 
     def _apply(c: Any) -> str | None:
         if not app.store.update_job(job["id"], c, expect_state=job["state"], state=again.target.value,
@@ -565,6 +565,7 @@ def retry(app: App, job: dict[str, Any], now: float | None = None, *,
         raise BadInput(f"job {job['id']} would be rethink again: {d['reasons'][-1] if d['reasons'] else ''} (a "
                        "later deadline, --deadline-hours, may do)", field="--deadline-hours")
     check_transition(job["state"], again.target.value, job["id"])
+    records.supersede(job["decision"], d)
     d["retry_of"] = job["state"]
     d["reasons"].insert(0, f"retry of a {job['state']} job ({job['reason'] or 'no reason given'})"
                            f"{', its job file read again' if reread else ''}; its Measured line counts every attempt "

@@ -35,6 +35,25 @@ def plan_name(decision: dict[str, Any]) -> str | None:
     return f"{decision['plan_kind']}{' ' + markets if markets else ''}"
 
 
+def plan_of(decision: dict[str, Any]) -> tuple[str, float | None, float | None]:
+    """A decision's plan: its name ("hybrid spot"), cost and hours ("—", None, None without a plan)."""
+    name = plan_name(decision)
+    if name is None:
+        return "—", None, None
+    return name, decision.get("plan_cost_usd"), sum(float(p.get("hours") or 0.0) for p in decision["plan"] or [])
+
+
+def supersede(before: dict[str, Any] | None, d: dict[str, Any]) -> dict[str, Any]:
+    """`d`, a job's new decision, made to carry what its first one expected (`first_plan`: name, cost, hours) and
+    how many it has had (`decisions`): the plan a job ends on is often not the one it was queued on (decided again
+    late in line, re-planned while running, retried), and `report` puts both beside what the meter measured."""
+    before = before or {}
+    name, usd, hours = plan_of(before)
+    d["first_plan"] = before.get("first_plan") or {"plan": name, "plan_cost_usd": usd, "hours": hours}
+    d["decisions"] = int(before.get("decisions") or 1) + 1
+    return d
+
+
 def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, deadline_h: float,
            work: float, s_local: float, gpus: int, local_gpu: str) -> str:
     when = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d %H:%M UTC")

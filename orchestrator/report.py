@@ -1,10 +1,11 @@
 """`burstctl report`: what the finished jobs were expected to cost and take, beside what they did.
 
 A decision is arithmetic made before a run; this is the check on it after. For the jobs that finished in a window
-(done, failed or cancelled, having run): each job's plan — the decision it ran on, its cost and hours — beside
-the meter's (the ledger; local hours at `local.usd_per_hour`, as the plan priced them) and whether its deadline
-held; over them all, what was spent on which market, how measured compared with expected, and what spot saved
-against on-demand at the rate the decision priced on-demand at.
+(done, failed or cancelled, having run): each job's plan — the decision it ran on, its cost and hours, and the
+plan it was queued on when it was decided again on the way — beside the meter's (the ledger; local hours at
+`local.usd_per_hour`, as the plan priced them) and whether its deadline held; over them all, what was spent on
+which market, how measured compared with expected, and what spot saved against on-demand at the rate the decision
+priced on-demand at.
 
 Read from jobs, attempts and the ledger, which `prune-events` never deletes, with one grouped query each: a month
 of 10,000 jobs is three queries, not thirty thousand.
@@ -22,7 +23,7 @@ from sqlalchemy import and_, case, func, select
 from orchestrator.app import App
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.states import JobState
-from orchestrator.records import plan_name
+from orchestrator.records import plan_of
 from state import schema as s
 
 REPORTED_STATES = (JobState.DONE.value, JobState.FAILED.value, JobState.CANCELLED.value)
@@ -49,6 +50,10 @@ class JobOutcome:
     attempts: int
     preemptions: int
     late_h: float | None  # a done job's finish against its deadline (negative: early); None unless done
+    decisions: int = 1  # how many it had: decided again late in line, re-planned while running, retried ...
+    first_plan: str | None = None  # the plan it was queued on, when it ended on another decision's
+    first_expected_usd: float | None = None
+    first_expected_h: float | None = None
 
     @property
     def measured_usd(self) -> float:
@@ -67,14 +72,6 @@ class JobOutcome:
         return {**out, "measured_usd": round(self.measured_usd, 4),
                 "spot_saved_usd": None if saved is None else round(saved, 4),
                 "deadline_met": None if self.late_h is None else self.late_h <= 0}
-
-
-def plan_of(decision: dict[str, Any]) -> tuple[str, float | None, float | None]:
-    """A decision's plan: its name ("hybrid spot"), cost and hours ("—", None, None without a plan)."""
-    name = plan_name(decision)
-    if name is None:
-        return "—", None, None
-    return name, decision.get("plan_cost_usd"), sum(float(p.get("hours") or 0.0) for p in decision["plan"] or [])
 
 
 def on_demand_rate(decision: dict[str, Any]) -> float | None:
@@ -118,6 +115,7 @@ def outcomes(app: App, since: float | None, until: float, now: float) -> list[Jo
             continue  # never ran (cancelled in the queue): nothing was expected of it or spent
         decision = job["decision"] or {}
         plan, expected_usd, expected_h = plan_of(decision)
+        first = decision.get("first_plan") or {}
         local_h = float(run.local_s or 0.0) / 3600.0
         spot_usd, spot_s = charges.get((job["id"], "spot"), (0.0, 0.0))
         od_usd, _ = charges.get((job["id"], "on-demand"), (0.0, 0.0))
@@ -128,7 +126,9 @@ def outcomes(app: App, since: float | None, until: float, now: float) -> list[Jo
             local_usd=local_h * local_rate, spot_usd=spot_usd, spot_billed_h=spot_s / 3600.0,
             on_demand_usd=od_usd, on_demand_usd_h=on_demand_rate(decision), attempts=int(run.attempts),
             preemptions=int(run.preemptions or 0),
-            late_h=(float(job["updated_at"]) - float(job["deadline_at"])) / 3600.0 if done else None))
+            late_h=(float(job["updated_at"]) - float(job["deadline_at"])) / 3600.0 if done else None,
+            decisions=int(decision.get("decisions") or 1), first_plan=first.get("plan"),
+            first_expected_usd=first.get("plan_cost_usd"), first_expected_h=first.get("hours")))
     return found
 
 
@@ -157,6 +157,10 @@ def totals(found: list[JobOutcome]) -> dict[str, Any]:
         "local_usd": round(sum(o.local_usd for o in found), 4),
         "spot_saved_usd": round(sum(saved), 4) if saved else None,
         "done_expected_usd": round(sum(o.expected_usd or 0.0 for o in compared), 4),
+        # What they were expected to cost when queued: the promise, before any decision made on the way
+        "done_first_expected_usd": round(sum((o.first_expected_usd if o.first_plan is not None else o.expected_usd)
+                                             or 0.0 for o in compared), 4),
+        "decided_again": sum(1 for o in found if o.decisions > 1),
         "done_measured_usd": round(sum(o.measured_usd for o in compared), 4),
         "cost_ratio": _ratios((o.measured_usd, o.expected_usd) for o in done),
         "hours_ratio": _ratios((o.run_h, o.expected_h) for o in done),

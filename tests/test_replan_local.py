@@ -72,6 +72,7 @@ def test_a_late_local_run_becomes_the_local_phase_of_a_hybrid_stored_with_the_jo
     assert (job["state"], job["placement"], job["verdict"]) == ("running", "hybrid", "priced")
     d = job["decision"]
     assert d["plan_kind"] == "hybrid" and d["work_done"] == 0.1 and d["replanned_from"]["plan_kind"] == "local"
+    assert d["first_plan"]["plan"] == "local" and d["decisions"] == 2  # what `report` sets beside the meter
     assert d["reasons"][0].startswith("re-planned while running locally, behind schedule: at the 0.05 units/h "
                                       "measured (0.2 planned)")
     # This attempt is the plan's local phase, handing over at the latest instant the rest still makes the deadline

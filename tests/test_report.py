@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import insert, update
 
 from orchestrator.app import App
-from orchestrator.queue import enqueue
+from orchestrator.queue import enqueue, retry
 from state import schema as s
 from tests.conftest import write_job
 
@@ -158,6 +158,31 @@ def test_the_table_says_the_same_in_words(lab: Lab) -> None:
     assert empty.stdout.strip() == "no job finished in 2020-01"
     this_month = lab.cli("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--json")
     assert json.loads(this_month.stdout)["window"]["label"] == datetime.now(UTC).strftime("%Y-%m")  # the default
+
+
+def test_a_job_decided_again_on_the_way_is_set_beside_the_plan_it_was_queued_on_too(lab: Lab) -> None:
+    # Queued local (2 h at $0.10/h, $0.20); it failed after an hour, and was retried with a deadline local cannot
+    # make: it burst on spot and finished there. Its plan now is the burst's; what was promised when it was queued
+    # was $0.20, and the report says both.
+    job_id = lab.job("moved", local_throughput=0.5, rented_throughput={"H100": 1.0}, deadline_hours=12)
+    lab.attempt(job_id, 1, "local", "failed", 0, 1.0)
+    lab.finish(job_id, "failed", end_h=1.0, deadline_h=12)
+    again = retry(lab.app, lab.app.store.get_job(job_id), deadline_at=time.time() + 1.8 * 3600)
+    assert again.decision["plan_kind"] == "burst" and again.decision["decisions"] == 2
+    lab.attempt(job_id, 2, "cloud", "succeeded", 1.5, 1.5, market="spot", charge_usd=1.5)
+    lab.finish(job_id, "done", end_h=3.0, deadline_h=3.5)
+
+    got = lab.report("--days", "1")
+    (moved,) = got["jobs"]
+    assert (moved["plan"], moved["expected_usd"]) == ("burst spot", again.decision["plan_cost_usd"])
+    assert (moved["first_plan"], moved["first_expected_usd"], moved["first_expected_h"], moved["decisions"]) == (
+        "local", pytest.approx(0.2), pytest.approx(2.0), 2)
+    t = got["totals"]
+    assert (t["decided_again"], t["done_first_expected_usd"]) == (1, pytest.approx(0.2))
+    assert t["done_expected_usd"] == pytest.approx(again.decision["plan_cost_usd"])
+    r = lab.cli("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--days", "1")
+    assert "burst spot (queued as local $0.20; 2 decisions)" in r.stdout
+    assert re.search(r"done jobs: expected when queued +│ \$0\.20 \(1 job decided again on the way\)", r.stdout)
 
 
 @pytest.mark.parametrize(("args", "expected"), [

@@ -44,6 +44,13 @@ def _deadline(o: JobOutcome) -> str:
     return f"missed by {fmt_h(o.late_h)}" if o.late_h > 0 else f"met, {fmt_h(-o.late_h)} to spare"
 
 
+def _plan(o: JobOutcome) -> str:
+    """The plan it ran on, and the one it was queued on when it was decided again on the way."""
+    if o.first_plan is None:
+        return o.plan
+    return f"{o.plan} (queued as {o.first_plan} {fmt_usd(o.first_expected_usd)}; {o.decisions} decisions)"
+
+
 def _ratio(r: dict[str, float] | None) -> str:
     if r is None:
         return "—"
@@ -79,7 +86,7 @@ def report_cmd(app: App, month: str | None, days: float | None, every: bool, lim
     counts = ", ".join(f"{sums[st]} {st}" for st in ("done", "failed", "cancelled") if sums[st])
     table(f"{label}: {sums['jobs']} job{'s' if sums['jobs'] != 1 else ''} finished ({counts})",
           ["id", "name", "state", "plan", "expected", "measured", "hours planned → run", "preempted", "deadline"],
-          [(o.id, o.name, o.state, o.plan, fmt_usd(o.expected_usd), fmt_usd(o.measured_usd),
+          [(o.id, o.name, o.state, _plan(o), fmt_usd(o.expected_usd), fmt_usd(o.measured_usd),
             f"{fmt_h(o.expected_h)} → {fmt_h(o.run_h)}", o.preemptions, _deadline(o)) for o in found[:limit]])
     if len(found) > limit:
         out.print(f"[dim]{len(found) - limit} older not shown (--limit, or --json for every one)[/dim]")
@@ -90,6 +97,9 @@ def report_cmd(app: App, month: str | None, days: float | None, every: bool, lim
         ("spot saved against on-demand", fmt_usd(sums["spot_saved_usd"])),
         ("done jobs: expected → measured", f"{fmt_usd(sums['done_expected_usd'])} → "
                                           f"{fmt_usd(sums['done_measured_usd'])}"),
+        *([("done jobs: expected when queued", f"{fmt_usd(sums['done_first_expected_usd'])} ("
+            f"{sums['decided_again']} job{'s' if sums['decided_again'] != 1 else ''} decided again on the way)")]
+          if sums["decided_again"] else []),
         ("cost, measured / expected", _ratio(sums["cost_ratio"])),
         ("hours, run / planned", _ratio(sums["hours_ratio"])),
         ("deadlines met", f"{met} of {met + missed}" if met + missed else "—"),

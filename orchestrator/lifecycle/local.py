@@ -370,7 +370,7 @@ class LocalRunner:
         d: dict[str, Any] | None = None
         before = job["decision"]
         if r.decision is not None:
-            d = r.decision.to_dict()
+            d = records.supersede(before, r.decision.to_dict())
             d["work_done"] = round(done, 6)
             d["replanned_from"] = {k: before.get(k) for k in ("verdict", "action", "plan_kind", "plan_cost_usd",
                                                               "t_local_h", "t_rented_h")}

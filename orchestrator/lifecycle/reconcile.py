@@ -43,6 +43,7 @@ from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_du
 from orchestrator.lifecycle.states import JobState
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
 from orchestrator.queue import local_hours, setup_key, throughput_key
+from orchestrator.records import supersede
 from orchestrator.remote.ssh import HostKeyMismatch, SharedConnection
 from providers.base import (
     LAUNCH_REFUSALS,
@@ -379,6 +380,7 @@ class Reconciler:
             if d["placement"] == "local":  # renting cannot save it either: it runs here, late; asked again later
                 self.store.update_job(job["id"], None, spec={**job["spec"], "_late_in_line_at": now})
                 continue
+            supersede(job["decision"], d)
             wait = d.get("local_wait_h") or 0.0
             why = (f"its {_gpu_h(job):.2f} h run cannot checkpoint, and no stretch of local.available_hours is that "
                    "long now" if unfit else f"{wait:.2f} h of local work is now ahead of it in line (earlier "
