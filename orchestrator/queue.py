@@ -7,6 +7,7 @@ and nothing else; a bad spec or a failed decision leaves the queue untouched.
 from __future__ import annotations
 
 import bisect
+import heapq
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -258,11 +259,14 @@ def measured_rented_throughput(app: App, spec: JobSpec) -> dict[str, float]:
 @dataclass(frozen=True)
 class LocalBacklog:
     """The local work running on the local GPU or queued for it: read once, asked for many jobs in O(log n) each.
-    Queued work is in the order the daemon starts local jobs in, earliest deadline first."""
+    Queued work is in the order the daemon starts local jobs in, earliest deadline first, each job on the first slot
+    (`daemon.local_concurrency`) to come free: with one slot that is the sum of the work ahead; with two, a job
+    behind one run that has 3 h left starts now on the other slot, not 1.5 h from now."""
 
-    running_h: float  # what the runs on the GPU have left: every job waits for them (a run is never stopped)
+    running_h: tuple[float, ...]  # what each run on the GPU has left: a run is never stopped for a job in line
     deadlines: tuple[float, ...]  # the queued jobs' deadlines, sorted
-    queued_h: tuple[float, ...]  # queued_h[k]: the local hours of the first k of them
+    queued_h: tuple[float, ...]  # their local hours, in that order
+    free_at: tuple[float, ...]  # free_at[k]: hours until a slot is free once the first k of them have started
     own: dict[str, tuple[float, float, bool]]  # job id -> (deadline, local hours left, running)
     slots: int  # daemon.local_concurrency
 
@@ -271,23 +275,45 @@ class LocalBacklog:
         """From (job id, deadline, local hours left, running) rows."""
         own = {job_id: (deadline, hours, running) for job_id, deadline, hours, running in jobs if hours > 0}
         queued = sorted((deadline, hours) for deadline, hours, running in own.values() if not running)
-        sums = [0.0]
-        for _, hours in queued:
-            sums.append(sums[-1] + hours)
-        return cls(sum(h for _, h, running in own.values() if running), tuple(d for d, _ in queued), tuple(sums),
-                   own, slots)
+        running = tuple(h for _, h, running in own.values() if running)
+        hours = tuple(h for _, h in queued)
+        return cls(running, tuple(d for d, _ in queued), hours, _free_at(running, hours, slots), own, slots)
 
     def wait_h(self, deadline_at: float, exclude: str | None = None) -> float:
-        """How long a job with this deadline waits for the local GPU: what the runs on it have left, and the local
-        work queued before it in line (an earlier or equal deadline), shared by the GPU's slots."""
+        """How long a job with this deadline waits for a slot of the local GPU: until the runs on it and the local
+        jobs queued before it in line (an earlier or equal deadline) have left one free. `exclude`: the job asking,
+        which does not wait for itself."""
         if self.slots < 1:
             return 0.0  # no local runs at all: gate 2 has nothing to wait for (and the job never starts locally)
-        hours = self.running_h + self.queued_h[bisect.bisect_right(self.deadlines, deadline_at)]
-        if exclude in self.own:
-            deadline, own_h, running = self.own[exclude]
-            if running or deadline <= deadline_at:
-                hours -= own_h
-        return max(hours, 0.0) / self.slots
+        ahead = bisect.bisect_right(self.deadlines, deadline_at)
+        if exclude not in self.own:
+            return self.free_at[ahead]
+        deadline, own_h, running = self.own[exclude]
+        if not running and deadline > deadline_at:
+            return self.free_at[ahead]  # behind the deadline asked about: not among what it waits for
+        if not running and self.deadlines[ahead - 1] == deadline and self.queued_h[ahead - 1] == own_h:
+            return self.free_at[ahead - 1]  # the last in line before that deadline: a job asking of its own, say
+        # Otherwise (it is running, or ahead of others in line) its line is placed again without it.
+        runs, line = list(self.running_h), list(zip(self.deadlines[:ahead], self.queued_h[:ahead], strict=True))
+        if running:
+            runs.remove(own_h)
+        else:
+            line.remove((deadline, own_h))
+        return _free_at(tuple(runs), tuple(h for _, h in line), self.slots)[-1]
+
+
+def _free_at(running_h: tuple[float, ...], queued_h: tuple[float, ...], slots: int) -> tuple[float, ...]:
+    """Hours until a slot is free, before and after each queued job (in line order) starts on the first one free.
+    With more runs than slots (the setting was lowered), a slot is free once enough of them have ended."""
+    if slots < 1:
+        return (0.0,) * (len(queued_h) + 1)
+    free = [0.0] * max(slots - len(running_h), 0) + sorted(running_h)[-slots:]
+    heapq.heapify(free)
+    out = [free[0]]
+    for h in queued_h:
+        heapq.heapreplace(free, free[0] + h)
+        out.append(free[0])
+    return tuple(out)
 
 
 def local_backlog(app: App, now: float, until: float | None = None) -> LocalBacklog:

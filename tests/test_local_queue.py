@@ -70,8 +70,18 @@ def test_a_running_local_job_holds_the_gpu_for_what_it_has_left(tmp_path: Path, 
     assert local_backlog(app, now).wait_h(now + 10 * 3600, exclude=running["id"]) == 0.0
     app.close()
     two_slots = _app(tmp_path, "[daemon]\nlocal_concurrency = 2\n", database_url=db_url)
-    assert local_backlog(two_slots, now).wait_h(now + 10 * 3600) == pytest.approx(1.5, abs=1e-3)
+    assert local_backlog(two_slots, now).wait_h(now + 10 * 3600) == 0.0  # the other slot is free: it starts now
     two_slots.close()
+
+
+def test_with_several_slots_each_job_in_line_starts_on_the_first_one_free() -> None:
+    # Two slots: a run with 3 h left, then in line a 4-hour job due first. It starts now on the free slot; a job
+    # behind it starts when the run ends, in 3 h (the work shared evenly would say 3.5 h).
+    backlog = LocalBacklog.of([("run", 50.0, 3.0, True), ("first", 10.0, 4.0, False)], slots=2)
+    assert backlog.wait_h(5.0) == 0.0 and backlog.wait_h(20.0) == 3.0
+    assert backlog.wait_h(20.0, exclude="run") == 0.0 and backlog.wait_h(10.0, exclude="first") == 0.0
+    one_slot = LocalBacklog.of([("run", 50.0, 3.0, True), ("first", 10.0, 4.0, False)], slots=1)
+    assert one_slot.wait_h(20.0) == 7.0 and one_slot.wait_h(10.0, exclude="first") == 3.0
 
 
 def test_a_job_resumed_locally_holds_the_gpu_for_the_units_it_has_left_not_its_whole_plan(tmp_path: Path,
@@ -184,10 +194,20 @@ def test_a_queued_job_the_cloud_cannot_save_stays_local_and_is_asked_again_later
 
 @given(st.lists(st.tuples(st.floats(0, 100), st.floats(-1, 10), st.booleans()), max_size=30),
        st.floats(0, 110), st.integers(1, 3), st.integers(-1, 29))
-def test_the_wait_is_the_work_of_the_runs_and_of_the_queued_jobs_due_no_later(
+def test_the_wait_is_until_the_runs_and_the_jobs_due_no_later_leave_a_slot_free(
         jobs: list[tuple[float, float, bool]], deadline: float, slots: int, excluded: int) -> None:
     rows = [(f"j{k}", at, hours, running) for k, (at, hours, running) in enumerate(jobs)]
     exclude = f"j{excluded}"
-    straight = sum(hours for job_id, at, hours, running in rows
-                   if hours > 0 and (running or at <= deadline) and job_id != exclude)
-    assert LocalBacklog.of(rows, slots).wait_h(deadline, exclude) == pytest.approx(straight / slots, abs=1e-9)
+    runs = [hours for job_id, at, hours, running in rows if hours > 0 and running and job_id != exclude]
+    line = [hours for at, hours in sorted((at, hours) for job_id, at, hours, running in rows
+                                          if hours > 0 and not running and at <= deadline and job_id != exclude)]
+    # Walked as it happens: each job in line starts at the first moment, no earlier than the one before it, when
+    # fewer than `slots` runs are going.
+    ends, start = list(runs), 0.0
+    for hours in [*line, None]:
+        start = min(t for t in [0.0, *ends] if t >= start and sum(e > t for e in ends) < slots)
+        if hours is not None:
+            ends.append(start + hours)
+    assert LocalBacklog.of(rows, slots).wait_h(deadline, exclude) == pytest.approx(start, abs=1e-9)
+    if slots == 1:  # one slot: the work of the runs and of the line, one after the other (a run is never stopped)
+        assert start == pytest.approx(max(runs, default=0.0) + sum(line), abs=1e-9)
