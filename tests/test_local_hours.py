@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from orchestrator.app import App
 from orchestrator.cli.status import status_data
-from orchestrator.core.decision import decide
+from orchestrator.core.decision import Decision, decide
 from orchestrator.core.gates import Verdict
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.daemon import run_daemon
@@ -83,6 +83,7 @@ def test_the_wall_clock_time_is_what_a_minute_by_minute_walk_takes(windows: list
             left -= 1
         t += 1
     assert hours.wall_h(open_min / 60) * 60 == pytest.approx(t - clock, abs=1e-6)
+    assert hours.open_h((t - clock) / 60) * 60 == pytest.approx(open_min, abs=1e-6)  # and back
 
 
 def _window(from_now_h: float, to_now_h: float) -> str:
@@ -303,3 +304,30 @@ def test_the_hours_are_read_in_local_timezone_whatever_zone_the_daemon_runs_unde
 def test_a_time_zone_that_is_not_one_is_refused_in_one_line(burstctl, tmp_path: Path) -> None:
     assert_config_refused(burstctl, tmp_path, '[local]\ntimezone = "Mars/Base"\n', "status", "local.timezone",
                           "'Mars/Base' is not a time zone")
+
+
+def test_a_hybrid_s_local_phase_is_planned_hour_by_hour_through_the_gpu_s_hours() -> None:
+    # The seed's job C (30 h locally, due in 12 h) with the GPU's nights 22:00-08:00.
+    def plan_at(hour: float) -> Decision:
+        return decide(C, replace(CTX, local_hours=at(hour)))
+
+    always = decide(C, CTX)
+    assert always.plan is not None and always.plan.kind == "hybrid"
+    # Queued at nightfall: the local phase trains every hour of it, as if the GPU were always open.
+    night = plan_at(22)
+    assert night.plan is not None and [p.as_dict() for p in night.plan.phases] == [
+        p.as_dict() for p in always.plan.phases]
+    # Queued at 19:00: closed for 3 h, then open. The phase trains its hours after 22:00 only, and the rest, rented,
+    # still ends by the deadline less t_ovh and the margin.
+    evening = plan_at(19)
+    assert evening.plan is not None and evening.plan.kind == "hybrid"
+    local, cloud = evening.plan.phases
+    assert local.work_units == pytest.approx(C.s_local * (local.hours - 3))
+    assert local.cost_usd == pytest.approx(CTX.local_usd_h * (local.hours - 3))  # power only while it trains
+    assert local.hours + cloud.hours + CTX.hybrid_margin_h == pytest.approx(C.deadline_h)
+    assert evening.local_share == pytest.approx((local.hours - 3) / local.hours)  # what the local queue counts
+    assert "(the GPU open 2.94 h of them, local.available_hours)" in " ".join(evening.reasons)
+    # Queued at 09:00: closed until after the hand-over must come. A local phase would train nothing: burst now.
+    # (The whole run's share of open hours, 0.36, would have planned 5 h of "local" work that never happens.)
+    morning = plan_at(9)
+    assert morning.plan is not None and morning.plan.kind == "burst"

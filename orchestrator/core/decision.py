@@ -99,7 +99,7 @@ class Decision:
     reasons: list[str] = field(default_factory=list)
     overhead_h: float = 0.0
     # With local.available_hours: the share of the local run's wall-clock hours that it trains (T_L times it is its
-    # GPU hours, what the local queue counts it for).
+    # GPU hours, what the local queue counts it for); for a hybrid plan, the share of its local phase's hours.
     local_share: float = 1.0
 
     @property
@@ -189,7 +189,11 @@ def through_local_hours(job: JobFacts, ctx: DecisionContext) -> LocalRun:
 def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
     local = through_local_hours(job, ctx)
     d = _decide(job, ctx, local)
-    return replace(d, local_share=local.share) if local.share != 1.0 else d
+    share = local.share
+    if d.plan is not None and d.plan.kind == "hybrid":  # the share of its local phase's hours it trains
+        phase = d.plan.phases[0]
+        share = phase.work_units / phase.units_h / phase.hours if phase.units_h and phase.hours > 0 else 1.0
+    return replace(d, local_share=share) if abs(share - 1.0) > 1e-9 else d
 
 
 def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
@@ -283,13 +287,22 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         # t_ovh at least, and the spot policy's safety net keeps 2·t_ovh: unless the margin is larger than t_ovh,
         # that phase runs on on-demand (tests/test_e2e_hybrid.py), so it is priced so.
         spot_room = market.market == "spot" and ctx.hybrid_margin_h > overhead_h
-        hybrid = hybrid_plan(work=job.work, s_local=s_local, s_rented=s_r, gpus=job.gpus, overhead_h=overhead_h,
+        # Through the local GPU's hours, the local phase is planned hour by hour from its start (after the wait),
+        # not at the whole run's effective s_L: a phase that starts at nightfall trains all of its hours.
+        hours = ctx.local_hours
+        by_hours = hours is not None and not hours.always_open()
+        hybrid = hybrid_plan(work=job.work, s_local=job.s_local if by_hours else s_local, s_rented=s_r, gpus=job.gpus,
+                             overhead_h=overhead_h,
                              deadline_h=job.deadline_h - wait_h,  # its local phase starts after the wait
-                             margin_h=ctx.hybrid_margin_h, local_usd_h=local_usd_h,
+                             margin_h=ctx.hybrid_margin_h, local_usd_h=ctx.local_usd_h if by_hours else local_usd_h,
                              rented_usd_per_gpu_h=market.rate_usd_per_gpu_h if spot_room else offer.od_usd_per_gpu_h,
-                             market="spot" if spot_room else "on-demand", gpu=gpu)
+                             market="spot" if spot_room else "on-demand", gpu=gpu,
+                             open_h=hours.later(wait_h).open_h if hours is not None and by_hours else None)
         if hybrid is not None and hybrid.cost_usd < plan.cost_usd:
-            reasons.append(f"plan: local {hybrid.phases[0].hours:.2f} h first, then burst the rest "
+            first = hybrid.phases[0]
+            trains = f" (the GPU open {first.work_units / job.s_local:.2f} h of them, local.available_hours)" \
+                if by_hours else ""
+            reasons.append(f"plan: local {first.hours:.2f} h first{trains}, then burst the rest "
                            f"({hybrid.phases[1].hours:.2f} h): ${hybrid.cost_usd:.2f} instead of ${plan.cost_usd:.2f}")
             plan = hybrid
 

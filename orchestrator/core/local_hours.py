@@ -107,6 +107,20 @@ class LocalHours:
         run = self.later(wait).run_wall_h(open_h, pauses)
         return None if run is None else wait + run
 
+    def open_h(self, wall_h: float) -> float:
+        """Hours the GPU is open in the next `wall_h` hours (the inverse of `wall_h`): what a run that starts now
+        trains in that time."""
+        if not self.windows or wall_h <= 0:
+            return max(wall_h, 0.0)
+        day = self._day()
+        per_day = sum(hi - lo for lo, hi in day)
+
+        def since_midnight(t: float) -> float:  # open minutes from today's midnight to t minutes after it
+            days, within = divmod(t, DAY_MIN)
+            return days * per_day + sum(min(max(within - lo, 0.0), hi - lo) for lo, hi in day)
+
+        return (since_midnight(self.clock_min + wall_h * 60.0) - since_midnight(self.clock_min)) / 60.0
+
     def wall_h(self, open_h: float) -> float:
         """Hours from now until the GPU has been open for `open_h` hours (a run that starts now and pauses while
         it is closed ends then)."""

@@ -4,10 +4,16 @@ When local alone misses the deadline D but the job checkpoints, local for x hour
 meets D when  x + (W − s_L·x)/(s_R·g) + t_ovh + margin ≤ D,  so the latest safe switch is
     x* = (D − margin − t_ovh − W/(s_R·g)) / (1 − s_L/(s_R·g)).
 Any x ≤ x* is safe; the largest x is cheapest, since local hours cost less than rented ones.
+
+With `local.available_hours` the local phase trains only while the GPU is open: s_L·open(x) instead of s_L·x, where
+open(x) is the GPU's open hours in the phase's first x hours. x + (W − s_L·open(x))/(s_R·g) still grows with x (by 1
+an hour while closed, by 1 − s_L/(s_R·g) while open), so x* is found by bisection: at 09:00 with nights 22:00-08:00
+and D = 12 h, the local phase would do nothing before it must hand over, and burst now is the plan.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -63,18 +69,46 @@ def latest_switch_h(work: float, s_local: float, s_rented: float, gpus: int, ove
 
 def hybrid_plan(*, work: float, s_local: float, s_rented: float, gpus: int, overhead_h: float, deadline_h: float,
                 margin_h: float, local_usd_h: float, rented_usd_per_gpu_h: float, market: str,
-                gpu: str) -> Plan | None:
-    x = latest_switch_h(work, s_local, s_rented, gpus, overhead_h, deadline_h, margin_h)
-    if x is None:
-        return None
-    done = s_local * x
+                gpu: str, open_h: Callable[[float], float] | None = None) -> Plan | None:
+    """`s_local` and `local_usd_h` per hour of training; `open_h(x)`: the local GPU's open hours in the local phase's
+    first x hours (its `local.available_hours`; None: always open)."""
+    if open_h is None:
+        x = latest_switch_h(work, s_local, s_rented, gpus, overhead_h, deadline_h, margin_h)
+        trained = x
+    else:
+        x = _latest_switch_through_hours(work, s_local, s_rented * gpus, deadline_h - margin_h - overhead_h, open_h)
+        trained = None if x is None else open_h(x)
+    if x is None or trained is None or not trained > 0:
+        return None  # no local training before the hand-over: bursting now is the same plan
+    done = min(s_local * trained, work)
     rest = work - done
     rented_h = rest / (s_rented * gpus) + overhead_h
     return Plan("hybrid", (
-        Phase("local", x, local_usd_h * x, work_units=done, units_h=s_local),
+        Phase("local", x, local_usd_h * trained, work_units=done, units_h=s_local),
         Phase("cloud", rented_h, rented_usd_per_gpu_h * gpus * rented_h, market=market, gpu=gpu,
               start_after_h=x, work_units=rest, units_h=s_rented * gpus),
     ))
+
+
+def _latest_switch_through_hours(work: float, s_local: float, speed: float, room_h: float,
+                                 open_h: Callable[[float], float]) -> float | None:
+    """The largest x with x + (W − s_L·open(x))/speed ≤ room_h (the module's docstring), up to the wall-clock time
+    that local alone takes to do W; None when none is positive."""
+    if s_local <= 0 or speed <= s_local:
+        return None
+
+    def finish(x: float) -> float:
+        return x + max(work - s_local * open_h(x), 0.0) / speed
+
+    lo, hi = 0.0, room_h
+    if hi <= 0 or finish(0.0) > room_h:
+        return None
+    if finish(hi) <= room_h:
+        return hi  # local alone would make it: gate 2 says so before a hybrid is asked for
+    for _ in range(60):  # to well under a second of a deadline weeks away
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if finish(mid) <= room_h else (lo, mid)
+    return lo if lo > 0 else None
 
 
 def latest_switch_at(*, deadline_at: float, work: float, done: float, rented_units_h: float, overhead_h: float,
