@@ -331,3 +331,29 @@ def test_a_hybrid_s_local_phase_is_planned_hour_by_hour_through_the_gpu_s_hours(
     # (The whole run's share of open hours, 0.36, would have planned 5 h of "local" work that never happens.)
     morning = plan_at(9)
     assert morning.plan is not None and morning.plan.kind == "burst"
+
+
+def test_a_hybrid_kept_off_the_gpu_by_its_hours_until_after_its_hand_over_bursts_at_once(tmp_path: Path) -> None:
+    # Job C, planned hybrid while the GPU was always open: about 6.7 h local, then the rest rented. Its hours are
+    # then set. If they begin in 2 h it waits for them (4 h to train before the hand-over); if they begin only in
+    # 10 h it would train nothing before its hand-over, so it goes now: the same cloud phase, with more slack.
+    config = tmp_path / "burstctl.toml"
+    config.write_text("[policy]\nmax_auto_delta_usd = 50.0\n")
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    job_id = enqueue_job(app, write_job(tmp_path, "big-local-job", local_throughput=0.033, deadline_hours=12,
+                                        rented_throughput={"H100": 0.17}, market="on-demand"))[0]
+    app.close()
+    for opens_in_h, hands_over in ((2, False), (10, True)):
+        config.write_text(f'[policy]\nmax_auto_delta_usd = 50.0\n[local]\n'
+                          f'available_hours = ["{_window(opens_in_h, opens_in_h + 8)}"]\n')
+        app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+        job = app.store.get_job(job_id)
+        assert job["placement"] == "hybrid"
+        assert LocalRunner(app).hand_over_if_due(job, time.time()) is hands_over
+        app.close()
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    assert app.store.get_job(job_id)["placement"] == "cloud"
+    (switching,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "job.switching"]
+    assert "do not begin again before its hand-over at" in switching["data"]["reason"]
+    assert "nothing more to train locally, so it bursts now" in switching["data"]["reason"]
+    app.close()

@@ -33,6 +33,7 @@ from orchestrator.queue import (
     context,
     facts,
     local_hours,
+    local_time,
     measured_rented_throughput,
     record_decision,
     setup_estimate,
@@ -141,21 +142,30 @@ class LocalRunner:
         """For a hybrid job that cannot start locally now (the GPU busy, or outside its hours): True when its
         hand-over is due and it now waits for the cloud instead. Waiting on for the GPU would cost the deadline."""
         terms = self._hybrid_terms(job)
-        return self._hand_over_if_due(job, terms, latest_switch_at(done=terms["done_at_start"],
-                                                                   **_switch_args(terms)), now)
+        switch_at = latest_switch_at(done=terms["done_at_start"], **_switch_args(terms))
+        hours = local_hours(self.cfg, now)
+        opens_h = None if hours.is_open() else hours.until_change_h()
+        if opens_h is not None and now + opens_h * 3600.0 >= switch_at > now:
+            # Outside the GPU's hours until after its hand-over: waiting trains nothing, and bursting now costs the
+            # same and leaves the cloud phase the slack (a spot run can wait out more of an outage).
+            return self._hand_over_if_due(job, terms, now, now, why=(
+                f"the local GPU's hours (local.available_hours) do not begin again before its hand-over at "
+                f"{local_time(self.cfg, switch_at):%H:%M}: nothing more to train locally, so it bursts now"))
+        return self._hand_over_if_due(job, terms, switch_at, now)
 
-    def _hand_over_if_due(self, job: dict[str, Any], terms: dict[str, Any], switch_at: float, now: float) -> bool:
+    def _hand_over_if_due(self, job: dict[str, Any], terms: dict[str, Any], switch_at: float, now: float,
+                          why: str | None = None) -> bool:
         if switch_at > now or (self.hand_over_held is not None and self.hand_over_held(job, now) is not None):
             return False
         # The job waited (behind another local job, outside the local GPU's hours, or after a restart): the rest no
         # longer fits after a local phase, so it bursts at once (unless no cloud can take it: then it runs locally
         # when it can, and `step` hands over when a cloud can).
-        self._hand_over_now(job, terms)
+        self._hand_over_now(job, terms, why)
         return True
 
-    def _hand_over_now(self, job: dict[str, Any], terms: dict[str, Any]) -> None:
-        why = (f"no time left for a local phase: {terms['work'] - terms['done_at_start']:.4g} of "
-               f"{terms['work']:.4g} units left need the cloud now to make the deadline")
+    def _hand_over_now(self, job: dict[str, Any], terms: dict[str, Any], why: str | None = None) -> None:
+        why = why or (f"no time left for a local phase: {terms['work'] - terms['done_at_start']:.4g} of "
+                      f"{terms['work']:.4g} units left need the cloud now to make the deadline")
         with self.app.store.tx() as conn:
             if self.app.store.update_job(job["id"], conn, expect_state=job["state"], placement="cloud", reason=why):
                 self.app.events.emit("job.switching", job_id=job["id"], conn=conn, reason=why,
