@@ -21,6 +21,7 @@ from orchestrator.cli.status import status_data
 from orchestrator.core.decision import Decision, decide
 from orchestrator.core.gates import Verdict
 from orchestrator.core.local_hours import LocalHours
+from orchestrator.core.plan import hybrid_plan
 from orchestrator.daemon import run_daemon
 from orchestrator.lifecycle.local import LocalRunner
 from orchestrator.queue import enqueue as enqueue_job
@@ -331,6 +332,13 @@ def test_a_hybrid_s_local_phase_is_planned_hour_by_hour_through_the_gpu_s_hours(
     # (The whole run's share of open hours, 0.36, would have planned 5 h of "local" work that never happens.)
     morning = plan_at(9)
     assert morning.plan is not None and morning.plan.kind == "burst"
+    # Queued at 07:00: one hour of the night is left. It trains that hour and hands over when the hours end, not at
+    # the latest safe switch hours later: waiting on would train nothing.
+    dawn = plan_at(7)
+    assert dawn.plan is not None and dawn.plan.kind == "hybrid"
+    local, cloud = dawn.plan.phases
+    assert local.hours == pytest.approx(1) and local.work_units == pytest.approx(C.s_local)
+    assert cloud.start_after_h == pytest.approx(1) and dawn.local_share == 1.0
 
 
 def test_a_hybrid_kept_off_the_gpu_by_its_hours_until_after_its_hand_over_bursts_at_once(tmp_path: Path) -> None:
@@ -357,3 +365,19 @@ def test_a_hybrid_kept_off_the_gpu_by_its_hours_until_after_its_hand_over_bursts
     assert "do not begin again before its hand-over at" in switching["data"]["reason"]
     assert "nothing more to train locally, so it bursts now" in switching["data"]["reason"]
     app.close()
+
+
+@given(st.lists(st.tuples(st.integers(0, 1439), st.integers(30, 1440)), min_size=1, max_size=3),
+       st.integers(0, 1439), st.floats(0.01, 0.4), st.floats(1.5, 72))
+def test_a_hybrid_planned_through_any_hours_still_makes_its_deadline_and_trains_what_it_says(
+        windows: list[tuple[int, int]], clock: int, s_local: float, deadline_h: float) -> None:
+    hours = LocalHours(windows=tuple((float(a), float((a + n) % 1440)) for a, n in windows), clock_min=clock)
+    plan = hybrid_plan(work=1.0, s_local=s_local, s_rented=0.5, gpus=1, overhead_h=0.5, deadline_h=deadline_h,
+                       margin_h=0.5, local_usd_h=0.1, rented_usd_per_gpu_h=3.0, market="on-demand", gpu="H100",
+                       open_h=hours.open_h)
+    if plan is None:  # nothing to train before a hand-over that must come
+        return
+    local, cloud = plan.phases
+    assert local.hours + cloud.hours + 0.5 <= deadline_h + 1e-6
+    assert local.work_units == pytest.approx(min(s_local * hours.open_h(local.hours), 1.0)) and local.work_units > 0
+    assert cloud.work_units == pytest.approx(1.0 - local.work_units) and cloud.start_after_h == local.hours

@@ -193,7 +193,7 @@ def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
     if d.plan is not None and d.plan.kind == "hybrid":  # the share of its local phase's hours it trains
         phase = d.plan.phases[0]
         share = phase.work_units / phase.units_h / phase.hours if phase.units_h and phase.hours > 0 else 1.0
-    return replace(d, local_share=share) if abs(share - 1.0) > 1e-9 else d
+    return replace(d, local_share=share) if abs(share - 1.0) > 1e-6 else d
 
 
 def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:

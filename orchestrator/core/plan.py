@@ -8,7 +8,8 @@ Any x ≤ x* is safe; the largest x is cheapest, since local hours cost less tha
 With `local.available_hours` the local phase trains only while the GPU is open: s_L·open(x) instead of s_L·x, where
 open(x) is the GPU's open hours in the phase's first x hours. x + (W − s_L·open(x))/(s_R·g) still grows with x (by 1
 an hour while closed, by 1 − s_L/(s_R·g) while open), so x* is found by bisection: at 09:00 with nights 22:00-08:00
-and D = 12 h, the local phase would do nothing before it must hand over, and burst now is the plan.
+and D = 12 h, the local phase would do nothing before it must hand over, and burst now is the plan. A phase whose
+last hours would fall outside the GPU's hands over when its hours end instead (at 07:00: one hour, then the cloud).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def hybrid_plan(*, work: float, s_local: float, s_rented: float, gpus: int, over
     else:
         x = _latest_switch_through_hours(work, s_local, s_rented * gpus, deadline_h - margin_h - overhead_h, open_h)
         trained = None if x is None else open_h(x)
+        if x is not None and trained is not None:
+            x = _first_reaching(open_h, trained, x)  # the hand-over when its hours end: waiting on trains nothing
     if x is None or trained is None or not trained > 0:
         return None  # no local training before the hand-over: bursting now is the same plan
     done = min(s_local * trained, work)
@@ -109,6 +112,17 @@ def _latest_switch_through_hours(work: float, s_local: float, speed: float, room
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if finish(mid) <= room_h else (lo, mid)
     return lo if lo > 0 else None
+
+
+def _first_reaching(open_h: Callable[[float], float], trained: float, x: float) -> float:
+    """The earliest x' ≤ x by which the GPU has been open `trained` hours (x itself when x ends in its hours)."""
+    if open_h(x) - open_h(x - 1e-6) > 0:
+        return x
+    lo, hi = 0.0, x
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if open_h(mid) >= trained - 1e-9 else (mid, hi)
+    return hi
 
 
 def latest_switch_at(*, deadline_at: float, work: float, done: float, rented_units_h: float, overhead_h: float,
