@@ -78,7 +78,7 @@ def hybrid_plan(*, work: float, s_local: float, s_rented: float, gpus: int, over
         trained = x
     else:
         x = _latest_switch_through_hours(work, s_local, s_rented * gpus, deadline_h - margin_h - overhead_h, open_h)
-        trained = None if x is None else open_h(x)
+        trained = None if x is None else min(open_h(x), work / s_local)  # no more than W needs
         if x is not None and trained is not None:
             x = _first_reaching(open_h, trained, x)  # the hand-over when its hours end: waiting on trains nothing
     if x is None or trained is None or not trained > 0:
@@ -95,8 +95,8 @@ def hybrid_plan(*, work: float, s_local: float, s_rented: float, gpus: int, over
 
 def _latest_switch_through_hours(work: float, s_local: float, speed: float, room_h: float,
                                  open_h: Callable[[float], float]) -> float | None:
-    """The largest x with x + (W − s_L·open(x))/speed ≤ room_h (the module's docstring), up to the wall-clock time
-    that local alone takes to do W; None when none is positive."""
+    """The largest x with x + (W − s_L·open(x))/speed ≤ room_h (the module's docstring); None when none is
+    positive."""
     if s_local <= 0 or speed <= s_local:
         return None
 
