@@ -5,7 +5,7 @@ A decision is arithmetic made before a run; this is the check on it after. For t
 plan it was queued on when it was decided again on the way — beside the meter's (the ledger; local hours at
 `local.usd_per_hour`, as the plan priced them) and whether its deadline held; over them all, what was spent on
 which market, how measured compared with expected, and what spot saved against on-demand at the rate the decision
-priced on-demand at.
+priced on-demand at. A job that revert-local brought home says so, and is not set beside a plan it did not run on.
 
 Read from jobs, attempts and the ledger, which `prune-events` never deletes, with one grouped query each: a month
 of 10,000 jobs is three queries, not thirty thousand.
@@ -54,6 +54,9 @@ class JobOutcome:
     first_plan: str | None = None  # the plan it was queued on, when it ended on another decision's
     first_expected_usd: float | None = None
     first_expected_h: float | None = None
+    # `revert-local` brought it home against its cloud or hybrid plan: it ran on another plan than the one shown, so
+    # it is not in the measured / expected ratios
+    reverted_local: bool = False
 
     @property
     def measured_usd(self) -> float:
@@ -95,7 +98,8 @@ def outcomes(app: App, since: float | None, until: float, now: float) -> list[Jo
     cost = func.coalesce(led.c.cost_usd, led.c.rate_usd_h * (func.coalesce(led.c.ended_at, now) - led.c.started_at)
                          / 3600.0)
     with app.store.engine.connect() as c:
-        jobs = c.execute(select(j.c.id, j.c.name, j.c.state, j.c.updated_at, j.c.deadline_at, j.c.decision)
+        jobs = c.execute(select(j.c.id, j.c.name, j.c.state, j.c.updated_at, j.c.deadline_at, j.c.decision,
+                                j.c.placement)
                          .where(window).order_by(j.c.updated_at.desc(), j.c.id)).mappings().all()
         runs = {r.job_id: r for r in c.execute(
             select(a.c.job_id, func.count().label("attempts"),
@@ -128,7 +132,8 @@ def outcomes(app: App, since: float | None, until: float, now: float) -> list[Jo
             preemptions=int(run.preemptions or 0),
             late_h=(float(job["updated_at"]) - float(job["deadline_at"])) / 3600.0 if done else None,
             decisions=int(decision.get("decisions") or 1), first_plan=first.get("plan"),
-            first_expected_usd=first.get("plan_cost_usd"), first_expected_h=first.get("hours")))
+            first_expected_usd=first.get("plan_cost_usd"), first_expected_h=first.get("hours"),
+            reverted_local=job["placement"] == "local" and decision.get("placement") in ("cloud", "hybrid")))
     return found
 
 
@@ -142,12 +147,14 @@ def _ratios(pairs: Iterable[tuple[float, float | None]]) -> dict[str, float] | N
 
 
 def totals(found: list[JobOutcome]) -> dict[str, Any]:
-    """The window in figures. Expected against measured is over the done jobs only: a failed or cancelled run
-    stopped short of what its plan priced."""
+    """The window in figures. Expected against measured is over the done jobs that ran on their plan only: a
+    failed or cancelled run stopped short of what its plan priced, and one that revert-local brought home ran on
+    another."""
     done = [o for o in found if o.state == JobState.DONE.value]
+    followed = [o for o in done if not o.reverted_local]
     saved = [o.spot_saved_usd for o in found if o.spot_saved_usd is not None]
     by_state = {st: sum(1 for o in found if o.state == st) for st in REPORTED_STATES}
-    compared = [o for o in done if o.expected_usd is not None]
+    compared = [o for o in followed if o.expected_usd is not None]
     return {
         "jobs": len(found), **by_state,
         "spent_usd": round(sum(o.measured_usd for o in found), 4),
@@ -161,9 +168,10 @@ def totals(found: list[JobOutcome]) -> dict[str, Any]:
         "done_first_expected_usd": round(sum((o.first_expected_usd if o.first_plan is not None else o.expected_usd)
                                              or 0.0 for o in compared), 4),
         "decided_again": sum(1 for o in found if o.decisions > 1),
+        "reverted_local": sum(1 for o in found if o.reverted_local),
         "done_measured_usd": round(sum(o.measured_usd for o in compared), 4),
-        "cost_ratio": _ratios((o.measured_usd, o.expected_usd) for o in done),
-        "hours_ratio": _ratios((o.run_h, o.expected_h) for o in done),
+        "cost_ratio": _ratios((o.measured_usd, o.expected_usd) for o in followed),
+        "hours_ratio": _ratios((o.run_h, o.expected_h) for o in followed),
         "deadlines_met": sum(1 for o in done if o.late_h is not None and o.late_h <= 0),
         "deadlines_missed": sum(1 for o in done if o.late_h is not None and o.late_h > 0),
         "attempts": sum(o.attempts for o in found),

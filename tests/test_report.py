@@ -18,6 +18,8 @@ import pytest
 from sqlalchemy import insert, update
 
 from orchestrator.app import App
+from orchestrator.lifecycle.reconcile import Reconciler
+from orchestrator.lifecycle.revert import revert_local
 from orchestrator.queue import enqueue, retry
 from state import schema as s
 from tests.conftest import write_job
@@ -183,6 +185,37 @@ def test_a_job_decided_again_on_the_way_is_set_beside_the_plan_it_was_queued_on_
     r = lab.cli("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--days", "1")
     assert "burst spot (queued as local $0.20; 2 decisions)" in r.stdout
     assert re.search(r"done jobs: expected when queued +│ \$0\.20 \(1 job decided again on the way\)", r.stdout)
+
+
+def test_a_job_revert_local_brought_home_says_so_and_is_not_set_beside_a_plan_it_did_not_run_on(lab: Lab) -> None:
+    # Planned on spot (2.5 h, about $2.50); an hour of it ran, then revert-local brought it home and it finished on
+    # the local GPU in 3 h more. Its cloud plan stays its decision (burst-enable would restore it), but the run was
+    # not that plan's: it is not in measured / expected. A local job beside it is, as before.
+    home = lab.job("came-home", local_throughput=0.5, rented_throughput={"H100": 1.0}, work_units=2,
+                   deadline_hours=3, checkpoint={"resumable": True, "interval_minutes": 10})
+    assert lab.app.store.get_job(home)["decision"]["placement"] == "cloud"
+    revert_local(lab.app, Reconciler(lab.app, {}, cloud=None), timeout_s=5)
+    assert lab.app.store.get_job(home)["placement"] == "local"
+    lab.attempt(home, 1, "cloud", "preempted", 0, 1.0, market="spot", charge_usd=1.0)
+    lab.attempt(home, 2, "local", "succeeded", 1.0, 3.0)
+    lab.finish(home, "done", end_h=4.0, deadline_h=3.0)
+    local = lab.job("local-job", local_throughput=0.5, deadline_hours=12)
+    lab.attempt(local, 1, "local", "succeeded", 0, 3.0)
+    lab.finish(local, "done", end_h=3.0, deadline_h=5.0)
+
+    got = lab.report("--days", "1")
+    jobs = {j["name"]: j for j in got["jobs"]}
+    assert (jobs["came-home"]["plan"], jobs["came-home"]["reverted_local"]) == ("burst spot", True)
+    assert (jobs["came-home"]["measured_usd"], jobs["came-home"]["deadline_met"]) == (pytest.approx(1.3), False)
+    assert jobs["local-job"]["reverted_local"] is False
+    t = got["totals"]
+    assert (t["reverted_local"], t["done"], t["deadlines_met"], t["deadlines_missed"]) == (1, 2, 1, 1)
+    assert (t["cost_ratio"]["jobs"], t["hours_ratio"]["jobs"]) == (1, 1)  # the local job's only
+    assert (t["done_expected_usd"], t["done_measured_usd"]) == (pytest.approx(0.2), pytest.approx(0.3))
+    assert t["spent_usd"] == pytest.approx(1.6)  # what was spent is all of it
+    r = lab.cli("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--days", "1")
+    assert "burst spot → local (revert-local)" in r.stdout
+    assert re.search(r"brought home by revert-local +│ 1 \(their runs are not set beside", r.stdout)
 
 
 @pytest.mark.parametrize(("args", "expected"), [

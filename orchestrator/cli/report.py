@@ -45,10 +45,11 @@ def _deadline(o: JobOutcome) -> str:
 
 
 def _plan(o: JobOutcome) -> str:
-    """The plan it ran on, and the one it was queued on when it was decided again on the way."""
-    if o.first_plan is None:
-        return o.plan
-    return f"{o.plan} (queued as {o.first_plan} {fmt_usd(o.first_expected_usd)}; {o.decisions} decisions)"
+    """The plan it ran on, the one it was queued on when it was decided again on the way, and revert-local's
+    bringing it home against its plan."""
+    plan = o.plan if o.first_plan is None else (
+        f"{o.plan} (queued as {o.first_plan} {fmt_usd(o.first_expected_usd)}; {o.decisions} decisions)")
+    return f"{plan} → local (revert-local)" if o.reverted_local else plan
 
 
 def _ratio(r: dict[str, float] | None) -> str:
@@ -100,6 +101,8 @@ def report_cmd(app: App, month: str | None, days: float | None, every: bool, lim
         *([("done jobs: expected when queued", f"{fmt_usd(sums['done_first_expected_usd'])} ("
             f"{sums['decided_again']} job{'s' if sums['decided_again'] != 1 else ''} decided again on the way)")]
           if sums["decided_again"] else []),
+        *([("brought home by revert-local", f"{sums['reverted_local']} (their runs are not set beside their "
+            "plans in these figures)")] if sums["reverted_local"] else []),
         ("cost, measured / expected", _ratio(sums["cost_ratio"])),
         ("hours, run / planned", _ratio(sums["hours_ratio"])),
         ("deadlines met", f"{met} of {met + missed}" if met + missed else "—"),
