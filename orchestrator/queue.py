@@ -7,6 +7,7 @@ and nothing else; a bad spec or a failed decision leaves the queue untouched.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import secrets
 import time
@@ -39,9 +40,49 @@ from orchestrator.lifecycle.states import RETRIABLE, STATE_FOR_ACTION, JobState,
 
 
 def local_hours(cfg: Config, now: float) -> LocalHours:
-    """`local.available_hours` and the time of day now in `local.timezone`, for the decision core."""
+    """`local.available_hours`, the time of day now in `local.timezone` and its clock's daylight-saving changes in
+    the year ahead, for the decision core."""
+    clock = _minutes(local_time(cfg, now).time())
+    if not cfg.local.available_hours:  # always open: the clock's changes do not matter
+        return LocalHours(windows=(), clock_min=clock)
+    zone = cfg.local.timezone
+    changes = _clock_changes(zone or f"this machine's {time.tzname}", zone, int(now // 86400))
     return LocalHours(windows=tuple((_minutes(w.start), _minutes(w.end)) for w in cfg.local.available_hours),
-                      clock_min=_minutes(local_time(cfg, now).time()))
+                      clock_min=clock, shifts=tuple(((at - now) / 60.0, moves) for at, moves in changes if at > now))
+
+
+SHIFTS_AHEAD_DAYS = 400  # a local plan reaches no further; a deadline years away is off by an hour at most
+
+
+@functools.lru_cache(maxsize=16)
+def _clock_changes(key: str, zone: str | None, day: int) -> tuple[tuple[int, float], ...]:
+    """(the instant, minutes the clock moves) of each change of `zone`'s UTC offset (None: this machine's) in the
+    SHIFTS_AHEAD_DAYS from `day` (days since the epoch); once a day per zone (`key` names it in the cache)."""
+    from zoneinfo import ZoneInfo
+
+    tz = ZoneInfo(zone) if zone else None
+
+    def offset(t: int) -> float:
+        if tz is None:
+            return float(time.localtime(t).tm_gmtoff)
+        off = datetime.fromtimestamp(t, tz).utcoffset()
+        return off.total_seconds() if off is not None else 0.0
+
+    step = 6 * 3600  # offsets change at most twice a year, never twice in six hours
+    changes: list[tuple[int, float]] = []
+    t = day * 86400
+    before = offset(t)
+    for _ in range(SHIFTS_AHEAD_DAYS * 4):
+        after = offset(t + step)
+        if after != before:
+            lo, hi = t, t + step  # the first second on the new offset, by bisection
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if offset(mid) == before else (lo, mid)
+            changes.append((hi, (after - before) / 60.0))
+            before = after
+        t += step
+    return tuple(changes)
 
 
 def local_time(cfg: Config, now: float) -> datetime:

@@ -87,6 +87,73 @@ def test_the_wall_clock_time_is_what_a_minute_by_minute_walk_takes(windows: list
     assert hours.open_h((t - clock) / 60) * 60 == pytest.approx(open_min, abs=1e-6)  # and back
 
 
+def test_a_night_the_clock_springs_forward_is_an_hour_shorter_and_one_it_falls_back_an_hour_longer() -> None:
+    # At 21:00; the clock moves at 02:00, 5 h from now. In spring 22:00-08:00 is 9 hours, in autumn 11.
+    spring = LocalHours(windows=NIGHTS, clock_min=21 * 60, shifts=((5 * 60, 60),))
+    autumn = LocalHours(windows=NIGHTS, clock_min=21 * 60, shifts=((5 * 60, -60),))
+    assert spring.open_h(11) == pytest.approx(9) and autumn.open_h(11) == pytest.approx(10)
+    assert spring.wall_h(9) == pytest.approx(10)  # done at 08:00 by the clock, 10 real hours from 21:00
+    assert spring.wall_h(10) == pytest.approx(10 + 14 + 1)  # the hour the night lost is trained the next night
+    assert autumn.wall_h(10) == pytest.approx(11)  # done at 07:00 by the clock, with an hour of the night to spare
+    assert autumn.wall_h(11) == pytest.approx(12)  # the whole night: 08:00, 12 real hours from 21:00
+    assert spring.later(10).clock_min == 8 * 60 and spring.later(10).shifts == ()
+    assert autumn.later(3).shifts == ((2 * 60, -60),)
+    assert spring.later(6).until_change_h() == pytest.approx(4)  # at 04:00 (02:00 was skipped), open until 08:00
+    assert autumn.later(6).until_change_h() == pytest.approx(6)  # at 02:00 (the second time), open until 08:00
+    assert autumn.one_sitting_wall_h(10.5) == pytest.approx(11.5)  # the long night holds a run no other night does
+    assert spring.one_sitting_wall_h(9.5) == pytest.approx(1 + 9 + 14 + 9.5)  # the short one does not
+    assert LocalHours(windows=NIGHTS, clock_min=21 * 60).one_sitting_wall_h(10.5) is None
+
+
+@given(st.lists(st.tuples(st.integers(0, 1439), st.integers(60, 1440)), min_size=1, max_size=3),
+       st.integers(0, 1439), st.integers(1, 36 * 60),
+       st.lists(st.tuples(st.integers(1, 40 * 60), st.sampled_from([60, -60])), max_size=2, unique_by=lambda s: s[0]))
+@settings(max_examples=300)
+def test_across_the_clock_s_shifts_every_answer_is_what_a_minute_by_minute_walk_of_real_time_finds(
+        windows: list[tuple[int, int]], clock: int, open_min: int, shifts: list[tuple[int, int]]) -> None:
+    # Real time is walked a minute at a time; the local clock moves with it and jumps at each shift.
+    shifts = sorted(shifts)
+    hours = LocalHours(windows=tuple((float(a), float((a + n) % 1440)) for a, n in windows), clock_min=clock,
+                       shifts=tuple((float(at), float(moves)) for at, moves in shifts))
+    day = hours._day()
+
+    def open_at(r: int) -> bool:  # the real minute [r, r + 1)
+        local = clock + r + sum(moves for at, moves in shifts if at <= r)
+        return any(lo <= local % 1440 < hi for lo, hi in day)
+
+    r, left = 0, open_min
+    while left > 0:
+        left -= open_at(r)
+        r += 1
+    assert hours.wall_h(open_min / 60) * 60 == pytest.approx(r, abs=1e-6)
+    assert hours.open_h(r / 60) * 60 == pytest.approx(open_min, abs=1e-6)
+    if not hours.always_open():
+        change = next(m for m in range(1, 5 * 1440) if open_at(m) != open_at(0))
+        assert hours.until_change_h() * 60 == pytest.approx(change, abs=1e-6)
+        need = min(open_min, 6 * 60)  # in one sitting: the first run of `need` open minutes from a stretch's start
+        starts = [m for m in range(0, 4 * 1440) if open_at(m) and (m == 0 or not open_at(m - 1))]
+        fits = [m for m in starts if all(open_at(m + k) for k in range(need))]
+        got = hours.one_sitting_wall_h(need / 60)
+        assert (got * 60 if got is not None else None) == pytest.approx(fits[0] + need if fits else None, abs=1e-6)
+
+
+def test_the_clock_s_changes_come_from_local_timezone(tmp_path: Path) -> None:
+    # Berlin springs forward at 02:00 on 28 March 2027 and falls back at 03:00 on 31 October.
+    config = tmp_path / "burstctl.toml"
+    config.write_text('[local]\navailable_hours = ["22:00-08:00"]\ntimezone = "Europe/Berlin"\n')
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    try:
+        spring = local_hours(app.config, datetime(2027, 3, 27, 20, 0, tzinfo=UTC).timestamp())  # 21:00 CET
+        autumn = local_hours(app.config, datetime(2027, 10, 30, 19, 0, tzinfo=UTC).timestamp())  # 21:00 CEST
+        winter = local_hours(app.config, datetime(2027, 1, 9, 20, 0, tzinfo=UTC).timestamp())
+    finally:
+        app.close()
+    assert (spring.clock_min, spring.shifts[0]) == (21 * 60, (5 * 60, 60))
+    assert (autumn.clock_min, autumn.shifts[0]) == (21 * 60, (6 * 60, -60))
+    assert spring.wall_h(10) == pytest.approx(25) and autumn.wall_h(10) == pytest.approx(11)
+    assert winter.wall_h(10) == pytest.approx(11)  # no change that night (the next is in March)
+
+
 def _window(from_now_h: float, to_now_h: float) -> str:
     """A daily window of local time, as `local.available_hours` takes it, from and to these hours from now."""
     def hhmm(h: float) -> str:
