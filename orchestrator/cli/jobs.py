@@ -104,7 +104,7 @@ def list_cmd(app: App, states: tuple[str, ...], show_all: bool, as_json: bool) -
         out.print("no jobs")
         return
     # ΔC is the seed's price of the deadline (on-demand); the plan is what the job is set to run, spot included.
-    table(None, ["id", "name", "kind", "verdict", "state", "placement", "ΔC", "plan", "deadline"],
+    table(None, ["id", "name", "kind", "verdict", "state", "placement", "ΔC", "plan", "deadline (UTC)"],
           [(j["id"], j["name"], j["kind"], j["verdict"], j["state"], j["placement"],
             fmt_usd(j["decision"].get("delta_cost_usd")), _plan_txt(j["decision"]), _when(j["deadline_at"]))
            for j in jobs])
