@@ -98,7 +98,8 @@ class Store:
         if self.is_sqlite and u.database and u.database != ":memory:":
             _ensure_private_file(Path(u.database))
             self._sqlite_daemon_lock = Path(u.database + "-daemon.lock")
-        self.engine: Engine = create_engine(url, future=True)
+        # hide_parameters: a failed statement's error never carries a job's spec (its env) or any other row's values
+        self.engine: Engine = create_engine(url, future=True, hide_parameters=True)
         if self.is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self.migrate()

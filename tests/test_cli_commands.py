@@ -1,5 +1,6 @@
-"""The command table: every command is found by name without importing the others, and a command that only reads
-the state does not load the decision core, the simulator or the daemon's machinery."""
+"""The command table: every command is found by name without importing the others, a command that only reads
+the state does not load the decision core, the simulator or the daemon's machinery, and no number option takes
+nan or infinity."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
+import pytest
+
 import orchestrator.cli
-from orchestrator.cli.base import COMMAND_MODULES, COMMAND_SUMMARIES, cli
+from orchestrator.cli.base import COMMAND_MODULES, COMMAND_SUMMARIES, FiniteFloat, cli
 
 
 def test_every_command_a_module_registers_is_in_the_table_under_its_own_module() -> None:
@@ -42,3 +46,26 @@ def test_reading_the_queue_loads_only_what_it_needs(tmp_path: Path) -> None:
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def test_no_number_option_takes_nan_or_infinity() -> None:
+    # click's FloatRange lets nan through every bound, and inf through any without a max: `retry --deadline-hours
+    # nan` reached the database as a NULL deadline. Every ranged float option is a FiniteFloat.
+    for module in set(COMMAND_MODULES.values()):
+        importlib.import_module(f"orchestrator.cli.{module}")
+    ranged = [(name, p.name) for name, cmd in cli.commands.items() for p in cmd.params
+              if isinstance(p.type, click.FloatRange)]
+    assert ranged and all(isinstance(p.type, FiniteFloat) for cmd in cli.commands.values() for p in cmd.params
+                          if isinstance(p.type, click.FloatRange)), ranged
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["retry", "some-job", "--deadline-hours", "nan"], "'--deadline-hours': expected a finite number, got nan"),
+    (["retry", "some-job", "--deadline-hours", "100000"], "100000.0 is not in the range 0<x<=87660.0"),
+    (["daemon", "--tick", "inf"], "'--tick': expected a finite number, got inf"),
+    (["prune-events", "--older-than", "nan"], "'--older-than': expected a finite number, got nan"),
+])
+def test_a_number_that_is_not_one_is_refused_in_one_line(burstctl_here, args: list[str], expected: str,
+                                                          tmp_path: Path) -> None:
+    r = burstctl_here("--state-dir", str(tmp_path / "state"), *args)
+    assert r.returncode == 2 and expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

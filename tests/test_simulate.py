@@ -197,6 +197,8 @@ def test_cli_is_deterministic_for_a_seed_whatever_the_worker_count(tmp_path: Pat
     (["--trace", "ok.json", "--od-price", "-1"], "od-price"),
     (["--trace", "ok.json", "--policy", "psychic"], "unknown policy"),
     (["--trace", "ok.json", "--nodes", "4"], "field '--nodes': is a 1-node trace"),
+    (["--trace", "ok.json", "--seed", "-1"], "field '--seed': must be 0 or more"),
+    (["--trace", "ok.json", "--spot-price", "5"], "costs more than on-demand"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, extra: list[str], expect: str) -> None:
     write_trace(tmp_path / "ok.json", [1, 0] * 60)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -64,6 +65,17 @@ COMMAND_SUMMARIES = {
     "size": "Estimate a job's training memory and the GPUs it fits.",
     "status": "Whether the daemon runs, the mode, active jobs and spend.",
 }
+
+
+class FiniteFloat(click.FloatRange):
+    """A float option in a range that is a number: click's FloatRange lets nan (which compares false with every
+    bound) and inf (unless a max is given) through."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        got = super().convert(value, param, ctx)
+        if not math.isfinite(got):
+            self.fail(f"expected a finite number, got {value}", param, ctx)
+        return got
 
 
 class LazyGroup(click.Group):

@@ -7,12 +7,12 @@ import sys
 import click
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, pass_app
+from orchestrator.cli.base import FiniteFloat, cli, pass_app
 from orchestrator.daemon import run_daemon
 
 
 @cli.command("daemon")
-@click.option("--tick", "tick_s", type=click.FloatRange(min=0.05), default=None,
+@click.option("--tick", "tick_s", type=FiniteFloat(min=0.05), default=None,
               help="Reconcile tick in seconds (default from config, 5).")
 @click.option("--max-ticks", type=click.IntRange(min=1), default=None, help="Stop after this many ticks.")
 @click.option("--exit-when-idle", is_flag=True, help="Stop once no job is queued or running.")

@@ -12,10 +12,11 @@ from rich.markup import escape
 from sqlalchemy import select
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
 from orchestrator.core.budget import BudgetView, cycle_prices, month_end, month_key, stop_horizon_h
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
+from orchestrator.jobspec import MAX_DEADLINE_HOURS
 from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import JobState, check_transition
@@ -274,7 +275,7 @@ def approve_cmd(app: App, job: str, as_json: bool) -> None:
 
 @cli.command("retry")
 @click.argument("job")
-@click.option("--deadline-hours", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--deadline-hours", type=FiniteFloat(min=0, min_open=True, max=MAX_DEADLINE_HOURS), default=None,
               help="A new deadline, this many hours from now (else the job's own, which must not have passed).")
 @click.option("--reread", is_flag=True, help="Read its job file again (a fixed command line, setup or env); its "
               "deadline then counts from now, as enqueue's would.")
@@ -368,7 +369,7 @@ EVENTS_SHOWN = 100  # `burstctl events` without --limit or --all: the newest thi
 @click.option("--after", "after_id", type=click.IntRange(min=0), default=None,
               help="Only events with a higher id, oldest first: every one (streamed), or the first --limit. A "
                    "script pages with the last id it printed.")
-@click.option("--interval", type=click.FloatRange(min=0.05), default=0.5, show_default=True,
+@click.option("--interval", type=FiniteFloat(min=0.05), default=0.5, show_default=True,
               help="Poll interval with --follow.")
 @json_option
 @pass_app

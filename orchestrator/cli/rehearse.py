@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from orchestrator.cli.base import cli, json_option, out, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, out, print_json, table
 from orchestrator.errors import OperationalError
 from orchestrator.records import fmt_usd
 from orchestrator.rehearse import RehearsalOptions, rehearse
@@ -26,12 +26,12 @@ def _step(v: int | None) -> str:
 @click.option("--preemptions", type=click.IntRange(1, 50), default=2, show_default=True,
               help="Preemptions to inject (each an interruption notice, then the reclaim).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the jitter of the preemption times.")
-@click.option("--every-s", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--every-s", type=FiniteFloat(min=0, min_open=True), default=None,
               help="Seconds an attempt runs before it is preempted (±25 %, seeded). "
                    "Default: two checkpoint intervals, at least 3 s.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
+@click.option("--timeout", "timeout_s", type=FiniteFloat(min=0, min_open=True), default=600.0,
               show_default=True, help="Give up (exit 1) if the job has not finished after this many seconds.")
-@click.option("--notice-s", type=click.FloatRange(min=0), default=2.0, show_default=True,
+@click.option("--notice-s", type=FiniteFloat(min=0), default=2.0, show_default=True,
               help="Lead time of each interruption notice (EC2 gives 120 s).")
 @click.option("--keep", is_flag=True, help="Keep the throwaway directory (state, event log, logs) for reading.")
 @json_option

@@ -5,14 +5,14 @@ from __future__ import annotations
 import click
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
 from orchestrator.errors import OperationalError
 from orchestrator.lifecycle.revert import restore_plans, revert_local, set_burst_enabled
 from orchestrator.lifecycle.service import build_reconciler
 
 
 @cli.command("revert-local")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=180.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=FiniteFloat(min=1), default=180.0, show_default=True,
               help="Bound on the last checkpoints, syncs and terminations.")
 @json_option
 @pass_app

@@ -22,7 +22,7 @@ import click
 import httpx
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
 from orchestrator.config import ENV_NAME, ENV_NAME_EXPECTED, toml_value
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.records import fmt_usd
@@ -72,15 +72,15 @@ def _check_loopback(host: str) -> None:
               help="simcloud state dir: instance records and sandboxes (default <state-dir>/simcloud).")
 @click.option("--api-key-env", default=None, metavar="NAME",
               help="Env var holding the API key clients must send (default: providers.sim.api_key_env).")
-@click.option("--boot-delay", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--boot-delay", type=FiniteFloat(min=0), default=0.0, show_default=True,
               help="Seconds an instance spends booting before its machine starts.")
 @click.option("--capacity", multiple=True, metavar="TYPE[@REGION]=N",
               help="Instances of TYPE that may run per region (repeatable).")
 @click.option("--preempt-trace", type=click.Path(dir_okay=False), default=None,
               help="Spot-traces JSON file driving preemptions of running spot instances.")
-@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+@click.option("--time-scale", type=FiniteFloat(min=0, min_open=True), default=1.0, show_default=True,
               help="Speed-up of trace/rate time: 600 plays a 600 s tick (and a 120 s notice) 600x faster.")
-@click.option("--preempt-per-hour", type=click.FloatRange(min=0), default=None,
+@click.option("--preempt-per-hour", type=FiniteFloat(min=0), default=None,
               help="Seeded random preemptions per (scaled) instance-hour instead of a trace.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for --preempt-per-hour.")
 @click.option("--openssh", "ssh_mode", flag_value="openssh", help="Instances run OpenSSH's sshd (must be installed).")
@@ -253,7 +253,7 @@ def _records(root: str) -> list[dict[str, Any]]:
 
 @simcloud.command("preempt")
 @click.argument("instance_id", metavar="INSTANCE")
-@click.option("--notice-seconds", type=click.FloatRange(min=0), default=10.0, show_default=True,
+@click.option("--notice-seconds", type=FiniteFloat(min=0), default=10.0, show_default=True,
               help="Seconds between the interruption notice and the preemption (EC2 gives 120).")
 @click.option("--url", default=None, help="simcloud's URL (default: providers.sim.base_url).")
 @json_option

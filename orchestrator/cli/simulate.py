@@ -62,8 +62,13 @@ def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: fl
     if deadline_hours < job_hours:
         raise BadInput(f"deadline {deadline_hours} h is shorter than the job's {job_hours} h: no policy can make it",
                        field="--deadline-hours")
+    if spot_price > od_price:
+        raise BadInput(f"spot at ${spot_price}/h costs more than on-demand at ${od_price}/h: spot never pays, and the "
+                       "policies and the offline bound take it to be the cheaper market", field="--spot-price")
     if starts <= 0:
         raise BadInput(f"must be > 0, got {starts}", field="--starts")
+    if seed < 0:
+        raise BadInput(f"must be 0 or more, got {seed}", field="--seed")
     if nodes <= 0:
         raise BadInput(f"must be > 0, got {nodes}", field="--nodes")
     if workers is not None and workers <= 0:

@@ -9,7 +9,7 @@ import click
 from pydantic import ValidationError
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
 from orchestrator.config import read_toml
 from orchestrator.core.sizing import (
     COMMON_GPU_SIZES_GB,
@@ -64,7 +64,7 @@ _TERM_MEANING: dict[str, str] = {
 @click.option("--model", "preset", metavar="PRESET", help=f"Known architecture: {', '.join(sorted(PRESETS))}.")
 @click.option("--job", "job_path", type=str, default=None,
               help="Size the [model] table of this job file instead (flags given as well override it).")
-@click.option("--params", type=click.FloatRange(min=0, min_open=True), help="Parameter count, e.g. 7.6e9.")
+@click.option("--params", type=FiniteFloat(min=0, min_open=True), help="Parameter count, e.g. 7.6e9.")
 @click.option("--layers", type=_POSITIVE_INT, help="Transformer layers.")
 @click.option("--hidden", type=_POSITIVE_INT, help="Hidden size (model width).")
 @click.option("--heads", type=_POSITIVE_INT, help="Query attention heads.")

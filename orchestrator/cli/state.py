@@ -11,7 +11,7 @@ from rich.markup import escape
 from sqlalchemy import make_url
 
 from orchestrator.app import App, open_store
-from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
 from orchestrator.config import StateSettings
 from orchestrator.daemon import running_daemon
 from orchestrator.errors import BadInput, OperationalError, format_validation_error
@@ -60,7 +60,7 @@ def copy_state_cmd(app: App, url: str, as_json: bool) -> None:
 
 
 @cli.command("prune-events")
-@click.option("--older-than", "days", required=True, type=click.FloatRange(min=0), metavar="DAYS",
+@click.option("--older-than", "days", required=True, type=FiniteFloat(min=0), metavar="DAYS",
               help="Delete the history of jobs finished (and last changed) more than DAYS days ago.")
 @click.option("--keep-logs", is_flag=True, help="Delete only their events; keep their attempts' logs.")
 @click.option("--checkpoints", is_flag=True, help="Also delete the checkpoints of the jobs among them that are done "
