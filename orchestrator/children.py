@@ -55,18 +55,40 @@ def last_line(path: Path) -> str:
     return line.removeprefix(ERROR_PREFIX)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 class Children:
+    """While any child runs, SIGTERM and SIGHUP to this process raise SystemExit (exit 128 + the signal) instead of
+    ending it at once, so the caller's `finally` stops the children: they run in sessions of their own (a terminal's
+    ^C does not reach them), and `timeout`, `kill` or a CI job's cancel signals the parent alone. A second signal
+    while they are being stopped is ignored."""
+
     def __init__(self, log_dir: Path, env: Mapping[str, str], config: Path):
         self.log_dir = log_dir
         self.config = config
         self.env = {k: v for k, v in env.items() if k != "BURSTCTL_CONFIG"}
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._handlers: dict[int, Any] = {}  # the signal handlers spawn() replaced, restored by stop_all()
+        self._stopping = False
+
+    def _on_stop_signal(self, signum: int, _frame: Any) -> None:
+        if not self._stopping:
+            self._stopping = True
+            raise SystemExit(128 + signum)
+
+    def _catch_stop_signals(self) -> None:
+        import threading
+
+        if not self._handlers and threading.current_thread() is threading.main_thread():  # only it may set them
+            self._handlers = {sig: signal.signal(sig, self._on_stop_signal) for sig in STOP_SIGNALS}
 
     def log(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """`burstctl --config <private config> ARGS...` in the background, output to <log_dir>/<name>.log."""
+        self._catch_stop_signals()
         with self.log(name).open("w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--config", str(self.config), *args],
                                     env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -87,6 +109,7 @@ class Children:
         return wait_until(pred, timeout, what, check=self.check)
 
     def stop_all(self, grace_s: float = 60.0) -> None:
+        self._stopping = True
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -96,3 +119,6 @@ class Children:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(10)
         self.procs.clear()
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers, self._stopping = {}, False

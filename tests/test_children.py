@@ -1,9 +1,13 @@
 """The demo's and rehearsals' private child processes: each reads the private config it is given, never the
-user's, and one that dies is reported at once with its own error line instead of a timeout."""
+user's, one that dies is reported at once with its own error line instead of a timeout, and none outlives the
+command that started it."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -51,3 +55,43 @@ def test_a_child_that_dies_at_start_is_reported_at_once_with_its_own_error(tmp_p
     message = str(err.value)
     assert "simcloud exited with code 2" in message and "BURSTCTL_TEST_UNSET_KEY is not set" in message
     assert "timed out" not in message and "burstctl: error:" not in message and "\n" not in message
+
+
+def _running_under(folder: Path) -> list[str]:
+    """The command lines of the processes that name `folder` (the demo's children, their machines and jobs)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if str(folder) in line:
+            found.append(line)
+    return found
+
+
+def test_a_demo_sent_sigterm_stops_its_children_before_it_exits(tmp_path: Path) -> None:
+    # `timeout`, `kill` or a CI job's cancel signal the demo alone: its simcloud and daemon run in sessions of their
+    # own, and used to run on for good, owned by init.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    demo = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "demo"], env={**os.environ, "TMPDIR": str(temp)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(" daemon" in line for line in _running_under(temp)):
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo's daemon never started"
+            time.sleep(0.2)
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(90) == 128 + signal.SIGTERM
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while _running_under(temp) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _running_under(temp) == []
+    (workdir,) = temp.iterdir()  # what state it has stays for reading; its cloud's machines and logs are gone
+    assert not (workdir / "sim").exists()
