@@ -287,7 +287,9 @@ class DaemonSettings(Strict):
     redecide_per_tick: Annotated[int, Field(ge=1)] = Field(
         50, description="Blocked jobs re-decided per tick (budget freed, kill switch lifted)."
     )
-    local_concurrency: Annotated[int, Field(ge=0)] = Field(1, description="Local GPU jobs at once (one GPU: 1).")
+    local_concurrency: Annotated[int, Field(ge=0)] = Field(
+        1, description="Local GPU jobs at once (one GPU: 1). 0: none, and gate 1 finds no local option for any job "
+                       "(every job that may burst is decided for the cloud).")
     offers_ttl_s: PositiveFloat = Field(
         60.0, description="How long providers' offers (prices, capacity, spot capacity) are reused before asking again."
     )

@@ -167,6 +167,7 @@ def context(app: App, now: float) -> DecisionContext:
         spent_usd=app.store.month_spend(month_key(now), now),
         burst_enabled=burst_enabled(app),
         local_hours=local_hours(cfg, now),
+        local_slots=cfg.daemon.local_concurrency,
     )
 
 

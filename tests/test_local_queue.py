@@ -55,6 +55,17 @@ def test_the_third_four_hour_job_due_in_ten_hours_has_its_deadline_priced_and_an
     app.close()
 
 
+def test_with_no_local_slot_no_job_is_planned_on_the_local_gpu(tmp_path: Path) -> None:
+    # daemon.local_concurrency = 0: the daemon would never start it, so a job local makes in time is not queued to
+    # wait for ever; gate 1 finds no local option and says why.
+    app = _app(tmp_path, "[daemon]\nlocal_concurrency = 0\n")
+    job = _enqueue(app, tmp_path, "would-fit", 10)
+    app.close()
+    assert (job["placement"], job["decision"]["verdict"], job["decision"]["fits_locally"]) == ("cloud", "burst", False)
+    assert "Gate 1: does not fit locally (daemon.local_concurrency is 0: the daemon starts no local run)" in \
+        job["decision"]["reasons"][0]
+
+
 def test_a_running_local_job_holds_the_gpu_for_what_it_has_left(tmp_path: Path, db_url: str) -> None:
     # On both stores: the plans' local hours are read in SQL (a JSON path), which each dialect spells its own way.
     app = _app(tmp_path, database_url=db_url)

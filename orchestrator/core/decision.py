@@ -85,6 +85,7 @@ class DecisionContext:
     spent_usd: float = 0.0
     burst_enabled: bool = True
     local_hours: LocalHours | None = None  # local.available_hours, and the local time now (None: always open)
+    local_slots: int = 1  # daemon.local_concurrency: 0 starts no local run, so nothing is planned on the local GPU
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,9 @@ def through_local_hours(job: JobFacts, ctx: DecisionContext) -> LocalRun:
     """The job's local run through `local.available_hours`, from now: first the work queued ahead of it (w, GPU
     hours), then its own W / s_L. T_L is then when it would be done, and it draws power only while it trains. A run
     that cannot checkpoint is never paused: it waits for a stretch of hours long enough to run in one sitting."""
+    if ctx.local_slots <= 0 and job.s_local > 0:
+        return LocalRun(0.0, ctx.local_usd_h, job.local_wait_h, unfit_why=(
+            "daemon.local_concurrency is 0: the daemon starts no local run"))
     hours = ctx.local_hours
     if hours is None or hours.always_open() or job.s_local <= 0:
         return LocalRun(job.s_local, ctx.local_usd_h, job.local_wait_h)
