@@ -38,7 +38,7 @@ NAME_EXPECTED = f"letters, digits, '.', '_' and '-', starting with a letter or d
 # Variables burstctl itself gives the command (the supervisor's contract, and the runbooks' PYTHONPATH): a value
 # passed under one of these names would be silently replaced, so the name is refused instead.
 RESERVED_ENV = frozenset({"BURST_JOB_ID", "BURST_ATTEMPT", "BURST_CHECKPOINT_DIR", "BURST_RESUME_FROM",
-                          "BURST_METRICS_FILE", "PYTHONPATH"})
+                          "BURST_METRICS_FILE", "BURST_WORK_UNITS", "PYTHONPATH"})
 
 
 class ModelSpec(BaseModel):
@@ -211,6 +211,15 @@ class JobSpec(BaseModel):
     def _some_rented(cls, v: dict[str, float]) -> dict[str, float]:
         if not v:
             raise ValueError("name at least one GPU type with its units/h per GPU, e.g. {H100 = 0.17}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _settable(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if name in RESERVED_ENV:
+                raise ValueError(f"'{name}' is set by burstctl for every job (the job contract) and cannot be set "
+                                 "here: it would be replaced")
         return v
 
     @field_validator("pass_env")

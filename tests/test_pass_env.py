@@ -60,6 +60,9 @@ def decide(path: Path, env: dict[str, str] | None = None) -> subprocess.Complete
     ("HF_TOKEN", "", "pass_env", "expected a list, got a string"),
     (["PYTHONPATH"], "", "pass_env", "is set by burstctl"),
     (["BURST_RESUME_FROM"], "", "pass_env", "is set by burstctl"),
+    (["BURST_WORK_UNITS"], "", "pass_env", "is set by burstctl"),
+    ([], '[env]\nBURST_CHECKPOINT_DIR = "/tmp/elsewhere"\n', "env", "is set by burstctl"),
+    ([], '[env]\nPYTHONPATH = "/nowhere"\n', "env", "is set by burstctl"),
     (["HF_TOKEN"], '[env]\nHF_TOKEN = "x"\n', "pass_env", "also in [env]"),
 ])
 def test_a_bad_pass_env_exits_2_with_one_line_naming_the_file_and_field(
