@@ -53,6 +53,15 @@ def test_decide_prints_the_gates_in_the_seed_scripts_words(burstctl) -> None:
     assert "price of the deadline: dC ~ $16.12 to save 23.92 h (all of it on-demand" in r.stdout
 
 
+def test_decide_says_why_a_job_does_not_fit_locally(burstctl, tmp_path: Path) -> None:
+    r = burstctl("decide", "--s-local", "0", "--s-rented", "0.17", "--deadline-h", "48", *SEED_FLAGS)
+    assert "GATE 1: does NOT fit locally -> BURST (no local option).\n  why: local throughput is 0." in r.stdout
+    (tmp_path / "slotless.toml").write_text("[daemon]\nlocal_concurrency = 0\n")
+    job = write_job(tmp_path, "would-fit", local_throughput=0.5, rented_throughput={"H100": 0.17}, deadline_hours=48)
+    r = burstctl("--config", str(tmp_path / "slotless.toml"), "decide", str(job))
+    assert "  why: daemon.local_concurrency is 0: the daemon starts no local run." in r.stdout
+
+
 def test_a_local_run_just_past_the_deadline_is_printed_with_the_decimals_that_show_it(burstctl) -> None:
     # 1 / 0.0833 = 12.0048 h against 12 h: "12.00 h > 12.00 h" would contradict itself.
     r = burstctl("decide", "--s-local", "0.0833", "--s-rented", "0.17", "--deadline-h", "12", *SEED_FLAGS)

@@ -138,6 +138,10 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
     D = job.deadline_h
     if not d["fits_locally"]:
         p("GATE 1: does NOT fit locally -> BURST (no local option).")
+        for r in d["reasons"]:  # why: memory, s_L = 0, the local GPU's hours, no local slot
+            why = re.match(r"Gate 1: does not fit locally \((.*)\): burst", r)
+            if why:
+                p(f"  why: {escape(why.group(1))}.")
         if d["t_rented_h"] is not None:
             p(f"  rented wall-clock ~ {d['t_rented_h']:.2f} h, cost ~ ${d['c_rented_usd']:.2f} (on-demand; the plan "
               "below is the cheapest safe way it runs).")
