@@ -51,7 +51,7 @@ def test_a_job_the_budget_refused_at_launch_stays_blocked_until_that_launch_woul
     app.close()
 
 
-def test_a_pull_that_fails_because_another_process_wound_the_attempt_down_is_not_a_sync_failure(
+def test_a_pull_that_fails_because_another_process_wound_the_attempt_down_is_not_a_failure(
         tmp_path: Path) -> None:
     # revert-local (its own process) stops and terminates an attempt while the daemon is pulling from it: that
     # pull's SSH error is the wind-down, not a failing sync, and the attempt's own step pulls last.
@@ -69,6 +69,12 @@ def test_a_pull_that_fails_because_another_process_wound_the_attempt_down_is_not
     rec._pull_failed({**seen_running, "state": "stopping"}, job, {}, EOFError("no SSH session"))
     assert [e["type"] for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.sync_failed"] == [
         "checkpoint.sync_failed"]
+    # The same for the logs' and outputs' pulls, which the demo's revert-local said had failed every time.
+    for event in ("attempt.logs_pull_failed", "attempt.outputs_pull_failed"):
+        rec._said_once(seen_running, job, {}, "error", event, EOFError("no SSH session"))
+        assert not [e for e in app.store.events(job_id=job_id) if e["type"] == event]
+        rec._said_once({**seen_running, "state": "stopping"}, job, {}, "error", event, EOFError("no SSH session"))
+        assert len([e for e in app.store.events(job_id=job_id) if e["type"] == event]) == 1
     app.close()
 
 

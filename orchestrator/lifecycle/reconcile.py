@@ -1077,9 +1077,19 @@ class Reconciler:
             return
         info.pop("logs_error", None)
 
+    def _moved_on(self, att: dict[str, Any]) -> bool:
+        """The attempt's state is no longer the one this step read: another process moved it meanwhile."""
+        with self.store.engine.connect() as c:
+            now_state = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == att["id"])).scalar()
+        return bool(now_state != att["state"])
+
     def _said_once(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], key: str, event: str,
                    exc: Exception) -> None:
-        """A failure that is tried again: `event` once per distinct error (the last one said is `info[key]`)."""
+        """A failure that is tried again: `event` once per distinct error (the last one said is `info[key]`). Not
+        said when the attempt moved on meanwhile: revert-local or a cancel, in another process, stopped its instance
+        under the pull, and its own step pulled last."""
+        if self._moved_on(att):
+            return
         error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:300]
         if info.get(key) != error:
             info[key] = error
@@ -1089,10 +1099,8 @@ class Reconciler:
         """A failed pull (rsync killed, local disk full, SSH dropped...) keeps the attempt going and is retried at
         the next sync, not at once: a full disk would be filled and emptied every tick. Its reason is the job's
         until a pull succeeds; the event is logged once per distinct error, the failures are counted."""
-        with self.store.engine.connect() as c:
-            now_state = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == att["id"])).scalar()
-        if now_state != att["state"]:
-            return  # moved on meanwhile (revert-local or a cancel winding it down): its own step pulls last
+        if self._moved_on(att):
+            return  # revert-local or a cancel winding it down: its own step pulls last
         error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:500]
         same = info.get("sync_error") == error
         if "sync_error" not in info:
