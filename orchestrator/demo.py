@@ -243,8 +243,9 @@ class Demo:
 def run_demo(say: Callable[[str], None], keep: bool = False, state_dir: Path | None = None) -> DemoResult:
     """The story; its state (records, event log) in `state_dir` when given (new or empty), else a throwaway one."""
     if state_dir is not None and state_dir.exists() and (not state_dir.is_dir() or any(state_dir.iterdir())):
-        raise BadInput(f"'{state_dir}' is not an empty directory: the demo keeps its state apart from yours; "
-                       "give a new directory, or none", field="--state-dir")
+        what = "is not empty" if state_dir.is_dir() else "is a file"
+        raise BadInput(f"'{state_dir}' {what}: the demo keeps its state apart from yours; give a new directory, or "
+                       "none", field="--state-dir")
     workdir = Path(tempfile.mkdtemp(prefix="burstctl-demo-"))
     demo = Demo(workdir, say, state_dir)
     try:

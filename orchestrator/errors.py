@@ -58,7 +58,12 @@ _EXPECTED_TYPE = {"float_type": "a number", "int_type": "an integer", "int_from_
                   "dict_type": "a table", "datetime_type": "an ISO 8601 date and time"}
 
 
-def _what_was_given(value: object) -> str:
+# A number out of its range, by pydantic's error type: its bound's name in the error's context, and the words.
+_BOUND = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "greater than or equal to"),
+          "less_than": ("lt", "less than"), "less_than_equal": ("le", "less than or equal to")}
+
+
+def what_was_given(value: object) -> str:
     """The wrong value, shown only when it cannot be a secret (a boolean or a number); else only its kind."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -85,8 +90,14 @@ def format_validation_error(exc: Any, source: str | Path) -> BadInput:
         msg = "expected a finite number, not inf or nan"
     elif kind == "value_error":
         msg = msg.removeprefix("Value error, ")  # pydantic's prefix on a validator's own words
+    elif kind in _BOUND:
+        given = first.get("input")
+        what = "an integer" if isinstance(given, int) and not isinstance(given, bool) else "a number"
+        bound = first.get("ctx", {}).get(_BOUND[kind][0])
+        shown = f"{bound:g}" if isinstance(bound, int | float) else bound
+        msg = f"expected {what} {_BOUND[kind][1]} {shown}, got {what_was_given(given)}"
     elif kind in _EXPECTED_TYPE:
-        msg = f"expected {_EXPECTED_TYPE[kind]}, got {_what_was_given(first.get('input'))}"
+        msg = f"expected {_EXPECTED_TYPE[kind]}, got {what_was_given(first.get('input'))}"
     elif kind == "extra_forbidden":
         msg = "is not a known field"
         if any(s in loc.lower() for s in ("key", "secret", "token", "password")):

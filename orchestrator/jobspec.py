@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.config import EnvName, JobKind, Market, read_toml
-from orchestrator.errors import BadInput, FieldValueError, format_validation_error
+from orchestrator.errors import BadInput, FieldValueError, format_validation_error, what_was_given
 
 Method = Literal["full", "lora", "qlora"]
 Dtype = Literal["fp32", "bf16", "fp16", "int8", "int4"]
@@ -188,6 +188,8 @@ class JobSpec(BaseModel):
     def _split(cls, v: object) -> object:
         if isinstance(v, str):
             return shlex.split(v)
+        if not isinstance(v, list):  # pydantic would say "expected a list", though one string is as good
+            raise ValueError(f"expected a list of strings or one string, got {what_was_given(v)}")
         return v
 
     @field_validator("outputs")
@@ -242,7 +244,8 @@ class JobSpec(BaseModel):
         if self.deadline is not None and self.deadline_hours is not None:
             raise FieldValueError("deadline_hours", "cannot be given with 'deadline': give exactly one of them")
         if self.deadline is None and self.deadline_hours is None:
-            raise FieldValueError("deadline", f"is required, or 'deadline_hours': {DEADLINE_EXPECTED}")
+            raise FieldValueError("deadline", "is missing: give 'deadline', an ISO 8601 date and time with a time zone "
+                                              "(2026-12-01T09:00:00Z), or 'deadline_hours', hours from now")
         return self
 
     def deadline_at(self, now: float) -> float:
@@ -281,8 +284,10 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
             raise BadInput(f"is more than {MAX_DEADLINE_YEARS} years ahead ({spec.deadline.isoformat()}); expected "
                            f"an instant within {MAX_DEADLINE_YEARS} years", source=path, field="deadline")
         raise BadInput(DEADLINE_HOURS_EXPECTED, source=path, field="deadline_hours")
-    if not Path(path.parent, spec.workdir).is_dir():
-        raise BadInput(f"directory '{spec.workdir}' does not exist", source=path, field="workdir")
+    workdir = Path(path.parent, spec.workdir)
+    if not workdir.is_dir():
+        raise BadInput(f"'{spec.workdir}' is a file; expected the directory the command runs in" if workdir.exists()
+                       else f"directory '{spec.workdir}' does not exist", source=path, field="workdir")
     outside = next((i for i, arg in enumerate(spec.command) if _leaves_workdir(arg)), None)
     if outside is not None:
         # The command runs in the workdir, locally and on an instance, and only the workdir is copied there.

@@ -224,6 +224,7 @@ BAD_JOBS = {
     "bad-kind": ({"kind": "finetune"}, "kind", "train"),
     "unknown-preset": ({"model": {"preset": "gpt-17"}}, "model.preset", "qwen2.5-7b"),
     "no-workdir": ({"workdir": "nope"}, "workdir", "does not exist"),
+    "workdir-a-file": ({"workdir": "workdir-a-file.toml"}, "workdir", "is a file; expected the directory"),
     # Values of the wrong TOML type are refused, never converted: `true` is not 1 h, "no" is not false.
     "bool-for-hours": ({"deadline_hours": True}, "deadline_hours", "expected a number, got true"),
     "string-for-number": ({"deadline_hours": "12"}, "deadline_hours", "expected a number, got a string"),
@@ -386,7 +387,8 @@ BAD_DEADLINES = {
     "no-time-zone-string": ('deadline = "2026-12-03T09:00:00"\n', "deadline", f"has no time zone: {DEADLINE_EXPECTED}"),
     "both": ("deadline = 2026-12-03T09:00:00Z\ndeadline_hours = 3\n", "deadline_hours",
              "cannot be given with 'deadline': give exactly one of them"),
-    "neither": ("", "deadline", f"is required, or 'deadline_hours': {DEADLINE_EXPECTED}"),
+    "neither": ("", "deadline", "is missing: give 'deadline', an ISO 8601 date and time with a time zone "
+                                "(2026-12-01T09:00:00Z), or 'deadline_hours', hours from now"),
 }
 
 

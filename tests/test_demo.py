@@ -67,6 +67,8 @@ def test_the_demo_refuses_a_state_dir_that_is_not_empty_and_changes_nothing(tmp_
     r = run_burstctl("--state-dir", str(state), "demo", timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
-        f"burstctl: error: field '--state-dir': '{state}' is not an empty directory: the demo keeps its state apart "
-        "from yours; give a new directory, or none"]
+        f"burstctl: error: field '--state-dir': '{state}' is not empty: the demo keeps its state apart from yours; "
+        "give a new directory, or none"]
     assert [f.name for f in state.iterdir()] == ["state.db"] and (state / "state.db").read_text() == "the user's"
+    r = run_burstctl("--state-dir", str(state / "state.db"), "demo", timeout=60)
+    assert r.returncode == 2 and f"'{state / 'state.db'}' is a file: the demo keeps" in r.stderr
