@@ -140,14 +140,17 @@ def deliver(target: Notify, payload: dict[str, Any], redact: Callable[[Any], Any
         _run_command(target, payload, redact)
 
 
+# Where a notifier's variables are read: the daemon's environment for its notices, the shell's for notify-test.
+_HERE = "the environment of the process sending the notice"
+
+
 def _post(target: Notify, payload: dict[str, Any]) -> None:
     import httpx
 
     assert target.url_env is not None
     url = os.environ.get(target.url_env, "").strip()
     if not url:
-        raise DeliveryFailed(f"the environment variable {target.url_env} (url_env) is not set in the daemon's "
-                             "environment")
+        raise DeliveryFailed(f"the environment variable {target.url_env} (url_env) is not set in {_HERE}")
     if not url.startswith(("http://", "https://")):
         raise DeliveryFailed(f"{target.url_env} does not hold an http(s) URL")
     headers = {"X-Burstctl-Notice": payload["type"], "X-Burstctl-Event-Id": str(payload["id"])}
@@ -161,8 +164,7 @@ def _post(target: Notify, payload: dict[str, Any]) -> None:
     if target.secret_env is not None:
         secret = os.environ.get(target.secret_env, "")
         if not secret:
-            raise DeliveryFailed(f"the environment variable {target.secret_env} (secret_env) is not set in the "
-                                 "daemon's environment")
+            raise DeliveryFailed(f"the environment variable {target.secret_env} (secret_env) is not set in {_HERE}")
         headers["X-Burstctl-Signature"] = signature(secret, body)
     try:
         # Errors are said by their class and status only: httpx puts the URL (the secret) in its messages.

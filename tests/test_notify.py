@@ -284,7 +284,7 @@ def test_a_signed_webhook_carries_the_hmac_of_its_exact_body(tmp_path: Path, web
     assert notify_due(app) == 0 and len(webhook.received) == 1
     (failed,) = [d for ty, d in _events(app) if ty == "notify.failed"]
     assert failed["error"] == ("the environment variable BURSTCTL_TEST_HOOK_SECRET (secret_env) is not set in the "
-                               "daemon's environment")
+                               "environment of the process sending the notice")
     _nowhere_but_the_environment(app, secret)
     app.close()
 
@@ -310,7 +310,8 @@ def test_a_webhook_that_cannot_be_reached_is_said_without_its_url(tmp_path: Path
     assert failed["error"] == {
         "closed port": "cannot reach the webhook (ConnectError)",
         "hangs": "no answer within 0.5 s",
-        "unset": f"the environment variable {HOOK_ENV} (url_env) is not set in the daemon's environment"}[trouble]
+        "unset": f"the environment variable {HOOK_ENV} (url_env) is not set in the environment of the process "
+                 "sending the notice"}[trouble]
     _nowhere_but_the_environment(app, TOKEN)
     app.close()
 
@@ -383,7 +384,7 @@ def test_a_webhook_url_pasted_where_its_variable_s_name_belongs_is_refused_unquo
 
 
 def test_notify_test_sends_through_each_notifier_and_fails_naming_those_that_did_not(
-        burstctl, tmp_path: Path, webhook: Webhook) -> None:
+        burstctl, tmp_path: Path, webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "burstctl.toml"
     cfg.write_text(f'[[notify]]\nname = "phone"\nurl_env = "{HOOK_ENV}"\n\n'
                    '[[notify]]\nname = "broken"\ncommand = ["false"]\n')
@@ -397,6 +398,13 @@ def test_notify_test_sends_through_each_notifier_and_fails_naming_those_that_did
     both = burstctl("--config", str(cfg), "notify-test", env=env)
     assert both.returncode == 1 and "not delivered by broken" in both.stderr and len(webhook.received) == 2
     assert "the command exited 1" in both.stdout
+    # From a shell without the variable: the shell's environment is the one at fault, not the daemon's.
+    monkeypatch.delenv(HOOK_ENV)
+    unset = burstctl("--config", str(cfg), "notify-test", "--name", "phone", "--json")
+    assert unset.returncode == 1 and len(webhook.received) == 2
+    assert json.loads(unset.stdout)["notifiers"][0]["result"] == (
+        f"failed: the environment variable {HOOK_ENV} (url_env) is not set in the environment of the process sending "
+        "the notice")
     unknown = burstctl("--config", str(cfg), "notify-test", "--name", "pager")
     assert unknown.returncode == 2 and "no notifier named pager (configured: phone, broken)" in unknown.stderr
 
