@@ -109,13 +109,16 @@ def _parse_window(value: object) -> object:
 
 class LocalMachine(Strict):
     gpu: str = Field("RTX 5080", description="Local GPU name, for records and tables.")
-    vram_gib: PositiveFloat = Field(16.0, description="Local GPU memory in GiB.")
+    vram_gib: PositiveFloat = Field(
+        15.92, description="Local GPU memory in GiB as nvidia-smi reports it (memory.total), which is less than the "
+        "card's marketed size: a \"16 GB\" RTX 5080 reads 16303 MiB = 15.92 GiB.")
     board_power_w: PositiveFloat = Field(400.0, description="GPU board power under training load, in watts.")
     electricity_usd_per_kwh: NonNegFloat = Field(
         0.25, description="Electricity price; with board power it gives the local $/h."
     )
     safety_margin_gib: NonNegFloat = Field(
-        1.0, description="VRAM kept free for the CUDA context and fragmentation when judging fit."
+        1.0, description="VRAM kept free on every card, the local one and rented ones (`[prices]` vram_gib), for the "
+        "CUDA context and fragmentation when judging whether a job fits."
     )
     available_hours: list[HourWindow] = Field(
         default_factory=list,
@@ -191,14 +194,16 @@ class Policy(Strict):
 class GpuPrice(Strict):
     on_demand_usd_h: PositiveFloat = Field(description="On-demand $/GPU-hour.")
     spot_usd_h: PositiveFloat | None = Field(None, description="Spot $/GPU-hour, if a spot market exists.")
-    vram_gib: PositiveFloat = Field(80.0, description="Memory per GPU.")
+    vram_gib: PositiveFloat = Field(
+        79.65, description="Memory per GPU in GiB as nvidia-smi reports it (memory.total), less than the marketed "
+        "size: H100 80GB 81559 MiB = 79.65 GiB, A100 80GB 80, A10/A10G 23028 MiB = 22.49 GiB, L40S 44.99, H200 140.4.")
 
 
 def _default_prices() -> dict[str, GpuPrice]:
     return {
-        "H100": GpuPrice(on_demand_usd_h=3.00, spot_usd_h=1.00, vram_gib=80),
+        "H100": GpuPrice(on_demand_usd_h=3.00, spot_usd_h=1.00, vram_gib=79.65),
         "A100": GpuPrice(on_demand_usd_h=1.80, spot_usd_h=0.65, vram_gib=80),
-        "A10": GpuPrice(on_demand_usd_h=0.75, spot_usd_h=0.25, vram_gib=24),
+        "A10": GpuPrice(on_demand_usd_h=0.75, spot_usd_h=0.25, vram_gib=22.49),
     }
 
 

@@ -168,6 +168,7 @@ def context(app: App, now: float) -> DecisionContext:
         burst_enabled=burst_enabled(app),
         local_hours=local_hours(cfg, now),
         local_slots=cfg.daemon.local_concurrency,
+        vram_margin_gb=cfg.local.safety_margin_gib * 2**30 / 1e9,
     )
 
 
@@ -428,6 +429,7 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
           measured: dict[str, float] | None = None, setup: SetupEstimate = UNMEASURED_SETUP,
           local_wait_h: float = 0.0) -> JobFacts:
     fits_local: bool | None = None
+    memory_why: str | None = None
     per_gpu: float | None = None
     if spec.model is not None:
         from orchestrator.core import sizing  # the sizing module is optional input to gate 1
@@ -437,7 +439,11 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
             per_gpu = sizing.estimate(spec.model, gpus=spec.gpus).per_gpu_gb
         except BadInput as exc:
             raise exc.in_file(source) if source else exc from None
-        fits_local = local.per_gpu_gb <= cfg.local.vram_gb - cfg.local.safety_margin_gib * 2**30 / 1e9
+        margin_gb = cfg.local.safety_margin_gib * 2**30 / 1e9
+        fits_local = local.per_gpu_gb <= cfg.local.vram_gb - margin_gb
+        if not fits_local:
+            memory_why = (f"it needs {local.per_gpu_gb:.1f} GB, the local {cfg.local.gpu} has {cfg.local.vram_gb:.1f} "
+                          f"GB with {margin_gb:.1f} GB kept free")
     return JobFacts(
         name=spec.name, kind=spec.kind, work=spec.work_units, s_local=spec.local_throughput,
         rented={gpu: (measured or {}).get(gpu, s_r) for gpu, s_r in _priced_names(spec.rented_throughput, cfg).items()},
@@ -445,8 +451,9 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         market=spec.market or cfg.policy.default_market, deadline_critical=spec.deadline_critical,
         market_from="job" if spec.market else "policy.default_market",
         checkpoint_interval_h=spec.checkpoint.interval_minutes / 60.0, checkpoints=spec.checkpoint.resumable,
-        fits_local_memory=fits_local, per_gpu_gb=per_gpu, setup_h=setup.hours if spec.setup else 0.0,
-        setup_basis=setup.basis if spec.setup else "", local_wait_h=local_wait_h,
+        fits_local_memory=fits_local, memory_why=memory_why, per_gpu_gb=per_gpu,
+        setup_h=setup.hours if spec.setup else 0.0, setup_basis=setup.basis if spec.setup else "",
+        local_wait_h=local_wait_h,
     )
 
 

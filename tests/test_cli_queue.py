@@ -60,6 +60,13 @@ def test_decide_says_why_a_job_does_not_fit_locally(burstctl, tmp_path: Path) ->
     job = write_job(tmp_path, "would-fit", local_throughput=0.5, rented_throughput={"H100": 0.17}, deadline_hours=48)
     r = burstctl("--config", str(tmp_path / "slotless.toml"), "decide", str(job))
     assert "  why: daemon.local_concurrency is 0: the daemon starts no local run." in r.stdout
+    # Memory: what the job needs against the local card as nvidia-smi reads it, less the margin; and a rented A10
+    # (23028 MiB) keeps the same margin free, so 7B LoRA at 3584 tokens goes to the H100.
+    big = write_job(tmp_path, "lora-7b", local_throughput=0.5, rented_throughput={"A10": 0.5, "H100": 2.0},
+                    deadline_hours=48, model={"preset": "qwen2.5-7b", "method": "lora", "context": 3584})
+    r = burstctl("decide", str(big))
+    assert "  why: it needs 23.8 GB, the local RTX 5080 has 17.1 GB with 1.1 GB kept free." in r.stdout
+    assert "A10: needs 23.8 GB per GPU and 1.1 GB kept free, has 24.1 GB: skipped" in r.stdout
 
 
 def test_a_local_run_just_past_the_deadline_is_printed_with_the_decimals_that_show_it(burstctl) -> None:

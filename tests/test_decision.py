@@ -84,6 +84,17 @@ def test_gpu_types_too_small_for_the_per_gpu_memory_are_skipped() -> None:
     assert d.verdict is Verdict.RETHINK
 
 
+def test_a_rented_card_keeps_the_same_margin_free_as_the_local_one() -> None:
+    # An A10 reads 23028 MiB = 24.15 GB: a job of 24.0 GB per GPU fits it only to the last 150 MB, which the CUDA
+    # context alone takes, so with gate 1's 1 GiB kept free it goes to the H100.
+    a10 = {**OFFERS, "A10": GpuOffer("A10", 0.75, 0.25, 23028 * 2**20 / 1e9)}
+    job = replace(C, s_local=0.0, rented={"H100": 0.17, "A10": 0.05}, deadline_h=48, per_gpu_gb=24.0)
+    assert decide(job, replace(CTX, offers=a10)).gpu == "A10"
+    d = decide(job, replace(CTX, offers=a10, vram_margin_gb=2**30 / 1e9))
+    assert d.gpu == "H100"
+    assert "A10: needs 24.0 GB per GPU and 1.1 GB kept free, has 24.1 GB: skipped" in d.reasons
+
+
 def test_spot_is_the_default_market_for_a_checkpointing_burst() -> None:
     d = decide(replace(C, s_local=0.0, market="auto", deadline_h=48), CTX)
     assert d.market is not None and d.market.market == "spot"

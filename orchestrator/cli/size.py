@@ -13,6 +13,7 @@ from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, 
 from orchestrator.config import read_toml
 from orchestrator.core.sizing import (
     COMMON_GPU_SIZES_GB,
+    COMMON_GPUS,
     KV_CACHE_NAIVE_FORMULA,
     PRESETS,
     SizingEstimate,
@@ -143,6 +144,8 @@ def _print_human(est: SizingEstimate) -> None:
     table("Training memory estimate", ["term", "GB", "what"], rows)
     marks = "  ".join(f"{s} GB {'yes' if est.fits[s] else 'no'}" for s in COMMON_GPU_SIZES_GB)
     out.print(f"Fits ({est.margin_gib:g} GiB of each card kept free, local.safety_margin_gib): {marks}")
+    out.print("  each size as its card reads in nvidia-smi: " + ", ".join(
+        f"{s} GB {card} {mib / 1024:.2f} GiB" for s, (card, mib) in COMMON_GPUS.items()))
     out.print(f"KV cache formula: {est.kv_cache_formula}")
     if est.terms["kv_cache"] > 0:
         out.print(f"  naive {KV_CACHE_NAIVE_FORMULA} = {est.kv_cache_naive_gb:.2f} GB, for comparison")

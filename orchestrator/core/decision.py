@@ -46,6 +46,7 @@ class JobFacts:
     # met, it is finished late rather than dropped into rethink with its work thrown away.
     started: bool = False
     fits_local_memory: bool | None = None  # from sizing; None when no [model] table
+    memory_why: str | None = None  # when it does not fit: what it needs against what the local card has
     per_gpu_gb: float | None = None  # from sizing, on the rented GPU count
     # The job's `setup` on a fresh instance: every instance it rents pays it, so it is part of the job's t_ovh.
     setup_h: float = 0.0
@@ -86,6 +87,9 @@ class DecisionContext:
     burst_enabled: bool = True
     local_hours: LocalHours | None = None  # local.available_hours, and the local time now (None: always open)
     local_slots: int = 1  # daemon.local_concurrency: 0 starts no local run, so nothing is planned on the local GPU
+    # GB kept free on a rented card beside the job's per-GPU estimate (local.safety_margin_gib): the rule gate 1
+    # applies to the local card, so a job is not sent to a card it fills to the last byte.
+    vram_margin_gb: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -220,8 +224,9 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         if offer is None:
             reasons.append(f"no price known for GPU type {gpu}: skipped")
             continue
-        if job.per_gpu_gb is not None and job.per_gpu_gb > offer.vram_gb:
-            reasons.append(f"{gpu}: needs {job.per_gpu_gb:.1f} GB per GPU, has {offer.vram_gb:.0f} GB: skipped")
+        if job.per_gpu_gb is not None and job.per_gpu_gb + ctx.vram_margin_gb > offer.vram_gb:
+            reasons.append(f"{gpu}: needs {job.per_gpu_gb:.1f} GB per GPU and {ctx.vram_margin_gb:.1f} GB kept free, "
+                           f"has {offer.vram_gb:.1f} GB: skipped")
             too_small = True
             continue
         candidates.append((gpu, s_r, offer))
@@ -230,7 +235,7 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         return evaluate(GateInputs(work=job.work, s_local=s_local, s_rented=s_r, deadline_h=job.deadline_h,
                                    rate_usd_per_gpu_h=rate, gpus=job.gpus, overhead_h=overhead_h,
                                    local_usd_h=local_usd_h, fits_locally=job.fits_local_memory,
-                                   local_wait_h=wait_h, unfit_why=local.unfit_why))
+                                   local_wait_h=wait_h, unfit_why=local.unfit_why or job.memory_why))
 
     if not candidates:
         g = gate(0.0, 0.0)

@@ -33,7 +33,7 @@ class GateInputs:
     local_usd_h: float = 0.10  # p_L
     fits_locally: bool | None = None  # from sizing; None = judge by s_local alone
     local_wait_h: float = 0.0  # w: local work queued ahead of this job, before the local GPU is free for it
-    unfit_why: str | None = None  # why the local GPU cannot run it, when that is not its memory or s_L = 0
+    unfit_why: str | None = None  # why the local GPU cannot run it, in words (else said from s_L or fits_locally)
 
 
 @dataclass(frozen=True)

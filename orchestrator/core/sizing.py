@@ -33,8 +33,12 @@ from orchestrator.jobspec import ModelSpec
 
 GB = 1e9
 GIB = 2**30
-# Cards by their marketed size, which is GiB of memory (a "16 GB" RTX 5080 has 16 GiB = 17.18 GB).
-COMMON_GPU_SIZES_GB: tuple[int, ...] = (16, 24, 40, 48, 80, 141)
+# Cards by their marketed size, each judged by a common card of that size as nvidia-smi reads it (memory.total, MiB):
+# less than the label, and less than its GiB (a "24 GB" A10G has 23028 MiB = 24.15 GB, not 24 GiB = 25.77 GB).
+COMMON_GPUS: dict[int, tuple[str, int]] = {16: ("RTX 5080", 16303), 24: ("A10G", 23028), 40: ("A100 40GB", 40960),
+                                           48: ("L40S", 46068), 80: ("H100", 81559), 141: ("H200", 143771)}
+COMMON_GPU_SIZES_GB: tuple[int, ...] = tuple(COMMON_GPUS)
+MIB = 2**20
 # Headroom kept free on every card for the CUDA context, allocator fragmentation and the terms this model leaves out:
 # the same rule as gate 1 (`local.safety_margin_gib`, 1 GiB by default), so `size` and the daemon agree on a card.
 # A policy, not a measurement.
@@ -130,7 +134,7 @@ class SizingEstimate:
     terms: dict[str, float]  # the six TERM_KEYS, GB for one unsharded replica
     total_gb: float  # model state + the larger of activations and KV cache: what a single GPU needs
     per_gpu_gb: float  # on `gpus` GPUs with `parallelism`
-    fits: dict[int, bool]  # common GPU size (GiB) -> per_gpu_gb fits with margin_gib kept free
+    fits: dict[int, bool]  # common GPU size (marketed GB) -> per_gpu_gb fits its COMMON_GPUS card, margin_gib kept free
     notes: list[str] = field(default_factory=list)
     gpus: int = 1
     parallelism: str = "ddp"
@@ -149,6 +153,8 @@ class SizingEstimate:
             "gpus": self.gpus,
             "parallelism": self.parallelism,
             "fits": {str(size): ok for size, ok in self.fits.items()},
+            "fits_judged_on": {str(size): {"card": card, "memory_mib": mib}
+                               for size, (card, mib) in COMMON_GPUS.items()},
             "margin_gib": self.margin_gib,
             "params": self.params,
             "trained_params": self.trained_params,
@@ -509,7 +515,7 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
             notes.append(f"ddp over {gpus} GPUs: every GPU holds everything, plus a copy of the gradients in "
                          f"DDP's all-reduce buckets ({terms['gradients']:.2f} GB); fsdp shards it")
 
-    fits = {size: per_gpu + margin_gib * GIB / GB <= size * GIB / GB for size in COMMON_GPU_SIZES_GB}
+    fits = {size: per_gpu + margin_gib * GIB / GB <= mib * MIB / GB for size, (_, mib) in COMMON_GPUS.items()}
     return SizingEstimate(terms=terms, total_gb=total, per_gpu_gb=per_gpu, fits=fits, notes=notes, gpus=gpus,
                           parallelism=model.parallelism, params=arch.params, trained_params=trained,
                           kv_cache_naive_gb=naive_kv, margin_gib=margin_gib)
