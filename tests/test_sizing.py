@@ -464,3 +464,27 @@ def test_size_bad_input_exits_2_with_one_line(args: list[str], mentions: str) ->
     assert len(lines) == 1, res.stderr
     assert mentions in lines[0]
     assert "Traceback" not in res.stderr
+
+
+def test_what_the_estimate_leaves_out_is_said_with_its_size_where_it_applies() -> None:
+    def left_out(est: object) -> list[str]:
+        return [n for n in est.notes if n.startswith("not counted")]  # type: ignore[attr-defined]
+
+    # QLoRA: PEFT's kbit preparation casts the base's 16-bit parameters (1.09 B for Qwen2.5-7B) to fp32.
+    qlora = estimate(ModelSpec(preset="qwen2.5-7b", method="qlora"))
+    kept = 1.09e9
+    assert any("prepare_model_for_kbit_training" in n and f"{kept * 2 / 1e9:.2f} GB more" in n
+               for n in left_out(qlora))
+    # Full fine-tuning: AdamW's foreach step holds sqrt(v) for every parameter in fp32 once activations are freed,
+    # 30.4 GB for 7.6 B parameters against 4.8 GB of activations; sharded by FSDP like the state it works on.
+    full = estimate(ModelSpec(preset="qwen2.5-7b"))
+    workspace = full.trained_params * 4 / 1e9
+    more = workspace - full.terms["activations"]
+    assert any(f"{workspace:.2f} GB" in n and f"{more:.2f} GB more at the step" in n for n in left_out(full))
+    fsdp = estimate(ModelSpec(preset="qwen2.5-7b", parallelism="fsdp"), gpus=4)
+    assert any(f"{workspace / 4:.2f} GB" in n for n in left_out(fsdp))
+    # FSDP: the root unit's embeddings and lm_head (2 × 545 M, untied) stay gathered, with their gradients under
+    # full fine-tuning, and two layers are gathered at a time.
+    assert any("FSDP's gathered parameters" in n and "about 5.29 GB more per GPU" in n for n in left_out(fsdp))
+    # LoRA in bf16 has no quantized base to prepare and a step workspace of its adapters only: nothing to say.
+    assert left_out(estimate(ModelSpec(preset="qwen2.5-7b", method="lora"))) == []

@@ -398,12 +398,16 @@ def kv_cache_bytes_naive(arch: Architecture, context: int, sequences: int, compu
     return arch.layers * 2 * arch.hidden_size * context * compute_bytes * sequences
 
 
+def _tied(model: ModelSpec) -> bool:
+    """One matrix for the input embedding and the lm_head: a preset says; a hand-described model is taken as untied."""
+    preset = PRESETS.get(model.preset.lower()) if model.preset else None
+    return preset.tied_embeddings if preset is not None else False
+
+
 def unquantized_params(model: ModelSpec, arch: Architecture) -> float:
     """Parameters a quantized base keeps in 16-bit: the input embedding, an untied lm_head and the norms. A
     hand-described model is taken as untied (the larger figure) when its vocab is known."""
-    preset = PRESETS.get(model.preset.lower()) if model.preset else None
-    tied = preset.tied_embeddings if preset is not None else False
-    embeddings = (arch.vocab_size or 0) * arch.hidden_size * (1 if tied else 2)
+    embeddings = (arch.vocab_size or 0) * arch.hidden_size * (1 if _tied(model) else 2)
     return float(embeddings + arch.hidden_size * (2 * arch.layers + 1))
 
 
@@ -442,6 +446,9 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
                      "bitsandbytes leaves them")
         notes.append(f"{model.method}: frozen {base}; {_fmt_count(adapter_params)} adapter parameters "
                      f"(r={model.lora_rank} on {', '.join(targets)}) carry the gradients and Adam state")
+        if kept_16bit * 2.0 / GB >= 0.01:
+            notes.append(f"not counted: PEFT's prepare_model_for_kbit_training (TRL's SFTTrainer calls it for a "
+                         f"quantized base) casts those 16-bit parameters to fp32: {kept_16bit * 2.0 / GB:.2f} GB more")
 
     sequences = 0
     if model.group_size > 0:
@@ -477,7 +484,9 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
                  + ("; frozen matmuls keep nothing of their inputs, each adapter its input and A's output in fp32 "
                     "(PEFT's adapter dtype)" if lora is not None else ""))
     if arch.vocab_size is None:
-        notes.append("vocab size unknown: the output logits (often GBs at long context) are not counted")
+        notes.append("vocab size unknown: the output logits (often GBs at long context) are not counted"
+                     + ("; nor the 16-bit embeddings and lm_head of the quantized base, counted as quantized"
+                        if quantized else ""))
     if sequences:
         ratio = naive_kv / terms["kv_cache"]
         notes.append(f"rollout KV cache for {sequences} concurrent sequences (G={model.group_size} × "
@@ -498,6 +507,14 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
     # training forward (measured: 0.01 MB left of a 1 MB cache, benchmarks/sizing_measured.py), so the peak holds the
     # larger of the two, not their sum.
     turns = max(terms["activations"], terms["kv_cache"])
+    if model.method == "full":
+        # torch.optim.AdamW's default (foreach) step allocates sqrt(v) for every trained tensor, once the backward's
+        # activations are freed: the peak is the larger of the two.
+        workspace = trained * FP32_BYTES / GB / (gpus if model.parallelism == "fsdp" else 1)
+        if workspace > turns:
+            notes.append(f"not counted: AdamW's step workspace (torch's default foreach implementation: a temporary "
+                         f"of the trained parameters in fp32, {workspace:.2f} GB, when the activations are freed): "
+                         f"{workspace - turns:.2f} GB more at the step; fused=True needs none")
     state = sum(terms[k] for k in SHARDED_BY_FSDP)
     total = state + turns
     if model.parallelism == "fsdp":
@@ -507,6 +524,15 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
         else:
             notes.append(f"fsdp over {gpus} GPUs: weights, gradients, optimizer and adapters sharded; "
                          "activations and KV cache stay per GPU")
+            # The root unit (embeddings, lm_head) is not resharded after the forward, and each layer is gathered
+            # whole while it runs, with the next one prefetched.
+            embeddings = (arch.vocab_size or 0) * arch.hidden_size * (1 if _tied(model) else 2)
+            layer_params = max(arch.params - embeddings, 0.0) / arch.layers
+            gathered = (embeddings * (base_bytes + compute_bytes * (model.method == "full"))
+                        + 2 * layer_params * base_bytes) / GB
+            notes.append(f"not counted: FSDP's gathered parameters, the root unit's embeddings and lm_head kept whole"
+                         f"{' with their gradients' if model.method == 'full' else ''} and the layer running and "
+                         f"the one prefetched: about {gathered:.2f} GB more per GPU")
     else:
         per_gpu = total
         if gpus > 1:
