@@ -91,11 +91,10 @@ def format_validation_error(exc: Any, source: str | Path) -> BadInput:
     elif kind == "value_error":
         msg = msg.removeprefix("Value error, ")  # pydantic's prefix on a validator's own words
     elif kind in _BOUND:
-        given = first.get("input")
-        what = "an integer" if isinstance(given, int) and not isinstance(given, bool) else "a number"
+        # "a number" for integer fields too: an integer is one, and a fraction given to one fails as int_from_float.
         bound = first.get("ctx", {}).get(_BOUND[kind][0])
         shown = f"{bound:g}" if isinstance(bound, int | float) else bound
-        msg = f"expected {what} {_BOUND[kind][1]} {shown}, got {what_was_given(given)}"
+        msg = f"expected a number {_BOUND[kind][1]} {shown}, got {what_was_given(first.get('input'))}"
     elif kind in _EXPECTED_TYPE:
         msg = f"expected {_EXPECTED_TYPE[kind]}, got {what_was_given(first.get('input'))}"
     elif kind == "extra_forbidden":

@@ -226,7 +226,10 @@ BAD_JOBS = {
     "zero-work": ({"work_units": 0}, "work_units", "greater than 0"),
     "negative-work": ({"work_units": -3}, "work_units", "greater than 0"),
     "past-deadline": ({"deadline_hours": None, "deadline": "2020-01-01T00:00:00Z"}, "deadline", "past"),
-    "zero-gpus": ({"gpus": 0}, "gpus", "greater than or equal to 1"),
+    "zero-gpus": ({"gpus": 0}, "gpus", "expected a number greater than or equal to 1, got 0"),
+    # A whole number given to a field of fractions is not told to be "an integer" (0.5 min is a fine interval).
+    "zero-interval": ({"checkpoint": {"interval_minutes": 0}}, "checkpoint.interval_minutes",
+                      "expected a number greater than 0, got 0"),
     "non-numeric-throughput": ({"local_throughput": "fast"}, "local_throughput", "number"),
     "bad-kind": ({"kind": "finetune"}, "kind", "train"),
     "unknown-preset": ({"model": {"preset": "gpt-17"}}, "model.preset", "qwen2.5-7b"),
