@@ -5,7 +5,9 @@ cloud unreachable nothing is silently left, and the local platform keeps working
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from tests.e2e import (
     GONE,
     SIM_KEY,
     Daemon,
+    burstctl_argv,
     cli,
     cloud,
     events,
@@ -83,6 +86,17 @@ def test_revert_local_with_the_cloud_gone_reports_what_is_unverified(tmp_path: P
         daemon = Daemon(tmp_path, config, state).start()
         wait_for(lambda: events(state, "attempt.running"), 120, "the attempt to run")
         daemon.kill(signal.SIGTERM)
+        # From a shell without simcloud's key (a service's keys live in its env file): sim was never asked what
+        # runs there, so nothing on it is confirmed gone, and it says why rather than "no instance was running".
+        shell = {k: v for k, v in os.environ.items() if k != "BURSTCTL_SIM_API_KEY"}
+        keyless = subprocess.run(burstctl_argv("--config", str(config), "--state-dir", str(state), "revert-local",
+                                               "--json", "--timeout", "20"), env=shell, capture_output=True,
+                                 text=True, timeout=300)
+        assert keyless.returncode == 1
+        report = json.loads(keyless.stdout)
+        assert not report["all_gone"] and report["left"][0]["terminated"] == "unverified"
+        assert "BURSTCTL_SIM_API_KEY" in report["not_swept"]["sim"]
+        assert "sim not swept (no API key: set the environment variable BURSTCTL_SIM_API_KEY)" in keyless.stderr
     # simcloud is gone now (its instances died with it): nothing can confirm the instance is gone.
     r = cli(config, state, "revert-local", "--json", "--timeout", "20")
     assert r.returncode == 1

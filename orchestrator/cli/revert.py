@@ -20,7 +20,8 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
     """Go back to local-only in one command: stop launching, bring checkpoints home, terminate every owned
     instance (orphans too), requeue bursted jobs locally. Works with or without the daemon running.
 
-    Exit 0 when every owned instance is confirmed gone, 1 otherwise (naming what is left)."""
+    Exit 0 when every owned instance is confirmed gone, 1 otherwise (naming what is left, and every enabled provider
+    this shell could not ask, e.g. without its API key)."""
     report = revert_local(app, build_reconciler(app), timeout_s=timeout_s)
     if as_json:
         print_json(report.as_dict())
@@ -31,14 +32,22 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
                   [(r.job or "—", r.checkpoint or "—", r.provider, r.instance or "—", r.terminated)
                    for r in report.rows])
         else:
-            out.print("no instance was running")
+            out.print("no instance was running" if not report.not_swept and not report.unreachable
+                      else "no instance found on the providers that answered")
         if report.requeued_local:
             out.print(f"requeued locally: {', '.join(report.requeued_local)}")
         if report.held:
             out.print(f"held (do not fit locally): {', '.join(report.held)}")
-    if report.left:
-        left = ", ".join(f"{r.provider}:{r.instance} ({r.terminated})" for r in report.left)
-        raise OperationalError(f"not confirmed gone: {left}; the daemon keeps retrying (`burstctl status`)")
+        for name, why in report.not_swept.items():
+            out.print(f"{name}: not asked what runs there: {why}")
+        for name in report.unreachable:
+            out.print(f"{name}: did not answer")
+    problems = [f"{r.provider}:{r.instance} ({r.terminated})" for r in report.left]
+    problems += [f"{name} not swept ({why})" for name, why in report.not_swept.items()]
+    problems += [f"{name} unreachable" for name in report.unreachable if name not in report.not_swept]
+    if problems:
+        raise OperationalError(f"not confirmed gone: {'; '.join(problems)}; a running daemon keeps sweeping with "
+                               "its own credentials (`burstctl status`), or run revert-local where they are set")
 
 
 @cli.command("burst-enable")

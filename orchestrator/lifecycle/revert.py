@@ -8,7 +8,8 @@
    cannot fit locally until `burstctl burst-enable`).
 
 A provider that cannot be reached leaves its instances *unverified*: recorded, retried by the daemon's sweep with
-an event each time, and reported (exit 1) so nothing is silently left running.
+an event each time, and reported (exit 1) so nothing is silently left running. So does an enabled provider this
+process cannot use at all (its API key is not in this shell's environment, say): it was never asked what runs there.
 """
 
 from __future__ import annotations
@@ -48,16 +49,23 @@ class RevertReport:
     requeued_local: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)
+    # Enabled providers this process cannot use (no API key in its environment, say), by why: never asked what
+    # runs there, so nothing is confirmed gone on them.
+    not_swept: dict[str, str] = field(default_factory=dict)
 
     @property
     def left(self) -> list[RevertRow]:
         return [r for r in self.rows if r.terminated != "yes"]
 
+    @property
+    def all_gone(self) -> bool:
+        return not self.left and not self.unreachable and not self.not_swept
+
     def as_dict(self) -> dict[str, Any]:
         return {"mode": "local-only", "instances": [r.as_dict() for r in self.rows],
                 "requeued_local": self.requeued_local, "held_until_burst_enable": self.held,
-                "unreachable_providers": self.unreachable, "left": [r.as_dict() for r in self.left],
-                "all_gone": not self.left}
+                "unreachable_providers": self.unreachable, "not_swept": self.not_swept,
+                "left": [r.as_dict() for r in self.left], "all_gone": self.all_gone}
 
 
 def set_burst_enabled(app: App, enabled: bool, why: str) -> bool:
@@ -95,7 +103,7 @@ def restore_plans(app: App) -> list[str]:
 
 def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) -> RevertReport:
     set_burst_enabled(app, False, "revert-local")
-    report = RevertReport()
+    report = RevertReport(not_swept=dict(reconciler.unavailable))
     deadline = time.monotonic() + timeout_s
 
     with app.store.engine.connect() as c:
@@ -142,7 +150,8 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) 
 
     _requeue_local(app, report)
     app.events.emit("revert_local.done", instances=len(report.rows), left=len(report.left),
-                    requeued_local=report.requeued_local, held=report.held, unreachable=report.unreachable)
+                    requeued_local=report.requeued_local, held=report.held, unreachable=report.unreachable,
+                    not_swept=sorted(report.not_swept))
     return report
 
 
@@ -150,7 +159,7 @@ def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, 
     job = app.store.get_job(att["job_id"]) or {"id": att["job_id"], "state": "running", "spec": {}}
     provider = rec.providers.get(att["provider"])
     if provider is None:
-        if att["provider"] not in report.unreachable:
+        if att["provider"] not in report.unreachable and att["provider"] not in report.not_swept:
             report.unreachable.append(att["provider"])
         if att["instance_id"]:
             _record_instance(app, att["provider"], att["instance_id"], att["id"], "unverified")
@@ -181,7 +190,7 @@ def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, 
         if rec.cloud is not None:  # local-only from now on: S3 keeps nothing that what is home supersedes
             rec.cloud.release_s3(current, job)
     else:
-        status = "unverified" if att["provider"] in report.unreachable else "no"
+        status = "unverified" if att["provider"] in report.unreachable or att["provider"] in report.not_swept else "no"
         if current["instance_id"]:
             _record_instance(app, att["provider"], current["instance_id"], att["id"], status)
     return RevertRow(att["job_id"], att["provider"], current["instance_id"], synced, status)
