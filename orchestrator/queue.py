@@ -444,9 +444,12 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         if not fits_local:
             memory_why = (f"it needs {local.per_gpu_gb:.1f} GB, the local {cfg.local.gpu} has {cfg.local.vram_gb:.1f} "
                           f"GB with {margin_gb:.1f} GB kept free")
+    priced = _priced_names(spec.rented_throughput, cfg)
+    measured = {gpu: s_r for gpu, s_r in (measured or {}).items() if gpu in priced}
     return JobFacts(
         name=spec.name, kind=spec.kind, work=spec.work_units, s_local=spec.local_throughput,
-        rented={gpu: (measured or {}).get(gpu, s_r) for gpu, s_r in _priced_names(spec.rented_throughput, cfg).items()},
+        rented={**priced, **measured},
+        rented_in_file={gpu: priced[gpu] for gpu, s_r in measured.items() if s_r != priced[gpu]},
         gpus=spec.gpus, deadline_h=(deadline_at - now) / 3600.0,
         market=spec.market or cfg.policy.default_market, deadline_critical=spec.deadline_critical,
         market_from="job" if spec.market else "policy.default_market",

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import insert
 
 from orchestrator.app import App
+from orchestrator.core.decision import decide
 from orchestrator.queue import context, measured_overhead_h
 from state import schema as s
 
@@ -46,8 +47,12 @@ def test_a_jobs_measured_cloud_throughput_replaces_its_guess_in_later_decisions(
                                                 metric="throughput_units_h", value=9.0))
     measured = measured_rented_throughput(app, spec)
     assert measured == {"H100": pytest.approx(0.23)}
-    assert facts(spec, 36000.0, 0.0, app.config, measured=measured).rented == {"H100": pytest.approx(0.23),
-                                                                               "A100": 0.09}
+    job = facts(spec, 36000.0, 0.0, app.config, measured=measured)
+    assert job.rented == {"H100": pytest.approx(0.23), "A100": 0.09}
+    # The decision says so: a smoke run under the same name would otherwise silently reprice the real job.
+    assert job.rented_in_file == {"H100": 0.17}
+    assert "s_R on H100: 0.23 units/h per GPU, measured on earlier runs of weekly-finetune (the job file says " \
+        "0.17)" in decide(job, context(app, 0.0)).reasons
     app.close()
 
 

@@ -47,6 +47,8 @@ class JobFacts:
     started: bool = False
     fits_local_memory: bool | None = None  # from sizing; None when no [model] table
     memory_why: str | None = None  # when it does not fit: what it needs against what the local card has
+    # GPU type → the job file's s_R, where `rented` holds the s_R measured on earlier runs of the job's name instead.
+    rented_in_file: dict[str, float] = field(default_factory=dict)
     per_gpu_gb: float | None = None  # from sizing, on the rented GPU count
     # The job's `setup` on a fresh instance: every instance it rents pays it, so it is part of the job's t_ovh.
     setup_h: float = 0.0
@@ -229,6 +231,9 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
                            f"has {offer.vram_gb:.1f} GB: skipped")
             too_small = True
             continue
+        if gpu in job.rented_in_file:
+            reasons.append(f"s_R on {gpu}: {s_r:.4g} units/h per GPU, measured on earlier runs of {job.name} (the job "
+                           f"file says {job.rented_in_file[gpu]:.4g})")
         candidates.append((gpu, s_r, offer))
 
     def gate(s_r: float, rate: float) -> GateResult:
