@@ -148,11 +148,21 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
     else:
         p(f"GATE 1: fits locally. local wall-clock ~ {d['t_local_h']:.2f} h, cost ~ ${d['c_local_usd']:.2f} "
           "(electricity).")
-        if d["verdict"] == "local":
-            p("GATE 2: local MAKES the deadline ({} h <= {} h) -> RUN LOCAL. ".format(*_apart(d["t_local_h"], D)) +
-              "Renting is waste.")
+        # Gate 2 asks when local is done: after the local work queued ahead of it (w), then T_L.
+        wait = d.get("local_wait_h") or 0.0
+        finish = d["t_local_h"] + wait
+        shown = "{} h" + (f" ({wait:.2f} h queued ahead + {d['t_local_h']:.2f} h)" if wait > 0 else "")
+        if d["verdict"] == "local" and finish <= D:
+            f, dl = _apart(finish, D)
+            p(f"GATE 2: local MAKES the deadline ({shown.format(f)} <= {dl} h) -> RUN LOCAL. Renting is waste.")
+        elif d["verdict"] == "local":  # only the queue ahead makes it late, and renting misses too
+            f, dl = _apart(finish, D)
+            tr = d["t_rented_h"]
+            rented = f"rented misses it too ({tr:.2f} h)" if tr is not None else "nothing rented can run it"
+            p(f"GATE 2: local MISSES the deadline ({shown.format(f)} > {dl} h), but {rented} -> RUN LOCAL, late.")
         else:
-            p("GATE 2: local MISSES the deadline ({} h > {} h).".format(*_apart(d["t_local_h"], D)))
+            f, dl = _apart(finish, D)
+            p(f"GATE 2: local MISSES the deadline ({shown.format(f)} > {dl} h).")
             if d["verdict"] == "rethink":
                 tr = d["t_rented_h"]
                 p(f"  ...but rented also misses ({tr:.2f} h). Rethink scope, not hardware." if tr is not None
