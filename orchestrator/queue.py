@@ -445,6 +445,11 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
             memory_why = (f"it needs {local.per_gpu_gb:.1f} GB, the local {cfg.local.gpu} has {cfg.local.vram_gb:.1f} "
                           f"GB with {margin_gb:.1f} GB kept free")
     priced = _priced_names(spec.rented_throughput, cfg)
+    unpriced = [gpu for gpu in priced if gpu not in cfg.prices]
+    if unpriced and source is not None:  # a job file taken in: a typo is refused, not queued to rethink
+        gpu = unpriced[0]
+        raise BadInput(f"'{gpu}' is not a GPU type of [prices] ({', '.join(sorted(cfg.prices))}): name one of "
+                       f"them, or add [prices.{gpu}] to the config", source=source, field=f"rented_throughput.{gpu}")
     measured = {gpu: s_r for gpu, s_r in (measured or {}).items() if gpu in priced}
     return JobFacts(
         name=spec.name, kind=spec.kind, work=spec.work_units, s_local=spec.local_throughput,

@@ -542,14 +542,27 @@ def test_a_deadline_that_renting_meets_for_less_than_local_is_called_cheaper_not
     assert "ΔC = −$39.68 to save 496.56 h" in record and "$-" not in record
 
 
-def test_a_job_naming_only_unpriced_gpu_types_is_told_to_price_them_not_to_rethink_its_scope(
-        burstctl, tmp_path: Path) -> None:
-    job = write_job(tmp_path, "b200-only", local_throughput=0.01, rented_throughput={"B200": 1.0}, deadline_hours=12)
-    r = burstctl("decide", str(job))
-    assert r.returncode == 0, r.stderr
-    assert ("no GPU type in rented_throughput has a price: name a type of [prices] in the config "
-            "(A10, A100, H100) or add a [prices.<GPU>] table") in r.stdout
-    assert "LoRA" not in r.stdout
+def test_a_job_file_naming_an_unpriced_gpu_type_is_refused_naming_the_priced_ones(burstctl, tmp_path: Path) -> None:
+    # A typo ("H10O") or a type the config has no price for would be skipped, and the job queued to rethink.
+    job = write_job(tmp_path, "b200-too", local_throughput=0.01, rented_throughput={"H100": 0.17, "B200": 1.0},
+                    deadline_hours=12)
+    for command in ("decide", "enqueue"):
+        r = burstctl(command, str(job))
+        assert (r.returncode, r.stderr) == (2, f"burstctl: error: {job}: field 'rented_throughput.B200': 'B200' is "
+                                               "not a GPU type of [prices] (A10, A100, H100): name one of them, or "
+                                               "add [prices.B200] to the config\n")
+    assert json.loads(burstctl("list", "--json").stdout) == []
+
+
+def test_a_queued_job_whose_gpu_types_lost_their_prices_is_told_to_price_them_not_to_rethink_its_scope() -> None:
+    # A config reload can take a price away from a job queued with it: the decision says what to do.
+    from orchestrator.core.decision import DecisionContext, JobFacts, decide
+
+    job = JobFacts(name="b200-only", kind="train", work=1, s_local=0.01, rented={"B200": 1.0}, gpus=1, deadline_h=12)
+    d = decide(job, DecisionContext(local_usd_h=0.1, offers={}, overhead_h=0.5))
+    assert any(r.startswith("no GPU type in rented_throughput has a price: name a type of [prices] in the config")
+               for r in d.reasons)
+    assert not any("LoRA" in r for r in d.reasons)
 
 
 def test_a_local_job_is_not_given_a_reason_about_rented_gpu_types(burstctl, tmp_path: Path) -> None:
