@@ -11,6 +11,7 @@ import os
 import posixpath
 import shlex
 import time
+from collections.abc import Iterable
 from datetime import UTC, date, datetime
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
@@ -240,6 +241,15 @@ class JobSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _finishable(self) -> JobSpec:
+        rates = {"local_throughput": self.local_throughput,
+                 **{gpu: s_r * self.gpus for gpu, s_r in self.rented_throughput.items()}}
+        why = too_much_work(self.work_units, rates.values())
+        if why:
+            raise FieldValueError("work_units", why)
+        return self
+
+    @model_validator(mode="after")
     def _one_deadline(self) -> JobSpec:
         if self.deadline is not None and self.deadline_hours is not None:
             raise FieldValueError("deadline_hours", "cannot be given with 'deadline': give exactly one of them")
@@ -253,6 +263,18 @@ class JobSpec(BaseModel):
             return self.deadline.timestamp()
         assert self.deadline_hours is not None
         return now + self.deadline_hours * 3600.0
+
+
+def too_much_work(work: float, rates: Iterable[float]) -> str | None:
+    """Why no GPU given finishes `work` units within the longest deadline there is (10 years), or None. Such a job
+    can meet no deadline, and its hours overflow every figure printed for it."""
+    best = max((r for r in rates if r > 0), default=0.0)
+    hours = work / best if best > 0 else math.inf
+    if hours <= MAX_DEADLINE_HOURS:
+        return None
+    took = f"{hours:.3g} h" if math.isfinite(hours) else "beyond any number of hours"
+    return (f"{work:g} units take {took} at the fastest throughput given ({best:g} units/h); expected work some GPU "
+            f"finishes within {MAX_DEADLINE_YEARS} years ({MAX_DEADLINE_HOURS:.0f} h), the longest deadline")
 
 
 def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float]:

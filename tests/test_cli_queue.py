@@ -366,6 +366,22 @@ def test_decide_flags_reject_inf_and_nan_and_record_nothing(burstctl, flag: str,
     assert _written(burstctl) == []
 
 
+def test_work_no_gpu_given_finishes_within_the_longest_deadline_is_refused(burstctl, tmp_path: Path) -> None:
+    # 1e300 units at 0.17 units/h is finite but meets no deadline, and would print 300-digit hours.
+    r = burstctl("decide", "--work", "1e300", "--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12",
+                 "--rate", "3")
+    assert (r.returncode, r.stderr) == (2, "burstctl: error: field '--work': 1e+300 units take 5.88e+300 h at the "
+                                           "fastest throughput given (0.17 units/h); expected work some GPU finishes "
+                                           "within 10 years (87660 h), the longest deadline\n")
+    path = write_job(tmp_path, "endless", work_units=1e308, local_throughput=0, rented_throughput={"H100": 0.17})
+    r = burstctl("enqueue", str(path))
+    assert r.returncode == 2 and f"{path}: field 'work_units': 1e+308 units take beyond any number of hours" in r.stderr
+    # A job slow locally but fine rented is not: the fastest GPU given is what counts.
+    slow_here = write_job(tmp_path, "slow-here", work_units=1, local_throughput=1e-9, rented_throughput={"H100": 0.17})
+    assert burstctl("decide", str(slow_here), "--json").returncode == 0
+    assert _written(burstctl) != []
+
+
 def test_decide_on_a_job_file_rejects_an_infinite_overhead(burstctl, tmp_path: Path) -> None:
     r = burstctl("decide", str(write_job(tmp_path)), "--overhead-h", "inf")
     assert (r.returncode, r.stderr) == (2, "burstctl: error: field '--overhead-h': expected a finite non-negative "

@@ -22,6 +22,7 @@ from orchestrator.jobspec import (
     NAME_MAX,
     NAME_PATTERN,
     load_job,
+    too_much_work,
 )
 from orchestrator.queue import (
     context,
@@ -100,6 +101,9 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
             _positive(k, flags[k], allow_zero=True)
         if gpus is not None and gpus < 1:
             raise BadInput(f"expected an integer ≥ 1, got {gpus}", field="--gpus")
+        why = too_much_work(work or 1.0, [s_local or 0.0, (s_rented or 5.0) * (gpus or 1)])
+        if why:
+            raise BadInput(why, field="--work")
         if not re.fullmatch(NAME_PATTERN, name) or len(name) > NAME_MAX:
             raise BadInput(f"expected {NAME_EXPECTED} characters", field="--name")
         job = JobFacts(name=name, kind="train", work=work or 1.0, s_local=s_local or 0.0,
