@@ -9,7 +9,7 @@ Contract (see docs/job-contract.md):
 - $BURST_RESUME_FROM (if set and not empty) names the checkpoint to resume from; it is verified first and the
   trainer refuses (exit 2) to resume from a checkpoint that does not verify;
 - SIGTERM: finish the current step, write a checkpoint at it (after --stop-seconds), exit 143;
-- progress goes to $BURST_METRICS_FILE; the final result to --out or $BURST_CHECKPOINT_DIR/../result.json.
+- progress goes to $BURST_METRICS_FILE; the final result to --out or result.json in the working directory.
 
 `burst_checkpoint` is found next to this file or on PYTHONPATH (how the daemon ships it to an instance), else in the
 installed `runbooks` package, else in ../runbooks of a source checkout.
@@ -224,7 +224,9 @@ class Trainer:
         if self.saved_step != self.state["step"]:
             self.save()
         self.report()
-        out = Path(args.out) if args.out else self.ckpt_dir.resolve().parent / "result.json"
+        # In the working directory, the job's workdir, where `outputs` are read from: beside the checkpoint dir it
+        # was shared by every local job (<state>/checkpoints/) and out of the outputs' reach on an instance.
+        out = Path(args.out or "result.json")
         write_json_atomic(out, {"step": self.state["step"], "steps": args.steps, "seed": args.seed,
                                 "w": self.state["w"], "b": self.state["b"], "last_batch_loss": loss,
                                 "state_sha256": state_hash(self.state)})
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fail-at-step", type=int, default=0,
                    help="exit 1 on reaching this step, after its checkpoint if one falls due (a bug, to try "
                         "`burstctl retry`); 0: never")
-    p.add_argument("--out", default="", help="result.json path (default: $BURST_CHECKPOINT_DIR/../result.json)")
+    p.add_argument("--out", default="", help="result.json path (default: result.json in the working directory)")
     p.add_argument("--log-dir", default="", help="write a line per step (step, loss) to a file of this run's own "
                    "in this directory, run-attempt<N>.jsonl (N: $BURST_ATTEMPT), as TensorBoard writes one per run")
     args = p.parse_args(argv)

@@ -10,6 +10,7 @@ CLI:  python3 job_outputs.py WORKDIR PATTERN...   -> prints the matches, relativ
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import sys
 from pathlib import Path
@@ -24,6 +25,13 @@ def list_outputs(workdir: str | Path, patterns: list[str]) -> list[str]:
                 if path.is_file() and path.resolve() == path:  # under the resolved root: no link on its way
                     found.add(path.relative_to(root).as_posix())
     return sorted(found)
+
+
+def unmatched(patterns: list[str], names: list[str]) -> list[str]:
+    """The patterns no file in `names` (as `list_outputs` gives them) came from: a result the job did not write, or
+    an `outputs` entry with a typo. Lenient (a `*` here crosses directories), so it never calls a match missing."""
+    return [p for p in patterns if not any(n == p.rstrip("/") or n.startswith(p.rstrip("/") + "/")
+                                           or fnmatch.fnmatchcase(n, p.rstrip("/")) for n in names)]
 
 
 if __name__ == "__main__":

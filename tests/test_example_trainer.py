@@ -155,7 +155,7 @@ def test_runs_are_deterministic_and_report_result_and_metrics(tmp_path: Path) ->
         root.mkdir()
         proc = run_trainer(root, "--steps", "60", "--checkpoint-every", "20")
         assert proc.returncode == 0, proc.stderr
-    result = json.loads((first / "result.json").read_text())  # default: next to the checkpoint dir
+    result = json.loads((first / "result.json").read_text())  # default: in the working directory
     assert result == json.loads((second / "result.json").read_text())
     assert result["step"] == 60
     assert result["last_batch_loss"] < 1.0  # it learns: the data's noise has variance 0.01

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from orchestrator.app import App
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
 from orchestrator.queue import enqueue
-from runbooks import supervisor
+from runbooks import job_outputs, supervisor
 from state import schema as s
 from tests.conftest import write_job
 
@@ -163,7 +163,7 @@ def test_a_job_that_finishes_here_copies_its_outputs_where_a_cloud_run_s_come_ho
     (tmp_path / "work").mkdir()
     job_id, _, _ = enqueue(app, write_job(tmp_path, "eval-here", workdir="work", local_throughput=1.0,
                                           command=[sys.executable, "-c", WRITES_RESULTS],
-                                          outputs=["result.json", "eval/"]))
+                                          outputs=["result.json", "eval/", "metrics/*.csv", "model.pt"]))
     _finish(app, job_id)
 
     assert app.store.get_job(job_id)["state"] == "done"
@@ -173,7 +173,8 @@ def test_a_job_that_finishes_here_copies_its_outputs_where_a_cloud_run_s_come_ho
         "eval/a.json", "eval/b.json", "result.json"]
     assert only_attempt(app, job_id)["info"]["outputs"] == ["eval/a.json", "eval/b.json", "result.json"]
     (told,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.outputs_home"]
-    assert told == {"files": 3, "dir": str(home)}
+    # What it named and did not write is said: a result the run did not produce, or a typo in `outputs`.
+    assert told == {"files": 3, "dir": str(home), "missing": ["metrics/*.csv", "model.pt"]}
     # A copy: the workdir keeps its own, and the next run rewriting them there leaves this job's alone.
     (tmp_path / "work" / "result.json").write_text('{"loss": 0.5}')
     assert (home / "result.json").read_text() == '{"loss": 1}'
@@ -196,3 +197,14 @@ def test_outputs_that_cannot_be_copied_are_said_and_the_job_is_done_with_them_in
     assert (tmp_path / "work" / "result.json").exists()
     assert not [e for e in app.store.events(job_id=job_id) if e["type"] == "job.outputs_home"]
     app.close()
+
+
+@pytest.mark.parametrize(("patterns", "names", "missing"), [
+    (["result.json", "eval/", "runs"], ["eval/a.json", "result.json", "runs/1/events"], []),
+    (["eval/*.json", "*.pt"], ["eval/a.json"], ["*.pt"]),
+    (["eval/"], [], ["eval/"]),
+    (["result.jsn"], ["result.json"], ["result.jsn"]),
+])
+def test_the_outputs_patterns_that_matched_no_file_are_the_missing_ones(patterns: list[str], names: list[str],
+                                                                        missing: list[str]) -> None:
+    assert job_outputs.unmatched(patterns, names) == missing

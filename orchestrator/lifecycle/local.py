@@ -311,8 +311,9 @@ class LocalRunner:
                                  error=f"{type(exc).__name__}: {exc.strerror or exc}", workdir=str(work))
             return
         info["outputs"] = names
+        missing = job_outputs.unmatched(patterns, names)
         self.app.events.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
-                             dir=str(home))
+                             dir=str(home), **({"missing": missing} if missing else {}))
 
     def _hold(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], why: str) -> str:
         """The hand-over is due but no cloud can take the rest: run on locally, say so (an event when it starts

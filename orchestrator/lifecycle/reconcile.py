@@ -56,6 +56,7 @@ from providers.base import (
     Provider,
     ProviderError,
 )
+from runbooks import job_outputs
 from state import schema as s
 
 if TYPE_CHECKING:
@@ -1040,8 +1041,9 @@ class Reconciler:
         if names is None:
             return False
         info["outputs"] = names
+        missing = job_outputs.unmatched(job["spec"]["outputs"], names)
         self.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
-                  dir=str(job_outputs_dir(self.cfg, job["id"])))
+                  dir=str(job_outputs_dir(self.cfg, job["id"])), **({"missing": missing} if missing else {}))
         return True
 
     def _sync_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
