@@ -15,7 +15,7 @@ Contract (see docs/job-contract.md), as examples/trainer.py:
   verify, or has another seed or world size, exits 2 (it never silently starts over);
 - SIGTERM (torchrun forwards it to every worker): the ranks agree at the next step boundary to stop (an all-reduce
   of the flag, so all stop at the same step), rank 0 checkpoints that step (unless just saved), every rank exits 143;
-- rank 0 writes progress to $BURST_METRICS_FILE and the final result to --out or $BURST_CHECKPOINT_DIR/../result.json,
+- rank 0 writes progress to $BURST_METRICS_FILE and the final result to --out or result.json in the working directory,
   including what each worker saw of torchrun's environment (rank, local rank, world size, pid).
 
 `burst_checkpoint` is found next to this file or on PYTHONPATH (how the daemon ships it to an instance), else in the
@@ -230,7 +230,7 @@ class DdpTrainer:
         loss_t = torch.tensor([loss], dtype=DTYPE)
         dist.all_reduce(loss_t)  # the mean of the ranks' last batch losses: a + b in one order, as the gradients
         if self.rank == 0:
-            out = Path(args.out) if args.out else self.ckpt_dir.resolve().parent / "result.json"
+            out = Path(args.out or "result.json")  # the working directory, the job's workdir, where outputs are read
             write_json_atomic(out, {
                 "step": self.step, "steps": args.steps, "seed": args.seed, "world_size": self.world,
                 "workers": workers, "w": self.net.weight.detach().flatten().tolist(),
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--keep", type=int, default=3, help="complete checkpoints kept on disk (0 = all)")
-    p.add_argument("--out", default="", help="result.json path (default: $BURST_CHECKPOINT_DIR/../result.json)")
+    p.add_argument("--out", default="", help="result.json path (default: result.json in the working directory)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.checkpoint_every < 1 or args.step_seconds < 0 or args.keep < 0:
         p.error("--steps and --checkpoint-every must be >= 1, --step-seconds and --keep >= 0")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -29,6 +30,7 @@ from orchestrator.core.decision import (
     DecisionContext,
     GpuOffer,
     JobFacts,
+    ListedPrice,
     SetupEstimate,
     decide,
 )
@@ -37,6 +39,7 @@ from orchestrator.errors import BadInput
 from orchestrator.jobspec import JobSpec, load_job
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import RETRIABLE, STATE_FOR_ACTION, JobState, check_transition
+from providers.base import Offer
 
 
 def local_hours(cfg: Config, now: float) -> LocalHours:
@@ -97,6 +100,56 @@ def _minutes(t: dtime) -> float:
     return t.hour * 60 + t.minute + t.second / 60 + t.microsecond / 60e6
 
 
+# A provider's listing older than this is not taken for its prices or the machines it sells: [prices] stands in.
+OFFERS_SEEN_MAX_AGE_S = 7 * 86400.0
+# Whether every enabled provider sells nothing but what it listed: only from listings this fresh.
+SHAPES_MAX_AGE_S = 86400.0
+
+
+def record_offers_seen(app: App, provider: str, offers: Iterable[Offer], now: float) -> None:
+    """What a provider lists (each refresh of its offers, `daemon.offers_ttl_s`), kept for decisions made without
+    asking it: the machines by GPU type and count, and their prices per instance."""
+    shapes = sorted({(o.gpu_model.upper(), o.gpu_count, o.on_demand_usd_h, o.spot_usd_h) for o in offers},
+                    key=lambda x: (x[0], x[1], x[2], x[3] if x[3] is not None else -1.0))
+    app.store.set_setting(f"offers_seen:{provider}", {"at": now, "shapes": [list(x) for x in shapes]})
+
+
+def enabled_providers(cfg: Config) -> list[str]:
+    p = cfg.providers
+    return [name for name, section in (("sim", p.sim), ("lambda", p.lambda_), ("ec2", p.ec2)) if section.enabled]
+
+
+def offers_seen(app: App, now: float) -> tuple[dict[tuple[str, int], ListedPrice], dict[str, tuple[int, ...]] | None]:
+    """The cheapest price per GPU each (GPU type, count) was last listed at by an enabled provider, and the counts
+    each type is sold in when every enabled provider has listed lately (else None)."""
+    cheapest: dict[tuple[str, int], tuple[float, float | None, list[tuple[str, float]]]] = {}
+    counts: dict[str, set[int]] = {}
+    all_fresh = True
+    names = enabled_providers(app.config)
+    for name in names:
+        seen = app.store.get_setting(f"offers_seen:{name}")
+        age = now - float(seen["at"]) if seen else math.inf
+        all_fresh = all_fresh and age <= SHAPES_MAX_AGE_S
+        if age > OFFERS_SEEN_MAX_AGE_S:
+            continue
+        for gpu, count, od, spot in seen["shapes"]:
+            counts.setdefault(gpu, set()).add(int(count))
+            od_g, spot_g = od / count, (spot / count if spot is not None else None)
+            was = cheapest.get((gpu, count))
+            if was is None:
+                cheapest[(gpu, count)] = (od_g, spot_g, [(name, age)])
+                continue
+            spots = [x for x in (was[1], spot_g) if x is not None]
+            cheapest[(gpu, count)] = (min(was[0], od_g), min(spots) if spots else None, [*was[2], (name, age)])
+    listed = {key: ListedPrice(od, spot, ", ".join(f"{n} {_ago(a)}" for n, a in who))
+              for key, (od, spot, who) in cheapest.items()}
+    return listed, ({g: tuple(sorted(c)) for g, c in counts.items()} if names and all_fresh else None)
+
+
+def _ago(age_s: float) -> str:
+    return f"{age_s / 60:.0f} min ago" if age_s < 5400 else f"{age_s / 3600:.0f} h ago"
+
+
 def reference_offers(cfg: Config) -> dict[str, GpuOffer]:
     return {gpu: GpuOffer(gpu, p.on_demand_usd_h, p.spot_usd_h, p.vram_gib * 2**30 / 1e9)
             for gpu, p in cfg.prices.items()}
@@ -153,6 +206,7 @@ def learned_preemptions_per_h(app: App, now: float) -> tuple[float, str, dict[st
 def context(app: App, now: float) -> DecisionContext:
     cfg = app.config
     preemptions_per_h, basis, by_gpu = learned_preemptions_per_h(app, now)
+    listed, shapes = offers_seen(app, now)
     return DecisionContext(
         local_usd_h=cfg.local.usd_per_hour,
         offers=reference_offers(cfg),
@@ -169,6 +223,8 @@ def context(app: App, now: float) -> DecisionContext:
         local_hours=local_hours(cfg, now),
         local_slots=cfg.daemon.local_concurrency,
         vram_margin_gb=cfg.local.safety_margin_gib * 2**30 / 1e9,
+        listed=listed,
+        listed_shapes=shapes,
     )
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
+from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, ListedPrice, decide
 from orchestrator.core.gates import Verdict
 from orchestrator.core.local_hours import LocalHours
 
@@ -93,6 +93,30 @@ def test_a_rented_card_keeps_the_same_margin_free_as_the_local_one() -> None:
     d = decide(job, replace(CTX, offers=a10, vram_margin_gb=2**30 / 1e9))
     assert d.gpu == "H100"
     assert "A10: needs 24.0 GB per GPU and 1.1 GB kept free, has 24.1 GB: skipped" in d.reasons
+
+
+def test_prices_providers_listed_for_the_job_s_machine_replace_the_reference_and_say_so() -> None:
+    job = replace(C, s_local=0.0, rented={"H100": 0.17}, deadline_h=48)
+    listed = {("H100", 1): ListedPrice(3.29, 1.10, "sim 2 min ago"),
+              ("H100", 2): ListedPrice(3.19, 1.05, "sim 2 min ago")}
+    d = decide(job, replace(CTX, listed=listed))
+    assert d.rate_usd_per_gpu_h == pytest.approx(3.29)  # the 1-GPU machine's, not the 2-GPU one's per GPU
+    assert "H100: $3.29/GPU-h on-demand, spot $1.10, as sim 2 min ago listed 1×H100 ([prices.H100] says $3.00)" \
+        in d.reasons
+    assert d.gates.c_rented_usd == pytest.approx(3.29 * (1 / 0.17 + 0.5))
+    assert decide(replace(job, gpus=2), replace(CTX, listed=listed)).rate_usd_per_gpu_h == pytest.approx(3.19)
+
+
+def test_a_gpu_type_or_count_no_provider_sells_is_skipped_when_every_provider_has_listed() -> None:
+    job = replace(C, s_local=0.0, rented={"H100": 0.17, "A10": 0.05}, deadline_h=48, gpus=3)
+    sold = {"H100": (1, 2, 8)}
+    d = decide(job, replace(CTX, listed_shapes=sold))
+    assert d.verdict is Verdict.RETHINK and d.gpu is None
+    assert "H100: no provider lists a 3×H100 machine (they list H100 ×1/2/8): skipped" in d.reasons
+    assert "A10: no provider lists a 3×A10 machine (they list H100 ×1/2/8): skipped" in d.reasons
+    assert d.reasons[-1].startswith("no provider sells a machine of the GPU types and count it names")
+    assert decide(replace(job, gpus=2), replace(CTX, listed_shapes=sold)).gpu == "H100"
+    assert decide(job, CTX).gpu is not None  # not known which are sold: the reference prices alone decide
 
 
 def test_spot_is_the_default_market_for_a_checkpointing_burst() -> None:

@@ -55,7 +55,7 @@ def uninterrupted_final_state(tmp: Path) -> bytes:
            "PATH": "/usr/bin:/bin"}
     subprocess.run([sys.executable, str(REPO / "examples" / "trainer.py"), "--steps", str(STEPS),
                     "--checkpoint-every", str(EVERY), "--step-seconds", "0"], env=env, check=True, timeout=120,
-                   capture_output=True)
+                   capture_output=True, cwd=tmp / "reference")  # its result.json there
     return (ckpt / f"step-{STEPS:08d}" / "state.json").read_bytes()
 
 
@@ -92,6 +92,17 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path, backend: s
         billing = sim_billing(url)
 
     assert (state / "burstctl.db").exists() == (backend == "sqlite")  # the URL's store, not SQLite beside it
+    # What the daemon saw simcloud list prices the next decision (its 1×H100 at $3.29, not [prices]' $3.00), and a
+    # machine no provider sells (3×H100) is not planned.
+    spec = spot_job(tmp_path).read_text()
+    (tmp_path / "next.toml").write_text(spec.replace('name = "trainer"', 'name = "next"'))
+    (tmp_path / "three.toml").write_text(spec.replace('name = "trainer"', 'name = "three"')
+                                         .replace("[checkpoint]", "gpus = 3\n[checkpoint]"))
+    priced = json.loads(cli(config, state, "decide", str(tmp_path / "next.toml"), "--json", "--no-record").stdout)
+    assert priced["rate_usd_per_gpu_h"] in (3.29, 1.0)  # on-demand or spot, as listed
+    assert any(r.startswith("H100: $3.29/GPU-h on-demand, spot $1.00, as sim ") for r in priced["reasons"])
+    three = json.loads(cli(config, state, "decide", str(tmp_path / "three.toml"), "--json", "--no-record").stdout)
+    assert three["verdict"] == "rethink" and any("no provider lists a 3×H100 machine" in r for r in three["reasons"])
     types = [e["type"] for e in events(state)]
     for a, b in [("instance.preempted", "job.resuming"), ("job.resuming", "job.resumed"), ("job.resumed", "job.done")]:
         assert types.index(a) < types.index(b), (a, b)

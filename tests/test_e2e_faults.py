@@ -54,7 +54,7 @@ def reference_final_files(tmp: Path, *, steps: int, every: int, shard_mib: int) 
            "PATH": "/usr/bin:/bin"}
     subprocess.run([sys.executable, str(REPO / "examples" / "trainer.py"), "--steps", str(steps),
                     "--checkpoint-every", str(every), "--shard-mib", str(shard_mib)], env=env, check=True,
-                   timeout=120, capture_output=True)
+                   timeout=120, capture_output=True, cwd=tmp / "reference")  # its result.json there
     files: dict[str, Any] = burst_checkpoint.read_manifest(ckpt / f"step-{steps:08d}")["files"]
     return files
 

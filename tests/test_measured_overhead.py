@@ -138,3 +138,29 @@ def test_a_jobs_measured_setup_adds_to_its_overhead_and_only_to_a_job_that_has_a
     now = time.time()
     assert facts(no_setup, now + 36000, now, app.config, setup=own).setup_h == 0.0
     app.close()
+
+
+def test_decisions_price_a_burst_at_what_the_providers_last_listed_and_skip_what_none_sells(tmp_path: Path) -> None:
+    from orchestrator.queue import enabled_providers, record_offers_seen
+    from providers.base import Offer
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    assert enabled_providers(app.config) == ["sim"]
+    now = 1_000_000.0
+    assert context(app, now).listed == {} and context(app, now).listed_shapes is None  # nothing listed yet
+
+    def offer(count: int, od: float, spot: float | None) -> Offer:
+        return Offer(provider="sim", instance_type=f"gpu_{count}x_h100", gpu_model="H100", gpu_count=count,
+                     vram_gib=80, vcpus=26, on_demand_usd_h=od, spot_usd_h=spot, regions=())
+
+    # The daemon keeps each refresh of a provider's offers (capacity or not: a listing says what it sells).
+    record_offers_seen(app, "sim", [offer(1, 3.29, 1.10), offer(2, 6.38, None)], now - 120)
+    ctx = context(app, now)
+    assert ctx.listed_shapes == {"H100": (1, 2)}
+    one, two = ctx.listed[("H100", 1)], ctx.listed[("H100", 2)]
+    assert (one.od_usd_per_gpu_h, one.spot_usd_per_gpu_h, one.seen) == (3.29, 1.10, "sim 2 min ago")
+    assert (two.od_usd_per_gpu_h, two.spot_usd_per_gpu_h) == (3.19, None)
+    # A day on, which machines are sold is no longer taken as known; a week on, nor are the prices.
+    assert context(app, now + 2 * 86400).listed_shapes is None and context(app, now + 2 * 86400).listed
+    assert context(app, now + 8 * 86400).listed == {}
+    app.close()

@@ -29,6 +29,15 @@ class GpuOffer:
 
 
 @dataclass(frozen=True)
+class ListedPrice:
+    """What providers last listed a machine of one GPU type and count for: the cheapest per GPU, and who and when."""
+
+    od_usd_per_gpu_h: float
+    spot_usd_per_gpu_h: float | None  # None: no spot market listed for it
+    seen: str  # "sim 3 min ago", for the reasons
+
+
+@dataclass(frozen=True)
 class JobFacts:
     name: str
     kind: str
@@ -92,6 +101,11 @@ class DecisionContext:
     # GB kept free on a rented card beside the job's per-GPU estimate (local.safety_margin_gib): the rule gate 1
     # applies to the local card, so a job is not sent to a card it fills to the last byte.
     vram_margin_gb: float = 0.0
+    # (GPU type, GPU count) → its price as providers last listed it (`offers_seen`): what a launch pays, where known.
+    listed: dict[tuple[str, int], ListedPrice] = field(default_factory=dict)
+    # GPU type → the GPU counts of the machines providers list, when every enabled provider has listed lately: a
+    # type or count none of them sells is skipped. None: not known (the reference prices alone are used).
+    listed_shapes: dict[str, tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -220,12 +234,28 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
 
     # Candidate rented GPU types: priced, and big enough when sizing says how much memory a GPU needs.
     candidates: list[tuple[str, float, GpuOffer]] = []
-    too_small = False
+    too_small = unsold = False
     for gpu, s_r in job.rented.items():
         offer = ctx.offers.get(gpu)
         if offer is None:
             reasons.append(f"no price known for GPU type {gpu}: skipped")
             continue
+        shapes = ctx.listed_shapes
+        if shapes is not None and job.gpus not in shapes.get(gpu.upper(), ()):
+            sold = ", ".join(f"{g} ×{'/'.join(map(str, n))}" for g, n in sorted(shapes.items())) or "nothing"
+            reasons.append(f"{gpu}: no provider lists a {job.gpus}×{gpu} machine (they list {sold}): skipped")
+            unsold = True
+            continue
+        listed = ctx.listed.get((gpu.upper(), job.gpus))
+        if listed is not None:
+            if (listed.od_usd_per_gpu_h, listed.spot_usd_per_gpu_h) != (offer.od_usd_per_gpu_h,
+                                                                        offer.spot_usd_per_gpu_h):
+                spot = (f", spot ${listed.spot_usd_per_gpu_h:.2f}" if listed.spot_usd_per_gpu_h is not None
+                        else ", no spot market")
+                reasons.append(f"{gpu}: ${listed.od_usd_per_gpu_h:.2f}/GPU-h on-demand{spot}, as {listed.seen} "
+                               f"listed {job.gpus}×{gpu} ([prices.{gpu}] says ${offer.od_usd_per_gpu_h:.2f})")
+            offer = replace(offer, od_usd_per_gpu_h=listed.od_usd_per_gpu_h,
+                            spot_usd_per_gpu_h=listed.spot_usd_per_gpu_h)
         if job.per_gpu_gb is not None and job.per_gpu_gb + ctx.vram_margin_gb > offer.vram_gb:
             reasons.append(f"{gpu}: needs {job.per_gpu_gb:.1f} GB per GPU and {ctx.vram_margin_gb:.1f} GB kept free, "
                            f"has {offer.vram_gb:.1f} GB: skipped")
@@ -251,6 +281,9 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         if too_small:
             reasons.append("no rented GPU type can run this job: rethink scope (e.g. LoRA/QLoRA, or FSDP over more "
                            "GPUs: `burstctl size --gpus N --parallelism fsdp`)")
+        elif unsold:
+            reasons.append("no provider sells a machine of the GPU types and count it names: change `gpus` or "
+                           "`rented_throughput` to one they list")
         else:  # nothing was too small: the types it names are only unpriced
             reasons.append("no GPU type in rented_throughput has a price: name a type of [prices] in the config "
                            f"({', '.join(sorted(ctx.offers)) or 'none configured'}) or add a [prices.<GPU>] table")

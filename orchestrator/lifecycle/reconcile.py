@@ -42,7 +42,7 @@ from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
-from orchestrator.queue import local_hours, setup_key, throughput_key
+from orchestrator.queue import local_hours, record_offers_seen, setup_key, throughput_key
 from orchestrator.records import supersede
 from orchestrator.remote.ssh import HostKeyMismatch, SharedConnection
 from providers.base import (
@@ -132,8 +132,7 @@ class Reconciler:
         self.clock = clock
         self.local = LocalRunner(app, hand_over_held=self._hand_over_held)
         self.cloud = cloud  # CloudSteps: SSH, runbooks, syncs (None: the cloud is not configured)
-        self.offers = OfferCache(ttl_s=self.cfg.daemon.offers_ttl_s,
-                                 on_refresh=lambda name, offers, now: record_spot_listings(app, name, offers, now))
+        self.offers = OfferCache(ttl_s=self.cfg.daemon.offers_ttl_s, on_refresh=self._offers_listed)
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
         self.unavailable: dict[str, str] = {}  # enabled providers that cannot be used → why (`build_reconciler`)
 
@@ -507,6 +506,11 @@ class Reconciler:
                              **({"market_policy": market_facts} if market_facts else {}), **placed,
                              **({"successor_for": info["successor_for"]} if "successor_for" in info else {}))
         return attempt_id
+
+    def _offers_listed(self, provider: str, offers: list[Offer], now: float) -> None:
+        """A provider's fresh listing: its spot capacity changes, and its machines and prices for decisions."""
+        record_spot_listings(self.app, provider, offers, now)
+        record_offers_seen(self.app, provider, offers, now)
 
     def choose_offer(self, job: dict[str, Any], now: float, *, quiet: bool = False
                      ) -> tuple[str, Offer, Market, dict[str, Any]] | None:
