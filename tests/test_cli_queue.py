@@ -73,6 +73,11 @@ def test_a_local_run_just_past_the_deadline_is_printed_with_the_decimals_that_sh
     # 1 / 0.0833 = 12.0048 h against 12 h: "12.00 h > 12.00 h" would contradict itself.
     r = burstctl("decide", "--s-local", "0.0833", "--s-rented", "0.17", "--deadline-h", "12", *SEED_FLAGS)
     assert "GATE 2: local MISSES the deadline (12.005 h > 12.000 h)." in r.stdout
+    # Closer than six decimals show (a deadline counted from a moment after the run's start, say): by how much.
+    from orchestrator.cli.decide import _apart
+
+    assert _apart(5.0 + 1e-7, 5.0) == ("5.00 h + 0.4 ms", "5.00 h")
+    assert _apart(5.0, 5.0) == ("5.00 h", "5.00 h")
 
 
 def test_decide_on_candidate_c_reports_the_cheaper_hybrid_plan(burstctl) -> None:

@@ -128,12 +128,16 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
 
 
 def _apart(a: float, b: float) -> tuple[str, str]:
-    """Two hour figures with as many decimals (2 to 6) as it takes for them not to print alike: a local run of
-    12.0048 h misses a 12 h deadline, and "12.00 h > 12.00 h" would read as a contradiction."""
+    """Two hour figures, with their unit, with as many decimals (2 to 6) as it takes for them not to print alike: a
+    local run of 12.0048 h misses a 12 h deadline, and "12.00 h > 12.00 h" would read as a contradiction. Closer
+    than that (a deadline counted from a moment later), the first says by how much."""
     n = 2
-    while n < 6 and f"{a:.{n}f}" == f"{b:.{n}f}":
+    while n < 6 and a != b and f"{a:.{n}f}" == f"{b:.{n}f}":
         n += 1
-    return f"{a:.{n}f}", f"{b:.{n}f}"
+    if f"{a:.{n}f}" == f"{b:.{n}f}" and a != b:
+        ms = abs(a - b) * 3.6e6
+        return f"{b:.2f} h {'+' if a > b else '-'} {f'{ms:.1f} ms' if ms >= 0.1 else 'under 0.1 ms'}", f"{b:.2f} h"
+    return f"{a:.{n}f} h", f"{b:.{n}f} h"
 
 
 def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
@@ -155,24 +159,24 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
         # Gate 2 asks when local is done: after the local work queued ahead of it (w), then T_L.
         wait = d.get("local_wait_h") or 0.0
         finish = d["t_local_h"] + wait
-        shown = "{} h" + (f" ({wait:.2f} h queued ahead + {d['t_local_h']:.2f} h)" if wait > 0 else "")
+        shown = "{}" + (f" ({wait:.2f} h queued ahead + {d['t_local_h']:.2f} h)" if wait > 0 else "")
         if d["verdict"] == "local" and finish <= D:
             f, dl = _apart(finish, D)
-            p(f"GATE 2: local MAKES the deadline ({shown.format(f)} <= {dl} h) -> RUN LOCAL. Renting is waste.")
+            p(f"GATE 2: local MAKES the deadline ({shown.format(f)} <= {dl}) -> RUN LOCAL. Renting is waste.")
         elif d["verdict"] == "local":  # only the queue ahead makes it late, and renting misses too
             f, dl = _apart(finish, D)
             tr = d["t_rented_h"]
             rented = f"rented misses it too ({tr:.2f} h)" if tr is not None else "nothing rented can run it"
-            p(f"GATE 2: local MISSES the deadline ({shown.format(f)} > {dl} h), but {rented} -> RUN LOCAL, late.")
+            p(f"GATE 2: local MISSES the deadline ({shown.format(f)} > {dl}), but {rented} -> RUN LOCAL, late.")
         else:
             f, dl = _apart(finish, D)
-            p(f"GATE 2: local MISSES the deadline ({shown.format(f)} > {dl} h).")
+            p(f"GATE 2: local MISSES the deadline ({shown.format(f)} > {dl}).")
             if d["verdict"] == "rethink":
                 tr = d["t_rented_h"]
                 p(f"  ...but rented also misses ({tr:.2f} h). Rethink scope, not hardware." if tr is not None
                   else "  ...and none of the rented GPU types it names can run it (why below).")
             else:
-                p("  rented makes it: {} h <= {} h.".format(*_apart(d["t_rented_h"], D)))
+                p("  rented makes it: {} <= {}.".format(*_apart(d["t_rented_h"], D)))
                 if d["delta_cost_usd"] >= 0:
                     p(f"  price of the deadline: dC ~ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h "
                       "(all of it on-demand; the plan below is the cheapest safe way it runs).")
