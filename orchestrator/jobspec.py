@@ -78,6 +78,11 @@ class ModelSpec(BaseModel):
     padding_mask: bool = Field(
         False, description="Sequences padded to a common length under an attention mask (micro_batch > 1, not "
                            "packed): k/v are repeated to the query heads and each layer keeps a context² mask.")
+    mixed_precision: bool = Field(
+        True, description="Full fine-tuning in bf16/fp16: an fp32 master copy of the weights and fp32 Adam moments "
+                          "beside them (PyTorch AMP, transformers' Trainer with bf16=True: 16 B/param). false: trained "
+                          "in the dtype itself, Adam's moments in it too (a model loaded in bf16 and trained as is: "
+                          "8 B/param).")
 
 
 class CheckpointSpec(BaseModel):

@@ -488,3 +488,20 @@ def test_what_the_estimate_leaves_out_is_said_with_its_size_where_it_applies() -
     assert any("FSDP's gathered parameters" in n and "about 5.29 GB more per GPU" in n for n in left_out(fsdp))
     # LoRA in bf16 has no quantized base to prepare and a step workspace of its adapters only: nothing to say.
     assert left_out(estimate(ModelSpec(preset="qwen2.5-7b", method="lora"))) == []
+
+
+def test_a_full_fine_tune_trained_in_bf16_itself_keeps_adam_in_bf16_and_no_master_copy() -> None:
+    # AMP (the default): bf16 weights and gradients, an fp32 master copy and two fp32 moments, 16 B/param. A model
+    # loaded in bf16 and trained as is: 2 + 2 + 2×2 = 8 B/param, which puts a 1.2 B full fine-tune on a 16 GB card.
+    amp = estimate(ModelSpec(preset="llama-3.2-1b"))
+    pure = estimate(ModelSpec(preset="llama-3.2-1b", mixed_precision=False))
+    params = amp.trained_params
+    assert amp.terms["optimizer"] == pytest.approx(params * 12 / 1e9)
+    assert pure.terms["optimizer"] == pytest.approx(params * 4 / 1e9)
+    assert pure.terms["weights"] == amp.terms["weights"] and pure.terms["gradients"] == amp.terms["gradients"]
+    assert (amp.fits[16], pure.fits[16]) == (False, True)
+    assert any("mixed_precision = false" in n for n in pure.notes)
+    # It is a full fine-tune's choice: LoRA's adapters (PEFT keeps them in fp32) and fp32 models are unchanged.
+    for spec in ({"method": "lora"}, {"dtype": "fp32"}):
+        assert estimate(ModelSpec(preset="llama-3.2-1b", mixed_precision=False, **spec)).terms == \
+            estimate(ModelSpec(preset="llama-3.2-1b", **spec)).terms

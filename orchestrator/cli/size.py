@@ -49,6 +49,7 @@ _FLAG_FIELDS: dict[str, str] = {
     "gradient_checkpointing": "gradient_checkpointing",
     "attention": "attention",
     "padding_mask": "padding_mask",
+    "mixed_precision": "mixed_precision",
 }
 
 _TERM_MEANING: dict[str, str] = {
@@ -92,6 +93,9 @@ _TERM_MEANING: dict[str, str] = {
 @click.option("--padding-mask/--no-padding-mask", default=None,
               help="Sequences padded to a common length under an attention mask (default off: micro-batch 1 or "
                    "packed).")
+@click.option("--mixed-precision/--no-mixed-precision", default=None,
+              help="Full fine-tuning in bf16/fp16 with an fp32 master copy and fp32 Adam moments (default), or "
+                   "trained in the dtype itself (8 B/param).")
 @json_option
 @pass_app
 def size_cmd(app: App, job_path: str | None, gpus: int, as_json: bool, **flags: Any) -> None:

@@ -427,14 +427,18 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
     base_bytes = QLORA_BASE_BYTES if model.method == "qlora" else WEIGHT_BYTES[model.dtype]
     quantized = model.method == "qlora" or model.dtype in ("int8", "int4")
     kept_16bit = min(unquantized_params(model, arch), arch.params) if quantized else 0.0
-    adam_bytes = ADAM_BYTES_FP32 if compute_bytes == 4.0 else ADAM_BYTES_MIXED
+    pure = model.method == "full" and compute_bytes == 2.0 and not model.mixed_precision
+    # Pure 16-bit: two Adam moments in the dtype, no master copy; else fp32 moments (and a master copy if 16-bit).
+    adam_bytes = 2 * compute_bytes if pure else ADAM_BYTES_FP32 if compute_bytes == 4.0 else ADAM_BYTES_MIXED
 
     lora = None
     if model.method == "full":
         adapter_params = 0
         trained = arch.params
         notes.append(f"full fine-tuning: gradients and Adam ({adam_bytes:g} B/param) on all "
-                     f"{_fmt_count(arch.params)} parameters")
+                     f"{_fmt_count(arch.params)} parameters"
+                     + (f", trained in {model.dtype} itself (mixed_precision = false: no fp32 master copy; Adam's "
+                        f"moments in {model.dtype})" if pure else ""))
     else:
         targets = normalize_lora_targets(model.lora_targets)
         lora = LoraTraining(rank=model.lora_rank, targets=frozenset(targets))
@@ -510,11 +514,13 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
     if model.method == "full":
         # torch.optim.AdamW's default (foreach) step allocates sqrt(v) for every trained tensor, once the backward's
         # activations are freed: the peak is the larger of the two.
-        workspace = trained * FP32_BYTES / GB / (gpus if model.parallelism == "fsdp" else 1)
+        workspace = trained * (compute_bytes if pure else FP32_BYTES) / GB / (gpus if model.parallelism == "fsdp"
+                                                                                else 1)
         if workspace > turns:
+            state_dtype = model.dtype if pure else "fp32"
             notes.append(f"not counted: AdamW's step workspace (torch's default foreach implementation: a temporary "
-                         f"of the trained parameters in fp32, {workspace:.2f} GB, when the activations are freed): "
-                         f"{workspace - turns:.2f} GB more at the step; fused=True needs none")
+                         f"of the trained parameters in {state_dtype}, {workspace:.2f} GB, when the activations are "
+                         f"freed): {workspace - turns:.2f} GB more at the step; fused=True needs none")
     state = sum(terms[k] for k in SHARDED_BY_FSDP)
     total = state + turns
     if model.parallelism == "fsdp":
