@@ -54,9 +54,9 @@ _FLAG_FIELDS: dict[str, str] = {
 
 _TERM_MEANING: dict[str, str] = {
     "weights": "base weights in their dtype",
-    "gradients": "trained parameters × compute-dtype bytes",
+    "gradients": "trained parameters in their dtype (adapters: fp32)",
     "optimizer": "Adam state per trained parameter",
-    "adapters": "LoRA adapter weights",
+    "adapters": "LoRA adapter weights (fp32, as PEFT keeps them)",
     "activations": "kept for backward + output logits",
     "kv_cache": "GRPO rollout KV cache (grouped-query)",
 }

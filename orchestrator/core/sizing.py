@@ -462,11 +462,13 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
             notes.append("GRPO prompts per step not given: assuming 1")
         sequences = model.group_size * prompts
 
+    # PEFT keeps adapters in fp32 (autocast_adapter_dtype): their gradients are fp32, and Adam needs no master copy.
+    trained_bytes, trained_adam = (compute_bytes, adam_bytes) if lora is None else (FP32_BYTES, ADAM_BYTES_FP32)
     terms = {
         "weights": ((arch.params - kept_16bit) * base_bytes + kept_16bit * 2.0) / GB,
-        "gradients": trained * compute_bytes / GB,
-        "optimizer": trained * adam_bytes / GB,
-        "adapters": adapter_params * compute_bytes / GB,
+        "gradients": trained * trained_bytes / GB,
+        "optimizer": trained * trained_adam / GB,
+        "adapters": adapter_params * trained_bytes / GB,
         "activations": activation_bytes(arch, model.micro_batch, model.context, compute_bytes,
                                          model.gradient_checkpointing, model.attention, model.padding_mask,
                                          lora) / GB,
