@@ -508,3 +508,10 @@ def test_a_full_fine_tune_trained_in_bf16_itself_keeps_adam_in_bf16_and_no_maste
     for spec in ({"method": "lora"}, {"dtype": "fp32"}):
         assert estimate(ModelSpec(preset="llama-3.2-1b", mixed_precision=False, **spec)).terms == \
             estimate(ModelSpec(preset="llama-3.2-1b", **spec)).terms
+
+
+def test_a_grpo_estimate_at_micro_batch_1_says_trl_trains_8_sequences_at_once_by_default() -> None:
+    grpo = estimate(ModelSpec(preset="qwen2.5-7b", method="qlora", group_size=8))
+    assert any("per_device_train_batch_size" in n for n in grpo.notes)
+    assert not any("per_device_train_batch_size" in n
+                   for n in estimate(ModelSpec(preset="qwen2.5-7b", method="qlora", group_size=8, micro_batch=8)).notes)

@@ -461,6 +461,10 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
             prompts = 1
             notes.append("GRPO prompts per step not given: assuming 1")
         sequences = model.group_size * prompts
+        if model.micro_batch == 1:
+            notes.append("training micro-batch 1 per GPU: TRL's GRPOConfig defaults per_device_train_batch_size to "
+                         "8 (and releases before steps_per_generation want a multiple of G); give micro_batch if "
+                         "yours trains more sequences at once")
 
     # PEFT keeps adapters in fp32 (autocast_adapter_dtype): their gradients are fp32, and Adam needs no master copy.
     trained_bytes, trained_adam = (compute_bytes, adam_bytes) if lora is None else (FP32_BYTES, ADAM_BYTES_FP32)
