@@ -41,7 +41,8 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
         for name, why in report.not_swept.items():
             out.print(f"{name}: not asked what runs there: {why}")
         for name in report.unreachable:
-            out.print(f"{name}: did not answer")
+            out.print(f"{name}: its sweep failed, so what runs there is not known (`burstctl events`: "
+                      "provider.unreachable)")
     problems = [f"{r.provider}:{r.instance} ({r.terminated})" for r in report.left]
     problems += [f"{name} not swept ({why})" for name, why in report.not_swept.items()]
     problems += [f"{name} unreachable" for name in report.unreachable if name not in report.not_swept]
