@@ -246,15 +246,6 @@ class JobSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _finishable(self) -> JobSpec:
-        rates = {"local_throughput": self.local_throughput,
-                 **{gpu: s_r * self.gpus for gpu, s_r in self.rented_throughput.items()}}
-        why = too_much_work(self.work_units, rates.values())
-        if why:
-            raise FieldValueError("work_units", why)
-        return self
-
-    @model_validator(mode="after")
     def _one_deadline(self) -> JobSpec:
         if self.deadline is not None and self.deadline_hours is not None:
             raise FieldValueError("deadline_hours", "cannot be given with 'deadline': give exactly one of them")
@@ -278,8 +269,9 @@ def too_much_work(work: float, rates: Iterable[float]) -> str | None:
     if hours <= MAX_DEADLINE_HOURS:
         return None
     took = f"{hours:.3g} h" if math.isfinite(hours) else "beyond any number of hours"
-    return (f"{work:g} units take {took} at the fastest throughput given ({best:g} units/h); expected work some GPU "
-            f"finishes within {MAX_DEADLINE_YEARS} years ({MAX_DEADLINE_HOURS:.0f} h), the longest deadline")
+    return (f"{work:g} units take {took} at the fastest rate given ({best:g} units/h, the rented ones × gpus); "
+            f"expected work some GPU finishes within {MAX_DEADLINE_YEARS} years ({MAX_DEADLINE_HOURS:.0f} h), the "
+            "longest deadline")
 
 
 def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float]:
@@ -301,6 +293,11 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise format_validation_error(exc, path) from None
+    # At intake only, not in the model: a job stored before this check was added must still load.
+    why = too_much_work(spec.work_units, [spec.local_throughput, *(s_r * spec.gpus
+                                                                   for s_r in spec.rented_throughput.values())])
+    if why:
+        raise BadInput(why, source=path, field="work_units")
     deadline_at = spec.deadline_at(now)
     if deadline_at <= now:
         # The file's own instant when it gave one: a year-1 deadline is past but not a timestamp datetime can hold.

@@ -109,8 +109,8 @@ SHAPES_MAX_AGE_S = 86400.0
 def record_offers_seen(app: App, provider: str, offers: Iterable[Offer], now: float) -> None:
     """What a provider lists (each refresh of its offers, `daemon.offers_ttl_s`), kept for decisions made without
     asking it: the machines by GPU type and count, and their prices per instance."""
-    shapes = sorted({(o.gpu_model.upper(), o.gpu_count, o.on_demand_usd_h, o.spot_usd_h) for o in offers},
-                    key=lambda x: (x[0], x[1], x[2], x[3] if x[3] is not None else -1.0))
+    shapes = sorted({(o.gpu_model.upper(), o.gpu_count, o.on_demand_usd_h, o.spot_usd_h, o.vram_gib) for o in offers},
+                    key=lambda x: (x[0], x[1], x[2], x[3] if x[3] is not None else -1.0, x[4]))
     app.store.set_setting(f"offers_seen:{provider}", {"at": now, "shapes": [list(x) for x in shapes]})
 
 
@@ -122,7 +122,7 @@ def enabled_providers(cfg: Config) -> list[str]:
 def offers_seen(app: App, now: float) -> tuple[dict[tuple[str, int], ListedPrice], dict[str, tuple[int, ...]] | None]:
     """The cheapest price per GPU each (GPU type, count) was last listed at by an enabled provider, and the counts
     each type is sold in when every enabled provider has listed lately (else None)."""
-    cheapest: dict[tuple[str, int], tuple[float, float | None, list[tuple[str, float]]]] = {}
+    cheapest: dict[tuple[str, int], tuple[float, float | None, list[tuple[str, float]], float]] = {}
     counts: dict[str, set[int]] = {}
     all_fresh = True
     names = enabled_providers(app.config)
@@ -132,21 +132,27 @@ def offers_seen(app: App, now: float) -> tuple[dict[tuple[str, int], ListedPrice
         all_fresh = all_fresh and age <= SHAPES_MAX_AGE_S
         if age > OFFERS_SEEN_MAX_AGE_S:
             continue
-        for gpu, count, od, spot in seen["shapes"]:
+        for gpu, count, od, spot, vram_gib in seen["shapes"]:
             counts.setdefault(gpu, set()).add(int(count))
             od_g, spot_g = od / count, (spot / count if spot is not None else None)
+            vram_gb = vram_gib * 2**30 / 1e9 if vram_gib else math.inf  # a card's label read as GiB
             was = cheapest.get((gpu, count))
             if was is None:
-                cheapest[(gpu, count)] = (od_g, spot_g, [(name, age)])
+                cheapest[(gpu, count)] = (od_g, spot_g, [(name, age)], vram_gb)
                 continue
             spots = [x for x in (was[1], spot_g) if x is not None]
-            cheapest[(gpu, count)] = (min(was[0], od_g), min(spots) if spots else None, [*was[2], (name, age)])
-    listed = {key: ListedPrice(od, spot, ", ".join(f"{n} {_ago(a)}" for n, a in who))
-              for key, (od, spot, who) in cheapest.items()}
+            who = was[2] if any(n == name for n, _ in was[2]) else [*was[2], (name, age)]
+            # The smallest card of the shape: the launch takes the cheapest offer, whatever its memory.
+            cheapest[(gpu, count)] = (min(was[0], od_g), min(spots) if spots else None, who, min(was[3], vram_gb))
+    listed = {key: ListedPrice(od, spot, ", ".join(f"{n} {_ago(a)}" for n, a in who),
+                               vram if math.isfinite(vram) else None)
+              for key, (od, spot, who, vram) in cheapest.items()}
     return listed, ({g: tuple(sorted(c)) for g, c in counts.items()} if names and all_fresh else None)
 
 
 def _ago(age_s: float) -> str:
+    if age_s < 60:
+        return "just now"
     return f"{age_s / 60:.0f} min ago" if age_s < 5400 else f"{age_s / 3600:.0f} h ago"
 
 
@@ -229,8 +235,9 @@ def context(app: App, now: float) -> DecisionContext:
 
 
 def throughput_key(gpu: str, job_name: str) -> str:
-    """Where a job name's measured s_R on a GPU type is kept (`measurements.instance_type`, 64 characters)."""
-    return f"{gpu}:{job_name}"[:64]
+    """Where a job name's measured s_R on a GPU type is kept (`measurements.instance_type`, 64 characters): under
+    the type in upper case, as providers name models (H100), whatever case a job file spells it in."""
+    return f"{gpu.upper()}:{job_name}"[:64]
 
 
 def setup_key(job_name: str) -> str:
@@ -506,7 +513,8 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         gpu = unpriced[0]
         raise BadInput(f"'{gpu}' is not a GPU type of [prices] ({', '.join(sorted(cfg.prices))}): name one of "
                        f"them, or add [prices.{gpu}] to the config", source=source, field=f"rented_throughput.{gpu}")
-    measured = {gpu: s_r for gpu, s_r in (measured or {}).items() if gpu in priced}
+    by_model = {gpu.upper(): s_r for gpu, s_r in (measured or {}).items()}
+    measured = {gpu: by_model[gpu.upper()] for gpu in priced if gpu.upper() in by_model}
     return JobFacts(
         name=spec.name, kind=spec.kind, work=spec.work_units, s_local=spec.local_throughput,
         rented={**priced, **measured},

@@ -30,8 +30,16 @@ def list_outputs(workdir: str | Path, patterns: list[str]) -> list[str]:
 def unmatched(patterns: list[str], names: list[str]) -> list[str]:
     """The patterns no file in `names` (as `list_outputs` gives them) came from: a result the job did not write, or
     an `outputs` entry with a typo. Lenient (a `*` here crosses directories), so it never calls a match missing."""
-    return [p for p in patterns if not any(n == p.rstrip("/") or n.startswith(p.rstrip("/") + "/")
-                                           or fnmatch.fnmatchcase(n, p.rstrip("/")) for n in names)]
+    def forms(pattern: str) -> list[str]:
+        p = pattern.rstrip("/")
+        while p.startswith("./"):
+            p = p[2:]
+        # `**/` may stand for no directory at all, as in Path.glob.
+        return [p, p.replace("**/", "")] if "**/" in p else [p]
+
+    return [pattern for pattern in patterns
+            if not any(n == p or n.startswith(p + "/") or fnmatch.fnmatchcase(n, p)
+                       for p in forms(pattern) for n in names)]
 
 
 if __name__ == "__main__":

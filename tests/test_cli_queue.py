@@ -78,6 +78,11 @@ def test_a_local_run_just_past_the_deadline_is_printed_with_the_decimals_that_sh
 
     assert _apart(5.0 + 1e-7, 5.0) == ("5.00 h + 0.4 ms", "5.00 h")
     assert _apart(5.0, 5.0) == ("5.00 h", "5.00 h")
+    # The comparison is the gates' own, not the JSON's figures rounded to 4 decimals (which printed a miss, "RUN
+    # LOCAL, late", for this local run that makes its deadline): the text never contradicts the verdict.
+    r = burstctl("decide", "--s-local", "0.20000196001920818", "--deadline-h", "4.99996", "--rate", "3",
+                 "--s-rented", "5", "--no-record")
+    assert "GATE 2: local MAKES the deadline (4.99995 h <= 4.99996 h) -> RUN LOCAL." in r.stdout
 
 
 def test_decide_on_candidate_c_reports_the_cheaper_hybrid_plan(burstctl) -> None:
@@ -376,11 +381,16 @@ def test_work_no_gpu_given_finishes_within_the_longest_deadline_is_refused(burst
     r = burstctl("decide", "--work", "1e300", "--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12",
                  "--rate", "3")
     assert (r.returncode, r.stderr) == (2, "burstctl: error: field '--work': 1e+300 units take 5.88e+300 h at the "
-                                           "fastest throughput given (0.17 units/h); expected work some GPU finishes "
-                                           "within 10 years (87660 h), the longest deadline\n")
+                                           "fastest rate given (0.17 units/h, the rented ones × gpus); expected work "
+                                           "some GPU finishes within 10 years (87660 h), the longest deadline\n")
     path = write_job(tmp_path, "endless", work_units=1e308, local_throughput=0, rented_throughput={"H100": 0.17})
     r = burstctl("enqueue", str(path))
     assert r.returncode == 2 and f"{path}: field 'work_units': 1e+308 units take beyond any number of hours" in r.stderr
+    # A job stored before this check (the daemon re-reads specs every tick) still loads: it is an intake rule.
+    from orchestrator.jobspec import JobSpec
+
+    assert JobSpec.model_validate({"name": "old", "command": ["true"], "deadline_hours": 1, "work_units": 1e308,
+                                   "local_throughput": 0, "rented_throughput": {"H100": 0.17}}).work_units == 1e308
     # A job slow locally but fine rented is not: the fastest GPU given is what counts.
     slow_here = write_job(tmp_path, "slow-here", work_units=1, local_throughput=1e-9, rented_throughput={"H100": 0.17})
     assert burstctl("decide", str(slow_here), "--json").returncode == 0

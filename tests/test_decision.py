@@ -107,6 +107,27 @@ def test_prices_providers_listed_for_the_job_s_machine_replace_the_reference_and
     assert decide(replace(job, gpus=2), replace(CTX, listed=listed)).rate_usd_per_gpu_h == pytest.approx(3.19)
 
 
+def test_a_listed_card_smaller_than_prices_says_is_the_one_the_job_must_fit() -> None:
+    # [prices.A100] has 80 GB, but the providers list a 40 GB A100: a 44 GB job would overfill what launches.
+    offers = {**OFFERS, "A100": GpuOffer("A100", 1.80, 0.65, 85.9)}
+    job = replace(C, s_local=0.0, rented={"A100": 0.3, "H100": 0.17}, deadline_h=48, per_gpu_gb=44.0)
+    listed = {("A100", 1): ListedPrice(1.29, 0.65, "sim just now", vram_gb=40 * 2**30 / 1e9)}
+    d = decide(job, replace(CTX, offers=offers, listed=listed))
+    assert d.gpu == "H100"
+    assert "A100: needs 44.0 GB per GPU and 0.0 GB kept free, has 42.9 GB: skipped" in d.reasons
+    assert decide(job, replace(CTX, offers=offers)).gpu == "A100"  # by [prices] alone it would have gone there
+
+
+def test_a_local_job_s_reason_is_its_gate_not_where_a_burst_would_be_priced() -> None:
+    listed = {("H100", 1): ListedPrice(3.29, 1.10, "sim just now")}
+    local = replace(C, s_local=0.33, deadline_h=24, rented_in_file={"H100": 0.2})
+    d = decide(local, replace(CTX, listed=listed))
+    assert d.verdict is Verdict.LOCAL and not any(r.startswith(("H100", "s_R")) for r in d.reasons)
+    burst = decide(replace(local, s_local=0.0), replace(CTX, listed=listed))
+    assert any(r.startswith("H100: $3.29") for r in burst.reasons) and any(r.startswith("s_R on H100")
+                                                                          for r in burst.reasons)
+
+
 def test_a_gpu_type_or_count_no_provider_sells_is_skipped_when_every_provider_has_listed() -> None:
     job = replace(C, s_local=0.0, rented={"H100": 0.17, "A10": 0.05}, deadline_h=48, gpus=3)
     sold = {"H100": (1, 2, 8)}

@@ -204,6 +204,7 @@ def test_outputs_that_cannot_be_copied_are_said_and_the_job_is_done_with_them_in
     (["eval/*.json", "*.pt"], ["eval/a.json"], ["*.pt"]),
     (["eval/"], [], ["eval/"]),
     (["result.jsn"], ["result.json"], ["result.jsn"]),
+    (["./result.json", "**/result.json", "./eval", "**/*.csv"], ["eval/a.json", "result.json"], ["**/*.csv"]),
 ])
 def test_the_outputs_patterns_that_matched_no_file_are_the_missing_ones(patterns: list[str], names: list[str],
                                                                         missing: list[str]) -> None:

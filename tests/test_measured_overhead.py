@@ -159,6 +159,7 @@ def test_decisions_price_a_burst_at_what_the_providers_last_listed_and_skip_what
     assert ctx.listed_shapes == {"H100": (1, 2)}
     one, two = ctx.listed[("H100", 1)], ctx.listed[("H100", 2)]
     assert (one.od_usd_per_gpu_h, one.spot_usd_per_gpu_h, one.seen) == (3.29, 1.10, "sim 2 min ago")
+    assert one.vram_gb == pytest.approx(80 * 2**30 / 1e9)  # the card's label, for a fit [prices] may overstate
     assert (two.od_usd_per_gpu_h, two.spot_usd_per_gpu_h) == (3.19, None)
     # A day on, which machines are sold is no longer taken as known; a week on, nor are the prices.
     assert context(app, now + 2 * 86400).listed_shapes is None and context(app, now + 2 * 86400).listed

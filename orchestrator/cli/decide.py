@@ -14,6 +14,7 @@ from rich.markup import escape
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
+from orchestrator.core.gates import GateResult
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import (
     DEADLINE_HOURS_EXPECTED,
@@ -122,7 +123,7 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
         print_json({"job": job.name, **d, "deadline_h": round(job.deadline_h, 4),
                     "record": str(record) if record else None})
         return
-    _print_human(job, d)
+    _print_human(job, d, decision.gates)
     if record:
         out.print(f"[dim]decision record: {record}[/dim]")
 
@@ -140,8 +141,9 @@ def _apart(a: float, b: float) -> tuple[str, str]:
     return f"{a:.{n}f} h", f"{b:.{n}f} h"
 
 
-def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
-    """The seed script's wording, then what burstctl adds (market, plan, budget, approval)."""
+def _print_human(job: JobFacts, d: dict[str, Any], gates: GateResult) -> None:
+    """The seed script's wording, then what burstctl adds (market, plan, budget, approval). Gate 2's comparison is
+    made on the gates' own figures: `d`'s are rounded, and could print a miss the gates did not see."""
     p = out.print
     D = job.deadline_h
     if not d["fits_locally"]:
@@ -157,8 +159,8 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
         p(f"GATE 1: fits locally. local wall-clock ~ {d['t_local_h']:.2f} h, cost ~ ${d['c_local_usd']:.2f} "
           "(electricity).")
         # Gate 2 asks when local is done: after the local work queued ahead of it (w), then T_L.
-        wait = d.get("local_wait_h") or 0.0
-        finish = d["t_local_h"] + wait
+        wait = gates.local_wait_h or 0.0
+        finish = (gates.t_local_h or 0.0) + wait
         shown = "{}" + (f" ({wait:.2f} h queued ahead + {d['t_local_h']:.2f} h)" if wait > 0 else "")
         if d["verdict"] == "local" and finish <= D:
             f, dl = _apart(finish, D)
@@ -176,7 +178,7 @@ def _print_human(job: JobFacts, d: dict[str, Any]) -> None:
                 p(f"  ...but rented also misses ({tr:.2f} h). Rethink scope, not hardware." if tr is not None
                   else "  ...and none of the rented GPU types it names can run it (why below).")
             else:
-                p("  rented makes it: {} <= {}.".format(*_apart(d["t_rented_h"], D)))
+                p("  rented makes it: {} <= {}.".format(*_apart(gates.t_rented_h or 0.0, D)))
                 if d["delta_cost_usd"] >= 0:
                     p(f"  price of the deadline: dC ~ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h "
                       "(all of it on-demand; the plan below is the cheapest safe way it runs).")

@@ -35,6 +35,7 @@ class ListedPrice:
     od_usd_per_gpu_h: float
     spot_usd_per_gpu_h: float | None  # None: no spot market listed for it
     seen: str  # "sim 3 min ago", for the reasons
+    vram_gb: float | None = None  # the smallest card listed for it (marketed GB read as GiB), None: not said
 
 
 @dataclass(frozen=True)
@@ -232,38 +233,44 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
     if local.reason:
         reasons.append(local.reason)
 
-    # Candidate rented GPU types: priced, and big enough when sizing says how much memory a GPU needs.
+    # Candidate rented GPU types: priced, sold, and big enough when sizing says how much memory a GPU needs. What
+    # the choice rests on is said only if the job rents: a local job's reason stays its gate 2.
     candidates: list[tuple[str, float, GpuOffer]] = []
+    skipped: list[str] = []
+    said: dict[str, list[str]] = {}  # GPU type → where its price and s_R come from, when not the job file / [prices]
     too_small = unsold = False
     for gpu, s_r in job.rented.items():
         offer = ctx.offers.get(gpu)
         if offer is None:
-            reasons.append(f"no price known for GPU type {gpu}: skipped")
+            skipped.append(f"no price known for GPU type {gpu}: skipped")
             continue
         shapes = ctx.listed_shapes
         if shapes is not None and job.gpus not in shapes.get(gpu.upper(), ()):
             sold = ", ".join(f"{g} ×{'/'.join(map(str, n))}" for g, n in sorted(shapes.items())) or "nothing"
-            reasons.append(f"{gpu}: no provider lists a {job.gpus}×{gpu} machine (they list {sold}): skipped")
+            skipped.append(f"{gpu}: no provider lists a {job.gpus}×{gpu} machine (they list {sold}): skipped")
             unsold = True
             continue
+        notes = said.setdefault(gpu, [])
         listed = ctx.listed.get((gpu.upper(), job.gpus))
         if listed is not None:
             if (listed.od_usd_per_gpu_h, listed.spot_usd_per_gpu_h) != (offer.od_usd_per_gpu_h,
                                                                         offer.spot_usd_per_gpu_h):
                 spot = (f", spot ${listed.spot_usd_per_gpu_h:.2f}" if listed.spot_usd_per_gpu_h is not None
                         else ", no spot market")
-                reasons.append(f"{gpu}: ${listed.od_usd_per_gpu_h:.2f}/GPU-h on-demand{spot}, as {listed.seen} "
-                               f"listed {job.gpus}×{gpu} ([prices.{gpu}] says ${offer.od_usd_per_gpu_h:.2f})")
+                notes.append(f"{gpu}: ${listed.od_usd_per_gpu_h:.2f}/GPU-h on-demand{spot}, as {listed.seen} "
+                             f"listed {job.gpus}×{gpu} ([prices.{gpu}] says ${offer.od_usd_per_gpu_h:.2f})")
+            # The listed card's memory, if smaller than [prices]' figure (an A100 of 40 GB where [prices] has 80).
             offer = replace(offer, od_usd_per_gpu_h=listed.od_usd_per_gpu_h,
-                            spot_usd_per_gpu_h=listed.spot_usd_per_gpu_h)
+                            spot_usd_per_gpu_h=listed.spot_usd_per_gpu_h,
+                            vram_gb=min(offer.vram_gb, listed.vram_gb or math.inf))
         if job.per_gpu_gb is not None and job.per_gpu_gb + ctx.vram_margin_gb > offer.vram_gb:
-            reasons.append(f"{gpu}: needs {job.per_gpu_gb:.1f} GB per GPU and {ctx.vram_margin_gb:.1f} GB kept free, "
-                           f"has {offer.vram_gb:.1f} GB: skipped")
+            skipped.append(f"{gpu}: needs {job.per_gpu_gb:.1f} GB per GPU and {ctx.vram_margin_gb:.1f} GB kept "
+                           f"free, has {offer.vram_gb:.1f} GB: skipped")
             too_small = True
             continue
         if gpu in job.rented_in_file:
-            reasons.append(f"s_R on {gpu}: {s_r:.4g} units/h per GPU, measured on earlier runs of {job.name} (the job "
-                           f"file says {job.rented_in_file[gpu]:.4g})")
+            notes.append(f"s_R on {gpu}: {s_r:.4g} units/h per GPU, measured on earlier runs of {job.name} (the job "
+                         f"file says {job.rented_in_file[gpu]:.4g})")
         candidates.append((gpu, s_r, offer))
 
     def gate(s_r: float, rate: float) -> GateResult:
@@ -278,6 +285,7 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
             return Decision(Verdict.LOCAL, "run-local", g, None, None, None,
                             Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),)),
                             reasons, overhead_h)
+        reasons += skipped
         if too_small:
             reasons.append("no rented GPU type can run this job: rethink scope (e.g. LoRA/QLoRA, or FSDP over more "
                            "GPUs: `burstctl size --gpus N --parallelism fsdp`)")
@@ -295,7 +303,9 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
     pool = meeting or evaluated
     key = (lambda e: e[0].c_rented_usd or math.inf) if meeting else (lambda e: e[0].t_rented_h or math.inf)
     g, gpu, s_r, offer = min(pool, key=key)
-    if len(candidates) > 1 and g.verdict is not Verdict.LOCAL:  # a local run rents nothing
+    if g.verdict is not Verdict.LOCAL:  # a local run rents nothing
+        reasons += skipped + said[gpu]
+    if len(candidates) > 1 and g.verdict is not Verdict.LOCAL:
         reasons.append(f"GPU type {gpu}: {'cheapest that meets the deadline' if meeting else 'fastest'} "
                        f"of {', '.join(c[0] for c in candidates)}")
 
