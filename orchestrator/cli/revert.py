@@ -45,7 +45,7 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
                       "provider.unreachable)")
     problems = [f"{r.provider}:{r.instance} ({r.terminated})" for r in report.left]
     problems += [f"{name} not swept ({why})" for name, why in report.not_swept.items()]
-    problems += [f"{name} unreachable" for name in report.unreachable if name not in report.not_swept]
+    problems += [f"{name} unreachable" for name in report.unreachable]
     if problems:
         raise OperationalError(f"not confirmed gone: {'; '.join(problems)}; a running daemon keeps sweeping with "
                                "its own credentials (`burstctl status`), or run revert-local where they are set")

@@ -305,9 +305,9 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
     g, gpu, s_r, offer = min(pool, key=key)
     if g.verdict is not Verdict.LOCAL:  # a local run rents nothing
         reasons += skipped + said[gpu]
-    if len(candidates) > 1 and g.verdict is not Verdict.LOCAL:
-        reasons.append(f"GPU type {gpu}: {'cheapest that meets the deadline' if meeting else 'fastest'} "
-                       f"of {', '.join(c[0] for c in candidates)}")
+        if len(candidates) > 1:
+            reasons.append(f"GPU type {gpu}: {'cheapest that meets the deadline' if meeting else 'fastest'} "
+                           f"of {', '.join(c[0] for c in candidates)}")
 
     if g.verdict is Verdict.LOCAL:
         plan = Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),))

@@ -398,17 +398,18 @@ def kv_cache_bytes_naive(arch: Architecture, context: int, sequences: int, compu
     return arch.layers * 2 * arch.hidden_size * context * compute_bytes * sequences
 
 
-def _tied(model: ModelSpec) -> bool:
-    """One matrix for the input embedding and the lm_head: a preset says; a hand-described model is taken as untied."""
+def _embedding_params(model: ModelSpec, arch: Architecture) -> float:
+    """The input embedding and the lm_head: one matrix if tied, as a preset says; a hand-described model is taken as
+    untied (the larger figure). 0 without a known vocab."""
     preset = PRESETS.get(model.preset.lower()) if model.preset else None
-    return preset.tied_embeddings if preset is not None else False
+    tied = preset.tied_embeddings if preset is not None else False
+    return float((arch.vocab_size or 0) * arch.hidden_size * (1 if tied else 2))
 
 
 def unquantized_params(model: ModelSpec, arch: Architecture) -> float:
     """Parameters a quantized base keeps in 16-bit: the input embedding, an untied lm_head and the norms. A
     hand-described model is taken as untied (the larger figure) when its vocab is known."""
-    embeddings = (arch.vocab_size or 0) * arch.hidden_size * (1 if _tied(model) else 2)
-    return float(embeddings + arch.hidden_size * (2 * arch.layers + 1))
+    return _embedding_params(model, arch) + arch.hidden_size * (2 * arch.layers + 1)
 
 
 def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN_GIB) -> SizingEstimate:
@@ -538,7 +539,7 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
                          "activations and KV cache stay per GPU")
             # The root unit (embeddings, lm_head) is not resharded after the forward, and each layer is gathered
             # whole while it runs, with the next one prefetched.
-            embeddings = (arch.vocab_size or 0) * arch.hidden_size * (1 if _tied(model) else 2)
+            embeddings = _embedding_params(model, arch)
             layer_params = max(arch.params - embeddings, 0.0) / arch.layers
             gathered = (embeddings * (base_bytes + compute_bytes * (model.method == "full"))
                         + 2 * layer_params * base_bytes) / GB
