@@ -149,6 +149,10 @@ class LocalMachine(Strict):
     def vram_gb(self) -> float:
         return self.vram_gib * 2**30 / 1e9
 
+    @property
+    def safety_margin_gb(self) -> float:
+        return self.safety_margin_gib * 2**30 / 1e9
+
 
 class Budget(Strict):
     monthly_cap_usd: NonNegFloat = Field(15.0, description="Hard cap on cloud spend per calendar month (UTC).")

@@ -228,7 +228,7 @@ def context(app: App, now: float) -> DecisionContext:
         burst_enabled=burst_enabled(app),
         local_hours=local_hours(cfg, now),
         local_slots=cfg.daemon.local_concurrency,
-        vram_margin_gb=cfg.local.safety_margin_gib * 2**30 / 1e9,
+        vram_margin_gb=cfg.local.safety_margin_gb,
         listed=listed,
         listed_shapes=shapes,
     )
@@ -502,7 +502,7 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
             per_gpu = sizing.estimate(spec.model, gpus=spec.gpus).per_gpu_gb
         except BadInput as exc:
             raise exc.in_file(source) if source else exc from None
-        margin_gb = cfg.local.safety_margin_gib * 2**30 / 1e9
+        margin_gb = cfg.local.safety_margin_gb
         fits_local = local.per_gpu_gb <= cfg.local.vram_gb - margin_gb
         if not fits_local:
             memory_why = (f"it needs {local.per_gpu_gb:.1f} GB, the local {cfg.local.gpu} has {cfg.local.vram_gb:.1f} "
