@@ -132,6 +132,46 @@ def test_a_job_no_provider_answers_for_is_told_why_not_that_nobody_has_capacity(
     app.close()
 
 
+class _Listing:
+    """A provider that lists the given offers."""
+
+    name = "lambda"
+
+    def __init__(self, *offers: Offer) -> None:
+        self.listed = list(offers)
+
+    def offers(self) -> list[Offer]:
+        return self.listed
+
+
+def _a100(instance_type: str, vram_gib: float, usd_h: float) -> Offer:
+    return Offer(provider="lambda", instance_type=instance_type, gpu_model="A100", gpu_count=1, vram_gib=vram_gib,
+                 vcpus=30, on_demand_usd_h=usd_h, spot_usd_h=None, regions=("us-east-1",))
+
+
+def test_a_launch_never_takes_a_card_too_small_for_the_job_whatever_its_price(tmp_path: Path) -> None:
+    # Decided on [prices]' 80 GB A100; the provider also lists a cheaper 40 GB A100, which the job (7B LoRA at
+    # 12288 tokens, 44 GB) would fill past its last byte. The launch takes the 80 GB one.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "long-context", local_throughput=0,
+                                          rented_throughput={"A100": 2.0},
+                                          model={"preset": "qwen2.5-7b", "method": "lora", "context": 12288}))
+    job = app.store.get_job(job_id)
+    assert job is not None and job["state"] == "queued"
+    small, big = _a100("gpu_1x_a100", 40.0, 1.29), _a100("gpu_1x_a100_sxm4_80gb", 80.0, 1.79)
+    chosen = Reconciler(app, {"lambda": _Listing(small, big)}, cloud=None).choose_offer(  # type: ignore[dict-item]
+        job, time.time())
+    assert chosen is not None and chosen[1] is big
+
+    # With only the small one listed, nothing launches, and the job says which card was too small for what.
+    assert Reconciler(app, {"lambda": _Listing(small)}, cloud=None).choose_offer(  # type: ignore[dict-item]
+        job, time.time()) is None
+    assert app.store.get_job(job_id)["reason"] == (
+        "no offer with capacity for 1×A100 (too small for its 44.2 GB per GPU and 1.1 GB kept free: "
+        "lambda gpu_1x_a100 has 42.9 GB per GPU)")
+    app.close()
+
+
 def test_a_job_waiting_for_spot_is_looked_at_again_when_its_next_spot_probe_is_due(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The policy waits for spot that only a launch can show; the next probe launch is due in 5 s. The job must be

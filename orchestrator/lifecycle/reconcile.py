@@ -23,6 +23,7 @@ from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key, stop_horizon_h
 from orchestrator.core.decision import UNMEASURED_SETUP
 from orchestrator.core.local_hours import LocalHours
+from orchestrator.jobspec import ModelSpec
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import exit_reason
 from orchestrator.lifecycle.homes import job_outputs_dir
@@ -521,7 +522,7 @@ class Reconciler:
         wanted = {g.upper(): s_r for g, s_r in spec["rented_throughput"].items()}
         best: tuple[float, str, Offer, Market, dict[str, Any]] | None = None
         waiting: dict[str, Any] | None = None  # what the policy rests on where it waits for listed spot
-        offers, problems = self._offers_with_capacity(job, now)
+        offers, problems, too_small = self._offers_with_capacity(job, now)
         for name, o in offers:
             market, why = market_for_attempt(self.app, job, name, o, now)
             if market is Market.SPOT and why.get("choice") == "idle" and now < spec.get("_spot_probe_at", 0):
@@ -556,8 +557,8 @@ class Reconciler:
                 reason = "no provider answered (" + "; ".join(problems) + ")"
             else:
                 reason = f"no offer with capacity for {_gpus_named(spec)}"
-                if problems:
-                    reason += f" ({'; '.join(problems)})"
+                if problems or too_small:
+                    reason += f" ({'; '.join(problems + too_small)})"
             self._note(job, reason)
             return None
         return best[1], best[2], best[3], best[4]
@@ -622,7 +623,8 @@ class Reconciler:
             return "bursting is disabled (revert-local)"
         if self.cloud is None or not self.providers:
             return "no cloud provider is usable"
-        offers, problems = self._offers_with_capacity(job, now)
+        offers, problems, too_small = self._offers_with_capacity(job, now)
+        problems += too_small
         markets: set[str] = set()  # the markets it would launch on where only the other one has capacity
         refused: str | None = None  # what the budget says of the launch an offer with capacity would make
         for name, offer in offers:
@@ -640,22 +642,49 @@ class Reconciler:
         return (f"no cloud lists {on}capacity for {_gpus_named(job['spec'])}"
                 + (f" ({'; '.join(problems)})" if problems else ""))
 
-    def _offers_with_capacity(self, job: dict[str, Any], now: float) -> tuple[list[tuple[str, Offer]], list[str]]:
-        """(provider, offer) for each offer of a GPU type and count the job names, in a region with capacity now;
-        and each provider that did not answer, with its error."""
+    def _offers_with_capacity(self, job: dict[str, Any], now: float
+                              ) -> tuple[list[tuple[str, Offer]], list[str], list[str]]:
+        """(provider, offer) for each offer of a GPU type and count the job names, whose card holds the job, in a
+        region with capacity now; each provider that did not answer, with its error; and the cards listed too small
+        for the job (none or one line)."""
         spec = job["spec"]
         wanted = {g.upper() for g in spec["rented_throughput"]}
+        need_gb = self._card_need_gb(job)
         found: list[tuple[str, Offer]] = []
         problems: list[str] = []
+        too_small: dict[str, str] = {}
         for name, provider in self.providers.items():
             try:
                 offers = self.offers.get(name, provider, now)
             except ProviderError as exc:
                 problems.append(f"{name}: {type(exc).__name__}: {self.app.redactor(str(exc))[:200]}")
                 continue
-            found += [(name, o) for o in offers
-                      if o.gpu_model.upper() in wanted and o.gpu_count == spec["gpus"] and o.regions]
-        return found, problems
+            for o in offers:
+                if o.gpu_model.upper() not in wanted or o.gpu_count != spec["gpus"] or not o.regions:
+                    continue
+                card_gb = o.vram_gib * 2**30 / 1e9  # a card's label read as GiB, as `decide` reads listings
+                if need_gb is not None and card_gb < need_gb:
+                    # A card the decision took to be bigger ([prices], or an older listing): a launch would OOM.
+                    too_small[f"{name} {o.instance_type}"] = f"{card_gb:.1f} GB"
+                    continue
+                found.append((name, o))
+        small: list[str] = []
+        if too_small:
+            margin = self.cfg.local.safety_margin_gb
+            small.append(f"too small for its {need_gb - margin:.1f} GB per GPU and {margin:.1f} GB kept free: "
+                            + ", ".join(f"{where} has {gb} per GPU" for where, gb in too_small.items()))
+        return found, problems, small
+
+    def _card_need_gb(self, job: dict[str, Any]) -> float | None:
+        """The memory a rented card must have for this job: its per-GPU estimate and the margin gate 1 keeps free
+        (None without a [model] table: nothing to judge a card by)."""
+        spec = job["spec"]
+        if spec.get("model") is None:
+            return None
+        from orchestrator.core import sizing  # sizing is optional input, as in `queue.facts`
+
+        model = ModelSpec.model_validate(spec["model"], strict=False)
+        return sizing.estimate(model, gpus=spec["gpus"]).per_gpu_gb + self.cfg.local.safety_margin_gb
 
     def _note(self, job: dict[str, Any], reason: str, *, same_as: str | None = None) -> None:
         """Say why the job waits. A reason that only updates one starting with `same_as` (a slack counting down)
