@@ -50,6 +50,7 @@ _FLAG_FIELDS: dict[str, str] = {
     "attention": "attention",
     "padding_mask": "padding_mask",
     "mixed_precision": "mixed_precision",
+    "double_quant": "double_quant",
 }
 
 _TERM_MEANING: dict[str, str] = {
@@ -96,6 +97,8 @@ _TERM_MEANING: dict[str, str] = {
 @click.option("--mixed-precision/--no-mixed-precision", default=None,
               help="Full fine-tuning in bf16/fp16 with an fp32 master copy and fp32 Adam moments (default), or "
                    "trained in the dtype itself (8 B/param).")
+@click.option("--double-quant/--no-double-quant", default=None,
+              help="4-bit base weights with bitsandbytes' double quantization (0.516 B/param; default off: 0.5625).")
 @json_option
 @pass_app
 def size_cmd(app: App, job_path: str | None, gpus: int, as_json: bool, **flags: Any) -> None:

@@ -2,8 +2,8 @@
 
 The terms, all per model replica:
 
-- weights: base parameters × bytes per parameter of the weights dtype (qlora: 4-bit, 0.55 B/param including the
-  quantization constants). A quantized base (qlora, or lora on int8/int4) quantizes the blocks' linear layers only:
+- weights: base parameters × bytes per parameter of the weights dtype (qlora and int4: bitsandbytes' 4-bit, 0.5625
+  B/param with its per-block constants, 0.516 with `double_quant`). A quantized base (qlora, or lora on int8/int4) quantizes the blocks' linear layers only:
   bitsandbytes leaves the input embedding, the lm_head and the norms in 16-bit (transformers'
   `get_keys_to_not_convert`), 1.09 B of Qwen2.5-7B's 7.62 B parameters;
 - gradients: trained parameters only (all for full, adapters for lora/qlora) × compute-dtype bytes;
@@ -44,8 +44,12 @@ MIB = 2**20
 # A policy, not a measurement.
 DEFAULT_MARGIN_GIB = 1.0
 
-WEIGHT_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.55}
-QLORA_BASE_BYTES = 0.55  # NF4 weights (0.5 B) plus per-block scales and constants
+WEIGHT_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
+# bitsandbytes' 4-bit weights (NF4 or FP4, blocks of 64): half a byte each, plus each block's absmax in fp32 (4/64 B);
+# double quantization stores the absmax in 8 bits (1/64 B) with an fp32 constant per 256 blocks: the QLoRA paper's
+# 4.127 bits per parameter against 4.5.
+FOUR_BIT_BYTES = 0.5 + 4 / 64
+FOUR_BIT_DOUBLE_QUANT_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 ADAM_BYTES_MIXED = 12.0  # fp32 master copy 4 + first moment 4 + second moment 4
 ADAM_BYTES_FP32 = 8.0  # the weights are the fp32 master copy already
 FP32_BYTES = 4.0
@@ -425,8 +429,10 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
     # Activations, KV cache, adapters and their gradients live in the compute dtype: fp32 only for fp32 models,
     # else 16-bit (a quantized base is dequantized to bf16 for the matmuls).
     compute_bytes = 4.0 if model.dtype == "fp32" else 2.0
-    base_bytes = QLORA_BASE_BYTES if model.method == "qlora" else WEIGHT_BYTES[model.dtype]
-    quantized = model.method == "qlora" or model.dtype in ("int8", "int4")
+    four_bit = model.method == "qlora" or model.dtype == "int4"
+    base_bytes = (FOUR_BIT_DOUBLE_QUANT_BYTES if model.double_quant else FOUR_BIT_BYTES) if four_bit \
+        else WEIGHT_BYTES[model.dtype]
+    quantized = four_bit or model.dtype == "int8"
     kept_16bit = min(unquantized_params(model, arch), arch.params) if quantized else 0.0
     pure = model.method == "full" and compute_bytes == 2.0 and not model.mixed_precision
     # Pure 16-bit: two Adam moments in the dtype, no master copy; else fp32 moments (and a master copy if 16-bit).
@@ -445,7 +451,9 @@ def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN
         lora = LoraTraining(rank=model.lora_rank, targets=frozenset(targets))
         adapter_params = lora_adapter_params(arch, model.lora_rank, targets)
         trained = float(adapter_params)
-        base = "4-bit base weights (0.55 B/param)" if model.method == "qlora" else f"{model.dtype} base weights"
+        base = (f"4-bit base weights ({base_bytes:.4g} B/param, "
+                f"{'with' if model.double_quant else 'no'} double quantization)" if four_bit
+                else f"{model.dtype} base weights")
         if quantized:
             base += (f", but {_fmt_count(kept_16bit)} of them (embeddings, lm_head, norms) stay 16-bit, as "
                      "bitsandbytes leaves them")
