@@ -3,9 +3,9 @@
 The terms, all per model replica:
 
 - weights: base parameters × bytes per parameter of the weights dtype (qlora and int4: bitsandbytes' 4-bit, 0.5625
-  B/param with its per-block constants, 0.516 with `double_quant`). A quantized base (qlora, or lora on int8/int4) quantizes the blocks' linear layers only:
-  bitsandbytes leaves the input embedding, the lm_head and the norms in 16-bit (transformers'
-  `get_keys_to_not_convert`), 1.09 B of Qwen2.5-7B's 7.62 B parameters;
+  B/param with its per-block constants, 0.516 with `double_quant`). A quantized base (qlora, or lora on int8/int4)
+  quantizes the blocks' linear layers only: bitsandbytes leaves the input embedding, the lm_head and the norms in
+  16-bit (transformers' `get_keys_to_not_convert`), 1.09 B of Qwen2.5-7B's 7.62 B parameters;
 - gradients: trained parameters only (all for full, adapters for lora/qlora) × compute-dtype bytes;
 - optimizer: Adam, 12 B per trained parameter (fp32 master copy + two fp32 moments); 8 B when the weights are already
   fp32, because then there is no separate master copy;

@@ -663,7 +663,7 @@ class Reconciler:
                 if o.gpu_model.upper() not in wanted or o.gpu_count != spec["gpus"] or not o.regions:
                     continue
                 card_gb = o.vram_gib * 2**30 / 1e9  # a card's label read as GiB, as `decide` reads listings
-                if need_gb is not None and card_gb < need_gb:
+                if need_gb is not None and 0 < card_gb < need_gb:  # 0: a listing that does not say
                     # A card the decision took to be bigger ([prices], or an older listing): a launch would OOM.
                     too_small[f"{name} {o.instance_type}"] = f"{card_gb:.1f} GB"
                     continue
