@@ -669,10 +669,10 @@ class Reconciler:
                     continue
                 found.append((name, o))
         small: list[str] = []
-        if too_small:
+        if too_small and need_gb is not None:
             margin = self.cfg.local.safety_margin_gb
             small.append(f"too small for its {need_gb - margin:.1f} GB per GPU and {margin:.1f} GB kept free: "
-                            + ", ".join(f"{where} has {gb} per GPU" for where, gb in too_small.items()))
+                         + ", ".join(f"{where} has {gb} per GPU" for where, gb in too_small.items()))
         return found, problems, small
 
     def _card_need_gb(self, job: dict[str, Any]) -> float | None:
