@@ -138,6 +138,11 @@ def test_a_gpu_type_or_count_no_provider_sells_is_skipped_when_every_provider_ha
     assert d.reasons[-1].startswith("no provider sells a machine of the GPU types and count it names")
     assert decide(replace(job, gpus=2), replace(CTX, listed_shapes=sold)).gpu == "H100"
     assert decide(job, CTX).gpu is not None  # not known which are sold: the reference prices alone decide
+    # One type unsold and the other too small: the closing line names both ways out.
+    both = decide(replace(job, gpus=2, per_gpu_gb=30.0), replace(CTX, listed_shapes={"H100": (1,), "A10": (2,)}))
+    assert both.verdict is Verdict.RETHINK
+    assert both.reasons[-1].startswith("no rented GPU type can run this job: rethink scope")
+    assert both.reasons[-1].endswith(", or name a GPU type and count a provider sells")
 
 
 def test_spot_is_the_default_market_for_a_checkpointing_burst() -> None:

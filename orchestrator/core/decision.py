@@ -288,7 +288,8 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         reasons += skipped
         if too_small:
             reasons.append("no rented GPU type can run this job: rethink scope (e.g. LoRA/QLoRA, or FSDP over more "
-                           "GPUs: `burstctl size --gpus N --parallelism fsdp`)")
+                           "GPUs: `burstctl size --gpus N --parallelism fsdp`)"
+                           + (", or name a GPU type and count a provider sells" if unsold else ""))
         elif unsold:
             reasons.append("no provider sells a machine of the GPU types and count it names: change `gpus` or "
                            "`rented_throughput` to one they list")
