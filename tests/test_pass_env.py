@@ -263,9 +263,10 @@ def test_a_local_attempt_restarted_without_the_variable_goes_back_to_the_queue_a
         app.close()
 
 
-def test_a_local_job_does_not_get_the_cloud_providers_api_keys_unless_it_names_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    key_var = "BURSTCTL_SIM_API_KEY"  # the sim provider's default api_key_env
+@pytest.mark.parametrize("key_var", ["BURSTCTL_SIM_API_KEY",  # the sim provider's default api_key_env
+                                     "AWS_SECRET_ACCESS_KEY"])  # EC2's, which boto3 reads from the environment
+def test_a_local_job_does_not_get_the_secrets_burstctl_holds_unless_it_names_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key_var: str) -> None:
     monkeypatch.setenv(key_var, PASSED)
     state = tmp_path / "state"
     app = App(state_dir_override=str(state))

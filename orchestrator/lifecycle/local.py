@@ -200,9 +200,10 @@ class LocalRunner:
         if spec.get("torchrun"):
             argv += ["--gpus", "1", "--torchrun"]  # the one local GPU; the script still runs under torchrun
         argv += ["--", *spec["command"]]
-        # The trainer gets the daemon's environment but not the cloud providers' API keys, which are burstctl's
-        # (a job that needs one names it in pass_env).
-        keys = {self.cfg.providers.sim.api_key_env, self.cfg.providers.lambda_.api_key_env}
+        # The trainer gets the daemon's environment but not the secrets burstctl holds for itself: the providers'
+        # API keys, AWS's secret key, the database password, the notifiers' (a job that needs one names it in
+        # pass_env).
+        keys = set(self.cfg.secret_env_names())
         env = {k: v for k, v in os.environ.items() if k not in keys}
         subprocess.run(argv, check=True, timeout=60, stdin=subprocess.DEVNULL, capture_output=True,
                        env={**env, **passed})
