@@ -225,7 +225,7 @@ class SimProvider(Strict):
 
 class LambdaProvider(Strict):
     enabled: bool = Field(False, description="Use Lambda Cloud.")
-    base_url: str = Field("https://cloud.lambdalabs.com/api/v1", description="API root (a test server in tests).")
+    base_url: str = Field("https://cloud.lambda.ai/api/v1", description="API root (a test server in tests).")
     api_key_env: EnvName = Field("LAMBDA_API_KEY", description="Env var holding the Lambda Cloud API key.")
     api_key_file: KeyFile = Field(None, description=KEY_FILE_DESCRIPTION)
     ssh_key_name: str = Field("burstctl", description="Name of an SSH key already registered with Lambda.")

@@ -15,7 +15,6 @@ Lambda's v1 REST API.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import threading
@@ -64,6 +63,12 @@ _STATES = {
 
 class InstanceGone(InvalidRequest):
     """`global/object-does-not-exist`: on terminate or describe, the instance is gone (a success there)."""
+
+
+# The name burstctl gives an instance: "burst-" and the attempt id (`queue.new_job_id`, "-a" and its number).
+_NAMED_BY_BURSTCTL = re.compile(r"burst-(?P<attempt>(?P<job>j[0-9a-f]{8})-a[0-9]+)")
+# Requests whose 404 `global/object-does-not-exist` says an instance is gone (not a type, a key or a route).
+_NAMES_INSTANCES = ("GET /instances/", "POST /instance-operations/terminate")
 
 
 class Pacer:
@@ -217,6 +222,7 @@ class LambdaCloud:
                 try:
                     return self._request("GET", f"/instances/{instance_id}")
                 except InstanceGone:
+                    self._confirm_gone([instance_id])
                     return None
 
             found = self._call("describe", get_one)
@@ -234,9 +240,13 @@ class LambdaCloud:
                 self._request("POST", "/instance-operations/terminate", {"instance_ids": list(ids)})
             except InstanceGone:
                 # One unknown id fails the whole batch: end the others one by one.
+                gone = list(ids) if len(ids) == 1 else []
                 for instance_id in ids if len(ids) > 1 else ():
-                    with contextlib.suppress(InstanceGone):
+                    try:
                         self._request("POST", "/instance-operations/terminate", {"instance_ids": [instance_id]})
+                    except InstanceGone:
+                        gone.append(instance_id)
+                self._confirm_gone(gone)
 
         self._call("terminate", terminate_all)
 
@@ -350,9 +360,20 @@ class LambdaCloud:
             return QuotaExceeded(text, **kw)
         if code == "global/invalid-api-key" or status in (401, 403):
             return AuthFailed(text, **kw)
-        if code == "global/object-does-not-exist" or status == 404:
-            return InstanceGone(text, **kw)
+        if code == "global/object-does-not-exist" and what.startswith(_NAMES_INSTANCES):
+            return InstanceGone(text, **kw)  # the callers confirm it with a listing (`_confirm_gone`)
+        if status == 404 and not what.startswith("POST /instance-operations/launch"):
+            # A listing or a path the server does not have: what a wrong base_url gives. Never "gone".
+            return InvalidRequest(f"{text} (is base_url {self.base_url!r} the API's root?)", **kw)
         return InvalidRequest(text, **kw)
+
+    def _confirm_gone(self, ids: Sequence[str]) -> None:
+        """A 404 for an instance is trusted only where the instance listing answers and does not list it: a wrong
+        base_url answers 404 to everything, and reading that as "gone" would report a live, billing instance
+        terminated. Raises the listing's error, or InvalidRequest for an instance the listing still has."""
+        listed = {str(i["id"]) for i in self._request("GET", "/instances")}
+        if still := [i for i in ids if i in listed]:
+            raise InvalidRequest(f"404 for instances the listing still has: {', '.join(still)}", provider=self.name)
 
     # --- mapping -------------------------------------------------------------------------------------------------
     def _order_regions(self, regions: Sequence[str]) -> list[str]:
@@ -365,7 +386,9 @@ class LambdaCloud:
         tags = _tags(inst)
         if "burstctl:orchestrator" in tags:
             return tags["burstctl:orchestrator"] == self.orchestrator_id
-        return str(inst.get("name", "")).startswith("burst-")
+        # A listing without tags: only a name burstctl gives (`OwnerTags.instance_name`), not any "burst-…" a
+        # person might choose, is taken for ours.
+        return _NAMED_BY_BURSTCTL.fullmatch(str(inst.get("name", ""))) is not None
 
     def _info(self, inst: Mapping[str, Any]) -> InstanceInfo:
         status = str(inst.get("status", ""))
@@ -386,7 +409,7 @@ class LambdaCloud:
             ssh_port=int(inst.get("ssh_port") or 22),
             ssh_user=str(inst.get("ssh_user") or "ubuntu"),
             host_key=inst.get("ssh_host_key"),
-            tags=_tags(inst),
+            tags=_tags(inst) or _tags_from_name(str(inst.get("name", ""))),
         )
 
 
@@ -471,6 +494,12 @@ def _type_for_market(types: Mapping[str, Any], base_type: str, market: Market) -
 
 def _capacity_regions(item: Mapping[str, Any]) -> list[str]:
     return [r["name"] for r in item.get("regions_with_capacity_available", [])]
+
+
+def _tags_from_name(name: str) -> dict[str, str]:
+    """The job and attempt an untagged instance's burstctl name says, so that the sweep knows its attempt."""
+    m = _NAMED_BY_BURSTCTL.fullmatch(name)
+    return {"burstctl:job": m["job"], "burstctl:attempt": m["attempt"]} if m else {}
 
 
 def _tags(inst: Mapping[str, Any]) -> dict[str, str]:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from orchestrator.config import KEY_FILE_EXPECTED, LambdaProvider, SimProvider, load_config
@@ -20,6 +21,7 @@ from orchestrator.errors import BadInput
 from providers.base import (
     AuthFailed,
     InstanceState,
+    InvalidRequest,
     LaunchRequest,
     Market,
     NoCapacity,
@@ -27,7 +29,7 @@ from providers.base import (
     QuotaExceeded,
     RetryPolicy,
 )
-from providers.lambda_cloud import LambdaCloud, Pacer, from_config, parse_gpu_description, read_api_key
+from providers.lambda_cloud import InstanceGone, LambdaCloud, Pacer, from_config, parse_gpu_description, read_api_key
 from providers.simcloud.api import FaultKind, SimCloudServer
 
 CONTRACT = Path(__file__).resolve().parents[2] / "shared" / "contracts" / "lambda-cloud" / "openapi-1.8.3.json"
@@ -376,6 +378,25 @@ def test_terminate_twice_and_terminate_unknown_are_success(sim: SimCloudServer, 
     lam.terminate(["f" * 32])
 
 
+def test_a_wrong_base_url_is_never_taken_for_gone_instances(events: Events) -> None:
+    # A base_url missing the API's path answers 404 to everything. Taken for "no such instance", terminate would
+    # report success and describe a terminated instance while it runs and bills on.
+    with SimCloudServer(api_key=API_KEY) as server:
+        right = make_adapter(server, events)
+        info = right.launch(request("wrong-url"))
+        wrong = LambdaCloud(
+            name="sim", base_url=server.api_url.removesuffix("/api/v1") + "/v1", api_key=API_KEY, sink=events,
+            retry=FAST_RETRY, request_interval_s=0.0, launch_interval_s=0.0, timeout_s=2.0)
+        for call in (lambda: wrong.terminate([info.id]), lambda: wrong.describe([info.id]), wrong.offers):
+            with pytest.raises(InvalidRequest) as raised:
+                call()
+            assert not isinstance(raised.value, InstanceGone)
+            assert str(raised.value).endswith(f"(is base_url '{wrong.base_url}' the API's root?)")
+        assert right.describe([info.id])[info.id].state is not InstanceState.TERMINATED
+        right.close()
+        wrong.close()
+
+
 def test_terminate_batch_with_a_gone_id_still_ends_the_live_one(sim: SimCloudServer, lam: LambdaCloud) -> None:
     info = lam.launch(request("tb"))
     lam.terminate(["f" * 32, info.id])
@@ -407,6 +428,21 @@ def test_list_owned_and_find_attempt(sim: SimCloudServer, lam: LambdaCloud, even
     assert found is not None and found.id == mine.id
     assert lam.find_attempt("never") is None
     other.close()
+
+
+def test_an_untagged_instance_is_ours_only_by_the_name_burstctl_gives(sim: SimCloudServer, lam: LambdaCloud) -> None:
+    # A listing without tags (the API does not require them): a person's "burst-notebook-alice" is not swept;
+    # "burst-<attempt id>" is burstctl's, and its attempt is read from the name so the sweep can find it.
+    lam.launch(request("keyed"))
+    with httpx.Client(base_url=sim.api_url, headers={"Authorization": f"Bearer {API_KEY}"}) as api:
+        api.post("/ssh-keys", json={"name": "alice", "public_key": PUBKEY}).raise_for_status()
+        for name in ("burst-notebook-alice", "burst-j0123abcd-a2"):
+            api.post("/instance-operations/launch", json={
+                "region_name": "us-east-1", "instance_type_name": "gpu_1x_h100_sxm5", "ssh_key_names": ["alice"],
+                "name": name}).raise_for_status()
+    owned = {i.attempt_id: i for i in lam.list_owned()}
+    assert set(owned) == {"keyed", "j0123abcd-a2"}
+    assert owned["j0123abcd-a2"].tags == {"burstctl:job": "j0123abcd", "burstctl:attempt": "j0123abcd-a2"}
 
 
 # --- pacing ---------------------------------------------------------------------------------------------------------
