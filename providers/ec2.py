@@ -1,4 +1,4 @@
-"""AWS EC2 adapter: GPU offers, spot/on-demand launches with capacity fallback, and no double launches.
+"""AWS EC2 adapter: GPU offers, spot/on-demand launches with zone fallback, and no double launches.
 
 Everything goes through boto3's standard credential chain and endpoint resolution, so `AWS_ENDPOINT_URL`
 (or `endpoint_url` in config) points the same code at moto's server. botocore's own retries are switched
@@ -396,18 +396,11 @@ class Ec2Adapter:
 
     # --- launch -----------------------------------------------------------------------------------------
     def candidates(self, request: LaunchRequest) -> list[tuple[str, str]]:
-        """(instance type, zone) pairs in the order launch tries them.
-
-        Types: the requested one, then the ones after it in config `instance_types` (the user's declared
-        fallback order); a type outside that list is tried alone. Zones: the requested one, or all zones.
-        """
-        configured = list(self.config.instance_types)
-        if request.instance_type in configured:
-            types = configured[configured.index(request.instance_type):]
-        else:
-            types = [request.instance_type]
+        """(instance type, zone) pairs in the order launch tries them: the requested type only, in the requested
+        zone or else every zone. Another type is another offer, with its own GPU, memory and price: the daemon
+        chooses it (`Reconciler.choose_offer`), so that what runs is what was priced and metered."""
         zones = [request.region] if request.region else self.zones()
-        return [(t, z) for t in dict.fromkeys(types) for z in zones]
+        return [(request.instance_type, z) for z in zones]
 
     def launch(self, request: LaunchRequest) -> InstanceInfo:
         # A previous launch of this attempt may have taken effect without us hearing back (timeout, crash).

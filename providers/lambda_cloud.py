@@ -182,34 +182,30 @@ class LambdaCloud:
         return offers
 
     def launch(self, request: LaunchRequest) -> InstanceInfo:
-        """Launch in the first (type, region) with capacity: the requested type, then the other configured
-        types in config order; within a type, regions listing capacity, those of `request.region_order` first,
-        then the rest in config order."""
+        """Launch the requested type in the first region with capacity: regions listing capacity, those of
+        `request.region_order` first, then the rest in config order. Never another type: that is another offer,
+        with its own GPU, memory and price, which the daemon chooses (`Reconciler.choose_offer`)."""
         types = self._call("instance-types", lambda: self._request("GET", "/instance-types"))
         if request.instance_type not in types:
             raise InvalidRequest(f"unknown instance type {request.instance_type!r}", provider=self.name)
-        candidates = [request.instance_type, *(t for t in self.instance_types if t != request.instance_type)]
-        tried: list[str] = []
-        for base_type in candidates:
-            market_type = _type_for_market(types, base_type, request.market)
-            if market_type is None:
-                continue
-            regions = self._order_regions(_capacity_regions(types[market_type]))
-            if request.region_order:
-                first = {r: i for i, r in enumerate(request.region_order)}
-                regions.sort(key=lambda r: first.get(r, len(first)))  # stable: the rest stay in config order
-            if request.region is not None:
-                regions = [r for r in regions if r == request.region]
-            for region in regions:
-                tried.append(f"{market_type}@{region}")
-                try:
-                    return self._launch_in(request, market_type, region)
-                except NoCapacity:
-                    continue  # capacity went between listing and launching: next region, then next type
-        if not tried and _type_for_market(types, request.instance_type, request.market) is None:
+        market_type = _type_for_market(types, request.instance_type, request.market)
+        if market_type is None:
             raise InvalidRequest(f"{request.instance_type!r} has no {request.market} market", provider=self.name)
+        regions = self._order_regions(_capacity_regions(types[market_type]))
+        if request.region_order:
+            first = {r: i for i, r in enumerate(request.region_order)}
+            regions.sort(key=lambda r: first.get(r, len(first)))  # stable: the rest stay in config order
+        if request.region is not None:
+            regions = [r for r in regions if r == request.region]
+        tried: list[str] = []
+        for region in regions:
+            tried.append(region)
+            try:
+                return self._launch_in(request, market_type, region)
+            except NoCapacity:
+                continue  # capacity went between listing and launching: the next region
         where = ", ".join(tried) if tried else "no region lists capacity"
-        raise NoCapacity(f"no {request.market} capacity for {', '.join(candidates)} (tried: {where})",
+        raise NoCapacity(f"no {request.market} capacity for {market_type} (tried: {where})",
                          provider=self.name, code="instance-operations/launch/insufficient-capacity")
 
     def describe(self, ids: Sequence[str]) -> dict[str, InstanceInfo]:

@@ -255,37 +255,29 @@ def test_on_demand_launch_has_no_market_options_and_places_by_zone(mocked: None,
     assert "InstanceLifecycle" not in instances_of_attempt(adapter, "att-od")[0]
 
 
-def test_capacity_fallback_walks_types_then_zones_in_config_order(mocked: None, ssh_public_key: str) -> None:
+def test_capacity_fallback_walks_the_zones_of_the_requested_type_only(mocked: None, ssh_public_key: str) -> None:
+    # Another type is another offer (its GPU, memory and price): the daemon chooses it, not the adapter.
     adapter, sink, waits = make_adapter(instance_types=["g5.xlarge", "g6e.xlarge"], zones=["us-east-1a", "us-east-1b"])
-    full = {("g5.xlarge", "us-east-1a"), ("g5.xlarge", "us-east-1b"), ("g6e.xlarge", "us-east-1a")}
 
     def no_capacity(params: dict[str, Any]) -> None:
-        if (params["InstanceType"], params["Placement"]["AvailabilityZone"]) in full:
+        if params["Placement"]["AvailabilityZone"] == "us-east-1a":
             raise client_error("RunInstances", "InsufficientInstanceCapacity", "no capacity", 500)
 
     seen = on_run_instances(adapter, no_capacity)
     info = adapter.launch(request_for("att-fb", ssh_public_key))
 
     tried = [(p["InstanceType"], p["Placement"]["AvailabilityZone"]) for p in seen]
-    assert tried == [("g5.xlarge", "us-east-1a"), ("g5.xlarge", "us-east-1b"), ("g6e.xlarge", "us-east-1a"),
-                     ("g6e.xlarge", "us-east-1b")]
-    assert (info.instance_type, info.region) == ("g6e.xlarge", "us-east-1b")
+    assert tried == [("g5.xlarge", "us-east-1a"), ("g5.xlarge", "us-east-1b")]
+    assert (info.instance_type, info.region) == ("g5.xlarge", "us-east-1b")
     # Each candidate has its own deterministic token; the first is the idempotency key itself.
-    tokens = [p["ClientToken"] for p in seen]
-    assert tokens[0] == "att-fb-launch" and len(set(tokens)) == 4
-    assert tokens == [client_token("att-fb-launch", i) for i in range(4)]
+    assert [p["ClientToken"] for p in seen] == [client_token("att-fb-launch", i) for i in range(2)]
+    assert seen[0]["ClientToken"] == "att-fb-launch"
     assert [(e["instance_type"], e["zone"], e["code"]) for e in sink.of("provider.launch_fallback")] == [
-        (t, z, "InsufficientInstanceCapacity") for t, z in tried[:3]]
-    assert waits == []  # no capacity is not retried in place: the next candidate is tried at once
+        ("g5.xlarge", "us-east-1a", "InsufficientInstanceCapacity")]
+    assert waits == []  # no capacity is not retried in place: the next zone is tried at once
     assert len(instances_of_attempt(adapter, "att-fb")) == 1
-
-
-def test_fallback_only_moves_forward_in_the_configured_type_list(mocked: None, ssh_public_key: str) -> None:
-    adapter, _, _ = make_adapter(instance_types=["g5.xlarge", "g6e.xlarge"], zones=["us-east-1a"])
     assert adapter.candidates(request_for("a", ssh_public_key, instance_type="g6e.xlarge")) == [
-        ("g6e.xlarge", "us-east-1a")]
-    assert adapter.candidates(request_for("a", ssh_public_key, instance_type="p5.48xlarge")) == [
-        ("p5.48xlarge", "us-east-1a")]
+        ("g6e.xlarge", "us-east-1a"), ("g6e.xlarge", "us-east-1b")]
 
 
 def test_no_capacity_anywhere_raises_no_capacity_and_launches_nothing(mocked: None, ssh_public_key: str) -> None:
@@ -298,7 +290,7 @@ def test_no_capacity_anywhere_raises_no_capacity_and_launches_nothing(mocked: No
     with pytest.raises(NoCapacity) as raised:
         adapter.launch(request_for("att-none", ssh_public_key))
     assert raised.value.code == "InsufficientInstanceCapacity"
-    assert len(seen) == 4
+    assert len(seen) == 2  # the requested type in each zone
     assert instances_of_attempt(adapter, "att-none") == []
 
 

@@ -200,21 +200,19 @@ def test_region_fallback_on_insufficient_capacity(sim: SimCloudServer, lam: Lamb
     assert len(instances_of(sim, "reg")) == 1
 
 
-def test_type_fallback_when_every_region_of_the_first_type_is_full(sim: SimCloudServer, events: Events) -> None:
+def test_a_launch_never_falls_back_to_another_type(sim: SimCloudServer, events: Events) -> None:
+    # Another type is another offer (its GPU, memory and price): the daemon chooses it. Here the A100 is configured
+    # beside the H100, and the H100 is full everywhere, whether the listing says so or only the launch does.
     adapter = make_adapter(sim, events, instance_types=("gpu_1x_h100_sxm5", "gpu_1x_a100_sxm4"))
     sim.inject(FaultKind.INSUFFICIENT_CAPACITY, count=2)  # both regions of the H100, listed with capacity, refuse
-    info = adapter.launch(request("typ"))
-    assert (info.instance_type, info.region) == ("gpu_1x_a100_sxm4", "us-east-1")
-    adapter.close()
-
-
-def test_types_without_listed_capacity_are_skipped_without_a_launch(sim: SimCloudServer, events: Events) -> None:
+    with pytest.raises(NoCapacity, match=r"gpu_1x_h100_sxm5 \(tried: us-east-1, us-west-1\)"):
+        adapter.launch(request("typ"))
     for region in ("us-east-1", "us-west-1"):
         sim.set_capacity("gpu_1x_h100_sxm5", region, 0)
-    adapter = make_adapter(sim, events, instance_types=("gpu_1x_h100_sxm5", "gpu_1x_a100_sxm4"))
-    info = adapter.launch(request("skip"))
-    assert info.instance_type == "gpu_1x_a100_sxm4"
-    assert len(events.calls("launch")) == 1
+    with pytest.raises(NoCapacity, match="no region lists capacity"):
+        adapter.launch(request("skip"))
+    assert len(events.calls("launch")) == 2  # the two refused H100 launches; nothing of the A100
+    assert instances_of(sim, "typ") == instances_of(sim, "skip") == []
     adapter.close()
 
 

@@ -178,6 +178,32 @@ def test_a_launch_never_takes_a_card_too_small_for_the_job_whatever_its_price(tm
     app.close()
 
 
+def test_after_a_launch_refused_for_capacity_the_next_offer_is_chosen_and_metered_at_its_own_price(
+        tmp_path: Path) -> None:
+    # Providers launch only the type asked for; falling back to another type is the daemon's choice, so that the
+    # attempt's type, GPU and rate are the ones that run and are billed.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "fallback", local_throughput=0, market="on-demand",
+                                          rented_throughput={"H100": 2.0, "A100": 1.0}))
+    h100 = Offer(provider="lambda", instance_type="gpu_1x_h100_sxm5", gpu_model="H100", gpu_count=1, vram_gib=80.0,
+                 vcpus=26, on_demand_usd_h=3.29, spot_usd_h=None, regions=("us-east-1",))
+    a100 = _a100("gpu_1x_a100_sxm4", 80.0, 1.79)
+    rec = Reconciler(app, {"lambda": _Listing(h100, a100)}, cloud=None)  # type: ignore[dict-item]
+    job = app.store.get_job(job_id)
+    assert job is not None
+    assert rec.choose_offer(job, time.time())[1] is h100  # $1.65 a unit of work against the A100's $1.79
+
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(
+            id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="launch_failed", provider="lambda",
+            instance_type="gpu_1x_h100_sxm5", market="on-demand", created_at=0.0, ended_at=0.0,
+            info={"rate_usd_h": 3.29, "launch_error": "NoCapacity"}))
+    assert rec.choose_offer(job, time.time())[1] is a100
+    only_h100 = Reconciler(app, {"lambda": _Listing(h100)}, cloud=None)  # type: ignore[dict-item]
+    assert only_h100.choose_offer(job, time.time())[1] is h100  # nothing else: the refused one again
+    app.close()
+
+
 def test_a_job_waiting_for_spot_is_looked_at_again_when_its_next_spot_probe_is_due(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The policy waits for spot that only a launch can show; the next probe launch is due in 5 s. The job must be

@@ -523,6 +523,11 @@ class Reconciler:
         best: tuple[float, str, Offer, Market, dict[str, Any]] | None = None
         waiting: dict[str, Any] | None = None  # what the policy rests on where it waits for listed spot
         offers, problems, too_small = self._offers_with_capacity(job, now)
+        # Offers whose launch was just refused for capacity go last: the next one is tried, as a provider's own
+        # fallback would, but chosen here, where its GPU, memory and price are weighed and metered.
+        refused = {(r["provider"], r["instance_type"], r["market"]) for r in self._recent_launch_failures(job["id"])
+                   if r["info"].get("launch_error") == "NoCapacity"}
+        held_back: list[tuple[float, str, Offer, Market, dict[str, Any]]] = []
         for name, o in offers:
             market, why = market_for_attempt(self.app, job, name, o, now)
             if market is Market.SPOT and why.get("choice") == "idle" and now < spec.get("_spot_probe_at", 0):
@@ -535,8 +540,12 @@ class Reconciler:
             price = o.rate_usd_h(market)
             speed = wanted[o.gpu_model.upper()]
             cost = price / speed  # $ per unit of work
-            if best is None or cost < best[0]:
+            if (name, o.instance_type, market.value) in refused:
+                held_back.append((cost, name, o, market, why))
+            elif best is None or cost < best[0]:
                 best = (cost, name, o, market, why)
+        if best is None and held_back:  # nothing else: the refused ones again, cheapest first
+            best = min(held_back, key=lambda b: b[0])
         if waiting is not None and (best is None or best[3] is Market.ON_DEMAND):
             if quiet:
                 return None
@@ -850,7 +859,8 @@ class Reconciler:
             except LAUNCH_REFUSALS as exc:
                 reason = f"{type(exc).__name__}: {self.app.redactor(str(exc))}"
                 with self.store.tx() as conn:
-                    if move(conn, att, A.LAUNCH_FAILED, reason=reason):
+                    if move(conn, att, A.LAUNCH_FAILED, reason=reason,
+                            info={**att["info"], "launch_error": type(exc).__name__}):
                         self.app.events.emit("attempt.launch_failed", job_id=job["id"], attempt_id=att["id"],
                                              conn=conn, provider=att["provider"], error=type(exc).__name__,
                                              code=exc.code, reason=reason)
