@@ -407,10 +407,10 @@ class Schedule(Strict):
     def _crontab(cls, v: str) -> str:
         from apscheduler.triggers.cron import CronTrigger  # only with a schedule: the CLI's start stays lean
 
+        from orchestrator.core import crontab
+
         try:
-            if len(v.split()) != 5:
-                raise ValueError(v)
-            CronTrigger.from_crontab(v)
+            CronTrigger.from_crontab(crontab.for_apscheduler(v))
         except ValueError:
             raise ValueError(f"'{v}' is not a crontab: {CRON_EXPECTED}") from None
         return v

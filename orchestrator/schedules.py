@@ -18,6 +18,7 @@ Each cycle is then a job like any other: both gates, the market and this month's
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -28,6 +29,7 @@ from apscheduler.triggers.cron import CronTrigger
 
 from orchestrator.app import App
 from orchestrator.config import Schedule
+from orchestrator.core import crontab
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import load_job
 from orchestrator.lifecycle.states import FINAL, JobState
@@ -44,14 +46,27 @@ def trigger(sched: Schedule) -> CronTrigger:
 
 @functools.lru_cache(maxsize=256)
 def _trigger(cron: str, timezone: str | None) -> CronTrigger:
-    # Built once per cron, not at every tick: parsing one costs about as much as the look at its slots.
-    return CronTrigger.from_crontab(cron, timezone=timezone)
+    # Built once per cron, not at every tick: parsing one costs about as much as the look at its slots. Its days of
+    # the week as crontab numbers them (Sunday = 0), not as APScheduler does (Monday = 0).
+    return CronTrigger.from_crontab(crontab.for_apscheduler(cron), timezone=timezone)
 
 
 def next_slot(trig: CronTrigger, after: float) -> float | None:
-    """The first slot strictly after `after` (unix seconds)."""
-    at = trig.get_next_fire_time(None, datetime.fromtimestamp(after, trig.timezone) + _TICK)
-    return None if at is None else at.timestamp()
+    """The first slot strictly after `after` (unix seconds). A wall-clock time that comes twice, in the hour clocks
+    fall back, is a slot once, at its first pass, as cron runs it."""
+    probe = datetime.fromtimestamp(after, trig.timezone) + _TICK
+    minute = math.floor(after / 60) * 60.0
+    while True:
+        at = trig.get_next_fire_time(None, probe)
+        if at is None:
+            return None
+        if at.timestamp() > after and not at.fold:  # fold 1: the repeated hour's second pass
+            return at.timestamp()
+        # APScheduler reads a wall-clock time of the repeated hour as its first pass whatever the datetime's fold,
+        # so from there it finds slots already behind (it had looped for ever). Cron slots are whole minutes: look
+        # on from the next whole minute past both, which leaves the repeated hour within about 60 looks.
+        minute = max(minute + 60, math.floor(max(after, at.timestamp()) / 60) * 60 + 60)
+        probe = datetime.fromtimestamp(minute, trig.timezone)
 
 
 def slots_between(trig: CronTrigger, after: float, until: float) -> list[float]:

@@ -8,12 +8,13 @@ import json
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 from apscheduler.triggers.cron import CronTrigger
 
 from orchestrator.app import App
-from orchestrator.schedules import KEY_PREFIX, fire_due, newest_slot, slots_between
+from orchestrator.schedules import KEY_PREFIX, _trigger, fire_due, newest_slot, next_slot, slots_between
 from state import schema as s
 from tests.conftest import assert_config_refused, write_job
 
@@ -155,9 +156,46 @@ def test_the_newest_slot_is_found_without_walking_every_slot_of_a_long_sleep() -
                                                              datetime(2031, 1, 1, tzinfo=UTC).timestamp()]
 
 
+def test_a_wall_clock_time_that_comes_twice_when_clocks_fall_back_is_one_slot_and_the_walk_goes_on() -> None:
+    # 2026-10-25 in Berlin: 02:00-02:59 comes twice (CEST, then CET). A nightly 02:00 cycle runs once, at the first
+    # pass, as cron runs it; the walk had found the second pass, then that slot again and again for ever (the
+    # daemon's tick, `schedules` and `budget` hung).
+    berlin = ZoneInfo("Europe/Berlin")
+    night = datetime(2026, 10, 24, 12, tzinfo=UTC).timestamp()
+    nightly = CronTrigger.from_crontab("0 2 * * *", timezone="Europe/Berlin")
+    assert slots_between(nightly, night, night + DAY) == [datetime(2026, 10, 25, 2, tzinfo=berlin).timestamp()]
+    assert newest_slot(nightly, night, night + 1.1 * DAY) == datetime(2026, 10, 25, 2, tzinfo=berlin).timestamp()
+    # A cron every 15 minutes runs through the first pass and goes on after the second, none skipped, none twice.
+    quarterly = CronTrigger.from_crontab("*/15 1-3 * * *", timezone="Europe/Berlin")
+    walls = [datetime.fromtimestamp(t, berlin).strftime("%H:%M%z") for t in slots_between(quarterly, night,
+                                                                                            night + DAY)]
+    assert walls == [f"{h:02d}:{m:02d}+0200" for h in (1, 2) for m in (0, 15, 30, 45)] + [
+        f"03:{m:02d}+0100" for m in (0, 15, 30, 45)]
+    # Asked from within the second pass, the next slot is the next one after it.
+    second_pass = datetime(2026, 10, 25, 2, 30, fold=1, tzinfo=berlin).timestamp()
+    assert next_slot(quarterly, second_pass) == datetime(2026, 10, 25, 3, tzinfo=berlin).timestamp()
+    # New York falls back on 2026-11-01: 01:30 comes twice.
+    new_york = CronTrigger.from_crontab("30 1 * * *", timezone="America/New_York")
+    start = datetime(2026, 10, 31, 12, tzinfo=UTC).timestamp()
+    assert len(slots_between(new_york, start, start + DAY)) == 1
+
+
+@pytest.mark.parametrize(("day_of_week", "weekdays"), [
+    ("1", "Mon"), ("0", "Sun"), ("7", "Sun"), ("1-5", "Mon Tue Wed Thu Fri"), ("5-7", "Sun Fri Sat"),
+    ("*/2", "Sun Tue Thu Sat"), ("0,6", "Sun Sat"), ("mon-fri", "Mon Tue Wed Thu Fri"), ("sat", "Sat"),
+])
+def test_days_of_the_week_are_numbered_as_crontab_numbers_them(day_of_week: str, weekdays: str) -> None:
+    # APScheduler counts Monday as 0: "0 2 * * 1" had run on Tuesdays, "1-5" Tuesday to Saturday.
+    trig = _trigger(f"0 2 * * {day_of_week}", "UTC")
+    monday = datetime(2030, 1, 7, tzinfo=UTC).timestamp()
+    week = slots_between(trig, monday - 1, monday + 7 * DAY - 1)
+    assert sorted(datetime.fromtimestamp(t, UTC).strftime("%a") for t in week) == sorted(weekdays.split())
+
+
 @pytest.mark.parametrize(("entry", "field", "says"), [
     ('job = "nightly.toml"\ncron = "0 2 * * monday"', "schedule.0.cron", "is not a crontab: expected five crontab"),
     ('job = "nightly.toml"\ncron = "0 2 * *"', "schedule.0.cron", "is not a crontab"),
+    ('job = "nightly.toml"\ncron = "0 2 * * 8"', "schedule.0.cron", "is not a crontab"),
     ('job = "nightly.toml"\ncron = "0 2 * * *"\ntimezone = "Mars/Base"', "schedule.0.timezone",
      "'Mars/Base' is not a time zone"),
     ('job = "nightly.toml"\ncron = "0 2 * * *"\noverlap = "maybe"', "schedule.0.overlap", "'skip' or 'queue'"),
