@@ -74,7 +74,7 @@ KEY_FILE_DESCRIPTION = (
 class Strict(BaseModel):
     # Unknown fields are refused, and so is a value of the wrong TOML type (`launch_on_notice = "no"` is not
     # false, `monthly_cap_usd = "15"` not 15); an integer still counts as a number.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class HourWindow(Strict):

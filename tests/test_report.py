@@ -221,6 +221,8 @@ def test_a_job_revert_local_brought_home_says_so_and_is_not_set_beside_a_plan_it
 @pytest.mark.parametrize(("args", "expected"), [
     (["--month", "2026-13"], "field '--month': expected a month as YYYY-MM"),
     (["--month", "december"], "field '--month': expected a month as YYYY-MM"),
+    (["--month", "0000-01"], "field '--month': expected a month from 1970-01 to 9998-12"),  # had crashed
+    (["--month", "9999-12"], "field '--month': expected a month from 1970-01 to 9998-12"),
     (["--days", "0"], "field '--days': expected a number of days above 0, got 0"),
     (["--days", "nan"], "field '--days': expected a number of days above 0"),
     (["--month", "2026-11", "--all"], "give one of --month, --days and --all"),

@@ -33,6 +33,8 @@ def window(month: str | None, days: float | None, every: bool, now: float) -> tu
     if found is None:
         raise BadInput(f"expected a month as YYYY-MM, e.g. {month_key(now)}; got '{month}'", field="--month")
     year, mon = int(found[1]), int(found[2])
+    if not 1970 <= year <= 9998:  # before the epoch nothing ran; past 9998 the month's end is no date
+        raise BadInput(f"expected a month from 1970-01 to 9998-12; got '{month}'", field="--month")
     start = datetime(year, mon, 1, tzinfo=UTC)
     end = datetime(year + mon // 12, mon % 12 + 1, 1, tzinfo=UTC)
     return month, start.timestamp(), end.timestamp()
