@@ -22,7 +22,7 @@ from typing import Any
 from orchestrator import records
 from orchestrator.app import App, burst_enabled
 from orchestrator.config import Config
-from orchestrator.core.budget import month_key
+from orchestrator.core.budget import Held, month_key
 from orchestrator.core.decision import (
     MEASURED_SETUP,
     UNMEASURED_SETUP,
@@ -209,7 +209,43 @@ def learned_preemptions_per_h(app: App, now: float) -> tuple[float, str, dict[st
     return pooled, basis, per_gpu
 
 
-def context(app: App, now: float) -> DecisionContext:
+def held_by_plans(app: App, now: float, exclude: str | None = None) -> Held:
+    """What the jobs admitted to the cloud, queued or running, have still to spend: each plan's rented cost less
+    what its instances have cost so far (`budget.admits` keeps it from the next job). `exclude`: the job being
+    decided again, which must not hold money against itself."""
+    from sqlalchemy import func, select
+
+    from state import schema as s
+
+    active = (JobState.QUEUED.value, JobState.RUNNING.value, JobState.RESUMING.value)
+    with app.store.engine.connect() as c:
+        plans = {r.id: r.decision for r in c.execute(
+            select(s.jobs.c.id, s.jobs.c.decision).where(s.jobs.c.state.in_(active),
+                                                         s.jobs.c.placement.in_(("cloud", "hybrid"))))}
+        plans.pop(exclude, None)
+        if not plans:
+            return Held()
+        led = s.ledger
+        closed = dict(c.execute(select(led.c.job_id, func.sum(led.c.cost_usd)).where(
+            led.c.job_id.in_(list(plans)), led.c.cost_usd.is_not(None)).group_by(led.c.job_id)).all())
+        accruing = c.execute(select(led.c.job_id, led.c.rate_usd_h, led.c.started_at).where(
+            led.c.job_id.in_(list(plans)), led.c.cost_usd.is_(None))).all()
+    spent = {job_id: float(usd or 0.0) for job_id, usd in closed.items()}
+    for job_id, rate, started in accruing:
+        spent[job_id] = spent.get(job_id, 0.0) + rate * max(0.0, now - started) / 3600.0
+    held = Held()
+    for job_id, decision in plans.items():
+        held = held.plus(planned_rented_usd(decision) - spent.get(job_id, 0.0))
+    return held
+
+
+def planned_rented_usd(decision: dict[str, Any]) -> float:
+    """A stored decision's planned rented cost: its cloud phases'."""
+    return sum(float(p.get("cost_usd") or 0.0) for p in decision.get("plan") or [] if p.get("where") == "cloud")
+
+
+def context(app: App, now: float, exclude: str | None = None) -> DecisionContext:
+    """What a decision weighs besides the job itself. `exclude`: the job being decided again (see `held_by_plans`)."""
     cfg = app.config
     preemptions_per_h, basis, by_gpu = learned_preemptions_per_h(app, now)
     listed, shapes = offers_seen(app, now)
@@ -225,6 +261,7 @@ def context(app: App, now: float) -> DecisionContext:
         hybrid_margin_h=cfg.policy.hybrid_margin_h,
         budget_cap_usd=cfg.budget.monthly_cap_usd,
         spent_usd=app.store.month_spend(month_key(now), now),
+        held=held_by_plans(app, now, exclude),
         burst_enabled=burst_enabled(app),
         local_hours=local_hours(cfg, now),
         local_slots=cfg.daemon.local_concurrency,
@@ -648,8 +685,9 @@ def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, co
 
 def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,
                measured: dict[str, float] | None = None, setup: SetupEstimate | None = None,
-               backlog: LocalBacklog | None = None) -> str | None:
-    """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state.
+               backlog: LocalBacklog | None = None) -> tuple[str, dict[str, Any]] | None:
+    """Decide a blocked job again with today's facts; move it when the answer changed. Returns its new state and
+    decision.
     `measured`, `setup`, `backlog`: its name's measured s_R and setup time, and the local GPU's queue, when the
     caller read them for a batch (else read here)."""
     again = redecide(app, job, ctx, now, conn, measured, setup, backlog)
@@ -657,14 +695,14 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
         return None
     d = records.supersede(job["decision"], again.decision)
 
-    def _apply(c: Any) -> str | None:
+    def _apply(c: Any) -> tuple[str, dict[str, Any]] | None:
         if not app.store.update_job(job["id"], c, expect_state=job["state"], state=again.target.value,
                                     verdict=d["verdict"], placement=d["placement"], decision=d,
                                     reason=d["reasons"][-1] if d["reasons"] else None):
             return None
         app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=again.target.value,
                         verdict=d["verdict"], action=d["action"])
-        return again.target.value
+        return again.target.value, d
 
     if conn is not None:
         return _apply(conn)

@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from orchestrator.app import App
+from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import checkpoints, handover, reconcile, revert
 from orchestrator.lifecycle.cloud_steps import CloudSteps
 from orchestrator.lifecycle.finish import job_after_attempt
@@ -531,6 +532,37 @@ def test_a_job_stopped_before_the_budget_cap_says_what_was_spent_and_what_came_h
     assert held["state"] == "blocked"
     assert held["reason"].startswith("stopped before the monthly budget cap: $0.00 spent of $15.00 this month, "
                                      "checkpoint step-00000042 home; it is decided again as the budget allows")
+    app.close()
+
+
+def test_a_job_is_admitted_only_into_what_the_plans_already_admitted_leave_of_the_cap(tmp_path: Path) -> None:
+    # $50 a month; each job plans 10.5 on-demand H100 hours at $3.00: $31.50. Each fits alone, not both: admitting
+    # both would launch both, and the cap would stop both before either finished.
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text("[budget]\nmonthly_cap_usd = 50.0\n")
+    app = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+    job = {"local_throughput": 0, "rented_throughput": {"H100": 1.0}, "work_units": 10, "market": "on-demand"}
+    first, d1, _ = enqueue(app, write_job(tmp_path, "first", **job))
+    second, d2, _ = enqueue(app, write_job(tmp_path, "second", **job))
+    assert app.store.get_job(first)["state"] == "queued"
+    assert d1.reasons[-1] == "budget: projected rented $31.50 fits the $50.00 left this month"
+    assert app.store.get_job(second)["state"] == "blocked"
+    assert d2.reasons[-1] == ("budget: projected rented $31.50 exceeds the $18.50 left of the $50.00 monthly budget "
+                              "($0.00 spent, $31.50 held for 1 other admitted job's plan)")
+
+    # What the first has spent comes off what its plan holds: $10 spent, $21.50 held, still $18.50 left.
+    with app.store.tx() as c:
+        c.execute(insert(s.ledger).values(month=month_key(time.time()), job_id=first, attempt_id=f"{first}-a1",
+                                          provider="sim", instance_id="i-1", instance_type="x", market="on-demand",
+                                          rate_usd_h=3.0, started_at=0.0, ended_at=1.0, cost_usd=10.0))
+    rec = Reconciler(app, {}, cloud=None)
+    rec._redecide_blocked(time.time())
+    assert app.store.get_job(second)["state"] == "blocked"
+    # Once the first is over, the second is decided again into what is left ($40).
+    with app.store.tx() as c:
+        app.store.update_job(first, c, state="cancelled")
+    rec._redecide_blocked(time.time())
+    assert app.store.get_job(second)["state"] == "queued"
     app.close()
 
 

@@ -57,13 +57,34 @@ def stop_horizon_h(tick_s: float) -> float:
     return (3 * tick_s + 120) / 3600.0
 
 
-def admits(projected_usd: float, cap_usd: float, spent_usd: float) -> tuple[bool, str]:
-    """The hard cap: a job whose projected cost exceeds what is left is refused, with the reason."""
-    left = max(0.0, cap_usd - spent_usd)
+def admits(projected_usd: float, cap_usd: float, spent_usd: float, held: Held | None = None) -> tuple[bool, str]:
+    """The hard cap: a job whose projected cost exceeds what is left is refused, with the reason. What is left is
+    the cap less what was spent and what the plans of jobs already admitted have still to spend (`held`): two jobs
+    that each fit alone but not together would both launch, and the cap would stop both before either finished."""
+    held = held or Held()
+    left = max(0.0, cap_usd - spent_usd - held.usd)
+    holds = f", ${held.usd:.2f} held for {held.said}" if held.jobs else ""
     if projected_usd > left + 1e-9:
         return False, (f"projected rented ${projected_usd:.2f} exceeds the ${left:.2f} left of the ${cap_usd:.2f} "
-                       f"monthly budget (${spent_usd:.2f} spent)")
-    return True, f"projected rented ${projected_usd:.2f} fits the ${left:.2f} left this month"
+                       f"monthly budget (${spent_usd:.2f} spent{holds})")
+    return True, f"projected rented ${projected_usd:.2f} fits the ${left:.2f} left this month" + (
+        f" (${held.usd:.2f} held for {held.said})" if held.jobs else "")
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the plans of jobs admitted to the cloud (queued or running) have still to spend: their planned rented
+    cost less what their instances have cost so far."""
+
+    usd: float = 0.0
+    jobs: int = 0
+
+    @property
+    def said(self) -> str:
+        return "1 other admitted job's plan" if self.jobs == 1 else f"{self.jobs} other admitted jobs' plans"
+
+    def plus(self, usd: float) -> Held:
+        return Held(self.usd + max(0.0, usd), self.jobs + 1)
 
 
 def newly_crossed(spent_usd: float, cap_usd: float, fractions: Sequence[float], said: float) -> float | None:

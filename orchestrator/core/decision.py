@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from orchestrator.core.budget import admits
+from orchestrator.core.budget import Held, admits
 from orchestrator.core.gates import GateInputs, GateResult, Verdict, evaluate
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.core.market import MarketChoice, MarketInputs, choose_market
@@ -96,6 +96,7 @@ class DecisionContext:
     hybrid_margin_h: float = 0.25
     budget_cap_usd: float = math.inf
     spent_usd: float = 0.0
+    held: Held = field(default_factory=Held)  # what admitted jobs' plans have still to spend (`queue.held_by_plans`)
     burst_enabled: bool = True
     local_hours: LocalHours | None = None  # local.available_hours, and the local time now (None: always open)
     local_slots: int = 1  # daemon.local_concurrency: 0 starts no local run, so nothing is planned on the local GPU
@@ -373,7 +374,7 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         action = "blocked"
         reasons.append("bursting is disabled (revert-local): the job waits; `burstctl burst-enable` lifts it")
     else:
-        ok, why = admits(plan.rented_cost_usd, ctx.budget_cap_usd, ctx.spent_usd)
+        ok, why = admits(plan.rented_cost_usd, ctx.budget_cap_usd, ctx.spent_usd, ctx.held)
         if math.isfinite(ctx.budget_cap_usd):
             reasons.append(f"budget: {why}")
         if not ok and plan.kind != "hybrid":

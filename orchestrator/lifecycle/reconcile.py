@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, func, insert, select, update
@@ -355,7 +355,7 @@ class Reconciler:
         `daemon.market_check_s` later. The line is walked through `local.available_hours`, as gate 2 walks it; a job
         that cannot checkpoint and that no stretch of them holds any more (they were cut after it was decided) is
         decided again too: waiting would be for ever."""
-        from orchestrator.queue import context, local_backlog, record_decision, redecide
+        from orchestrator.queue import context, local_backlog, planned_rented_usd, record_decision, redecide
 
         if not waiting:
             return
@@ -399,6 +399,8 @@ class Reconciler:
                                      state=again.target.value, verdict=d["verdict"], action=d["action"],
                                      placement=d["placement"], local_wait_h=wait,
                                      why="no local stretch long enough" if unfit else "late in line")
+            if again.target is JobState.QUEUED:  # admitted to the cloud: the next job sees what its plan holds
+                ctx = replace(ctx, held=ctx.held.plus(planned_rented_usd(d)))
 
     def _redecide_blocked(self, now: float) -> None:
         """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
@@ -407,6 +409,7 @@ class Reconciler:
             context,
             local_backlog,
             measured_rented_throughputs,
+            planned_rented_usd,
             reconsider,
             setup_estimates,
         )
@@ -432,9 +435,17 @@ class Reconciler:
         # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
         # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
         with self.store.tx() as conn:
-            moved = {job["id"] for job in due
-                     if reconsider(self.app, job, ctx, now, conn, measured.get(job["name"], {}),
-                                   setups.get(job["name"], UNMEASURED_SETUP), backlog) is not None}
+            moved = set()
+            for job in due:
+                again = reconsider(self.app, job, ctx, now, conn, measured.get(job["name"], {}),
+                                   setups.get(job["name"], UNMEASURED_SETUP), backlog)
+                if again is None:
+                    continue
+                moved.add(job["id"])
+                state, d = again
+                if state == JobState.QUEUED.value and d["placement"] in ("cloud", "hybrid"):
+                    # Admitted: the next job of the batch sees the money its plan holds.
+                    ctx = replace(ctx, held=ctx.held.plus(planned_rented_usd(d)))
             unchanged = [job["id"] for job in blocked if job["id"] not in moved]
             if unchanged:
                 conn.execute(update(s.jobs).where(s.jobs.c.id.in_(unchanged)).values(updated_at=now))
