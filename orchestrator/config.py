@@ -64,6 +64,24 @@ def check_key_file(value: str | None) -> str | None:
 
 
 KeyFile = Annotated[str | None, AfterValidator(check_key_file)]
+
+API_URL_EXPECTED = ("expected the API's root as an https:// URL (plain http:// only to this machine, 127.0.0.1 or "
+                    "localhost, as simcloud serves it: the API key goes in every request's header)")
+
+
+def check_api_url(value: str) -> str:
+    """A provider's `base_url`: https, or http on loopback only, so that the bearer key never crosses a network in
+    the clear; with a host. A URL may carry a password, so the error does not quote it."""
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(value)
+    loopback = url.hostname in ("127.0.0.1", "localhost", "::1")
+    if not url.hostname or url.scheme not in ("https", "http") or (url.scheme == "http" and not loopback):
+        raise ValueError(API_URL_EXPECTED)
+    return value
+
+
+ApiUrl = Annotated[str, AfterValidator(check_api_url)]
 KEY_FILE_DESCRIPTION = (
     "A file whose first line is the API key, used instead of the environment variable: e.g. a systemd credential "
     "(LoadCredential=, then \"$CREDENTIALS_DIRECTORY/lambda_api_key\"). ~ and $VARS are expanded. The daemon "
@@ -213,7 +231,7 @@ def _default_prices() -> dict[str, GpuPrice]:
 
 class SimProvider(Strict):
     enabled: bool = Field(True, description="Use the project's simulated cloud (simcloud).")
-    base_url: str = Field("http://127.0.0.1:8790/api/v1", description="simcloud's Lambda-compatible API root.")
+    base_url: ApiUrl = Field("http://127.0.0.1:8790/api/v1", description="simcloud's Lambda-compatible API root.")
     api_key_env: EnvName = Field("BURSTCTL_SIM_API_KEY", description="Env var holding simcloud's API key.")
     api_key_file: KeyFile = Field(None, description=KEY_FILE_DESCRIPTION)
     ssh_key_name: str = Field("burstctl", description="SSH key name registered with the provider.")
@@ -225,10 +243,13 @@ class SimProvider(Strict):
 
 class LambdaProvider(Strict):
     enabled: bool = Field(False, description="Use Lambda Cloud.")
-    base_url: str = Field("https://cloud.lambda.ai/api/v1", description="API root (a test server in tests).")
+    base_url: ApiUrl = Field("https://cloud.lambda.ai/api/v1", description="API root: https, or http to this machine "
+                             "only (simcloud, a test server).")
     api_key_env: EnvName = Field("LAMBDA_API_KEY", description="Env var holding the Lambda Cloud API key.")
     api_key_file: KeyFile = Field(None, description=KEY_FILE_DESCRIPTION)
-    ssh_key_name: str = Field("burstctl", description="Name of an SSH key already registered with Lambda.")
+    ssh_key_name: str = Field(
+        "burstctl", description="The name burstctl registers its SSH public key under (beside it, `<name>-<hash>`, "
+                                "when that name holds another key).")
     regions: list[str] = Field(default_factory=list, description="Allowed regions in preference order; empty = any.")
     instance_types: list[str] = Field(
         default_factory=list, description="Allowed instance types in preference order; empty = any."

@@ -476,11 +476,13 @@ def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> No
         ("[state]\ndatabase_url = 'mysql://burst@db/burstctl'\n", "state.database_url"),
         ("[state]\ndatabase_url = 'postgresql+pg8000://burst@db/burstctl'\n", "state.database_url"),
         ("[budget]\nmonthly_cap_usd = inf\n", "budget.monthly_cap_usd"),  # `budget` had crashed on it
+        ("[providers.lambda]\nbase_url = 'http://cloud.lambda.ai/api/v1'\n", "providers.lambda.base_url"),  # clear
+        ("[providers.lambda]\nbase_url = 'cloud.lambda.ai/api/v1'\n", "providers.lambda.base_url"),  # no scheme
         ("[policy]\noverhead_h = inf\n", "policy.overhead_h"),
     ],
     ids=["bad-market", "inline-secret", "secret-as-env-name", "unknown-provider", "negative-vram", "unpriced-cycle-gpu",
          "database-password-inline", "database-url-unparsable", "database-not-supported", "database-driver-missing",
-         "infinite-cap", "infinite-overhead"],
+         "infinite-cap", "infinite-overhead", "api-key-in-the-clear", "api-url-without-scheme"],
 )
 def test_bad_config_exits_2_naming_the_field(burstctl, tmp_path: Path, text: str, field: str) -> None:
     cfg = tmp_path / "bad.toml"
