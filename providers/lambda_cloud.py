@@ -121,8 +121,10 @@ class LambdaCloud:
         launch_interval_s: float = LAUNCH_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        key_from: str = "",
     ):
         self.name = name
+        self.key_from = key_from  # where the key was read, for a refusal to name: "$LAMBDA_API_KEY (providers…)"
         self.base_url = base_url.rstrip("/")
         self.ssh_key_name = ssh_key_name
         self.regions = tuple(regions)
@@ -355,7 +357,7 @@ class LambdaCloud:
         if code == "global/quota-exceeded":
             return QuotaExceeded(text, **kw)
         if code == "global/invalid-api-key" or status in (401, 403):
-            return AuthFailed(text, **kw)
+            return AuthFailed(text + (f" (the key from {self.key_from} was refused)" if self.key_from else ""), **kw)
         if code == "global/object-does-not-exist" and what.startswith(_NAMES_INSTANCES):
             return InstanceGone(text, **kw)  # the callers confirm it with a listing (`_confirm_gone`)
         if status == 404 and not what.startswith("POST /instance-operations/launch"):
@@ -416,13 +418,17 @@ def from_config(section: LambdaProvider | SimProvider, api_key: str | None, *, s
     if not api_key:
         raise AuthFailed(f"no API key: set the environment variable {section.api_key_env}",
                          provider="sim" if isinstance(section, SimProvider) else "lambda")
+    name = "sim" if isinstance(section, SimProvider) else "lambda"
+    path = key_file_path(section)
+    key_from = (f"the file {path} (providers.{name}.api_key_file)" if path is not None
+                else f"${section.api_key_env} (providers.{name}.api_key_env)")
     if isinstance(section, SimProvider):
         return LambdaCloud(name="sim", base_url=section.base_url, api_key=api_key, ssh_key_name=section.ssh_key_name,
                            orchestrator_id=orchestrator_id, sink=sink, lists_spot_capacity=section.lists_spot_capacity,
-                           **tuning)
+                           key_from=key_from, **tuning)
     return LambdaCloud(name="lambda", base_url=section.base_url, api_key=api_key, ssh_key_name=section.ssh_key_name,
                        regions=section.regions, instance_types=section.instance_types,
-                       orchestrator_id=orchestrator_id, sink=sink, **tuning)
+                       orchestrator_id=orchestrator_id, sink=sink, key_from=key_from, **tuning)
 
 
 def key_file_path(section: LambdaProvider | SimProvider, environ: Mapping[str, str] = os.environ) -> Path | None:

@@ -303,6 +303,15 @@ def test_factory_builds_a_working_sim_adapter(sim: SimCloudServer, monkeypatch: 
     assert adapter.name == "sim"
     assert adapter.offers()
     adapter.close()
+    # A refused key is said with where it came from (the variable, and the setting that names it), never itself.
+    refused = from_config(section, "sk-sim-WRONG-0000", request_interval_s=0.0, launch_interval_s=0.0,
+                          retry=FAST_RETRY)
+    with pytest.raises(AuthFailed) as caught:
+        refused.offers()
+    assert str(caught.value).endswith(
+        "(the key from $BURSTCTL_SIM_API_KEY (providers.sim.api_key_env) was refused)")
+    assert "WRONG" not in str(caught.value)
+    refused.close()
 
 
 # --- throttling and transient failures ---------------------------------------------------------------------

@@ -62,4 +62,5 @@ def providers_cmd(app: App, only: str | None, as_json: bool) -> None:
             out.print()
         raise BadInput("; ".join(missing))
     if failing:
-        raise OperationalError("provider not answering: " + "; ".join(failing))
+        # It answered, but not with offers: a refused key, throttling, an outage, a wrong base_url (each said).
+        raise OperationalError("no offers from " + "; ".join(failing))
