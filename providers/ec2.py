@@ -210,6 +210,9 @@ class Ec2Adapter:
         # endpoint_url=None lets botocore apply AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_EC2 itself.
         self.client = self._session.client("ec2", endpoint_url=config.endpoint_url or None, config=boto_config)
         self._zones: list[str] | None = None
+        # Settings the cloud's answers showed to name nothing usable (a type it does not describe, a zone not in the
+        # region), as of the last `offers()`: `burstctl providers` says them. An optional capability (getattr).
+        self.config_problems: list[str] = []
         # public key -> the key pair name holding it: one look-up per adapter, not per launch
         self._key_pair_names: dict[str, str] = {}
         self._s3: Any = None
@@ -340,6 +343,7 @@ class Ec2Adapter:
             available = [z["ZoneName"] for z in response.get("AvailabilityZones", [])]
             wanted = self.config.zones
             self._zones = [z for z in wanted if z in available] if wanted else sorted(available)
+            self._unknown_zones = [z for z in wanted if z not in available]
         return list(self._zones)
 
     # --- offers -----------------------------------------------------------------------------------------
@@ -354,14 +358,18 @@ class Ec2Adapter:
         api_specs = {t["InstanceType"]: spec for t in described.get("InstanceTypes", [])
                      if (spec := gpu_spec_from_api(t)) is not None}
         zones = self.zones()
+        problems = [f"providers.{self.name}.zones: {z} is not an available zone of {self.config.region}"
+                    for z in getattr(self, "_unknown_zones", [])]
         spot = self._latest_spot_prices(types, zones)
         offers: list[Offer] = []
         for itype in types:
             spec = api_specs.get(itype) or GPU_TABLE.get(itype)
             price = self.config.on_demand_usd_h.get(itype)
             if spec is None or price is None:
-                self._emit("provider.offer_skipped", provider=self.name, instance_type=itype,
-                           reason="no GPU info" if spec is None else "no on_demand_usd_h in config")
+                reason = "no GPU info" if spec is None else "no on_demand_usd_h in config"
+                self._emit("provider.offer_skipped", provider=self.name, instance_type=itype, reason=reason)
+                problems.append(f"providers.{self.name}.instance_types: {itype} is not a GPU type EC2 describes"
+                                if spec is None else f"providers.{self.name}.on_demand_usd_h has no price for {itype}")
                 continue
             zone_prices = spot.get(itype, {})
             offers.append(Offer(
@@ -373,6 +381,7 @@ class Ec2Adapter:
                 regions=tuple(zones),
                 billing_minimum_s=60.0, billing_increment_s=1.0,
             ))
+        self.config_problems = problems
         return offers
 
     def _latest_spot_prices(self, types: list[str], zones: list[str]) -> dict[str, dict[str, float]]:

@@ -125,6 +125,8 @@ class LambdaCloud:
     ):
         self.name = name
         self.key_from = key_from  # where the key was read, for a refusal to name: "$LAMBDA_API_KEY (providers…)"
+        # Configured instance types the listing does not have, as of the last `offers()` (`burstctl providers`).
+        self.config_problems: list[str] = []
         self.base_url = base_url.rstrip("/")
         self.ssh_key_name = ssh_key_name
         self.regions = tuple(regions)
@@ -157,6 +159,8 @@ class LambdaCloud:
         `on_demand_regions` and `spot_regions` each market's own.
         """
         types = self._call("offers", lambda: self._request("GET", "/instance-types"))
+        self.config_problems = [f"providers.{self.name}.instance_types: {t} is not a type the provider lists"
+                                for t in self.instance_types if t not in types]
         spot_of = {_on_demand_type(item): item for item in types.values() if _is_spot(item)}
         offers = []
         for type_name, item in types.items():

@@ -193,6 +193,18 @@ def test_offers_with_no_configured_zones_use_every_available_zone(mocked: None) 
     assert adapter.offers()[0].regions == tuple(sorted(z["ZoneName"] for z in zones))
 
 
+def test_settings_that_name_nothing_usable_are_said_by_the_setting(mocked: None) -> None:
+    # A type EC2 does not describe, one without a price, a zone not in the region: each left out of the offers,
+    # and said for `burstctl providers` to show, rather than a job waiting for ever on "no offer".
+    adapter, _, _ = make_adapter(instance_types=["p9.xlarge", "g5.xlarge", "g6e.xlarge"],
+                                 on_demand_usd_h={"g6e.xlarge": 1.861}, zones=["us-east-1a", "eu-west-1a"])
+    assert [o.instance_type for o in adapter.offers()] == ["g6e.xlarge"]
+    assert adapter.config_problems == [
+        "providers.ec2.zones: eu-west-1a is not an available zone of us-east-1",
+        "providers.ec2.instance_types: p9.xlarge is not a GPU type EC2 describes",
+        "providers.ec2.on_demand_usd_h has no price for g5.xlarge"]
+
+
 # --- launch -----------------------------------------------------------------------------------------------
 def test_spot_launch_tags_instance_and_volume_and_passes_config_and_client_token(
         mocked: None, ssh_public_key: str) -> None:

@@ -200,6 +200,14 @@ def test_region_fallback_on_insufficient_capacity(sim: SimCloudServer, lam: Lamb
     assert len(instances_of(sim, "reg")) == 1
 
 
+def test_a_configured_type_the_provider_does_not_list_is_said_by_its_setting(sim: SimCloudServer,
+                                                                             events: Events) -> None:
+    adapter = make_adapter(sim, events, instance_types=("gpu_1x_h100", "gpu_1x_a100_sxm4"))
+    assert [o.instance_type for o in adapter.offers()] == ["gpu_1x_a100_sxm4"]
+    assert adapter.config_problems == ["providers.sim.instance_types: gpu_1x_h100 is not a type the provider lists"]
+    adapter.close()
+
+
 def test_a_launch_never_falls_back_to_another_type(sim: SimCloudServer, events: Events) -> None:
     # Another type is another offer (its GPU, memory and price): the daemon chooses it. Here the A100 is configured
     # beside the H100, and the H100 is full everywhere, whether the listing says so or only the launch does.

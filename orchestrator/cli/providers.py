@@ -25,6 +25,7 @@ def providers_cmd(app: App, only: str | None, as_json: bool) -> None:
     report: list[dict[str, Any]] = []
     missing: list[str] = []
     failing: list[str] = []
+    unmatched: list[str] = []
     for name, slot in slots.items():
         if only and name != only:
             continue
@@ -37,6 +38,9 @@ def providers_cmd(app: App, only: str | None, as_json: bool) -> None:
             try:
                 offers = slot.provider.offers()
                 entry["answers"] = True
+                if problems := getattr(slot.provider, "config_problems", []):  # settings that name nothing there
+                    entry["problem"] = "; ".join(problems)
+                    unmatched.append(entry["problem"])
                 entry["offers"] = [{"type": o.instance_type, "gpu": o.gpu_model, "gpus": o.gpu_count,
                                     "vram_gib": o.vram_gib, "on_demand_usd_h": o.on_demand_usd_h,
                                     "spot_usd_h": o.spot_usd_h, "regions": list(o.regions)} for o in offers]
@@ -64,3 +68,5 @@ def providers_cmd(app: App, only: str | None, as_json: bool) -> None:
     if failing:
         # It answered, but not with offers: a refused key, throttling, an outage, a wrong base_url (each said).
         raise OperationalError("no offers from " + "; ".join(failing))
+    if unmatched:
+        raise OperationalError(f"{app.config.source or 'the config'}: " + "; ".join(unmatched))
