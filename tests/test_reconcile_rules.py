@@ -480,6 +480,8 @@ def test_burst_enable_puts_back_on_their_plans_the_jobs_revert_local_moved_home_
     reverted = app.store.get_job(job_id)
     assert report.requeued_local == [job_id] and reverted["placement"] == "local"
     assert reverted["reason"] == "revert-local: requeued locally from the start (no checkpoint yet)"
+    again = revert.revert_local(app, Reconciler(app, {}, cloud=None), timeout_s=5)  # a no-op, and says so
+    assert (again.requeued_local, again.already_local) == ([], [job_id])
 
     assert revert.set_burst_enabled(app, True, "burst-enable")
     assert revert.restore_plans(app) == [job_id]

@@ -36,6 +36,8 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
                       else "no instance found on the providers that answered")
         if report.requeued_local:
             out.print(f"requeued locally: {', '.join(report.requeued_local)}")
+        if report.already_local:
+            out.print(f"queued locally by an earlier revert-local: {', '.join(report.already_local)}")
         if report.held:
             out.print(f"held (do not fit locally): {', '.join(report.held)}")
         for name, why in report.not_swept.items():

@@ -47,6 +47,7 @@ class RevertRow:
 class RevertReport:
     rows: list[RevertRow] = field(default_factory=list)
     requeued_local: list[str] = field(default_factory=list)
+    already_local: list[str] = field(default_factory=list)  # queued locally by an earlier revert-local, not yet run
     held: list[str] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)
     # Enabled providers this process cannot use (no API key in its environment, say), by why: never asked what
@@ -63,7 +64,8 @@ class RevertReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {"mode": "local-only", "instances": [r.as_dict() for r in self.rows],
-                "requeued_local": self.requeued_local, "held_until_burst_enable": self.held,
+                "requeued_local": self.requeued_local, "already_local": self.already_local,
+                "held_until_burst_enable": self.held,
                 "unreachable_providers": self.unreachable, "not_swept": self.not_swept,
                 "left": [r.as_dict() for r in self.left], "all_gone": self.all_gone}
 
@@ -265,4 +267,4 @@ def _requeue_local(app: App, report: RevertReport) -> None:
                 report.held.append(job["id"])
             else:
                 report.held.append(job["id"])
-    report.requeued_local.extend(j["id"] for j in local_now if j["id"] not in report.requeued_local)
+    report.already_local.extend(j["id"] for j in local_now if j["id"] not in report.requeued_local)
