@@ -643,11 +643,19 @@ def test_budget_shows_what_running_instances_accrue_and_what_is_kept_to_stop_the
     with app.store.tx() as c:
         c.execute(insert(s.ledger).values(month=month_key(now), job_id="j1", attempt_id="j1-a1", provider="sim",
                                           rate_usd_h=3.0, started_at=now - 60))
+    queued, decision, _ = enqueue(app, write_job(tmp_path, "queued", local_throughput=0, market="on-demand",
+                                                 rented_throughput={"H100": 2.0}))  # 1 unit: 1.0 h at $3.00
+    assert decision.plan is not None and decision.plan.rented_cost_usd == pytest.approx(3.0)
     app.close()
     assert main(["--state-dir", str(tmp_path / "state"), "budget", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["accruing_usd_h"] == 3.0
-    assert shown["kept_to_stop_running_usd"] == pytest.approx(3.0 * stop_horizon_h(5.0), abs=1e-4)  # 5 s tick
+    kept = 3.0 * stop_horizon_h(5.0)  # 5 s tick
+    assert shown["kept_to_stop_running_usd"] == pytest.approx(kept, abs=1e-4)
+    # What new cycles can have: the rest, less the queued job's plan and what stopping the running one takes.
+    assert (shown["held_usd"], shown["held_jobs"]) == (pytest.approx(3.0), 1)
+    assert shown["free_usd"] == pytest.approx(shown["remaining_usd"] - 3.0 - kept, abs=1e-3)
+    assert shown["cycles_left_on_demand"] == int(shown["free_usd"] // shown["usd_per_cycle_on_demand"])
 
 
 def test_a_queued_local_job_says_it_waits_for_the_local_gpu_while_another_run_holds_it(tmp_path: Path) -> None:

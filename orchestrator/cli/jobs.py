@@ -309,6 +309,8 @@ def retry_cmd(app: App, job: str, deadline_hours: float | None, reread: bool, as
 @pass_app
 def budget_cmd(app: App, as_json: bool) -> None:
     """Month-to-date spend, cycles, $/cycle on spot and on-demand, and the cycles the rest buys."""
+    from orchestrator.queue import held_by_plans, offers_seen  # the decision core: only this command needs it
+
     cfg = app.config
     now = time.time()
     month = month_key(now)
@@ -316,23 +318,32 @@ def budget_cmd(app: App, as_json: bool) -> None:
     cycles = len({r["job_id"] for r in rows if r["job_id"]})
     ref_gpu = cfg.budget.cycle_gpu
     price = cfg.prices[ref_gpu]
-    spot, od = cycle_prices(cfg.budget.cycle_gpu_hours, price.on_demand_usd_h, price.spot_usd_h)
+    # Priced as decisions price a machine: what providers last listed for one such GPU, else [prices].
+    listed = offers_seen(app, now)[0].get((ref_gpu.upper(), 1))
+    od_rate, spot_rate = ((listed.od_usd_per_gpu_h, listed.spot_usd_per_gpu_h) if listed is not None
+                          else (price.on_demand_usd_h, price.spot_usd_h))
+    priced_by = f"as {listed.seen} listed" if listed is not None else f"[prices.{ref_gpu}]"
+    spot, od = cycle_prices(cfg.budget.cycle_gpu_hours, od_rate, spot_rate)
     view = BudgetView(month, cfg.budget.monthly_cap_usd, app.store.month_spend(month, now), cycles, spot, od)
     # Running instances go on billing until stopped: the daemon keeps what stopping them takes out of "left" before
     # it launches anything new, so a launch can be refused with money seemingly left.
     accruing = sum(r["rate_usd_h"] for r in rows if r["ended_at"] is None)
     kept = accruing * stop_horizon_h(cfg.daemon.tick_s)
+    # What new cycles can have: less what admitted jobs' plans hold and what stopping the running ones takes.
+    held = held_by_plans(app, now)
+    free = BudgetView(month, view.cap_usd, view.spent_usd + held.usd + kept, cycles, spot, od)
     scheduled: int | None = None  # the cadence the schedules ask for, beside the one the budget buys
     if cfg.schedule:
         from orchestrator.schedules import slots_between, trigger
 
         scheduled = sum(len(slots_between(trigger(sc), now, month_end(now))) for sc in cfg.schedule)
     data = {"month": month, "cap_usd": view.cap_usd, "spent_usd": round(view.spent_usd, 4),
-            "remaining_usd": round(view.remaining_usd, 4), "cycles_this_month": cycles,
-            "cycle_gpu_hours": cfg.budget.cycle_gpu_hours, "reference_gpu": ref_gpu,
+            "remaining_usd": round(view.remaining_usd, 4), "held_usd": round(held.usd, 4), "held_jobs": held.jobs,
+            "free_usd": round(free.remaining_usd, 4), "cycles_this_month": cycles,
+            "cycle_gpu_hours": cfg.budget.cycle_gpu_hours, "reference_gpu": ref_gpu, "priced_by": priced_by,
             "usd_per_cycle_spot": spot, "usd_per_cycle_on_demand": od, "accruing_usd_h": round(accruing, 4),
             "kept_to_stop_running_usd": round(kept, 4),
-            "cycles_left_spot": view.cycles_left_spot, "cycles_left_on_demand": view.cycles_left_on_demand,
+            "cycles_left_spot": free.cycles_left_spot, "cycles_left_on_demand": free.cycles_left_on_demand,
             "scheduled_cycles_left": scheduled}
     if as_json:
         print_json(data)
@@ -342,15 +353,17 @@ def budget_cmd(app: App, as_json: bool) -> None:
         ("spent", fmt_usd(view.spent_usd)),
         ("left", fmt_usd(view.remaining_usd)),
         *([("running instances accrue", f"${accruing:.2f}/h"),
-           ("kept to stop them (out of left)", fmt_usd(kept))] if accruing else []),
+           ("kept to stop them", fmt_usd(kept))] if accruing else []),
+        *([(f"held for {held.said}", fmt_usd(held.usd))] if held.jobs else []),
+        *([("free for new cycles", fmt_usd(free.remaining_usd))] if accruing or held.jobs else []),
         ("cycles this month", cycles),
-        (f"$/cycle on spot ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h)", fmt_usd(spot)),
-        (f"$/cycle on-demand ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h)", fmt_usd(od)),
-        ("cycles left on spot", "—" if view.cycles_left_spot is None else view.cycles_left_spot),
-        ("cycles left on-demand", view.cycles_left_on_demand),
+        (f"$/cycle on spot ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h, {priced_by})", fmt_usd(spot)),
+        (f"$/cycle on-demand ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h, {priced_by})", fmt_usd(od)),
+        ("cycles left on spot", "—" if free.cycles_left_spot is None else free.cycles_left_spot),
+        ("cycles left on-demand", free.cycles_left_on_demand),
         *([("cycles the schedules queue this month", scheduled)] if scheduled is not None else []),
     ])
-    buys = view.cycles_left_spot if view.cycles_left_spot is not None else view.cycles_left_on_demand
+    buys = free.cycles_left_spot if free.cycles_left_spot is not None else free.cycles_left_on_demand
     if scheduled is not None and scheduled > buys:
         out.print(f"the schedules queue {scheduled} more cycles this month, and what is left buys {buys} reference "
                   "cycles: a cycle that must burst once the money is gone waits, blocked by the budget")
