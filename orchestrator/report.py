@@ -80,7 +80,9 @@ class JobOutcome:
 def on_demand_rate(decision: dict[str, Any]) -> float | None:
     """The decision's on-demand $/h for the job's instance (all its GPUs), where it priced one."""
     costs = decision.get("market_costs") or {}
-    usd, hours = costs.get("on_demand_usd"), costs.get("on_demand_h")
+    if costs.get("on_demand_usd_h") is not None:
+        return float(costs["on_demand_usd_h"])
+    usd, hours = costs.get("on_demand_usd"), costs.get("on_demand_h")  # a decision from before it was kept
     return usd / hours if usd is not None and hours else None
 
 

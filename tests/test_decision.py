@@ -104,6 +104,8 @@ def test_prices_providers_listed_for_the_job_s_machine_replace_the_reference_and
     assert "H100: $3.29/GPU-h on-demand, spot $1.10, as sim 2 min ago listed 1×H100 ([prices.H100] says $3.00)" \
         in d.reasons
     assert d.gates.c_rented_usd == pytest.approx(3.29 * (1 / 0.17 + 0.5))
+    # The instance's on-demand rate is kept as such (the report's "spot saved" divided rounded figures: 3.3191).
+    assert d.to_dict()["market_costs"]["on_demand_usd_h"] == pytest.approx(3.29, abs=1e-6)
     assert decide(replace(job, gpus=2), replace(CTX, listed=listed)).rate_usd_per_gpu_h == pytest.approx(3.19)
 
 

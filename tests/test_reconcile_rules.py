@@ -643,7 +643,7 @@ def test_budget_shows_what_running_instances_accrue_and_what_is_kept_to_stop_the
     with app.store.tx() as c:
         c.execute(insert(s.ledger).values(month=month_key(now), job_id="j1", attempt_id="j1-a1", provider="sim",
                                           rate_usd_h=3.0, started_at=now - 60))
-    queued, decision, _ = enqueue(app, write_job(tmp_path, "queued", local_throughput=0, market="on-demand",
+    _, decision, _ = enqueue(app, write_job(tmp_path, "queued", local_throughput=0, market="on-demand",
                                                  rented_throughput={"H100": 2.0}))  # 1 unit: 1.0 h at $3.00
     assert decision.plan is not None and decision.plan.rented_cost_usd == pytest.approx(3.0)
     app.close()

@@ -157,6 +157,8 @@ class Decision:
             "market": m.market if m else None,
             "market_costs": None if m is None else {
                 "on_demand_usd": _r(m.od_cost_usd), "on_demand_h": _r(m.od_hours),
+                # The instance's on-demand $/h itself: the rounded figures above divide to 3.3191 for a $3.29 one.
+                "on_demand_usd_h": round(m.od_cost_usd / m.od_hours, 6) if m.od_hours else None,
                 "spot_expected_usd": _r(m.spot_cost_usd), "spot_expected_h": _r(m.spot_hours),
                 "expected_preemptions": _r(m.expected_preemptions),
                 "preemptions_per_h": _r(m.preemptions_per_h),
