@@ -36,8 +36,9 @@ from state import schema as s
 
 def populate(app: App, n: int, measurements: int = 0, local: bool = False) -> None:
     now = time.time()
-    decision = {"verdict": "burst", "action": "burst", "fits_locally": False, "plan": [], "t_rented_h": 1.0,
-                "overhead_h": 0.5, "reasons": []}
+    # A burst planned at 1.5 h for $4.50: every queued cloud job holds that much of the budget (`held_by_plans`).
+    decision = {"verdict": "burst", "action": "burst", "fits_locally": False, "t_rented_h": 1.0,
+                "plan": [{"where": "cloud", "hours": 1.5, "cost_usd": 4.5}], "overhead_h": 0.5, "reasons": []}
     spec = {"name": "x", "kind": "train", "command": ["true"], "workdir": "/tmp", "deadline_hours": 48,
             "work_units": 1, "local_throughput": 0, "rented_throughput": {"H100": 1.0}, "gpus": 1,
             "checkpoint": {"dir": "checkpoints", "interval_minutes": 30}, "env": {}}
@@ -54,7 +55,7 @@ def populate(app: App, n: int, measurements: int = 0, local: bool = False) -> No
                      "placement": "local" if here else "cloud", "approved": False,
                      "spec": local_spec if here else spec, "decision": local_decision if here else decision,
                      "reason": None, "deadline_at": now + 3600 * (24 + i % 100), "created_at": now,
-                     "updated_at": now})
+                     "updated_at": now, "rented_usd": 0.0 if here else 4.5})
     if local:  # the local GPU is held by a run
         rows[-1]["state"] = "running"
     with app.store.tx() as c:

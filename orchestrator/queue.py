@@ -212,36 +212,25 @@ def learned_preemptions_per_h(app: App, now: float) -> tuple[float, str, dict[st
 def held_by_plans(app: App, now: float, exclude: str | None = None) -> Held:
     """What the jobs admitted to the cloud, queued or running, have still to spend: each plan's rented cost less
     what its instances have cost so far (`budget.admits` keeps it from the next job). `exclude`: the job being
-    decided again, which must not hold money against itself."""
-    from sqlalchemy import func, select
+    decided again, which must not hold money against itself. Summed in the database (`jobs.rented_usd`): every
+    decision asks, and the queue may hold thousands."""
+    from sqlalchemy import case, func, select
 
     from state import schema as s
 
-    active = (JobState.QUEUED.value, JobState.RUNNING.value, JobState.RESUMING.value)
+    j, led = s.jobs, s.ledger
+    admitted = select(j.c.id, j.c.rented_usd).where(
+        j.c.state.in_((JobState.QUEUED.value, JobState.RUNNING.value, JobState.RESUMING.value)),
+        j.c.placement.in_(("cloud", "hybrid")), j.c.rented_usd > 0,
+        *([j.c.id != exclude] if exclude is not None else [])).subquery()
+    accrued = func.coalesce(led.c.cost_usd, led.c.rate_usd_h * (now - led.c.started_at) / 3600.0)
+    spent = (select(led.c.job_id, func.sum(accrued).label("usd"))
+             .where(led.c.job_id.in_(select(admitted.c.id))).group_by(led.c.job_id).subquery())
+    rest = admitted.c.rented_usd - func.coalesce(spent.c.usd, 0.0)
     with app.store.engine.connect() as c:
-        plans = {r.id: r.decision for r in c.execute(
-            select(s.jobs.c.id, s.jobs.c.decision).where(s.jobs.c.state.in_(active),
-                                                         s.jobs.c.placement.in_(("cloud", "hybrid"))))}
-        plans.pop(exclude, None)
-        if not plans:
-            return Held()
-        led = s.ledger
-        closed = dict(c.execute(select(led.c.job_id, func.sum(led.c.cost_usd)).where(
-            led.c.job_id.in_(list(plans)), led.c.cost_usd.is_not(None)).group_by(led.c.job_id)).all())
-        accruing = c.execute(select(led.c.job_id, led.c.rate_usd_h, led.c.started_at).where(
-            led.c.job_id.in_(list(plans)), led.c.cost_usd.is_(None))).all()
-    spent = {job_id: float(usd or 0.0) for job_id, usd in closed.items()}
-    for job_id, rate, started in accruing:
-        spent[job_id] = spent.get(job_id, 0.0) + rate * max(0.0, now - started) / 3600.0
-    held = Held()
-    for job_id, decision in plans.items():
-        held = held.plus(planned_rented_usd(decision) - spent.get(job_id, 0.0))
-    return held
-
-
-def planned_rented_usd(decision: dict[str, Any]) -> float:
-    """A stored decision's planned rented cost: its cloud phases'."""
-    return sum(float(p.get("cost_usd") or 0.0) for p in decision.get("plan") or [] if p.get("where") == "cloud")
+        usd, jobs = c.execute(select(func.coalesce(func.sum(case((rest > 0, rest), else_=0.0)), 0.0), func.count())
+                              .select_from(admitted.outerjoin(spent, spent.c.job_id == admitted.c.id))).one()
+    return Held(float(usd), int(jobs))
 
 
 def context(app: App, now: float, exclude: str | None = None) -> DecisionContext:

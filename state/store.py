@@ -229,7 +229,8 @@ class Store:
     # --- jobs -----------------------------------------------------------------------------------------
     def insert_job(self, row: dict[str, Any], conn: Connection | None = None) -> None:
         now = time.time()
-        values = {"created_at": now, "updated_at": now, "approved": False, **row}
+        values = {"created_at": now, "updated_at": now, "approved": False, **row,
+                  "rented_usd": s.planned_rented_usd(row.get("decision"))}
         if conn is not None:
             conn.execute(insert(s.jobs).values(**values))
             return
@@ -276,6 +277,8 @@ class Store:
         q = update(s.jobs).where(s.jobs.c.id == job_id)
         if expect_state is not None:
             q = q.where(s.jobs.c.state == expect_state)
+        if "decision" in fields:  # the column summed for the budget goes with the decision it is read from
+            fields["rented_usd"] = s.planned_rented_usd(fields["decision"])
         q = q.values(updated_at=time.time(), **fields)
         if conn is not None:
             return conn.execute(q).rowcount == 1

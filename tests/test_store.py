@@ -5,6 +5,7 @@ PostgreSQL server (`db_url`, `postgres_server` in conftest)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import stat
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from state import schema
 from state.store import Store
@@ -29,6 +30,27 @@ def test_migrations_run_once_and_record_the_version(db_url: str) -> None:
     Store(url)  # a second open applies nothing again
     with st.engine.connect() as c:
         assert len(list(c.execute(select(schema.schema_version.c.version)))) == len(schema.MIGRATIONS)
+
+
+def test_a_database_from_before_jobs_kept_their_planned_rented_cost_gets_it_from_their_decisions(
+        db_url: str) -> None:
+    # Version 6's jobs table had no rented_usd: the migration adds it and fills it in from each decision's plan.
+    st = Store(db_url)
+    with st.tx() as c:
+        c.execute(text("ALTER TABLE jobs DROP COLUMN rented_usd"))
+        c.execute(text("DELETE FROM schema_version WHERE version = 7"))
+        for job_id, plan in (("j1", [{"where": "local", "cost_usd": 0.5}, {"where": "cloud", "cost_usd": 6.25}]),
+                             ("j2", [{"where": "local", "cost_usd": 0.2}]), ("j3", None)):
+            c.execute(text("INSERT INTO jobs (id, name, kind, state, verdict, placement, approved, spec, decision, "
+                           "deadline_at, created_at, updated_at) VALUES (:id, 'x', 'train', 'queued', 'burst', "
+                           "'cloud', false, '{}', :decision, 0, 0, 0)"),
+                      {"id": job_id, "decision": json.dumps({"plan": plan})})
+    st.engine.dispose()
+    again = Store(db_url)
+    assert {j["id"]: j["rented_usd"] for j in again.list_jobs()} == {"j1": 6.25, "j2": 0.0, "j3": 0.0}
+    # From then on the store keeps it with every decision it writes.
+    again.update_job("j2", decision={"plan": [{"where": "cloud", "cost_usd": 3.0}]})
+    assert again.get_job("j2")["rented_usd"] == 3.0
 
 
 def test_database_file_is_private(tmp_path: Path) -> None:

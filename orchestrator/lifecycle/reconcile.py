@@ -59,6 +59,7 @@ from providers.base import (
 )
 from runbooks import job_outputs
 from state import schema as s
+from state.schema import planned_rented_usd
 
 if TYPE_CHECKING:
     from orchestrator.lifecycle.cloud_steps import CloudSteps
@@ -355,7 +356,7 @@ class Reconciler:
         `daemon.market_check_s` later. The line is walked through `local.available_hours`, as gate 2 walks it; a job
         that cannot checkpoint and that no stretch of them holds any more (they were cut after it was decided) is
         decided again too: waiting would be for ever."""
-        from orchestrator.queue import context, local_backlog, planned_rented_usd, record_decision, redecide
+        from orchestrator.queue import context, local_backlog, record_decision, redecide
 
         if not waiting:
             return
@@ -409,7 +410,6 @@ class Reconciler:
             context,
             local_backlog,
             measured_rented_throughputs,
-            planned_rented_usd,
             reconsider,
             setup_estimates,
         )
