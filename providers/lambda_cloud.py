@@ -373,9 +373,10 @@ class LambdaCloud:
         """A 404 for an instance is trusted only where the instance listing answers and does not list it: a wrong
         base_url answers 404 to everything, and reading that as "gone" would report a live, billing instance
         terminated. Raises the listing's error, or InvalidRequest for an instance the listing still has."""
-        listed = {str(i["id"]) for i in self._request("GET", "/instances")}
-        if still := [i for i in ids if i in listed]:
-            raise InvalidRequest(f"404 for instances the listing still has: {', '.join(still)}", provider=self.name)
+        live = {str(i["id"]) for i in self._request("GET", "/instances")
+                if i.get("status") not in ("terminated", "terminating")}
+        if still := [i for i in ids if i in live]:
+            raise InvalidRequest(f"404 for instances the listing has live: {', '.join(still)}", provider=self.name)
 
     # --- mapping -------------------------------------------------------------------------------------------------
     def _order_regions(self, regions: Sequence[str]) -> list[str]:
