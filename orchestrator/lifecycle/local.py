@@ -371,7 +371,7 @@ class LocalRunner:
         spec = spec_of(job)
         base = facts(spec, float(job["deadline_at"]), now, self.cfg,
                      measured=measured_rented_throughput(self.app, spec), setup=setup_estimate(self.app, spec))
-        r = replan_late_local(base, context(self.app, now), done=done, units_h=speed,
+        r = replan_late_local(base, context(self.app, now, exclude=job["id"]), done=done, units_h=speed,
                               approved=bool(job.get("approved")))
         answer = {"at": now, "outcome": r.outcome}
         if last.get("outcome") == r.outcome:
