@@ -253,7 +253,11 @@ class Ec2Adapter:
             raise AuthFailed(f"{verb}: no usable AWS credentials in the standard chain", provider=self.name,
                              code="NoCredentials") from None
         except (HTTPClientError, BotoConnectionError) as exc:
-            # Connect/read timeouts, refused or dropped connections: the call's effect is unknown.
+            # Connect/read timeouts, refused or dropped connections: the call's effect is unknown. Unless no such
+            # region exists: EC2's endpoint for it has no address, and no retry will give it one.
+            if self._unknown_region():
+                raise InvalidRequest(f"{verb}: providers.{self.name}.region: {self.config.region!r} is not an AWS "
+                                     "region this boto3 knows", provider=self.name, code="UnknownRegion") from None
             raise Transient(f"{verb}: {type(exc).__name__} talking to EC2", provider=self.name,
                             code=type(exc).__name__) from None
         except (ParamValidationError, NoRegionError) as exc:
@@ -266,6 +270,14 @@ class Ec2Adapter:
             # EC2's). Not a BotoCoreError, so named here; the page itself is not worth repeating.
             raise Transient(f"{verb}: the endpoint answered something that is not an EC2 response", provider=self.name,
                             code="ResponseParserError") from None
+
+    def _unknown_region(self) -> bool:
+        """The configured region is in no partition botocore knows, and no endpoint_url stands in for AWS."""
+        if self.config.endpoint_url or os.environ.get("AWS_ENDPOINT_URL"):
+            return False
+        known = {r for p in self._session.get_available_partitions()
+                 for r in self._session.get_available_regions("ec2", partition_name=p)}
+        return bool(known) and self.config.region not in known
 
     def _from_client_error(self, verb: str, exc: ClientError) -> ProviderError:
         error = exc.response.get("Error") or {}

@@ -205,6 +205,23 @@ def test_settings_that_name_nothing_usable_are_said_by_the_setting(mocked: None)
         "providers.ec2.on_demand_usd_h has no price for g5.xlarge"]
 
 
+def test_a_region_that_does_not_exist_is_a_setting_to_fix_not_a_connection_to_retry(
+        mocked: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # EC2's endpoint for "us-east-9" has no address: the connection error it gives is the region's, not the network's.
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+
+    def unreachable() -> None:
+        raise EndpointConnectionError(endpoint_url="https://ec2.us-east-9.amazonaws.com/")
+
+    wrong, _, _ = make_adapter()
+    wrong.config = wrong.config.model_copy(update={"region": "us-east-9"})
+    with pytest.raises(InvalidRequest, match=r"providers\.ec2\.region: 'us-east-9' is not an AWS region"):
+        wrong._mapped("DescribeInstanceTypes", unreachable)
+    right, _, _ = make_adapter()
+    with pytest.raises(Transient):  # a real region: the network's, retried
+        right._mapped("DescribeInstanceTypes", unreachable)
+
+
 # --- launch -----------------------------------------------------------------------------------------------
 def test_spot_launch_tags_instance_and_volume_and_passes_config_and_client_token(
         mocked: None, ssh_public_key: str) -> None:
