@@ -210,6 +210,7 @@ class Ec2Adapter:
         # endpoint_url=None lets botocore apply AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_EC2 itself.
         self.client = self._session.client("ec2", endpoint_url=config.endpoint_url or None, config=boto_config)
         self._zones: list[str] | None = None
+        self._unknown_zones: list[str] = []  # configured zones the region does not have (read with `_zones`)
         # Settings the cloud's answers showed to name nothing usable (a type it does not describe, a zone not in the
         # region), as of the last `offers()`: `burstctl providers` says them. An optional capability (getattr).
         self.config_problems: list[str] = []
@@ -371,7 +372,7 @@ class Ec2Adapter:
                      if (spec := gpu_spec_from_api(t)) is not None}
         zones = self.zones()
         problems = [f"providers.{self.name}.zones: {z} is not an available zone of {self.config.region}"
-                    for z in getattr(self, "_unknown_zones", [])]
+                    for z in self._unknown_zones]
         spot = self._latest_spot_prices(types, zones)
         offers: list[Offer] = []
         for itype in types:

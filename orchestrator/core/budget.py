@@ -63,12 +63,12 @@ def admits(projected_usd: float, cap_usd: float, spent_usd: float, held: Held | 
     that each fit alone but not together would both launch, and the cap would stop both before either finished."""
     held = held or Held()
     left = max(0.0, cap_usd - spent_usd - held.usd)
-    holds = f", ${held.usd:.2f} held for {held.said}" if held.jobs else ""
+    holds = f"${held.usd:.2f} held for {held.said}" if held.jobs else ""
     if projected_usd > left + 1e-9:
         return False, (f"projected rented ${projected_usd:.2f} exceeds the ${left:.2f} left of the ${cap_usd:.2f} "
-                       f"monthly budget (${spent_usd:.2f} spent{holds})")
+                       f"monthly budget (${spent_usd:.2f} spent{', ' + holds if holds else ''})")
     return True, f"projected rented ${projected_usd:.2f} fits the ${left:.2f} left this month" + (
-        f" (${held.usd:.2f} held for {held.said})" if held.jobs else "")
+        f" ({holds})" if holds else "")
 
 
 @dataclass(frozen=True)
