@@ -241,6 +241,13 @@ class SimProvider(Strict):
     )
 
 
+# The regions Lambda Cloud's API names (`PublicRegionCode` in its OpenAPI contract, 1.8.3): a launch anywhere else
+# is refused, so a misspelt region would leave a job waiting for capacity that can never be listed there.
+LAMBDA_REGIONS = ("asia-northeast-1", "asia-northeast-2", "asia-south-1", "australia-east-1", "europe-central-1",
+                  "me-west-1", "us-east-1", "us-east-2", "us-east-3", "us-midwest-1", "us-midwest-2", "us-south-1",
+                  "us-south-2", "us-south-3", "us-west-1", "us-west-2", "us-west-3")
+
+
 class LambdaProvider(Strict):
     enabled: bool = Field(False, description="Use Lambda Cloud.")
     base_url: ApiUrl = Field("https://cloud.lambda.ai/api/v1", description="API root: https, or http to this machine "
@@ -250,10 +257,20 @@ class LambdaProvider(Strict):
     ssh_key_name: str = Field(
         "burstctl", description="The name burstctl registers its SSH public key under (beside it, `<name>-<hash>`, "
                                 "when that name holds another key).")
-    regions: list[str] = Field(default_factory=list, description="Allowed regions in preference order; empty = any.")
+    regions: list[str] = Field(default_factory=list, description="Allowed regions in preference order (Lambda's "
+                               "codes, such as \"us-east-1\"); empty = any.")
     instance_types: list[str] = Field(
         default_factory=list, description="Allowed instance types in preference order; empty = any."
     )
+
+    @field_validator("regions")
+    @classmethod
+    def _known_regions(cls, v: list[str]) -> list[str]:
+        if unknown := [r for r in v if r not in LAMBDA_REGIONS]:
+            named = ", ".join(repr(r) for r in unknown)
+            raise ValueError(f"{named}: not {'a region' if len(unknown) == 1 else 'regions'} Lambda Cloud has; "
+                             f"expected among {', '.join(LAMBDA_REGIONS)}")
+        return v
 
 
 class Ec2Provider(Strict):

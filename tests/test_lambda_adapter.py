@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from orchestrator.config import KEY_FILE_EXPECTED, LambdaProvider, SimProvider, load_config
+from orchestrator.config import KEY_FILE_EXPECTED, LAMBDA_REGIONS, LambdaProvider, SimProvider, load_config
 from orchestrator.errors import BadInput
 from providers.base import (
     AuthFailed,
@@ -302,6 +302,22 @@ def test_a_key_pasted_as_the_key_file_is_bad_input_and_never_echoed(tmp_path: Pa
         load_config(str(config))
     assert str(refused.value) == (f"{config}: field 'providers.lambda.api_key_file': {KEY_FILE_EXPECTED}")
     assert "secret_live_4f9a8b7c6d5e" not in str(refused.value)
+
+
+def test_a_region_lambda_cloud_does_not_have_is_refused_naming_the_field_and_the_regions_it_has(
+        tmp_path: Path) -> None:
+    # A misspelt region never lists capacity: a job would wait for ever on "no offer with capacity".
+    config = tmp_path / "burstctl.toml"
+    config.write_text('[providers.lambda]\nregions = ["us-east-1", "us-west2"]\n')
+    with pytest.raises(BadInput) as refused:
+        load_config(str(config))
+    said = str(refused.value)
+    assert said.startswith(f"{config}: field 'providers.lambda.regions': 'us-west2': not a region Lambda Cloud has")
+    assert "us-west-2" in said and "'us-east-1'" not in said
+    # The regions are the contract's, every one of them.
+    assert set(LAMBDA_REGIONS) == set(json.loads(CONTRACT.read_text())["components"]["schemas"]["PublicRegionCode"]
+                                      ["enum"])
+    assert LambdaProvider(regions=["us-west-2", "europe-central-1"]).regions == ["us-west-2", "europe-central-1"]
 
 
 def test_factory_builds_a_working_sim_adapter(sim: SimCloudServer, monkeypatch: pytest.MonkeyPatch) -> None:
