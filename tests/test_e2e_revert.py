@@ -23,6 +23,7 @@ from tests.e2e import (
     events,
     free_port,
     job,
+    sim_instances,
     simcloud,
     store_sections,
     trainer_job,
@@ -76,6 +77,37 @@ def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(
 
     assert cli(config, state, "burst-enable").returncode == 0
     assert json.loads(cli(config, state, "status", "--json").stdout)["mode"] == "burst-enabled"
+
+
+def test_a_cloud_run_that_ended_well_before_revert_local_saw_it_is_finished_not_brought_home_to_run_again(
+        tmp_path: Path) -> None:
+    # The trainer exits 0 on the instance while no daemon is watching; revert-local is the first to look. Stopping
+    # it would hold this job (it does not fit locally) and `burst-enable` would rent an instance to finish nothing.
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        spec = trainer_job(tmp_path, "ends-alone", steps=60, every=20, extra=("--out", "result.json"),
+                           outputs=["result.json"])
+        job_id = json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"]
+        daemon = Daemon(tmp_path, config, state).start()
+        wait_for(lambda: events(state, "attempt.running"), 120, "the attempt to run")
+        assert daemon.stop() == 0
+        wait_for(lambda: list((tmp_path / "sim" / "instances").glob("*/**/exit.json")), 60,
+                 "the trainer to exit on the instance")
+        assert job(state, job_id)["state"] == "running"
+
+        r = cli(config, state, "revert-local")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"finished (their run had ended; final checkpoint and outputs home): {job_id}" in r.stdout
+        report = json.loads(cli(config, state, "revert-local", "--json").stdout)  # the second run: nothing to do
+        assert report["instances"] == [] and report["already_local"] == [] and report["all_gone"]
+        assert all(i["status"] in GONE for i in sim_instances(url))
+    assert job(state, job_id)["state"] == "done"
+    assert json.loads((state / "outputs" / job_id / "result.json").read_text())["step"] == 60
+    assert [e["data"]["outcome"] for e in events(state, "instance.terminated")] == ["succeeded"]
+    assert not events(state, "job.requeued_local") and not events(state, "job.blocked")
+    (done,) = events(state, "revert_local.done")[:1]
+    assert done["data"]["finished"] == [job_id] and done["data"]["held"] == []
 
 
 def test_revert_local_with_the_cloud_gone_reports_what_is_unverified(tmp_path: Path) -> None:

@@ -34,6 +34,9 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
         else:
             out.print("no instance was running" if not report.not_swept and not report.unreachable
                       else "no instance found on the providers that answered")
+        if report.finished:
+            out.print(f"finished (their run had ended; final checkpoint and outputs home): "
+                      f"{', '.join(report.finished)}")
         if report.requeued_local:
             out.print(f"requeued locally: {', '.join(report.requeued_local)}")
         if report.already_local:

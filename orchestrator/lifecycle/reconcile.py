@@ -748,7 +748,7 @@ class Reconciler:
         elif st is A.TERMINATING:
             self._step_terminating(att, job, provider)
         elif stop_reason is not None:
-            self._stop(att, job, provider, stop_reason)
+            self.wind_down(att, job, provider, stop_reason)
         elif st is A.PROVISIONING:
             self._step_provisioning(att, job, provider)
         elif st is A.BOOTSTRAPPING:
@@ -1171,14 +1171,44 @@ class Reconciler:
                 self.app.events.emit("checkpoint.sync_failed", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      error=error, failures=info["sync_failures"])
 
-    def _step_finishing(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+    def wind_down(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, reason: str) -> None:
+        """Stop an attempt for `reason` (revert-local, the budget, max run time, a kept probe); but a run that has
+        already exited 0 is finished instead: its final checkpoint and outputs come home and it succeeds. Stopped,
+        its end would be thrown away and the job run again (revert-local held one that does not fit locally, and
+        `burst-enable` then rented an instance to finish nothing). A cancelled job is stopped whatever its run did."""
+        if reason != "cancelled" and self._has_completed(att):
+            self._step_finishing(att, job, provider, stop_reason=reason)
+        else:
+            self._stop(att, job, provider, reason)
+
+    def _has_completed(self, att: dict[str, Any]) -> bool:
+        """Whether the attempt's run ended with exit 0 (moving a running attempt that the daemon has not yet seen
+        exit to finishing)."""
+        if att["state"] == A.FINISHING.value:
+            return True
+        if att["state"] != A.RUNNING.value:
+            return False
+        ex = (self.cloud_steps.status(att) or {}).get("exit") or {}
+        if ex.get("reason") != "completed" or ex.get("exit_code") != 0:
+            return False
+        with self.store.tx() as conn:
+            return move(conn, att, A.FINISHING, info={**att["info"], "last_seen_at": self.clock()})
+
+    def _step_finishing(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, *,
+                        stop_reason: str | None = None) -> None:
+        """Bring the final checkpoint and outputs home, then end the attempt as succeeded. Until both are home the
+        instance is kept and the pull retried every tick; with a `stop_reason` the pull is tried once, then the
+        attempt is stopped for it (the job resumes from what is home)."""
         info = dict(att["info"])
         chaos_point("finishing")
-        if not self._pull(att, job, info):
-            self._final_pull_failed(att, job, provider, info)
-            return
-        if not self._pull_outputs(att, job, info):
-            self._final_pull_failed(att, job, provider, info, what="its outputs")
+        what = None if self._pull(att, job, info) else "its final checkpoint"
+        if what is None and not self._pull_outputs(att, job, info):
+            what = "its outputs"
+        if what is not None:
+            if stop_reason is not None:
+                self._stop(att, job, provider, stop_reason, info=info)
+            else:
+                self._final_pull_failed(att, job, provider, info, what=what)
             return
         self.cloud_steps.release_s3(att, job)  # the final checkpoint is home: the S3 copies are no longer needed
         speed = (info.get("metrics") or {}).get("throughput_units_h")
@@ -1191,7 +1221,7 @@ class Reconciler:
         self._stop(att, job, provider, "completed", outcome=A.SUCCEEDED, info=info)
 
     def _final_pull_failed(self, att: dict[str, Any], job: dict[str, Any], provider: Provider,
-                           info: dict[str, Any], what: str = "its final checkpoint") -> None:
+                           info: dict[str, Any], what: str) -> None:
         """The job finished on the instance but `what` is not home: the instance is kept and the pull retried every
         tick (the budget cap and max_run_hours still stop it), unless the instance is gone or unreachable past the
         heartbeat timeout, which is a loss: the job resumes from what is home."""

@@ -2,7 +2,8 @@
 
 1. Persist the switch first: from then on nobody launches anything (the daemon reads it every tick).
 2. Every active cloud attempt: a last checkpoint (SIGTERM through the supervisor), synced home within a bounded
-   time, then terminate and confirm the instance is gone.
+   time, then terminate and confirm the instance is gone. A run that has already exited 0 is finished instead
+   (final checkpoint and outputs home, the job done), not stopped to be run again.
 3. Sweep every configured provider for instances owned by this orchestrator, orphans included, and terminate them.
 4. Requeue the bursted jobs as local jobs resuming from their newest complete checkpoint (or hold those that
    cannot fit locally until `burstctl burst-enable`).
@@ -46,6 +47,7 @@ class RevertRow:
 @dataclass
 class RevertReport:
     rows: list[RevertRow] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # their run had ended well: finished, not brought home
     requeued_local: list[str] = field(default_factory=list)
     already_local: list[str] = field(default_factory=list)  # queued locally by an earlier revert-local, not yet run
     held: list[str] = field(default_factory=list)
@@ -64,7 +66,7 @@ class RevertReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {"mode": "local-only", "instances": [r.as_dict() for r in self.rows],
-                "requeued_local": self.requeued_local, "already_local": self.already_local,
+                "finished": self.finished, "requeued_local": self.requeued_local, "already_local": self.already_local,
                 "held_until_burst_enable": self.held,
                 "unreachable_providers": self.unreachable, "not_swept": self.not_swept,
                 "left": [r.as_dict() for r in self.left], "all_gone": self.all_gone}
@@ -152,8 +154,8 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) 
 
     _requeue_local(app, report)
     app.events.emit("revert_local.done", instances=len(report.rows), left=len(report.left),
-                    requeued_local=report.requeued_local, held=report.held, unreachable=report.unreachable,
-                    not_swept=sorted(report.not_swept))
+                    finished=report.finished, requeued_local=report.requeued_local, held=report.held,
+                    unreachable=report.unreachable, not_swept=sorted(report.not_swept))
     return report
 
 
@@ -167,20 +169,17 @@ def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, 
             _record_instance(app, att["provider"], att["instance_id"], att["id"], "unverified")
         return RevertRow(att["job_id"], att["provider"], att["instance_id"], None, "unverified")
     try:
-        if att["state"] == AttemptState.INTENT.value:
-            rec._step_intent(att, job, provider, "revert-local")
-        elif att["state"] == AttemptState.TERMINATING.value:
-            rec._step_terminating(att, job, provider)
-        else:
-            rec._stop(att, job, provider, "revert-local")
-        while time.monotonic() < deadline:
-            current = _attempt(app, att["id"])
-            if AttemptState(current["state"]).final:
-                break
-            if current["state"] == AttemptState.PROVISIONING.value and current["instance_id"]:
-                rec._stop(current, job, provider, "revert-local")
-            else:
+        current = att
+        while True:
+            if current["state"] == AttemptState.INTENT.value:
+                rec._step_intent(current, job, provider, "revert-local")
+            elif current["state"] == AttemptState.TERMINATING.value:
                 rec._step_terminating(current, job, provider)
+            else:  # a run that has already ended well is finished, not stopped
+                rec.wind_down(current, job, provider, "revert-local")
+            current = _attempt(app, att["id"])
+            if AttemptState(current["state"]).final or time.monotonic() >= deadline:
+                break
             time.sleep(0.5)
     except ProviderError:
         if att["provider"] not in report.unreachable:
@@ -189,6 +188,8 @@ def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, 
     synced = _last_synced(app, att)
     if AttemptState(current["state"]).final:
         status = "yes"
+        if current["state"] == AttemptState.SUCCEEDED.value:
+            report.finished.append(att["job_id"])
         if rec.cloud is not None:  # local-only from now on: S3 keeps nothing that what is home supersedes
             rec.cloud.release_s3(current, job)
     else:
