@@ -82,6 +82,18 @@ def config_fingerprint(cfg: Config) -> dict[str, Any]:
     return {"source": str(cfg.source) if cfg.source else None, "sha256": digest}
 
 
+def _record_tick(app: App, tick_s: float) -> None:
+    """The tick this daemon runs at (`--tick`, else the config's), for `budget`'s allowance for stopping."""
+    app.store.set_setting("daemon", {**app.store.get_setting("daemon", {}), "tick_s": tick_s})
+
+
+def daemon_tick_s(app: App) -> float:
+    """The running daemon's tick, which `daemon --tick` may set apart from the config's; the config's without one."""
+    if running_daemon(app) is not None:
+        return float(app.store.get_setting("daemon", {}).get("tick_s") or app.config.daemon.tick_s)
+    return app.config.daemon.tick_s
+
+
 def running_daemon(app: App) -> dict[str, Any] | None:
     """The daemon running on this installation, or None: by the state directory's flock (`pid`), else, on a
     database several state directories share, by the database's lock (`pid` and `host` as that daemon recorded
@@ -159,6 +171,8 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
         watch = ConfigWatch(app.config_path, app.state_dir_override, app.config)
         ticks_fixed = tick_s is not None  # `daemon --tick`: a config edit does not change it
         tick_s = tick_s or app.config.daemon.tick_s
+        reconciler.tick_s = tick_s
+        _record_tick(app, tick_s)
         app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
                         providers=sorted(reconciler.providers), mode=reconciler.mode())
 
@@ -167,7 +181,10 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
             nonlocal reconciler
             force = reread.is_set()
             reread.clear()
-            reconciler = _reload(app, scheduler, reconciler, watch, force=force, ticks_fixed=ticks_fixed)
+            fresh = _reload(app, scheduler, reconciler, watch, force=force, ticks_fixed=ticks_fixed)
+            if fresh is not reconciler:
+                fresh.tick_s = tick_s if ticks_fixed else app.config.daemon.tick_s
+            reconciler = fresh
             return reconciler
 
         notifying = threading.Lock()  # one pass at a time: the scheduler's, or the last one below
@@ -225,6 +242,7 @@ def _reload(app: App, scheduler: BlockingScheduler, reconciler: Reconciler, watc
     if not ticks_fixed and daemon.tick_s != before.daemon.tick_s:
         for job_id in ("tick", "notify"):
             scheduler.reschedule_job(job_id, trigger="interval", seconds=daemon.tick_s)
+        _record_tick(app, daemon.tick_s)
     if daemon.sweep_s != before.daemon.sweep_s:
         scheduler.reschedule_job("sweep", trigger="interval", seconds=daemon.sweep_s)
     app.store.set_setting(CONFIG_SEEN_KEY, {**config_fingerprint(change.read),

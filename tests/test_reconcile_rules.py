@@ -658,6 +658,39 @@ def test_budget_shows_what_running_instances_accrue_and_what_is_kept_to_stop_the
     assert shown["cycles_left_on_demand"] == int(shown["free_usd"] // shown["usd_per_cycle_on_demand"])
 
 
+def test_what_budget_keeps_to_stop_running_instances_is_at_the_running_daemons_tick_not_the_configs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `daemon --tick 60` takes up to three minutes to notice and act, not the config's three 5 s ticks: the daemon's
+    # own guard reserves that, and `budget` counts the same.
+    import json
+
+    from orchestrator.cli import main
+    from orchestrator.core.budget import month_key, stop_horizon_h
+    from orchestrator.daemon import DaemonLock, run_daemon
+
+    state = tmp_path / "state"
+    app = App(state_dir_override=str(state))
+    now = time.time()
+    with app.store.tx() as c:
+        c.execute(insert(s.ledger).values(month=month_key(now), job_id="j1", attempt_id="j1-a1", provider="sim",
+                                          rate_usd_h=3.0, started_at=now - 60))
+    assert run_daemon(app, tick_s=60.0, max_ticks=1) == 1
+    assert app.store.get_setting("daemon", {})["tick_s"] == 60.0
+    app.close()
+
+    def kept() -> float:
+        assert main(["--state-dir", str(state), "budget", "--json"]) == 0
+        return float(json.loads(capsys.readouterr().out)["kept_to_stop_running_usd"])
+
+    assert kept() == pytest.approx(3.0 * stop_horizon_h(5.0), abs=1e-4)  # no daemon runs: the next runs at 5 s
+    running = DaemonLock(state)  # a daemon holds the state directory's lock, as the one above did while it ran
+    running.acquire()
+    try:
+        assert kept() == pytest.approx(3.0 * stop_horizon_h(60.0), abs=1e-4)
+    finally:
+        running.release()
+
+
 def test_a_queued_local_job_says_it_waits_for_the_local_gpu_while_another_run_holds_it(tmp_path: Path) -> None:
     app = App(state_dir_override=str(tmp_path / "state"))
     first, _, _ = enqueue(app, write_job(tmp_path, "first", local_throughput=1.0, deadline_hours=30))

@@ -309,6 +309,7 @@ def retry_cmd(app: App, job: str, deadline_hours: float | None, reread: bool, as
 @pass_app
 def budget_cmd(app: App, as_json: bool) -> None:
     """Month-to-date spend, cycles, $/cycle on spot and on-demand, and the cycles the rest buys."""
+    from orchestrator.daemon import daemon_tick_s
     from orchestrator.queue import held_by_plans, offers_seen  # the decision core: only this command needs it
 
     cfg = app.config
@@ -328,7 +329,7 @@ def budget_cmd(app: App, as_json: bool) -> None:
     # Running instances go on billing until stopped: the daemon keeps what stopping them takes out of "left" before
     # it launches anything new, so a launch can be refused with money seemingly left.
     accruing = sum(r["rate_usd_h"] for r in rows if r["ended_at"] is None)
-    kept = accruing * stop_horizon_h(cfg.daemon.tick_s)
+    kept = accruing * stop_horizon_h(daemon_tick_s(app))
     # What new cycles can have: less what admitted jobs' plans hold and what stopping the running ones takes.
     held = held_by_plans(app, now)
     free = BudgetView(month, view.cap_usd, view.spent_usd + held.usd + kept, cycles, spot, od)

@@ -137,6 +137,7 @@ class Reconciler:
         self.offers = OfferCache(ttl_s=self.cfg.daemon.offers_ttl_s, on_refresh=self._offers_listed)
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
         self.unavailable: dict[str, str] = {}  # enabled providers that cannot be used → why (`build_reconciler`)
+        self.tick_s = self.cfg.daemon.tick_s  # the daemon's (`daemon --tick` sets it apart from the config's)
 
     @property
     def cloud_steps(self) -> CloudSteps:
@@ -780,7 +781,7 @@ class Reconciler:
     # --- the budget: month-to-date spend never crosses budget.monthly_cap_usd (tests/test_budget_property.py) --
     def budget_horizon_h(self) -> float:
         """How long a stop may take to end the spending (`budget.stop_horizon_h`)."""
-        return stop_horizon_h(self.cfg.daemon.tick_s)
+        return stop_horizon_h(self.tick_s)
 
     def budget_exposure(self, now: float) -> dict[str, tuple[float, float]]:
         """Per month that can still grow: (USD committed, USD/h still accruing). Committed counts closed
