@@ -1189,7 +1189,10 @@ class Reconciler:
             return True
         if att["state"] != A.RUNNING.value:
             return False
-        ex = (self.cloud_steps.status(att) or {}).get("exit") or {}
+        try:
+            ex = (self.cloud_steps.status(att) or {}).get("exit") or {}
+        except Exception:  # a status that cannot be read is no news of an end: the stop goes on as asked
+            return False
         if ex.get("reason") != "completed" or ex.get("exit_code") != 0:
             return False
         with self.store.tx() as conn:
