@@ -58,6 +58,9 @@ def test_revert_local_brings_a_running_burst_home_and_it_finishes_locally(
             assert r.returncode == 0, r.stdout + r.stderr
             report = json.loads(r.stdout)
             assert report["all_gone"] and report["mode"] == "local-only"
+            # The wind-down's end requeued it (and the running daemon may have started it locally since): this run
+            # requeued it, and says so.
+            assert report["requeued_local"] == [job_id] and report["already_local"] == []
             (row,) = report["instances"]
             assert row["terminated"] == "yes" and row["checkpoint_synced"].startswith("step-")
             assert all(i["status"] in GONE for i in c.instances())

@@ -188,8 +188,7 @@ def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, 
     synced = _last_synced(app, att)
     if AttemptState(current["state"]).final:
         status = "yes"
-        if current["state"] == AttemptState.SUCCEEDED.value:
-            report.finished.append(att["job_id"])
+        _job_after_wind_down(app, att, current, report)
         if rec.cloud is not None:  # local-only from now on: S3 keeps nothing that what is home supersedes
             rec.cloud.release_s3(current, job)
     else:
@@ -197,6 +196,22 @@ def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, 
         if current["instance_id"]:
             _record_instance(app, att["provider"], current["instance_id"], att["id"], status)
     return RevertRow(att["job_id"], att["provider"], current["instance_id"], synced, status)
+
+
+def _job_after_wind_down(app: App, att: dict[str, Any], ended: dict[str, Any], report: RevertReport) -> None:
+    """Where the wound-down attempt's end put its job, for the report: finished, requeued locally or held. The end
+    decides that (`finish.job_after_attempt`), and a running daemon may start the requeued job locally at once, so
+    the job's state now does not tell; the events of this attempt's end do."""
+    if ended["state"] == AttemptState.SUCCEEDED.value:
+        report.finished.append(att["job_id"])
+        return
+    for e in app.store.events(job_id=att["job_id"], type_prefix="job."):
+        if e["attempt_id"] != att["id"]:  # an attempt ends once: its end said one of these at most
+            continue
+        if e["type"] == "job.requeued_local" and att["job_id"] not in report.requeued_local:
+            report.requeued_local.append(att["job_id"])
+        elif e["type"] == "job.blocked" and att["job_id"] not in report.held:
+            report.held.append(att["job_id"])
 
 
 def _last_synced(app: App, att: dict[str, Any]) -> str | None:
@@ -266,6 +281,6 @@ def _requeue_local(app: App, report: RevertReport) -> None:
                                      reason="does not fit locally: waits for `burstctl burst-enable`")
                 app.events.emit("job.blocked", job_id=job["id"], conn=conn, reason="revert-local, does not fit")
                 report.held.append(job["id"])
-            else:
+            elif job["id"] not in report.held:
                 report.held.append(job["id"])
     report.already_local.extend(j["id"] for j in local_now if j["id"] not in report.requeued_local)
