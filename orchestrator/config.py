@@ -25,6 +25,20 @@ JobKind = Literal["train", "eval", "embed", "serve"]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 
+
+def _at_most(limit: float, expected: str) -> AfterValidator:
+    """A ceiling no real value reaches, so that a value typed in the wrong unit (MiB for GiB, cents for dollars,
+    milliseconds for seconds) is refused rather than believed."""
+    def check(v: float) -> float:
+        if v > limit:
+            raise ValueError(f"{v:g} is more than {limit:g}: expected {expected}")
+        return v
+    return AfterValidator(check)
+
+
+GpuGiB = Annotated[float, Field(gt=0), _at_most(
+    1024, "GiB as nvidia-smi reports it (memory.total), not MiB (a 16 GB card reads 16303 MiB = 15.92 GiB)")]
+
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ENV_NAME_EXPECTED = ("expected the NAME of an environment variable (letters, digits and '_', not starting with a "
                      "digit) that holds the secret, not the secret itself")
@@ -127,13 +141,13 @@ def _parse_window(value: object) -> object:
 
 class LocalMachine(Strict):
     gpu: str = Field("RTX 5080", description="Local GPU name, for records and tables.")
-    vram_gib: PositiveFloat = Field(
+    vram_gib: GpuGiB = Field(
         15.92, description="Local GPU memory in GiB as nvidia-smi reports it (memory.total), which is less than the "
         "card's marketed size: a \"16 GB\" RTX 5080 reads 16303 MiB = 15.92 GiB.")
-    board_power_w: PositiveFloat = Field(400.0, description="GPU board power under training load, in watts.")
-    electricity_usd_per_kwh: NonNegFloat = Field(
-        0.25, description="Electricity price; with board power it gives the local $/h."
-    )
+    board_power_w: Annotated[float, Field(gt=0), _at_most(5000, "watts (a training GPU draws 100 to 1,200)")] = \
+        Field(400.0, description="GPU board power under training load, in watts.")
+    electricity_usd_per_kwh: Annotated[float, Field(ge=0), _at_most(5, "dollars per kWh, not cents (25 ¢ is 0.25)")] = \
+        Field(0.25, description="Electricity price in $ per kWh; with board power it gives the local $/h.")
     safety_margin_gib: NonNegFloat = Field(
         1.0, description="VRAM kept free on every card, the local one and rented ones (`[prices]` vram_gib), for the "
         "CUDA context and fragmentation when judging whether a job fits."
@@ -158,6 +172,13 @@ class LocalMachine(Strict):
         return v
 
     _zone = field_validator("timezone")(_iana_zone)
+
+    @model_validator(mode="after")
+    def _margin_leaves_memory(self) -> LocalMachine:
+        if self.safety_margin_gib >= self.vram_gib:
+            raise FieldValueError("safety_margin_gib", f"{self.safety_margin_gib:g} GiB kept free leaves nothing of "
+                                  f"the card's {self.vram_gib:g} GiB: expected a GiB or two")
+        return self
 
     @property
     def usd_per_hour(self) -> float:
@@ -216,7 +237,7 @@ class Policy(Strict):
 class GpuPrice(Strict):
     on_demand_usd_h: PositiveFloat = Field(description="On-demand $/GPU-hour.")
     spot_usd_h: PositiveFloat | None = Field(None, description="Spot $/GPU-hour, if a spot market exists.")
-    vram_gib: PositiveFloat = Field(
+    vram_gib: GpuGiB = Field(
         79.65, description="Memory per GPU in GiB as nvidia-smi reports it (memory.total), less than the marketed "
         "size: H100 80GB 81559 MiB = 79.65 GiB, A100 80GB 80, A10/A10G 23028 MiB = 22.49 GiB, L40S 44.99, H200 140.4.")
 
@@ -319,7 +340,8 @@ class Providers(Strict):
 
 
 class DaemonSettings(Strict):
-    tick_s: PositiveFloat = Field(5.0, description="Reconcile tick: every job advances one step per tick.")
+    tick_s: Annotated[float, Field(gt=0), _at_most(600, "seconds, not milliseconds (the default is 5)")] = Field(
+        5.0, description="Reconcile tick in seconds: every job advances one step per tick.")
     sweep_s: PositiveFloat = Field(120.0, description="How often every provider is swept for orphaned instances.")
     heartbeat_timeout_s: PositiveFloat = Field(
         60.0, description="A running attempt whose heartbeat is older than this is treated as preempted."

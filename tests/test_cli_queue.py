@@ -20,7 +20,7 @@ from orchestrator.app import App
 from orchestrator.config import Config
 from orchestrator.errors import OperationalError
 from state import schema as s
-from tests.conftest import REPO, write_job
+from tests.conftest import REPO, assert_config_refused, write_job
 
 SEED_FLAGS = ["--rate", "3.00"]
 
@@ -482,7 +482,7 @@ def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> No
     ],
     ids=["bad-market", "inline-secret", "secret-as-env-name", "unknown-provider", "negative-vram", "unpriced-cycle-gpu",
          "database-password-inline", "database-url-unparsable", "database-not-supported", "database-driver-missing",
-         "infinite-cap", "infinite-overhead", "api-key-in-the-clear", "api-url-without-scheme"],
+         "infinite-cap", "api-key-in-the-clear", "api-url-without-scheme", "infinite-overhead"],
 )
 def test_bad_config_exits_2_naming_the_field(burstctl, tmp_path: Path, text: str, field: str) -> None:
     cfg = tmp_path / "bad.toml"
@@ -492,6 +492,26 @@ def test_bad_config_exits_2_naming_the_field(burstctl, tmp_path: Path, text: str
     line = r.stderr.strip()
     assert "\n" not in line and str(cfg) in line and field in line, line
     assert "sk-live-123" not in line and "sk_live_123" not in line
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "says"),
+    [
+        ("[local]\nvram_gib = 16303\n", "local.vram_gib", "16303 is more than 1024: expected GiB"),  # MiB typed
+        ("[prices.H100]\non_demand_usd_h = 3.0\nvram_gib = 81559\n", "prices.H100.vram_gib", "not MiB"),
+        ("[local]\nelectricity_usd_per_kwh = 25\n", "local.electricity_usd_per_kwh", "not cents"),
+        ("[local]\nboard_power_w = 400000\n", "local.board_power_w", "expected watts"),  # mW
+        ("[daemon]\ntick_s = 5000\n", "daemon.tick_s", "seconds, not milliseconds"),
+        ("[local]\nsafety_margin_gib = 1024\n", "local.safety_margin_gib", "leaves nothing of the card's 15.92 GiB"),
+    ],
+    ids=["vram-in-mib", "rented-vram-in-mib", "electricity-in-cents", "power-in-milliwatts", "tick-in-ms",
+         "margin-bigger-than-the-card"],
+)
+def test_a_value_in_the_wrong_unit_is_refused_saying_which_unit_is_expected(
+        burstctl, tmp_path: Path, text: str, field: str, says: str) -> None:
+    # Believed, each one misleads quietly: a 7B LoRA needing 20 GB "fits" a 16303 GiB card and runs out of memory
+    # on the real one; a margin larger than the card makes every job rethink; 25 $/kWh prices 4 h at $40.
+    assert_config_refused(burstctl, tmp_path, text, "status", field, says)
 
 
 def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path: Path) -> None:
