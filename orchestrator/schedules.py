@@ -31,12 +31,22 @@ from orchestrator.app import App
 from orchestrator.config import Schedule
 from orchestrator.core import crontab
 from orchestrator.errors import BadInput
-from orchestrator.jobspec import load_job
+from orchestrator.jobspec import JobSpec, load_job
 from orchestrator.lifecycle.states import FINAL, JobState
 
 KEY_PREFIX = "schedule:"  # settings key, + the job file's resolved path
 DENSE_WINDOW_S = 32 * 86400.0  # newest_slot looks this far back first (a month and a bit)
 _TICK = timedelta(microseconds=1)  # APScheduler's "next" is at or after its `now`: strictly after a slot
+
+
+def load_cycle_job(path: Path, slot: float) -> tuple[JobSpec, float]:
+    """A schedule's job file read for a cycle at `slot` (its deadline counted from the slot). An absolute
+    `deadline` is refused: every cycle after the first would be past it."""
+    spec, deadline_at = load_job(path, slot)
+    if spec.deadline is not None:
+        raise BadInput("is an instant, which a cycle after the first would have passed; expected "
+                       "deadline_hours, counted from each slot", source=path, field="deadline")
+    return spec, deadline_at
 
 
 def trigger(sched: Schedule) -> CronTrigger:
@@ -143,10 +153,7 @@ def _fire(app: App, sched: Schedule, path: Path, key: str, rec: dict[str, Any], 
             return passed("skipped", reason=f"its previous cycle {previous} is {job['state']}",
                           previous_job_id=previous)
     try:
-        spec, deadline_at = load_job(path, slot)
-        if spec.deadline is not None:
-            raise BadInput("is an instant, which a cycle after the first would have passed; expected "
-                           "deadline_hours, counted from each slot", source=path, field="deadline")
+        _, deadline_at = load_cycle_job(path, slot)
     except BadInput as exc:
         return passed("job_invalid", error=app.redactor(str(exc)))
     if deadline_at <= now:

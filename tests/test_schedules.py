@@ -256,6 +256,18 @@ def test_schedules_prices_a_cycle_that_bursts_and_what_the_month_s_cycles_would_
     assert "the daemon is not running: no cycle is queued until it is" in shown  # a schedule alone does nothing
 
 
+def test_schedules_names_an_absolute_deadline_as_the_problem_every_slot_would_skip_for(burstctl, tmp_path: Path
+                                                                                        ) -> None:
+    # The daemon refuses it at each slot (`schedule.job_invalid`): `schedules` says so now, and prices no cycle.
+    write_job(tmp_path, "weekly", command=["true"], deadline_hours=None, local_throughput=1.0,
+              deadline="2030-01-20T00:00:00Z")
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('[[schedule]]\njob = "weekly.toml"\ncron = "0 2 * * mon"\ntimezone = "UTC"\n')
+    (row,) = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
+    assert row["plan_now"] is None and "field 'deadline': is an instant" in row["problem"]
+    assert "would be skipped at its slot" in burstctl("--config", str(cfg), "schedules").stdout
+
+
 def test_a_schedule_taken_out_of_the_config_and_put_back_is_armed_afresh_not_caught_up(tmp_path: Path) -> None:
     app = _setup(tmp_path)
     fire_due(app, ARMED)

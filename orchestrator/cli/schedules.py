@@ -13,9 +13,9 @@ from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
 from orchestrator.core.budget import month_end, month_key
 from orchestrator.errors import BadInput
-from orchestrator.jobspec import JobSpec, load_job
+from orchestrator.jobspec import JobSpec
 from orchestrator.records import fmt_usd
-from orchestrator.schedules import KEY_PREFIX, next_slot, slots_between, trigger
+from orchestrator.schedules import KEY_PREFIX, load_cycle_job, next_slot, slots_between, trigger
 
 
 def _local(ts: float | None) -> str:
@@ -33,7 +33,7 @@ def schedule_rows(app: App, now: float) -> list[dict[str, Any]]:
         last_job = app.store.get_job(rec["last_job_id"]) if rec.get("last_job_id") else None
         name, problem, plan = None, None, None
         try:
-            spec, deadline_at = load_job(path, now)
+            spec, deadline_at = load_cycle_job(path, now)
             name = spec.name
             plan = _plan_now(app, spec, path, deadline_at, now)
         except BadInput as exc:
