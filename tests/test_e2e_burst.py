@@ -6,6 +6,7 @@ is gone with the meter matching simcloud's billing. A daemon killed with SIGKILL
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -237,10 +238,14 @@ def test_on_an_interruption_notice_the_newest_checkpoint_comes_home_before_the_i
                             and job(state, job_id)["reason"], 5.5, "the job to say it got the notice")
             time.sleep(max(0.0, 6.0 - (time.monotonic() - noticed)))
             httpx.post(f"{url}/_sim/instances/{first}/preempt", json={}, timeout=10).raise_for_status()
+            # Once it runs again, the job says so, not how its instance was launched.
+            again = wait_for(lambda: re.fullmatch(r"running on sim \S+ \(spot\), resumed from step-\d+",
+                                                  job(state, job_id)["reason"] or ""), 120, "the job to run again")
             wait_for(lambda: job(state, job_id)["state"] == "done", 180, "the job to finish")
         finally:
             assert daemon.stop() == 0
 
+    assert again
     trail = events(state)
     (notice,) = (e for e in trail if e["type"] == "instance.interruption_notice")
     assert notice["data"]["instance"] == first and notice["data"]["last_checkpoint_home"] is None

@@ -89,7 +89,7 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
             newest = checkpoints.latest(app.config, job["id"], deep=False)
             to(JobState.BLOCKED, f"stopped before the monthly budget cap: ${spent:.2f} spent of ${cap:.2f} this month, "
                f"{f'checkpoint {newest.name} home' if newest else 'no checkpoint home'}; it is decided again as "
-               "the budget allows (a new month, or a higher cap and a daemon restart)", "job.blocked")
+               "the budget allows (a new month, or a higher cap)", "job.blocked")
         elif stop_reason in (TO_ON_DEMAND, TO_SPOT):
             back = back_in_line()
             why = ("moving to on-demand: the spot policy leaves spot to make the deadline"

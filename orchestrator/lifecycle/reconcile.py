@@ -949,6 +949,10 @@ class Reconciler:
             if move(conn, att, A.RUNNING, info=info, started_at=now):
                 for k, v in timings.items():
                     self._measure(conn, att, f"{k}_s", v)
+                # What launched it ("bursting to", "resuming on ... launched at the notice") is over: say what runs.
+                self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value, reason=(
+                    f"running on {att['provider']} {att['instance_type']} ({att['market']})"
+                    + (f", resumed from {resume_from.name}" if resume_from is not None else "")))
                 if resume_from is not None:
                     self.app.events.emit("job.resumed", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                          instance=att["instance_id"], checkpoint=resume_from.name,
