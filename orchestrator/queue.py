@@ -588,18 +588,28 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
     cfg = app.config
     job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec), setup_estimate(app, spec),
                 local_wait_h(app, spec, deadline_at, now))
-    decision = decide(job, context(app, now))
+    ctx = context(app, now)
+    decision = decide(job, ctx)
     d = decision.to_dict()
     job_id = new_job_id()
     deadline = datetime.fromtimestamp(deadline_at).astimezone().isoformat()
-    state = STATE_FOR_ACTION[decision.action]
+    state, placement = STATE_FOR_ACTION[decision.action], decision.placement
+    if decision.action == "blocked" and not ctx.burst_enabled and spec.kind in ctx.cloud_kinds \
+            and d.get("fits_locally") and placement in ("cloud", "hybrid"):
+        # Local-only (revert-local): one that fits here runs here meanwhile, late if need be, as revert-local
+        # requeues those it brings home; `burst-enable` puts it back on its plan if it has not started.
+        from orchestrator.lifecycle.finish import REQUEUED_LOCAL
+
+        state, placement = JobState.QUEUED, "local"
+        d["reasons"].append(f"{REQUEUED_LOCAL} while bursting is disabled: it runs here, late if need be, until "
+                            "`burstctl burst-enable` puts it back on this plan")
     spec_data = stored_spec(spec, path, slot_at)
     record_path = record_decision(app, job, d, now, job_id)
     try:
         with app.store.tx() as conn:
             app.store.insert_job({
                 "id": job_id, "name": spec.name, "kind": spec.kind, "state": state.value,
-                "verdict": decision.verdict.value, "placement": decision.placement, "spec": spec_data,
+                "verdict": decision.verdict.value, "placement": placement, "spec": spec_data,
                 "decision": d, "reason": d["reasons"][-1] if d["reasons"] else None, "deadline_at": deadline_at,
                 "record_path": str(record_path),
             }, conn=conn)

@@ -147,6 +147,21 @@ def test_enqueue_the_seed_examples_then_list_show_and_events(burstctl) -> None:
     assert sum(1 for line in jsonl if json.loads(line)["event"] == "job.decided") == 3
 
 
+def test_approving_a_hybrid_no_months_budget_pays_promises_no_burst(burstctl, tmp_path: Path) -> None:
+    # Seed C's hybrid rents its last hours on-demand for more than the whole $15 cap: the approval queues its local
+    # phase, and says the hand-over waits for a higher cap rather than "then the rest bursts".
+    job = write_job(tmp_path, "seed-c", local_throughput=0.033, rented_throughput={"H100": 0.17},
+                    deadline_hours=12, market="on-demand")
+    (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 15\n")
+    decided = json.loads(burstctl("enqueue", str(job), "--json").stdout)
+    assert decided["state"] == "awaiting_approval" and decided["placement"] == "hybrid"
+    r = burstctl("approve", "seed-c")
+    assert r.returncode == 0, r.stderr
+    assert "then the rest bursts" not in r.stdout
+    assert "is more than the whole $15.00 monthly cap, so it runs on locally, late, unless budget.monthly_cap_usd " \
+           "is raised" in " ".join(r.stdout.split())
+
+
 def test_approve_queues_a_priced_job_and_cancel_ends_it(burstctl, tmp_path: Path) -> None:
     job = write_job(tmp_path, "priced", local_throughput=0.033, rented_throughput={"H100": 0.17},
                     deadline_hours=12, market="on-demand")

@@ -185,18 +185,38 @@ def test_a_hybrid_s_rented_phase_is_priced_on_demand_unless_its_margin_leaves_ro
     roomy = decide(spot_c, replace(CTX, hybrid_margin_h=1.0))
     assert roomy.plan is not None and roomy.plan.kind == "hybrid"
     assert roomy.plan.phases[1].market == "spot"
-    assert roomy.plan.phases[1].cost_usd == pytest.approx(1.00 * roomy.plan.phases[1].hours)
+    # Priced as a burst on spot is: at $1.00 an hour, with the rework its expected preemptions add (λ of the
+    # market's choice), not as if spot were never reclaimed.
+    m = roomy.to_dict()["market_costs"]
+    rework = m["spot_expected_h"] / roomy.gates.t_rented_h
+    assert rework > 1.0 and roomy.plan.phases[1].cost_usd == pytest.approx(1.00 * roomy.plan.phases[1].hours * rework,
+                                                                           rel=1e-3)
+
+
+def test_a_hybrid_s_phases_start_after_the_local_gpu_s_line_ahead_of_it() -> None:
+    # Behind 4 h of local work, the local phase starts in 4 h and the burst at 4 h + x*, not at x*.
+    behind = decide(replace(C, local_wait_h=4.0, deadline_h=20.0), CTX)
+    assert behind.plan is not None and behind.plan.kind == "hybrid"
+    local, cloud = behind.plan.phases
+    assert local.start_after_h == pytest.approx(4.0)
+    assert cloud.start_after_h == pytest.approx(4.0 + local.hours)
 
 
 def test_a_hybrid_plan_the_budget_cannot_pay_yet_still_starts_its_free_local_phase() -> None:
     # Seed C's hybrid rents about 5 h at the end: $15.9 against the $15 cap. Its first hours are local and cost no
     # cloud money: it is queued (here within the approval ceiling), and the hand-over waits for the budget.
-    d = decide(C, replace(CTX, budget_cap_usd=15.0, max_auto_delta_usd=50.0))
-    assert d.plan.kind == "hybrid" and d.plan.rented_cost_usd > 15.0
+    d = decide(C, replace(CTX, budget_cap_usd=20.0, spent_usd=5.0, max_auto_delta_usd=50.0))
+    assert d.plan.kind == "hybrid" and 15.0 < d.plan.rented_cost_usd < 20.0
     assert d.action == "burst" and d.placement == "hybrid"
     assert any(r.startswith("budget: projected rented $") and "exceeds" in r for r in d.reasons)
     assert "budget: the local phase runs first, and the hand-over to the cloud waits until the budget allows it " \
            "(raise the cap, or the month turns); until then it runs on locally, late" in d.reasons
+    # Against a $15 cap no month pays its cloud phase: it is said so, not promised for the month that turns.
+    d = decide(C, replace(CTX, budget_cap_usd=15.0, max_auto_delta_usd=50.0))
+    assert d.action == "burst" and d.placement == "hybrid"
+    assert f"budget: its cloud phase (${d.plan.rented_cost_usd:.2f}) is more than the whole $15.00 monthly cap, so " \
+           "no month pays it: it runs locally, late, and hands over only if budget.monthly_cap_usd is raised" \
+           in d.reasons
     # A plan that rents from the start is still blocked by the same budget.
     d = decide(replace(C, s_local=0.0), replace(CTX, budget_cap_usd=15.0, max_auto_delta_usd=50.0))
     assert d.action == "blocked" and d.placement == "cloud"

@@ -13,7 +13,7 @@ from orchestrator.app import App
 from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import checkpoints, handover, reconcile, revert
 from orchestrator.lifecycle.cloud_steps import CloudSteps
-from orchestrator.lifecycle.finish import job_after_attempt
+from orchestrator.lifecycle.finish import REQUEUED_LOCAL, job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.schedule import watch_schedule
@@ -704,6 +704,93 @@ def test_a_queued_local_job_says_it_waits_for_the_local_gpu_while_another_run_ho
     assert (waiting["state"], waiting["reason"]) == ("queued", "waiting for the local GPU: 1 local run(s) use its 1 "
                                                      "slot(s) (daemon.local_concurrency); it starts when one ends")
     assert [e["type"] for e in app.store.events(job_id=second)][-1] == "job.waiting"
+    app.close()
+
+
+def test_a_local_job_starts_behind_any_number_of_cloud_jobs_that_cannot(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the cloud unreachable, 30 cloud jobs due earlier had filled the window of candidates a tick reads, and
+    # the local job behind them never started: the local GPU sat idle while its work waited.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    for n in range(30):
+        enqueue(app, write_job(tmp_path, f"cloud-{n}", local_throughput=0, deadline_hours=10 + n / 100))
+    local_id, _, _ = enqueue(app, write_job(tmp_path, "local", local_throughput=1.0, deadline_hours=20))
+    rec = Reconciler(app, {}, cloud=None)
+    started: list[str] = []
+    monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
+    rec._schedule()
+    assert started == [local_id]
+    app.close()
+
+
+def test_local_only_runs_here_late_the_jobs_that_fit_and_never_decides_them_back_to_the_cloud(tmp_path: Path) -> None:
+    # After revert-local, a job brought home that is late here is not decided again to a burst the switch blocks,
+    # and one queued for the cloud meanwhile runs here too, until `burst-enable` puts both back on their plans.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    late = dict(local_throughput=0.05, deadline_hours=10, rented_throughput={"H100": 2.0})  # 20 h here, due in 10
+    home, decision, _ = enqueue(app, write_job(tmp_path, "home", **late))
+    assert decision.placement in ("cloud", "hybrid")
+    rec = Reconciler(app, {}, cloud=None)
+    revert.revert_local(app, rec, timeout_s=5)
+    assert app.store.get_job(home)["placement"] == "local"
+    rec._redecide_late_in_line([app.store.get_job(home)], time.time())
+    job = app.store.get_job(home)
+    assert (job["state"], job["placement"]) == ("queued", "local")
+    assert not [e for e in app.store.events(job_id=home) if e["type"] == "job.redecided"]
+
+    queued, decided, _ = enqueue(app, write_job(tmp_path, "meanwhile", **late))  # queued while local-only
+    job = app.store.get_job(queued)
+    assert decided.placement in ("cloud", "hybrid") and (job["state"], job["placement"]) == ("queued", "local")
+    assert job["reason"].startswith(f"{REQUEUED_LOCAL} while bursting is disabled")
+    big, _, _ = enqueue(app, write_job(tmp_path, "big", local_throughput=0))  # does not fit here: it waits
+    assert app.store.get_job(big)["state"] == "blocked"
+    # One queued for the cloud as the switch went off (enqueued beside revert-local) goes home at its start.
+    revert.set_burst_enabled(app, True, "test")
+    racing, _, _ = enqueue(app, write_job(tmp_path, "racing", **late))
+    revert.set_burst_enabled(app, False, "test")
+    assert app.store.get_job(racing)["placement"] in ("cloud", "hybrid")
+    assert not rec._start_cloud_attempt(app.store.get_job(racing), time.time())
+    job = app.store.get_job(racing)
+    assert (job["state"], job["placement"]) == ("queued", "local")
+
+    revert.set_burst_enabled(app, True, "test")
+    assert sorted(revert.restore_plans(app)) == sorted([home, queued, racing])
+    app.close()
+
+
+def test_a_stop_begun_by_a_daemon_killed_while_the_trainer_checkpoints_is_carried_on_not_taken_for_a_preemption(
+        tmp_path: Path) -> None:
+    # A move to on-demand tells the trainer to checkpoint and exit, and waits for it. A daemon killed then had
+    # written nothing: the next one read the trainer's exit as "stopped from outside" and counted a preemption
+    # (in the report, the record and the learned preemption rate). The reason is written before the trainer is told.
+    from orchestrator.lifecycle.market_switch import TO_ON_DEMAND
+
+    class Killed(BaseException):
+        """The daemon's end, as a SIGKILL would come: nothing after it runs."""
+
+    class DiesWhileTheTrainerCheckpoints:
+        def request_checkpoint(self, att: dict[str, Any]) -> None:
+            raise Killed
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "moving", local_throughput=0, rented_throughput={"H100": 2.0}))
+    with app.store.tx() as c:
+        app.store.update_job(job_id, c, state="running")
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
+                                            provider="sim", instance_type="gpu_1x_h100", market="spot",
+                                            idempotency_key="k1", info={}, created_at=time.time()))
+    job = app.store.get_job(job_id)
+
+    def attempt() -> dict[str, Any]:
+        with app.store.engine.connect() as c:
+            return dict(c.execute(select(s.attempts).where(s.attempts.c.id == f"{job_id}-a1")).mappings().one())
+
+    assert Reconciler(app, {}, cloud=None)._stop_reason(attempt(), job) is None
+    dying = Reconciler(app, {}, cloud=DiesWhileTheTrainerCheckpoints())  # type: ignore[arg-type]
+    with pytest.raises(Killed):
+        dying._stop(attempt(), job, None, TO_ON_DEMAND)  # type: ignore[arg-type]
+    assert attempt()["state"] == "running"
+    assert Reconciler(app, {}, cloud=None)._stop_reason(attempt(), job) == TO_ON_DEMAND  # the next daemon's
     app.close()
 
 

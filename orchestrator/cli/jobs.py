@@ -22,6 +22,7 @@ from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import JobState, check_transition
 from orchestrator.records import fmt_h, fmt_usd, plan_name
 from state import schema as s
+from state.schema import planned_rented_usd
 
 
 def _when(ts: float | None) -> str:
@@ -269,6 +270,11 @@ def approve_cmd(app: App, job: str, as_json: bool) -> None:
     local_first = next((p for p in plan if p["where"] == "local"), None) if j["placement"] == "hybrid" else None
     runs = (f"{local_first['hours']:.2f} h on the local GPU first (when it is free), then the rest bursts"
             if local_first else "queued to burst")
+    rented, cap = planned_rented_usd(j["decision"]), app.config.budget.monthly_cap_usd
+    if local_first and rented > cap + 1e-9:  # approved or not, no month's budget pays the hand-over: not promised
+        runs = (f"{local_first['hours']:.2f} h on the local GPU first; its cloud phase (${rented:.2f}) is more than "
+                f"the whole ${cap:.2f} monthly cap, so it runs on locally, late, unless budget.monthly_cap_usd is "
+                "raised")
     j = _set_state(app, job, JobState.QUEUED, "job.approved", approved=True, reason=f"deadline price approved: {runs}")
     print_json(_public(j)) if as_json else out.print(f"{j['id']} approved: {runs}")
 

@@ -358,7 +358,8 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
                              margin_h=ctx.hybrid_margin_h, local_usd_h=ctx.local_usd_h if by_hours else local_usd_h,
                              rented_usd_per_gpu_h=market.rate_usd_per_gpu_h if spot_room else offer.od_usd_per_gpu_h,
                              market="spot" if spot_room else "on-demand", gpu=gpu,
-                             open_h=hours.later(wait_h).open_h if hours is not None and by_hours else None)
+                             open_h=hours.later(wait_h).open_h if hours is not None and by_hours else None,
+                             wait_h=wait_h, billed_per_h=market.hours / t_r if spot_room and t_r > 0 else 1.0)
         if hybrid is not None and hybrid.cost_usd < plan.cost_usd:
             first = hybrid.phases[0]
             trains = f" (the GPU open {first.work_units / job.s_local:.2f} h of them, local.available_hours)" \
@@ -397,6 +398,12 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         if not ok and plan.kind == "hybrid":
             # A hybrid's local hours spend no cloud money: they start now, and the budget is asked again at the
             # hand-over (the launch's own check), which waits for it. The alternative is the local GPU idle.
-            reasons.append("budget: the local phase runs first, and the hand-over to the cloud waits until the "
-                           "budget allows it (raise the cap, or the month turns); until then it runs on locally, late")
+            if plan.rented_cost_usd > ctx.budget_cap_usd + 1e-9:  # no month's budget pays it: say so
+                reasons.append(f"budget: its cloud phase (${plan.rented_cost_usd:.2f}) is more than the whole "
+                               f"${ctx.budget_cap_usd:.2f} monthly cap, so no month pays it: it runs locally, late, "
+                               "and hands over only if budget.monthly_cap_usd is raised")
+            else:
+                reasons.append("budget: the local phase runs first, and the hand-over to the cloud waits until the "
+                               "budget allows it (raise the cap, or the month turns); until then it runs on locally, "
+                               "late")
     return Decision(g.verdict, action, g, gpu, rate, market, plan, reasons, overhead_h)

@@ -70,9 +70,12 @@ def latest_switch_h(work: float, s_local: float, s_rented: float, gpus: int, ove
 
 def hybrid_plan(*, work: float, s_local: float, s_rented: float, gpus: int, overhead_h: float, deadline_h: float,
                 margin_h: float, local_usd_h: float, rented_usd_per_gpu_h: float, market: str,
-                gpu: str, open_h: Callable[[float], float] | None = None) -> Plan | None:
+                gpu: str, open_h: Callable[[float], float] | None = None, wait_h: float = 0.0,
+                billed_per_h: float = 1.0) -> Plan | None:
     """`s_local` and `local_usd_h` per hour of training; `open_h(x)`: the local GPU's open hours in the local phase's
-    first x hours (its `local.available_hours`; None: always open)."""
+    first x hours (its `local.available_hours`; None: always open). `deadline_h` counts from the local phase's start,
+    which is `wait_h` from now (the local GPU's line ahead of it). `billed_per_h`: the cloud phase's expected billed
+    hours per planned hour (on spot, above 1: the rework of expected preemptions, as the burst plan prices it)."""
     if open_h is None:
         x = latest_switch_h(work, s_local, s_rented, gpus, overhead_h, deadline_h, margin_h)
         trained = x
@@ -87,9 +90,9 @@ def hybrid_plan(*, work: float, s_local: float, s_rented: float, gpus: int, over
     rest = work - done
     rented_h = rest / (s_rented * gpus) + overhead_h
     return Plan("hybrid", (
-        Phase("local", x, local_usd_h * trained, work_units=done, units_h=s_local),
-        Phase("cloud", rented_h, rented_usd_per_gpu_h * gpus * rented_h, market=market, gpu=gpu,
-              start_after_h=x, work_units=rest, units_h=s_rented * gpus),
+        Phase("local", x, local_usd_h * trained, start_after_h=wait_h, work_units=done, units_h=s_local),
+        Phase("cloud", rented_h, rented_usd_per_gpu_h * gpus * rented_h * billed_per_h, market=market, gpu=gpu,
+              start_after_h=wait_h + x, work_units=rest, units_h=s_rented * gpus),
     ))
 
 

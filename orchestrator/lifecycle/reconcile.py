@@ -25,7 +25,7 @@ from orchestrator.core.decision import UNMEASURED_SETUP
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.jobspec import ModelSpec
 from orchestrator.lifecycle import checkpoints, passenv
-from orchestrator.lifecycle.finish import exit_reason
+from orchestrator.lifecycle.finish import REQUEUED_LOCAL, exit_reason
 from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
@@ -270,11 +270,17 @@ class Reconciler:
             n_local = self.attempts_active("local", c)
             n_cloud = self.attempts_active("cloud", c)
             # Earliest deadline first; only as many candidates as there are free slots (plus a margin) are read,
-            # so a tick stays cheap with 10,000 queued jobs.
-            limit = self.cfg.daemon.max_cloud_attempts + self.cfg.daemon.local_concurrency + 20
-            ready = [dict(r) for r in c.execute(
-                select(s.jobs).where(s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]))
-                .order_by(s.jobs.c.deadline_at).limit(limit)).mappings()]
+            # so a tick stays cheap with 10,000 queued jobs. The local GPU's and the cloud's are read apart: in one
+            # window, cloud jobs that cannot start (the cloud unreachable) hid every local job behind them.
+            def candidates(placements: tuple[str, ...], slots: int) -> list[dict[str, Any]]:
+                return [dict(r) for r in c.execute(
+                    select(s.jobs).where(s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]),
+                                         s.jobs.c.placement.in_(placements))
+                    .order_by(s.jobs.c.deadline_at).limit(slots + 20)).mappings()]
+
+            ready = sorted(candidates(("local", "hybrid"), self.cfg.daemon.local_concurrency)
+                           + candidates(("cloud",), self.cfg.daemon.max_cloud_attempts),
+                           key=lambda j: float(j["deadline_at"] or math.inf))
         local_free = self.cfg.daemon.local_concurrency - n_local
         cloud_free = self.cfg.daemon.max_cloud_attempts - n_cloud
         # Local work first: it must never wait behind a slow or unreachable cloud.
@@ -377,7 +383,11 @@ class Reconciler:
         if not late:
             return
         ctx = context(self.app, now)
+        bursting = burst_enabled(self.app)
         for job, unfit in late:
+            if not bursting and not unfit:  # local-only: here, late, is the one way left; asked again later
+                self.store.update_job(job["id"], None, spec={**job["spec"], "_late_in_line_at": now})
+                continue
             again = redecide(self.app, job, ctx, now, backlog=backlog)
             d = again.decision
             if d["placement"] == "local":  # renting cannot save it either: it runs here, late; asked again later
@@ -462,11 +472,14 @@ class Reconciler:
 
     def _start_cloud_attempt(self, job: dict[str, Any], now: float) -> bool:
         retry_at = now + max(30.0, self.cfg.daemon.launch_backoff_s)
+        if not burst_enabled(self.app):
+            if job["decision"].get("fits_locally"):
+                self._run_here_meanwhile(job)
+            else:
+                self._block(job, "bursting is disabled (revert-local): `burstctl burst-enable` lifts it")
+            return False
         if self.cloud is None or not self.providers:
             self._block(job, "no cloud provider is usable (check `burstctl providers`)", retry_at=retry_at)
-            return False
-        if not burst_enabled(self.app):
-            self._block(job, "bursting is disabled (revert-local): `burstctl burst-enable` lifts it")
             return False
         failures = self._recent_launch_failures(job["id"])
         if failures and now < failures[0]["ended_at"] + self.cfg.daemon.launch_backoff_s:
@@ -613,6 +626,17 @@ class Reconciler:
             return int(conn.execute(query).scalar() or 0) + 1
         with self.store.engine.connect() as c:
             return int(c.execute(query).scalar() or 0) + 1
+
+    def _run_here_meanwhile(self, job: dict[str, Any]) -> None:
+        """Local-only (revert-local): a cloud job that fits locally runs here, late if need be, as revert-local
+        requeues those it brings home; `burst-enable` puts it back on its plan if it has not started
+        (`revert.restore_plans`)."""
+        with self.store.tx() as conn:
+            newest = checkpoints.latest(self.cfg, job["id"], deep=False)
+            reason = f"{REQUEUED_LOCAL} while bursting is disabled, " + (
+                f"from its newest checkpoint, {newest.name}" if newest else "from the start")
+            if self.store.update_job(job["id"], conn, expect_state=job["state"], placement="local", reason=reason):
+                self.app.events.emit("job.requeued_local", job_id=job["id"], conn=conn, reason=reason)
 
     def _block(self, job: dict[str, Any], reason: str, *, retry_at: float | None = None,
                reset_failures: bool = False, budget_launch: dict[str, float] | None = None) -> None:
@@ -776,6 +800,8 @@ class Reconciler:
             return "budget-cap"  # stopped while there is still room to checkpoint, sync and terminate
         if live and kept_probe_for(self, att) is not None:
             return TO_SPOT  # a spot probe came up and is kept to take over (even if a daemon died in between)
+        if att["state"] == A.RUNNING.value and att["info"].get("stopping_for"):
+            return str(att["info"]["stopping_for"])  # a stop begun by a daemon that died before it ended
         return None
 
     # --- the budget: month-to-date spend never crosses budget.monthly_cap_usd (tests/test_budget_property.py) --
@@ -1299,6 +1325,12 @@ class Reconciler:
               outcome: AttemptState = A.ABORTED, info: dict[str, Any] | None = None) -> None:
         info = dict(info or att["info"])
         if att["state"] == A.RUNNING.value and outcome is A.ABORTED:
+            # Why, written before the trainer is told: a daemon killed while it writes its last checkpoint finds the
+            # reason on restart and goes on with this stop, instead of taking the trainer's exit for a preemption.
+            info["stopping_for"] = reason
+            with self.store.tx() as conn:
+                self.store.set_attempt_info(att["id"], info, conn)
+            att["info"] = info
             # Ask for a last checkpoint (SIGTERM through the supervisor) and bring it home, bounded in time.
             try:
                 self.cloud_steps.request_checkpoint(att)
