@@ -693,14 +693,18 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
     if again.target.value == job["state"]:
         return None
     d = records.supersede(job["decision"], again.decision)
+    d["reasons"].insert(0, f"decided again while {job['state']}" + (f" ({job['reason']})" if job["reason"] else ""))
+    # A record of its own, as every decision has: the one before still describes the answer it changed.
+    record = record_decision(app, again.facts, d, now, job["id"])
 
     def _apply(c: Any) -> tuple[str, dict[str, Any]] | None:
         if not app.store.update_job(job["id"], c, expect_state=job["state"], state=again.target.value,
                                     verdict=d["verdict"], placement=d["placement"], decision=d,
-                                    reason=d["reasons"][-1] if d["reasons"] else None):
+                                    record_path=str(record), reason=d["reasons"][-1] if d["reasons"] else None):
+            record.unlink(missing_ok=True)
             return None
         app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=again.target.value,
-                        verdict=d["verdict"], action=d["action"])
+                        verdict=d["verdict"], action=d["action"], record=str(record))
         return again.target.value, d
 
     if conn is not None:

@@ -294,6 +294,15 @@ def test_a_blocked_job_that_has_run_is_decided_again_on_the_work_it_has_left(tmp
     assert job["state"] == "queued", job["reason"]
     assert job["decision"]["work_done"] == 0.8 and job["decision"]["t_rented_h"] == pytest.approx(0.2 / 0.17 + 0.5,
                                                                                                   abs=1e-3)
+    # Its new answer has a record of its own (the one before describes the answer it changed), and the record the
+    # run's Measured line goes into is that one.
+    records = list((tmp_path / "state" / "decisions").glob("*.md"))
+    (before,) = [p for p in records if str(p) != job["record_path"]]
+    assert len(records) == 2 and "decided again" not in before.read_text()
+    text = Path(job["record_path"]).read_text()
+    assert "decided again while blocked (3 launches failed in a row (NoCapacity))" in text and "0.8" in text
+    redecided = [e for e in app.store.events(job_id=job["id"]) if e["type"] == "job.redecided"]
+    assert redecided[-1]["data"]["record"] == job["record_path"]
     app.close()
 
 
