@@ -6,9 +6,11 @@ written, so a bad spec never reaches the queue.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import posixpath
+import re
 import shlex
 import time
 from collections.abc import Iterable
@@ -322,7 +324,28 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
         raise BadInput(f"'{spec.command[outside]}' is outside the workdir '{spec.workdir}', and only the workdir is "
                        "copied to a rented instance; expected a path inside it (set workdir to a directory that "
                        "holds it)", source=path, field=f"command.{outside}")
+    missing = _missing_script(spec.command, workdir) if not spec.setup else None  # a setup may fetch it
+    if missing is not None:
+        # Found out on a rented instance, it costs a billing minimum and a boot to say so.
+        near = difflib.get_close_matches(missing, [p.name for p in (workdir / missing).parent.glob("*")], n=1)
+        raise BadInput(f"'{missing}' is not in the workdir '{spec.workdir}'"
+                       + (f" (did you mean '{near[0]}'?)" if near else "")
+                       + f"; expected the path of the script {Path(spec.command[0]).name} runs, relative to it",
+                       source=path, field="command.1")
     return spec, deadline_at
+
+
+SCRIPT_RUNNERS = re.compile(r"python[0-9.]*|bash|sh")  # programs whose first argument (not an option) is a file
+
+
+def _missing_script(command: list[str], workdir: Path) -> str | None:
+    """The script a `python3 train.py` (or bash, sh) command names, when the workdir has no such file."""
+    if len(command) < 2 or not SCRIPT_RUNNERS.fullmatch(Path(command[0]).name) or command[1].startswith("-"):
+        return None
+    script = command[1]
+    if script.startswith(("/", "~", "$")) or (workdir / script).exists():
+        return None
+    return script
 
 
 def _leaves_workdir(arg: str) -> bool:

@@ -149,6 +149,9 @@ def write_job(folder: Path, name: str = "job", **fields: object) -> Path:
         lines.extend(f"{kk} = {toml_value(vv)}" for kk, vv in v.items())
     path = folder / f"{name}.toml"
     path.write_text("\n".join(lines) + "\n")
+    workdir = folder / str(base.get("workdir") or ".")
+    if base.get("command") == ["python", "train.py"] and workdir.is_dir():
+        (workdir / "train.py").touch(exist_ok=True)  # the default job's script is there, as intake checks
     return path
 
 

@@ -268,6 +268,9 @@ BAD_JOBS = {
     "int-for-bool": ({"deadline_critical": 1}, "deadline_critical", "expected true or false, got 1"),
     # Only the workdir is copied to an instance: a script beside it runs locally and is missing there.
     "command-outside-workdir": ({"command": ["python3", "../train.py"]}, "command.1", "outside the workdir"),
+    # Found on a rented instance, a misspelt script costs a boot and a billing minimum.
+    "script-misspelt": ({"command": ["python3", "trian.py", "--steps", "9"]}, "command.1",
+                        "'trian.py' is not in the workdir '.' (did you mean 'train.py'?)"),
     "checkpoint-dir-outside-workdir": ({"checkpoint": {"dir": "../../.."}}, "checkpoint.dir", "inside the workdir"),
     "setup-not-strings": ({"setup": ["pip", 3]}, "setup.1", "expected a string"),
     "setup-retries-too-many": ({"setup": "pip install x", "setup_retries": 11}, "setup_retries",
@@ -286,6 +289,13 @@ def test_a_command_argument_that_climbs_out_of_the_workdir_is_told_apart(arg: st
     assert jobspec._leaves_workdir(arg) is leaves
 
 
+def test_a_script_a_setup_may_fetch_or_a_module_is_not_looked_for(tmp_path: Path) -> None:
+    assert jobspec.load_job(write_job(tmp_path, "fetched", command=["python3", "clone/train.py"],
+                                      setup="git clone https://example.org/repo clone"))
+    assert jobspec.load_job(write_job(tmp_path, "module", command=["python3", "-m", "trainer.main"]))
+    assert jobspec.load_job(write_job(tmp_path, "shell", command=["sh", "-c", "python3 x.py"]))
+
+
 def test_a_setup_given_as_a_string_is_split_like_the_command(tmp_path: Path) -> None:
     spec, _ = jobspec.load_job(write_job(tmp_path, "setup", setup="pip install -r 'requirements dev.txt'"))
     assert spec.setup == ["pip", "install", "-r", "requirements dev.txt"]
@@ -295,6 +305,7 @@ def test_a_setup_given_as_a_string_is_split_like_the_command(tmp_path: Path) -> 
 @pytest.mark.parametrize("case", sorted(BAD_JOBS))
 def test_bad_job_specs_exit_2_with_one_line_and_queue_nothing(burstctl, tmp_path: Path, case: str) -> None:
     fields, field, expected = BAD_JOBS[case]
+    (tmp_path / "train.py").touch()
     path = write_job(tmp_path, case, **fields)
     r = burstctl("enqueue", str(path))
     assert r.returncode == 2, (r.stdout, r.stderr)
