@@ -61,7 +61,19 @@ _PHRASES = {
     "daemon.config_rejected": "daemon rejected its config file",
     "daemon.lock_lost": "daemon lost its database lock and stopped",
     "notify.test": "test notice",
+    "job.enqueued": "queued",
+    "job.redecided": "decided again",
+    "job.retried": "queued again",
+    "job.resumed": "resumed",
+    "job.requeued_local": "brought home to run locally",
+    "job.market_switch": "changes market",
+    "instance.preempted": "preempted",
 }
+
+
+def _phrase(kind: str) -> str:
+    """What a notice of this type says: its phrase, or the type in words (`job.plan_restored`: "plan restored")."""
+    return _PHRASES.get(kind) or kind.split(".", 1)[-1].replace("_", " ")
 
 
 class DeliveryFailed(Exception):
@@ -91,7 +103,7 @@ def notice_text(kind: str, data: dict[str, Any], job_name: str | None, spent_usd
     if kind == "budget.crossed":
         return (f"burstctl: {data['fraction']:.0%} of {data['month']}'s cloud budget spent "
                 f"(${data['spent_usd']:.2f} of ${data['cap_usd']:.2f})")
-    what = _PHRASES.get(kind, kind)
+    what = _phrase(kind) if job_name or kind in _PHRASES else kind  # of no job, the type itself says what
     subject = f"{job_name} {what}" if job_name else what
     reason = data.get("reason") or data.get("error")
     if kind.startswith("schedule.") and data.get("job_file"):

@@ -614,7 +614,7 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
                 "record_path": str(record_path),
             }, conn=conn)
             app.events.emit("job.enqueued", job_id=job_id, conn=conn, name=spec.name, state=state.value,
-                            deadline=deadline)
+                            deadline=deadline, reason=d["reasons"][-1] if d["reasons"] else None)
             app.events.emit("job.decided", job_id=job_id, conn=conn, verdict=d["verdict"], action=d["action"],
                             inputs=_inputs(job), decision=d)
             if also is not None:
@@ -704,7 +704,8 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
             record.unlink(missing_ok=True)
             return None
         app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=again.target.value,
-                        verdict=d["verdict"], action=d["action"], record=str(record))
+                        verdict=d["verdict"], action=d["action"], record=str(record),
+                        reason=d["reasons"][-1] if d["reasons"] else None)
         return again.target.value, d
 
     if conn is not None:
@@ -768,6 +769,7 @@ def retry(app: App, job: dict[str, Any], now: float | None = None, *,
                 raise BadInput(f"job {job['id']} changed state meanwhile; try again", field="JOB")
             app.events.emit("job.retried", job_id=job["id"], conn=conn, previous=job["state"],
                             state=again.target.value, verdict=d["verdict"], action=d["action"],
+                            reason=d["reasons"][-1] if d["reasons"] else None,
                             work_done=round(again.work_done, 6), work_left=round(again.facts.work, 6),
                             deadline=datetime.fromtimestamp(deadline).astimezone().isoformat())
     except BaseException:

@@ -20,7 +20,7 @@ import pytest
 
 from orchestrator.app import App
 from orchestrator.cli.status import status_data
-from orchestrator.notify import KEY_PREFIX, notify_due
+from orchestrator.notify import KEY_PREFIX, notice_text, notice_type, notify_due
 from orchestrator.queue import enqueue
 from tests.conftest import assert_config_refused, write_job
 
@@ -445,4 +445,20 @@ def test_an_idle_notifier_writes_its_place_only_when_it_moves(tmp_path: Path, we
     assert writes == []  # nothing new: nothing written, tick after tick
     assert notify_due(app, t + 30) == 0 and writes == [KEY_PREFIX + "phone"]  # the look-back let go of the event
     assert notify_due(app, t + 31) == 0 and writes == [KEY_PREFIX + "phone"]
+    app.close()
+
+
+def test_a_notice_says_why_a_job_needs_a_person_and_any_event_in_words(tmp_path: Path) -> None:
+    # "burstctl: od-full blocked" said nothing of why; "burstctl: od-full job.redecided" was the event's raw type.
+    (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 1\n")
+    app = App(config_path=str(tmp_path / "burstctl.toml"), state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "od-full", local_throughput=0, market="on-demand"))
+    (queued,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "job.enqueued"]
+    assert queued["data"]["state"] == "blocked"
+    text = notice_text(notice_type(queued), queued["data"], "od-full")
+    assert text.startswith("burstctl: od-full blocked: budget: projected rented $") and "$1.00" in text
+    assert notice_text("job.redecided", {"state": "queued", "reason": "a reason"}, "od-full") == \
+        "burstctl: od-full decided again: a reason"
+    assert notice_text("job.plan_restored", {}, "od-full") == "burstctl: od-full plan restored"
+    assert notice_text("daemon.started", {}, None) == "burstctl: daemon.started"  # of no job: the type says it
     app.close()

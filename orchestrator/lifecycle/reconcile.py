@@ -410,7 +410,8 @@ class Reconciler:
                 self.app.events.emit("job.redecided", job_id=job["id"], conn=conn, previous=job["state"],
                                      state=again.target.value, verdict=d["verdict"], action=d["action"],
                                      placement=d["placement"], local_wait_h=wait,
-                                     why="no local stretch long enough" if unfit else "late in line")
+                                     why="no local stretch long enough" if unfit else "late in line",
+                                     reason=d["reasons"][-1] if d["reasons"] else None)
             if again.target is JobState.QUEUED:  # admitted to the cloud: the next job sees what its plan holds
                 ctx = replace(ctx, held=ctx.held.plus(planned_rented_usd(d)))
 
