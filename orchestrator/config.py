@@ -64,7 +64,19 @@ def check_env_name(value: str) -> str:
     return value
 
 
+def check_passed_name(value: str) -> str:
+    """A job's `pass_env` name: as `check_env_name`, but a name mistyped as one often is ("HF TOKEN", "HF-TOKEN"),
+    short, of words without digits, is said with the name it was meant to be."""
+    meant = re.sub(r"[ .-]+", "_", value.strip())
+    wordy = len(value) <= 40 and not any(c.isdigit() for c in value)  # a key has digits: never quoted
+    if not ENV_NAME.fullmatch(value) and wordy and not _secret_shaped(value) and ENV_NAME.fullmatch(meant):
+        raise ValueError(f"'{value}' is not a variable name: expected letters, digits and '_' (not starting with a "
+                         f"digit), such as '{meant}'")
+    return check_env_name(value)
+
+
 EnvName = Annotated[str, AfterValidator(check_env_name)]
+PassedEnvName = Annotated[str, AfterValidator(check_passed_name)]
 
 KEY_FILE_EXPECTED = ("expected the path of a file that holds the key (absolute, or starting with ~ or $VAR, e.g. "
                      "\"$CREDENTIALS_DIRECTORY/lambda_api_key\"), not the key itself")
@@ -443,6 +455,7 @@ class StateSettings(Strict):
         return v
 
 
+CRON_FIELDS = ("minute", "hour", "day-of-month", "month", "day-of-week")
 CRON_EXPECTED = ("expected five crontab fields, minute hour day-of-month month day-of-week, e.g. \"0 2 * * mon\" "
                  "(Mondays at 02:00)")
 
@@ -471,7 +484,14 @@ class Schedule(Strict):
 
         try:
             CronTrigger.from_crontab(crontab.for_apscheduler(v))
-        except ValueError:
+        except ValueError as exc:
+            # Five fields, one out of range ("61 9 * * *"): say which value, not "expected five fields".
+            bad = re.search(r"last value \((\d+)\) is higher than the maximum value \((\d+)\)", str(exc))
+            if len(v.split()) == 5 and bad:
+                field = next((name for name, text in zip(CRON_FIELDS, v.split(), strict=True)
+                              if bad.group(1) in re.split(r"[^0-9]", text)), "a field")
+                raise ValueError(f"'{v}': {field} {bad.group(1)} is more than {bad.group(2)}: {CRON_EXPECTED}") \
+                    from None
             raise ValueError(f"'{v}' is not a crontab: {CRON_EXPECTED}") from None
         return v
 

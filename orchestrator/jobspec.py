@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.config import EnvName, JobKind, Market, read_toml
+from orchestrator.config import JobKind, Market, PassedEnvName, read_toml
 from orchestrator.errors import BadInput, FieldValueError, format_validation_error, what_was_given
 
 Method = Literal["full", "lora", "qlora"]
@@ -165,7 +165,7 @@ class JobSpec(BaseModel):
         default_factory=dict,
         description="Extra environment for the command. Stored in plain text (database, `show --json`): not for "
                     "secrets; use pass_env.")
-    pass_env: list[EnvName] = Field(
+    pass_env: list[PassedEnvName] = Field(
         default_factory=list,
         description="Names of environment variables of the daemon's own environment whose values the command gets "
                     "when it starts, locally and on an instance (e.g. [\"WANDB_API_KEY\", \"HF_TOKEN\"]): for secrets. "

@@ -184,6 +184,8 @@ def test_budget_shows_the_cadence_the_rest_of_the_month_buys(burstctl) -> None:
     assert b["cap_usd"] == 15.0 and b["spent_usd"] == 0
     assert b["usd_per_cycle_spot"] == pytest.approx(1.5) and b["usd_per_cycle_on_demand"] == pytest.approx(4.5)
     assert b["cycles_left_spot"] == 10 and b["cycles_left_on_demand"] == 3
+    # Where the price comes from is printed as it is: rich took "[prices.H100]" for a tag and printed nothing.
+    assert "$/cycle on spot (1.5 H100-h, [prices.H100])" in burstctl("budget").stdout
 
 
 def test_a_cap_set_to_a_fraction_of_a_cent_is_shown_as_set_not_rounded(burstctl, tmp_path: Path) -> None:

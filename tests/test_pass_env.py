@@ -54,7 +54,9 @@ def decide(path: Path, env: dict[str, str] | None = None) -> subprocess.Complete
 # --- the job file --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("value", "extra", "field", "words"), [
     (["1WANDB"], "", "pass_env.0", "expected the NAME of an environment variable"),
-    (["WANDB KEY"], "", "pass_env.0", "expected the NAME of an environment variable"),
+    (["WANDB KEY"], "", "pass_env.0", "'WANDB KEY' is not a variable name: expected letters, digits and '_' (not "
+                                      "starting with a digit), such as 'WANDB_KEY'"),  # a typo, not a secret
+    (["HF-TOKEN"], "", "pass_env.0", "such as 'HF_TOKEN'"),
     (["OK", "sk-live-0123456789"], "", "pass_env.1", "expected the NAME of an environment variable"),
     (["WANDB\nKEY"], "", "pass_env.0", "expected the NAME of an environment variable"),
     ("HF_TOKEN", "", "pass_env", "expected a list, got a string"),

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.app import App
@@ -126,11 +127,13 @@ def print_json(obj: Any) -> None:
 
 
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    t = Table(title=title, title_justify="left", header_style="bold")
+    """Cells are text, never markup: "[prices.H100]" or a job named "[exp]" print as they are (rich took them for
+    tags and printed nothing)."""
+    t = Table(title=None if title is None else escape(title), title_justify="left", header_style="bold")
     for c in columns:
-        t.add_column(c)
+        t.add_column(escape(c))
     for r in rows:
-        t.add_row(*("" if v is None else str(v) for v in r))
+        t.add_row(*("" if v is None else escape(str(v)) for v in r))
     out.print(t)
 
 
