@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -275,13 +276,32 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
     from orchestrator.schedules import fire_due
 
     ticks = 0
+    unrecorded: dict[str, str] = {}  # per kind of failure, the last said on stderr because it could not be recorded
+
+    def failed(kind: str, exc: Exception) -> None:
+        """A failure as an event; when even that cannot be written (a full disk, a database gone), one line on
+        stderr, said again only when it changes: not a traceback a tick."""
+        error = app.redactor(f"{type(exc).__name__}: {exc}")
+        try:
+            app.events.emit(kind, error=error)
+            unrecorded.pop(kind, None)
+        except Exception as again:
+            said = f"{error} (not recorded: {app.redactor(f'{type(again).__name__}: {again}')})"
+            if unrecorded.get(kind) != said:
+                unrecorded[kind] = said
+                print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {kind} {said}", file=sys.stderr, flush=True)
 
     def tick() -> None:
         nonlocal ticks
         if stop.is_set():  # stopping; or a signal came before the scheduler ran
             shut_down(False)
             return
-        if not app.store.still_holds(lease):  # checked before acting: another daemon may hold it by now
+        try:
+            holds = app.store.still_holds(lease)
+        except Exception as exc:  # the database cannot be asked: nothing is done until it can
+            failed("daemon.tick_failed", exc)
+            return
+        if not holds:  # checked before acting: another daemon may hold it by now
             lost.set()
             app.events.emit("daemon.lock_lost")
             stop.set()
@@ -292,10 +312,10 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
             try:
                 fire_due(app)  # before the tick: a cycle queued now starts in it
             except Exception as exc:
-                app.events.emit("daemon.schedule_failed", error=app.redactor(f"{type(exc).__name__}: {exc}"))
+                failed("daemon.schedule_failed", exc)
             reconciler.tick()
         except Exception as exc:  # the loop survives a bad tick; the next one starts from the database
-            app.events.emit("daemon.tick_failed", error=f"{type(exc).__name__}: {exc}")
+            failed("daemon.tick_failed", exc)
         ticks += 1
         if on_tick is not None:
             on_tick(ticks)
@@ -311,13 +331,16 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
             prune_if_due(app)  # state.events_keep_days: once a day
             alert_if_crossed(app)  # budget.alert_at
         except Exception as exc:
-            app.events.emit("daemon.sweep_failed", error=f"{type(exc).__name__}: {exc}")
+            failed("daemon.sweep_failed", exc)
 
     def notify() -> None:
         if stop.is_set():
             return
         with notifying:
-            _notify(app)
+            try:
+                _notify(app)
+            except Exception as exc:
+                failed("daemon.notify_failed", exc)
 
     scheduler.add_job(tick, "interval", seconds=tick_s, id="tick", next_run_time=_now_dt())
     scheduler.add_job(notify, "interval", seconds=tick_s, id="notify", executor="notify", next_run_time=_now_dt())

@@ -60,6 +60,12 @@ def test_decide_says_why_a_job_does_not_fit_locally(burstctl, tmp_path: Path) ->
     job = write_job(tmp_path, "would-fit", local_throughput=0.5, rented_throughput={"H100": 0.17}, deadline_hours=48)
     r = burstctl("--config", str(tmp_path / "slotless.toml"), "decide", str(job))
     assert "  why: daemon.local_concurrency is 0: the daemon starts no local run." in r.stdout
+    # Too big for the local card and for every rented one: gate 1 sends it nowhere, and says so before the verdict.
+    huge = write_job(tmp_path, "huge", local_throughput=0.1, rented_throughput={"H100": 1.0},
+                     model={"preset": "qwen2.5-7b", "method": "full"})
+    r = burstctl("decide", str(huge), "--no-record")
+    assert "GATE 1: does NOT fit locally -> no local option, and no rented one (below)." in r.stdout
+    assert "-> BURST" not in r.stdout and "verdict: RETHINK" in r.stdout
     # Memory: what the job needs against the local card as nvidia-smi reads it, less the margin; and a rented A10
     # (23028 MiB) keeps the same margin free, so 7B LoRA at 3584 tokens goes to the H100.
     big = write_job(tmp_path, "lora-7b", local_throughput=0.5, rented_throughput={"A10": 0.5, "H100": 2.0},

@@ -20,6 +20,7 @@ import pytest
 
 from orchestrator.app import App
 from orchestrator.lifecycle.service import build_reconciler
+from tests.conftest import write_job
 from tests.e2e import (
     SIM_KEY,
     Daemon,
@@ -246,4 +247,50 @@ def test_a_stop_asked_for_while_the_daemon_starts_ends_it_cleanly(tmp_path: Path
     assert signal.getsignal(signal.SIGTERM) is before  # the test process's own handler is back
     kinds = [e["type"] for e in app.store.events()]
     assert kinds.index("daemon.stopping") < kinds.index("daemon.started") and kinds[-1] == "daemon.stopped"
+    app.close()
+
+
+def test_a_full_disk_is_one_line_from_the_cli_and_one_line_a_change_from_the_daemon(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # On a full state disk `enqueue` said "internal error: OSError", and the daemon printed a traceback a tick
+    # (about 6,000 lines in 50 s): each tick failed, and so did the event that was to say so.
+    import errno
+    import threading
+
+    from orchestrator.cli import main
+    from orchestrator.daemon import run_daemon
+
+    def full(*_args: object, **_kw: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "state" / "burstctl.db"))
+
+    monkeypatch.setattr("orchestrator.queue.enqueue", full)
+    assert main(["--state-dir", str(tmp_path / "state"), "enqueue", str(write_job(tmp_path, "j"))]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"burstctl: error: No space left on device: {tmp_path / 'state' / 'burstctl.db'}; free space " \
+                   "(or make it writable) and run it again"
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    emit = app.events.emit
+
+    def disk_full(*_args: object, **_kw: object) -> bool:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    def emit_unless_failed(kind: str, **data: object) -> object:
+        if kind == "daemon.tick_failed":
+            disk_full()
+        return emit(kind, **data)
+
+    monkeypatch.setattr(app.store, "still_holds", disk_full)
+    monkeypatch.setattr(app.events, "emit", emit_unless_failed)
+    capsys.readouterr()
+    stopper = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))  # 20 ticks that all fail
+    stopper.start()
+    try:
+        run_daemon(app, tick_s=0.05)
+    finally:
+        stopper.cancel()
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "daemon.tick_failed" in line]
+    assert len(said) == 1 and "OperationalError: database or disk is full (not recorded: OperationalError" in said[0]
+    assert "Traceback" not in err
     app.close()

@@ -4,6 +4,7 @@ for the one command that runs (`base.COMMAND_MODULES`)."""
 from __future__ import annotations
 
 import difflib
+import errno
 import os
 import re
 import sys
@@ -49,9 +50,26 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug: one line for users, the traceback on request
         if os.environ.get("BURSTCTL_DEBUG"):
             traceback.print_exc()
+        full = _out_of_room(exc)
+        if full is not None:  # not a bug: the machine's
+            print(f"burstctl: error: {full}; free space (or make it writable) and run it again", file=sys.stderr)
+            return 1
         print(f"burstctl: internal error: {type(exc).__name__}: {exc} (BURSTCTL_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         return 1
+
+
+def _out_of_room(exc: BaseException) -> str | None:
+    """What a write the state's disk refused says (full, read-only, over quota), for SQLite's errors too; else None.
+    The command's own transaction was rolled back, so nothing of it was stored."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            return f"{e.strerror}" + (f": {e.filename}" if e.filename else "")
+        text = str(e or "")
+        if "database or disk is full" in text or "attempt to write a readonly database" in text:
+            return "the state database cannot be written (" + (
+                "its disk is full" if "full" in text else "it is read-only") + ")"
+    return None
 
 
 def entry() -> None:

@@ -147,7 +147,9 @@ def _print_human(job: JobFacts, d: dict[str, Any], gates: GateResult) -> None:
     p = out.print
     D = job.deadline_h
     if not d["fits_locally"]:
-        p("GATE 1: does NOT fit locally -> BURST (no local option).")
+        # Where no rented GPU can run it either, gate 1 sends it nowhere: the verdict below says rethink.
+        p("GATE 1: does NOT fit locally -> " + ("BURST (no local option)." if d["t_rented_h"] is not None
+                                                else "no local option, and no rented one (below)."))
         for r in d["reasons"]:  # why: memory, s_L = 0, the local GPU's hours, no local slot
             why = re.match(r"Gate 1: does not fit locally \((.*)\): burst", r)
             if why:
