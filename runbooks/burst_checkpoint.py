@@ -176,7 +176,8 @@ def verify(path: str | os.PathLike[str], *, deep: bool = True) -> bool:
     return True
 
 
-def _candidates(ckpt_dir: Path) -> list[Path]:
+def candidates(ckpt_dir: Path) -> list[Path]:
+    """The checkpoint directories of `ckpt_dir`, complete or not, oldest first (by name, which sorts by step)."""
     try:
         children = list(ckpt_dir.iterdir())
     except (FileNotFoundError, NotADirectoryError):
@@ -186,12 +187,12 @@ def _candidates(ckpt_dir: Path) -> list[Path]:
 
 def list_complete(ckpt_dir: str | os.PathLike[str], *, deep: bool = True) -> list[Path]:
     """Every complete checkpoint in `ckpt_dir`, oldest first (by name, which sorts by step)."""
-    return [p for p in _candidates(Path(ckpt_dir)) if verify(p, deep=deep)]
+    return [p for p in candidates(Path(ckpt_dir)) if verify(p, deep=deep)]
 
 
 def latest_complete(ckpt_dir: str | os.PathLike[str], *, deep: bool = True) -> Path | None:
     """The newest complete checkpoint, or None. Only the newest candidates are hashed until one verifies."""
-    for path in reversed(_candidates(Path(ckpt_dir))):
+    for path in reversed(candidates(Path(ckpt_dir))):
         if verify(path, deep=deep):
             return path
     return None
@@ -207,14 +208,14 @@ def prune(ckpt_dir: str | os.PathLike[str], keep: int = 2, *, deep: bool = True)
         raise ValueError("keep must be at least 1: pruning the last complete checkpoint loses the resume point")
     root = Path(ckpt_dir)
     removed = []
-    candidates = _candidates(root)
+    found = candidates(root)
     kept = 0
     older = []
-    for index in range(len(candidates) - 1, -1, -1):  # hash only the newest ones, until `keep` of them verify
-        if verify(candidates[index], deep=deep):
+    for index in range(len(found) - 1, -1, -1):  # hash only the newest ones, until `keep` of them verify
+        if verify(found[index], deep=deep):
             kept += 1
             if kept == keep:
-                older = candidates[:index]
+                older = found[:index]
                 break
     for path in (p for p in older if verify(p, deep=False)):
         # Hide it first, so a concurrent reader never sees a half-deleted checkpoint.

@@ -822,3 +822,24 @@ def test_an_attempt_on_a_provider_the_daemon_cannot_use_is_said_once_and_in_the_
         f"attempt {job_id}-a1 is on provider sim, which this daemon cannot use (`burstctl providers` says why): "
         "its instance is neither watched nor stopped until it can")
     app.close()
+
+
+def test_a_newest_checkpoint_whose_bytes_are_wrong_is_moved_aside_and_said_and_the_one_before_resumed(
+        tmp_path: Path) -> None:
+    # Its sizes match its manifest, so only its sha256 tells: the resume skipped it silently, it still counted among
+    # the three kept, and revert-local could name it as the resume point.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "rotted", local_throughput=0, rented_throughput={"H100": 2.0}))
+    store = checkpoints.store_dir(app.config, job_id)
+    write_checkpoint(store, "step-00000010", {"state.json": b'{"step": 10}'})
+    write_checkpoint(store, "step-00000020", {"state.json": b'{"step": 20}'})
+    (store / "step-00000020" / "state.json").write_bytes(b'{"step": 21}')  # one byte flipped, same size
+    assert checkpoints.latest(app.config, job_id, deep=False).name == "step-00000020"  # sizes alone cannot tell
+
+    assert checkpoints.resume_point(app, job_id).name == "step-00000010"
+    (said,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.corrupt"]
+    assert said["data"]["checkpoint"] == "step-00000020" and Path(said["data"]["moved_to"]).is_dir()
+    assert checkpoints.latest(app.config, job_id, deep=False).name == "step-00000010"  # what revert-local names
+    assert checkpoints.resume_point(app, job_id).name == "step-00000010"  # said once
+    assert len([e for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.corrupt"]) == 1
+    app.close()

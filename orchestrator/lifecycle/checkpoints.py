@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator.config import Config
 from runbooks import burst_checkpoint
+
+if TYPE_CHECKING:
+    from orchestrator.app import App
 
 KEEP = 3  # complete checkpoints kept per job in the local store while it may still resume
 KEEP_DONE = 1  # and once it is done: its final state (nothing resumes a done job)
@@ -40,6 +45,25 @@ def latest(cfg: Config, job_id: str, *, deep: bool = True) -> Path | None:
         return None
     with store_lock(cfg, job_id):
         return burst_checkpoint.latest_complete(folder, deep=deep)
+
+
+def resume_point(app: App, job_id: str) -> Path | None:
+    """The checkpoint a resume starts from: the newest that verifies, sha256 and all. A newer one whose sizes are
+    right but whose bytes are not (a disk's rot, a copy gone wrong) is moved aside to `.corrupt-<name>` in the store,
+    out of the checkpoints kept and of what revert-local names, and said once (`checkpoint.corrupt`); an older good
+    one is resumed from."""
+    folder = store_dir(app.config, job_id)
+    if not folder.is_dir():
+        return None
+    with store_lock(app.config, job_id):
+        for path in reversed(burst_checkpoint.candidates(folder)):
+            if burst_checkpoint.verify(path, deep=True):
+                return path
+            if burst_checkpoint.verify(path, deep=False):  # complete by its sizes: its contents are wrong
+                aside = folder / f".corrupt-{path.name}-{int(time.time())}"
+                os.rename(path, aside)
+                app.events.emit("checkpoint.corrupt", job_id=job_id, checkpoint=path.name, moved_to=str(aside))
+    return None
 
 
 def prune_store(cfg: Config, job_id: str, keep: int = KEEP) -> list[Path]:

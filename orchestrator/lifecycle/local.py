@@ -179,7 +179,7 @@ class LocalRunner:
         run.mkdir(parents=True, exist_ok=True)
         ckpt = checkpoints.store_dir(self.cfg, job["id"])
         ckpt.mkdir(parents=True, exist_ok=True)
-        resume = checkpoints.latest(self.cfg, job["id"])
+        resume = checkpoints.resume_point(self.app, job["id"])
         problem = passenv.unusable(spec)
         if problem:
             # The daemon was restarted without them: back to the queue, where the job waits saying which.

@@ -966,7 +966,7 @@ class Reconciler:
             # Launched by a daemon that had the variables, bootstrapped by one restarted without them.
             self._stop(att, job, provider, problem, outcome=A.ABORTED)
             return
-        resume_from = checkpoints.latest(self.cfg, job["id"])
+        resume_from = checkpoints.resume_point(self.app, job["id"])
         timings = self.cloud_steps.bootstrap_and_start(att, job, resume_from)
         now = self.clock()
         with self.store.tx() as conn:
