@@ -89,6 +89,7 @@ def test_a_retry_is_refused_and_changes_nothing_when_it_cannot_be(tmp_path: Path
 def test_reread_takes_the_fixed_job_file_and_its_deadline_from_now_and_refuses_another_job(tmp_path: Path) -> None:
     app, job_id = _failed_job(tmp_path)
     path = tmp_path / "nightly.toml"
+    (tmp_path / "work" / "train.py").touch()  # the script the fixed command runs
     write_job(tmp_path, "nightly", command=["python3", "train.py", "--lr", "0.01"], workdir="work", deadline_hours=30,
               local_throughput=1.0)
     now = time.time()
