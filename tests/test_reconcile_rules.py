@@ -803,6 +803,41 @@ def test_a_stop_begun_by_a_daemon_killed_while_the_trainer_checkpoints_is_carrie
     app.close()
 
 
+def test_a_stop_waits_for_the_last_checkpoint_tick_by_tick_without_holding_up_the_tick(tmp_path: Path) -> None:
+    # A cancelled run whose trainer takes 25 s to write its last checkpoint held the whole tick that long: no other
+    # job was synced, heartbeat-checked or told of a notice. The stop is asked once, then looked at each tick.
+    class Checkpointing:
+        asked = 0
+
+        def request_checkpoint(self, att: dict[str, Any]) -> None:
+            self.asked += 1
+
+        def status(self, att: dict[str, Any]) -> dict[str, Any]:
+            return {"supervisor_alive": True, "exit": None}  # still writing it
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "slow", local_throughput=0, rented_throughput={"H100": 2.0}))
+    with app.store.tx() as c:
+        app.store.update_job(job_id, c, state="running")
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
+                                            provider="sim", instance_type="gpu_1x_h100", market="spot",
+                                            idempotency_key="k1", info={}, created_at=time.time()))
+    cloud = Checkpointing()
+    rec = Reconciler(app, {}, cloud=cloud)  # type: ignore[arg-type]
+
+    def attempt() -> dict[str, Any]:
+        with app.store.engine.connect() as c:
+            return dict(c.execute(select(s.attempts).where(s.attempts.c.id == f"{job_id}-a1")).mappings().one())
+
+    for _ in range(3):
+        started = time.monotonic()
+        rec.wind_down(attempt(), app.store.get_job(job_id), None, "cancelled")  # type: ignore[arg-type]
+        assert time.monotonic() - started < 1.0
+    assert cloud.asked == 1 and attempt()["state"] == "running"
+    assert attempt()["info"]["stopping_for"] == "cancelled"
+    app.close()
+
+
 def test_an_attempt_on_a_provider_the_daemon_cannot_use_is_said_once_and_in_the_jobs_reason(tmp_path: Path) -> None:
     # A daemon started without the provider a live attempt runs on (its credentials gone, or disabled in the
     # config): the attempt is left as it is, said once (it was an event every tick), and the job says why.

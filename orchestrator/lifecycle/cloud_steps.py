@@ -408,12 +408,3 @@ class CloudSteps:
             ssh.run(conn, self._supervisor(att, "stop"), timeout=60)
         finally:
             conn.close()
-
-    def wait_exit(self, att: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            st = self.status(att)
-            if st is None or st.get("exit") is not None or not st.get("supervisor_alive"):
-                return st
-            time.sleep(0.5)
-        return None

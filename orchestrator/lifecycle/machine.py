@@ -18,6 +18,10 @@ A successor (launched at a spot interruption notice, `successor.py`) is a cloud 
 `bootstrapping` until the attempt it follows has ended; a spot probe (`spot_probe.py`) one that waits at
 `provisioning` until the on-demand attempt it probes for has ended. Neither adds a state or a transition.
 
+A stop burstctl asks of a running attempt (cancel, revert-local, budget, market switch) keeps it `running` while its
+trainer writes a last checkpoint (`info.stopping_for`, looked at again each tick for up to 60 s), then goes to
+`terminating`; one whose run had already exited 0 goes to `finishing`. Neither adds a state or a transition.
+
 `intent` is written *before* the launch call, with the idempotency key; a daemon that dies right after the call
 finds the instance by its tags on restart (no second launch). `terminating` records the outcome to end with, so the
 attempt is closed only once the provider confirms the instance is gone.

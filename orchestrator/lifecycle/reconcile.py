@@ -1326,20 +1326,22 @@ class Reconciler:
               outcome: AttemptState = A.ABORTED, info: dict[str, Any] | None = None) -> None:
         info = dict(info or att["info"])
         if att["state"] == A.RUNNING.value and outcome is A.ABORTED:
-            # Why, written before the trainer is told: a daemon killed while it writes its last checkpoint finds the
-            # reason on restart and goes on with this stop, instead of taking the trainer's exit for a preemption.
-            info["stopping_for"] = reason
-            with self.store.tx() as conn:
-                self.store.set_attempt_info(att["id"], info, conn)
-            att["info"] = info
-            # Ask for a last checkpoint (SIGTERM through the supervisor) and bring it home, bounded in time.
-            try:
-                self.cloud_steps.request_checkpoint(att)
-                self.cloud_steps.wait_exit(att, timeout_s=60)
-            except Exception as exc:
-                self.emit("attempt.last_checkpoint_failed", job_id=job["id"], attempt_id=att["id"],
-                          error=f"{type(exc).__name__}: {exc}")
-            self._pull(att, job, info)
+            now = self.clock()
+            if "stop_requested_at" not in info:
+                # Why, written before the trainer is told: a daemon killed while it writes its last checkpoint finds
+                # the reason on restart and goes on with this stop, instead of taking the exit for a preemption.
+                info.update(stopping_for=reason, stop_requested_at=now)
+                with self.store.tx() as conn:
+                    self.store.set_attempt_info(att["id"], info, conn)
+                att["info"] = info
+                try:  # a last checkpoint: SIGTERM through the supervisor
+                    self.cloud_steps.request_checkpoint(att)
+                except Exception as exc:
+                    self.emit("attempt.last_checkpoint_failed", job_id=job["id"], attempt_id=att["id"],
+                              error=self.app.redactor(f"{type(exc).__name__}: {exc}"))
+            if 0 <= now - float(info["stop_requested_at"]) < STOP_WAIT_S and not self._run_over(att):
+                return  # it writes its last checkpoint: looked at again next tick, other attempts not held up
+            self._pull(att, job, info)  # the last checkpoint home, then the instance goes
             self._pull_logs(att, job, info)
         with self.store.tx() as conn:
             if move(conn, att, A.TERMINATING, info={**info, "outcome": outcome.value, "stop_reason": reason},
@@ -1347,6 +1349,14 @@ class Reconciler:
                 self.app.events.emit("attempt.stopping", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      reason=reason, outcome=outcome.value)
         self._step_terminating(att, job, provider)
+
+    def _run_over(self, att: dict[str, Any]) -> bool:
+        """Whether the attempt's supervised run has ended (or cannot be asked: nothing to wait for then)."""
+        try:
+            st = self.cloud_steps.status(att)
+        except Exception:
+            return True
+        return st is None or st.get("exit") is not None or not st.get("supervisor_alive")
 
     def _step_terminating(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         started = time.monotonic()
@@ -1394,6 +1404,9 @@ class Reconciler:
         conn.execute(insert(s.measurements).values(ts=self.clock(), provider=att["provider"] or "local",
                                                    instance_type=key or att["instance_type"] or "local",
                                                    metric=metric, value=float(value)))
+
+
+STOP_WAIT_S = 60.0  # how long a stopped run is given to write its last checkpoint and exit, tick by tick
 
 
 def _gpu_h(job: dict[str, Any]) -> float:
