@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -767,6 +768,22 @@ def test_local_only_runs_here_late_the_jobs_that_fit_and_never_decides_them_back
     app.close()
 
 
+def _running_on_the_cloud(app: App, tmp_path: Path) -> tuple[str, Callable[[], dict[str, Any]]]:
+    """A job with a cloud attempt running (no instance behind it), and a reader of that attempt's row as it is now."""
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "running", local_throughput=0, rented_throughput={"H100": 2.0}))
+    with app.store.tx() as c:
+        app.store.update_job(job_id, c, state="running")
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
+                                            provider="sim", instance_type="gpu_1x_h100", market="spot",
+                                            idempotency_key="k1", info={}, created_at=time.time()))
+
+    def attempt() -> dict[str, Any]:
+        with app.store.engine.connect() as c:
+            return dict(c.execute(select(s.attempts).where(s.attempts.c.id == f"{job_id}-a1")).mappings().one())
+
+    return job_id, attempt
+
+
 def test_a_stop_begun_by_a_daemon_killed_while_the_trainer_checkpoints_is_carried_on_not_taken_for_a_preemption(
         tmp_path: Path) -> None:
     # A move to on-demand tells the trainer to checkpoint and exit, and waits for it. A daemon killed then had
@@ -782,17 +799,8 @@ def test_a_stop_begun_by_a_daemon_killed_while_the_trainer_checkpoints_is_carrie
             raise Killed
 
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "moving", local_throughput=0, rented_throughput={"H100": 2.0}))
-    with app.store.tx() as c:
-        app.store.update_job(job_id, c, state="running")
-        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
-                                            provider="sim", instance_type="gpu_1x_h100", market="spot",
-                                            idempotency_key="k1", info={}, created_at=time.time()))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path)
     job = app.store.get_job(job_id)
-
-    def attempt() -> dict[str, Any]:
-        with app.store.engine.connect() as c:
-            return dict(c.execute(select(s.attempts).where(s.attempts.c.id == f"{job_id}-a1")).mappings().one())
 
     assert Reconciler(app, {}, cloud=None)._stop_reason(attempt(), job) is None
     dying = Reconciler(app, {}, cloud=DiesWhileTheTrainerCheckpoints())  # type: ignore[arg-type]
@@ -816,18 +824,9 @@ def test_a_stop_waits_for_the_last_checkpoint_tick_by_tick_without_holding_up_th
             return {"supervisor_alive": True, "exit": None}  # still writing it
 
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "slow", local_throughput=0, rented_throughput={"H100": 2.0}))
-    with app.store.tx() as c:
-        app.store.update_job(job_id, c, state="running")
-        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
-                                            provider="sim", instance_type="gpu_1x_h100", market="spot",
-                                            idempotency_key="k1", info={}, created_at=time.time()))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path)
     cloud = Checkpointing()
     rec = Reconciler(app, {}, cloud=cloud)  # type: ignore[arg-type]
-
-    def attempt() -> dict[str, Any]:
-        with app.store.engine.connect() as c:
-            return dict(c.execute(select(s.attempts).where(s.attempts.c.id == f"{job_id}-a1")).mappings().one())
 
     for _ in range(3):
         started = time.monotonic()
