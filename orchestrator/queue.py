@@ -594,15 +594,8 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
     job_id = new_job_id()
     deadline = datetime.fromtimestamp(deadline_at).astimezone().isoformat()
     state, placement = STATE_FOR_ACTION[decision.action], decision.placement
-    if decision.action == "blocked" and not ctx.burst_enabled and spec.kind in ctx.cloud_kinds \
-            and d.get("fits_locally") and placement in ("cloud", "hybrid"):
-        # Local-only (revert-local): one that fits here runs here meanwhile, late if need be, as revert-local
-        # requeues those it brings home; `burst-enable` puts it back on its plan if it has not started.
-        from orchestrator.lifecycle.finish import REQUEUED_LOCAL
-
+    if here_meanwhile(d, ctx, spec.kind):
         state, placement = JobState.QUEUED, "local"
-        d["reasons"].append(f"{REQUEUED_LOCAL} while bursting is disabled: it runs here, late if need be, until "
-                            "`burstctl burst-enable` puts it back on this plan")
     spec_data = stored_spec(spec, path, slot_at)
     record_path = record_decision(app, job, d, now, job_id)
     try:
@@ -682,6 +675,20 @@ def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, co
     return Redecision(STATE_FOR_ACTION[decision.action], d, job_facts, done)
 
 
+def here_meanwhile(d: dict[str, Any], ctx: DecisionContext, kind: str) -> bool:
+    """Local-only (revert-local): a job whose decision the switch blocks but that fits here runs here meanwhile, late
+    if need be, as revert-local requeues those it brings home; `burst-enable` puts it back on its plan if it has not
+    started (`revert.restore_plans`). True when that is `d`'s case; its reasons then say so."""
+    if not (d["action"] == "blocked" and not ctx.burst_enabled and kind in ctx.cloud_kinds and d.get("fits_locally")
+            and d["placement"] in ("cloud", "hybrid")):
+        return False
+    from orchestrator.lifecycle.finish import REQUEUED_LOCAL
+
+    d["reasons"].append(f"{REQUEUED_LOCAL} while bursting is disabled: it runs here, late if need be, until "
+                        "`burstctl burst-enable` puts it back on this plan")
+    return True
+
+
 def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, conn: Any = None,
                measured: dict[str, float] | None = None, setup: SetupEstimate | None = None,
                backlog: LocalBacklog | None = None) -> tuple[str, dict[str, Any]] | None:
@@ -690,7 +697,10 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
     `measured`, `setup`, `backlog`: its name's measured s_R and setup time, and the local GPU's queue, when the
     caller read them for a batch (else read here)."""
     again = redecide(app, job, ctx, now, conn, measured, setup, backlog)
-    if again.target.value == job["state"]:
+    target, placement = again.target, again.decision["placement"]
+    if here_meanwhile(again.decision, ctx, job["kind"]):
+        target, placement = JobState.QUEUED, "local"
+    if target.value == job["state"]:
         return None
     d = records.supersede(job["decision"], again.decision)
     d["reasons"].insert(0, f"decided again while {job['state']}" + (f" ({job['reason']})" if job["reason"] else ""))
@@ -698,15 +708,15 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
     record = record_decision(app, again.facts, d, now, job["id"])
 
     def _apply(c: Any) -> tuple[str, dict[str, Any]] | None:
-        if not app.store.update_job(job["id"], c, expect_state=job["state"], state=again.target.value,
-                                    verdict=d["verdict"], placement=d["placement"], decision=d,
+        if not app.store.update_job(job["id"], c, expect_state=job["state"], state=target.value,
+                                    verdict=d["verdict"], placement=placement, decision=d,
                                     record_path=str(record), reason=d["reasons"][-1] if d["reasons"] else None):
             record.unlink(missing_ok=True)
             return None
-        app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=again.target.value,
-                        verdict=d["verdict"], action=d["action"], record=str(record),
+        app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=target.value,
+                        verdict=d["verdict"], action=d["action"], record=str(record), placement=placement,
                         reason=d["reasons"][-1] if d["reasons"] else None)
-        return again.target.value, d
+        return target.value, {**d, "placement": placement}
 
     if conn is not None:
         return _apply(conn)

@@ -754,6 +754,16 @@ def test_local_only_runs_here_late_the_jobs_that_fit_and_never_decides_them_back
     assert job["reason"].startswith(f"{REQUEUED_LOCAL} while bursting is disabled")
     big, _, _ = enqueue(app, write_job(tmp_path, "big", local_throughput=0))  # does not fit here: it waits
     assert app.store.get_job(big)["state"] == "blocked"
+    # One the switch blocked before this rule (an older burstctl) runs here too once it is decided again.
+    revert.set_burst_enabled(app, True, "test")
+    older, _, _ = enqueue(app, write_job(tmp_path, "older", **late))
+    revert.set_burst_enabled(app, False, "test")
+    with app.store.tx() as c:
+        app.store.update_job(older, c, state="blocked", reason="bursting is disabled (revert-local)")
+    rec._redecide_blocked(time.time())
+    job = app.store.get_job(older)
+    assert (job["state"], job["placement"]) == ("queued", "local") and REQUEUED_LOCAL in job["reason"]
+    assert app.store.get_job(big)["state"] == "blocked"
     # One queued for the cloud as the switch went off (enqueued beside revert-local) goes home at its start.
     revert.set_burst_enabled(app, True, "test")
     racing, _, _ = enqueue(app, write_job(tmp_path, "racing", **late))
@@ -764,7 +774,7 @@ def test_local_only_runs_here_late_the_jobs_that_fit_and_never_decides_them_back
     assert (job["state"], job["placement"]) == ("queued", "local")
 
     revert.set_burst_enabled(app, True, "test")
-    assert sorted(revert.restore_plans(app)) == sorted([home, queued, racing])
+    assert sorted(revert.restore_plans(app)) == sorted([home, queued, racing, older])
     app.close()
 
 
