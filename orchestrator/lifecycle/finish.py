@@ -27,6 +27,14 @@ REQUEUED_LOCAL = "revert-local: requeued locally"
 LOCAL_HOURS_OVER = "local-hours"  # the stop reason of a local run whose local.available_hours ended
 
 
+def requeued_local_reason(cfg: Any, job_id: str, why: str = "") -> str:
+    """What a job revert-local (or local-only) moves home says: whether it resumes from a checkpoint or starts over.
+    It begins with REQUEUED_LOCAL, which `revert` reads."""
+    newest = checkpoints.latest(cfg, job_id, deep=False)
+    return f"{REQUEUED_LOCAL}{why} " + (f"from its newest checkpoint, {newest.name}" if newest
+                                       else "from the start (no checkpoint yet)")
+
+
 def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
                       reason: str | None, now: float) -> None:
     store = app.store
@@ -76,10 +84,8 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
     elif outcome is A.ABORTED:
         if stop_reason == "revert-local":
             if current["decision"].get("fits_locally"):
-                newest = checkpoints.latest(app.config, job["id"], deep=False)
-                to(JobState.QUEUED, f"{REQUEUED_LOCAL} from "
-                   + (f"its newest checkpoint, {newest.name}" if newest else "the start (no checkpoint came home)"),
-                   "job.requeued_local", _fields={"placement": "local"})
+                to(JobState.QUEUED, requeued_local_reason(app.config, job["id"]), "job.requeued_local",
+                   _fields={"placement": "local"})
             else:
                 to(JobState.BLOCKED, "revert-local: does not fit locally, waits for `burstctl burst-enable`",
                    "job.blocked")

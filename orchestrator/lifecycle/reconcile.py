@@ -25,7 +25,7 @@ from orchestrator.core.decision import UNMEASURED_SETUP
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.jobspec import ModelSpec
 from orchestrator.lifecycle import checkpoints, passenv
-from orchestrator.lifecycle.finish import REQUEUED_LOCAL, exit_reason
+from orchestrator.lifecycle.finish import exit_reason, requeued_local_reason
 from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
@@ -632,10 +632,8 @@ class Reconciler:
         """Local-only (revert-local): a cloud job that fits locally runs here, late if need be, as revert-local
         requeues those it brings home; `burst-enable` puts it back on its plan if it has not started
         (`revert.restore_plans`)."""
+        reason = requeued_local_reason(self.cfg, job["id"], " while bursting is disabled,")
         with self.store.tx() as conn:
-            newest = checkpoints.latest(self.cfg, job["id"], deep=False)
-            reason = f"{REQUEUED_LOCAL} while bursting is disabled, " + (
-                f"from its newest checkpoint, {newest.name}" if newest else "from the start")
             if self.store.update_job(job["id"], conn, expect_state=job["state"], placement="local", reason=reason):
                 self.app.events.emit("job.requeued_local", job_id=job["id"], conn=conn, reason=reason)
 

@@ -23,7 +23,7 @@ from sqlalchemy import insert, select, update
 
 from orchestrator.app import BURST_ENABLED_KEY, App
 from orchestrator.lifecycle import checkpoints
-from orchestrator.lifecycle.finish import REQUEUED_LOCAL
+from orchestrator.lifecycle.finish import REQUEUED_LOCAL, requeued_local_reason
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.states import JobState
@@ -268,12 +268,10 @@ def _requeue_local(app: App, report: RevertReport) -> None:
             s.jobs.c.state == JobState.QUEUED.value, s.jobs.c.reason.like(f"{REQUEUED_LOCAL}%"))).mappings()]
     for job in jobs:
         fits = bool(job["decision"].get("fits_locally"))
-        newest = checkpoints.latest(app.config, job["id"], deep=False)
-        start = f"from its newest checkpoint, {newest.name}" if newest else "from the start (no checkpoint yet)"
         with app.store.tx() as conn:
             if fits:
                 app.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.QUEUED.value,
-                                     placement="local", reason=f"{REQUEUED_LOCAL} {start}")
+                                     placement="local", reason=requeued_local_reason(app.config, job["id"]))
                 app.events.emit("job.requeued_local", job_id=job["id"], conn=conn)
                 report.requeued_local.append(job["id"])
             elif job["state"] != JobState.BLOCKED.value:
