@@ -822,15 +822,16 @@ def test_a_stop_begun_by_a_daemon_killed_while_the_trainer_checkpoints_is_carrie
 
 
 def test_a_stop_waits_for_the_last_checkpoint_tick_by_tick_without_holding_up_the_tick(tmp_path: Path) -> None:
-    # A cancelled run whose trainer takes 25 s to write its last checkpoint held the whole tick that long: no other
+    # A stopped run whose trainer takes 25 s to write its last checkpoint held the whole tick that long: no other
     # job was synced, heartbeat-checked or told of a notice. The stop is asked once, then looked at each tick.
     class Checkpointing:
-        asked = 0
+        asked = looked = 0
 
         def request_checkpoint(self, att: dict[str, Any]) -> None:
             self.asked += 1
 
         def status(self, att: dict[str, Any]) -> dict[str, Any]:
+            self.looked += 1
             return {"supervisor_alive": True, "exit": None}  # still writing it
 
     app = App(state_dir_override=str(tmp_path / "state"))
@@ -840,10 +841,12 @@ def test_a_stop_waits_for_the_last_checkpoint_tick_by_tick_without_holding_up_th
 
     for _ in range(3):
         started = time.monotonic()
-        rec.wind_down(attempt(), app.store.get_job(job_id), None, "cancelled")  # type: ignore[arg-type]
+        rec.wind_down(attempt(), app.store.get_job(job_id), None, "budget-cap")  # type: ignore[arg-type]
         assert time.monotonic() - started < 1.0
     assert cloud.asked == 1 and attempt()["state"] == "running"
-    assert attempt()["info"]["stopping_for"] == "cancelled"
+    assert attempt()["info"]["stopping_for"] == "budget-cap"
+    # Over SSH: whether the run had ended well, then after the SIGTERM; from then on one look a tick serves both.
+    assert cloud.looked == 2 + 1 + 1
     app.close()
 
 

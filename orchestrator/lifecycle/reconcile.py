@@ -1206,22 +1206,30 @@ class Reconciler:
         already exited 0 is finished instead: its final checkpoint and outputs come home and it succeeds. Stopped,
         its end would be thrown away and the job run again (revert-local held one that does not fit locally, and
         `burst-enable` then rented an instance to finish nothing). A cancelled job is stopped whatever its run did."""
-        if reason != "cancelled" and self._has_completed(att):
+        # One look at the supervisor a tick, for both questions: did the run end well, and has a stop under way ended
+        # (a cancel asks only the second, and a stop asked now looks after its SIGTERM).
+        needed = reason != "cancelled" or "stop_requested_at" in att["info"]
+        status = (self._supervisor_status(att),) if att["state"] == A.RUNNING.value and needed else None
+        if reason != "cancelled" and self._has_completed(att, status[0] if status else None):
             self._step_finishing(att, job, provider, stop_reason=reason)
         else:
-            self._stop(att, job, provider, reason)
+            self._stop(att, job, provider, reason, seen=status)
 
-    def _has_completed(self, att: dict[str, Any]) -> bool:
-        """Whether the attempt's run ended with exit 0 (moving a running attempt that the daemon has not yet seen
-        exit to finishing)."""
+    def _supervisor_status(self, att: dict[str, Any]) -> dict[str, Any] | None:
+        """The supervisor's status; None when it cannot be asked (SSH unreachable, an unreadable answer)."""
+        try:
+            return self.cloud_steps.status(att)
+        except Exception:
+            return None
+
+    def _has_completed(self, att: dict[str, Any], status: dict[str, Any] | None) -> bool:
+        """Whether the attempt's run ended with exit 0, by its supervisor's `status` (moving a running attempt that
+        the daemon has not yet seen exit to finishing). No status is no news of an end: the stop goes on as asked."""
         if att["state"] == A.FINISHING.value:
             return True
         if att["state"] != A.RUNNING.value:
             return False
-        try:
-            ex = (self.cloud_steps.status(att) or {}).get("exit") or {}
-        except Exception:  # a status that cannot be read is no news of an end: the stop goes on as asked
-            return False
+        ex = (status or {}).get("exit") or {}
         if ex.get("reason") != "completed" or ex.get("exit_code") != 0:
             return False
         with self.store.tx() as conn:
@@ -1321,11 +1329,15 @@ class Reconciler:
         self._step_terminating(att, job, provider)
 
     def _stop(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, reason: str, *,
-              outcome: AttemptState = A.ABORTED, info: dict[str, Any] | None = None) -> None:
+              outcome: AttemptState = A.ABORTED, info: dict[str, Any] | None = None,
+              seen: tuple[dict[str, Any] | None] | None = None) -> None:
+        """`seen`: the supervisor's status as read this tick, if it was; a stop asked before this call looks at that
+        instead of asking again (one asked now looks afresh, after the SIGTERM)."""
         info = dict(info or att["info"])
         if att["state"] == A.RUNNING.value and outcome is A.ABORTED:
             now = self.clock()
-            if "stop_requested_at" not in info:
+            asked_before = "stop_requested_at" in info
+            if not asked_before:
                 # Why, written before the trainer is told: a daemon killed while it writes its last checkpoint finds
                 # the reason on restart and goes on with this stop, instead of taking the exit for a preemption.
                 info.update(stopping_for=reason, stop_requested_at=now)
@@ -1337,7 +1349,8 @@ class Reconciler:
                 except Exception as exc:
                     self.emit("attempt.last_checkpoint_failed", job_id=job["id"], attempt_id=att["id"],
                               error=self.app.redactor(f"{type(exc).__name__}: {exc}"))
-            if 0 <= now - float(info["stop_requested_at"]) < STOP_WAIT_S and not self._run_over(att):
+            if 0 <= now - float(info["stop_requested_at"]) < STOP_WAIT_S and not _run_over(
+                    seen[0] if asked_before and seen is not None else self._supervisor_status(att)):
                 return  # it writes its last checkpoint: looked at again next tick, other attempts not held up
             self._pull(att, job, info)  # the last checkpoint home, then the instance goes
             self._pull_logs(att, job, info)
@@ -1347,14 +1360,6 @@ class Reconciler:
                 self.app.events.emit("attempt.stopping", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      reason=reason, outcome=outcome.value)
         self._step_terminating(att, job, provider)
-
-    def _run_over(self, att: dict[str, Any]) -> bool:
-        """Whether the attempt's supervised run has ended (or cannot be asked: nothing to wait for then)."""
-        try:
-            st = self.cloud_steps.status(att)
-        except Exception:
-            return True
-        return st is None or st.get("exit") is not None or not st.get("supervisor_alive")
 
     def _step_terminating(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         started = time.monotonic()
@@ -1405,6 +1410,12 @@ class Reconciler:
 
 
 STOP_WAIT_S = 60.0  # how long a stopped run is given to write its last checkpoint and exit, tick by tick
+
+
+def _run_over(status: dict[str, Any] | None) -> bool:
+    """Whether a supervised run has ended, by its supervisor's status (None, it cannot be asked: nothing to wait
+    for then)."""
+    return status is None or status.get("exit") is not None or not status.get("supervisor_alive")
 
 
 def _gpu_h(job: dict[str, Any]) -> float:
