@@ -192,6 +192,10 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
         ticks = _schedule(app, scheduler, shut_down, current, stop, tick_s, max_ticks, exit_when_idle, on_tick,
                           lease, lost, notifying)
         if not lost.is_set():
+            try:  # the syncs in flight end, and what they brought home is written down
+                reconciler.close()
+            except Exception as exc:
+                print(f"daemon: the last syncs could not be written down: {app.redactor(str(exc))}", file=sys.stderr)
             with notifying:  # what the last ticks did (a job done just before an idle exit) is told before exit
                 _notify(app)
     finally:

@@ -12,6 +12,7 @@ every known credential value scrubbed out first.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -217,6 +218,7 @@ class Ec2Adapter:
         # public key -> the key pair name holding it: one look-up per adapter, not per launch
         self._key_pair_names: dict[str, str] = {}
         self._s3: Any = None
+        self._s3_made = threading.Lock()  # the tick and the sync threads may ask for it at once
 
     # --- checkpoints in S3 (optional; see `checkpoint_bucket`) -----------------------------------------------
     def checkpoint_uri(self, job_id: str) -> str | None:
@@ -230,8 +232,9 @@ class Ec2Adapter:
         uri = self.checkpoint_uri(job_id)
         if uri is None:
             return None
-        if self._s3 is None:  # one client per adapter: clients are thread-safe and costly to build
-            self._s3 = s3_checkpoints.make_client(self.config.region, self.config.s3_endpoint_url, self._session)
+        with self._s3_made:  # one client per adapter: clients are thread-safe (sessions are not) and costly to build
+            if self._s3 is None:
+                self._s3 = s3_checkpoints.make_client(self.config.region, self.config.s3_endpoint_url, self._session)
         bucket, prefix = s3_checkpoints.parse_uri(uri)
         return S3CheckpointStore(self._s3, bucket, prefix)
 

@@ -357,6 +357,7 @@ class CloudSteps:
                 base, _ = self._remote(att)
                 pulled = sync.pull_checkpoints(self.target(att), self.trust(att),
                                                f"{base}/{job['id']}/checkpoints", store, newest_only=True,
+                                               bwlimit_kib=self.app.config.daemon.pull_kib_s,
                                                conn=shared.get() if shared is not None else None)
             if pulled:
                 checkpoints.prune_store(self.app.config, job["id"])  # multi-GB checkpoints: keep the newest few

@@ -25,6 +25,7 @@ from orchestrator.core.decision import UNMEASURED_SETUP
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.jobspec import ModelSpec
 from orchestrator.lifecycle import checkpoints, passenv
+from orchestrator.lifecycle.background_sync import BackgroundSyncs, SyncDone
 from orchestrator.lifecycle.finish import exit_reason, requeued_local_reason
 from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
@@ -138,6 +139,7 @@ class Reconciler:
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
         self.unavailable: dict[str, str] = {}  # enabled providers that cannot be used → why (`build_reconciler`)
         self.tick_s = self.cfg.daemon.tick_s  # the daemon's (`daemon --tick` sets it apart from the config's)
+        self.syncs: BackgroundSyncs[SyncDone] = BackgroundSyncs(self.cfg.daemon.sync_workers)
 
     @property
     def cloud_steps(self) -> CloudSteps:
@@ -147,11 +149,24 @@ class Reconciler:
         return self.cloud
 
     def carry_over(self, before: Reconciler) -> None:
-        """Take over from the reconciler this one replaces (a config reload): when each heartbeat last moved."""
+        """Take over from the reconciler this one replaces (a config reload): when each heartbeat last moved, and
+        the syncs in flight."""
         self._heartbeats = before._heartbeats
+        if self.syncs.workers == before.syncs.workers:
+            self.syncs = before.syncs
+        else:
+            self.syncs.adopt(before.syncs)
+
+    def close(self) -> None:
+        """Once the ticks are over (the daemon stops): wait for the syncs in flight and write down what they did, so
+        that a checkpoint one brought home is the job's before the daemon exits."""
+        self.syncs.wait_all()
+        self._collect_syncs()
+        self.syncs.close()
 
     # --- the tick -----------------------------------------------------------------------------------------
     def tick(self) -> None:
+        self._collect_syncs()
         with self.store.tx() as conn:
             attempts = active_attempts(conn)
         jobs = {j["id"]: j for j in self._jobs_of(attempts)}
@@ -1027,10 +1042,13 @@ class Reconciler:
         # The clock now, not the tick's `now`: a notice handled above has just synced, and would read as a clock
         # gone back (a second pull in the same tick).
         since_sync = self.clock() - info.get("last_sync_at", 0)
-        if ex is not None or since_sync >= sync_every or since_sync < 0:  # < 0: our clock went back, sync now
+        if ex is not None:  # its last sync, now: what follows ends the attempt
             with self.cloud_steps.shared_ssh({**att, "info": info}) as shared:  # one handshake for both
                 self._pull(att, job, info, shared)
                 self._pull_logs(att, job, info, shared)
+        elif (since_sync >= sync_every or since_sync < 0) and not self.syncs.busy(att["id"]):  # < 0: clock went back
+            snapshot = {**att, "info": dict(info)}
+            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job))
         if ex is not None:
             reason = ex.get("reason")
             if reason == "completed" and ex.get("exit_code") == 0:
@@ -1088,33 +1106,96 @@ class Reconciler:
 
     def _pull(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
               shared: SharedConnection | None = None) -> bool:
-        """Bring the newest checkpoint home; False when the pull failed (nothing partial is visible). `info` is
-        the attempt's, persisted by the caller. `shared`: the sync's SSH connection, when it has one."""
+        """Bring the newest checkpoint home (and the outputs with a new one), now; False when the pull failed
+        (nothing partial is visible). A sync of the attempt's under way beside the tick is waited for first, so that
+        what it brings home is counted. `info` is the attempt's, persisted by the caller. `shared`: the sync's SSH
+        connection, when it has one."""
+        beside = self.syncs.take(att["id"], wait=True)
+        if beside is not None:
+            self._synced(att, job, info, beside)
+        return self._synced(att, job, info, self._sync_io({**att, "info": info}, job, shared, logs=False))
+
+    def _sync_beside(self, att: dict[str, Any], job: dict[str, Any]) -> SyncDone:
+        """A periodic sync on a thread of `syncs`: transfers only (the tick writes down what they did, `_synced`),
+        on one SSH connection of its own for the checkpoint, the outputs and the logs."""
+        try:
+            with self.cloud_steps.shared_ssh(att) as shared:
+                return self._sync_io(att, job, shared, logs=True)
+        except Exception as exc:  # opening or closing the connection: a failed pull, said as one
+            return SyncDone(error=exc, at=self.clock())
+
+    def _sync_io(self, att: dict[str, Any], job: dict[str, Any], shared: SharedConnection | None, *,
+                 logs: bool) -> SyncDone:
+        """The transfers of a sync, and nothing else: the newest checkpoint, the outputs with a new one, and with
+        `logs` the logs. Failures are returned, not raised."""
         started = time.monotonic()
         try:
-            new = self.cloud_steps.pull({**att, "info": info}, job, shared)
+            new = self.cloud_steps.pull(att, job, shared)
         except Exception as exc:
             if shared is not None:
                 shared.drop()
-            self._pull_failed(att, job, info, exc)
-            return False
+            return SyncDone(error=exc, at=self.clock())
         took = time.monotonic() - started
-        info["last_sync_at"] = self.clock()
+        at = self.clock()
+        outputs = self._outputs_io(att, job, shared) if new else None
+        return SyncDone(pulled=new, took_s=took, at=at, outputs=outputs,
+                        logs=self._logs_io(att, job, shared) if logs else None)
+
+    def _synced(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], done: SyncDone) -> bool:
+        """Write down what a sync did (`_sync_io`): its checkpoint home, or its failure; its outputs and logs.
+        `info` is the attempt's, persisted by the caller. False when the checkpoint pull failed."""
+        if done.error is not None:
+            self._pull_failed(att, job, info, done.error)
+            return False
+        info["last_sync_at"] = done.at
         if info.pop("sync_error", None) is not None:
             info.pop("sync_failures", None)
             with self.store.tx() as conn:  # the job's reason as it was, unless something else set one since
                 conn.execute(update(s.jobs).where(s.jobs.c.id == job["id"], s.jobs.c.reason.startswith(SYNC_FAILING))
                              .values(reason=info.pop("reason_before_sync_error", None), updated_at=time.time()))
-        if new:
-            info["last_checkpoint_at"] = self.clock()
-            outputs = self._sync_outputs(att, job, info, shared)
-            with self.store.tx() as conn:
-                self.store.update_job(job["id"], conn, checkpoint=new[-1].name)
-                self._measure(conn, att, "sync_s", took)
-                self.app.events.emit("checkpoint.synced", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                                     checkpoints=[p.name for p in new], seconds=round(took, 3),
-                                     via=new.stats.transport, **({} if outputs is None else {"outputs": len(outputs)}))
+        if done.pulled:
+            info["last_checkpoint_at"] = done.at
+            outputs = self._outputs_done(att, job, info, done.outputs)
+            self._checkpoint_home(att, job, done, outputs)
+        if done.logs is not None:
+            self._logs_done(att, job, info, done.logs)
         return True
+
+    def _checkpoint_home(self, att: dict[str, Any], job: dict[str, Any], done: SyncDone,
+                         outputs: list[str] | None) -> None:
+        """A new checkpoint home: the job's, measured and said."""
+        assert done.pulled
+        with self.store.tx() as conn:
+            self.store.update_job(job["id"], conn, checkpoint=done.pulled[-1].name)
+            self._measure(conn, att, "sync_s", done.took_s)
+            self.app.events.emit("checkpoint.synced", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                 checkpoints=[p.name for p in done.pulled], seconds=round(done.took_s, 3),
+                                 via=done.pulled.stats.transport,
+                                 **({} if outputs is None else {"outputs": len(outputs)}))
+
+    def _collect_syncs(self) -> None:
+        """What the syncs beside the last ticks did, written down at the start of this one. One whose attempt has
+        ended meanwhile (its end pulled on its own, or its instance went) counts only for a checkpoint it brought
+        home."""
+        for attempt_id in self.syncs.finished():
+            done = self.syncs.take(attempt_id)
+            assert done is not None
+            with self.store.engine.connect() as c:
+                row = c.execute(select(s.attempts).where(s.attempts.c.id == attempt_id)).mappings().first()
+                job_row = None if row is None else c.execute(
+                    select(s.jobs).where(s.jobs.c.id == row["job_id"])).mappings().first()
+            if row is None or job_row is None:
+                continue
+            att, job = dict(row), dict(job_row)
+            if att["state"] != A.RUNNING.value:
+                if done.pulled:
+                    self._checkpoint_home(att, job, done, None if isinstance(done.outputs, Exception) else done.outputs)
+                continue
+            info = dict(att["info"])
+            self._synced(att, job, info, done)
+            with self.store.tx() as conn:  # unless another process moved it meanwhile
+                conn.execute(update(s.attempts).where(s.attempts.c.id == attempt_id,
+                                                      s.attempts.c.state == A.RUNNING.value).values(info=info))
 
     def _pull_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
         """The job's `outputs` home once it has finished on the instance (`CloudSteps.pull_outputs`); False when that
@@ -1137,31 +1218,52 @@ class Reconciler:
         and is as of its newest checkpoint), and once it has finished (`_pull_outputs`). A later attempt's file
         replaces an earlier one of the same path. The paths, or None without outputs or when the pull failed (said
         once per distinct error)."""
+        return self._outputs_done(att, job, info, self._outputs_io({**att, "info": info}, job, shared))
+
+    def _outputs_io(self, att: dict[str, Any], job: dict[str, Any], shared: SharedConnection | None
+                    ) -> list[str] | Exception | None:
+        """`_sync_outputs`' transfer: the paths, its failure, or None when the job names no outputs."""
         if not job["spec"].get("outputs"):
             return None
         try:
-            names = self.cloud_steps.pull_outputs({**att, "info": info}, job, shared)
+            return self.cloud_steps.pull_outputs(att, job, shared)
         except Exception as exc:
             if shared is not None:
                 shared.drop()
-            self._said_once(att, job, info, "outputs_error", "attempt.outputs_pull_failed", exc)
+            return exc
+
+    def _outputs_done(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
+                      got: list[str] | Exception | None) -> list[str] | None:
+        if isinstance(got, Exception):
+            self._said_once(att, job, info, "outputs_error", "attempt.outputs_pull_failed", got)
             return None
-        info.pop("outputs_error", None)
-        return names
+        if got is not None:
+            info.pop("outputs_error", None)
+        return got
 
     def _pull_logs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
                    shared: SharedConnection | None = None) -> None:
         """Bring the attempt's logs home (`CloudSteps.pull_logs`) at each sync and at its end, while the instance
         answers. A failure costs only the logs' freshness: said once per distinct error, tried at the next sync.
         `info` is the attempt's, persisted by the caller. `shared`: the sync's SSH connection, when it has one."""
+        self._logs_done(att, job, info, self._logs_io({**att, "info": info}, job, shared))
+
+    def _logs_io(self, att: dict[str, Any], job: dict[str, Any], shared: SharedConnection | None
+                 ) -> Exception | bool:
+        """`_pull_logs`' transfer: True, or its failure."""
         try:
-            self.cloud_steps.pull_logs({**att, "info": info}, job, shared)
+            self.cloud_steps.pull_logs(att, job, shared)
         except Exception as exc:
             if shared is not None:
                 shared.drop()
-            self._said_once(att, job, info, "logs_error", "attempt.logs_pull_failed", exc)
-            return
-        info.pop("logs_error", None)
+            return exc
+        return True
+
+    def _logs_done(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], got: Exception | bool) -> None:
+        if isinstance(got, Exception):
+            self._said_once(att, job, info, "logs_error", "attempt.logs_pull_failed", got)
+        else:
+            info.pop("logs_error", None)
 
     def _moved_on(self, att: dict[str, Any]) -> bool:
         """The attempt's state is no longer the one this step read: another process moved it meanwhile."""

@@ -1,0 +1,86 @@
+"""Running attempts' periodic syncs, on threads beside the tick.
+
+A checkpoint pull lasts as long as its bytes take: a 20 GB checkpoint about two minutes on a fast link. Run inside the
+tick, it held up every other attempt's heartbeat check, interruption notice and stop for that long, and an EC2 notice
+gives two minutes. So the tick only starts a sync that is due (`start`) and takes what has finished at its next start
+(`finished`, `take`): the threads do the transfer into the state directory and nothing else, and everything written
+to the database is written by the tick's thread.
+
+What is in flight is held only here, in memory, and a daemon that stops loses nothing by it: a checkpoint becomes
+visible only once verified (a pull cut short leaves a staging directory that the next pull resumes), and a restarted
+daemon syncs each running attempt again at once. A step that ends an attempt first waits for its sync in flight
+(`take(wait=True)`), so that what the sync brought home is counted before the attempt's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from orchestrator.remote.sync import PulledCheckpoints
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SyncDone:
+    """What one sync's transfers did (`Reconciler._sync_io`), for the tick to write down (`Reconciler._synced`)."""
+
+    at: float  # when it ended, on the reconciler's clock
+    error: Exception | None = None  # the checkpoint pull failed (then nothing else was tried)
+    pulled: PulledCheckpoints | None = None  # the checkpoints that came home (empty: none new)
+    took_s: float = 0.0  # how long the checkpoint pull took
+    outputs: list[str] | Exception | None = None  # with a new checkpoint: the outputs' paths, or their pull's failure
+    logs: Exception | bool | None = None  # True: the logs came home; their failure; None: not tried
+
+
+class BackgroundSyncs(Generic[T]):
+    """At most one sync per attempt in flight, `workers` at once; the work returns its failures, it never raises.
+    Called from the tick's thread only (the futures are what the threads share)."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="burstctl-sync") if workers else None
+        self._running: dict[str, Future[T]] = {}
+
+    def busy(self, attempt_id: str) -> bool:
+        return attempt_id in self._running
+
+    def start(self, attempt_id: str, work: Callable[[], T]) -> None:
+        """Run `work` for the attempt: on a thread, or at once without workers (the caller's tick then waits)."""
+        if self._pool is not None:
+            self._running[attempt_id] = self._pool.submit(work)
+            return
+        done: Future[T] = Future()
+        done.set_result(work())
+        self._running[attempt_id] = done
+
+    def finished(self) -> list[str]:
+        """The attempts whose sync has finished and not yet been taken."""
+        return [attempt_id for attempt_id, f in self._running.items() if f.done()]
+
+    def take(self, attempt_id: str, *, wait: bool = False) -> T | None:
+        """The attempt's finished sync, once (None: none in flight, or, without `wait`, not finished yet)."""
+        f = self._running.get(attempt_id)
+        if f is None or not (wait or f.done()):
+            return None
+        del self._running[attempt_id]
+        return f.result()
+
+    def wait_all(self) -> None:
+        """Until every sync in flight has finished."""
+        wait(list(self._running.values()))
+
+    def adopt(self, before: BackgroundSyncs[T]) -> None:
+        """Take over the syncs in flight of the reconciler this one replaces (a config reload); its threads finish
+        them and then end."""
+        self._running.update(before._running)
+        before._running.clear()
+        before.close()
+
+    def close(self) -> None:
+        """No new syncs; those in flight finish (the interpreter waits for them at exit)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=False)
