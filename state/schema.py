@@ -49,6 +49,9 @@ jobs = Table(
     # Its decision's planned rented cost (the cloud phases'), kept with `decision` by the store: what the budget holds
     # for an admitted job is summed in the database, not by reading every queued job's decision.
     Column("rented_usd", Float, nullable=False, default=0.0, server_default="0"),
+    # Unix seconds before which a queued job is not a candidate to start: its spot policy waits for spot, or a launch
+    # failed a moment ago. Read in the query, so that such jobs do not fill the few candidates a tick reads.
+    Column("wait_until", Float, nullable=True),
 )
 Index("ix_jobs_state", jobs.c.state)
 
@@ -220,6 +223,13 @@ def _v7(conn: Connection) -> None:
             conn.execute(update(jobs).where(jobs.c.id == job_id).values(rented_usd=rented))
 
 
+def _v8(conn: Connection) -> None:
+    # `jobs.wait_until`: the tick read the 24 earliest-deadline queued cloud jobs, and as many waiting for spot (or
+    # backing off after a failed launch) kept every job behind them from starting.
+    if "wait_until" not in {c["name"] for c in inspect(conn).get_columns("jobs")}:  # a database v1 made has it
+        conn.execute(text("ALTER TABLE jobs ADD COLUMN wait_until FLOAT"))
+
+
 # (version, migration). Each runs once, in order, inside a transaction.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _v1),
@@ -229,6 +239,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (5, _v5),
     (6, _v6),
     (7, _v7),
+    (8, _v8),
 ]
 
 

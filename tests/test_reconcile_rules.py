@@ -229,7 +229,7 @@ def test_a_job_waiting_for_spot_is_looked_at_again_when_its_next_spot_probe_is_d
     job["spec"]["_spot_probe_at"] = now + 5.0
     assert Reconciler(app, {"ec2": Listing()}, cloud=None).choose_offer(job, now) is None  # type: ignore[dict-item]
     waiting = app.store.get_job(job_id)
-    assert waiting["spec"]["_spot_wait_until"] == pytest.approx(now + 5.0, abs=0.01)
+    assert waiting["wait_until"] == pytest.approx(now + 5.0, abs=0.01)
     assert waiting["reason"].startswith("waiting for spot (refused, next try in 5 s)")
 
 
@@ -730,6 +730,28 @@ def test_a_local_job_starts_behind_any_number_of_cloud_jobs_that_cannot(tmp_path
     monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
     rec._schedule()
     assert started == [local_id]
+    app.close()
+
+
+def test_a_cloud_job_is_looked_at_behind_any_number_of_cloud_jobs_waiting_for_a_time(tmp_path: Path) -> None:
+    # 30 jobs due earlier wait: for spot (their policy idles until it is back), or after a failed launch. They had
+    # filled the window of candidates a tick reads, and a job behind them that could start was never looked at.
+    (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 1000\n")  # room for all of them
+    app = App(config_path=str(tmp_path / "burstctl.toml"), state_dir_override=str(tmp_path / "state"))
+    waiting = [enqueue(app, write_job(tmp_path, f"spot-{n}", local_throughput=0, deadline_hours=10 + n / 100))[0]
+               for n in range(30)]
+    later_id, _, _ = enqueue(app, write_job(tmp_path, "later", local_throughput=0, deadline_hours=20))
+    now = time.time()
+    for job_id in waiting:
+        app.store.update_job(job_id, wait_until=now + 60)
+    rec = Reconciler(app, {}, cloud=None)  # no provider: a job looked at is blocked, saying so
+    rec.clock = lambda: now
+    rec._schedule()
+    assert app.store.get_job(later_id)["state"] == "blocked"
+    assert {app.store.get_job(j)["state"] for j in waiting} == {"queued"}
+    rec.clock = lambda: now + 61  # their time is up: looked at again, earliest deadline first
+    rec._schedule()
+    assert app.store.get_job(waiting[0])["state"] == "blocked"
     app.close()
 
 

@@ -35,10 +35,12 @@ def test_migrations_run_once_and_record_the_version(db_url: str) -> None:
 def test_a_database_from_before_jobs_kept_their_planned_rented_cost_gets_it_from_their_decisions(
         db_url: str) -> None:
     # Version 6's jobs table had no rented_usd: the migration adds it and fills it in from each decision's plan.
+    # (Nor wait_until, which version 8 adds, empty: no job waits for a time.)
     st = Store(db_url)
     with st.tx() as c:
         c.execute(text("ALTER TABLE jobs DROP COLUMN rented_usd"))
-        c.execute(text("DELETE FROM schema_version WHERE version = 7"))
+        c.execute(text("ALTER TABLE jobs DROP COLUMN wait_until"))
+        c.execute(text("DELETE FROM schema_version WHERE version >= 7"))
         for job_id, plan in (("j1", [{"where": "local", "cost_usd": 0.5}, {"where": "cloud", "cost_usd": 6.25}]),
                              ("j2", [{"where": "local", "cost_usd": 0.2}]), ("j3", None)):
             c.execute(text("INSERT INTO jobs (id, name, kind, state, verdict, placement, approved, spec, decision, "
@@ -48,6 +50,7 @@ def test_a_database_from_before_jobs_kept_their_planned_rented_cost_gets_it_from
     st.engine.dispose()
     again = Store(db_url)
     assert {j["id"]: j["rented_usd"] for j in again.list_jobs()} == {"j1": 6.25, "j2": 0.0, "j3": 0.0}
+    assert {j["wait_until"] for j in again.list_jobs()} == {None}
     # From then on the store keeps it with every decision it writes.
     again.update_job("j2", decision={"plan": [{"where": "cloud", "cost_usd": 3.0}]})
     assert again.get_job("j2")["rented_usd"] == 3.0

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, func, insert, or_, select, update
 
 from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key, stop_horizon_h
@@ -286,11 +286,13 @@ class Reconciler:
             n_cloud = self.attempts_active("cloud", c)
             # Earliest deadline first; only as many candidates as there are free slots (plus a margin) are read,
             # so a tick stays cheap with 10,000 queued jobs. The local GPU's and the cloud's are read apart: in one
-            # window, cloud jobs that cannot start (the cloud unreachable) hid every local job behind them.
+            # window, cloud jobs that cannot start (the cloud unreachable) hid every local job behind them. Jobs
+            # that wait for a time (for spot, after a failed launch) are not read until then, for the same reason.
             def candidates(placements: tuple[str, ...], slots: int) -> list[dict[str, Any]]:
                 return [dict(r) for r in c.execute(
                     select(s.jobs).where(s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]),
-                                         s.jobs.c.placement.in_(placements))
+                                         s.jobs.c.placement.in_(placements),
+                                         or_(s.jobs.c.wait_until.is_(None), s.jobs.c.wait_until <= now))
                     .order_by(s.jobs.c.deadline_at).limit(slots + 20)).mappings()]
 
             ready = sorted(candidates(("local", "hybrid"), self.cfg.daemon.local_concurrency)
@@ -499,9 +501,8 @@ class Reconciler:
             return False
         failures = self._recent_launch_failures(job["id"])
         if failures and now < failures[0]["ended_at"] + self.cfg.daemon.launch_backoff_s:
-            return False
-        if job["spec"].get("_spot_wait_until", 0) > now:
-            return False  # the spot policy waits for spot: asked (or spot probed) again later, not every tick
+            self.store.update_job(job["id"], wait_until=failures[0]["ended_at"] + self.cfg.daemon.launch_backoff_s)
+            return False  # not read again until then
         if len(failures) >= self.cfg.daemon.max_launch_failures:
             self._block(job, f"{len(failures)} launches failed in a row ({failures[0]['reason']}); "
                              f"retrying in {self.cfg.daemon.launch_backoff_s:.0f} s", retry_at=now +
@@ -594,8 +595,7 @@ class Reconciler:
             # Asked again a market_check_s from now, or when the next probe of spot is due if that is sooner.
             probe_at = spec.get("_spot_probe_at", 0)
             look_at = min(now + self.cfg.daemon.market_check_s, probe_at if probe_at > now else float("inf"))
-            with self.store.tx() as conn:
-                self.store.update_job(job["id"], conn, spec={**job["spec"], "_spot_wait_until": look_at})
+            self.store.update_job(job["id"], wait_until=look_at)  # not read again until then
             seen = f"refused, next try in {probe_at - now:.0f} s" if probe_at > now else "none listed"
             self._note(job, f"waiting for spot ({seen}): {waiting['slack_h']:.2f} h of slack left; the spot "
                             "policy goes on-demand once waiting no longer pays", same_as="waiting for spot")
