@@ -1,0 +1,58 @@
+"""`BackgroundSyncs`: the syncs that run beside the tick, one per attempt, taken by the tick once finished."""
+
+from __future__ import annotations
+
+import threading
+
+from orchestrator.lifecycle.background_sync import BackgroundSyncs
+
+
+def test_a_sync_runs_on_a_thread_and_is_taken_once_when_it_has_finished() -> None:
+    syncs: BackgroundSyncs[str] = BackgroundSyncs(2)
+    release = threading.Event()
+    ran_on: list[str] = []
+
+    def work() -> str:
+        ran_on.append(threading.current_thread().name)
+        release.wait(10)
+        return "home"
+
+    syncs.start("a1", work)
+    assert syncs.busy("a1") and syncs.finished() == [] and syncs.take("a1") is None  # still under way
+    release.set()
+    assert syncs.take("a1", wait=True) == "home"
+    assert ran_on[0].startswith("burstctl-sync") and ran_on[0] != threading.current_thread().name
+    assert not syncs.busy("a1") and syncs.take("a1", wait=True) is None  # taken once
+    syncs.close()
+
+
+def test_syncs_of_several_attempts_run_at_once_and_finish_in_any_order() -> None:
+    syncs: BackgroundSyncs[str] = BackgroundSyncs(2)
+    slow, fast = threading.Event(), threading.Event()
+    syncs.start("slow", lambda: "slow" if slow.wait(10) else "timeout")
+    syncs.start("fast", lambda: "fast" if fast.wait(10) else "timeout")
+    fast.set()
+    assert syncs.take("fast", wait=True) == "fast"  # not behind the slow one
+    assert syncs.busy("slow")
+    slow.set()
+    syncs.wait_all()
+    assert syncs.finished() == ["slow"] and syncs.take("slow") == "slow"
+    syncs.close()
+
+
+def test_without_workers_a_sync_runs_at_once_in_the_callers_thread() -> None:
+    syncs: BackgroundSyncs[str] = BackgroundSyncs(0)
+    syncs.start("a1", lambda: threading.current_thread().name)
+    assert syncs.finished() == ["a1"] and syncs.take("a1") == threading.current_thread().name
+
+
+def test_a_reloaded_reconcilers_syncs_take_over_those_in_flight() -> None:
+    before: BackgroundSyncs[str] = BackgroundSyncs(1)
+    release = threading.Event()
+    before.start("a1", lambda: "home" if release.wait(10) else "timeout")
+    after: BackgroundSyncs[str] = BackgroundSyncs(3)
+    after.adopt(before)
+    assert after.busy("a1") and not before.busy("a1")
+    release.set()
+    assert after.take("a1", wait=True) == "home"
+    after.close()
