@@ -53,19 +53,6 @@ class App:
                            field="--state-dir" if self.state_dir_override else "state.dir")
         return cfg
 
-    def reads_existing_state(self) -> None:
-        """For a command that only reads (list, status, events, budget, report): a state directory named on purpose
-        (`--state-dir`, or `state.dir` in the config file) that does not exist is a mistyped path, said as one,
-        not an empty queue shown from a directory made for the occasion. The default directory may well not exist
-        yet (nothing queued), and with `state.database_url` the state is in that database."""
-        cfg = self.config
-        named = self.state_dir_override is not None or "dir" in cfg.state.model_fields_set
-        if named and cfg.state.database_url is None and not cfg.state_dir.exists():
-            raise BadInput(f"no burstctl state at '{cfg.state_dir}' (no such directory); expected the directory "
-                           "that `enqueue` and the daemon use (they create it)",
-                           source=None if self.state_dir_override else cfg.source,
-                           field="--state-dir" if self.state_dir_override else "state.dir")
-
     def use_config(self, cfg: Config) -> None:
         """Run on `cfg` from now on (the daemon's reload). The store and event log opened from the old one stay:
         `config_watch` keeps their settings as they were."""

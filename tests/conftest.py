@@ -116,10 +116,8 @@ def burstctl_here(capsys: pytest.CaptureFixture[str]):
 
 @pytest.fixture
 def burstctl(tmp_path: Path):
-    """`burstctl(...)` with a private state dir (made, as by a first `enqueue`: reading commands refuse a
-    `--state-dir` that does not exist); returns the CompletedProcess."""
+    """`burstctl(...)` with a private state dir; returns the CompletedProcess."""
     state = tmp_path / "state"
-    state.mkdir(mode=0o700, exist_ok=True)
 
     def _run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
              state_dir: Path | None = state) -> subprocess.CompletedProcess[str]:

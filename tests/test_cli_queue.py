@@ -591,26 +591,6 @@ def test_a_state_dir_that_is_a_file_is_bad_input(burstctl, tmp_path: Path) -> No
                                     "directory (or a path that does not exist yet)")
 
 
-def test_a_reading_command_on_a_state_dir_that_does_not_exist_says_so_and_makes_none(burstctl, tmp_path: Path) -> None:
-    # A mistyped --state-dir showed an empty queue, "no jobs", and left an empty state directory behind it.
-    missing = tmp_path / "stat"
-    for command in (["list"], ["status"], ["events"], ["budget"], ["report"]):
-        r = burstctl(*command, state_dir=missing)
-        assert r.returncode == 2 and r.stdout == "", (command, r.stderr)
-        assert r.stderr.strip() == (f"burstctl: error: field '--state-dir': no burstctl state at '{missing}' (no such "
-                                    "directory); expected the directory that `enqueue` and the daemon use (they "
-                                    "create it)"), command
-    assert not missing.exists()
-    # Named in the config file, the file and its field are named.
-    (tmp_path / "burstctl.toml").write_text(f'[state]\ndir = "{missing}"\n')
-    r = burstctl("--config", str(tmp_path / "burstctl.toml"), "list", state_dir=None)
-    assert r.returncode == 2 and r.stderr.startswith(f"burstctl: error: {tmp_path / 'burstctl.toml'}: field "
-                                                     "'state.dir': no burstctl state at"), r.stderr
-    # A command that queues work makes it; reading it then is reading an empty queue.
-    assert burstctl("enqueue", str(write_job(tmp_path)), state_dir=missing).returncode == 0
-    assert burstctl("list", state_dir=missing).returncode == 0
-
-
 def test_a_what_if_decide_never_overwrites_the_record_of_an_enqueued_job(burstctl, tmp_path: Path) -> None:
     job = write_job(tmp_path, "same-name")
     enqueued = json.loads(burstctl("enqueue", str(job), "--json").stdout)

@@ -98,7 +98,6 @@ LIST_ROWS = 200  # and in its table (not --json) at most this many rows: 10,000 
 def list_cmd(app: App, states: tuple[str, ...], show_all: bool, as_json: bool) -> None:
     """List jobs, oldest first: every job not over, and the newest 20 finished ones unless --all (the table draws
     the first 200 rows)."""
-    app.reads_existing_state()
     jobs, hidden = _listed(app, states, show_all)
     note = f"{hidden} older finished job{'s' if hidden != 1 else ''} not shown (--all lists them)" if hidden else None
     if as_json:
@@ -323,7 +322,6 @@ def retry_cmd(app: App, job: str, deadline_hours: float | None, reread: bool, as
 @pass_app
 def budget_cmd(app: App, as_json: bool) -> None:
     """Month-to-date spend, cycles, $/cycle on spot and on-demand, and the cycles the rest buys."""
-    app.reads_existing_state()
     from orchestrator.daemon import daemon_tick_s
     from orchestrator.queue import held_by_plans, offers_seen  # the decision core: only this command needs it
 
@@ -406,7 +404,6 @@ def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | N
                show_all: bool, after_id: int | None, interval: float, as_json: bool) -> None:
     """Print the event log (JSON lines with --json), the newest 100 unless --limit, --all or --after says
     otherwise; optionally following it live."""
-    app.reads_existing_state()
     if show_all and limit:
         raise BadInput("--all and --limit exclude each other", field="--limit")
     if show_all and after_id is not None:

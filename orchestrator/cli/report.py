@@ -75,7 +75,6 @@ def report_cmd(app: App, month: str | None, days: float | None, every: bool, lim
     against the meter (cloud charges, and local hours at local.usd_per_hour) and whether its deadline held; in all,
     the spend by market, measured over expected (the done jobs), and what spot saved against on-demand at the rate
     each decision priced on-demand at."""
-    app.reads_existing_state()
     now = time.time()
     label, since, until = window(month, days, every, now)
     found = outcomes(app, since, until, now)

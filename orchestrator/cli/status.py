@@ -158,7 +158,6 @@ def _notifier_txt(n: dict[str, Any], now: float) -> str:
 @pass_app
 def status_cmd(app: App, as_json: bool) -> None:
     """Whether the daemon runs, the mode (burst enabled or local-only), active jobs and instances, spend."""
-    app.reads_existing_state()
     d = status_data(app)
     if as_json:
         print_json(d)
