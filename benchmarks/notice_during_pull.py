@@ -25,13 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tests.e2e helpers
 
-from runbooks.checkpoint_transfer import STAGING_PREFIX
-from tests.e2e import Daemon, enqueue, events, simcloud, trainer_job, wait_for, write_config
-
-
-def pull_under_way(state: Path, job_id: str) -> str:
-    staging = sorted((state / "checkpoints" / job_id).glob(f"{STAGING_PREFIX}*"))
-    return staging[-1].name[len(STAGING_PREFIX):] if staging else ""
+from tests.e2e import Daemon, enqueue, events, pull_under_way, simcloud, trainer_job, wait_for, write_config
 
 
 def one_run(workers: int, ckpt_mib: int) -> tuple[float, float]:

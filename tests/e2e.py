@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import httpx
 
 from providers.simcloud.ec2_sim import SimEc2
+from runbooks.checkpoint_transfer import STAGING_PREFIX
 from state.store import Store
 from tests.conftest import toml_value
 
@@ -210,6 +211,12 @@ def sim_instances(url: str) -> list[dict[str, Any]]:
 
 def sim_billing(url: str) -> list[dict[str, Any]]:
     return httpx.get(f"{url}/_sim/billing", timeout=10).json()["data"]
+
+
+def pull_under_way(state: Path, job_id: str) -> str:
+    """The name of the checkpoint of `job_id` being pulled home now (its staging directory is there), else ""."""
+    staging = sorted((state / "checkpoints" / job_id).glob(f"{STAGING_PREFIX}*"))
+    return staging[-1].name[len(STAGING_PREFIX):] if staging else ""
 
 
 def preempt(url: str, instance_id: str, notice_s: float = 1.0) -> None:

@@ -56,3 +56,29 @@ def test_a_reloaded_reconcilers_syncs_take_over_those_in_flight() -> None:
     release.set()
     assert after.take("a1", wait=True) == "home"
     after.close()
+
+
+def test_a_sync_still_queued_behind_others_is_cancelled_when_its_attempt_must_pull_now() -> None:
+    # One worker, busy with another attempt's long pull: the queued sync of an attempt that has just had its notice
+    # is not waited for (its step pulls at once); the one under way is.
+    syncs: BackgroundSyncs[str] = BackgroundSyncs(1)
+    release = threading.Event()
+    ran: list[str] = []
+    syncs.start("long", lambda: ran.append("long") or ("long" if release.wait(10) else "timeout"))
+    syncs.start("noticed", lambda: ran.append("noticed") or "noticed")
+    assert syncs.take("noticed", wait=True) is None and not syncs.busy("noticed")
+    release.set()
+    assert syncs.take("long", wait=True) == "long"
+    syncs.close()
+    assert ran == ["long"]
+
+
+def test_a_stopping_daemon_waits_a_bounded_time_for_the_syncs_under_way_and_drops_those_queued() -> None:
+    syncs: BackgroundSyncs[str] = BackgroundSyncs(1)
+    never = threading.Event()
+    syncs.start("stuck", lambda: "stuck" if never.wait(30) else "timeout")
+    syncs.start("queued", lambda: "queued")
+    syncs.wait_all(timeout_s=0.2)
+    assert syncs.busy("stuck") and not syncs.busy("queued")
+    syncs.close()  # its thread is a daemon thread: the process may exit under it
+    never.set()

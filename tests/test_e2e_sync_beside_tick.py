@@ -13,16 +13,9 @@ from typing import Any
 
 import httpx
 
-from runbooks.checkpoint_transfer import STAGING_PREFIX
-from tests.e2e import Daemon, enqueue, events, simcloud, trainer_job, wait_for, write_config
+from tests.e2e import Daemon, enqueue, events, pull_under_way, simcloud, trainer_job, wait_for, write_config
 
 SHARD_MIB, PULL_KIB_S = 12, 2048  # each of the large job's checkpoints takes about 6 s to come home
-
-
-def pull_under_way(state: Path, job_id: str) -> str:
-    """The name of the checkpoint of `job_id` being pulled home now, else ""."""
-    staging = sorted((state / "checkpoints" / job_id).glob(f"{STAGING_PREFIX}*"))
-    return staging[-1].name[len(STAGING_PREFIX):] if staging else ""
 
 
 def synced(state: Path, job_id: str, name: str) -> list[dict[str, Any]]:

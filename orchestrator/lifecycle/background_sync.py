@@ -8,14 +8,16 @@ to the database is written by the tick's thread.
 
 What is in flight is held only here, in memory, and a daemon that stops loses nothing by it: a checkpoint becomes
 visible only once verified (a pull cut short leaves a staging directory that the next pull resumes), and a restarted
-daemon syncs each running attempt again at once. A step that ends an attempt first waits for its sync in flight
-(`take(wait=True)`), so that what the sync brought home is counted before the attempt's end.
+daemon syncs each running attempt again at once. A step that ends an attempt first takes its sync: one still queued
+is cancelled (the step pulls now itself), one under way is waited for, so that what it brings home is counted.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -29,11 +31,44 @@ class SyncDone:
     """What one sync's transfers did (`Reconciler._sync_io`), for the tick to write down (`Reconciler._synced`)."""
 
     at: float  # when it ended, on the reconciler's clock
-    error: Exception | None = None  # the checkpoint pull failed (then nothing else was tried)
+    error: Exception | None = None  # the checkpoint pull failed (outputs were then not tried)
     pulled: PulledCheckpoints | None = None  # the checkpoints that came home (empty: none new)
     took_s: float = 0.0  # how long the checkpoint pull took
     outputs: list[str] | Exception | None = None  # with a new checkpoint: the outputs' paths, or their pull's failure
     logs: Exception | bool | None = None  # True: the logs came home; their failure; None: not tried
+
+
+class _Workers:
+    """A fixed number of daemon threads taking work off a queue. Not concurrent.futures' pool: the interpreter joins
+    its threads at exit, so a daemon stopping would wait for a multi-GB pull to end, past systemd's stop timeout."""
+
+    def __init__(self, n: int):
+        self._n = n
+        self._queue: queue.SimpleQueue[tuple[Future[object], Callable[[], object]] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, work: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._queue.put((future, work))  # type: ignore[arg-type]
+        if len(self._threads) < self._n:
+            t = threading.Thread(target=self._run, name=f"burstctl-sync-{len(self._threads)}", daemon=True)
+            self._threads.append(t)
+            t.start()
+        return future
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, work = item
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                future.set_result(work())
+            except BaseException as exc:  # the work returns its failures; this is a bug's, kept for the taker
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
 
 
 class BackgroundSyncs(Generic[T]):
@@ -42,7 +77,7 @@ class BackgroundSyncs(Generic[T]):
 
     def __init__(self, workers: int):
         self.workers = workers
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="burstctl-sync") if workers else None
+        self._pool = _Workers(workers) if workers else None
         self._running: dict[str, Future[T]] = {}
 
     def busy(self, attempt_id: str) -> bool:
@@ -62,16 +97,22 @@ class BackgroundSyncs(Generic[T]):
         return [attempt_id for attempt_id, f in self._running.items() if f.done()]
 
     def take(self, attempt_id: str, *, wait: bool = False) -> T | None:
-        """The attempt's finished sync, once (None: none in flight, or, without `wait`, not finished yet)."""
+        """The attempt's finished sync, once. None: none in flight; or, without `wait`, not finished yet; or, with
+        `wait`, one still queued behind others' (cancelled: the caller pulls now itself, not after them)."""
         f = self._running.get(attempt_id)
         if f is None or not (wait or f.done()):
             return None
         del self._running[attempt_id]
+        if f.cancel():  # still queued behind other attempts' syncs
+            return None
         return f.result()
 
-    def wait_all(self) -> None:
-        """Until every sync in flight has finished."""
-        wait(list(self._running.values()))
+    def wait_all(self, timeout_s: float | None = None) -> None:
+        """Cancel the syncs still queued, and wait for those under way to finish (at most `timeout_s`)."""
+        for attempt_id, f in list(self._running.items()):
+            if f.cancel():
+                del self._running[attempt_id]
+        wait(list(self._running.values()), timeout=timeout_s)
 
     def adopt(self, before: BackgroundSyncs[T]) -> None:
         """Take over the syncs in flight of the reconciler this one replaces (a config reload); its threads finish
@@ -81,6 +122,6 @@ class BackgroundSyncs(Generic[T]):
         before.close()
 
     def close(self) -> None:
-        """No new syncs; those in flight finish (the interpreter waits for them at exit)."""
+        """No new syncs; those in flight finish, or are cut short when the process exits."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=False)
+            self._pool.shutdown()

@@ -43,8 +43,10 @@ def latest(cfg: Config, job_id: str, *, deep: bool = True) -> Path | None:
     folder = store_dir(cfg, job_id)
     if not folder.is_dir():
         return None
-    with store_lock(cfg, job_id):
-        return burst_checkpoint.latest_complete(folder, deep=deep)
+    if not deep:  # no lock: checkpoints become visible by a rename, and a prune never takes the newest
+        return burst_checkpoint.latest_complete(folder, deep=False)
+    with store_lock(cfg, job_id):  # its files are read in full: not while a pull or prune changes them
+        return burst_checkpoint.latest_complete(folder, deep=True)
 
 
 def resume_point(app: App, job_id: str) -> Path | None:

@@ -37,6 +37,8 @@ def requeued_local_reason(cfg: Any, job_id: str, why: str = "") -> str:
 
 def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
                       reason: str | None, now: float) -> None:
+    # Inside the caller's write transaction: checkpoints are only named here (sizes, `deep=False`), never read in
+    # full, and never under the store's lock, which a multi-GB pull beside the tick may hold for minutes.
     store = app.store
     current = store.get_job(job["id"]) or job
     if current["state"] in (JobState.CANCELLED.value, JobState.DONE.value, JobState.FAILED.value):
@@ -51,7 +53,7 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
 
     def back_in_line() -> JobState:
         """Where a job waits for its next cloud attempt: resuming when it has a checkpoint to resume from."""
-        return JobState.RESUMING if checkpoints.latest(app.config, job["id"]) else JobState.QUEUED
+        return JobState.RESUMING if checkpoints.latest(app.config, job["id"], deep=False) else JobState.QUEUED
 
     if outcome is A.SUCCEEDED:
         trimmed = checkpoints.trim_done(app.config, job["id"])
@@ -74,7 +76,7 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
             to(JobState.QUEUED, "local phase done: bursting the rest", "job.switching",
                _fields={"placement": "cloud"})
             return
-        ckpt = checkpoints.latest(app.config, job["id"])
+        ckpt = checkpoints.latest(app.config, job["id"], deep=False)
         why = f"preempted: {stop_reason}"
         if att["where"] == "local" and stop_reason == LOCAL_HOURS_OVER:
             why = "paused: the local GPU's hours (local.available_hours) are over; it resumes when they begin"

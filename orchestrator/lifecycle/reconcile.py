@@ -159,8 +159,10 @@ class Reconciler:
 
     def close(self) -> None:
         """Once the ticks are over (the daemon stops): wait for the syncs in flight and write down what they did, so
-        that a checkpoint one brought home is the job's before the daemon exits."""
-        self.syncs.wait_all()
+        that a checkpoint one brought home is the job's before the daemon exits. Not for longer than CLOSE_WAIT_S
+        (a service manager kills a daemon slow to stop): a pull still under way then is cut short with the process,
+        and the next daemon's pull resumes it."""
+        self.syncs.wait_all(timeout_s=CLOSE_WAIT_S)
         self._collect_syncs()
         self.syncs.close()
 
@@ -1111,9 +1113,17 @@ class Reconciler:
         what it brings home is counted. `info` is the attempt's, persisted by the caller. `shared`: the sync's SSH
         connection, when it has one."""
         beside = self.syncs.take(att["id"], wait=True)
-        if beside is not None:
+        if beside is not None and beside.error is None:  # a failure is told by the pull that follows, not twice
             self._synced(att, job, info, beside)
         return self._synced(att, job, info, self._sync_io({**att, "info": info}, job, shared, logs=False))
+
+    def _finished_sync(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
+        """A sync of the attempt's that brought a checkpoint home since this tick began, counted before its end (the
+        work it saved is not lost work). One still under way is not waited for: the instance may be gone and its
+        pull hanging (it is written down when it ends, `_collect_syncs`); one that failed is not news at an end."""
+        done = self.syncs.take(att["id"])
+        if done is not None and done.error is None:
+            self._synced(att, job, info, done)
 
     def _sync_beside(self, att: dict[str, Any], job: dict[str, Any]) -> SyncDone:
         """A periodic sync on a thread of `syncs`: transfers only (the tick writes down what they did, `_synced`),
@@ -1134,7 +1144,8 @@ class Reconciler:
         except Exception as exc:
             if shared is not None:
                 shared.drop()
-            return SyncDone(error=exc, at=self.clock())
+            # The logs come home all the same: a checkpoint store that fails (S3, a full disk) is no reason to stop.
+            return SyncDone(error=exc, at=self.clock(), logs=self._logs_io(att, job, shared) if logs else None)
         took = time.monotonic() - started
         at = self.clock()
         outputs = self._outputs_io(att, job, shared) if new else None
@@ -1144,6 +1155,8 @@ class Reconciler:
     def _synced(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], done: SyncDone) -> bool:
         """Write down what a sync did (`_sync_io`): its checkpoint home, or its failure; its outputs and logs.
         `info` is the attempt's, persisted by the caller. False when the checkpoint pull failed."""
+        if done.logs is not None:
+            self._logs_done(att, job, info, done.logs)
         if done.error is not None:
             self._pull_failed(att, job, info, done.error)
             return False
@@ -1157,8 +1170,6 @@ class Reconciler:
             info["last_checkpoint_at"] = done.at
             outputs = self._outputs_done(att, job, info, done.outputs)
             self._checkpoint_home(att, job, done, outputs)
-        if done.logs is not None:
-            self._logs_done(att, job, info, done.logs)
         return True
 
     def _checkpoint_home(self, att: dict[str, Any], job: dict[str, Any], done: SyncDone,
@@ -1180,22 +1191,30 @@ class Reconciler:
         for attempt_id in self.syncs.finished():
             done = self.syncs.take(attempt_id)
             assert done is not None
-            with self.store.engine.connect() as c:
-                row = c.execute(select(s.attempts).where(s.attempts.c.id == attempt_id)).mappings().first()
-                job_row = None if row is None else c.execute(
-                    select(s.jobs).where(s.jobs.c.id == row["job_id"])).mappings().first()
-            if row is None or job_row is None:
-                continue
-            att, job = dict(row), dict(job_row)
-            if att["state"] != A.RUNNING.value:
-                if done.pulled:
-                    self._checkpoint_home(att, job, done, None if isinstance(done.outputs, Exception) else done.outputs)
-                continue
-            info = dict(att["info"])
-            self._synced(att, job, info, done)
-            with self.store.tx() as conn:  # unless another process moved it meanwhile
-                conn.execute(update(s.attempts).where(s.attempts.c.id == attempt_id,
-                                                      s.attempts.c.state == A.RUNNING.value).values(info=info))
+            try:
+                self._collect_sync(attempt_id, done)
+            except Exception as exc:  # one attempt's trouble is not every attempt's: the tick goes on
+                self.emit("attempt.error", attempt_id=attempt_id, state=A.RUNNING.value,
+                          error=self.app.redactor(f"writing down a sync: {type(exc).__name__}: {exc}")[:500])
+
+    def _collect_sync(self, attempt_id: str, done: SyncDone) -> None:
+        """`_collect_syncs` for one attempt."""
+        with self.store.engine.connect() as c:
+            row = c.execute(select(s.attempts).where(s.attempts.c.id == attempt_id)).mappings().first()
+            job_row = None if row is None else c.execute(
+                select(s.jobs).where(s.jobs.c.id == row["job_id"])).mappings().first()
+        if row is None or job_row is None:
+            return
+        att, job = dict(row), dict(job_row)
+        if att["state"] != A.RUNNING.value:
+            if done.pulled:
+                self._checkpoint_home(att, job, done, None if isinstance(done.outputs, Exception) else done.outputs)
+            return
+        info = dict(att["info"])
+        self._synced(att, job, info, done)
+        with self.store.tx() as conn:  # unless another process moved it meanwhile
+            conn.execute(update(s.attempts).where(s.attempts.c.id == attempt_id,
+                                                  s.attempts.c.state == A.RUNNING.value).values(info=info))
 
     def _pull_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
         """The job's `outputs` home once it has finished on the instance (`CloudSteps.pull_outputs`); False when that
@@ -1415,6 +1434,7 @@ class Reconciler:
         """A preemption, seen by the provider's state, the notice, or heartbeat loss."""
         now = self.clock()
         info = dict(info or att["info"])
+        self._finished_sync(att, job, info)
         if (inst is not None and not inst.state.gone and reason == "spot interruption notice") \
                 or self.cloud_steps.checkpoints_outlive_instance({**att, "info": info}, job):
             # The trainer wrote a last checkpoint on the notice; or what the instance uploaded to S3 is there still.
@@ -1436,6 +1456,7 @@ class Reconciler:
         """`seen`: the supervisor's status as read this tick, if it was; a stop asked before this call looks at that
         instead of asking again (one asked now looks afresh, after the SIGTERM)."""
         info = dict(info or att["info"])
+        self._finished_sync(att, job, info)
         if att["state"] == A.RUNNING.value and outcome is A.ABORTED:
             now = self.clock()
             asked_before = "stop_requested_at" in info
@@ -1512,6 +1533,7 @@ class Reconciler:
 
 
 STOP_WAIT_S = 60.0  # how long a stopped run is given to write its last checkpoint and exit, tick by tick
+CLOSE_WAIT_S = 30.0  # how long a stopping daemon waits for the syncs under way (systemd's stop timeout is 60 s)
 
 
 def _run_over(status: dict[str, Any] | None) -> bool:
