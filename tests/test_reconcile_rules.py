@@ -733,7 +733,8 @@ def test_a_local_job_starts_behind_any_number_of_cloud_jobs_that_cannot(tmp_path
     app.close()
 
 
-def test_a_cloud_job_is_looked_at_behind_any_number_of_cloud_jobs_waiting_for_a_time(tmp_path: Path) -> None:
+def test_a_cloud_job_is_looked_at_behind_any_number_of_cloud_jobs_waiting_for_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # 30 jobs due earlier wait: for spot (their policy idles until it is back), or after a failed launch. They had
     # filled the window of candidates a tick reads, and a job behind them that could start was never looked at.
     (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 1000\n")  # room for all of them
@@ -749,6 +750,12 @@ def test_a_cloud_job_is_looked_at_behind_any_number_of_cloud_jobs_waiting_for_a_
     rec._schedule()
     assert app.store.get_job(later_id)["state"] == "blocked"
     assert {app.store.get_job(j)["state"] for j in waiting} == {"queued"}
+    # One moved home meanwhile (revert-local): its wait was for a launch, and it starts on the local GPU now.
+    app.store.update_job(waiting[1], placement="local")
+    started: list[str] = []
+    monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
+    rec._schedule()
+    assert started == [waiting[1]]
     rec.clock = lambda: now + 61  # their time is up: looked at again, earliest deadline first
     rec._schedule()
     assert app.store.get_job(waiting[0])["state"] == "blocked"

@@ -289,16 +289,17 @@ class Reconciler:
             # Earliest deadline first; only as many candidates as there are free slots (plus a margin) are read,
             # so a tick stays cheap with 10,000 queued jobs. The local GPU's and the cloud's are read apart: in one
             # window, cloud jobs that cannot start (the cloud unreachable) hid every local job behind them. Jobs
-            # that wait for a time (for spot, after a failed launch) are not read until then, for the same reason.
-            def candidates(placements: tuple[str, ...], slots: int) -> list[dict[str, Any]]:
+            # that wait for a time to launch (for spot, after a failed launch) are not read until then, for the same
+            # reason; a job moved home meanwhile (revert-local) is not kept waiting by it.
+            def candidates(placements: tuple[str, ...], slots: int, *only: Any) -> list[dict[str, Any]]:
                 return [dict(r) for r in c.execute(
                     select(s.jobs).where(s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]),
-                                         s.jobs.c.placement.in_(placements),
-                                         or_(s.jobs.c.wait_until.is_(None), s.jobs.c.wait_until <= now))
+                                         s.jobs.c.placement.in_(placements), *only)
                     .order_by(s.jobs.c.deadline_at).limit(slots + 20)).mappings()]
 
             ready = sorted(candidates(("local", "hybrid"), self.cfg.daemon.local_concurrency)
-                           + candidates(("cloud",), self.cfg.daemon.max_cloud_attempts),
+                           + candidates(("cloud",), self.cfg.daemon.max_cloud_attempts,
+                                        or_(s.jobs.c.wait_until.is_(None), s.jobs.c.wait_until <= now)),
                            key=lambda j: float(j["deadline_at"] or math.inf))
         local_free = self.cfg.daemon.local_concurrency - n_local
         cloud_free = self.cfg.daemon.max_cloud_attempts - n_cloud
