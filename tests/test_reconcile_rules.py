@@ -13,6 +13,7 @@ from sqlalchemy import insert, select, update
 from orchestrator.app import App
 from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import checkpoints, handover, reconcile, revert
+from orchestrator.lifecycle.background_sync import SyncDone
 from orchestrator.lifecycle.cloud_steps import CloudSteps
 from orchestrator.lifecycle.finish import REQUEUED_LOCAL, job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState
@@ -23,6 +24,7 @@ from providers.base import AuthFailed, InstanceInfo, InstanceState, Market, Offe
 from providers.lambda_cloud import LambdaCloud
 from providers.simcloud.api import SimCloudServer
 from runbooks.burst_checkpoint import write_checkpoint
+from runbooks.checkpoint_transfer import PulledCheckpoints, TransferStats
 from state import schema as s
 from tests.conftest import write_job
 
@@ -730,6 +732,24 @@ def test_a_local_job_starts_behind_any_number_of_cloud_jobs_that_cannot(tmp_path
     monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
     rec._schedule()
     assert started == [local_id]
+    app.close()
+
+
+def test_a_checkpoint_a_sync_brought_home_but_never_wrote_down_is_the_jobs_at_the_next_sync(tmp_path: Path) -> None:
+    # The daemon was killed (or stopped past its wait) between a pull that made step 20 visible and the tick that
+    # would have written it down. The next pull finds nothing new: step 20 is home already.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "synced", local_throughput=0))
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000010", {"w.bin": b"1"})
+    app.store.update_job(job_id, checkpoint="step-00000010")
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000020", {"w.bin": b"2"})
+    rec = Reconciler(app, {}, cloud=None)
+    job = app.store.get_job(job_id)
+    att = {"id": f"{job_id}-a1", "job_id": job_id, "state": "running", "info": {}}
+    info: dict[str, Any] = {}
+    nothing_new = SyncDone(at=time.time(), pulled=PulledCheckpoints([], TransferStats("rsync"), {}), logs=True)
+    assert rec._synced(att, job, info, nothing_new)
+    assert app.store.get_job(job_id)["checkpoint"] == "step-00000020"
     app.close()
 
 

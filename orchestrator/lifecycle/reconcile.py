@@ -1171,6 +1171,13 @@ class Reconciler:
             info["last_checkpoint_at"] = done.at
             outputs = self._outputs_done(att, job, info, done.outputs)
             self._checkpoint_home(att, job, done, outputs)
+        else:
+            # Nothing new: the newest checkpoint home is the job's all the same. One that a sync brought home but
+            # never wrote down (the daemon killed in between, or stopped while it was under way) is found here: a
+            # pull does not bring a checkpoint home twice.
+            newest = checkpoints.latest(self.cfg, job["id"], deep=False)
+            if newest is not None and newest.name != job.get("checkpoint"):
+                self.store.update_job(job["id"], checkpoint=newest.name)
         return True
 
     def _checkpoint_home(self, att: dict[str, Any], job: dict[str, Any], done: SyncDone,
