@@ -38,7 +38,8 @@ def requeued_local_reason(cfg: Any, job_id: str, why: str = "") -> str:
 def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
                       reason: str | None, now: float) -> None:
     # Inside the caller's write transaction: checkpoints are only named here (sizes, `deep=False`), never read in
-    # full, and never under the store's lock, which a multi-GB pull beside the tick may hold for minutes.
+    # full, and the store's lock, which a multi-GB pull beside the tick may hold for minutes, is taken only to trim a
+    # done job's store, once its last pull is over.
     store = app.store
     current = store.get_job(job["id"]) or job
     if current["state"] in (JobState.CANCELLED.value, JobState.DONE.value, JobState.FAILED.value):
