@@ -753,6 +753,34 @@ def test_a_checkpoint_a_sync_brought_home_but_never_wrote_down_is_the_jobs_at_th
     app.close()
 
 
+def test_a_sync_beside_the_tick_that_failed_is_on_record_though_the_pull_right_after_it_succeeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The run exited while its periodic pull was under way, and that pull was killed; the final pull that follows
+    # brings the checkpoint home. Both happened: the trail keeps the failure.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "killed-sync", local_throughput=0))
+    att_id = f"{job_id}-a1"
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=att_id, job_id=job_id, n=1, where="cloud", state="running",
+                                            provider="sim", instance_type="gpu", info={}, created_at=0.0))
+        c.execute(update(s.jobs).where(s.jobs.c.id == job_id).values(state="running"))
+    rec = Reconciler(app, {}, cloud=None)
+    killed = SyncDone(at=time.time(), error=RuntimeError("rsync was killed by signal 9 while pulling step-00000040"))
+    monkeypatch.setattr(rec.syncs, "take", lambda attempt_id, wait=False: killed if attempt_id == att_id else None)
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000040", {"w.bin": b"4"})
+    home = PulledCheckpoints([checkpoints.store_dir(app.config, job_id) / "step-00000040"], TransferStats("rsync"), {})
+    monkeypatch.setattr(rec, "_sync_io", lambda *args, **kwargs: SyncDone(at=time.time(), pulled=home))
+    att = {"id": att_id, "job_id": job_id, "state": "running", "info": {}, "provider": "sim", "instance_type": "gpu"}
+    info: dict[str, Any] = {}
+    assert rec._pull(att, app.store.get_job(job_id), info)
+    (failed,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.sync_failed"]
+    assert "killed by signal 9" in failed["data"]["error"]
+    after = app.store.get_job(job_id)
+    assert after["checkpoint"] == "step-00000040" and "sync_error" not in info
+    assert not (after["reason"] or "").startswith(reconcile.SYNC_FAILING)
+    app.close()
+
+
 def test_a_cloud_job_is_looked_at_behind_any_number_of_cloud_jobs_waiting_for_a_time(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # 30 jobs due earlier wait: for spot (their policy idles until it is back), or after a failed launch. They had

@@ -1114,7 +1114,7 @@ class Reconciler:
         what it brings home is counted. `info` is the attempt's, persisted by the caller. `shared`: the sync's SSH
         connection, when it has one."""
         beside = self.syncs.take(att["id"], wait=True)
-        if beside is not None and beside.error is None:  # a failure is told by the pull that follows, not twice
+        if beside is not None:  # its failure too is on record, though the pull that follows may well succeed
             self._synced(att, job, info, beside)
         return self._synced(att, job, info, self._sync_io({**att, "info": info}, job, shared, logs=False))
 
