@@ -133,7 +133,8 @@ class JobSpec(BaseModel):
         default_factory=list,
         description="What the job writes in its workdir besides checkpoints that is its result: paths or globs "
                     "relative to the workdir (\"result.json\", \"eval/*.json\"; a directory brings everything under "
-                    "it), copied into <state>/outputs/<job>/ when it finishes: from a rented instance before it is "
+                    "it), those the run wrote (not a file an earlier run left in the workdir), copied into "
+                    "<state>/outputs/<job>/ when it finishes: from a rented instance before it is "
                     "terminated, from the workdir when it finished on this machine (which keeps its own). On a rented "
                     "instance they also come home with each checkpoint, so a preempted attempt's files (a "
                     "TensorBoard events file per run) are not lost with it.")

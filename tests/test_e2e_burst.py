@@ -6,6 +6,7 @@ is gone with the meter matching simcloud's billing. A daemon killed with SIGKILL
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -77,7 +78,13 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path, backend: s
     database = store_sections(backend, request)
     with simcloud(tmp_path) as url:
         config = write_config(tmp_path, url, **database)
-        r = cli(config, state, "enqueue", str(spot_job(tmp_path)), "--json")
+        job_file = spot_job(tmp_path)
+        # An earlier job's log in the workdir goes to the instance with it, but it is not this job's output.
+        earlier = tmp_path / "work" / "runs" / "run-of-an-earlier-job.jsonl"
+        earlier.parent.mkdir()
+        earlier.write_text('{"step": 1}\n')
+        os.utime(earlier, (time.time() - 3600, time.time() - 3600))
+        r = cli(config, state, "enqueue", str(job_file), "--json")
         assert r.returncode == 0, r.stderr
         job_id = json.loads(r.stdout)["id"]
         daemon = Daemon(tmp_path, config, state).start()
@@ -139,6 +146,7 @@ def test_burst_preempt_resume_finish_and_nothing_left(tmp_path: Path, backend: s
     assert first_steps == list(range(1, len(first_steps) + 1)) and first_steps[-1] >= max(with_outputs)
     assert last_steps == list(range(int(resumed["checkpoint"][5:]) + 1, STEPS + 1))
     assert f"outputs: {state / 'outputs' / job_id} (3 files)" in cli(config, state, "show", job_id).stdout
+    assert not (runs / earlier.name).exists()
 
     # Nothing is left running, and the meter agrees with the provider's billing record.
     assert len(instances) == 2 and all(i["status"] in ("terminated", "preempted") for i in instances)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -197,6 +199,71 @@ def test_outputs_that_cannot_be_copied_are_said_and_the_job_is_done_with_them_in
     assert (tmp_path / "work" / "result.json").exists()
     assert not [e for e in app.store.events(job_id=job_id) if e["type"] == "job.outputs_home"]
     app.close()
+
+
+def test_outputs_an_earlier_run_left_in_the_workdir_are_not_this_jobs(tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    (tmp_path / "work" / "eval").mkdir(parents=True)
+    for stale in ("result.json", "eval/old.json"):  # another job's results, from a run an hour ago
+        (tmp_path / "work" / stale).write_text("not mine")
+        os.utime(tmp_path / "work" / stale, (time.time() - 3600, time.time() - 3600))
+    writes_one = "import pathlib; pathlib.Path('eval/new.json').write_text('mine')"
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "evaluates", workdir="work", local_throughput=1.0,
+                                          command=[sys.executable, "-c", writes_one],
+                                          outputs=["result.json", "eval/"]))
+    _finish(app, job_id)
+
+    home = tmp_path / "state" / "outputs" / job_id
+    assert sorted(str(f.relative_to(home)) for f in home.rglob("*") if f.is_file()) == ["eval/new.json"]
+    (told,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.outputs_home"]
+    assert told["missing"] == ["result.json"]  # it did not write one
+    app.close()
+
+
+def test_a_local_run_stopped_to_hand_over_to_the_cloud_keeps_what_it_wrote_as_outputs(tmp_path: Path) -> None:
+    # Its workdir goes with the rest of the job to an instance, where what this run wrote is not that run's own.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    (tmp_path / "work").mkdir()
+    writes_then_stops = "import pathlib, sys; pathlib.Path('events.1').write_text('phase 1'); sys.exit(143)"
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "hands-over", workdir="work", local_throughput=1.0,
+                                          command=[sys.executable, "-c", writes_then_stops],
+                                          outputs=["events.*", "result.json"]))
+    runner = LocalRunner(app)
+    assert runner.start(app.store.get_job(job_id))
+    att = only_attempt(app, job_id)
+    deadline = time.monotonic() + 30
+    while supervisor.read_status(runner.run_dir(att["id"])).get("exit") is None:
+        assert time.monotonic() < deadline, "the command did not exit"
+        time.sleep(0.1)
+    with app.store.tx() as c:  # as the hand-over asked it to stop
+        app.store.set_attempt_info(att["id"], {**att["info"], "stop_reason": "hybrid-switch"}, c)
+    runner.step(only_attempt(app, job_id), app.store.get_job(job_id))
+
+    assert only_attempt(app, job_id)["state"] == "preempted"
+    assert (tmp_path / "state" / "outputs" / job_id / "events.1").read_text() == "phase 1"
+    (told,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.outputs_home"]
+    assert "missing" not in told  # result.json is the end's, not yet due
+    app.close()
+
+
+def test_the_outputs_an_instance_lists_are_those_its_run_wrote(tmp_path: Path) -> None:
+    # The listing a rented instance runs (`python3 -c` with this file's source), against its run's start there.
+    run_dir, work = tmp_path / "run", tmp_path / "work"
+    run_dir.mkdir()
+    work.mkdir()
+    (work / "pushed.json").write_text("from the workdir")
+    os.utime(work / "pushed.json", (time.time() - 600, time.time() - 600))
+    (run_dir / supervisor.HEARTBEAT_FILE).write_text(json.dumps({"started_at": time.time() - 60}))
+    (work / "written.json").write_text("by the run")
+    source = (Path(job_outputs.__file__)).read_text()
+    listed = subprocess.run([sys.executable, "-c", source, "--run-dir", str(run_dir), str(work), "*.json"],
+                            capture_output=True, text=True, check=True).stdout
+    assert json.loads(listed) == ["written.json"]
+    # Without a start on record (no heartbeat yet), nothing is held back.
+    (run_dir / supervisor.HEARTBEAT_FILE).unlink()
+    listed = subprocess.run([sys.executable, "-c", source, "--run-dir", str(run_dir), str(work), "*.json"],
+                            capture_output=True, text=True, check=True).stdout
+    assert json.loads(listed) == ["pushed.json", "written.json"]
 
 
 @pytest.mark.parametrize(("patterns", "names", "missing"), [

@@ -387,16 +387,18 @@ class CloudSteps:
 
     def pull_outputs(self, att: dict[str, Any], job: dict[str, Any],
                      shared: ssh.SharedConnection | None = None) -> list[str]:
-        """The files the job's `outputs` name in its workdir on the instance, home into <state>/outputs/<job>/ under
-        their paths relative to the workdir (on `shared`'s connection when given: a sync's). The globs are expanded
-        on the instance, by its Python, so that rsync and SFTP bring the same files. Returns those paths."""
+        """The files the job's `outputs` name in its workdir on the instance that its run wrote (not one the workdir
+        brought along), home into <state>/outputs/<job>/ under their paths relative to the workdir (on `shared`'s
+        connection when given: a sync's). The globs are expanded on the instance, by its Python, so that rsync and
+        SFTP bring the same files. Returns those paths."""
         target, trust = self.target(att), self.trust(att)
-        base, _ = self._remote(att)
+        base, run_dir = self._remote(att)
         work = f"{base}/{job['id']}/work"
         python = att["info"].get("remote_python", "python3")
         with contextlib.ExitStack() as stack:
             conn = shared.get() if shared is not None else stack.enter_context(ssh.connect(target, trust=trust))
-            found = ssh.run(conn, [python, "-c", LIST_OUTPUTS, work, *job["spec"]["outputs"]], timeout=120)
+            found = ssh.run(conn, [python, "-c", LIST_OUTPUTS, "--run-dir", run_dir, work, *job["spec"]["outputs"]],
+                            timeout=120)
             names: list[str] = json.loads(found.stdout.strip().splitlines()[-1])
             if names:
                 sync.pull_files(target, trust, work, names, job_outputs_dir(self.app.config, job["id"]), conn=conn)

@@ -282,6 +282,7 @@ class LocalRunner:
             self._outputs_home(att, job, info)
             self._end(att, job, A.SUCCEEDED, "completed", info)
         elif info.get("stop_reason") in ("hybrid-switch", LOCAL_HOURS_OVER):
+            self._outputs_home(att, job, info, finished=False)  # the next run's (on an instance, say) are its own
             self._end(att, job, A.PREEMPTED, info["stop_reason"], info)
         elif info.get("stop_reason") == "cancelled":
             self._end(att, job, A.ABORTED, "cancelled", info)
@@ -290,17 +291,19 @@ class LocalRunner:
         else:
             self._end(att, job, A.FAILED, exit_reason(self.app, job, ex), info)
 
-    def _outputs_home(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
-        """A run that finished here copies the files its `outputs` name into <state>/outputs/<job>/, where a cloud
-        run's come home: a job's results are in one place wherever it finished (a copy, not a link: the next run in
-        the same workdir rewrites its files in place). A copy that fails (a full disk) is said, and the job is done
-        all the same: its files are still in the workdir."""
+    def _outputs_home(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], *,
+                      finished: bool = True) -> None:
+        """The files its `outputs` name that a run here wrote (not an earlier run's left in the workdir), copied into
+        <state>/outputs/<job>/, where a cloud run's come home: a job's results are in one place wherever it ran (a
+        copy, not a link: the next run in the same workdir rewrites its files in place). At its end, and when it
+        stops for the cloud or the local hours, so that what it wrote is kept as a preempted instance's is. A copy
+        that fails (a full disk) is said, and the job goes on all the same: its files are still in the workdir."""
         patterns = job["spec"].get("outputs")
         if not patterns:
             return
         work, home = Path(job["spec"]["workdir"]), job_outputs_dir(self.cfg, job["id"])
         try:
-            names = job_outputs.list_outputs(work, patterns)
+            names = job_outputs.list_outputs(work, patterns, job_outputs.run_started_at(self.run_dir(att["id"])))
             for name in names:
                 dest = home / name
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -312,7 +315,7 @@ class LocalRunner:
                                  error=f"{type(exc).__name__}: {exc.strerror or exc}", workdir=str(work))
             return
         info["outputs"] = names
-        missing = job_outputs.unmatched(patterns, names)
+        missing = job_outputs.unmatched(patterns, names) if finished else []
         self.app.events.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
                              dir=str(home), **({"missing": missing} if missing else {}))
 
