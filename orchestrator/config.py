@@ -406,6 +406,11 @@ class DaemonSettings(Strict):
                           "--bwlimit, or paced SFTP), so a multi-GB pull leaves a home link room for everything "
                           "else. Unset: as fast as the link goes. Checkpoints that come home from S3 are not capped.")
 
+    @property
+    def policy_tick_h(self) -> float:
+        """The spot policy's tick: how often the daemon asks it about a running attempt."""
+        return max(self.tick_s, self.market_check_s) / 3600.0
+
 
 def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")

@@ -248,6 +248,7 @@ def context(app: App, now: float, exclude: str | None = None) -> DecisionContext
         max_auto_delta_usd=cfg.policy.max_auto_delta_usd,
         cloud_kinds=tuple(cfg.policy.cloud_kinds),
         hybrid_margin_h=cfg.policy.hybrid_margin_h,
+        policy_tick_h=cfg.daemon.policy_tick_h,
         budget_cap_usd=cfg.budget.monthly_cap_usd,
         spent_usd=app.store.month_spend(month_key(now), now),
         held=held_by_plans(app, now, exclude),

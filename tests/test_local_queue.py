@@ -131,7 +131,7 @@ def test_a_job_decided_again_on_the_work_it_had_left_counts_its_units_from_that_
 
 def test_a_cloud_job_revert_local_brought_home_holds_the_gpu_for_its_local_hours(tmp_path: Path) -> None:
     app = _app(tmp_path)
-    job = _enqueue(app, tmp_path, "reverted", 3)  # 4 h local > 3 h: it bursts
+    job = _enqueue(app, tmp_path, "reverted", 3.5)  # 4 h local > 3.5 h: it bursts, on spot (room for 2 t_ovh)
     assert job["placement"] == "cloud" and job["decision"]["plan"][0]["where"] == "cloud"
     assert local_backlog(app, time.time()).wait_h(time.time() + 10 * 3600) == 0.0
     app.store.update_job(job["id"], None, placement="local")  # what revert-local does to a queued cloud job

@@ -9,6 +9,7 @@ import pytest
 from orchestrator.core.budget import BudgetView, admits, cycle_prices, month_key
 from orchestrator.core.market import MarketInputs, choose_market
 from orchestrator.core.plan import hybrid_plan, latest_switch_at, latest_switch_h, projected_finish_at
+from orchestrator.core.spot_policy import Market, SpotState, safety_net_engaged
 
 RUN = dict(run_h=6.38, gpus=1, od_usd_per_gpu_h=3.0, spot_usd_per_gpu_h=1.0, preemptions_per_h=0.05,
            checkpoint_interval_h=0.5, restart_overhead_h=0.5, deadline_h=48.0)
@@ -50,6 +51,33 @@ def test_a_job_that_does_not_resume_pays_each_preemption_with_everything_done_so
     long_run = choose_market(MarketInputs(**{**RUN, "run_h": 40.0, "deadline_h": 500.0, "resumable": False}))
     assert long_run.market == "on-demand"  # e^{2} − 1 ≈ 6.4: restarting 40 h runs costs more than on-demand
     assert choose_market(MarketInputs(**{**RUN, "run_h": 40.0, "deadline_h": 500.0})).market == "spot"
+
+
+def test_spot_is_not_chosen_where_the_daemons_safety_net_would_start_it_on_demand() -> None:
+    # 2 min of work, 0.5 h overhead, due in 1 h: spot would be cheap, but a preemption could not be made up, and the
+    # daemon's spot policy launches it on on-demand. The decision prices what will run, and says why.
+    short = {**RUN, "run_h": 0.53, "deadline_h": 1.0, "restart_overhead_h": 0.5, "policy_tick_h": 60 / 3600}
+    m = choose_market(MarketInputs(**short))
+    assert m.market == "on-demand" and m.cost_usd == pytest.approx(3.0 * 0.53)
+    assert m.reasons[0].startswith("spot leaves no room for a preemption: 1.00 h to the deadline")
+    assert choose_market(MarketInputs(**{**short, "preference": "spot"})).market == "on-demand"
+    assert choose_market(MarketInputs(**{**short, "deadline_h": 2.0})).market == "spot"
+
+
+@pytest.mark.parametrize("tick_s", [30.0, 60.0, 900.0])
+def test_the_market_decided_is_the_one_the_daemons_policy_launches_on_either_side_of_its_safety_net(
+        tick_s: float) -> None:
+    tick_h = tick_s / 3600
+    for deadline_h in [x / 100 for x in range(100, 400, 3)]:
+        inputs = MarketInputs(**{**RUN, "run_h": 1.2, "deadline_h": deadline_h, "restart_overhead_h": 0.5,
+                                 "policy_tick_h": tick_h})
+        m = choose_market(inputs)
+        assert m.spot_hours is not None
+        # The state `market_switch._ask_policy` builds for the launch: the spot plan's hours less one overhead.
+        at_launch = SpotState(job_hours=m.spot_hours - 0.5, deadline_hours=deadline_h, elapsed_h=0.0, progress_h=0.0,
+                              market=Market.IDLE, spot_available=True, changeover_left_h=0.0, changeover_h=0.5,
+                              tick_h=tick_h, od_price=3.0, spot_price=1.0)
+        assert (m.market == "on-demand") == safety_net_engaged(at_launch), deadline_h
 
 
 def test_no_spot_market_means_on_demand() -> None:

@@ -166,7 +166,7 @@ def test_a_job_decided_again_on_the_way_is_set_beside_the_plan_it_was_queued_on_
     # Queued local (2 h at $0.10/h, $0.20); it failed after an hour, and was retried with a deadline local cannot
     # make: it burst on spot and finished there. Its plan now is the burst's; what was promised when it was queued
     # was $0.20, and the report says both.
-    job_id = lab.job("moved", local_throughput=0.5, rented_throughput={"H100": 1.0}, deadline_hours=12)
+    job_id = lab.job("moved", local_throughput=0.5, rented_throughput={"H100": 4.0}, deadline_hours=12)
     lab.attempt(job_id, 1, "local", "failed", 0, 1.0)
     lab.finish(job_id, "failed", end_h=1.0, deadline_h=12)
     again = retry(lab.app, lab.app.store.get_job(job_id), deadline_at=time.time() + 1.8 * 3600)
@@ -188,10 +188,10 @@ def test_a_job_decided_again_on_the_way_is_set_beside_the_plan_it_was_queued_on_
 
 
 def test_a_job_revert_local_brought_home_says_so_and_is_not_set_beside_a_plan_it_did_not_run_on(lab: Lab) -> None:
-    # Planned on spot (2.5 h, about $2.50); an hour of it ran, then revert-local brought it home and it finished on
+    # Planned on spot (1.5 h, about $1.50); an hour of it ran, then revert-local brought it home and it finished on
     # the local GPU in 3 h more. Its cloud plan stays its decision (burst-enable would restore it), but the run was
     # not that plan's: it is not in measured / expected. A local job beside it is, as before.
-    home = lab.job("came-home", local_throughput=0.5, rented_throughput={"H100": 1.0}, work_units=2,
+    home = lab.job("came-home", local_throughput=0.5, rented_throughput={"H100": 2.0}, work_units=2,
                    deadline_hours=3, checkpoint={"resumable": True, "interval_minutes": 10})
     assert lab.app.store.get_job(home)["decision"]["placement"] == "cloud"
     revert_local(lab.app, Reconciler(lab.app, {}, cloud=None), timeout_s=5)

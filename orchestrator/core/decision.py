@@ -94,6 +94,7 @@ class DecisionContext:
     max_auto_delta_usd: float = 5.0
     cloud_kinds: tuple[str, ...] = ("train",)
     hybrid_margin_h: float = 0.25
+    policy_tick_h: float = 0.0  # daemon.policy_tick_h: the spot policy's safety net rounds to it
     budget_cap_usd: float = math.inf
     spent_usd: float = 0.0
     held: Held = field(default_factory=Held)  # what admitted jobs' plans have still to spend (`queue.held_by_plans`)
@@ -334,7 +335,7 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         spot_usd_per_gpu_h=offer.spot_usd_per_gpu_h, preemptions_per_h=rate_h,
         checkpoint_interval_h=job.checkpoint_interval_h, restart_overhead_h=overhead_h,
         deadline_h=job.deadline_h, deadline_critical=job.deadline_critical, preference=job.market,
-        resumable=job.checkpoints, preference_from=job.market_from))
+        resumable=job.checkpoints, preference_from=job.market_from, policy_tick_h=ctx.policy_tick_h))
     reasons.extend(f"market: {r}" for r in market.reasons)
     if market.spot_cost_usd is not None:
         reasons.append(f"market: λ = {rate_h:.3g} preemptions/h ({basis})")

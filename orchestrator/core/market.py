@@ -16,6 +16,26 @@ from typing import Literal
 MarketName = Literal["spot", "on-demand"]
 
 
+_EPS_H = 1e-6
+
+
+def safety_net(work_left_h: float, time_left_h: float, changeover_h: float, tick_h: float) -> bool:
+    """The spot policy's safety net: True once a job must run on on-demand to the end to be sure of finishing.
+
+    The paper's rule: time left <= work left + 2d, rounded up to whole ticks. The second clause covers ticks
+    longer than d, where waiting one more tick could already leave less than the d + work an on-demand start
+    needs. Both clauses stay true once on on-demand (time and work left then fall together), so the net holds.
+    A tick of 0 asks the rule without rounding.
+    """
+    if work_left_h <= 0:
+        return False
+    if tick_h <= 0:
+        return time_left_h <= work_left_h + 2 * changeover_h + _EPS_H
+    if time_left_h <= math.ceil((work_left_h + 2 * changeover_h) / tick_h - _EPS_H) * tick_h + _EPS_H:
+        return True
+    return time_left_h - tick_h < work_left_h + changeover_h + _EPS_H
+
+
 @dataclass(frozen=True)
 class MarketInputs:
     run_h: float  # T: rented wall-clock hours including overhead, with no preemption
@@ -30,6 +50,7 @@ class MarketInputs:
     preference: Literal["auto", "spot", "on-demand"] = "auto"
     resumable: bool = True  # False: a preemption loses everything done, not half a checkpoint interval
     preference_from: str = "job"  # who set `preference`, for the record: "job" or "policy.default_market"
+    policy_tick_h: float = 0.0  # how often the daemon asks the spot policy: its safety net rounds to it
 
 
 @dataclass(frozen=True)
@@ -85,6 +106,15 @@ def choose_market(x: MarketInputs) -> MarketChoice:
         return MarketChoice("on-demand", **base, reasons=[f"{x.preference_from} asks for on-demand", figures])
     if x.deadline_critical:
         return MarketChoice("on-demand", **base, reasons=["deadline-critical: no preemption risk taken", figures])
+    # The daemon launches a spot job only while its spot policy's safety net leaves room for a preemption; with
+    # less, it starts on on-demand (`lifecycle/market_switch.py`). Priced as it will run: the net asked of the work
+    # the daemon will count, spot's expected hours less one overhead, from the start.
+    work_h = spot_h - x.restart_overhead_h
+    if safety_net(work_h, x.deadline_h, x.restart_overhead_h, x.policy_tick_h):
+        return MarketChoice("on-demand", **base, reasons=[
+            f"spot leaves no room for a preemption: {x.deadline_h:.2f} h to the deadline, {work_h:.2f} h of work + "
+            f"2 × {x.restart_overhead_h:.2f} h overhead to make one up; the daemon's spot policy runs it on "
+            "on-demand from the start", figures])
     if x.preference == "spot":
         return MarketChoice("spot", **base, reasons=[f"{x.preference_from} asks for spot", figures])
     if spot_h > x.deadline_h:

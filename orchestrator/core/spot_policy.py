@@ -21,6 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
+from orchestrator.core.market import safety_net
+
 # Float hours accumulate rounding error tick by tick; comparisons of time budgets allow this much (~4 ms).
 _EPS_H = 1e-6
 
@@ -219,20 +221,8 @@ class Policy(Protocol):
 
 
 def safety_net_engaged(s: SpotState) -> bool:
-    """True once the job must run on on-demand to the end to be sure of finishing by R.
-
-    The paper's rule: time left <= work left + 2d, rounded up to whole ticks. The second clause covers ticks
-    longer than d, where waiting one more tick could already leave less than the d + work an on-demand start
-    needs. Both clauses stay true once on on-demand (time and work left then fall together), so the net holds.
-    """
-    work_left = s.job_hours - s.progress_h
-    if work_left <= 0:
-        return False
-    left = s.deadline_hours - s.elapsed_h
-    tick = s.tick_h
-    if left <= math.ceil((work_left + 2 * s.changeover_h) / tick - _EPS_H) * tick + _EPS_H:
-        return True
-    return left - tick < work_left + s.changeover_h + _EPS_H
+    """True once the job must run on on-demand to the end to be sure of finishing by R (`market.safety_net`)."""
+    return safety_net(s.job_hours - s.progress_h, s.deadline_hours - s.elapsed_h, s.changeover_h, s.tick_h)
 
 
 def safety_net_engaged_batch(b: SpotBatch) -> np.ndarray:

@@ -195,7 +195,7 @@ def spot_view(app: App, provider: str, offer: Offer, now: float) -> SpotView:
     listed = offer.spot_regions is not None
     policy = app.config.policy
     rate = policy.spot_preemptions_per_hour
-    return watch(lives, refusals, now, tick_h=_tick_h(app), prior_uptime_h=mean_uptime_h(rate),
+    return watch(lives, refusals, now, tick_h=app.config.daemon.policy_tick_h, prior_uptime_h=mean_uptime_h(rate),
                  prior_outage_h=policy.spot_mean_outage_hours,
                  listings=spot_listings(app, provider, offer.instance_type, now).get(offer.instance_type, [])
                  if listed else (),
@@ -273,11 +273,6 @@ def listed_model(app: App, provider: str, instance_type: str, now: float) -> Lis
     now_history = TraceHistory.of(listed_series(listings, start, ticks, LISTED_TICK_S), LISTED_TICK_S)
     return ListedModel(_LISTED_MODELS[key], float(now_history.recent_up_fraction[-1]),
                        int(now_history.recent_changes[-1]), refit * LISTED_TICK_S / 3600.0)
-
-
-def _tick_h(app: App) -> float:
-    """The policy's tick: how often the daemon asks it about a running attempt."""
-    return max(app.config.daemon.tick_s, app.config.daemon.market_check_s) / 3600.0
 
 
 def market_for_attempt(app: App, job: dict[str, Any], provider: str, offer: Offer,
@@ -369,8 +364,8 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
     state = SpotState(
         job_hours=job_h, deadline_hours=max(deadline_h, 1e-6), elapsed_h=(now - t0) / 3600.0, progress_h=progress,
         market=market, spot_available=view.available or market is PolicyMarket.SPOT or assume_spot_up,
-        changeover_left_h=0.0, changeover_h=overhead, tick_h=_tick_h(app), od_price=offer.on_demand_usd_h,
-        spot_price=offer.spot_usd_h or 0.0,
+        changeover_left_h=0.0, changeover_h=overhead, tick_h=app.config.daemon.policy_tick_h,
+        od_price=offer.on_demand_usd_h, spot_price=offer.spot_usd_h or 0.0,
         spot_state_for_h=0.0 if assume_spot_up and not view.available else view.state_for_h,
         stats=fitted.stats if fitted else view.stats,
         recent_up_fraction=fitted.recent_up_fraction if fitted else 1.0,
