@@ -698,7 +698,7 @@ def load_config(explicit: str | None = None, state_dir: str | None = None) -> Co
             try:
                 cfg = Config.model_validate({**data, "source": str(path)})
             except ValidationError as exc:
-                raise format_validation_error(exc, path) from None
+                raise format_validation_error(exc, path, Config) from None
             break
     else:
         cfg = Config()

@@ -6,6 +6,7 @@ environment-variable *names*, never from their values.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -73,17 +74,47 @@ def what_was_given(value: object) -> str:
     return next((word for cls, word in kinds.items() if isinstance(value, cls)), f"a {type(value).__name__}")
 
 
-def format_validation_error(exc: Any, source: str | Path) -> BadInput:
-    """Turn a pydantic ValidationError into one BadInput line: file, field, what is expected."""
-    errors = exc.errors(include_url=False)
-    first = errors[0]
-    path = [str(p) for p in first["loc"]]
-    cause = first.get("ctx", {}).get("error")
+# What a regex constraint means, in words, by its pattern (the models that use one register it): a pydantic message
+# would show the regex.
+PATTERN_WORDS: dict[str, str] = {}
+_DATETIME_ERRORS = ("datetime_parsing", "datetime_from_date_parsing", "datetime_object_invalid")
+SHOWN_ALSO = 3  # problems after the first named in the same line
+
+
+def _fields_at(model: Any, loc: list[str]) -> list[str]:
+    """The field names of the (nested) model at `loc` below `model`: where a mistyped field should have been."""
+    for step in loc:
+        field = getattr(model, "model_fields", {}).get(step)
+        if field is None:
+            if isinstance(model, dict):  # a table of models by name: the step is a key
+                model = model.get("value")
+                continue
+            return []
+        model = _model_in(field.annotation)
+    return list(getattr(model, "model_fields", {}))
+
+
+def _model_in(annotation: Any) -> Any:
+    """The model an annotation holds: itself, inside `X | None`, or the values of `dict[str, X]` (as a marker)."""
+    if hasattr(annotation, "model_fields"):
+        return annotation
+    args = getattr(annotation, "__args__", ())
+    origin = getattr(annotation, "__origin__", None)
+    if origin is dict and len(args) == 2:
+        inner = _model_in(args[1])
+        return {"value": inner} if inner is not None else None
+    return next((m for m in (_model_in(a) for a in args) if m is not None), None)
+
+
+def _one_problem(error: Any, model: Any) -> tuple[str, str]:
+    """(field, what is expected) for one pydantic error."""
+    path = [str(p) for p in error["loc"]]
+    cause = error.get("ctx", {}).get("error")
     if isinstance(cause, FieldValueError):
         path.append(cause.field)
     loc = ".".join(path) or "(top level)"
-    kind = first["type"]
-    msg = first["msg"]
+    kind = error["type"]
+    msg = error["msg"]
     if kind == "missing":
         msg = "is required but missing"
     elif kind == "finite_number":
@@ -92,14 +123,34 @@ def format_validation_error(exc: Any, source: str | Path) -> BadInput:
         msg = msg.removeprefix("Value error, ")  # pydantic's prefix on a validator's own words
     elif kind in _BOUND:
         # "a number" for integer fields too: an integer is one, and a fraction given to one fails as int_from_float.
-        bound = first.get("ctx", {}).get(_BOUND[kind][0])
+        bound = error.get("ctx", {}).get(_BOUND[kind][0])
         shown = f"{bound:g}" if isinstance(bound, int | float) else bound
-        msg = f"expected a number {_BOUND[kind][1]} {shown}, got {what_was_given(first.get('input'))}"
+        msg = f"expected a number {_BOUND[kind][1]} {shown}, got {what_was_given(error.get('input'))}"
     elif kind in _EXPECTED_TYPE:
-        msg = f"expected {_EXPECTED_TYPE[kind]}, got {what_was_given(first.get('input'))}"
+        msg = f"expected {_EXPECTED_TYPE[kind]}, got {what_was_given(error.get('input'))}"
+    elif kind in _DATETIME_ERRORS:
+        msg = "expected an ISO 8601 date and time with a time zone (2026-12-01T09:00:00Z)"
+    elif kind == "string_pattern_mismatch":
+        pattern = error.get("ctx", {}).get("pattern")
+        msg = f"expected {PATTERN_WORDS.get(pattern, f'a string matching {pattern}')}"
     elif kind == "extra_forbidden":
         msg = "is not a known field"
+        near = difflib.get_close_matches(path[-1], _fields_at(model, path[:-1]), n=1) if model is not None else []
+        if near:
+            msg += f" (did you mean '{near[0]}'?)"
         if any(s in loc.lower() for s in ("key", "secret", "token", "password")):
             msg += " (secrets are never written inline: name an environment variable in a '*_env' field)"
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    return BadInput(f"{msg}{more}", source=source, field=loc)
+    return loc, msg
+
+
+def format_validation_error(exc: Any, source: str | Path, model: Any = None) -> BadInput:
+    """Turn a pydantic ValidationError into one BadInput line: file, field, what is expected; the next few problems
+    after it, in the same line, so that a file with several is not fixed one run at a time. `model`: the model
+    validated, whose field names suggest the one a mistyped field meant."""
+    problems = [_one_problem(e, model) for e in exc.errors(include_url=False)]
+    loc, msg = problems[0]
+    also = [f"field '{other}': {what}" for other, what in problems[1:1 + SHOWN_ALSO]]
+    more = len(problems) - 1 - len(also)
+    if also:
+        msg += f" (also {'; '.join(also)}{f'; and {more} more' if more else ''})"
+    return BadInput(msg, source=source, field=loc)

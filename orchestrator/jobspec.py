@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.config import JobKind, Market, PassedEnvName, read_toml
-from orchestrator.errors import BadInput, FieldValueError, format_validation_error, what_was_given
+from orchestrator.errors import PATTERN_WORDS, BadInput, FieldValueError, format_validation_error, what_was_given
 
 Method = Literal["full", "lora", "qlora"]
 Dtype = Literal["fp32", "bf16", "fp16", "int8", "int4"]
@@ -38,6 +38,7 @@ DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 an
 # A job's name is part of file names (decision records): no path separators, no leading dot.
 NAME_PATTERN, NAME_MAX = r"^[A-Za-z0-9][A-Za-z0-9._-]*$", 48
 NAME_EXPECTED = f"letters, digits, '.', '_' and '-', starting with a letter or digit, at most {NAME_MAX}"
+PATTERN_WORDS[NAME_PATTERN] = f"a name of {NAME_EXPECTED} characters"
 # Variables burstctl itself gives the command (the supervisor's contract, and the runbooks' PYTHONPATH): a value
 # passed under one of these names would be silently replaced, so the name is refused instead.
 RESERVED_ENV = frozenset({"BURST_JOB_ID", "BURST_ATTEMPT", "BURST_CHECKPOINT_DIR", "BURST_RESUME_FROM",
@@ -299,7 +300,7 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise format_validation_error(exc, path) from None
+        raise format_validation_error(exc, path, JobSpec) from None
     # At intake only, not in the model: a job stored before this check was added must still load.
     why = too_much_work(spec.work_units, [spec.local_throughput, *(s_r * spec.gpus
                                                                    for s_r in spec.rented_throughput.values())])

@@ -255,6 +255,17 @@ def test_config_example_shows_every_setting_in_its_section() -> None:
 BAD_JOBS = {
     "missing-field": ({"local_throughput": None}, "local_throughput", "required"),
     "unknown-field": ({"colour": "blue"}, "colour", "not a known field"),
+    "misspelt-field": ({"deadline_critcal": True}, "deadline_critcal",
+                       "is not a known field (did you mean 'deadline_critical'?)"),
+    "misspelt-nested-field": ({"checkpoint": {"interval_minute": 5}}, "checkpoint.interval_minute",
+                              "(did you mean 'interval_minutes'?)"),
+    # Words, not pydantic's regex or its parser's complaint.
+    "bad-name": ({"name": "my job!"}, "name", "expected a name of letters, digits, '.', '_' and '-'"),
+    "unreadable-deadline": ({"deadline_hours": None, "deadline": "tomorrow"}, "deadline",
+                            "expected an ISO 8601 date and time with a time zone"),
+    # Several problems are named in the one line, not found one run at a time.
+    "two-problems": ({"gpus": 0, "colour": "blue"}, "gpus",
+                     "got 0 (also field 'colour': is not a known field)"),
     "wrong-type": ({"gpus": "two"}, "gpus", "integer"),
     "zero-work": ({"work_units": 0}, "work_units", "greater than 0"),
     "negative-work": ({"work_units": -3}, "work_units", "greater than 0"),
@@ -314,7 +325,7 @@ def test_a_setup_given_as_a_string_is_split_like_the_command(tmp_path: Path) -> 
 def test_bad_job_specs_exit_2_with_one_line_and_queue_nothing(burstctl, tmp_path: Path, case: str) -> None:
     fields, field, expected = BAD_JOBS[case]
     (tmp_path / "train.py").touch()
-    path = write_job(tmp_path, case, **fields)
+    path = write_job(tmp_path, **{"name": case, **fields})
     r = burstctl("enqueue", str(path))
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
@@ -545,6 +556,17 @@ def test_a_value_in_the_wrong_unit_is_refused_saying_which_unit_is_expected(
         burstctl, tmp_path: Path, text: str, field: str, says: str) -> None:
     # Believed, each one misleads quietly: a 7B LoRA needing 20 GB "fits" a 16303 GiB card and runs out of memory
     # on the real one; a margin larger than the card makes every job rethink; 25 $/kWh prices 4 h at $40.
+    assert_config_refused(burstctl, tmp_path, text, "status", field, says)
+
+
+@pytest.mark.parametrize(("text", "field", "says"), [
+    ("[daemon]\ntick_ss = 5\n", "daemon.tick_ss", "is not a known field (did you mean 'tick_s'?)"),
+    ("[providers.sim]\nbase_ur = 'http://127.0.0.1:1'\n", "providers.sim.base_ur", "(did you mean 'base_url'?)"),
+    ("[budget]\nmonthly_cap = 20\n[daemon]\ntick_ss = 5\n", "budget.monthly_cap",
+     "(did you mean 'monthly_cap_usd'?) (also field 'daemon.tick_ss': is not a known field (did you mean 'tick_s'?))"),
+], ids=["in-a-section", "in-a-table-of-providers", "two-at-once"])
+def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: Path, text: str, field: str,
+                                                         says: str) -> None:
     assert_config_refused(burstctl, tmp_path, text, "status", field, says)
 
 

@@ -133,7 +133,7 @@ def _model_from(job_path: str | None, flags: dict[str, Any]) -> ModelSpec:
     try:
         model = ModelSpec.model_validate({**base, **given})
     except ValidationError as exc:
-        raise format_validation_error(exc, source) from None
+        raise format_validation_error(exc, source, ModelSpec) from None
     missing = missing_architecture_fields(model)
     if missing and job_path is None:
         # Name the flags the user can type rather than ModelSpec's field names.
