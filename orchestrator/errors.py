@@ -98,7 +98,7 @@ def _model_in(annotation: Any) -> Any:
     """The model an annotation holds: itself, inside `X | None`, or the values of `dict[str, X]` (as a marker)."""
     if hasattr(annotation, "model_fields"):
         return annotation
-    args = getattr(annotation, "__args__", ())
+    args: tuple[Any, ...] = tuple(getattr(annotation, "__args__", ()))
     origin = getattr(annotation, "__origin__", None)
     if origin is dict and len(args) == 2:
         inner = _model_in(args[1])
