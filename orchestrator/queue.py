@@ -532,8 +532,8 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         margin_gb = cfg.local.safety_margin_gb
         fits_local = local.per_gpu_gb <= cfg.local.vram_gb - margin_gb
         if not fits_local:
-            memory_why = (f"it needs {local.per_gpu_gb:.1f} GB, the local {cfg.local.gpu} has {cfg.local.vram_gb:.1f} "
-                          f"GB with {margin_gb:.1f} GB kept free")
+            memory_why = (f"it needs {local.per_gpu_gb:.1f} GB, the local {cfg.local.gpu} has "
+                          f"{sizing.gb_and_gib(cfg.local.vram_gb)} with {sizing.gb_and_gib(margin_gb)} kept free")
     priced = _priced_names(spec.rented_throughput, cfg)
     unpriced = [gpu for gpu in priced if gpu not in cfg.prices]
     if unpriced and source is not None:  # a job file taken in: a typo is refused, not queued to rethink

@@ -71,8 +71,10 @@ def test_decide_says_why_a_job_does_not_fit_locally(burstctl, tmp_path: Path) ->
     big = write_job(tmp_path, "lora-7b", local_throughput=0.5, rented_throughput={"A10": 0.5, "H100": 2.0},
                     deadline_hours=48, model={"preset": "qwen2.5-7b", "method": "lora", "context": 3584})
     r = burstctl("decide", str(big))
-    assert "  why: it needs 23.8 GB, the local RTX 5080 has 17.1 GB with 1.1 GB kept free." in r.stdout
-    assert "A10: needs 23.8 GB per GPU and 1.1 GB kept free, has 24.1 GB: skipped" in r.stdout
+    # In the estimate's GB, and in the GiB the config sets (local.vram_gib = 15.92)
+    assert ("  why: it needs 23.8 GB, the local RTX 5080 has 17.1 GB = 15.92 GiB with 1.1 GB = 1.00 GiB kept "
+            "free.") in r.stdout
+    assert "A10: needs 23.8 GB per GPU and 1.1 GB = 1.00 GiB kept free, has 24.1 GB = 22.49 GiB: skipped" in r.stdout
 
 
 def test_a_local_run_just_past_the_deadline_is_printed_with_the_decimals_that_show_it(burstctl) -> None:

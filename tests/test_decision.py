@@ -92,7 +92,7 @@ def test_a_rented_card_keeps_the_same_margin_free_as_the_local_one() -> None:
     assert decide(job, replace(CTX, offers=a10)).gpu == "A10"
     d = decide(job, replace(CTX, offers=a10, vram_margin_gb=2**30 / 1e9))
     assert d.gpu == "H100"
-    assert "A10: needs 24.0 GB per GPU and 1.1 GB kept free, has 24.1 GB: skipped" in d.reasons
+    assert "A10: needs 24.0 GB per GPU and 1.1 GB = 1.00 GiB kept free, has 24.1 GB = 22.49 GiB: skipped" in d.reasons
 
 
 def test_prices_providers_listed_for_the_job_s_machine_replace_the_reference_and_say_so() -> None:
@@ -116,7 +116,7 @@ def test_a_listed_card_smaller_than_prices_says_is_the_one_the_job_must_fit() ->
     listed = {("A100", 1): ListedPrice(1.29, 0.65, "sim just now", vram_gb=40 * 2**30 / 1e9)}
     d = decide(job, replace(CTX, offers=offers, listed=listed))
     assert d.gpu == "H100"
-    assert "A100: needs 44.0 GB per GPU and 0.0 GB kept free, has 42.9 GB: skipped" in d.reasons
+    assert "A100: needs 44.0 GB per GPU and 0.0 GB = 0.00 GiB kept free, has 42.9 GB = 40.00 GiB: skipped" in d.reasons
     assert decide(job, replace(CTX, offers=offers)).gpu == "A100"  # by [prices] alone it would have gone there
 
 

@@ -16,6 +16,7 @@ from orchestrator.core.gates import GateInputs, GateResult, Verdict, evaluate
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.core.market import MarketChoice, MarketInputs, choose_market
 from orchestrator.core.plan import Phase, Plan, hybrid_plan
+from orchestrator.core.sizing import gb_and_gib
 
 Action = Literal["run-local", "burst", "await-approval", "blocked", "rethink"]
 
@@ -268,8 +269,8 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
                             spot_usd_per_gpu_h=listed.spot_usd_per_gpu_h,
                             vram_gb=min(offer.vram_gb, listed.vram_gb or math.inf))
         if job.per_gpu_gb is not None and job.per_gpu_gb + ctx.vram_margin_gb > offer.vram_gb:
-            skipped.append(f"{gpu}: needs {job.per_gpu_gb:.1f} GB per GPU and {ctx.vram_margin_gb:.1f} GB kept "
-                           f"free, has {offer.vram_gb:.1f} GB: skipped")
+            skipped.append(f"{gpu}: needs {job.per_gpu_gb:.1f} GB per GPU and {gb_and_gib(ctx.vram_margin_gb)} kept "
+                           f"free, has {gb_and_gib(offer.vram_gb)}: skipped")
             too_small = True
             continue
         if gpu in job.rented_in_file:

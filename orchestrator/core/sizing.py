@@ -416,6 +416,11 @@ def unquantized_params(model: ModelSpec, arch: Architecture) -> float:
     return _embedding_params(model, arch) + arch.hidden_size * (2 * arch.layers + 1)
 
 
+def gb_and_gib(gb: float) -> str:
+    """A memory size as estimates give it (GB) and as configs set it (GiB): `17.1 GB = 15.92 GiB`."""
+    return f"{gb:.1f} GB = {gb * GB / GIB:.2f} GiB"
+
+
 def estimate(model: ModelSpec, gpus: int = 1, margin_gib: float = DEFAULT_MARGIN_GIB) -> SizingEstimate:
     """The per-term memory budget of training `model`, what it needs per GPU on `gpus` GPUs, and which common cards
     it fits with `margin_gib` kept free on each."""
