@@ -196,6 +196,12 @@ def test_budget_shows_the_cadence_the_rest_of_the_month_buys(burstctl) -> None:
     assert "$/cycle on spot (1.5 H100-h, [prices.H100])" in burstctl("budget").stdout
 
 
+def test_budget_counts_what_admitted_jobs_plans_hold_without_calling_them_other(burstctl) -> None:
+    assert burstctl("enqueue", str(REPO / "examples" / "seed" / "b-full-grpo-7b.toml")).returncode == 0
+    out = burstctl("budget").stdout
+    assert "held for 1 admitted job's plan" in out and "other" not in out  # no job is being admitted beside it
+
+
 def test_a_cap_set_to_a_fraction_of_a_cent_is_shown_as_set_not_rounded(burstctl, tmp_path: Path) -> None:
     (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 0.105\n")
     assert "monthly cap $0.105" in " ".join(burstctl("budget").stdout.replace("│", " ").split())

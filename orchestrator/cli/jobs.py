@@ -368,7 +368,7 @@ def budget_cmd(app: App, as_json: bool) -> None:
         ("left", fmt_usd(view.remaining_usd)),
         *([("running instances accrue", f"${accruing:.2f}/h"),
            ("kept to stop them", fmt_usd(kept))] if accruing else []),
-        *([(f"held for {held.said}", fmt_usd(held.usd))] if held.jobs else []),
+        *([(f"held for {held.said()}", fmt_usd(held.usd))] if held.jobs else []),
         *([("free for new cycles", fmt_usd(free.remaining_usd))] if accruing or held.jobs else []),
         ("cycles this month", cycles),
         (f"$/cycle on spot ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h, {priced_by})", fmt_usd(spot)),

@@ -63,7 +63,7 @@ def admits(projected_usd: float, cap_usd: float, spent_usd: float, held: Held | 
     that each fit alone but not together would both launch, and the cap would stop both before either finished."""
     held = held or Held()
     left = max(0.0, cap_usd - spent_usd - held.usd)
-    holds = f"${held.usd:.2f} held for {held.said}" if held.jobs else ""
+    holds = f"${held.usd:.2f} held for {held.said('other ')}" if held.jobs else ""
     if projected_usd > left + 1e-9:
         return False, (f"projected rented ${projected_usd:.2f} exceeds the ${left:.2f} left of the ${cap_usd:.2f} "
                        f"monthly budget (${spent_usd:.2f} spent{', ' + holds if holds else ''})")
@@ -79,9 +79,9 @@ class Held:
     usd: float = 0.0
     jobs: int = 0
 
-    @property
-    def said(self) -> str:
-        return "1 other admitted job's plan" if self.jobs == 1 else f"{self.jobs} other admitted jobs' plans"
+    def said(self, other: str = "") -> str:
+        """`1 admitted job's plan`; with `other` ("other "), beside the job being admitted."""
+        return f"1 {other}admitted job's plan" if self.jobs == 1 else f"{self.jobs} {other}admitted jobs' plans"
 
     def plus(self, usd: float) -> Held:
         return Held(self.usd + max(0.0, usd), self.jobs + 1)
