@@ -202,6 +202,16 @@ def test_budget_counts_what_admitted_jobs_plans_hold_without_calling_them_other(
     assert "held for 1 admitted job's plan" in out and "other" not in out  # no job is being admitted beside it
 
 
+def test_show_says_revert_local_brought_a_job_home_and_how_it_goes_back_on_its_plan(burstctl, tmp_path: Path) -> None:
+    (tmp_path / "burstctl.toml").write_text("[providers.sim]\nenabled = false\n")  # no cloud to sweep
+    assert burstctl("enqueue", str(REPO / "examples" / "seed" / "c-big-local-deadline.toml")).returncode == 0
+    assert burstctl("revert-local", "--timeout", "5").returncode == 0
+    shown = burstctl("show", "c-big-local-deadline").stdout
+    assert "now placed local, not hybrid as decided: revert-local brought it home; bursting is still off" in shown
+    assert burstctl("burst-enable").returncode == 0
+    assert "now placed" not in burstctl("show", "c-big-local-deadline").stdout  # back on its plan
+
+
 def test_a_cap_set_to_a_fraction_of_a_cent_is_shown_as_set_not_rounded(burstctl, tmp_path: Path) -> None:
     (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 0.105\n")
     assert "monthly cap $0.105" in " ".join(burstctl("budget").stdout.replace("│", " ").split())

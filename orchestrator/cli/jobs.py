@@ -11,7 +11,7 @@ import click
 from rich.markup import escape
 from sqlalchemy import select
 
-from orchestrator.app import App
+from orchestrator.app import App, burst_enabled
 from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
 from orchestrator.core.budget import BudgetView, cycle_prices, month_end, month_key, stop_horizon_h
 from orchestrator.errors import BadInput
@@ -177,8 +177,10 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
     out.print(f"decided: verdict {d['verdict']} → {d['action']}; T_L {fmt_h(d['t_local_h'])}, "
               f"T_R {fmt_h(d['t_rented_h'])}, ΔC (all on-demand) {fmt_usd(d['delta_cost_usd'])}, "
               f"market {d.get('market') or '—'}, plan {d.get('plan_kind') or '—'} {fmt_usd(d.get('plan_cost_usd'))}")
-    if j["placement"] == "local" and d.get("placement") in ("cloud", "hybrid"):  # revert-local brought it home
-        out.print(f"  now placed local, not {d['placement']} as decided: the state line above says why")
+    if j["placement"] == "local" and d.get("placement") in ("cloud", "hybrid"):  # only revert-local moves one home
+        out.print(f"  now placed local, not {d['placement']} as decided: revert-local brought it home"
+                  + ("; bursting is still off (`burstctl burst-enable` puts it back on its plan unless it has "
+                     "started here)" if not burst_enabled(app) else ""))
     for r in d["reasons"]:
         out.print(f"  · {escape(r)}")
     out.print(f"deadline {_when(j['deadline_at'])} UTC; record {escape(j['record_path'])}")
