@@ -153,6 +153,14 @@ def test_enqueue_the_seed_examples_then_list_show_and_events(burstctl) -> None:
     assert all("inputs" in e and "decision" in e for e in events)
     jsonl = (burstctl.state_dir / "events.jsonl").read_text().splitlines()
     assert sum(1 for line in jsonl if json.loads(line)["event"] == "job.decided") == 3
+    # `job.*` as [[notify]] writes it is the prefix `job.`; a type never recorded is said, with the nearest one.
+    assert len(burstctl("events", "--json", "--type", "job.*").stdout.splitlines()) == 6
+    typo = burstctl("events", "--type", "job.decidd")
+    assert typo.returncode == 0 and typo.stdout == ""
+    assert "no event of a type starting with 'job.decidd' has been recorded yet (did you mean 'job.decided'?)" \
+        in typo.stderr
+    glob = burstctl("events", "--type", "job.*ed")
+    assert glob.returncode == 2 and "field '--type': 'job.*ed' is not a prefix" in glob.stderr
 
 
 def test_approving_a_hybrid_no_months_budget_pays_promises_no_burst(burstctl, tmp_path: Path) -> None:

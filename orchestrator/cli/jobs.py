@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import time
 from datetime import UTC, datetime
@@ -391,7 +392,8 @@ EVENTS_SHOWN = 100  # `burstctl events` without --limit or --all: the newest thi
 @cli.command("events")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new events as they happen.")
 @click.option("--job", "job_ref", default=None, help="Only this job's events.")
-@click.option("--type", "type_prefix", default=None, help="Only events whose type starts with this.")
+@click.option("--type", "type_prefix", default=None,
+              help="Only events whose type starts with this (`job.` or `job.*`: every job event; `job.done`).")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help=f"At most this many (the newest; {EVENTS_SHOWN} unless --all; with --after, the first).")
 @click.option("--all", "show_all", is_flag=True, help="Every event from the first (streamed), not only the newest.")
@@ -411,6 +413,8 @@ def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | N
     if show_all and after_id is not None:
         raise BadInput("--all and --after exclude each other (--all is --after 0)", field="--after")
     job_id = job_or_fail(app, job_ref, "--job", newest=True)["id"] if job_ref else None
+    if type_prefix is not None:
+        type_prefix = _type_prefix(app, type_prefix)
     last = 0
     if after_id is not None and limit:  # a page
         evs = app.store.events(after_id=after_id, job_id=job_id, type_prefix=type_prefix, limit=limit)
@@ -436,6 +440,21 @@ def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | N
             _print_events(tail.poll(), as_json)
     except KeyboardInterrupt:
         return
+
+
+def _type_prefix(app: App, given: str) -> str:
+    """`--type` as a prefix of event types: `job.*` as [[notify]] `events` write it is `job.`. A prefix no event
+    recorded so far has is said on stderr (a typo shows nothing), with the nearest type; it stays the filter, as
+    --follow may yet see one."""
+    prefix = given.removesuffix("*")
+    if any(c in prefix for c in "*?["):
+        raise BadInput(f"'{given}' is not a prefix: expected the start of an event type (`job.`, `job.*`, "
+                       "`attempt.running`); only a trailing * is allowed", field="--type")
+    if not app.store.event_types(prefix):
+        near = difflib.get_close_matches(prefix, app.store.event_types(), n=1, cutoff=0.5)
+        click.echo(f"note: no event of a type starting with '{prefix}' has been recorded yet"
+                   + (f" (did you mean '{near[0]}'?)" if near else ""), err=True)
+    return prefix
 
 
 def _print_events(evs: list[dict[str, Any]], as_json: bool) -> None:
