@@ -180,6 +180,11 @@ def test_status_tells_how_the_cloud_answers_now_with_nothing_queued_and_not_afte
         wait_for(lambda: json.loads(cli(config, state, "status", "--json").stdout)["cloud_health_at"] > first, 30,
                  "the providers to be asked again")
         assert "cloud (asked " in cli(config, state, "status").stdout
+        # While bursting is off the daemon asks no cloud: the answer shown is the last one, from before.
+        cli(config, state, "revert-local", "--timeout", "5")
+        assert "before bursting was turned off: not asked until `burstctl burst-enable`" in cli(
+            config, state, "status").stdout
+        assert cli(config, state, "burst-enable").returncode == 0
     finally:
         assert daemon.stop() == 0
     after = cli(config, state, "status")

@@ -57,7 +57,7 @@ COMMAND_SUMMARIES = {
     "providers": "Configured providers: credentials, answering, offers.",
     "rehearse": "Run a job on a private simulated cloud with preemptions.",
     "report": "Finished jobs: what each was expected to cost and take, and did.",
-    "retry": "Queue a failed or cancelled job again, from its newest checkpoint.",
+    "retry": "Queue a failed, cancelled or rethink job again, from its newest checkpoint.",
     "revert-local": "Go back to local-only in one command.",
     "schedules": "Jobs queued on a schedule: next slot, last cycle.",
     "show": "Show one job: its decision, state and recent events.",

@@ -180,6 +180,8 @@ def status_cmd(app: App, as_json: bool) -> None:
         when = f"asked {_ago(at, time.time())}" if at is not None else "asked"
         if not dmn["running"]:
             when = f"last {when} by the daemon, which is not running"
+        elif d["mode"] == "local-only":  # the kill switch: the daemon asks no cloud while bursting is off
+            when = f"last {when}, before bursting was turned off: not asked until `burstctl burst-enable`"
         out.print(f"cloud ({when}): {health}")
     out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in d["jobs"].items() if v) if d["active_jobs"] or any(
         d["jobs"].values()) else "jobs: none")
