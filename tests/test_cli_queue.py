@@ -144,6 +144,10 @@ def test_enqueue_the_seed_examples_then_list_show_and_events(burstctl) -> None:
 
     listed = json.loads(burstctl("list", "--json").stdout)
     assert [j["name"] for j in listed] == ["a-grpo-smoke", "b-full-grpo-7b", "c-big-local-deadline"]
+    # The table's `over local` is what the approval ceiling weighs: the plan's cost less local's, not the ΔC.
+    c = ids["c-big-local-deadline"]["decision"]
+    row = next(line for line in burstctl("list").stdout.splitlines() if "c-big-local-deadline" in line)
+    assert f"${c['plan_cost_usd'] - c['c_local_usd']:.2f}" in row and "$16.12" not in row
     shown = json.loads(burstctl("show", "b-full-grpo-7b", "--json").stdout)
     assert shown["decision"]["verdict"] == "burst"
     assert {e["type"] for e in shown["events"]} == {"job.enqueued", "job.decided"}

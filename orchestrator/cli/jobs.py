@@ -109,12 +109,10 @@ def list_cmd(app: App, states: tuple[str, ...], show_all: bool, as_json: bool) -
     if not jobs:
         out.print("no jobs")
         return
-    # ΔC is the seed's price of the deadline (on-demand); the plan is what the job is set to run, spot included.
     rows = jobs if show_all else jobs[:LIST_ROWS]
-    table(None, ["id", "name", "kind", "verdict", "state", "placement", "ΔC", "plan", "deadline (UTC)"],
-          [(j["id"], j["name"], j["kind"], j["verdict"], j["state"], j["placement"],
-            fmt_usd(j["decision"].get("delta_cost_usd")), _plan_txt(j["decision"]), _when(j["deadline_at"]))
-           for j in rows])
+    table(None, ["id", "name", "kind", "verdict", "state", "placement", "plan", "over local", "deadline (UTC)"],
+          [(j["id"], j["name"], j["kind"], j["verdict"], j["state"], j["placement"], _plan_txt(j["decision"]),
+            _over_local(j["decision"]), _when(j["deadline_at"])) for j in rows])
     if len(rows) < len(jobs):
         out.print(f"[dim]{len(jobs) - len(rows)} more not shown: `burstctl status` counts them by state; --all "
                   "draws every row, --json lists them, --state narrows[/dim]")
@@ -147,6 +145,14 @@ def _listed(app: App, states: tuple[str, ...], show_all: bool) -> tuple[list[dic
     counts = app.store.count_jobs_by_state()
     hidden = sum(counts.get(st, 0) for st in over) - len(finished)
     return sorted(jobs + finished, key=lambda j: j["created_at"]), hidden
+
+
+def _over_local(d: dict[str, Any]) -> str:
+    """What a priced job's plan costs more than running it locally: what `policy.max_auto_delta_usd` is held against
+    (not the seed's all-on-demand ΔC, which `show` and `decide` print)."""
+    if d.get("verdict") != "priced" or d.get("plan_cost_usd") is None or d.get("c_local_usd") is None:
+        return "—"
+    return fmt_usd(d["plan_cost_usd"] - d["c_local_usd"])
 
 
 def _plan_txt(d: dict[str, Any]) -> str:

@@ -103,7 +103,7 @@ def _print(app: App, att: dict[str, Any], path: Path, lines: int | None, follow:
         pruned = (att["info"] or {}).get(LOGS_PRUNED_AT)
         click.echo(f"(no {path.name} for this attempt{' yet' if not AttemptState(att['state']).final else ''}"
                    + (f": its logs were deleted on {datetime.fromtimestamp(pruned).astimezone():%Y-%m-%d} with "
-                      "the job's events, long after it finished (state.events_keep_days, prune-events)"
+                      "the job's events (state.events_keep_days, or prune-events)"
                       if pruned else "") + ")", err=True)
         return
     else:
