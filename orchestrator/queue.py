@@ -717,6 +717,7 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
         app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=target.value,
                         verdict=d["verdict"], action=d["action"], record=str(record), placement=placement,
                         reason=d["reasons"][-1] if d["reasons"] else None)
+        records.superseded(job.get("record_path"), record, f"decided again while {job['state']}", now)
         return target.value, {**d, "placement": placement}
 
     if conn is not None:

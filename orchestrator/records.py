@@ -132,3 +132,13 @@ def fill_measured(path: Path, measured: str) -> None:
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text(new, encoding="utf-8")
     tmp.replace(path)
+
+
+def superseded(old: str | Path | None, new: Path, what: str, now: float) -> None:
+    """The record a new decision of the same job replaces before its run was measured: its Measured line, still
+    waiting, points at the new record (where the run will be measured) instead of waiting for ever."""
+    if not old or Path(old) == new or not Path(old).exists():
+        return
+    if MEASURED_PLACEHOLDER in Path(old).read_text(encoding="utf-8"):
+        when = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d %H:%M UTC")
+        fill_measured(Path(old), f"{what}, {when}: see {new.name}")

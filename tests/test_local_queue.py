@@ -175,6 +175,7 @@ def test_a_queued_job_that_a_more_urgent_one_makes_late_is_decided_again_and_bur
     holding = _enqueue(app, tmp_path, "holding", 10)
     _running(app, holding)  # 4 h left on the GPU
     later = _enqueue(app, tmp_path, "later", 10)
+    first_record = Path(later["record_path"])
     # The run's 4 h less the moments it has run by now (a loaded machine makes them tenths of a second).
     assert (later["placement"], later["decision"]["local_wait_h"]) == ("local", pytest.approx(4.0, abs=0.01))
     urgent = _enqueue(app, tmp_path, "urgent", 9)  # ahead of `later` in line: 4 + 4 = 8 h, in time
@@ -189,6 +190,9 @@ def test_a_queued_job_that_a_more_urgent_one_makes_late_is_decided_again_and_bur
     (moved,) = app.store.events(job_id=later["id"], type_prefix="job.redecided")
     assert moved["data"]["why"] == "late in line" and moved["data"]["placement"] == "cloud"
     assert "decided again while queued" in Path(later["record_path"]).read_text()  # a record of its own
+    # The first record's run will never be measured there: it says where it will be.
+    assert ("- **Measured:** decided again while queued, " in first_record.read_text()
+            and f": see {Path(later['record_path']).name}" in first_record.read_text())
     app.close()
 
 

@@ -301,7 +301,10 @@ def test_a_blocked_job_that_has_run_is_decided_again_on_the_work_it_has_left(tmp
     # run's Measured line goes into is that one.
     records = list((tmp_path / "state" / "decisions").glob("*.md"))
     (before,) = [p for p in records if str(p) != job["record_path"]]
-    assert len(records) == 2 and "decided again" not in before.read_text()
+    assert len(records) == 2 and "- decided again" not in before.read_text()  # its rationale is its own
+    # Its Measured line says where the run is measured: its earlier attempt, and the rest, are counted there.
+    assert "- **Measured:** decided again while blocked, " in before.read_text()
+    assert f": see {Path(job['record_path']).name}" in before.read_text()
     text = Path(job["record_path"]).read_text()
     assert "decided again while blocked (3 launches failed in a row (NoCapacity))" in text and "0.8" in text
     redecided = [e for e in app.store.events(job_id=job["id"]) if e["type"] == "job.redecided"]

@@ -429,10 +429,8 @@ class LocalRunner:
         if not written:  # the job moved on meanwhile (a cancel): nothing was re-planned
             return
         info.update(changed)
-        old = job.get("record_path")
-        if record is not None and old and Path(old).exists():
-            when = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d %H:%M UTC")
-            records.fill_measured(Path(old), f"re-planned while running locally, {when}: see {record.name}")
+        if record is not None:
+            records.superseded(job.get("record_path"), record, "re-planned while running locally", now)
         job.update(fields)
 
     def _end(self, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState, reason: str,

@@ -45,7 +45,7 @@ from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_du
 from orchestrator.lifecycle.states import JobState
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
 from orchestrator.queue import local_hours, record_offers_seen, setup_key, throughput_key
-from orchestrator.records import supersede
+from orchestrator.records import supersede, superseded
 from orchestrator.remote.ssh import HostKeyMismatch, SharedConnection
 from providers.base import (
     LAUNCH_REFUSALS,
@@ -432,6 +432,7 @@ class Reconciler:
                                      placement=d["placement"], local_wait_h=wait,
                                      why="no local stretch long enough" if unfit else "late in line",
                                      reason=d["reasons"][-1] if d["reasons"] else None)
+            superseded(job.get("record_path"), record, "decided again while queued", now)
             if again.target is JobState.QUEUED:  # admitted to the cloud: the next job sees what its plan holds
                 ctx = replace(ctx, held=ctx.held.plus(planned_rented_usd(d)))
 
