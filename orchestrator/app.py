@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
 from orchestrator.config import Config, load_config
-from orchestrator.errors import BadInput, OperationalError
+from orchestrator.errors import NOTES, BadInput, OperationalError
 from orchestrator.events import EventLog, Redactor
 from providers.registry import key_file_secrets
 from state import schema as s
@@ -62,6 +62,10 @@ class App:
 
     @cached_property
     def store(self) -> Store:
+        if not self.config.state_dir.exists():
+            # A mistyped --state-dir otherwise shows an empty queue, or queues a job no daemon will ever see, without
+            # a word.
+            NOTES.append(f"{self.config.state_dir} did not exist: made it, a new and empty state directory")
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.config.state_dir, 0o700)
         where = f"{self.config.source}: " if self.config.source else ""

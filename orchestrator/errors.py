@@ -38,6 +38,11 @@ class BadInput(BurstctlError):
         return self if self.source else BadInput(self.detail, source=source, field=self.field)
 
 
+# What the CLI says on stderr once a command has succeeded (`cli.main`): a note said before a bad input's one line
+# would make it two.
+NOTES: list[str] = []
+
+
 class OperationalError(BurstctlError):
     """Something outside the input went wrong (a provider, SSH, the disk)."""
 

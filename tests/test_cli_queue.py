@@ -224,6 +224,17 @@ def test_show_says_revert_local_brought_a_job_home_and_how_it_goes_back_on_its_p
     assert "now placed" not in burstctl("show", "c-big-local-deadline").stdout  # back on its plan
 
 
+def test_a_state_directory_that_did_not_exist_is_said_to_be_new(burstctl, tmp_path: Path) -> None:
+    # A mistyped --state-dir showed an empty queue, or queued a job no daemon would see, without a word.
+    assert burstctl("enqueue", str(REPO / "examples" / "seed" / "a-grpo-smoke.toml")).returncode == 0
+    typo = tmp_path / "stat"
+    listed = burstctl("list", state_dir=typo)
+    assert listed.returncode == 0 and listed.stdout.strip() == "no jobs"
+    assert listed.stderr.strip() == f"burstctl: note: {typo} did not exist: made it, a new and empty state directory"
+    assert burstctl("list", state_dir=typo).stderr == ""  # said once
+    assert "a-grpo-smoke" in burstctl("list").stdout
+
+
 def test_a_cap_set_to_a_fraction_of_a_cent_is_shown_as_set_not_rounded(burstctl, tmp_path: Path) -> None:
     (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 0.105\n")
     assert "monthly cap $0.105" in " ".join(burstctl("budget").stdout.replace("│", " ").split())

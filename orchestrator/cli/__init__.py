@@ -13,12 +13,15 @@ import traceback
 import click
 
 from orchestrator.cli.base import cli
-from orchestrator.errors import BurstctlError
+from orchestrator.errors import NOTES, BurstctlError
 
 
 def main(argv: list[str] | None = None) -> int:
+    NOTES.clear()
     try:
         cli.main(args=argv, prog_name="burstctl", standalone_mode=False)
+        for note in NOTES:
+            print(f"burstctl: note: {note}", file=sys.stderr)
         return 0
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
