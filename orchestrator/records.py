@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 MEASURED_PLACEHOLDER = "- **Measured:** _(filled in after the run)_"
+# A `burstctl decide` of a job file: a what-if, queued nowhere, so never measured.
+MEASURED_NEVER = "- **Measured:** never: a what-if (`burstctl decide`), not queued; `burstctl enqueue` runs it"
 
 
 def fmt_h(v: float | None) -> str:
@@ -81,7 +83,7 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
                  f"ΔC = {fmt_usd(d['delta_cost_usd'])} to save {fmt_h(d['hours_saved'])}")
     mc = d.get("market_costs") or {}
     lines = [
-        f"# Decision: {job_name}",
+        f"# Decision: {job_name}" if job_id else f"# Decision (what-if, not queued): {job_name}",
         "",
         f"- **Job:** {job_name}{f' ({job_id})' if job_id else ''}, W = {work:g} units, s_L = {s_local:g} units/h "
         f"on {local_gpu}, {gpus} GPU(s), deadline {deadline_h:.2f} h; decided {when}",
@@ -95,7 +97,7 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
         f"- **Expected run time and overhead:** T_R = {fmt_h(d['t_rented_h'])} including "
         f"t_ovh = {d['overhead_h']:.2f} h;"
         f" plan: {plan_txt}; plan cost {fmt_usd(d.get('plan_cost_usd'))}",
-        MEASURED_PLACEHOLDER,
+        MEASURED_PLACEHOLDER if job_id else MEASURED_NEVER,
         "",
         "## Rationale",
         "",

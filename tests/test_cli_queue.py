@@ -129,6 +129,12 @@ def test_decision_record_has_every_section(burstctl) -> None:
                     "## Rationale"):
         assert heading in text
     assert Path(json.loads(r.stdout)["record"]).name.endswith("-full-grpo.md")
+    # A decide queues nothing: its record says it is a what-if, never to be measured, unlike a queued job's.
+    assert text.startswith("# Decision (what-if, not queued): full-grpo")
+    assert "- **Measured:** never: a what-if (`burstctl decide`), not queued" in text
+    queued = burstctl("enqueue", str(REPO / "examples" / "seed" / "b-full-grpo-7b.toml"), "--json")
+    record = Path(json.loads(queued.stdout)["record"]).read_text()
+    assert record.startswith("# Decision: b-full-grpo-7b") and "_(filled in after the run)_" in record
 
 
 def test_enqueue_the_seed_examples_then_list_show_and_events(burstctl) -> None:
