@@ -92,8 +92,8 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
         f"- **Verdict:** {d['verdict']} → {d['action']}",
         f"- **Instance:** {d.get('gpu') or '—'} × {gpus}, market {d.get('market') or '—'}",
         f"- **Rate used:** {fmt_usd(d.get('rate_usd_per_gpu_h'))}/GPU-h"
-        + (f" (on-demand {fmt_usd(mc.get('on_demand_usd'))}, spot expected {fmt_usd(mc.get('spot_expected_usd'))})"
-           if mc else ""),
+        + (f" (the run in all: on-demand {fmt_usd(mc.get('on_demand_usd'))}, spot expected "
+           f"{fmt_usd(mc.get('spot_expected_usd'))})" if mc else ""),
         f"- **Expected run time and overhead:** T_R = {fmt_h(d['t_rented_h'])} including "
         f"t_ovh = {d['overhead_h']:.2f} h;"
         f" plan: {plan_txt}; plan cost {fmt_usd(d.get('plan_cost_usd'))}",
