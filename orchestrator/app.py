@@ -39,6 +39,7 @@ class App:
     config_path: str | None = None
     state_dir_override: str | None = None
     console: TextIO | None = None
+    says_notes: bool = False  # the CLI's own App: what it notices is said once the command succeeds (`NOTES`)
     _closers: list = field(default_factory=list)
 
     @cached_property
@@ -62,7 +63,7 @@ class App:
 
     @cached_property
     def store(self) -> Store:
-        if not self.config.state_dir.exists():
+        if self.says_notes and not self.config.state_dir.exists():
             # A mistyped --state-dir otherwise shows an empty queue, or queues a job no daemon will ever see, without
             # a word.
             NOTES.append(f"{self.config.state_dir} did not exist: made it, a new and empty state directory")

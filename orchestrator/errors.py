@@ -89,24 +89,26 @@ SHOWN_ALSO = 3  # problems after the first named in the same line
 def _fields_at(model: Any, loc: list[str]) -> list[str]:
     """The field names of the (nested) model at `loc` below `model`: where a mistyped field should have been."""
     for step in loc:
-        field = getattr(model, "model_fields", {}).get(step)
+        if isinstance(model, dict):  # a table of models by name, or a list of them: the step is a key or an index
+            model = model.get("value")
+            continue
+        fields = getattr(model, "model_fields", {})
+        field = fields.get(step) or next((f for f in fields.values() if f.alias == step), None)
         if field is None:
-            if isinstance(model, dict):  # a table of models by name: the step is a key
-                model = model.get("value")
-                continue
             return []
         model = _model_in(field.annotation)
-    return list(getattr(model, "model_fields", {}))
+    return [f.alias or name for name, f in getattr(model, "model_fields", {}).items()]
 
 
 def _model_in(annotation: Any) -> Any:
-    """The model an annotation holds: itself, inside `X | None`, or the values of `dict[str, X]` (as a marker)."""
+    """The model an annotation holds: itself, inside `X | None`, or the items of `dict[str, X]` or `list[X]` (as a
+    marker: a step of the path is then a key or an index)."""
     if hasattr(annotation, "model_fields"):
         return annotation
     args: tuple[Any, ...] = tuple(getattr(annotation, "__args__", ()))
     origin = getattr(annotation, "__origin__", None)
-    if origin is dict and len(args) == 2:
-        inner = _model_in(args[1])
+    if (origin is dict and len(args) == 2) or (origin is list and len(args) == 1):
+        inner = _model_in(args[-1])
         return {"value": inner} if inner is not None else None
     return next((m for m in (_model_in(a) for a in args) if m is not None), None)
 

@@ -717,13 +717,15 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
         app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=target.value,
                         verdict=d["verdict"], action=d["action"], record=str(record), placement=placement,
                         reason=d["reasons"][-1] if d["reasons"] else None)
-        records.superseded(job.get("record_path"), record, f"decided again while {job['state']}", now)
         return target.value, {**d, "placement": placement}
 
-    if conn is not None:
+    if conn is not None:  # the caller's transaction: it points the record before at this one once committed
         return _apply(conn)
     with app.store.tx() as c:
-        return _apply(c)
+        done = _apply(c)
+    if done is not None:
+        records.superseded(job.get("record_path"), record, f"decided again while {job['state']}", now)
+    return done
 
 
 def retry(app: App, job: dict[str, Any], now: float | None = None, *,
@@ -787,4 +789,5 @@ def retry(app: App, job: dict[str, Any], now: float | None = None, *,
     except BaseException:
         record_path.unlink(missing_ok=True)  # the retry never happened: no record may describe it
         raise
+    records.superseded(job.get("record_path"), record_path, "retried", now)  # a rethink job's: it never ran
     return again

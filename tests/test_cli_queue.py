@@ -611,7 +611,9 @@ def test_a_value_in_the_wrong_unit_is_refused_saying_which_unit_is_expected(
     ("[providers.sim]\nbase_ur = 'http://127.0.0.1:1'\n", "providers.sim.base_ur", "(did you mean 'base_url'?)"),
     ("[budget]\nmonthly_cap = 20\n[daemon]\ntick_ss = 5\n", "budget.monthly_cap",
      "(did you mean 'monthly_cap_usd'?) (also field 'daemon.tick_ss': is not a known field (did you mean 'tick_s'?))"),
-], ids=["in-a-section", "in-a-table-of-providers", "two-at-once"])
+    ("[providers.lamda]\nenabled = false\n", "providers.lamda", "(did you mean 'lambda'?)"),  # as the file spells it
+    ("[[notify]]\nname = 'x'\nurl_evn = 'HOOK'\n", "notify.0.url_evn", "(did you mean 'url_env'?)"),
+], ids=["in-a-section", "in-a-table-of-providers", "two-at-once", "a-provider", "in-a-list-of-tables"])
 def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: Path, text: str, field: str,
                                                          says: str) -> None:
     assert_config_refused(burstctl, tmp_path, text, "status", field, says)

@@ -171,8 +171,8 @@ def test_a_launch_never_takes_a_card_too_small_for_the_job_whatever_its_price(tm
     assert Reconciler(app, {"lambda": _Listing(small)}, cloud=None).choose_offer(  # type: ignore[dict-item]
         job, time.time()) is None
     assert app.store.get_job(job_id)["reason"] == (
-        "no offer with capacity for 1×A100 (too small for its 44.2 GB per GPU and 1.1 GB kept free: "
-        "lambda gpu_1x_a100 has 42.9 GB per GPU)")
+        "no offer with capacity for 1×A100 (too small for its 44.2 GB per GPU and 1.1 GB = 1.00 GiB kept free: "
+        "lambda gpu_1x_a100 has 42.9 GB = 40.00 GiB per GPU)")
 
     # A listing that does not say how much memory its card has is not judged by it.
     unsaid = _a100("gpu_1x_a100_pcie", 0.0, 1.29)

@@ -110,7 +110,7 @@ class LazyGroup(click.Group):
 @click.pass_context
 def cli(ctx: click.Context, config_path: str | None, state_dir: str | None) -> None:
     """burstctl: decide whether each training job runs locally or bursts to a rented GPU, then run it."""
-    app = App(config_path=config_path, state_dir_override=state_dir)
+    app = App(config_path=config_path, state_dir_override=state_dir, says_notes=True)
     ctx.obj = app
     ctx.call_on_close(app.close)
 

@@ -243,6 +243,7 @@ class LocalRunner:
         now = time.time()
         if ex is None:
             if not st.get("supervisor_alive"):
+                self._outputs_home(att, job, info, finished=False)
                 self._end(att, job, A.PREEMPTED, "local supervisor died", info)
                 return
             wanted = None
@@ -278,11 +279,12 @@ class LocalRunner:
                                               reason=progress["reason"])
             return
         reason = ex.get("reason")
-        if reason == "completed" and ex.get("exit_code") == 0:
-            self._outputs_home(att, job, info)
+        succeeded = reason == "completed" and ex.get("exit_code") == 0
+        # What this run wrote comes home however it ended: the next run (here, or on an instance) writes its own.
+        self._outputs_home(att, job, info, finished=succeeded)
+        if succeeded:
             self._end(att, job, A.SUCCEEDED, "completed", info)
         elif info.get("stop_reason") in ("hybrid-switch", LOCAL_HOURS_OVER):
-            self._outputs_home(att, job, info, finished=False)  # the next run's (on an instance, say) are its own
             self._end(att, job, A.PREEMPTED, info["stop_reason"], info)
         elif info.get("stop_reason") == "cancelled":
             self._end(att, job, A.ABORTED, "cancelled", info)
@@ -295,8 +297,8 @@ class LocalRunner:
                       finished: bool = True) -> None:
         """The files its `outputs` name that a run here wrote (not an earlier run's left in the workdir), copied into
         <state>/outputs/<job>/, where a cloud run's come home: a job's results are in one place wherever it ran (a
-        copy, not a link: the next run in the same workdir rewrites its files in place). At its end, and when it
-        stops for the cloud or the local hours, so that what it wrote is kept as a preempted instance's is. A copy
+        copy, not a link: the next run in the same workdir rewrites its files in place). However it ended, so that
+        what it wrote is kept as a preempted instance's is (`job.outputs_home` only once it finished). A copy
         that fails (a full disk) is said, and the job goes on all the same: its files are still in the workdir."""
         patterns = job["spec"].get("outputs")
         if not patterns:
@@ -315,7 +317,10 @@ class LocalRunner:
                                  error=f"{type(exc).__name__}: {exc.strerror or exc}", workdir=str(work))
             return
         info["outputs"] = names
-        missing = job_outputs.unmatched(patterns, names) if finished else []
+        if not finished:
+            return  # said at the job's end (a notice mid-job would read as its end)
+        # Against everything home, an earlier run's files too: a pattern one of them matched is not missing.
+        missing = job_outputs.unmatched(patterns, job_outputs.list_outputs(home, patterns))
         self.app.events.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
                              dir=str(home), **({"missing": missing} if missing else {}))
 

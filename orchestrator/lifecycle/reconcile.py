@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, func, insert, or_, select, update
@@ -23,6 +24,7 @@ from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key, stop_horizon_h
 from orchestrator.core.decision import UNMEASURED_SETUP
 from orchestrator.core.local_hours import LocalHours
+from orchestrator.core.sizing import gb_and_gib
 from orchestrator.jobspec import ModelSpec
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.background_sync import BackgroundSyncs, SyncDone
@@ -482,6 +484,11 @@ class Reconciler:
             unchanged = [job["id"] for job in blocked if job["id"] not in moved]
             if unchanged:
                 conn.execute(update(s.jobs).where(s.jobs.c.id.in_(unchanged)).values(updated_at=now))
+        for job in due:  # committed: each record before points at its job's new one
+            if job["id"] in moved:
+                new = (self.store.get_job(job["id"]) or {}).get("record_path")
+                if new:
+                    superseded(job.get("record_path"), Path(new), f"decided again while {job['state']}", now)
 
     # --- starting a cloud attempt ------------------------------------------------------------------------------
     def _advance_new_attempt(self, job_id: str) -> None:
@@ -728,13 +735,13 @@ class Reconciler:
                 card_gb = o.vram_gib * 2**30 / 1e9  # a card's label read as GiB, as `decide` reads listings
                 if need_gb is not None and 0 < card_gb < need_gb:  # 0: a listing that does not say
                     # A card the decision took to be bigger ([prices], or an older listing): a launch would OOM.
-                    too_small[f"{name} {o.instance_type}"] = f"{card_gb:.1f} GB"
+                    too_small[f"{name} {o.instance_type}"] = gb_and_gib(card_gb)
                     continue
                 found.append((name, o))
         small: list[str] = []
         if too_small and need_gb is not None:
             margin = self.cfg.local.safety_margin_gb
-            small.append(f"too small for its {need_gb - margin:.1f} GB per GPU and {margin:.1f} GB kept free: "
+            small.append(f"too small for its {need_gb - margin:.1f} GB per GPU and {gb_and_gib(margin)} kept free: "
                          + ", ".join(f"{where} has {gb} per GPU" for where, gb in too_small.items()))
         return found, problems, small
 
@@ -1234,9 +1241,11 @@ class Reconciler:
         if names is None:
             return False
         info["outputs"] = names
-        missing = job_outputs.unmatched(job["spec"]["outputs"], names)
+        # Against everything home, earlier attempts' files too: a pattern one of them matched is not missing.
+        home = job_outputs_dir(self.cfg, job["id"])
+        missing = job_outputs.unmatched(job["spec"]["outputs"], job_outputs.list_outputs(home, job["spec"]["outputs"]))
         self.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
-                  dir=str(job_outputs_dir(self.cfg, job["id"])), **({"missing": missing} if missing else {}))
+                  dir=str(home), **({"missing": missing} if missing else {}))
         return True
 
     def _sync_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
