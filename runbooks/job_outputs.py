@@ -50,6 +50,11 @@ def list_outputs(workdir: str | Path, patterns: list[str], since: float | None =
     return sorted(found)
 
 
+def missing_from(home: str | Path, patterns: list[str]) -> list[str]:
+    """The patterns no file in `home` (a job's outputs directory, every attempt's files) matches."""
+    return unmatched(patterns, list_outputs(home, patterns))
+
+
 def unmatched(patterns: list[str], names: list[str]) -> list[str]:
     """The patterns no file in `names` (as `list_outputs` gives them) came from: a result the job did not write, or
     an `outputs` entry with a typo. Lenient (a `*` here crosses directories), so it never calls a match missing."""

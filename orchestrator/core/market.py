@@ -16,7 +16,8 @@ from typing import Literal
 MarketName = Literal["spot", "on-demand"]
 
 
-_EPS_H = 1e-6
+# Float hours accumulate rounding error tick by tick; comparisons of time budgets allow this much (~4 ms).
+EPS_H = 1e-6
 
 
 def safety_net(work_left_h: float, time_left_h: float, changeover_h: float, tick_h: float) -> bool:
@@ -30,10 +31,10 @@ def safety_net(work_left_h: float, time_left_h: float, changeover_h: float, tick
     if work_left_h <= 0:
         return False
     if tick_h <= 0:
-        return time_left_h <= work_left_h + 2 * changeover_h + _EPS_H
-    if time_left_h <= math.ceil((work_left_h + 2 * changeover_h) / tick_h - _EPS_H) * tick_h + _EPS_H:
+        return time_left_h <= work_left_h + 2 * changeover_h + EPS_H
+    if time_left_h <= math.ceil((work_left_h + 2 * changeover_h) / tick_h - EPS_H) * tick_h + EPS_H:
         return True
-    return time_left_h - tick_h < work_left_h + changeover_h + _EPS_H
+    return time_left_h - tick_h < work_left_h + changeover_h + EPS_H
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
+from orchestrator.core.market import EPS_H as _EPS_H
 from orchestrator.core.market import safety_net
-
-# Float hours accumulate rounding error tick by tick; comparisons of time budgets allow this much (~4 ms).
-_EPS_H = 1e-6
 
 
 class Market(StrEnum):

@@ -320,7 +320,7 @@ class LocalRunner:
         if not finished:
             return  # said at the job's end (a notice mid-job would read as its end)
         # Against everything home, an earlier run's files too: a pattern one of them matched is not missing.
-        missing = job_outputs.unmatched(patterns, job_outputs.list_outputs(home, patterns))
+        missing = job_outputs.missing_from(home, patterns)
         self.app.events.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
                              dir=str(home), **({"missing": missing} if missing else {}))
 

@@ -1243,7 +1243,7 @@ class Reconciler:
         info["outputs"] = names
         # Against everything home, earlier attempts' files too: a pattern one of them matched is not missing.
         home = job_outputs_dir(self.cfg, job["id"])
-        missing = job_outputs.unmatched(job["spec"]["outputs"], job_outputs.list_outputs(home, job["spec"]["outputs"]))
+        missing = job_outputs.missing_from(home, job["spec"]["outputs"])
         self.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
                   dir=str(home), **({"missing": missing} if missing else {}))
         return True
