@@ -11,7 +11,7 @@ from typing import TextIO
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
-from orchestrator.config import Config, load_config
+from orchestrator.config import Config, load_config_for_state
 from orchestrator.errors import NOTES, BadInput, OperationalError
 from orchestrator.events import EventLog, Redactor
 from providers.registry import key_file_secrets
@@ -40,11 +40,20 @@ class App:
     state_dir_override: str | None = None
     console: TextIO | None = None
     says_notes: bool = False  # the CLI's own App: what it notices is said once the command succeeds (`NOTES`)
+    # The command only reads the state (or sets the kill switch): a config file that does not validate, while its
+    # [state] section does, is read as that section on built-in defaults, with the file's problem kept in
+    # `config_problem` for the command to say once it is done. A typo in a setting then never hides the queue, nor
+    # blocks `revert-local`, while the daemon runs on the settings it last read.
+    state_only: bool = False
     _closers: list = field(default_factory=list)
+    _config_problem: BadInput | None = field(default=None, init=False, repr=False)
 
     @cached_property
     def config(self) -> Config:
-        cfg = load_config(self.config_path, self.state_dir_override)
+        cfg, problem = load_config_for_state(self.config_path, self.state_dir_override)
+        if problem is not None and not self.state_only:
+            raise problem
+        self._config_problem = problem
         # --state-dir (or state.dir) naming a file, or a path under one: said once here, before any command
         # reaches for its lock or database there and fails with a traceback.
         blocked = next((p for p in (cfg.state_dir, *cfg.state_dir.parents) if p.exists() and not p.is_dir()), None)
@@ -53,6 +62,12 @@ class App:
                            source=None if self.state_dir_override else cfg.source,
                            field="--state-dir" if self.state_dir_override else "state.dir")
         return cfg
+
+    @property
+    def config_problem(self) -> BadInput | None:
+        """Why the config file does not validate, when `state_only` let the command run on its [state] alone."""
+        _ = self.config
+        return self._config_problem
 
     def use_config(self, cfg: Config) -> None:
         """Run on `cfg` from now on (the daemon's reload). The store and event log opened from the old one stay:

@@ -692,16 +692,31 @@ def read_toml(path: Path) -> dict:
 
 
 def load_config(explicit: str | None = None, state_dir: str | None = None) -> Config:
+    cfg, problem = load_config_for_state(explicit, state_dir)
+    if problem is not None:
+        raise problem
+    return cfg
+
+
+def load_config_for_state(explicit: str | None = None, state_dir: str | None = None) -> tuple[Config, BadInput | None]:
+    """The config, and None; or, for a file that does not validate but whose `[state]` section does, that section
+    on built-in defaults for everything else, and the file's problem: enough to find and read the state (the
+    commands that only read it, `App.state_only`). A file that cannot be read, or whose `[state]` is itself bad,
+    raises its problem: where the state is would be a guess."""
     for path, must_exist in config_candidates(explicit):
         if path.exists() or must_exist:
             data = read_toml(path)
             try:
-                cfg = Config.model_validate({**data, "source": str(path)})
+                cfg, problem = Config.model_validate({**data, "source": str(path)}), None
             except ValidationError as exc:
-                raise format_validation_error(exc, path, Config) from None
+                problem = format_validation_error(exc, path, Config)
+                try:
+                    cfg = Config.model_validate({"state": data.get("state", {}), "source": str(path)})
+                except ValidationError:
+                    raise problem from None
             break
     else:
-        cfg = Config()
+        cfg, problem = Config(), None
     if state_dir:
         cfg = cfg.model_copy(update={"state": cfg.state.model_copy(update={"dir": Path(state_dir)})})
-    return cfg
+    return cfg, problem

@@ -204,7 +204,11 @@ def child_processes(pid: int, comm: str) -> list[tuple[int, list[str]]]:
 
 def assert_config_refused(burstctl, tmp_path: Path, text: str, command: str, field: str, says: str) -> None:
     """A config file that does not validate: `burstctl COMMAND` exits 2 with one line naming the file and the field,
-    no traceback, and nothing is created in the state directory."""
+    no traceback, and nothing is created in the state directory. COMMAND is not one that only reads the state
+    (`STATE_READERS`): those show it before they say the line."""
+    from orchestrator.cli.base import STATE_READERS
+
+    assert command not in STATE_READERS
     cfg = tmp_path / "burstctl.toml"
     cfg.write_text(text)
     r = burstctl("--config", str(cfg), command)

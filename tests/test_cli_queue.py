@@ -603,7 +603,7 @@ def test_a_value_in_the_wrong_unit_is_refused_saying_which_unit_is_expected(
         burstctl, tmp_path: Path, text: str, field: str, says: str) -> None:
     # Believed, each one misleads quietly: a 7B LoRA needing 20 GB "fits" a 16303 GiB card and runs out of memory
     # on the real one; a margin larger than the card makes every job rethink; 25 $/kWh prices 4 h at $40.
-    assert_config_refused(burstctl, tmp_path, text, "status", field, says)
+    assert_config_refused(burstctl, tmp_path, text, "budget", field, says)
 
 
 @pytest.mark.parametrize(("text", "field", "says"), [
@@ -616,7 +616,68 @@ def test_a_value_in_the_wrong_unit_is_refused_saying_which_unit_is_expected(
 ], ids=["in-a-section", "in-a-table-of-providers", "two-at-once", "a-provider", "in-a-list-of-tables"])
 def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: Path, text: str, field: str,
                                                          says: str) -> None:
-    assert_config_refused(burstctl, tmp_path, text, "status", field, says)
+    assert_config_refused(burstctl, tmp_path, text, "budget", field, says)
+
+
+MISTYPED = "[budget]\nmonthy_cap_usd = 20\n"
+
+
+def test_a_config_that_does_not_validate_hides_no_state_the_readers_show_it_and_end_with_its_one_line(
+        burstctl_here, tmp_path: Path) -> None:
+    # A typo saved while the daemon runs: the daemon keeps the settings it last read, and the commands that only
+    # read the state still show it. Each ends with the file's one line (exit 2); those that act refuse, as before.
+    cfg, state = tmp_path / "burstctl.toml", tmp_path / "state"
+    cfg.write_text("[providers.sim]\nenabled = false\n")
+    at = ("--config", str(cfg), "--state-dir", str(state))
+    job = write_job(tmp_path, "queued-before", local_throughput=1.0)
+    assert burstctl_here(*at, "enqueue", str(job)).returncode == 0
+    cfg.write_text(MISTYPED)
+    for command, shows in [(["list"], "queued-before"), (["show", "queued-before"], "queued-before"),
+                           (["events"], "job.enqueued"), (["status"], "queued 1")]:
+        r = burstctl_here(*at, *command)
+        assert r.returncode == 2 and shows in r.stdout, (command, r.stdout, r.stderr)
+        (line,) = r.stderr.strip().splitlines()
+        assert line.startswith(f"burstctl: error: {cfg}: field 'budget.monthy_cap_usd': is not a known field (did "
+                               "you mean 'monthly_cap_usd'?); what is above was read from the state alone"), line
+    # status does not pass the built-in defaults off as the file's settings.
+    shown = json.loads(burstctl_here(*at, "status", "--json").stdout)
+    assert shown["budget_cap_usd"] is None and "budget.monthy_cap_usd" in shown["config_problem"]
+    assert "of an unknown cap (the config file is not valid)" in burstctl_here(*at, "status").stdout
+    for acting in (["enqueue", str(write_job(tmp_path, "after", local_throughput=1.0))], ["cancel", "queued-before"],
+                   ["budget"], ["burst-enable"]):
+        r = burstctl_here(*at, *acting)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (acting, r.stderr)
+    cfg.write_text("[providers.sim]\nenabled = false\n")
+    listed = json.loads(burstctl_here(*at, "list", "--json").stdout)
+    assert [(j["name"], j["state"]) for j in listed] == [("queued-before", "queued")]
+
+
+def test_a_config_whose_state_section_does_not_validate_opens_no_state(burstctl_here, tmp_path: Path) -> None:
+    # Where the state is would be a guess: nothing is read, nothing is made.
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text("[state]\ndir = 3\n")
+    r = burstctl_here("--config", str(cfg), "list")
+    assert r.returncode == 2 and r.stdout == ""
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"burstctl: error: {cfg}: field 'state.dir': ") and "state alone" not in line
+    assert not (tmp_path / "state").exists()
+
+
+def test_revert_local_on_a_config_that_does_not_validate_still_sets_the_kill_switch(
+        burstctl_here, tmp_path: Path) -> None:
+    # The emergency brake works whatever the file says: the switch is set (a running daemon winds its cloud
+    # attempts down on the settings it last read), and it says that it swept no provider (exit 1).
+    cfg, state = tmp_path / "burstctl.toml", tmp_path / "state"
+    cfg.write_text(MISTYPED)
+    at = ("--config", str(cfg), "--state-dir", str(state))
+    r = burstctl_here(*at, "revert-local")
+    assert r.returncode == 1 and r.stdout == ""
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("burstctl: error: the kill switch is set: nothing will be launched; this shell wound "
+                           f"nothing down and swept no provider, as {cfg}: field 'budget.monthy_cap_usd'"), line
+    assert "; no daemon is running to bring cloud attempts home: fix the file" in line, line
+    cfg.write_text("[providers.sim]\nenabled = false\n")
+    assert json.loads(burstctl_here(*at, "status", "--json").stdout)["mode"] == "local-only"
 
 
 def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path: Path) -> None:

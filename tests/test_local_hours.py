@@ -370,7 +370,7 @@ def test_the_hours_are_read_in_local_timezone_whatever_zone_the_daemon_runs_unde
 
 
 def test_a_time_zone_that_is_not_one_is_refused_in_one_line(burstctl, tmp_path: Path) -> None:
-    assert_config_refused(burstctl, tmp_path, '[local]\ntimezone = "Mars/Base"\n', "status", "local.timezone",
+    assert_config_refused(burstctl, tmp_path, '[local]\ntimezone = "Mars/Base"\n', "budget", "local.timezone",
                           "'Mars/Base' is not a time zone")
 
 

@@ -372,7 +372,7 @@ def test_a_notifier_taken_out_of_the_config_is_forgotten(tmp_path: Path, webhook
 ])
 def test_a_bad_notifier_is_one_line_naming_the_file_and_field(burstctl, tmp_path: Path, entry: str, field: str,
                                                               says: str) -> None:
-    assert_config_refused(burstctl, tmp_path, f"[[notify]]\n{entry}\n", "status", field, says)
+    assert_config_refused(burstctl, tmp_path, f"[[notify]]\n{entry}\n", "budget", field, says)
 
 
 def test_a_webhook_url_pasted_where_its_variable_s_name_belongs_is_refused_unquoted(burstctl, tmp_path: Path

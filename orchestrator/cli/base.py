@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.app import App
+from orchestrator.errors import BadInput
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -102,6 +103,11 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
+# The commands that only read the state, and revert-local (which sets the kill switch): they still run on a config
+# file that does not validate, and end with its problem (`App.state_only`).
+STATE_READERS = {"status", "list", "show", "events", "logs", "revert-local"}
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--config", "config_path", type=str, default=None, help="Config file (else $BURSTCTL_CONFIG, "
               "./burstctl.toml, ~/.config/burstctl/config.toml, built-in defaults).")
@@ -110,9 +116,21 @@ class LazyGroup(click.Group):
 @click.pass_context
 def cli(ctx: click.Context, config_path: str | None, state_dir: str | None) -> None:
     """burstctl: decide whether each training job runs locally or bursts to a rented GPU, then run it."""
-    app = App(config_path=config_path, state_dir_override=state_dir, says_notes=True)
+    app = App(config_path=config_path, state_dir_override=state_dir, says_notes=True,
+              state_only=ctx.invoked_subcommand in STATE_READERS)
     ctx.obj = app
     ctx.call_on_close(app.close)
+
+
+@cli.result_callback()
+@click.pass_context
+def said_config_problem(ctx: click.Context, *_: Any, **__: Any) -> None:
+    """A state reader that ran on a config file that does not validate ends with the file's problem (exit 2)."""
+    app = ctx.find_object(App)
+    problem = app.config_problem if app is not None and app.state_only else None
+    if problem is not None:
+        raise BadInput(f"{problem.detail}; what is above was read from the state alone, and a running daemon keeps "
+                       "the settings it last read", source=problem.source, field=problem.field)
 
 
 pass_app = click.make_pass_decorator(App)

@@ -25,6 +25,7 @@ NO_PROVIDER = "no cloud provider is usable: `burstctl providers` says why"
 def status_data(app: App, now: float | None = None) -> dict[str, Any]:
     daemon = running_daemon(app)
     now = time.time() if now is None else now
+    settings = app.config_problem is None  # else the config file does not validate: its settings are not known
     with app.store.engine.connect() as c:
         attempts = [dict(r) for r in c.execute(select(s.attempts).where(
             s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
@@ -53,11 +54,12 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
                        "type": i["instance_type"], "market": i["market"]} for i in instances],
         "month": month_key(now),
         "month_to_date_usd": round(app.store.month_spend(month_key(now), now), 4),
-        "budget_cap_usd": app.config.budget.monthly_cap_usd,
-        "local_hours": _local_hours(app, now),
-        "schedules": _next_slots(app, now),
-        "notify": _notifiers(app, now),
+        "budget_cap_usd": app.config.budget.monthly_cap_usd if settings else None,
+        "local_hours": _local_hours(app, now) if settings else None,
+        "schedules": _next_slots(app, now) if settings else [],
+        "notify": _notifiers(app, now) if settings else [],
         "state_dir": str(app.config.state_dir),
+        "config_problem": None if settings else str(app.config_problem),
     }
 
 
@@ -185,7 +187,9 @@ def status_cmd(app: App, as_json: bool) -> None:
         out.print(f"cloud ({when}): {health}")
     out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in d["jobs"].items() if v) if d["active_jobs"] or any(
         d["jobs"].values()) else "jobs: none")
-    out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {fmt_usd(d['budget_cap_usd'], as_set=True)}")
+    cap = "an unknown cap (the config file is not valid)" if d["config_problem"] else \
+        fmt_usd(d["budget_cap_usd"], as_set=True)
+    out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {cap}")
     if d["local_hours"]:
         hours = d["local_hours"]
         until = "" if hours["until_local"] is None else \
