@@ -49,19 +49,32 @@ def load_cycle_job(path: Path, slot: float) -> tuple[JobSpec, float]:
     return spec, deadline_at
 
 
-def trigger(sched: Schedule) -> CronTrigger:
+class CronSlots:
+    """A cron's slots as crontab(5) reads it, from one APScheduler trigger or the earliest of two
+    (`crontab.as_apscheduler`): what the walks below ask of a trigger."""
+
+    def __init__(self, triggers: list[CronTrigger]) -> None:
+        self.triggers = triggers
+        self.timezone = triggers[0].timezone
+
+    def get_next_fire_time(self, previous: datetime | None, now: datetime) -> datetime | None:
+        fires = [at for t in self.triggers if (at := t.get_next_fire_time(previous, now)) is not None]
+        return min(fires, default=None)
+
+
+def trigger(sched: Schedule) -> CronSlots:
     """The schedule's cron in its time zone (unset: this machine's, daylight saving included)."""
     return _trigger(sched.cron, sched.timezone)
 
 
 @functools.lru_cache(maxsize=256)
-def _trigger(cron: str, timezone: str | None) -> CronTrigger:
+def _trigger(cron: str, timezone: str | None) -> CronSlots:
     # Built once per cron, not at every tick: parsing one costs about as much as the look at its slots. Its days of
     # the week as crontab numbers them (Sunday = 0), not as APScheduler does (Monday = 0).
-    return CronTrigger.from_crontab(crontab.for_apscheduler(cron), timezone=timezone)
+    return CronSlots([CronTrigger.from_crontab(c, timezone=timezone) for c in crontab.as_apscheduler(cron)])
 
 
-def next_slot(trig: CronTrigger, after: float) -> float | None:
+def next_slot(trig: CronSlots | CronTrigger, after: float) -> float | None:
     """The first slot strictly after `after` (unix seconds). A wall-clock time that comes twice, in the hour clocks
     fall back, is a slot once, at its first pass, as cron runs it."""
     probe = datetime.fromtimestamp(after, trig.timezone) + _TICK
@@ -79,7 +92,7 @@ def next_slot(trig: CronTrigger, after: float) -> float | None:
         probe = datetime.fromtimestamp(minute, trig.timezone)
 
 
-def slots_between(trig: CronTrigger, after: float, until: float) -> list[float]:
+def slots_between(trig: CronSlots | CronTrigger, after: float, until: float) -> list[float]:
     """The slots in (after, until], oldest first (callers ask for a month at most: 44,640 slots of a cron that
     fires every minute, 0.8 s)."""
     found: list[float] = []
@@ -90,7 +103,7 @@ def slots_between(trig: CronTrigger, after: float, until: float) -> list[float]:
     return found
 
 
-def newest_slot(trig: CronTrigger, after: float, until: float) -> float | None:
+def newest_slot(trig: CronSlots | CronTrigger, after: float, until: float) -> float | None:
     """The newest slot in (after, until]. Looks back a month first, so a daemon that was down for a year on an
     hourly cron walks a month of slots, not a year; a cron sparser than that walks the rest, which is short."""
     start = max(after, until - DENSE_WINDOW_S)

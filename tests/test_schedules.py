@@ -192,6 +192,24 @@ def test_days_of_the_week_are_numbered_as_crontab_numbers_them(day_of_week: str,
     assert sorted(datetime.fromtimestamp(t, UTC).strftime("%a") for t in week) == sorted(weekdays.split())
 
 
+@pytest.mark.parametrize(("cron", "days"), [
+    ("0 2 1 * mon", [1, 6, 13, 20, 27]),  # crontab: the 1st and every Monday (APScheduler: Mondays that are the 1st)
+    ("0 2 1,15 * sat,sun", [1, 4, 5, 11, 12, 15, 18, 19, 25, 26]),
+    ("0 2 13 * 5", [3, 10, 13, 17, 24, 31]),  # every Friday and the 13th, not only Friday the 13th
+    ("0 2 * * mon", [6, 13, 20, 27]),  # one field restricted: that one alone
+    ("0 2 1 * *", [1]),
+    # A field that starts with `*` is not restricted, by cron's own test, even with a step: both must match.
+    ("0 2 */10 * tue", [21]),
+])
+def test_a_cron_restricting_both_days_fires_on_either_as_crontab_does(cron: str, days: list[int]) -> None:
+    # January 2031 starts on a Wednesday. cron(8): "If both fields are restricted, the command will be run when
+    # either field matches"; APScheduler wants both, which ran `0 2 1 * mon` only when the 1st was a Monday.
+    start = datetime(2031, 1, 1, tzinfo=UTC).timestamp()
+    month = slots_between(_trigger(cron, "UTC"), start - 1, start + 31 * DAY - 1)
+    assert [datetime.fromtimestamp(t, UTC).day for t in month] == days
+    assert all(datetime.fromtimestamp(t, UTC).hour == 2 for t in month)
+
+
 @pytest.mark.parametrize(("entry", "field", "says"), [
     ('job = "nightly.toml"\ncron = "0 2 * * monday"', "schedule.0.cron", "is not a crontab: expected five crontab"),
     ('job = "nightly.toml"\ncron = "0 2 * *"', "schedule.0.cron", "is not a crontab"),

@@ -3,7 +3,9 @@
 APScheduler numbers the days of the week from Monday = 0, crontab(5) from Sunday = 0 (and 7): `0 2 * * 1` is a
 Monday in crontab and a Tuesday to APScheduler, `*/2` is Sun, Tue, Thu, Sat in crontab and Mon, Wed, Fri, Sun to
 APScheduler. So the day-of-week field is read here, by crontab's rules, into the days' names, which both agree on.
-The other four fields mean the same to both and pass through.
+The other four fields mean the same to both and pass through. When both the day of the month and the day of the
+week are restricted, crontab takes a day that matches either and APScheduler only one that matches both; such a
+cron is read as two APScheduler crontabs whose slots are joined (`as_apscheduler`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ def for_apscheduler(cron: str) -> str:
     days = weekdays(fields[4])
     fields[4] = "*" if len(days) == 7 else ",".join(DAY_NAMES[d] for d in sorted(days))
     return " ".join(fields)
+
+
+def as_apscheduler(cron: str) -> list[str]:
+    """The APScheduler crontabs whose slots together are `cron`'s: one, or two when both day fields are restricted
+    (neither starts with `*`, cron's own test): `0 0 1 * mon` is the 1st of every month and every Monday."""
+    fields = for_apscheduler(cron).split()
+    day_of_month, day_of_week = cron.split()[2], cron.split()[4]
+    if day_of_month.startswith("*") or day_of_week.startswith("*"):
+        return [" ".join(fields)]
+    return [" ".join([*fields[:4], "*"]), " ".join([*fields[:2], "*", *fields[3:]])]
 
 
 def weekdays(field: str) -> set[int]:
