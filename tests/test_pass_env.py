@@ -251,6 +251,7 @@ def test_a_local_attempt_restarted_without_the_variable_goes_back_to_the_queue_a
         assert not (state / "runs" / f"{job_id}-a1" / "supervisor.pid").exists()
 
         monkeypatch.setenv(VAR, PASSED)  # the daemon restarted with it
+        rec = Reconciler(app, {}, cloud=None)
         deadline = time.monotonic() + 30
         while (app.store.get_job(job_id) or {})["state"] != "done" and time.monotonic() < deadline:
             rec.tick()

@@ -738,6 +738,33 @@ def test_a_local_job_starts_behind_any_number_of_cloud_jobs_that_cannot(tmp_path
     app.close()
 
 
+def test_any_number_of_jobs_waiting_for_their_pass_env_hide_no_job_that_can_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sweep of 30 jobs naming a variable the daemon was started without, all due first, had filled the window of
+    # candidates a tick reads: the job behind them never started, though nothing kept it.
+    monkeypatch.delenv("SWEEP_TOKEN", raising=False)
+    app = App(state_dir_override=str(tmp_path / "state"))
+    sweep = [enqueue(app, write_job(tmp_path, f"sweep-{n}", local_throughput=1.0, deadline_hours=100 + n / 100,
+                                    pass_env=["SWEEP_TOKEN"]))[0] for n in range(30)]
+    other, _, _ = enqueue(app, write_job(tmp_path, "other", local_throughput=1.0, deadline_hours=200))
+    rec = Reconciler(app, {}, cloud=None)
+    started: list[str] = []
+    monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
+    assert all(app.store.get_job(j)["placement"] == "local" for j in sweep)  # 30: more than the window of 1 + 20
+    rec._schedule()
+    assert started == [other]
+    waiting = app.store.get_job(sweep[0])
+    assert waiting["reason"].startswith("pass_env: SWEEP_TOKEN is not set in the daemon's environment")
+    # Given the variable (a daemon restarted with it: a new reconciler), they start, earliest deadline first.
+    monkeypatch.setenv("SWEEP_TOKEN", "t")
+    started.clear()
+    rec = Reconciler(app, {}, cloud=None)
+    monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
+    rec._schedule()
+    assert started == [sweep[0]]
+    app.close()
+
+
 def test_a_checkpoint_a_sync_brought_home_but_never_wrote_down_is_the_jobs_at_the_next_sync(tmp_path: Path) -> None:
     # The daemon was killed (or stopped past its wait) between a pull that made step 20 visible and the tick that
     # would have written it down. The next pull finds nothing new: step 20 is home already.

@@ -73,6 +73,8 @@ MAX_STEP_ERRORS = 5
 LOCAL_GPU_BUSY = "waiting for the local GPU"
 LOCAL_GPU_HOURS = "waiting for the local GPU's hours (local.available_hours)"
 MAX_STEPS_PER_TICK = 4  # intent → provisioning → bootstrapping → running in one tick when nothing waits
+LACKING_ENV_FORGET_S = 60.0  # how long a job lacking its pass_env is left out of the candidates before a new look
+LACKING_ENV_KEPT = 2000  # at most this many left out (each is a bound parameter of the candidates' query)
 BOOT_WAIT_S, BOOT_POLL_S, BOOT_WAIT_WINDOW_S = 1.0, 0.2, 15.0  # brief in-tick polling of a just-launched instance
 SYNC_FAILING = "checkpoints are not coming home (the instance is kept and the pull retried)"  # a job's reason
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
@@ -142,6 +144,11 @@ class Reconciler:
         self.unavailable: dict[str, str] = {}  # enabled providers that cannot be used → why (`build_reconciler`)
         self.tick_s = self.cfg.daemon.tick_s  # the daemon's (`daemon --tick` sets it apart from the config's)
         self.syncs: BackgroundSyncs[SyncDone] = BackgroundSyncs(self.cfg.daemon.sync_workers)
+        # Jobs whose pass_env this process cannot give (`_lacks_passed_env`), left out of the candidates a tick
+        # reads: any number of them, due first, then hides no job that can start. The process's environment is its
+        # own for life, but `retry --reread` may change a job's pass_env: forgotten every LACKING_ENV_FORGET_S.
+        self._lacking_env: set[str] = set()
+        self._lacking_env_since = 0.0
 
     @property
     def cloud_steps(self) -> CloudSteps:
@@ -283,30 +290,17 @@ class Reconciler:
         """Start what the free slots allow, earliest deadline first: local (and hybrid) jobs on the local GPU, then
         cloud jobs; then decide blocked jobs again and record the cloud's health."""
         now = self.clock()
-        with self.store.engine.connect() as c:
-            busy_jobs = {r[0] for r in c.execute(
-                select(s.attempts.c.job_id).where(s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES)))}
-            n_local = self.attempts_active("local", c)
-            n_cloud = self.attempts_active("cloud", c)
-            # Earliest deadline first; only as many candidates as there are free slots (plus a margin) are read,
-            # so a tick stays cheap with 10,000 queued jobs. The local GPU's and the cloud's are read apart: in one
-            # window, cloud jobs that cannot start (the cloud unreachable) hid every local job behind them. Jobs
-            # that wait for a time to launch (for spot, after a failed launch) are not read until then, for the same
-            # reason; a job moved home meanwhile (revert-local) is not kept waiting by it.
-            def candidates(placements: tuple[str, ...], slots: int, *only: Any) -> list[dict[str, Any]]:
-                return [dict(r) for r in c.execute(
-                    select(s.jobs).where(s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]),
-                                         s.jobs.c.placement.in_(placements), *only)
-                    .order_by(s.jobs.c.deadline_at).limit(slots + 20)).mappings()]
-
-            ready = sorted(candidates(("local", "hybrid"), self.cfg.daemon.local_concurrency)
-                           + candidates(("cloud",), self.cfg.daemon.max_cloud_attempts,
-                                        or_(s.jobs.c.wait_until.is_(None), s.jobs.c.wait_until <= now)),
-                           key=lambda j: float(j["deadline_at"] or math.inf))
+        if now - self._lacking_env_since > LACKING_ENV_FORGET_S:
+            self._lacking_env, self._lacking_env_since = set(), now
+        while True:  # read again while jobs that lack their pass_env were found in the window (and left out)
+            lacking = len(self._lacking_env)
+            n_local, n_cloud, ready = self._ready(now)
+            ready = [j for j in ready if not self._lacks_passed_env(j)]
+            if len(self._lacking_env) == lacking:
+                break
         local_free = self.cfg.daemon.local_concurrency - n_local
         cloud_free = self.cfg.daemon.max_cloud_attempts - n_cloud
         # Local work first: it must never wait behind a slow or unreachable cloud.
-        ready = [j for j in ready if j["id"] not in busy_jobs and not self._lacks_passed_env(j)]
         hours = local_hours(self.cfg, now)
         local_open = hours.is_open()
         started: set[str] = set()
@@ -335,6 +329,31 @@ class Reconciler:
         self._redecide_blocked(now)
         self._record_health(now)
 
+    def _ready(self, now: float) -> tuple[int, int, list[dict[str, Any]]]:
+        """The local and cloud attempts active, and the queued jobs without one that may start, earliest deadline
+        first. Only as many as there are free slots (plus a margin) are read, so a tick stays cheap with 10,000
+        queued jobs. The local GPU's and the cloud's are read apart: in one window, cloud jobs that cannot start
+        (the cloud unreachable) hid every local job behind them. Jobs that wait for a time to launch (for spot, after
+        a failed launch) are not read until then, for the same reason; a job moved home meanwhile (revert-local) is
+        not kept waiting by it. Nor are those known to lack their pass_env."""
+        with self.store.engine.connect() as c:
+            busy_jobs = {r[0] for r in c.execute(
+                select(s.attempts.c.job_id).where(s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES)))}
+            startable = (s.jobs.c.id.not_in(self._lacking_env),) if self._lacking_env else ()
+
+            def candidates(placements: tuple[str, ...], slots: int, *only: Any) -> list[dict[str, Any]]:
+                return [dict(r) for r in c.execute(
+                    select(s.jobs).where(s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]),
+                                         s.jobs.c.placement.in_(placements), *startable, *only)
+                    .order_by(s.jobs.c.deadline_at).limit(slots + 20)).mappings()]
+
+            ready = sorted(candidates(("local", "hybrid"), self.cfg.daemon.local_concurrency)
+                           + candidates(("cloud",), self.cfg.daemon.max_cloud_attempts,
+                                        or_(s.jobs.c.wait_until.is_(None), s.jobs.c.wait_until <= now)),
+                           key=lambda j: float(j["deadline_at"] or math.inf))
+            return (self.attempts_active("local", c), self.attempts_active("cloud", c),
+                    [j for j in ready if j["id"] not in busy_jobs])
+
     def _lacks_passed_env(self, job: dict[str, Any]) -> bool:
         """A job whose pass_env the daemon cannot give it waits (no instance is rented for it), saying which
         variable; it starts once the daemon is restarted with it."""
@@ -342,6 +361,8 @@ class Reconciler:
         if problem is None:
             return False
         self._note(job, problem)
+        if len(self._lacking_env) < LACKING_ENV_KEPT:
+            self._lacking_env.add(job["id"])
         return True
 
     def attempts_active(self, where: str, conn: Connection | None = None) -> int:
