@@ -128,6 +128,30 @@ def burstctl(tmp_path: Path):
     return _run
 
 
+@pytest.fixture
+def burstctl_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """`burstctl` above, run in this process: the same arguments, working directory and result, without an
+    interpreter's start (about 0.7 s of CPU a call). For commands that start no daemon."""
+    from orchestrator.cli import main
+
+    state = tmp_path / "state"
+
+    def _run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+             state_dir: Path | None = state) -> subprocess.CompletedProcess[str]:
+        argv = [*(["--state-dir", str(state_dir)] if state_dir is not None else []), *args]
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            m.chdir(cwd or tmp_path)
+            for name, value in (env or {}).items():
+                m.setenv(name, value)
+            code = main(argv)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    _run.state_dir = state  # type: ignore[attr-defined]
+    return _run
+
+
 def write_job(folder: Path, name: str = "job", **fields: object) -> Path:
     """Write a job spec TOML; fields override a valid default job."""
     base: dict[str, object] = {

@@ -1,4 +1,7 @@
-"""The CLI through its real entry point: decide, enqueue, list, show, approve, cancel, budget, events."""
+"""The CLI through its real entry point: decide, enqueue, list, show, approve, cancel, budget, events.
+
+Run in this process (`burstctl_in_process`): main() as the `burstctl` script calls it, without an interpreter's
+start for each of the file's two hundred calls; `test_cli_commands.py` and the e2e tests run the script itself."""
 
 from __future__ import annotations
 
@@ -23,6 +26,11 @@ from state import schema as s
 from tests.conftest import REPO, assert_config_refused, write_job
 
 SEED_FLAGS = ["--rate", "3.00"]
+
+
+@pytest.fixture
+def burstctl(burstctl_in_process):
+    return burstctl_in_process
 
 
 @pytest.mark.parametrize(

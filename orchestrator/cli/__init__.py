@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         close = difflib.get_close_matches(typed.group(1) if typed else "", names, n=1, cutoff=0.6)
         path = exc.ctx.command_path if exc.ctx else "burstctl"
         hint = f" `{path} --help` lists the commands."
-        if "Did you mean" not in message and close:
+        if "Did you mean" in message:  # click's own, from the commands imported so far
+            hint = ""
+        elif close:
             hint = f" Did you mean '{close[0]}'?"
         print(f"burstctl: error: {where}{message}{hint}", file=sys.stderr)
         return 2
