@@ -115,8 +115,15 @@ def burstctl_here(capsys: pytest.CaptureFixture[str]):
 
 
 @pytest.fixture
-def burstctl(tmp_path: Path):
-    """`burstctl(...)` with a private state dir; returns the CompletedProcess."""
+def burstctl(burstctl_subprocess):
+    """`burstctl(...)` with a private state dir; returns the CompletedProcess. A test file whose calls start no
+    daemon may run them in its own process instead, overriding this fixture with `burstctl_in_process`."""
+    return burstctl_subprocess
+
+
+@pytest.fixture
+def burstctl_subprocess(tmp_path: Path):
+    """`burstctl(...)`, the real script in a subprocess, with a private state dir; returns the CompletedProcess."""
     state = tmp_path / "state"
 
     def _run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
@@ -139,6 +146,7 @@ def burstctl_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str], monk
     def _run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
              state_dir: Path | None = state) -> subprocess.CompletedProcess[str]:
         argv = [*(["--state-dir", str(state_dir)] if state_dir is not None else []), *args]
+        assert "daemon" not in args, "a daemon runs as its own process: `burstctl_subprocess`"
         capsys.readouterr()
         with monkeypatch.context() as m:
             m.chdir(cwd or tmp_path)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import event, insert
 
 from orchestrator.app import App
@@ -19,6 +20,11 @@ from orchestrator.retention import prune_events, prune_if_due
 from state import schema as s
 from state.store import Store
 from tests.conftest import write_job
+
+
+@pytest.fixture
+def burstctl(burstctl_in_process):  # the CLI in this process; a daemon's in its own (`burstctl_subprocess`)
+    return burstctl_in_process
 
 
 def _vm_steps(store: Store) -> Callable[[Callable[[], Any]], tuple[int, Any]]:

@@ -24,6 +24,12 @@ from orchestrator.notify import KEY_PREFIX, notice_text, notice_type, notify_due
 from orchestrator.queue import enqueue
 from tests.conftest import assert_config_refused, write_job
 
+
+@pytest.fixture
+def burstctl(burstctl_in_process):  # the CLI in this process; a daemon's in its own (`burstctl_subprocess`)
+    return burstctl_in_process
+
+
 TOKEN = "T0KEN-9f8e7d6c5b4a"  # the secret part of a webhook URL, as Slack's and ntfy's carry one
 HOOK_ENV = "BURSTCTL_TEST_HOOK_URL"
 
@@ -409,7 +415,7 @@ def test_notify_test_sends_through_each_notifier_and_fails_naming_those_that_did
     assert unknown.returncode == 2 and "no notifier named pager (configured: phone, broken)" in unknown.stderr
 
 
-def test_the_daemon_tells_the_webhook_a_job_is_done_before_it_exits(burstctl, tmp_path: Path,
+def test_the_daemon_tells_the_webhook_a_job_is_done_before_it_exits(burstctl, burstctl_subprocess, tmp_path: Path,
                                                                    webhook: Webhook) -> None:
     (tmp_path / "work").mkdir()
     write_job(tmp_path, "quick", command=["true"], workdir="work", deadline_hours=4, local_throughput=1.0)
@@ -420,7 +426,7 @@ def test_the_daemon_tells_the_webhook_a_job_is_done_before_it_exits(burstctl, tm
     app.close()
     assert burstctl("--config", str(cfg), "enqueue", str(tmp_path / "quick.toml")).returncode == 0
 
-    r = burstctl("--config", str(cfg), "daemon", "--exit-when-idle", env={HOOK_ENV: webhook.url})
+    r = burstctl_subprocess("--config", str(cfg), "daemon", "--exit-when-idle", env={HOOK_ENV: webhook.url})
     assert r.returncode == 0, r.stderr[-2000:]
     (done,) = webhook.notices()
     assert (done["type"], done["text"], done["job"]["state"]) == ("job.done", "burstctl: quick done", "done")

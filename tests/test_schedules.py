@@ -18,6 +18,12 @@ from orchestrator.schedules import KEY_PREFIX, _trigger, fire_due, newest_slot, 
 from state import schema as s
 from tests.conftest import assert_config_refused, write_job
 
+
+@pytest.fixture
+def burstctl(burstctl_in_process):  # the CLI in this process; a daemon's in its own (`burstctl_subprocess`)
+    return burstctl_in_process
+
+
 DAY = 86400.0
 ARMED = datetime(2030, 1, 7, 3, 0, tzinfo=UTC).timestamp()  # a Monday, 03:00 UTC: after that day's 02:00 slot
 SLOT_1 = datetime(2030, 1, 8, 2, 0, tzinfo=UTC).timestamp()  # the first slot after it ("0 2 * * *")
@@ -228,7 +234,8 @@ def test_a_bad_schedule_is_one_line_naming_the_file_and_field_and_changes_nothin
     assert_config_refused(burstctl, tmp_path, f"[[schedule]]\n{entry}\n", "schedules", field, says)
 
 
-def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burstctl, tmp_path: Path) -> None:
+def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burstctl, burstctl_subprocess,
+                                                                          tmp_path: Path) -> None:
     (tmp_path / "work").mkdir()
     write_job(tmp_path, "every-minute", command=["true"], workdir="work", deadline_hours=4, local_throughput=1.0)
     cfg = tmp_path / "burstctl.toml"
@@ -237,7 +244,7 @@ def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burst
     app.store.set_setting(KEY_PREFIX + str(tmp_path / "every-minute.toml"), {"armed_at": time.time() - 120})
     app.close()
 
-    r = burstctl("--config", str(cfg), "daemon", "--exit-when-idle")
+    r = burstctl_subprocess("--config", str(cfg), "daemon", "--exit-when-idle")
     assert r.returncode == 0, r.stderr[-2000:]
     listed = json.loads(burstctl("--config", str(cfg), "list", "--json").stdout)
     assert [(j["name"], j["state"]) for j in listed] == [("every-minute", "done")]
