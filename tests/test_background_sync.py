@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
+from pathlib import Path
 
 from orchestrator.lifecycle.background_sync import BackgroundSyncs
+from orchestrator.remote.sync import run_transfer, stop_transfers
 
 
 def test_a_sync_runs_on_a_thread_and_is_taken_once_when_it_has_finished() -> None:
@@ -82,3 +86,36 @@ def test_a_stopping_daemon_waits_a_bounded_time_for_the_syncs_under_way_and_drop
     assert syncs.busy("stuck") and not syncs.busy("queued")
     syncs.close()  # its thread is a daemon thread: the process may exit under it
     never.set()
+
+
+def test_a_stopping_daemon_ends_the_transfers_still_running_and_the_processes_they_started(tmp_path: Path) -> None:
+    # A plain SIGTERM let an rsync (and its ssh) outlive the daemon, writing on into a staging directory that the
+    # next daemon's pull of the same checkpoint writes too. The stand-in transfer starts a child of its own, as rsync
+    # starts ssh.
+    pidfile = tmp_path / "child.pid"
+    syncs: BackgroundSyncs[int] = BackgroundSyncs(1)
+    syncs.start("a1", lambda: run_transfer(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]).returncode)
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    child = int(pidfile.read_text())
+    syncs.wait_all(timeout_s=0.1)
+    assert syncs.busy("a1")
+    assert stop_transfers() == 1
+    assert syncs.take("a1", wait=True) == -15  # its thread is free at once, not in a minute
+    deadline = time.monotonic() + 5
+    while _alive(child):  # the child is in the transfer's process group: ended with it
+        assert time.monotonic() < deadline, "the transfer's own child outlived it"
+        time.sleep(0.02)
+    assert stop_transfers() == 0
+    syncs.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie (ended, not yet reaped by init) is not running
+        return stat.read().split(") ")[-1][0] != "Z"

@@ -49,6 +49,7 @@ from orchestrator.lifecycle.successor import launch_successor, successor_of, wai
 from orchestrator.queue import local_hours, record_offers_seen, setup_key, throughput_key
 from orchestrator.records import supersede, superseded
 from orchestrator.remote.ssh import HostKeyMismatch, SharedConnection
+from orchestrator.remote.sync import stop_transfers
 from providers.base import (
     LAUNCH_REFUSALS,
     InstanceInfo,
@@ -173,6 +174,9 @@ class Reconciler:
         and the next daemon's pull resumes it."""
         self.syncs.wait_all(timeout_s=CLOSE_WAIT_S)
         self._collect_syncs()
+        # The rsyncs still running are ended, not left to outlive the daemon (their threads then end too); what
+        # they did is not written down: a failure made by stopping them is not one.
+        stop_transfers()
         self.syncs.close()
 
     # --- the tick -----------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import threading
@@ -383,13 +384,47 @@ _STAT_LINE = re.compile(r"^(Total bytes sent|Total bytes received|Number of regu
                         re.MULTILINE)
 
 
+# The rsyncs running now, on any thread: a daemon that stops without waiting for them ends them
+# (`stop_transfers`). A child process outlives its parent: one left running wrote on into a staging directory that
+# the next daemon's pull of the same checkpoint writes too.
+_RUNNING: set[subprocess.Popen[str]] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(argv)` with its output captured, in a process group of its own (with the ssh it starts),
+    known to `stop_transfers` until it ends."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    with _RUNNING_LOCK:
+        _RUNNING.add(proc)
+    try:
+        out, err = proc.communicate(stdin)
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(proc)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def stop_transfers() -> int:
+    """End the transfers still running (SIGTERM to each one's process group): what they brought is in staging
+    directories, which the next pull resumes. Returns how many were running."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    return len(running)
+
+
 def _rsync(target: Target, trust: HostKeyTrust, args: list[str], *, what: str, stdin: str | None = None
            ) -> SyncStats:
     with rsync_ssh_command(target, trust) as rsh:
         argv = ["rsync", "-rlpt", "--stats", "--no-human-readable", "-e", rsh, *args]
         # C locale: --stats and error texts are parsed; no secrets are in this environment's use.
-        proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"},
-                              **({"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}))
+        proc = run_transfer(argv, stdin=stdin, env={**os.environ, "LC_ALL": "C"})
     if proc.returncode != 0:
         err = proc.stderr.strip()
         if "Host key verification failed" in err:
