@@ -103,6 +103,19 @@ def slots_between(trig: CronSlots | CronTrigger, after: float, until: float) -> 
     return found
 
 
+def cycles_among(slots: list[float], overlap: str, cycle_h: float | None, busy_until: float | None = None) -> int:
+    """How many of `slots` (oldest first) queue a cycle: each one, or with overlap "skip" those that come once the
+    cycle queued before has had `cycle_h` hours to run (`busy_until`: when the one running now should be over). An
+    estimate: the daemon skips a slot while the cycle before is not over, whatever it took."""
+    if overlap != "skip" or not cycle_h:
+        return len(slots)
+    count, free_at = 0, busy_until or -math.inf
+    for slot in slots:
+        if slot >= free_at:
+            count, free_at = count + 1, slot + cycle_h * 3600.0
+    return count
+
+
 def newest_slot(trig: CronSlots | CronTrigger, after: float, until: float) -> float | None:
     """The newest slot in (after, until]. Looks back a month first, so a daemon that was down for a year on an
     hourly cron walks a month of slots, not a year; a cron sparser than that walks the rest, which is short."""

@@ -5,6 +5,7 @@ nothing for a job file that does not validate, saying so once."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,7 +15,15 @@ import pytest
 from apscheduler.triggers.cron import CronTrigger
 
 from orchestrator.app import App
-from orchestrator.schedules import KEY_PREFIX, _trigger, fire_due, newest_slot, next_slot, slots_between
+from orchestrator.schedules import (
+    KEY_PREFIX,
+    _trigger,
+    cycles_among,
+    fire_due,
+    newest_slot,
+    next_slot,
+    slots_between,
+)
 from state import schema as s
 from tests.conftest import assert_config_refused, write_job
 
@@ -257,7 +266,7 @@ def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burst
     assert row["plan_now"]["plan_kind"] == "local"
     budget = json.loads(burstctl("--config", str(cfg), "budget", "--json").stdout)
     # Counted a moment apart: a minute may turn between the two.
-    assert abs(budget["scheduled_cycles_left"] - row["slots_left_this_month"]) <= 1 and row["slots_left_this_month"]
+    assert abs(budget["scheduled_cycles_left"] - row["cycles_left_this_month"]) <= 1 and row["cycles_left_this_month"]
     assert "queued by its schedule for the slot of " in burstctl("--config", str(cfg), "show", listed[0]["id"]).stdout
     (soonest,) = json.loads(burstctl("--config", str(cfg), "status", "--json").stdout)["schedules"]
     assert soonest == {"job_file": row["job_file"], "next_slot_at": pytest.approx(row["next_slot_at"], abs=60)}
@@ -276,12 +285,45 @@ def test_schedules_prices_a_cycle_that_bursts_and_what_the_month_s_cycles_would_
     decided = json.loads(burstctl("--config", str(cfg), "decide", str(tmp_path / "weekly.toml"), "--json").stdout)
     (row,) = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
     assert row["plan_now"] == {"verdict": "burst", "plan_kind": "burst", "market": "on-demand",
-                               "cloud_usd": pytest.approx(decided["plan_cost_usd"], abs=1e-4)}
+                               "cloud_usd": pytest.approx(decided["plan_cost_usd"], abs=1e-4),
+                               "hours": pytest.approx(sum(p["hours"] for p in decided["plan"]), abs=1e-4)}
     assert row["plan_now"]["cloud_usd"] > 0 and row["last_job_id"] is None and not row["armed"]
     shown = burstctl("--config", str(cfg), "schedules").stdout
     month = row["slots_left_this_month"] * row["plan_now"]["cloud_usd"]
     assert f"planned as a cycle would be now: ${month:,.2f} of cloud" in shown
     assert "the daemon is not running: no cycle is queued until it is" in shown  # a schedule alone does nothing
+
+
+def test_with_overlap_skip_only_the_slots_that_come_once_the_cycle_before_is_over_count() -> None:
+    hourly = [h * 3600.0 for h in range(10)]
+    assert cycles_among(hourly, "skip", 2.5) == 4  # at 0, 3, 6 and 9 h
+    assert cycles_among(hourly, "skip", 2.5, busy_until=1.5 * 3600) == 3  # one runs until 1.5 h: 2, 5 and 8 h
+    assert cycles_among(hourly, "skip", 1.0) == 10  # one that ends as the next slot comes does not skip it
+    assert cycles_among(hourly, "queue", 2.5) == 10  # queued beside the one before
+    assert cycles_among(hourly, "skip", None) == 10  # no plan to tell how long a cycle takes
+
+
+def test_a_cycle_planned_longer_than_its_slots_spacing_is_counted_once_per_cycle_not_per_slot(
+        burstctl, tmp_path: Path) -> None:
+    # An hourly cron whose cycle takes 3 h on the local GPU: two slots in three are skipped (overlap "skip"), so
+    # the month holds a third of its slots' cycles, and `budget` counts those.
+    write_job(tmp_path, "hourly", command=["true"], deadline_hours=10, local_throughput=1 / 3)
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('[providers.sim]\nenabled = false\n\n[[schedule]]\njob = "hourly.toml"\ncron = "0 * * * *"\n'
+                   'timezone = "UTC"\n')
+    (row,) = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
+    assert row["plan_now"]["hours"] == pytest.approx(3.0)
+    slots = row["slots_left_this_month"]
+    assert row["cycles_left_this_month"] == math.ceil(slots / 3) and slots > 3
+    shown = burstctl("--config", str(cfg), "schedules").stdout
+    assert f"{math.ceil(slots / 3)} of {slots} slots" in shown
+    assert (f'hourly: a cycle takes about 3.0 h, so the slots that come while one runs are skipped (overlap = "skip"): '
+            f"{math.ceil(slots / 3)} cycles this month, of {slots} slots") in shown
+    budget = json.loads(burstctl("--config", str(cfg), "budget", "--json").stdout)
+    assert abs(budget["scheduled_cycles_left"] - row["cycles_left_this_month"]) <= 1  # a minute may turn between
+    cfg.write_text(cfg.read_text() + 'overlap = "queue"\n')
+    (row,) = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
+    assert row["cycles_left_this_month"] == row["slots_left_this_month"]
 
 
 def test_schedules_names_an_absolute_deadline_as_the_problem_every_slot_would_skip_for(burstctl, tmp_path: Path

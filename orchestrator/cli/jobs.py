@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from orchestrator.app import App, burst_enabled
 from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
-from orchestrator.core.budget import BudgetView, cycle_prices, month_end, month_key, stop_horizon_h
+from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.jobspec import MAX_DEADLINE_HOURS
@@ -357,9 +357,9 @@ def budget_cmd(app: App, as_json: bool) -> None:
     free = BudgetView(month, view.cap_usd, view.spent_usd + held.usd + kept, cycles, spot, od)
     scheduled: int | None = None  # the cadence the schedules ask for, beside the one the budget buys
     if cfg.schedule:
-        from orchestrator.schedules import slots_between, trigger
+        from orchestrator.cli.schedules import schedule_rows
 
-        scheduled = sum(len(slots_between(trigger(sc), now, month_end(now))) for sc in cfg.schedule)
+        scheduled = sum(r["cycles_left_this_month"] for r in schedule_rows(app, now))
     data = {"month": month, "cap_usd": view.cap_usd, "spent_usd": round(view.spent_usd, 4),
             "remaining_usd": round(view.remaining_usd, 4), "held_usd": round(held.usd, 4), "held_jobs": held.jobs,
             "free_usd": round(free.remaining_usd, 4), "cycles_this_month": cycles,

@@ -14,8 +14,9 @@ from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, t
 from orchestrator.core.budget import month_end, month_key
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import JobSpec
+from orchestrator.lifecycle.states import FINAL, JobState
 from orchestrator.records import fmt_usd
-from orchestrator.schedules import KEY_PREFIX, load_cycle_job, next_slot, slots_between, trigger
+from orchestrator.schedules import KEY_PREFIX, cycles_among, load_cycle_job, next_slot, slots_between, trigger
 
 
 def _local(ts: float | None) -> str:
@@ -24,7 +25,8 @@ def _local(ts: float | None) -> str:
 
 def schedule_rows(app: App, now: float) -> list[dict[str, Any]]:
     """Each schedule as the daemon sees it: its next slot, its last cycle, the slots left this month (UTC, the
-    budget's month), and what is wrong with its job file now, if anything."""
+    budget's month) and the cycles they queue (with overlap "skip", none while the cycle before runs: a cycle
+    taking the hours a cycle queued now is planned to), and what is wrong with its job file now, if anything."""
     rows = []
     for sched in app.config.schedule:
         path = app.config.schedule_job(sched)
@@ -38,12 +40,17 @@ def schedule_rows(app: App, now: float) -> list[dict[str, Any]]:
             plan = _plan_now(app, spec, path, deadline_at, now)
         except BadInput as exc:
             problem = app.redactor(str(exc))
+        slots = slots_between(trig, now, month_end(now))
+        cycle_h = plan["hours"] if plan else None
+        running = last_job is not None and JobState(last_job["state"]) not in FINAL
+        busy_until = rec["last_slot_at"] + cycle_h * 3600.0 if running and cycle_h and rec.get("last_slot_at") else None
         rows.append({
             "job_file": str(path), "name": name, "cron": sched.cron, "timezone": str(trig.timezone),
             "overlap": sched.overlap, "armed": bool(rec), "next_slot_at": next_slot(trig, now),
             "last_slot_at": rec.get("last_slot_at"), "last_job_id": rec.get("last_job_id"),
             "last_job_state": last_job["state"] if last_job else None,
-            "slots_left_this_month": len(slots_between(trig, now, month_end(now))),
+            "slots_left_this_month": len(slots),
+            "cycles_left_this_month": cycles_among(slots, sched.overlap, cycle_h, busy_until),
             "last_cycle_cloud_usd": None if last_job is None else round(app.store.job_spend(last_job["id"])[0], 4),
             "plan_now": plan, "problem": problem})
     return rows
@@ -58,8 +65,9 @@ def _plan_now(app: App, spec: JobSpec, path: Path, deadline_at: float, now: floa
                      setup_estimate(app, spec), local_wait_h(app, spec, deadline_at, now)),
                context(app, now)).to_dict()
     cloud = sum(p["cost_usd"] for p in d["plan"] or [] if p["where"] == "cloud")
+    hours = sum(p["hours"] for p in d["plan"]) if d["plan"] else None
     return {"verdict": d["verdict"], "plan_kind": d["plan_kind"], "cloud_usd": round(cloud, 4),
-            "market": d["market"]}
+            "market": d["market"], "hours": None if hours is None else round(hours, 4)}
 
 
 
@@ -80,8 +88,13 @@ def schedules_cmd(app: App, as_json: bool) -> None:
         return
     table("schedules", ["job", "cron", "next slot", "last cycle", "a cycle now", "left this month"], [
         (escape(r["name"] or r["job_file"]), escape(f"{r['cron']} ({r['timezone']})"), _local(r["next_slot_at"]),
-         _last(r), _plan_txt(r["plan_now"]), r["slots_left_this_month"]) for r in rows])
+         _last(r), _plan_txt(r["plan_now"]), _left(r)) for r in rows])
     for r in rows:
+        if r["cycles_left_this_month"] != r["slots_left_this_month"]:
+            out.print(f"[bold]{escape(r['name'] or r['job_file'])}[/bold]: a cycle takes about "
+                      f"{r['plan_now']['hours']:.1f} h, so the slots that come while one runs are skipped (overlap = "
+                      f"\"skip\"): {r['cycles_left_this_month']} cycles this month, of "
+                      f"{r['slots_left_this_month']} slots")
         if r["problem"]:
             out.print(f"[bold]{escape(r['job_file'])}[/bold] would be skipped at its slot: {escape(r['problem'])}")
     from orchestrator.daemon import running_daemon
@@ -91,10 +104,17 @@ def schedules_cmd(app: App, as_json: bool) -> None:
                   "systemd unit)[/yellow]")
     priced = [r for r in rows if r["plan_now"]]
     if priced:
-        month = sum(r["slots_left_this_month"] * r["plan_now"]["cloud_usd"] for r in priced)
+        month = sum(r["cycles_left_this_month"] * r["plan_now"]["cloud_usd"] for r in priced)
         left = max(0.0, app.config.budget.monthly_cap_usd - app.store.month_spend(month_key(time.time())))
         out.print(f"this month's cycles left, planned as a cycle would be now: {fmt_usd(month)} of cloud; "
                   f"{fmt_usd(left)} of the budget is left")
+
+
+def _left(r: dict[str, Any]) -> str:
+    """The cycles left this month, and the slots when a cycle outlasts the slots' spacing (overlap "skip")."""
+    if r["cycles_left_this_month"] == r["slots_left_this_month"]:
+        return str(r["cycles_left_this_month"])
+    return f"{r['cycles_left_this_month']} of {r['slots_left_this_month']} slots"
 
 
 def _last(r: dict[str, Any]) -> str:
