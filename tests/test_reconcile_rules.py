@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -808,6 +809,57 @@ def test_a_sync_beside_the_tick_that_failed_is_on_record_though_the_pull_right_a
     after = app.store.get_job(job_id)
     assert after["checkpoint"] == "step-00000040" and "sync_error" not in info
     assert not (after["reason"] or "").startswith(reconcile.SYNC_FAILING)
+    app.close()
+
+
+def test_a_run_s_last_sync_runs_beside_the_tick_and_is_taken_by_its_own_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run that ended left its newest checkpoint (20 GB, say) to a pull inside the tick, which held up every other
+    # attempt's heartbeat check, notice and stop for minutes. It runs beside the tick now; the attempt's step waits
+    # for it tick by tick, and a periodic sync under way as the run ended is taken first, then the last one runs.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "large-end", local_throughput=0))
+    att_id = f"{job_id}-a1"
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=att_id, job_id=job_id, n=1, where="cloud", state="running",
+                                            provider="sim", instance_type="gpu", info={}, created_at=0.0))
+        c.execute(update(s.jobs).where(s.jobs.c.id == job_id).values(state="running"))
+    rec = Reconciler(app, {}, cloud=None)
+    store = checkpoints.store_dir(app.config, job_id)
+    gates = {"step-00000030": threading.Event(), "step-00000040": threading.Event()}
+    finals: list[bool] = []
+
+    def sync_beside(att: dict[str, Any], job: dict[str, Any], *, final: bool = False) -> SyncDone:
+        name = "step-00000040" if final else "step-00000030"
+        finals.append(final)
+        assert gates[name].wait(10)
+        write_checkpoint(store, name, {"w.bin": name.encode()})
+        return SyncDone(at=time.time(), pulled=PulledCheckpoints([store / name], TransferStats("rsync"), {}))
+
+    monkeypatch.setattr(rec, "_sync_beside", sync_beside)
+    job = app.store.get_job(job_id)
+    att = {"id": att_id, "job_id": job_id, "state": "running", "info": {}, "provider": "sim", "instance_type": "gpu"}
+    rec.syncs.start(att_id, lambda: sync_beside(att, job))  # a periodic pull, under way as the run ends
+    info: dict[str, Any] = {}
+    started = time.monotonic()
+    assert not rec._final_sync(att, job, info)  # the periodic one has not finished: nothing waited for
+    gates["step-00000030"].set()
+    deadline = time.monotonic() + 10
+    while not rec.syncs.finished():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not rec._final_sync(att, job, info)  # the periodic one is written down; the last one is under way
+    assert app.store.get_job(job_id)["checkpoint"] == "step-00000030" and finals == [False, True]
+    assert time.monotonic() - started < 5  # no step waited for a pull
+    gates["step-00000040"].set()
+    while not rec.syncs.finished():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    rec._collect_syncs()  # the start of the next tick leaves it to the attempt's own step
+    assert rec.syncs.busy(att_id)
+    assert rec._final_sync(att, job, info)
+    assert app.store.get_job(job_id)["checkpoint"] == "step-00000040" and not rec.syncs.busy(att_id)
+    rec.syncs.close()
     app.close()
 
 

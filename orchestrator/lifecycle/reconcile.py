@@ -150,6 +150,9 @@ class Reconciler:
         # own for life, but `retry --reread` may change a job's pass_env: forgotten every LACKING_ENV_FORGET_S.
         self._lacking_env: set[str] = set()
         self._lacking_env_since = 0.0
+        # Attempts whose run has ended and whose last sync runs beside the tick (`_final_sync`): taken by their own
+        # step, not by `_collect_syncs`. In memory only: a restarted daemon starts each one again.
+        self._final_syncs: set[str] = set()
 
     @property
     def cloud_steps(self) -> CloudSteps:
@@ -162,6 +165,7 @@ class Reconciler:
         """Take over from the reconciler this one replaces (a config reload): when each heartbeat last moved, and
         the syncs in flight."""
         self._heartbeats = before._heartbeats
+        self._final_syncs = before._final_syncs
         if self.syncs.workers == before.syncs.workers:
             self.syncs = before.syncs
         else:
@@ -1078,14 +1082,14 @@ class Reconciler:
         # The clock now, not the tick's `now`: a notice handled above has just synced, and would read as a clock
         # gone back (a second pull in the same tick).
         since_sync = self.clock() - info.get("last_sync_at", 0)
-        if ex is not None:  # its last sync, now: what follows ends the attempt
-            with self.cloud_steps.shared_ssh({**att, "info": info}) as shared:  # one handshake for both
-                self._pull(att, job, info, shared)
-                self._pull_logs(att, job, info, shared)
-        elif (since_sync >= sync_every or since_sync < 0) and not self.syncs.busy(att["id"]):  # < 0: clock went back
-            snapshot = {**att, "info": dict(info)}
+        if ex is None and (since_sync >= sync_every or since_sync < 0) and not self.syncs.busy(att["id"]):
+            snapshot = {**att, "info": dict(info)}  # < 0 above: the clock went back
             self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job))
         if ex is not None:
+            if not self._final_sync(att, job, info):  # its last sync first, beside the tick: what follows ends it
+                with self.store.tx() as conn:
+                    self.store.set_attempt_info(att["id"], info, conn)
+                return
             reason = ex.get("reason")
             if reason == "completed" and ex.get("exit_code") == 0:
                 with self.store.tx() as conn:
@@ -1147,31 +1151,53 @@ class Reconciler:
         what it brings home is counted. `info` is the attempt's, persisted by the caller. `shared`: the sync's SSH
         connection, when it has one."""
         beside = self.syncs.take(att["id"], wait=True)
+        self._final_syncs.discard(att["id"])
         if beside is not None:  # its failure too is on record, though the pull that follows may well succeed
             self._synced(att, job, info, beside)
         return self._synced(att, job, info, self._sync_io({**att, "info": info}, job, shared, logs=False))
+
+    def _final_sync(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
+        """The sync that follows a run's end (its newest checkpoint, its outputs, its logs), on a thread beside the
+        tick like the periodic ones: a multi-GB final checkpoint then holds up no other attempt's heartbeat check,
+        notice or stop. True once it has been done and written down (failed or not: the step after it retries what
+        it must have); False while it, or a periodic sync started before the run ended, is under way."""
+        if not self.syncs.busy(att["id"]):
+            self._final_syncs.add(att["id"])
+            snapshot = {**att, "info": dict(info)}
+            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job, final=True))
+        done = self.syncs.take(att["id"])
+        if done is None:
+            return False  # looked at again next tick
+        self._synced(att, job, info, done)
+        if att["id"] in self._final_syncs:
+            self._final_syncs.discard(att["id"])
+            return True
+        return self._final_sync(att, job, info)  # a periodic one, from before the end: now the last one
 
     def _finished_sync(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
         """A sync of the attempt's that brought a checkpoint home since this tick began, counted before its end (the
         work it saved is not lost work). One still under way is not waited for: the instance may be gone and its
         pull hanging (it is written down when it ends, `_collect_syncs`); one that failed is not news at an end."""
         done = self.syncs.take(att["id"])
+        if done is not None:
+            self._final_syncs.discard(att["id"])
         if done is not None and done.error is None:
             self._synced(att, job, info, done)
 
-    def _sync_beside(self, att: dict[str, Any], job: dict[str, Any]) -> SyncDone:
-        """A periodic sync on a thread of `syncs`: transfers only (the tick writes down what they did, `_synced`),
-        on one SSH connection of its own for the checkpoint, the outputs and the logs."""
+    def _sync_beside(self, att: dict[str, Any], job: dict[str, Any], *, final: bool = False) -> SyncDone:
+        """A sync on a thread of `syncs`: transfers only (the tick writes down what they did, `_synced`), on one SSH
+        connection of its own for the checkpoint, the outputs and the logs. `final`: the run has ended, and its
+        outputs come too whether or not a new checkpoint did."""
         try:
             with self.cloud_steps.shared_ssh(att) as shared:
-                return self._sync_io(att, job, shared, logs=True)
+                return self._sync_io(att, job, shared, logs=True, outputs=final)
         except Exception as exc:  # opening or closing the connection: a failed pull, said as one
             return SyncDone(error=exc, at=self.clock())
 
     def _sync_io(self, att: dict[str, Any], job: dict[str, Any], shared: SharedConnection | None, *,
-                 logs: bool) -> SyncDone:
-        """The transfers of a sync, and nothing else: the newest checkpoint, the outputs with a new one, and with
-        `logs` the logs. Failures are returned, not raised."""
+                 logs: bool, outputs: bool = False) -> SyncDone:
+        """The transfers of a sync, and nothing else: the newest checkpoint, the outputs with a new one (or with
+        `outputs`, whatever came), and with `logs` the logs. Failures are returned, not raised."""
         started = time.monotonic()
         try:
             new = self.cloud_steps.pull(att, job, shared)
@@ -1182,8 +1208,8 @@ class Reconciler:
             return SyncDone(error=exc, at=self.clock(), logs=self._logs_io(att, job, shared) if logs else None)
         took = time.monotonic() - started
         at = self.clock()
-        outputs = self._outputs_io(att, job, shared) if new else None
-        return SyncDone(pulled=new, took_s=took, at=at, outputs=outputs,
+        pulled_outputs = self._outputs_io(att, job, shared) if new or outputs else None
+        return SyncDone(pulled=new, took_s=took, at=at, outputs=pulled_outputs,
                         logs=self._logs_io(att, job, shared) if logs else None)
 
     def _synced(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], done: SyncDone) -> bool:
@@ -1230,6 +1256,9 @@ class Reconciler:
         ended meanwhile (its end pulled on its own, or its instance went) counts only for a checkpoint it brought
         home."""
         for attempt_id in self.syncs.finished():
+            if attempt_id in self._final_syncs and self._still_running(attempt_id):
+                continue  # the attempt's own step takes it (`_final_sync`)
+            self._final_syncs.discard(attempt_id)
             done = self.syncs.take(attempt_id)
             assert done is not None
             try:
@@ -1237,6 +1266,11 @@ class Reconciler:
             except Exception as exc:  # one attempt's trouble is not every attempt's: the tick goes on
                 self.emit("attempt.error", attempt_id=attempt_id, state=A.RUNNING.value,
                           error=self.app.redactor(f"writing down a sync: {type(exc).__name__}: {exc}")[:500])
+
+    def _still_running(self, attempt_id: str) -> bool:
+        with self.store.engine.connect() as c:
+            state = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == attempt_id)).scalar()
+        return state == A.RUNNING.value
 
     def _collect_sync(self, attempt_id: str, done: SyncDone) -> None:
         """`_collect_syncs` for one attempt."""
