@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
 from orchestrator.config import Config, load_config_for_state
-from orchestrator.errors import NOTES, BadInput, OperationalError
+from orchestrator.errors import CONFIG_PROBLEMS, NOTES, BadInput, OperationalError
 from orchestrator.events import EventLog, Redactor
 from providers.registry import key_file_secrets
 from state import schema as s
@@ -54,6 +54,8 @@ class App:
         if problem is not None and not self.state_only:
             raise problem
         self._config_problem = problem
+        if problem is not None and self.says_notes:
+            CONFIG_PROBLEMS.append(problem)
         # --state-dir (or state.dir) naming a file, or a path under one: said once here, before any command
         # reaches for its lock or database there and fails with a traceback.
         blocked = next((p for p in (cfg.state_dir, *cfg.state_dir.parents) if p.exists() and not p.is_dir()), None)
@@ -78,6 +80,8 @@ class App:
 
     @cached_property
     def store(self) -> Store:
+        if self.config_problem is not None and not self.config.state_dir.exists():
+            raise self.config_problem  # no state to show there: the file's problem, not a new empty state
         if self.says_notes and not self.config.state_dir.exists():
             # A mistyped --state-dir otherwise shows an empty queue, or queues a job no daemon will ever see, without
             # a word.

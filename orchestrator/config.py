@@ -701,8 +701,9 @@ def load_config(explicit: str | None = None, state_dir: str | None = None) -> Co
 def load_config_for_state(explicit: str | None = None, state_dir: str | None = None) -> tuple[Config, BadInput | None]:
     """The config, and None; or, for a file that does not validate but whose `[state]` section does, that section
     on built-in defaults for everything else, and the file's problem: enough to find and read the state (the
-    commands that only read it, `App.state_only`). A file that cannot be read, or whose `[state]` is itself bad,
-    raises its problem: where the state is would be a guess."""
+    commands that only read it, `App.state_only`). A file that cannot be read, whose `[state]` is itself bad, or
+    that names an unknown top-level setting (a misspelt `[state]`?) raises its problem: where the state is would be
+    a guess."""
     for path, must_exist in config_candidates(explicit):
         if path.exists() or must_exist:
             data = read_toml(path)
@@ -710,6 +711,11 @@ def load_config_for_state(explicit: str | None = None, state_dir: str | None = N
                 cfg, problem = Config.model_validate({**data, "source": str(path)}), None
             except ValidationError as exc:
                 problem = format_validation_error(exc, path, Config)
+                # An unknown top-level name may be the state's own settings misspelt (`[stat]`) or misplaced: the
+                # defaults would then open another, empty, state.
+                stray = any(len(e["loc"]) == 1 and e["type"] == "extra_forbidden" for e in exc.errors())
+                if stray:
+                    raise problem from None
                 try:
                     cfg = Config.model_validate({"state": data.get("state", {}), "source": str(path)})
                 except ValidationError:

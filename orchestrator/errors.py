@@ -41,6 +41,9 @@ class BadInput(BurstctlError):
 # What the CLI says on stderr once a command has succeeded (`cli.main`): a note said before a bad input's one line
 # would make it two.
 NOTES: list[str] = []
+# The config file's problem that a command reading only the state ran past (`App.state_only`): said in the line of
+# any error the command ends in too, so that the typo is not lost behind "no job named x".
+CONFIG_PROBLEMS: list[BadInput] = []
 
 
 class OperationalError(BurstctlError):

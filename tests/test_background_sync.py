@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from orchestrator.app import App
+from orchestrator.lifecycle import reconcile
 from orchestrator.lifecycle.background_sync import BackgroundSyncs
+from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.remote.sync import run_transfer, stop_transfers
 
 
@@ -110,6 +116,52 @@ def test_a_stopping_daemon_ends_the_transfers_still_running_and_the_processes_th
         time.sleep(0.02)
     assert stop_transfers() == 0
     syncs.close()
+
+
+def test_a_transfer_interrupted_in_a_foreground_command_takes_its_processes_with_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # In a session of its own, a transfer no longer gets the terminal's Ctrl-C: the one interrupted ends it.
+    pidfile = tmp_path / "child.pid"
+    real = subprocess.Popen.communicate
+
+    def interrupted(self: subprocess.Popen[str], *args: object, **kwargs: object) -> object:
+        deadline = time.monotonic() + 10
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_transfer(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"])
+    monkeypatch.setattr(subprocess.Popen, "communicate", real)
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child):
+        assert time.monotonic() < deadline, "the interrupted transfer's child outlived it"
+        time.sleep(0.02)
+    assert stop_transfers() == 0  # and it is no longer counted as running
+
+
+def test_a_stopping_reconciler_ends_the_transfers_its_syncs_still_run(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    pidfile = tmp_path / "child.pid"
+    monkeypatch.setattr(reconcile, "CLOSE_WAIT_S", 0.2)
+    app = App(state_dir_override=str(tmp_path / "state"))
+    rec = Reconciler(app, {}, cloud=None)
+    rec.syncs.start("a1", lambda: run_transfer(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]).returncode)
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    started = time.monotonic()
+    rec.close()
+    assert time.monotonic() - started < 5
+    child = int(pidfile.read_text())
+    while _alive(child):
+        assert time.monotonic() < deadline, "a transfer outlived the reconciler's close"
+        time.sleep(0.02)
+    app.close()
 
 
 def _alive(pid: int) -> bool:

@@ -671,18 +671,53 @@ def test_a_config_whose_state_section_does_not_validate_opens_no_state(burstctl_
     assert not (tmp_path / "state").exists()
 
 
+@pytest.mark.parametrize("text", ["[stat]\ndir = 'x'\n", "database_url = 'sqlite:///x.db'\n"],
+                         ids=["misspelt-section", "state-setting-at-the-top"])
+def test_a_config_that_may_have_misspelt_its_state_opens_no_state(burstctl_here, tmp_path: Path, text: str) -> None:
+    # The built-in defaults would open another, empty, state: `list` said "no jobs", and revert-local set a kill
+    # switch no daemon reads. Each refuses the file instead, making nothing.
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(text)
+    for command in (["list"], ["status"], ["revert-local"]):
+        r = burstctl_here("--config", str(cfg), *command)
+        assert r.returncode == 2 and r.stdout == "", (command, r.stdout)
+        (line,) = r.stderr.strip().splitlines()
+        assert line.startswith(f"burstctl: error: {cfg}: field '") and "is not a known field" in line, line
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_reader_that_fails_on_its_own_still_names_the_config_s_problem(burstctl_here, tmp_path: Path) -> None:
+    cfg, state = tmp_path / "burstctl.toml", tmp_path / "state"
+    cfg.write_text("[providers.sim]\nenabled = false\n")
+    at = ("--config", str(cfg), "--state-dir", str(state))
+    assert burstctl_here(*at, "list").returncode == 0
+    cfg.write_text(MISTYPED)
+    r = burstctl_here(*at, "show", "no-such-job")
+    (line,) = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "no job with id or name 'no-such-job'" in line, line
+    assert line.endswith(f"; also, {cfg}: field 'budget.monthy_cap_usd': is not a known field (did you mean "
+                         "'monthly_cap_usd'?)"), line
+    # Where the file names no state that exists, there is nothing to read: its problem alone, nothing made.
+    r = burstctl_here("--config", str(cfg), "--state-dir", str(tmp_path / "elsewhere"), "list")
+    assert r.returncode == 2 and r.stdout == "" and not (tmp_path / "elsewhere").exists()
+    assert r.stderr.strip() == f"burstctl: error: {cfg}: field 'budget.monthy_cap_usd': is not a known field (did " \
+                               "you mean 'monthly_cap_usd'?)"
+
+
 def test_revert_local_on_a_config_that_does_not_validate_still_sets_the_kill_switch(
         burstctl_here, tmp_path: Path) -> None:
     # The emergency brake works whatever the file says: the switch is set (a running daemon winds its cloud
     # attempts down on the settings it last read), and it says that it swept no provider (exit 1).
     cfg, state = tmp_path / "burstctl.toml", tmp_path / "state"
-    cfg.write_text(MISTYPED)
+    cfg.write_text("[providers.sim]\nenabled = false\n")
     at = ("--config", str(cfg), "--state-dir", str(state))
+    assert burstctl_here(*at, "status").returncode == 0
+    cfg.write_text(MISTYPED)
     r = burstctl_here(*at, "revert-local")
     assert r.returncode == 1 and r.stdout == ""
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("burstctl: error: the kill switch is set: nothing will be launched; this shell wound "
-                           f"nothing down and swept no provider, as {cfg}: field 'budget.monthy_cap_usd'"), line
+                           f"nothing down and swept no provider, because {cfg}: field 'budget.monthy_cap_usd'"), line
     assert "; no daemon is running to bring cloud attempts home: fix the file" in line, line
     cfg.write_text("[providers.sim]\nenabled = false\n")
     assert json.loads(burstctl_here(*at, "status", "--json").stdout)["mode"] == "local-only"

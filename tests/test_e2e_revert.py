@@ -101,7 +101,7 @@ def test_with_a_config_that_does_not_validate_revert_local_sets_the_switch_and_t
             assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
             (line,) = r.stderr.strip().splitlines()
             assert line.startswith("burstctl: error: the kill switch is set: nothing will be launched; this shell "
-                                   f"wound nothing down and swept no provider, as {config}: field "
+                                   f"wound nothing down and swept no provider, because {config}: field "
                                    "'orchestrator_idd': is not a known field (did you mean 'orchestrator_id'?); "
                                    "the running daemon (pid "), line
             wait_for(lambda: job(state, job_id)["state"] == "done", 240, "the job to come home and finish locally")

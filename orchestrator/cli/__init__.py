@@ -13,11 +13,12 @@ import traceback
 import click
 
 from orchestrator.cli.base import cli
-from orchestrator.errors import NOTES, BurstctlError
+from orchestrator.errors import CONFIG_PROBLEMS, NOTES, BurstctlError
 
 
 def main(argv: list[str] | None = None) -> int:
     NOTES.clear()
+    CONFIG_PROBLEMS.clear()
     try:
         cli.main(args=argv, prog_name="burstctl", standalone_mode=False)
         for note in NOTES:
@@ -32,23 +33,22 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, click.NoSuchOption) or not message.startswith("No such command"):
             print(f"burstctl: error: {where}{message}", file=sys.stderr)
             return 2
+        # click's own suggestion is from the commands imported so far (none, in a real run): ours, from them all.
+        message = re.sub(r"\s*Did you mean.*", "", message, flags=re.S)
         typed = re.search(r"'(.*)'", message)
         group = exc.ctx.command if exc.ctx else cli
         names = sorted(group.list_commands(exc.ctx)) if isinstance(group, click.Group) and exc.ctx else []
         close = difflib.get_close_matches(typed.group(1) if typed else "", names, n=1, cutoff=0.6)
         path = exc.ctx.command_path if exc.ctx else "burstctl"
-        hint = f" `{path} --help` lists the commands."
-        if "Did you mean" in message:  # click's own, from the commands imported so far
-            hint = ""
-        elif close:
-            hint = f" Did you mean '{close[0]}'?"
+        hint = f" Did you mean '{close[0]}'?" if close else f" `{path} --help` lists the commands."
         print(f"burstctl: error: {where}{message}{hint}", file=sys.stderr)
         return 2
     except click.Abort:
         print("burstctl: aborted", file=sys.stderr)
         return 1
     except BurstctlError as exc:
-        print(f"burstctl: error: {exc}", file=sys.stderr)
+        also = "".join(f"; also, {p}" for p in CONFIG_PROBLEMS if str(p) not in str(exc))
+        print(f"burstctl: error: {exc}{also}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

@@ -122,6 +122,12 @@ def cli(ctx: click.Context, config_path: str | None, state_dir: str | None) -> N
     ctx.call_on_close(app.close)
 
 
+def say_config_problem_now(app: App) -> None:
+    """Before a --follow, which ends only when interrupted: the config file's problem on stderr now too."""
+    if app.config_problem is not None:
+        click.echo(f"burstctl: note: {app.config_problem}; following the state alone", err=True)
+
+
 @cli.result_callback()
 @click.pass_context
 def said_config_problem(ctx: click.Context, *_: Any, **__: Any) -> None:

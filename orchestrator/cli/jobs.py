@@ -13,7 +13,16 @@ from rich.markup import escape
 from sqlalchemy import select
 
 from orchestrator.app import App, burst_enabled
-from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import (
+    FiniteFloat,
+    cli,
+    json_option,
+    out,
+    pass_app,
+    print_json,
+    say_config_problem_now,
+    table,
+)
 from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
@@ -439,6 +448,7 @@ def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | N
             click.echo(f"(the newest {EVENTS_SHOWN} events; --limit N or --all for more)", err=True)
     if not follow:
         return
+    say_config_problem_now(app)
     tail = EventTail(app.store, job_id=job_id, type_prefix=type_prefix, after_id=last)
     try:
         while True:

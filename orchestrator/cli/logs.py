@@ -16,7 +16,7 @@ import click
 from sqlalchemy import select
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, pass_app
+from orchestrator.cli.base import cli, pass_app, say_config_problem_now
 from orchestrator.cli.jobs import job_or_fail
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.lifecycle.homes import attempt_run_dir
@@ -110,6 +110,7 @@ def _print(app: App, att: dict[str, Any], path: Path, lines: int | None, follow:
         pos = 0
     if not follow:
         return
+    say_config_problem_now(app)
     try:
         while True:
             over = _over(app, att["id"])  # read before the file: what the attempt wrote before it ended is printed

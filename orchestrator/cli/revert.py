@@ -24,7 +24,7 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
     Exit 0 when every owned instance is confirmed gone, 1 otherwise (naming what is left, and every enabled provider
     this shell could not ask, e.g. without its API key)."""
     if app.config_problem is not None:
-        _switch_only(app)
+        _switch_only(app, as_json)
     report = revert_local(app, build_reconciler(app), timeout_s=timeout_s)
     if as_json:
         print_json(report.as_dict())
@@ -59,17 +59,21 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
                                "its own credentials (`burstctl status`), or run revert-local where they are set")
 
 
-def _switch_only(app: App) -> None:
+def _switch_only(app: App, as_json: bool) -> None:
     """On a config file that does not validate: the kill switch alone. Which providers, credentials and instances
     are the user's is in that file, so nothing is wound down from here; a running daemon does it on the settings it
     last read, as it would for any revert-local."""
     set_burst_enabled(app, False, "revert-local")
     daemon = running_daemon(app)
-    who = (f"the running daemon (pid {daemon['pid']}) brings its cloud attempts home on the settings it last read"
-           if daemon else "no daemon is running to bring cloud attempts home")
+    if as_json:
+        print_json({"mode": "local-only", "switch_only": True, "config_problem": str(app.config_problem),
+                    "daemon": daemon})
+    where = f" on {daemon['host']}" if daemon and daemon.get("host") else ""
+    who = (f"the running daemon (pid {daemon['pid']}{where}) brings its cloud attempts home on the settings it last "
+           "read" if daemon else "no daemon is running to bring cloud attempts home")
     raise OperationalError(f"the kill switch is set: nothing will be launched; this shell wound nothing down and swept "
-                           f"no provider, as {app.config_problem}; {who}: fix the file and run revert-local again "
-                           "to confirm every instance is gone")
+                           f"no provider, because {app.config_problem}; {who}: fix the file and run revert-local "
+                           "again to confirm every instance is gone")
 
 
 @cli.command("burst-enable")

@@ -42,8 +42,10 @@ def schedule_rows(app: App, now: float) -> list[dict[str, Any]]:
             problem = app.redactor(str(exc))
         slots = slots_between(trig, now, month_end(now))
         cycle_h = plan["hours"] if plan else None
-        running = last_job is not None and JobState(last_job["state"]) not in FINAL
-        busy_until = rec["last_slot_at"] + cycle_h * 3600.0 if running and cycle_h and rec.get("last_slot_at") else None
+        # The cycle not yet over, from its own slot (`last_slot_at` moves on at a slot skipped while it runs).
+        running_slot = None if last_job is None or JobState(last_job["state"]) in FINAL \
+            else last_job["spec"].get("_slot_at")
+        busy_until = running_slot + cycle_h * 3600.0 if running_slot and cycle_h else None
         rows.append({
             "job_file": str(path), "name": name, "cron": sched.cron, "timezone": str(trig.timezone),
             "overlap": sched.overlap, "armed": bool(rec), "next_slot_at": next_slot(trig, now),
@@ -65,7 +67,7 @@ def _plan_now(app: App, spec: JobSpec, path: Path, deadline_at: float, now: floa
                      setup_estimate(app, spec), local_wait_h(app, spec, deadline_at, now)),
                context(app, now)).to_dict()
     cloud = sum(p["cost_usd"] for p in d["plan"] or [] if p["where"] == "cloud")
-    hours = sum(p["hours"] for p in d["plan"]) if d["plan"] else None
+    hours = max(p["start_after_h"] + p["hours"] for p in d["plan"]) if d["plan"] else None  # to its last phase's end
     return {"verdict": d["verdict"], "plan_kind": d["plan_kind"], "cloud_usd": round(cloud, 4),
             "market": d["market"], "hours": None if hours is None else round(hours, 4)}
 

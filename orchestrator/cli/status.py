@@ -38,7 +38,8 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
         "daemon": {"running": daemon is not None, "pid": daemon and daemon["pid"],
                    **({"host": daemon["host"]} if daemon and daemon.get("host") else {})},
         "mode": _mode(app, daemon is not None),
-        "config_changed_since_daemon_read_it": daemon is not None and _config_changed(app),
+        # A file that does not validate is one the daemon rejects, not one it applies at its next tick.
+        "config_changed_since_daemon_read_it": daemon is not None and settings and _config_changed(app),
         "config_restart_needed": _restart_needed(app) if daemon is not None else [],
         "cloud_health": app.store.get_setting("cloud_health") or {},
         "cloud_health_at": app.store.get_setting("cloud_health_at"),

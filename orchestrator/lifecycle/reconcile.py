@@ -75,7 +75,7 @@ LOCAL_GPU_BUSY = "waiting for the local GPU"
 LOCAL_GPU_HOURS = "waiting for the local GPU's hours (local.available_hours)"
 MAX_STEPS_PER_TICK = 4  # intent → provisioning → bootstrapping → running in one tick when nothing waits
 LACKING_ENV_FORGET_S = 60.0  # how long a job lacking its pass_env is left out of the candidates before a new look
-LACKING_ENV_KEPT = 2000  # at most this many left out (each is a bound parameter of the candidates' query)
+LACKING_ENV_KEPT = 2000  # at most this many left out (each is a row more that the candidates' query reads)
 BOOT_WAIT_S, BOOT_POLL_S, BOOT_WAIT_WINDOW_S = 1.0, 0.2, 15.0  # brief in-tick polling of a just-launched instance
 SYNC_FAILING = "checkpoints are not coming home (the instance is kept and the pull retried)"  # a job's reason
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
@@ -347,13 +347,15 @@ class Reconciler:
         with self.store.engine.connect() as c:
             busy_jobs = {r[0] for r in c.execute(
                 select(s.attempts.c.job_id).where(s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES)))}
-            startable = (s.jobs.c.id.not_in(self._lacking_env),) if self._lacking_env else ()
 
             def candidates(placements: tuple[str, ...], slots: int, *only: Any) -> list[dict[str, Any]]:
+                # Those known to lack their pass_env are read and dropped here, not left out by the query: as many
+                # bound ids as there are such jobs would pass SQLite's limit (999 before 3.32).
                 return [dict(r) for r in c.execute(
                     select(s.jobs).where(s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]),
-                                         s.jobs.c.placement.in_(placements), *startable, *only)
-                    .order_by(s.jobs.c.deadline_at).limit(slots + 20)).mappings()]
+                                         s.jobs.c.placement.in_(placements), *only)
+                    .order_by(s.jobs.c.deadline_at).limit(slots + 20 + len(self._lacking_env))).mappings()
+                    if r["id"] not in self._lacking_env]
 
             ready = sorted(candidates(("local", "hybrid"), self.cfg.daemon.local_concurrency)
                            + candidates(("cloud",), self.cfg.daemon.max_cloud_attempts,

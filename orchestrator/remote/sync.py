@@ -402,6 +402,10 @@ def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, st
         _RUNNING.add(proc)
     try:
         out, err = proc.communicate(stdin)
+    except BaseException:  # interrupted (Ctrl-C in a foreground command): its group does not outlive it
+        _end(proc)
+        proc.wait()
+        raise
     finally:
         with _RUNNING_LOCK:
             _RUNNING.discard(proc)
@@ -412,11 +416,15 @@ def stop_transfers() -> int:
     """End the transfers still running (SIGTERM to each one's process group): what they brought is in staging
     directories, which the next pull resumes. Returns how many were running."""
     with _RUNNING_LOCK:
-        running = list(_RUNNING)
+        running = [proc for proc in _RUNNING if proc.returncode is None]  # a reaped one's group may be another's
     for proc in running:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
+        _end(proc)
     return len(running)
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
 
 
 def _rsync(target: Target, trust: HostKeyTrust, args: list[str], *, what: str, stdin: str | None = None
