@@ -28,6 +28,7 @@ from sqlalchemy import (
     inspect,
     select,
     text,
+    true,
     update,
 )
 from sqlalchemy.engine import make_url
@@ -396,15 +397,23 @@ class Store:
         """Delete every event of `job_ids`, and the events of no job (daemon, provider, sweep) older than
         `no_job_before`. Nothing else: jobs, attempts, instances, the ledger (the budget's meter), measurements and
         spot listings stay. `batch` jobs (or 20 x `batch` events of no job) per transaction, so a daemon writing
-        beside it waits milliseconds, not the whole prune. Returns the events deleted."""
+        beside it waits milliseconds, not the whole prune. Returns the events deleted.
+
+        The newest event is never deleted: SQLite numbers a new row one past the largest id there is, so a table
+        emptied numbered from 1 again, and every reader that keeps its place by id (a notifier, `events --after`)
+        saw nothing new for as long as the old ids lasted."""
         e = s.events
         deleted = 0
+        with self.engine.connect() as c:
+            newest = c.execute(select(func.max(e.c.id))).scalar()
+        kept = e.c.id != newest if newest is not None else true()
         for k in range(0, len(job_ids), batch):
             with self.tx() as c:
-                deleted += c.execute(e.delete().where(e.c.job_id.in_(job_ids[k:k + batch]))).rowcount
+                deleted += c.execute(e.delete().where(e.c.job_id.in_(job_ids[k:k + batch]), kept)).rowcount
         while True:  # no job's: read through the (job_id, id) index's NULL range, oldest first
             with self.tx() as c:
-                ids = [r for (r,) in c.execute(select(e.c.id).where(e.c.job_id.is_(None), e.c.ts < no_job_before)
+                ids = [r for (r,) in c.execute(select(e.c.id).where(e.c.job_id.is_(None), e.c.ts < no_job_before,
+                                                                    kept)
                                                .order_by(e.c.id).limit(20 * batch))]
                 if not ids:
                     break

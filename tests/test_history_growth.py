@@ -246,6 +246,23 @@ def test_keep_logs_prunes_the_events_alone(burstctl, tmp_path: Path) -> None:
     assert said.stdout.startswith("0 events deleted, 1 attempts' logs deleted (0.0 MiB)"), said.stdout
 
 
+def test_an_event_log_pruned_to_nothing_never_numbers_its_events_from_1_again(burstctl, tmp_path: Path) -> None:
+    # SQLite numbers a new row one past the largest id left: emptied, the table numbered from 1 again, and a
+    # notifier that had delivered up to id 160 saw nothing new (and `status` said it was fine) for 160 events.
+    app = _app(tmp_path)
+    old = _job(app, tmp_path, "old", "done", time.time() - 40 * 86400)
+    newest = max(e["id"] for e in app.store.events())
+    app.close()
+    pruned = json.loads(burstctl("prune-events", "--older-than", "0", "--json").stdout)
+    assert pruned["events"] > 0
+    app = _app(tmp_path)
+    assert [e["id"] for e in app.store.events()] == [newest]  # the newest is kept: the numbering goes on from it
+    app.store.append_event("daemon.started", {})
+    assert [e["id"] for e in app.store.events()][-1] == newest + 1
+    assert old
+    app.close()
+
+
 def test_the_daemon_prunes_once_a_day_only_when_configured(tmp_path: Path) -> None:
     app = _app(tmp_path)
     now = time.time()
@@ -254,13 +271,14 @@ def test_the_daemon_prunes_once_a_day_only_when_configured(tmp_path: Path) -> No
     assert prune_if_due(app, now) is None  # unset: every event is kept
     app.close()
     app = _app(tmp_path, "[state]\nevents_keep_days = 30\n")
-    assert prune_if_due(app, now) == {"finished_jobs": 1, "events": 3,  # enqueued, decided, synced
+    assert prune_if_due(app, now) == {"finished_jobs": 1, "events": 2,  # enqueued, decided; synced is the newest
                                       "run_dirs": 0, "run_bytes": 0}
     app.store.append_event("checkpoint.synced", {}, job_id=job_id, ts=now)
     assert prune_if_due(app, now + 3600) is None  # pruned less than a day ago
     assert prune_if_due(app, now + 86400)["events"] == 1
     assert [e["type"] for e in app.store.events(type_prefix="state.")] == ["state.events_pruned"] * 2
-    assert prune_events(app, 30, now + 86400)["events"] == 0
+    # Only the synced event the prune before kept as the newest then: a newer one (its own note) is there now.
+    assert prune_events(app, 30, now + 86400)["events"] == 1
     app.close()
 
 
