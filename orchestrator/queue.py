@@ -209,6 +209,12 @@ def learned_preemptions_per_h(app: App, now: float) -> tuple[float, str, dict[st
     return pooled, basis, per_gpu
 
 
+def headline(d: dict[str, Any]) -> str | None:
+    """A decision's one line: why its verdict is what it is (`Decision.headline`; the last reason in a decision
+    stored before it had one)."""
+    return d.get("headline") or (d["reasons"][-1] if d["reasons"] else None)
+
+
 def held_by_plans(app: App, now: float, exclude: str | None = None) -> Held:
     """What the jobs admitted to the cloud, queued or running, have still to spend: each plan's rented cost less
     what its instances have cost so far (`budget.admits` keeps it from the next job). `exclude`: the job being
@@ -604,11 +610,11 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
             app.store.insert_job({
                 "id": job_id, "name": spec.name, "kind": spec.kind, "state": state.value,
                 "verdict": decision.verdict.value, "placement": placement, "spec": spec_data,
-                "decision": d, "reason": d["reasons"][-1] if d["reasons"] else None, "deadline_at": deadline_at,
+                "decision": d, "reason": headline(d), "deadline_at": deadline_at,
                 "record_path": str(record_path),
             }, conn=conn)
             app.events.emit("job.enqueued", job_id=job_id, conn=conn, name=spec.name, state=state.value,
-                            deadline=deadline, reason=d["reasons"][-1] if d["reasons"] else None)
+                            deadline=deadline, reason=headline(d))
             app.events.emit("job.decided", job_id=job_id, conn=conn, verdict=d["verdict"], action=d["action"],
                             inputs=_inputs(job), decision=d)
             if also is not None:
@@ -687,6 +693,7 @@ def here_meanwhile(d: dict[str, Any], ctx: DecisionContext, kind: str) -> bool:
 
     d["reasons"].append(f"{REQUEUED_LOCAL} while bursting is disabled: it runs here, late if need be, until "
                         "`burstctl burst-enable` puts it back on this plan")
+    d["headline"] = d["reasons"][-1]
     return True
 
 
@@ -711,12 +718,12 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
     def _apply(c: Any) -> tuple[str, dict[str, Any]] | None:
         if not app.store.update_job(job["id"], c, expect_state=job["state"], state=target.value,
                                     verdict=d["verdict"], placement=placement, decision=d,
-                                    record_path=str(record), reason=d["reasons"][-1] if d["reasons"] else None):
+                                    record_path=str(record), reason=headline(d)):
             record.unlink(missing_ok=True)
             return None
         app.events.emit("job.redecided", job_id=job["id"], conn=c, previous=job["state"], state=target.value,
                         verdict=d["verdict"], action=d["action"], record=str(record), placement=placement,
-                        reason=d["reasons"][-1] if d["reasons"] else None)
+                        reason=headline(d))
         return target.value, {**d, "placement": placement}
 
     if conn is not None:  # the caller's transaction: it points the record before at this one once committed
@@ -765,7 +772,7 @@ def retry(app: App, job: dict[str, Any], now: float | None = None, *,
     again = redecide(app, {**job, "spec": spec, "deadline_at": deadline}, context(app, now), now)
     d = again.decision
     if again.target is JobState.RETHINK:
-        raise BadInput(f"job {job['id']} would be rethink again: {d['reasons'][-1] if d['reasons'] else ''} (a "
+        raise BadInput(f"job {job['id']} would be rethink again: {headline(d) or ''} (a "
                        "later deadline, --deadline-hours, may do)", field="--deadline-hours")
     check_transition(job["state"], again.target.value, job["id"])
     records.supersede(job["decision"], d)
@@ -779,11 +786,11 @@ def retry(app: App, job: dict[str, Any], now: float | None = None, *,
             if not app.store.update_job(job["id"], conn, expect_state=job["state"], state=again.target.value,
                                         verdict=d["verdict"], placement=d["placement"], decision=d, spec=spec,
                                         deadline_at=deadline, approved=False, record_path=str(record_path),
-                                        reason=d["reasons"][-1] if d["reasons"] else None):
+                                        reason=headline(d)):
                 raise BadInput(f"job {job['id']} changed state meanwhile; try again", field="JOB")
             app.events.emit("job.retried", job_id=job["id"], conn=conn, previous=job["state"],
                             state=again.target.value, verdict=d["verdict"], action=d["action"],
-                            reason=d["reasons"][-1] if d["reasons"] else None,
+                            reason=headline(d),
                             work_done=round(again.work_done, 6), work_left=round(again.facts.work, 6),
                             deadline=datetime.fromtimestamp(deadline).astimezone().isoformat())
     except BaseException:

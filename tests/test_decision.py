@@ -168,10 +168,26 @@ def test_the_local_gpu_s_hours_make_t_local_the_wall_clock_time_through_them() -
     assert decide(replace(C, s_local=0.33, deadline_h=24), late).verdict is Verdict.LOCAL
 
 
+def test_a_rethink_or_local_job_s_headline_is_its_gate_not_a_note_said_after_it() -> None:
+    # The job's reason, `show`'s header and its notice are the headline: a rethink job's was the price providers
+    # listed, a local job's the local GPU's hours.
+    listed = {("H100", 1): ListedPrice(3.29, 1.10, "sim just now")}
+    rethink = decide(replace(C, deadline_h=0.0001), replace(CTX, listed=listed)).to_dict()
+    assert rethink["reasons"][-1].startswith("H100: $3.29/GPU-h")
+    assert rethink["headline"] == ("Gate 2: local 30.30 h and rented 6.38 h both miss 0.00 h: rethink scope, not "
+                                   "hardware")
+    late = replace(CTX, local_hours=LocalHours(windows=((0.0, 360.0),), clock_min=480.0))
+    local = decide(replace(C, s_local=0.33, deadline_h=24), late).to_dict()
+    assert local["reasons"][-1].startswith("local GPU open 3.03 h")
+    assert local["headline"].startswith("Gate 2: local finishes")
+    burst = decide(C, CTX).to_dict()  # otherwise the last word: here, what the deadline costs
+    assert burst["headline"] == burst["reasons"][-1] and burst["headline"].startswith("the deadline costs")
+
+
 def test_decision_json_has_the_documented_keys() -> None:
     d = decide(C, CTX).to_dict()
     for key in ("verdict", "fits_locally", "t_local_h", "c_local_usd", "t_rented_h", "c_rented_usd",
-                "delta_cost_usd", "hours_saved", "market", "reasons", "plan", "plan_cost_usd"):
+                "delta_cost_usd", "hours_saved", "market", "reasons", "headline", "plan", "plan_cost_usd"):
         assert key in d
     assert not any(isinstance(v, float) and math.isnan(v) for v in d.values())
 

@@ -126,6 +126,9 @@ class Decision:
     # With local.available_hours: the share of the local run's wall-clock hours that it trains (T_L times it is its
     # GPU hours, what the local queue counts it for); for a hybrid plan, the share of its local phase's hours.
     local_share: float = 1.0
+    # Why the verdict is what it is, where the last of the reasons is only a note (a price as listed, the local
+    # GPU's hours): the job's reason, its notice's text (`to_dict`'s "headline"). None: the last reason.
+    headline: str | None = None
 
     @property
     def placement(self) -> str:
@@ -169,7 +172,13 @@ class Decision:
             "plan_kind": None if self.plan is None else self.plan.kind,
             "plan_cost_usd": None if self.plan is None else _r(self.plan.cost_usd),
             "reasons": list(g.reasons) + list(self.reasons),
+            "headline": self.headline or next(reversed([*g.reasons, *self.reasons]), None),
         }
+
+
+def _verdict_line(g: GateResult) -> str | None:
+    """The gates' last word: why the verdict is local, or rethink."""
+    return g.reasons[-1] if g.reasons else None
 
 
 def _r(v: float | None) -> float | None:
@@ -289,7 +298,7 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         if g.verdict is Verdict.LOCAL:
             return Decision(Verdict.LOCAL, "run-local", g, None, None, None,
                             Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),)),
-                            reasons, overhead_h)
+                            reasons, overhead_h, headline=_verdict_line(g))
         reasons += skipped
         if too_small:
             reasons.append("no rented GPU type can run this job: rethink scope (e.g. LoRA/QLoRA, or FSDP over more "
@@ -317,9 +326,11 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
 
     if g.verdict is Verdict.LOCAL:
         plan = Plan("local", (Phase("local", g.t_local_h or 0.0, g.c_local_usd or 0.0),))
-        return Decision(g.verdict, "run-local", g, gpu, offer.od_usd_per_gpu_h, None, plan, reasons, overhead_h)
+        return Decision(g.verdict, "run-local", g, gpu, offer.od_usd_per_gpu_h, None, plan, reasons, overhead_h,
+                        headline=_verdict_line(g))
     if g.verdict is Verdict.RETHINK and not job.started:
-        return Decision(g.verdict, "rethink", g, gpu, offer.od_usd_per_gpu_h, None, None, reasons, overhead_h)
+        return Decision(g.verdict, "rethink", g, gpu, offer.od_usd_per_gpu_h, None, None, reasons, overhead_h,
+                        headline=_verdict_line(g))
     if g.verdict is Verdict.RETHINK:
         # Gate 2's verdict, so the job fits locally. The deadline is lost either way, and it was the only reason to
         # rent: finish what is left locally rather than throw the work done away.

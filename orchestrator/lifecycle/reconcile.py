@@ -46,7 +46,7 @@ from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
-from orchestrator.queue import local_hours, record_offers_seen, setup_key, throughput_key
+from orchestrator.queue import headline, local_hours, record_offers_seen, setup_key, throughput_key
 from orchestrator.records import supersede, superseded
 from orchestrator.remote.ssh import HostKeyMismatch, SharedConnection
 from orchestrator.remote.sync import stop_transfers
@@ -457,14 +457,14 @@ class Reconciler:
                 if not self.store.update_job(job["id"], conn, expect_state=job["state"], state=again.target.value,
                                              verdict=d["verdict"], placement=d["placement"], decision=d,
                                              record_path=str(record),
-                                             reason=d["reasons"][-1] if d["reasons"] else None):
+                                             reason=headline(d)):
                     record.unlink(missing_ok=True)
                     continue
                 self.app.events.emit("job.redecided", job_id=job["id"], conn=conn, previous=job["state"],
                                      state=again.target.value, verdict=d["verdict"], action=d["action"],
                                      placement=d["placement"], local_wait_h=wait,
                                      why="no local stretch long enough" if unfit else "late in line",
-                                     reason=d["reasons"][-1] if d["reasons"] else None)
+                                     reason=headline(d))
             superseded(job.get("record_path"), record, "decided again while queued", now)
             if again.target is JobState.QUEUED:  # admitted to the cloud: the next job sees what its plan holds
                 ctx = replace(ctx, held=ctx.held.plus(planned_rented_usd(d)))
