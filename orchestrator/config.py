@@ -12,7 +12,7 @@ import json
 import os
 import re
 import tomllib
-from datetime import time
+from datetime import UTC, datetime, time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -506,6 +506,11 @@ class Schedule(Strict):
                 raise ValueError(f"'{v}': {field} {bad.group(1)} is more than {bad.group(2)}: {CRON_EXPECTED}") \
                     from None
             raise ValueError(f"'{v}' is not a crontab: {CRON_EXPECTED}") from None
+        # A valid cron may still name a day no month has ("0 2 30 2 *"): it would never queue a cycle, unsaid.
+        now = datetime.now(UTC)
+        if all(CronTrigger.from_crontab(c, timezone="UTC").get_next_fire_time(None, now) is None
+               for c in crontab.as_apscheduler(v)):
+            raise ValueError(f"'{v}' matches no date (a day its months do not have): it would never queue a cycle")
         return v
 
     _zone = field_validator("timezone")(_iana_zone)

@@ -7,6 +7,7 @@ written, so a bad spec never reaches the queue.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 import posixpath
@@ -18,7 +19,7 @@ from datetime import UTC, date, datetime
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from orchestrator.config import JobKind, Market, PassedEnvName, read_toml
 from orchestrator.errors import PATTERN_WORDS, BadInput, FieldValueError, format_validation_error, what_was_given
@@ -31,6 +32,7 @@ Attention = Literal["sdpa", "eager"]
 # The furthest deadline a job may have. A generous cap rather than "whatever a datetime can hold": no training job
 # plans a decade ahead, and every later step (events, records, `list`) can then format the instant.
 MAX_DEADLINE_YEARS = 10
+SHELL_OPERATORS = frozenset({"|", "||", "&&", ";", "&", ">", ">>", "<", "2>", "2>&1", "&>"})  # what a shell reads
 MAX_DEADLINE_HOURS = MAX_DEADLINE_YEARS * 365.25 * 24  # 87660 h
 DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2026-12-01T09:00:00Z"
 DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 and at most {MAX_DEADLINE_HOURS:.0f} "
@@ -199,9 +201,15 @@ class JobSpec(BaseModel):
 
     @field_validator("command", "setup", mode="before")
     @classmethod
-    def _split(cls, v: object) -> object:
+    def _split(cls, v: object, info: ValidationInfo) -> object:
         if isinstance(v, str):
-            return shlex.split(v)
+            words = shlex.split(v)
+            shell = next((w for w in words if w in SHELL_OPERATORS), None)
+            if info.field_name == "command" and shell is not None:
+                # Found only when it runs: `python3 train.py | tee log` fails with "unrecognized arguments: | tee".
+                raise ValueError(f"'{v}' is split into arguments and run without a shell, so '{shell}' would reach "
+                                 f"the program as an argument: to use a shell, write [\"sh\", \"-c\", {json.dumps(v)}]")
+            return words
         if not isinstance(v, list):  # pydantic would say "expected a list", though one string is as good
             raise ValueError(f"expected a list of strings or one string, got {what_was_given(v)}")
         return v

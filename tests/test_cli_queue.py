@@ -310,6 +310,10 @@ def test_config_example_shows_every_setting_in_its_section() -> None:
 BAD_JOBS = {
     "missing-field": ({"local_throughput": None}, "local_throughput", "required"),
     "unknown-field": ({"colour": "blue"}, "colour", "not a known field"),
+    "shell-pipeline-as-command": ({"command": "python3 train.py | tee log"}, "command",
+                                  "is split into arguments and run without a shell, so '|' would reach the program "
+                                  "as an argument: to use a shell, write "
+                                  "[\"sh\", \"-c\", \"python3 train.py | tee log\"]"),
     "misspelt-field": ({"deadline_critcal": True}, "deadline_critcal",
                        "is not a known field (did you mean 'deadline_critical'?)"),
     "misspelt-nested-field": ({"checkpoint": {"interval_minute": 5}}, "checkpoint.interval_minute",

@@ -233,6 +233,8 @@ def test_a_cron_restricting_both_days_fires_on_either_as_crontab_does(cron: str,
     # Five fields, one out of range: which one, not "expected five fields".
     ('job = "nightly.toml"\ncron = "61 9 * * *"', "schedule.0.cron", "'61 9 * * *': minute 61 is more than 59"),
     ('job = "nightly.toml"\ncron = "0 9 32 * *"', "schedule.0.cron", "day-of-month 32 is more than 31"),
+    # Valid, and never: no February has a 30th (with a day of the week too, that day alone would do).
+    ('job = "nightly.toml"\ncron = "0 2 30 2 *"', "schedule.0.cron", "'0 2 30 2 *' matches no date"),
     ('job = "nightly.toml"\ncron = "0 2 * * *"\ntimezone = "Mars/Base"', "schedule.0.timezone",
      "'Mars/Base' is not a time zone"),
     ('job = "nightly.toml"\ncron = "0 2 * * *"\noverlap = "maybe"', "schedule.0.overlap", "'skip' or 'queue'"),

@@ -70,4 +70,8 @@ STATE_FOR_ACTION: dict[str, JobState] = {
 def check_transition(current: str, target: str, job: str) -> None:
     cur, tgt = JobState(current), JobState(target)
     if tgt not in JOB_TRANSITIONS[cur]:
-        raise BadInput(f"job {job} is {cur.value}; it cannot become {tgt.value}")
+        over = ""
+        if cur in FINAL:  # "cannot become cancelled" read as stuck: it is over, and nothing of it waits or runs
+            over = (": it never ran and nothing of it is queued (`burstctl retry` with a later --deadline-hours "
+                    "queues it again)" if cur is JobState.RETHINK else ": it is over, and nothing of it runs")
+        raise BadInput(f"job {job} is {cur.value}; it cannot become {tgt.value}{over}")
