@@ -38,9 +38,10 @@ def test_a_sync_runs_on_a_thread_and_is_taken_once_when_it_has_finished() -> Non
 
 def test_syncs_of_several_attempts_run_at_once_and_finish_in_any_order() -> None:
     syncs: BackgroundSyncs[str] = BackgroundSyncs(2)
-    slow, fast = threading.Event(), threading.Event()
+    slow, fast, fast_running = threading.Event(), threading.Event(), threading.Event()
     syncs.start("slow", lambda: "slow" if slow.wait(10) else "timeout")
-    syncs.start("fast", lambda: "fast" if fast.wait(10) else "timeout")
+    syncs.start("fast", lambda: "fast" if fast_running.set() or fast.wait(10) else "timeout")
+    assert fast_running.wait(10)  # on the second thread (a take would cancel it while it is still queued)
     fast.set()
     assert syncs.take("fast", wait=True) == "fast"  # not behind the slow one
     assert syncs.busy("slow")

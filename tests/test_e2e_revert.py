@@ -96,13 +96,13 @@ def test_with_a_config_that_does_not_validate_revert_local_sets_the_switch_and_t
         daemon = Daemon(tmp_path, config, state).start()
         try:
             wait_for(lambda: events(state, "checkpoint.synced"), 120, "a checkpoint from the cloud")
-            config.write_text("orchestrator_idd = 'mine'\n" + config.read_text())
+            config.write_text(config.read_text() + "\n[budget]\nmonthy_cap_usd = 20\n")
             r = cli(config, state, "revert-local")
             assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
             (line,) = r.stderr.strip().splitlines()
             assert line.startswith("burstctl: error: the kill switch is set: nothing will be launched; this shell "
                                    f"wound nothing down and swept no provider, because {config}: field "
-                                   "'orchestrator_idd': is not a known field (did you mean 'orchestrator_id'?); "
+                                   "'budget.monthy_cap_usd': is not a known field (did you mean 'monthly_cap_usd'?); "
                                    "the running daemon (pid "), line
             wait_for(lambda: job(state, job_id)["state"] == "done", 240, "the job to come home and finish locally")
         finally:
