@@ -333,6 +333,34 @@ def test_a_cycle_planned_longer_than_its_slots_spacing_is_counted_once_per_cycle
     assert row["cycles_left_this_month"] == row["slots_left_this_month"]
 
 
+def test_budget_weighs_what_the_scheduled_cycles_would_rent_against_what_is_free(
+        burstctl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # It had compared the count of every cycle, local ones too, with the reference cycles the money buys: an
+    # every-minute local schedule "needed" 40,000 cycles of a $15 budget. Asked on Friday 10 January 2031: three
+    # Mondays are left.
+    noon = SimpleNamespace(time=lambda: datetime(2031, 1, 10, 12, tzinfo=UTC).timestamp())
+    monkeypatch.setattr("orchestrator.cli.schedules.time", noon)
+    monkeypatch.setattr("orchestrator.cli.jobs.time", noon)
+    write_job(tmp_path, "weekly", command=["true"], deadline_hours=48, local_throughput=0,
+              rented_throughput={"H100": 0.5}, market="on-demand")
+    write_job(tmp_path, "often", command=["true"], deadline_hours=4, local_throughput=60.0)
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('[providers.sim]\nenabled = false\n\n[[schedule]]\njob = "often.toml"\ncron = "* * * * *"\n'
+                   'timezone = "UTC"\n')
+    shown = burstctl("--config", str(cfg), "budget")
+    assert shown.returncode == 0 and "waits, blocked by the budget" not in shown.stdout  # local cycles rent nothing
+    cfg.write_text(cfg.read_text() + '\n[[schedule]]\njob = "weekly.toml"\ncron = "0 2 * * mon"\ntimezone = "UTC"\n')
+    rows = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
+    weekly = next(r for r in rows if r["name"] == "weekly")
+    assert weekly["cycles_left_this_month"] == 3
+    budget = json.loads(burstctl("--config", str(cfg), "budget", "--json").stdout)
+    assert budget["scheduled_cloud_usd"] == pytest.approx(3 * weekly["plan_now"]["cloud_usd"], abs=1e-3)
+    assert budget["scheduled_cloud_usd"] > budget["free_usd"]
+    assert (f"the schedules' cycles left this month would rent ${budget['scheduled_cloud_usd']:,.2f}, each planned "
+            f"as one queued now (`burstctl schedules`), and ${budget['free_usd']:,.2f} is free") in \
+        burstctl("--config", str(cfg), "budget").stdout
+
+
 def test_schedules_names_an_absolute_deadline_as_the_problem_every_slot_would_skip_for(burstctl, tmp_path: Path
                                                                                         ) -> None:
     # The daemon refuses it at each slot (`schedule.job_invalid`): `schedules` says so now, and prices no cycle.

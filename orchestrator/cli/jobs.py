@@ -365,10 +365,13 @@ def budget_cmd(app: App, as_json: bool) -> None:
     held = held_by_plans(app, now)
     free = BudgetView(month, view.cap_usd, view.spent_usd + held.usd + kept, cycles, spot, od)
     scheduled: int | None = None  # the cadence the schedules ask for, beside the one the budget buys
+    scheduled_usd = 0.0  # what their cycles that burst would rent this month, each planned as one queued now
     if cfg.schedule:
         from orchestrator.cli.schedules import schedule_rows
 
-        scheduled = sum(r["cycles_left_this_month"] for r in schedule_rows(app, now))
+        rows = schedule_rows(app, now)
+        scheduled = sum(r["cycles_left_this_month"] for r in rows)
+        scheduled_usd = sum(r["cycles_left_this_month"] * r["plan_now"]["cloud_usd"] for r in rows if r["plan_now"])
     data = {"month": month, "cap_usd": view.cap_usd, "spent_usd": round(view.spent_usd, 4),
             "remaining_usd": round(view.remaining_usd, 4), "held_usd": round(held.usd, 4), "held_jobs": held.jobs,
             "free_usd": round(free.remaining_usd, 4), "cycles_this_month": cycles,
@@ -376,7 +379,7 @@ def budget_cmd(app: App, as_json: bool) -> None:
             "usd_per_cycle_spot": spot, "usd_per_cycle_on_demand": od, "accruing_usd_h": round(accruing, 4),
             "kept_to_stop_running_usd": round(kept, 4),
             "cycles_left_spot": free.cycles_left_spot, "cycles_left_on_demand": free.cycles_left_on_demand,
-            "scheduled_cycles_left": scheduled}
+            "scheduled_cycles_left": scheduled, "scheduled_cloud_usd": round(scheduled_usd, 4)}
     if as_json:
         print_json(data)
         return
@@ -393,12 +396,13 @@ def budget_cmd(app: App, as_json: bool) -> None:
         (f"$/cycle on-demand ({cfg.budget.cycle_gpu_hours:g} {ref_gpu}-h, {priced_by})", fmt_usd(od)),
         ("cycles left on spot", "—" if free.cycles_left_spot is None else free.cycles_left_spot),
         ("cycles left on-demand", free.cycles_left_on_demand),
-        *([("cycles the schedules queue this month", scheduled)] if scheduled is not None else []),
+        *([("cycles the schedules queue this month", scheduled),
+           ("their cloud cost, planned as now", fmt_usd(scheduled_usd))] if scheduled is not None else []),
     ])
-    buys = free.cycles_left_spot if free.cycles_left_spot is not None else free.cycles_left_on_demand
-    if scheduled is not None and scheduled > buys:
-        out.print(f"the schedules queue {scheduled} more cycles this month, and what is left buys {buys} reference "
-                  "cycles: a cycle that must burst once the money is gone waits, blocked by the budget")
+    if scheduled_usd > free.remaining_usd + 1e-9:
+        out.print(f"the schedules' cycles left this month would rent {fmt_usd(scheduled_usd)}, each planned as one "
+                  f"queued now (`burstctl schedules`), and {fmt_usd(free.remaining_usd)} is free: a cycle that must "
+                  "burst once the money is gone waits, blocked by the budget")
 
 
 EVENTS_SHOWN = 100  # `burstctl events` without --limit or --all: the newest this many, as `tail` shows the end
