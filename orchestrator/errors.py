@@ -138,8 +138,17 @@ def _one_problem(error: Any, model: Any) -> tuple[str, str]:
         msg = f"expected a number {_BOUND[kind][1]} {shown}, got {what_was_given(error.get('input'))}"
     elif kind in _EXPECTED_TYPE:
         msg = f"expected {_EXPECTED_TYPE[kind]}, got {what_was_given(error.get('input'))}"
+        if kind == "list_type" and len(path) == 1 and isinstance(error.get("input"), dict):
+            msg += f" (a list of tables is written [[{path[0]}]], with two brackets)"
     elif kind in _DATETIME_ERRORS:
         msg = "expected an ISO 8601 date and time with a time zone (2026-12-01T09:00:00Z)"
+    elif kind == "literal_error":  # pydantic's "Input should be 'a' or 'b'", in this file's words
+        # The value given is not repeated: a string here may be anything pasted, a secret too.
+        msg = f"expected {error.get('ctx', {}).get('expected', 'one of its values')}, got " + (
+            "another string" if isinstance(error.get("input"), str) else what_was_given(error.get("input")))
+    elif kind == "string_too_short":
+        msg = "expected some text, got an empty string" if error.get("ctx", {}).get("min_length") == 1 else \
+            f"expected at least {error.get('ctx', {}).get('min_length')} characters"
     elif kind == "string_pattern_mismatch":
         pattern = error.get("ctx", {}).get("pattern")
         msg = f"expected {PATTERN_WORDS.get(pattern, f'a string matching {pattern}')}"

@@ -727,6 +727,17 @@ def test_revert_local_on_a_config_that_does_not_validate_still_sets_the_kill_swi
     assert json.loads(burstctl_here(*at, "status", "--json").stdout)["mode"] == "local-only"
 
 
+@pytest.mark.parametrize(("text", "field", "says"), [
+    ("[policy]\ndefault_market = 'cheap'\n", "policy.default_market",
+     "expected 'auto', 'spot' or 'on-demand', got another string"),
+    ("[schedule]\njob = 'x.toml'\ncron = '* * * * *'\n", "schedule",
+     "expected a list, got a table (a list of tables is written [[schedule]], with two brackets)"),
+], ids=["one-of-its-values", "a-list-of-tables-with-one-bracket"])
+def test_a_wrong_choice_or_a_table_for_a_list_is_said_in_the_file_s_words(burstctl, tmp_path: Path, text: str,
+                                                                          field: str, says: str) -> None:
+    assert_config_refused(burstctl, tmp_path, text, "budget", field, says)
+
+
 def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path: Path) -> None:
     from tests.e2e import free_port
 
