@@ -153,7 +153,8 @@ def deliver(target: Notify, payload: dict[str, Any], redact: Callable[[Any], Any
 
 
 # Where a notifier's variables are read: the daemon's environment for its notices, the shell's for notify-test.
-_HERE = "the environment of the process sending the notice"
+SENDER_ENVIRONMENT = ("environment of the process sending the notice (the daemon's: set it where the daemon runs, e.g. "
+         "~/.config/burstctl/env, and restart it; for notify-test, this shell's)")
 
 
 def _post(target: Notify, payload: dict[str, Any]) -> None:
@@ -162,7 +163,8 @@ def _post(target: Notify, payload: dict[str, Any]) -> None:
     assert target.url_env is not None
     url = os.environ.get(target.url_env, "").strip()
     if not url:
-        raise DeliveryFailed(f"the environment variable {target.url_env} (url_env) is not set in {_HERE}")
+        raise DeliveryFailed(f"the environment variable {target.url_env} (url_env) is not set in the "
+                             f"{SENDER_ENVIRONMENT}")
     if not url.startswith(("http://", "https://")):
         raise DeliveryFailed(f"{target.url_env} does not hold an http(s) URL")
     headers = {"X-Burstctl-Notice": payload["type"], "X-Burstctl-Event-Id": str(payload["id"])}
@@ -176,7 +178,8 @@ def _post(target: Notify, payload: dict[str, Any]) -> None:
     if target.secret_env is not None:
         secret = os.environ.get(target.secret_env, "")
         if not secret:
-            raise DeliveryFailed(f"the environment variable {target.secret_env} (secret_env) is not set in {_HERE}")
+            raise DeliveryFailed(f"the environment variable {target.secret_env} (secret_env) is not set in the "
+                                 f"{SENDER_ENVIRONMENT}")
         headers["X-Burstctl-Signature"] = signature(secret, body)
     try:
         # Errors are said by their class and status only: httpx puts the URL (the secret) in its messages.

@@ -21,6 +21,7 @@ import pytest
 from orchestrator.app import App
 from orchestrator.cli.status import status_data
 from orchestrator.notify import KEY_PREFIX, notice_text, notice_type, notify_due
+from orchestrator.notify import SENDER_ENVIRONMENT as SENDER_ENV
 from orchestrator.queue import enqueue
 from tests.conftest import assert_config_refused, write_job
 
@@ -290,7 +291,7 @@ def test_a_signed_webhook_carries_the_hmac_of_its_exact_body(tmp_path: Path, web
     assert notify_due(app) == 0 and len(webhook.received) == 1
     (failed,) = [d for ty, d in _events(app) if ty == "notify.failed"]
     assert failed["error"] == ("the environment variable BURSTCTL_TEST_HOOK_SECRET (secret_env) is not set in the "
-                               "environment of the process sending the notice")
+                               f"{SENDER_ENV}")
     _nowhere_but_the_environment(app, secret)
     app.close()
 
@@ -316,8 +317,7 @@ def test_a_webhook_that_cannot_be_reached_is_said_without_its_url(tmp_path: Path
     assert failed["error"] == {
         "closed port": "cannot reach the webhook (ConnectError)",
         "hangs": "no answer within 0.5 s",
-        "unset": f"the environment variable {HOOK_ENV} (url_env) is not set in the environment of the process "
-                 "sending the notice"}[trouble]
+        "unset": f"the environment variable {HOOK_ENV} (url_env) is not set in the {SENDER_ENV}"}[trouble]
     _nowhere_but_the_environment(app, TOKEN)
     app.close()
 
@@ -409,8 +409,7 @@ def test_notify_test_sends_through_each_notifier_and_fails_naming_those_that_did
     unset = burstctl("--config", str(cfg), "notify-test", "--name", "phone", "--json")
     assert unset.returncode == 1 and len(webhook.received) == 2
     assert json.loads(unset.stdout)["notifiers"][0]["result"] == (
-        f"failed: the environment variable {HOOK_ENV} (url_env) is not set in the environment of the process sending "
-        "the notice")
+        f"failed: the environment variable {HOOK_ENV} (url_env) is not set in the {SENDER_ENV}")
     unknown = burstctl("--config", str(cfg), "notify-test", "--name", "pager")
     assert unknown.returncode == 2 and "no notifier named pager (configured: phone, broken)" in unknown.stderr
 

@@ -383,7 +383,7 @@ def test_a_hybrid_local_phase_runs_on_while_the_budget_would_refuse_its_burst(tm
         providers = {"sim": sim_provider}
         app.use_config(full.model_copy(update={"budget": full.budget.model_copy(update={"monthly_cap_usd": 0.5})}))
         held = Reconciler(app, providers, cloud=CloudSteps(app, providers))._hand_over_held(job, time.time())
-        assert held is not None and held.startswith("the budget would refuse the burst: budget: $")
+        assert held is not None and held.startswith("the budget would refuse the burst: $")
         assert "exceeds the $0.50 left this month" in held  # the launch's own words
         app.use_config(full)
         assert Reconciler(app, providers, cloud=CloudSteps(app, providers))._hand_over_held(job, time.time()) is None

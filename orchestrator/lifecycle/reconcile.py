@@ -738,7 +738,7 @@ class Reconciler:
                 continue
             markets.add((market or Market.SPOT).value)  # None: the spot policy waits for spot, listed gone
         if refused is not None:
-            return f"the budget would refuse the burst: {refused}"
+            return f"the budget would refuse the burst: {refused.removeprefix('budget: ')}"
         on = f"{' or '.join(sorted(markets))} " if markets else ""
         return (f"no cloud lists {on}capacity for {_gpus_named(job['spec'])}"
                 + (f" ({'; '.join(problems)})" if problems else ""))
