@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 MEASURED_PLACEHOLDER = "- **Measured:** _(filled in after the run)_"
+# A rethink job's: it does not run unless retried, and a retry's record is then where its run is measured.
+MEASURED_RETHINK = ("- **Measured:** none: a rethink job does not run (`burstctl retry` with a later deadline "
+                    "queues it again, and this line then names the retry's record)")
 # A `burstctl decide` of a job file: a what-if, queued nowhere, so never measured.
 MEASURED_NEVER = "- **Measured:** never: a what-if (`burstctl decide`), not queued; `burstctl enqueue` runs it"
 
@@ -97,7 +100,7 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
         f"- **Expected run time and overhead:** T_R = {fmt_h(d['t_rented_h'])} including "
         f"t_ovh = {d['overhead_h']:.2f} h;"
         f" plan: {plan_txt}; plan cost {fmt_usd(d.get('plan_cost_usd'))}",
-        MEASURED_PLACEHOLDER if job_id else MEASURED_NEVER,
+        MEASURED_NEVER if not job_id else MEASURED_RETHINK if d["action"] == "rethink" else MEASURED_PLACEHOLDER,
         "",
         "## Rationale",
         "",
@@ -141,6 +144,7 @@ def superseded(old: str | Path | None, new: Path, what: str, now: float) -> None
     waiting, points at the new record (where the run will be measured) instead of waiting for ever."""
     if not old or Path(old) == new or not Path(old).exists():
         return
-    if MEASURED_PLACEHOLDER in Path(old).read_text(encoding="utf-8"):
+    text = Path(old).read_text(encoding="utf-8")
+    if MEASURED_PLACEHOLDER in text or MEASURED_RETHINK in text:
         when = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d %H:%M UTC")
         fill_measured(Path(old), f"{what}, {when}: see {new.name}")

@@ -738,6 +738,22 @@ def test_a_wrong_choice_or_a_table_for_a_list_is_said_in_the_file_s_words(burstc
     assert_config_refused(burstctl, tmp_path, text, "budget", field, says)
 
 
+def test_a_rethink_job_s_record_says_it_does_not_run_and_names_the_retry_s_record_once_retried(
+        burstctl, tmp_path: Path) -> None:
+    # It said "filled in after the run" of a job that never runs.
+    job = write_job(tmp_path, "too-soon", local_throughput=0.033, rented_throughput={"H100": 0.17}, deadline_hours=0.1)
+    queued = json.loads(burstctl("enqueue", str(job), "--json").stdout)
+    assert queued["decision"]["verdict"] == "rethink"
+    shown = json.loads(burstctl("show", queued["id"], "--json").stdout)
+    first = Path(shown["record"])
+    assert "- **Measured:** none: a rethink job does not run (`burstctl retry` with a later deadline" in \
+        first.read_text()
+    assert burstctl("retry", queued["id"], "--deadline-hours", "48").returncode == 0
+    later = Path(json.loads(burstctl("show", queued["id"], "--json").stdout)["record"])
+    assert later != first and f": see {later.name}" in first.read_text()
+    assert "- **Measured:** _(filled in after the run)_" in later.read_text()
+
+
 def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path: Path) -> None:
     from tests.e2e import free_port
 
