@@ -8,6 +8,7 @@ Secrets are never inline: a provider names the *environment variable* that holds
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -522,6 +523,10 @@ DEFAULT_NOTICES = ["job.done", "job.failed", "job.awaiting_approval", "job.rethi
                    "instance.terminate_unverified", "instance.orphan_terminate_failed", "attempt.provider_unavailable",
                    "daemon.config_rejected", "daemon.lock_lost"]
 NOTIFIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# The kinds of event there are (the part of a type before its dot): a notifier's pattern naming none would never
+# match (`jobs.*`), unsaid. A test checks that every event emitted is of one of them.
+EVENT_FAMILIES = ("attempt", "budget", "burst", "checkpoint", "cloud", "daemon", "instance", "job", "notify",
+                  "preemption", "provider", "revert_local", "schedule", "spot", "state")
 
 
 class Notify(Strict):
@@ -556,6 +561,20 @@ class Notify(Strict):
         None, description="The environment variable holding a shared secret: each webhook POST then carries "
         "`X-Burstctl-Signature: sha256=<hex>`, the HMAC-SHA256 of its exact body with that secret, so the receiver "
         "can tell notices from burstctl from forgeries. Treated as a secret like the URL.")
+
+    @field_validator("events")
+    @classmethod
+    def _known_kinds(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            family, dot, _ = pattern.partition(".")
+            if any(c in family for c in "*?["):
+                continue
+            if not dot or family not in EVENT_FAMILIES:
+                near = difflib.get_close_matches(family, EVENT_FAMILIES, n=1)
+                hint = f" (did you mean '{near[0]}{dot or '.'}{pattern.partition('.')[2] or '*'}'?)" if near else ""
+                raise ValueError(f"'{pattern}' matches no event: expected an event type such as 'job.done' or a "
+                                 f"pattern such as 'job.*', of {', '.join(EVENT_FAMILIES)}{hint}")
+        return v
 
     @field_validator("name")
     @classmethod

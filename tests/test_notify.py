@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -20,10 +21,11 @@ import pytest
 
 from orchestrator.app import App
 from orchestrator.cli.status import status_data
+from orchestrator.config import EVENT_FAMILIES
 from orchestrator.notify import KEY_PREFIX, notice_text, notice_type, notify_due
 from orchestrator.notify import SENDER_ENVIRONMENT as SENDER_ENV
 from orchestrator.queue import enqueue
-from tests.conftest import assert_config_refused, write_job
+from tests.conftest import REPO, assert_config_refused, write_job
 
 
 @pytest.fixture
@@ -373,6 +375,11 @@ def test_a_notifier_taken_out_of_the_config_is_forgotten(tmp_path: Path, webhook
     ('name = "a"\ncommand = ["true"]\ndigest_over = 0', "notify.0.digest_over", ""),
     ('name = "a b"\ncommand = ["true"]', "notify.0.name", "not a notifier name"),
     ('name = "a"\ncommand = ["true"]\nevents = []', "notify.0.events", ""),
+    # A pattern no event can match: the notifier would stay silent, and `status` call it ok.
+    ('name = "a"\ncommand = ["true"]\nevents = ["jobs.*"]', "notify.0.events",
+     "'jobs.*' matches no event: expected an event type such as 'job.done'"),
+    ('name = "a"\ncommand = ["true"]\nevents = ["jobs.*"]', "notify.0.events", "(did you mean 'job.*'?)"),
+    ('name = "a"\ncommand = ["true"]\nevents = ["job"]', "notify.0.events", "(did you mean 'job.*'?)"),
     ('name = "a"\ncommand = ["true"]\n\n[[notify]]\nname = "a"\ncommand = ["true"]', "notify.1.name",
      "names another"),
 ])
@@ -467,3 +474,13 @@ def test_a_notice_says_why_a_job_needs_a_person_and_any_event_in_words(tmp_path:
     assert notice_text("job.plan_restored", {}, "od-full") == "burstctl: od-full plan restored"
     assert notice_text("daemon.started", {}, None) == "burstctl: daemon.started"  # of no job: the type says it
     app.close()
+
+
+def test_every_event_burstctl_emits_is_of_a_kind_a_notifier_s_pattern_may_name() -> None:
+    # `[[notify]] events` refuses a pattern of no known kind (EVENT_FAMILIES): a new kind of event must be added
+    # there, or a notifier could never be set to send it.
+    emitted = set()
+    for folder in ("orchestrator", "providers", "runbooks"):
+        for path in (REPO / folder).rglob("*.py"):
+            emitted |= set(re.findall(r'(?:emit|sink)\(\s*f?"([a-z_]+)\.', path.read_text()))
+    assert emitted and emitted <= set(EVENT_FAMILIES), sorted(emitted - set(EVENT_FAMILIES))
