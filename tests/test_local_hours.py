@@ -24,6 +24,7 @@ from orchestrator.core.local_hours import LocalHours
 from orchestrator.core.plan import hybrid_plan
 from orchestrator.daemon import run_daemon
 from orchestrator.lifecycle.local import LocalRunner
+from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.queue import enqueue as enqueue_job
 from orchestrator.queue import local_hours
 from tests.conftest import assert_config_refused, write_job
@@ -215,6 +216,21 @@ def test_status_says_whether_the_local_gpu_may_train_now_and_until_when(tmp_path
     config.write_text("")
     app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
     assert status_data(app)["local_hours"] is None  # no hours set: always open, nothing to say
+    app.close()
+
+
+def test_a_local_job_waiting_for_the_gpu_s_hours_says_when_they_begin(tmp_path: Path) -> None:
+    # "waiting for the local GPU's hours" alone left `show` and `list` to guess when; `status` knew.
+    config = tmp_path / "burstctl.toml"
+    config.write_text(f'[providers.sim]\nenabled = false\n[local]\navailable_hours = ["{_window(20, 23)}"]\n'
+                      'timezone = "UTC"\n')
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    job_id = enqueue_job(app, write_job(tmp_path, "nightly", local_throughput=1.0, deadline_hours=48))[0]
+    assert app.store.get_job(job_id)["placement"] == "local"
+    Reconciler(app, {}, cloud=None)._schedule()
+    opens = datetime.fromtimestamp(status_data(app)["local_hours"]["until"], UTC)
+    assert app.store.get_job(job_id)["reason"] == ("waiting for the local GPU's hours (local.available_hours): they "
+                                                   f"begin {opens:%a %H:%M} (UTC)")
     app.close()
 
 

@@ -46,7 +46,7 @@ from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
-from orchestrator.queue import headline, local_hours, record_offers_seen, setup_key, throughput_key
+from orchestrator.queue import headline, local_hours, local_time, record_offers_seen, setup_key, throughput_key
 from orchestrator.records import supersede, superseded
 from orchestrator.remote.ssh import HostKeyMismatch, SharedConnection
 from orchestrator.remote.sync import stop_transfers
@@ -123,6 +123,15 @@ class OfferCache:
 
     def forget(self, name: str) -> None:
         self._at.pop(name, None)
+
+
+def _opens(cfg: Any, hours: Any, now: float) -> str:
+    """When the local GPU's hours begin, in their own zone: "Sat 00:00 (Europe/Berlin)"."""
+    change = hours.until_change_h()
+    if change is None:
+        return "now"
+    at = local_time(cfg, now + change * 3600.0)
+    return f"{at:%a %H:%M} ({cfg.local.timezone or at.tzname()})"
 
 
 def _gpus_named(spec: dict[str, Any]) -> str:
@@ -325,9 +334,13 @@ class Reconciler:
             elif job["placement"] == "hybrid" and self.local.hand_over_if_due(job, now):
                 continue  # placed on the cloud now: the loop below may start its attempt this tick
             else:  # said, so that a queued job does not look stuck (its reason was its decision's last word)
-                self._note(job, LOCAL_GPU_HOURS if not local_open else
-                           f"{LOCAL_GPU_BUSY}: {n_local} local run(s) use its {self.cfg.daemon.local_concurrency} "
-                           "slot(s) (daemon.local_concurrency); it starts when one ends", same_as=LOCAL_GPU_BUSY)
+                if not local_open:
+                    self._note(job, f"{LOCAL_GPU_HOURS}: they begin {_opens(self.cfg, hours, now)}",
+                               same_as=LOCAL_GPU_HOURS)
+                else:
+                    self._note(job, f"{LOCAL_GPU_BUSY}: {n_local} local run(s) use its "
+                               f"{self.cfg.daemon.local_concurrency} slot(s) (daemon.local_concurrency); it starts "
+                               "when one ends", same_as=LOCAL_GPU_BUSY)
         self._redecide_late_in_line([j for j in ready if j["placement"] == "local" and j["state"] ==
                                      JobState.QUEUED.value and j["id"] not in started], now)
         for job in ready:
