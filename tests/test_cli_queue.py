@@ -649,8 +649,23 @@ def test_a_config_that_does_not_validate_hides_no_state_the_readers_show_it_and_
         r = burstctl_here(*at, *command)
         assert r.returncode == 2 and shows in r.stdout, (command, r.stdout, r.stderr)
         (line,) = r.stderr.strip().splitlines()
-        assert line.startswith(f"burstctl: error: {cfg}: field 'budget.monthy_cap_usd': is not a known field (did "
-                               "you mean 'monthly_cap_usd'?); what is above was read from the state alone"), line
+        assert line == (f"burstctl: error: {cfg}: field 'budget.monthy_cap_usd': is not a known field (did you mean "
+                        "'monthly_cap_usd'?); what is above was read from the state alone"), line  # no daemon runs
+    # Said of the daemon only where one runs on this very file.
+    from orchestrator.daemon import CONFIG_SEEN_KEY, DaemonLock
+
+    (tmp_path / "valid.toml").write_text("")
+    app = App(config_path=str(tmp_path / "valid.toml"), state_dir_override=str(state))
+    app.store.set_setting(CONFIG_SEEN_KEY, {"source": str(cfg), "sha256": "as it was"})
+    app.close()
+    running = DaemonLock(state)
+    running.acquire()
+    try:
+        r = burstctl_here(*at, "list")
+    finally:
+        running.release()
+    assert r.stderr.strip().endswith("read from the state alone, and the running daemon keeps the settings it last "
+                                     "read"), r.stderr
     # status does not pass the built-in defaults off as the file's settings.
     shown = json.loads(burstctl_here(*at, "status", "--json").stdout)
     assert shown["budget_cap_usd"] is None and "budget.monthy_cap_usd" in shown["config_problem"]

@@ -134,9 +134,20 @@ def said_config_problem(ctx: click.Context, *_: Any, **__: Any) -> None:
     """A state reader that ran on a config file that does not validate ends with the file's problem (exit 2)."""
     app = ctx.find_object(App)
     problem = app.config_problem if app is not None and app.state_only else None
-    if problem is not None:
-        raise BadInput(f"{problem.detail}; what is above was read from the state alone, and a running daemon keeps "
-                       "the settings it last read", source=problem.source, field=problem.field)
+    if app is not None and problem is not None:
+        raise BadInput(f"{problem.detail}; what is above was read from the state alone{_daemons_clause(app)}",
+                       source=problem.source, field=problem.field)
+
+
+def _daemons_clause(app: App) -> str:
+    """What the daemon makes of the file: said only when one runs on this very file."""
+    from pathlib import Path
+
+    from orchestrator.daemon import CONFIG_SEEN_KEY, running_daemon
+
+    seen = (app.store.get_setting(CONFIG_SEEN_KEY) or {}).get("source")
+    same = bool(seen and app.config.source and Path(seen).resolve() == Path(app.config.source).resolve())
+    return ", and the running daemon keeps the settings it last read" if same and running_daemon(app) else ""
 
 
 pass_app = click.make_pass_decorator(App)
