@@ -784,17 +784,23 @@ def test_a_checkpoint_a_sync_brought_home_but_never_wrote_down_is_the_jobs_at_th
     app.close()
 
 
-def test_a_sync_beside_the_tick_that_failed_is_on_record_though_the_pull_right_after_it_succeeds(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The run exited while its periodic pull was under way, and that pull was killed; the final pull that follows
-    # brings the checkpoint home. Both happened: the trail keeps the failure.
-    app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "killed-sync", local_throughput=0))
+def _running_in_the_cloud(app: App, tmp_path: Path, name: str) -> tuple[str, str]:
+    """A job that does not fit locally, running on its first cloud attempt: (job id, attempt id)."""
+    job_id, _, _ = enqueue(app, write_job(tmp_path, name, local_throughput=0))
     att_id = f"{job_id}-a1"
     with app.store.tx() as c:
         c.execute(insert(s.attempts).values(id=att_id, job_id=job_id, n=1, where="cloud", state="running",
                                             provider="sim", instance_type="gpu", info={}, created_at=0.0))
         c.execute(update(s.jobs).where(s.jobs.c.id == job_id).values(state="running"))
+    return job_id, att_id
+
+
+def test_a_sync_beside_the_tick_that_failed_is_on_record_though_the_pull_right_after_it_succeeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The run exited while its periodic pull was under way, and that pull was killed; the final pull that follows
+    # brings the checkpoint home. Both happened: the trail keeps the failure.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, att_id = _running_in_the_cloud(app, tmp_path, "killed-sync")
     rec = Reconciler(app, {}, cloud=None)
     killed = SyncDone(at=time.time(), error=RuntimeError("rsync was killed by signal 9 while pulling step-00000040"))
     monkeypatch.setattr(rec.syncs, "take", lambda attempt_id, wait=False: killed if attempt_id == att_id else None)
@@ -818,12 +824,7 @@ def test_a_run_s_last_sync_runs_beside_the_tick_and_is_taken_by_its_own_step(
     # attempt's heartbeat check, notice and stop for minutes. It runs beside the tick now; the attempt's step waits
     # for it tick by tick, and a periodic sync under way as the run ended is taken first, then the last one runs.
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "large-end", local_throughput=0))
-    att_id = f"{job_id}-a1"
-    with app.store.tx() as c:
-        c.execute(insert(s.attempts).values(id=att_id, job_id=job_id, n=1, where="cloud", state="running",
-                                            provider="sim", instance_type="gpu", info={}, created_at=0.0))
-        c.execute(update(s.jobs).where(s.jobs.c.id == job_id).values(state="running"))
+    job_id, att_id = _running_in_the_cloud(app, tmp_path, "large-end")
     rec = Reconciler(app, {}, cloud=None)
     store = checkpoints.store_dir(app.config, job_id)
     gates = {"step-00000030": threading.Event(), "step-00000040": threading.Event()}
