@@ -497,7 +497,7 @@ class Schedule(Strict):
         from orchestrator.core import crontab
 
         try:
-            CronTrigger.from_crontab(crontab.for_apscheduler(v))
+            triggers = [CronTrigger.from_crontab(c) for c in crontab.as_apscheduler(v)]
         except ValueError as exc:
             # Five fields, one out of range ("61 9 * * *"): say which value, not "expected five fields".
             bad = re.search(r"last value \((\d+)\) is higher than the maximum value \((\d+)\)", str(exc))
@@ -509,8 +509,7 @@ class Schedule(Strict):
             raise ValueError(f"'{v}' is not a crontab: {CRON_EXPECTED}") from None
         # A valid cron may still name a day no month has ("0 2 30 2 *"): it would never queue a cycle, unsaid.
         now = datetime.now(UTC)
-        if all(CronTrigger.from_crontab(c, timezone="UTC").get_next_fire_time(None, now) is None
-               for c in crontab.as_apscheduler(v)):
+        if all(t.get_next_fire_time(None, now) is None for t in triggers):
             raise ValueError(f"'{v}' matches no date (a day its months do not have): it would never queue a cycle")
         return v
 

@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -141,8 +142,6 @@ def said_config_problem(ctx: click.Context, *_: Any, **__: Any) -> None:
 
 def _daemons_clause(app: App) -> str:
     """What the daemon makes of the file: said only when one runs on this very file."""
-    from pathlib import Path
-
     from orchestrator.daemon import CONFIG_SEEN_KEY, running_daemon
 
     seen = (app.store.get_setting(CONFIG_SEEN_KEY) or {}).get("source")

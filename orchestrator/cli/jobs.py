@@ -367,11 +367,11 @@ def budget_cmd(app: App, as_json: bool) -> None:
     scheduled: int | None = None  # the cadence the schedules ask for, beside the one the budget buys
     scheduled_usd = 0.0  # what their cycles that burst would rent this month, each planned as one queued now
     if cfg.schedule:
-        from orchestrator.cli.schedules import schedule_rows
+        from orchestrator.cli.schedules import cloud_usd_left, schedule_rows
 
         rows = schedule_rows(app, now)
         scheduled = sum(r["cycles_left_this_month"] for r in rows)
-        scheduled_usd = sum(r["cycles_left_this_month"] * r["plan_now"]["cloud_usd"] for r in rows if r["plan_now"])
+        scheduled_usd = cloud_usd_left(rows)
     data = {"month": month, "cap_usd": view.cap_usd, "spent_usd": round(view.spent_usd, 4),
             "remaining_usd": round(view.remaining_usd, 4), "held_usd": round(held.usd, 4), "held_jobs": held.jobs,
             "free_usd": round(free.remaining_usd, 4), "cycles_this_month": cycles,

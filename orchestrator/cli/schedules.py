@@ -104,12 +104,16 @@ def schedules_cmd(app: App, as_json: bool) -> None:
     if running_daemon(app) is None:
         out.print("[yellow]the daemon is not running: no cycle is queued until it is (`burstctl daemon`, or its "
                   "systemd unit)[/yellow]")
-    priced = [r for r in rows if r["plan_now"]]
-    if priced:
-        month = sum(r["cycles_left_this_month"] * r["plan_now"]["cloud_usd"] for r in priced)
+    if any(r["plan_now"] for r in rows):
+        month = cloud_usd_left(rows)
         left = max(0.0, app.config.budget.monthly_cap_usd - app.store.month_spend(month_key(time.time())))
         out.print(f"this month's cycles left, planned as a cycle would be now: {fmt_usd(month)} of cloud; "
                   f"{fmt_usd(left)} of the budget is left")
+
+
+def cloud_usd_left(rows: list[dict[str, Any]]) -> float:
+    """What the cycles left this month would rent, each planned as a cycle queued now (`schedule_rows`)."""
+    return sum(r["cycles_left_this_month"] * r["plan_now"]["cloud_usd"] for r in rows if r["plan_now"])
 
 
 def _left(r: dict[str, Any]) -> str:

@@ -66,6 +66,7 @@ from state import schema as s
 from state.schema import planned_rented_usd
 
 if TYPE_CHECKING:
+    from orchestrator.config import Config
     from orchestrator.lifecycle.cloud_steps import CloudSteps
 
 A = AttemptState
@@ -125,7 +126,7 @@ class OfferCache:
         self._at.pop(name, None)
 
 
-def _opens(cfg: Any, hours: Any, now: float) -> str:
+def _opens(cfg: Config, hours: LocalHours, now: float) -> str:
     """When the local GPU's hours begin, in their own zone: "Sat 00:00 (Europe/Berlin)"."""
     change = hours.until_change_h()
     if change is None:
