@@ -399,9 +399,10 @@ class DaemonSettings(Strict):
                           "once the noticed attempt has ended. Off: the next launch waits for that end.",
     )
     sync_workers: Annotated[int, Field(ge=0, le=64)] = Field(
-        4, description="Running cloud attempts' periodic syncs (newest checkpoint, outputs, logs) that run at once, "
-                       "on threads beside the tick: a multi-GB pull then holds up no other attempt's heartbeat, "
-                       "interruption notice or stop. 0: each sync runs inside the tick, one after another.")
+        4, description="Cloud attempts' syncs (newest checkpoint, outputs, logs: periodic, and the last one when a "
+                       "run ends or is stopped) that run at once, on threads beside the tick: a multi-GB pull then "
+                       "holds up no other attempt's heartbeat, interruption notice or stop. 0: each sync runs inside "
+                       "the tick, one after another.")
     pull_kib_s: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Cap, in KiB/s, on the rate at which each checkpoint is pulled home over SSH (rsync "
                           "--bwlimit, or paced SFTP), so a multi-GB pull leaves a home link room for everything "

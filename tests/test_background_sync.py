@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from orchestrator.app import App
-from orchestrator.lifecycle import reconcile
 from orchestrator.lifecycle.background_sync import BackgroundSyncs
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.remote.sync import run_transfer, stop_transfers
@@ -147,7 +146,6 @@ def test_a_transfer_interrupted_in_a_foreground_command_takes_its_processes_with
 def test_a_stopping_reconciler_ends_the_transfers_its_syncs_still_run(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     pidfile = tmp_path / "child.pid"
-    monkeypatch.setattr(reconcile, "CLOSE_WAIT_S", 0.2)
     app = App(state_dir_override=str(tmp_path / "state"))
     rec = Reconciler(app, {}, cloud=None)
     rec.syncs.start("a1", lambda: run_transfer(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]).returncode)
@@ -156,7 +154,7 @@ def test_a_stopping_reconciler_ends_the_transfers_its_syncs_still_run(tmp_path: 
         assert time.monotonic() < deadline
         time.sleep(0.02)
     started = time.monotonic()
-    rec.close()
+    rec.close(wait_s=0.2)
     assert time.monotonic() - started < 5
     child = int(pidfile.read_text())
     while _alive(child):

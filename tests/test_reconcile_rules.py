@@ -830,9 +830,9 @@ def test_a_run_s_last_sync_runs_beside_the_tick_and_is_taken_by_its_own_step(
     gates = {"step-00000030": threading.Event(), "step-00000040": threading.Event()}
     finals: list[bool] = []
 
-    def sync_beside(att: dict[str, Any], job: dict[str, Any], *, final: bool = False) -> SyncDone:
-        name = "step-00000040" if final else "step-00000030"
-        finals.append(final)
+    def sync_beside(att: dict[str, Any], job: dict[str, Any], *, outputs: bool = False) -> SyncDone:
+        name = "step-00000040" if outputs else "step-00000030"
+        finals.append(outputs)
         assert gates[name].wait(10)
         write_checkpoint(store, name, {"w.bin": name.encode()})
         return SyncDone(at=time.time(), pulled=PulledCheckpoints([store / name], TransferStats("rsync"), {}))
@@ -1007,6 +1007,109 @@ def test_a_stop_waits_for_the_last_checkpoint_tick_by_tick_without_holding_up_th
     assert attempt()["info"]["stopping_for"] == "budget-cap"
     # Over SSH: whether the run had ended well, then after the SIGTERM; from then on one look a tick serves both.
     assert cloud.looked == 2 + 1 + 1
+    app.close()
+
+
+class _Stoppable:
+    """Cloud steps and a provider for attempts being stopped: the trainer has written its last checkpoint and
+    exited; the instance is gone once terminated."""
+
+    name = "sim"
+
+    def __init__(self) -> None:
+        self.terminated: list[str] = []
+
+    def request_checkpoint(self, att: dict[str, Any]) -> None:
+        pass
+
+    def status(self, att: dict[str, Any]) -> dict[str, Any]:
+        return {"supervisor_alive": False, "exit": {"reason": "terminated", "exit_code": 143}}
+
+    def release_s3(self, att: dict[str, Any], job: dict[str, Any]) -> None:
+        pass
+
+    def terminate(self, ids: list[str]) -> None:
+        self.terminated += ids
+
+    def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
+        return {i: InstanceInfo(id=i, state=InstanceState.RUNNING, instance_type="x", market=Market.SPOT)
+                for i in ids if i not in self.terminated}
+
+    def list_owned(self) -> list[InstanceInfo]:
+        return []
+
+
+def _last_checkpoint_beside(rec: Reconciler, app: App, release: Callable[[], None]
+                            ) -> Callable[..., SyncDone]:
+    """A stand-in for a stop's last sync on its thread: it waits for `release`, then brings step 50 home."""
+    def sync_beside(att: dict[str, Any], job: dict[str, Any], *, outputs: bool = False) -> SyncDone:
+        release()
+        store = checkpoints.store_dir(app.config, job["id"])
+        write_checkpoint(store, "step-00000050", {"w.bin": b"5"})
+        return SyncDone(at=time.time(), pulled=PulledCheckpoints([store / "step-00000050"], TransferStats("rsync"), {}))
+    return sync_beside
+
+
+def test_a_stop_brings_the_last_checkpoint_home_beside_the_tick_then_ends_the_attempt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cancel, the budget or revert-local pulled the stopped run's last checkpoint inside the tick: a 20 GB one held
+    # up every other attempt's heartbeat check, notice and stop for minutes. It is pulled on a sync thread now; the
+    # attempt's step looks each tick, and the instance goes once the checkpoint is home.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path)
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(instance_id="i-1"))
+    cloud = _Stoppable()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    pulled = threading.Event()
+    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+
+    for _ in range(3):
+        started = time.monotonic()
+        rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "budget-cap")  # type: ignore[arg-type]
+        assert time.monotonic() - started < 1.0, "the tick is not held up by the pull"
+    assert attempt()["state"] == "running" and not cloud.terminated
+    rec._collect_syncs()  # the start of a tick leaves the stop's sync to the attempt's own step
+    pulled.set()
+    deadline = time.monotonic() + 10
+    while not rec.syncs.finished():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    rec._collect_syncs()
+    rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "budget-cap")  # type: ignore[arg-type]
+    assert attempt()["state"] == "aborted" and cloud.terminated == ["i-1"]
+    assert app.store.get_job(job_id)["checkpoint"] == "step-00000050"
+    (synced,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.synced"]
+    assert synced["data"]["checkpoints"] == ["step-00000050"]
+    rec.close()
+    app.close()
+
+
+def test_revert_local_brings_every_stopped_run_s_last_checkpoint_home_side_by_side(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two jobs bursting: revert-local wound one down, pulled its last checkpoint, then began the other's. Their
+    # pulls now run at once: each of these two ends only once the other has begun.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    jobs = []
+    for n in (1, 2):
+        job_id, _, _ = enqueue(app, write_job(tmp_path, f"running-{n}", local_throughput=0,
+                                              rented_throughput={"H100": 2.0}))
+        with app.store.tx() as c:
+            app.store.update_job(job_id, c, state="running")
+            c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud",
+                                                state="running", provider="sim", instance_type="gpu_1x_h100",
+                                                market="spot", instance_id=f"i-{n}", info={}, created_at=time.time()))
+        jobs.append(job_id)
+    cloud = _Stoppable()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    both = threading.Barrier(2)
+    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: both.wait(10)))
+
+    report = revert.revert_local(app, rec, timeout_s=30)
+    rec.close(wait_s=0)
+    assert sorted(cloud.terminated) == ["i-1", "i-2"]
+    assert [r.terminated for r in report.rows] == ["yes", "yes"]
+    assert [r.checkpoint for r in report.rows] == ["step-00000050", "step-00000050"]
     app.close()
 
 

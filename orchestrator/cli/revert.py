@@ -25,7 +25,11 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
     this shell could not ask, e.g. without its API key)."""
     if app.config_problem is not None:
         _switch_only(app, as_json)
-    report = revert_local(app, build_reconciler(app), timeout_s=timeout_s)
+    reconciler = build_reconciler(app)
+    try:
+        report = revert_local(app, reconciler, timeout_s=timeout_s)
+    finally:  # a last sync still under way at the timeout is cut short: the attempt is reported as not gone
+        reconciler.close(wait_s=0)
     if as_json:
         print_json(report.as_dict())
     else:

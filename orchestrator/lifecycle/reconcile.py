@@ -81,6 +81,8 @@ BOOT_WAIT_S, BOOT_POLL_S, BOOT_WAIT_WINDOW_S = 1.0, 0.2, 15.0  # brief in-tick p
 SYNC_FAILING = "checkpoints are not coming home (the instance is kept and the pull retried)"  # a job's reason
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
 CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
+STOP_WAIT_S = 60.0  # how long a stopped run is given to write its last checkpoint and exit, tick by tick
+CLOSE_WAIT_S = 30.0  # how long a stopping daemon waits for the syncs under way (systemd's stop timeout is 60 s)
 
 
 def chaos_point(name: str) -> None:
@@ -181,12 +183,12 @@ class Reconciler:
         else:
             self.syncs.adopt(before.syncs)
 
-    def close(self) -> None:
-        """Once the ticks are over (the daemon stops): wait for the syncs in flight and write down what they did, so
-        that a checkpoint one brought home is the job's before the daemon exits. Not for longer than CLOSE_WAIT_S
-        (a service manager kills a daemon slow to stop): a pull still under way then is cut short with the process,
-        and the next daemon's pull resumes it."""
-        self.syncs.wait_all(timeout_s=CLOSE_WAIT_S)
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Once the ticks are over (the daemon stops, revert-local is done): wait for the syncs in flight and write
+        down what they did, so that a checkpoint one brought home is the job's before the process exits. Not for
+        longer than `wait_s` (a service manager kills a daemon slow to stop): a pull still under way then is cut
+        short, and the next pull resumes it."""
+        self.syncs.wait_all(timeout_s=wait_s)
         self._collect_syncs()
         # The rsyncs still running are ended, not left to outlive the daemon (their threads then end too); what
         # they did is not written down: a failure made by stopping them is not one.
@@ -1172,15 +1174,17 @@ class Reconciler:
             self._synced(att, job, info, beside)
         return self._synced(att, job, info, self._sync_io({**att, "info": info}, job, shared, logs=False))
 
-    def _final_sync(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
-        """The sync that follows a run's end (its newest checkpoint, its outputs, its logs), on a thread beside the
-        tick like the periodic ones: a multi-GB final checkpoint then holds up no other attempt's heartbeat check,
-        notice or stop. True once it has been done and written down (failed or not: the step after it retries what
-        it must have); False while it, or a periodic sync started before the run ended, is under way."""
+    def _final_sync(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], *,
+                    outputs: bool = True) -> bool:
+        """The sync that follows a run's end or a stop's last checkpoint (its newest checkpoint, its logs, and its
+        outputs: with `outputs` whatever is there, else with a new checkpoint), on a thread beside the tick like the
+        periodic ones: a multi-GB final checkpoint then holds up no other attempt's heartbeat check, notice or stop.
+        True once it has been done and written down (failed or not: the step after it retries what it must have);
+        False while it, or a periodic sync started before, is under way."""
         if not self.syncs.busy(att["id"]):
             self._final_syncs.add(att["id"])
             snapshot = {**att, "info": dict(info)}
-            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job, final=True))
+            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job, outputs=outputs))
         done = self.syncs.take(att["id"])
         if done is None:
             return False  # looked at again next tick
@@ -1188,7 +1192,7 @@ class Reconciler:
         if att["id"] in self._final_syncs:
             self._final_syncs.discard(att["id"])
             return True
-        return self._final_sync(att, job, info)  # a periodic one, from before the end: now the last one
+        return self._final_sync(att, job, info, outputs=outputs)  # a periodic one, from before: now the last one
 
     def _finished_sync(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
         """A sync of the attempt's that brought a checkpoint home since this tick began, counted before its end (the
@@ -1200,13 +1204,13 @@ class Reconciler:
         if done is not None and done.error is None:
             self._synced(att, job, info, done)
 
-    def _sync_beside(self, att: dict[str, Any], job: dict[str, Any], *, final: bool = False) -> SyncDone:
+    def _sync_beside(self, att: dict[str, Any], job: dict[str, Any], *, outputs: bool = False) -> SyncDone:
         """A sync on a thread of `syncs`: transfers only (the tick writes down what they did, `_synced`), on one SSH
-        connection of its own for the checkpoint, the outputs and the logs. `final`: the run has ended, and its
+        connection of its own for the checkpoint, the outputs and the logs. `outputs`: the run has ended, and its
         outputs come too whether or not a new checkpoint did."""
         try:
             with self.cloud_steps.shared_ssh(att) as shared:
-                return self._sync_io(att, job, shared, logs=True, outputs=final)
+                return self._sync_io(att, job, shared, logs=True, outputs=outputs)
         except Exception as exc:  # opening or closing the connection: a failed pull, said as one
             return SyncDone(error=exc, at=self.clock())
 
@@ -1547,9 +1551,10 @@ class Reconciler:
               outcome: AttemptState = A.ABORTED, info: dict[str, Any] | None = None,
               seen: tuple[dict[str, Any] | None] | None = None) -> None:
         """`seen`: the supervisor's status as read this tick, if it was; a stop asked before this call looks at that
-        instead of asking again (one asked now looks afresh, after the SIGTERM)."""
+        instead of asking again (one asked now looks afresh, after the SIGTERM). A running attempt's stop ends over
+        several ticks, none held up: the trainer's last checkpoint is waited for, then brought home beside the tick
+        (`_final_sync`), then the instance goes."""
         info = dict(info or att["info"])
-        self._finished_sync(att, job, info)
         if att["state"] == A.RUNNING.value and outcome is A.ABORTED:
             now = self.clock()
             asked_before = "stop_requested_at" in info
@@ -1568,8 +1573,12 @@ class Reconciler:
             if 0 <= now - float(info["stop_requested_at"]) < STOP_WAIT_S and not _run_over(
                     seen[0] if asked_before and seen is not None else self._supervisor_status(att)):
                 return  # it writes its last checkpoint: looked at again next tick, other attempts not held up
-            self._pull(att, job, info)  # the last checkpoint home, then the instance goes
-            self._pull_logs(att, job, info)
+            if not self._final_sync(att, job, info, outputs=False):  # the last checkpoint home, then the instance goes
+                with self.store.tx() as conn:
+                    self.store.set_attempt_info(att["id"], info, conn)
+                return
+        else:
+            self._finished_sync(att, job, info)
         with self.store.tx() as conn:
             if move(conn, att, A.TERMINATING, info={**info, "outcome": outcome.value, "stop_reason": reason},
                     reason=reason):
@@ -1623,10 +1632,6 @@ class Reconciler:
         conn.execute(insert(s.measurements).values(ts=self.clock(), provider=att["provider"] or "local",
                                                    instance_type=key or att["instance_type"] or "local",
                                                    metric=metric, value=float(value)))
-
-
-STOP_WAIT_S = 60.0  # how long a stopped run is given to write its last checkpoint and exit, tick by tick
-CLOSE_WAIT_S = 30.0  # how long a stopping daemon waits for the syncs under way (systemd's stop timeout is 60 s)
 
 
 def _run_over(status: dict[str, Any] | None) -> bool:

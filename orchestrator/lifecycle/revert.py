@@ -1,9 +1,10 @@
 """`burstctl revert-local`: the kill switch. The cloud is additive, never required.
 
 1. Persist the switch first: from then on nobody launches anything (the daemon reads it every tick).
-2. Every active cloud attempt: a last checkpoint (SIGTERM through the supervisor), synced home within a bounded
-   time, then terminate and confirm the instance is gone. A run that has already exited 0 is finished instead
-   (final checkpoint and outputs home, the job done), not stopped to be run again.
+2. Every active cloud attempt, all together: a last checkpoint (SIGTERM through the supervisor), synced home within a
+   bounded time (the pulls side by side, beside the loop), then terminate and confirm the instance is gone. A run
+   that has already exited 0 is finished instead (final checkpoint and outputs home, the job done), not stopped to
+   be run again.
 3. Sweep every configured provider for instances owned by this orchestrator, orphans included, and terminate them.
 4. Requeue the bursted jobs as local jobs resuming from their newest complete checkpoint (or hold those that
    cannot fit locally until `burstctl burst-enable`).
@@ -113,8 +114,7 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) 
     with app.store.engine.connect() as c:
         active = [dict(r) for r in c.execute(select(s.attempts).where(
             s.attempts.c.where == "cloud", s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
-    for att in active:
-        report.rows.append(_wind_down(app, reconciler, att, deadline, report))
+    report.rows.extend(_wind_down(app, reconciler, active, deadline, report))
 
     # Sweep: anything owned and alive, known to the database or not.
     seen = {(r.provider, r.instance) for r in report.rows}
@@ -159,37 +159,58 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) 
     return report
 
 
-def _wind_down(app: App, rec: Reconciler, att: dict[str, Any], deadline: float, report: RevertReport) -> RevertRow:
-    job = app.store.get_job(att["job_id"]) or {"id": att["job_id"], "state": "running", "spec": {}}
-    provider = rec.providers.get(att["provider"])
-    if provider is None:
-        if att["provider"] not in report.unreachable and att["provider"] not in report.not_swept:
-            report.unreachable.append(att["provider"])
+def _wind_down(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline: float,
+               report: RevertReport) -> list[RevertRow]:
+    """Step every active attempt towards its end, together, until all have ended or the deadline: their last
+    checkpoints are written and brought home side by side (the syncs run beside, `Reconciler._final_sync`), not one
+    attempt's after another's. A provider that fails a step leaves its attempt as it is (unverified)."""
+    steps: dict[str, tuple[dict[str, Any], Any]] = {}  # attempt id → (job, provider), while it is stepped
+    current = {att["id"]: att for att in active}
+    for att in active:
+        provider = rec.providers.get(att["provider"])
+        if provider is None:
+            if att["provider"] not in report.unreachable and att["provider"] not in report.not_swept:
+                report.unreachable.append(att["provider"])
+            continue
+        steps[att["id"]] = (app.store.get_job(att["job_id"]) or {"id": att["job_id"], "state": "running",
+                                                                  "spec": {}}, provider)
+    while steps:
+        for attempt_id, (job, provider) in list(steps.items()):
+            att = current[attempt_id]
+            try:
+                if att["state"] == AttemptState.INTENT.value:
+                    rec._step_intent(att, job, provider, "revert-local")
+                elif att["state"] == AttemptState.TERMINATING.value:
+                    rec._step_terminating(att, job, provider)
+                else:  # a run that has already ended well is finished, not stopped
+                    rec.wind_down(att, job, provider, "revert-local")
+            except ProviderError:
+                if att["provider"] not in report.unreachable:
+                    report.unreachable.append(att["provider"])
+                del steps[attempt_id]
+                continue
+            current[attempt_id] = _attempt(app, attempt_id)
+            if AttemptState(current[attempt_id]["state"]).final:
+                del steps[attempt_id]
+        if not steps or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    return [_wound_down(app, rec, att, report) for att in active]
+
+
+def _wound_down(app: App, rec: Reconciler, att: dict[str, Any], report: RevertReport) -> RevertRow:
+    """The report's row for an attempt `_wind_down` stepped (or could not)."""
+    if att["provider"] not in rec.providers:
         if att["instance_id"]:
             _record_instance(app, att["provider"], att["instance_id"], att["id"], "unverified")
         return RevertRow(att["job_id"], att["provider"], att["instance_id"], None, "unverified")
-    try:
-        current = att
-        while True:
-            if current["state"] == AttemptState.INTENT.value:
-                rec._step_intent(current, job, provider, "revert-local")
-            elif current["state"] == AttemptState.TERMINATING.value:
-                rec._step_terminating(current, job, provider)
-            else:  # a run that has already ended well is finished, not stopped
-                rec.wind_down(current, job, provider, "revert-local")
-            current = _attempt(app, att["id"])
-            if AttemptState(current["state"]).final or time.monotonic() >= deadline:
-                break
-            time.sleep(0.5)
-    except ProviderError:
-        if att["provider"] not in report.unreachable:
-            report.unreachable.append(att["provider"])
     current = _attempt(app, att["id"])
     synced = _last_synced(app, att)
     if AttemptState(current["state"]).final:
         status = "yes"
         _job_after_wind_down(app, att, current, report)
         if rec.cloud is not None:  # local-only from now on: S3 keeps nothing that what is home supersedes
+            job = app.store.get_job(att["job_id"]) or {"id": att["job_id"], "state": "running", "spec": {}}
             rec.cloud.release_s3(current, job)
     else:
         status = "unverified" if att["provider"] in report.unreachable or att["provider"] in report.not_swept else "no"
