@@ -9,6 +9,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from orchestrator.core.gates import wait_words
+
 MEASURED_PLACEHOLDER = "- **Measured:** _(filled in after the run)_"
 # A rethink job's: it does not run unless retried, and a retry's record is then where its run is measured.
 MEASURED_RETHINK = ("- **Measured:** none: a rethink job does not run (`burstctl retry` with a later deadline "
@@ -41,11 +43,15 @@ def plan_name(decision: dict[str, Any]) -> str | None:
 
 
 def plan_of(decision: dict[str, Any]) -> tuple[str, float | None, float | None]:
-    """A decision's plan: its name ("hybrid spot"), cost and hours ("—", None, None without a plan)."""
+    """A decision's plan: its name ("hybrid spot"), cost and the hours it runs ("—", None, None without a plan).
+    Those of a local phase are the share of its wall-clock hours the GPU is open (local.available_hours): the meter
+    counts a run's hours, and a run paused while the GPU is closed has none."""
     name = plan_name(decision)
     if name is None:
         return "—", None, None
-    return name, decision.get("plan_cost_usd"), sum(float(p.get("hours") or 0.0) for p in decision["plan"] or [])
+    share = float(decision.get("local_share") or 1.0)
+    return name, decision.get("plan_cost_usd"), sum(
+        float(p.get("hours") or 0.0) * (share if p.get("where") == "local" else 1.0) for p in decision["plan"] or [])
 
 
 def supersede(before: dict[str, Any] | None, d: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +74,7 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
         f"{p['hours']:.2f} h" for p in plan) or "—"
     gate1 = ("fits locally" if d["fits_locally"] else "does not fit locally → burst")
     wait = d.get("local_wait_h") or 0.0
-    queued = f"w = {fmt_h(wait)} queued ahead + " if wait else ""  # local work ahead of it on the one GPU
+    queued = f"w = {wait_words(wait, d.get('local_queued_h'))} + " if wait else ""  # before the GPU is free for it
     if d["verdict"] == "local" and wait:
         finish = wait + (d["t_local_h"] or 0.0)
         gate2 = (f"{queued}T_L = {fmt_h(d['t_local_h'])} = {finish:.2f} h "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.core.gates import GateInputs, Verdict, evaluate
+from orchestrator.core.gates import GateInputs, Verdict, evaluate, wait_words
 
 SEED = dict(work=1.0, rate_usd_per_gpu_h=3.00, overhead_h=0.5, local_usd_h=0.10, gpus=1)
 
@@ -71,6 +71,18 @@ def test_local_work_queued_ahead_counts_against_the_deadline(wait_h: float, verd
         # Renting saves the wait too: what it saves is local's finish (w + T_L) less T_R.
         assert r.hours_saved == pytest.approx(22 + 3.03 - 1.0, abs=0.005)
         assert r.delta_cost_usd == pytest.approx(3.0 * 1.0 - 0.10 * 3.0303, abs=0.005)
+
+
+def test_a_wait_the_local_gpu_s_hours_stretch_is_said_as_a_wait_not_as_work_queued_ahead() -> None:
+    # 8 GPU hours queued ahead end 21 h from now when the GPU is open only at night: w is 21 h of wall clock.
+    r = evaluate(GateInputs(s_local=0.33, s_rented=2.0, deadline_h=30, local_wait_h=21.0, local_queued_h=8.0,
+                            **SEED))
+    assert r.verdict is Verdict.LOCAL and r.local_queued_h == 8.0
+    assert any("local finishes in 24.03 h after a 21.00 h wait for the local GPU (8.00 h of work queued ahead of "
+               "it, in local.available_hours) within" in reason for reason in r.reasons), r.reasons
+    assert wait_words(21.0, 8.0) == ("21.00 h wait for the local GPU (8.00 h of work queued ahead, in "
+                                     "local.available_hours)")
+    assert wait_words(21.0, None) == "21.00 h queued ahead"
 
 
 def test_a_job_late_only_because_of_the_queue_with_renting_too_slow_runs_local_late_not_rethink() -> None:

@@ -5,6 +5,7 @@ of the day. The daemon checkpoints a run when they end and resumes it when they 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -357,6 +358,16 @@ def test_a_job_made_late_by_one_queued_ahead_of_it_is_decided_again_through_the_
     assert redecided["data"]["why"] == "late in line"
     decision = app.store.get_job(later)["decision"]
     assert decision["local_wait_h"] == pytest.approx(21, abs=0.02)  # its 8 GPU hours ahead, through the nights
+    assert decision["local_queued_h"] == pytest.approx(8, abs=0.02)
+    # Said as what it is: 21 h of wall clock for the GPU to be free, 8 h of work (it was "21 h queued ahead").
+    assert re.fullmatch(r"decided again while queued: 8\.00 h of local work is now ahead of it in line \(earlier "
+                        r"deadlines\), done 2[01]\.\d\d h from now in local\.available_hours, so local no longer "
+                        r"makes its deadline", decision["reasons"][0])
+    assert re.search(r"after a 2[01]\.\d\d h wait for the local GPU \(8\.00 h of work queued ahead of it, in "
+                     r"local\.available_hours\)", " ".join(decision["reasons"]))
+    record = Path(app.store.get_job(later)["record_path"]).read_text()
+    assert re.search(r"w = 2[01]\.\d\d h wait for the local GPU \(8\.00 h of work queued ahead, in "
+                     r"local\.available_hours\) \+ T_L", record)
     assert decision["first_plan"]["plan"] == "local" and decision["decisions"] == 2
     app.close()
 

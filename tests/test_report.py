@@ -11,7 +11,7 @@ import re
 import subprocess
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -144,6 +144,30 @@ def test_each_finished_job_is_set_beside_its_plan_and_the_month_is_summed(lab: L
     last_month = datetime.fromtimestamp(LAST_MONTH, UTC).strftime("%Y-%m")
     assert [j["name"] for j in lab.report("--month", last_month)["jobs"]] == ["old-job"]
     assert [j["name"] for j in lab.report("--days", "1")["jobs"]] == ["local-job", "spot-job", "failed-job"]
+
+
+
+def test_a_local_plan_through_the_gpu_s_hours_is_set_beside_the_hours_it_ran_not_its_wall_clock(
+        lab: Lab) -> None:
+    # The GPU is open 6 h a day. An 8 h local run (W 4 / s_L 0.5) is planned over the wall clock to its end, a night
+    # included; the meter counts the hours it ran (a run paused while the GPU is closed has none). Planned 8 h, ran
+    # 8 h in two sittings a day apart: measured / expected is 1, not 8 h against the plan's wall clock.
+    lab.app.close()
+    now = datetime.now()
+    window = f"{now - timedelta(hours=1):%H:%M}-{now + timedelta(hours=5):%H:%M}"
+    lab.config.write_text(CONFIG.replace("[local]\n", f'[local]\navailable_hours = ["{window}"]\n'))
+    lab.app = App(config_path=str(lab.config), state_dir_override=str(lab.state))
+    nightly = lab.job("nightly", local_throughput=0.5, work_units=4, deadline_hours=72,
+                      checkpoint={"resumable": True, "interval_minutes": 10})
+    decision = lab.app.store.get_job(nightly)["decision"]
+    assert decision["plan"][0]["where"] == "local" and decision["plan"][0]["hours"] > 20  # through a night
+    two_days_ago = lab.t0 - 48 * 3600
+    lab.attempt(nightly, 1, "local", "succeeded", 0, 5.0, at=two_days_ago)
+    lab.attempt(nightly, 2, "local", "succeeded", 24.0, 3.0, at=two_days_ago)
+    lab.finish(nightly, "done", end_h=27.0, deadline_h=72, at=two_days_ago)
+    (got,) = lab.report("--all")["jobs"]
+    assert got["expected_h"] == pytest.approx(8.0, abs=0.01)  # W / s_L: the hours it runs
+    assert got["run_h"] == pytest.approx(8.0)
 
 
 def test_the_table_says_the_same_in_words(lab: Lab) -> None:

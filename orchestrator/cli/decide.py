@@ -14,7 +14,7 @@ from rich.markup import escape
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
-from orchestrator.core.gates import GateResult
+from orchestrator.core.gates import GateResult, wait_words
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import (
     DEADLINE_HOURS_EXPECTED,
@@ -163,7 +163,7 @@ def _print_human(job: JobFacts, d: dict[str, Any], gates: GateResult) -> None:
         # Gate 2 asks when local is done: after the local work queued ahead of it (w), then T_L.
         wait = gates.local_wait_h or 0.0
         finish = (gates.t_local_h or 0.0) + wait
-        shown = "{}" + (f" ({wait:.2f} h queued ahead + {d['t_local_h']:.2f} h)" if wait > 0 else "")
+        shown = "{}" + (f" ({wait_words(wait, gates.local_queued_h)} + {d['t_local_h']:.2f} h)" if wait > 0 else "")
         if d["verdict"] == "local" and finish <= D:
             f, dl = _apart(finish, D)
             p(f"GATE 2: local MAKES the deadline ({shown.format(f)} <= {dl}) -> RUN LOCAL. Renting is waste.")

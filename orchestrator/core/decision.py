@@ -150,6 +150,7 @@ class Decision:
             "fits_locally": g.fits_locally,
             "t_local_h": _r(g.t_local_h),
             "local_wait_h": _r(g.local_wait_h),
+            **({} if g.local_queued_h is None else {"local_queued_h": _r(g.local_queued_h)}),
             "local_share": _r(self.local_share),
             "c_local_usd": _r(g.c_local_usd),
             "t_rented_h": _r(g.t_rented_h),
@@ -194,6 +195,7 @@ class LocalRun:
     usd_h: float
     wait_h: float
     unfit_why: str | None = None
+    queued_h: float | None = None  # the GPU hours of the work queued ahead, when the hours stretch them (else None)
     share: float = 1.0
     reason: str | None = None
 
@@ -210,16 +212,17 @@ def through_local_hours(job: JobFacts, ctx: DecisionContext) -> LocalRun:
         return LocalRun(job.s_local, ctx.local_usd_h, job.local_wait_h)
     gpu_h = job.work / job.s_local
     wait_h = hours.wall_h(job.local_wait_h)
+    queued_h = job.local_wait_h if wait_h > job.local_wait_h + 1e-9 else None
     free = hours.later(wait_h)
     wall = free.run_wall_h(gpu_h, pauses=job.checkpoints)
     if wall is None:
-        return LocalRun(0.0, ctx.local_usd_h, wait_h, unfit_why=(
+        return LocalRun(0.0, ctx.local_usd_h, wait_h, queued_h=queued_h, unfit_why=(
             f"no stretch of local.available_hours is {gpu_h:.2f} h long, and a run that cannot checkpoint is never "
             "paused"))
     if wall <= gpu_h:
-        return LocalRun(job.s_local, ctx.local_usd_h, wait_h)
+        return LocalRun(job.s_local, ctx.local_usd_h, wait_h, queued_h=queued_h)
     share = gpu_h / wall
-    return LocalRun(job.s_local * share, ctx.local_usd_h * share, wait_h, share=share, reason=(
+    return LocalRun(job.s_local * share, ctx.local_usd_h * share, wait_h, queued_h=queued_h, share=share, reason=(
         f"local GPU open {gpu_h:.2f} h of the {wall:.2f} h from {'now' if wait_h <= 0 else 'its turn'} to the end "
         f"of its run (local.available_hours{'' if job.checkpoints else ', in one sitting'}): effective s_L "
         f"{job.s_local * share:.4g} units/h"))
@@ -291,7 +294,8 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         return evaluate(GateInputs(work=job.work, s_local=s_local, s_rented=s_r, deadline_h=job.deadline_h,
                                    rate_usd_per_gpu_h=rate, gpus=job.gpus, overhead_h=overhead_h,
                                    local_usd_h=local_usd_h, fits_locally=job.fits_local_memory,
-                                   local_wait_h=wait_h, unfit_why=local.unfit_why or job.memory_why))
+                                   local_wait_h=wait_h, local_queued_h=local.queued_h,
+                                   unfit_why=local.unfit_why or job.memory_why))
 
     if not candidates:
         g = gate(0.0, 0.0)

@@ -32,7 +32,9 @@ class GateInputs:
     overhead_h: float = 0.5  # t_ovh
     local_usd_h: float = 0.10  # p_L
     fits_locally: bool | None = None  # from sizing; None = judge by s_local alone
-    local_wait_h: float = 0.0  # w: local work queued ahead of this job, before the local GPU is free for it
+    local_wait_h: float = 0.0  # w: hours until the local GPU is free for this job (the local work queued ahead)
+    # The GPU hours of that work, when local.available_hours stretch them into a longer w (else None: they are w).
+    local_queued_h: float | None = None
     unfit_why: str | None = None  # why the local GPU cannot run it, in words (else said from s_L or fits_locally)
 
 
@@ -48,6 +50,7 @@ class GateResult:
     hours_saved: float | None
     reasons: list[str] = field(default_factory=list)
     local_wait_h: float = 0.0
+    local_queued_h: float | None = None
 
 
 def rented_time_h(work: float, s_rented: float, gpus: int, overhead_h: float) -> float:
@@ -71,15 +74,18 @@ def evaluate(x: GateInputs) -> GateResult:
 
     t_l = x.work / x.s_local
     c_l = x.local_usd_h * t_l
-    wait = x.local_wait_h
+    wait, queued = x.local_wait_h, x.local_queued_h
     finish = wait + t_l  # when local is done: after the local work queued ahead of it
-    behind = f" after the {wait:.2f} h of local work queued ahead of it" if wait > 0 else ""
+    behind = "" if wait <= 0 else (
+        f" after the {wait:.2f} h of local work queued ahead of it" if queued is None else
+        f" after a {wait:.2f} h wait for the local GPU ({queued:.2f} h of work queued ahead of it, in "
+        "local.available_hours)")
     reasons.append("Gate 1: fits locally")
     if finish <= x.deadline_h:
         reasons.append(
             f"Gate 2: local finishes in {finish:.2f} h{behind} within the {x.deadline_h:.2f} h deadline: run local"
         )
-        return GateResult(Verdict.LOCAL, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons, wait)
+        return GateResult(Verdict.LOCAL, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons, wait, queued)
 
     if t_r > x.deadline_h:
         if t_l <= x.deadline_h:  # only the queue ahead makes it late, and renting is too slow anyway
@@ -87,12 +93,12 @@ def evaluate(x: GateInputs) -> GateResult:
                 f"Gate 2: local finishes in {finish:.2f} h{behind}, past the {x.deadline_h:.2f} h deadline, and "
                 f"rented {t_r:.2f} h misses it too: run local, late (it would make it alone: {t_l:.2f} h)"
             )
-            return GateResult(Verdict.LOCAL, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons, wait)
+            return GateResult(Verdict.LOCAL, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons, wait, queued)
         reasons.append(
             f"Gate 2: local {t_l:.2f} h and rented {t_r:.2f} h both miss {x.deadline_h:.2f} h: "
             "rethink scope, not hardware"
         )
-        return GateResult(Verdict.RETHINK, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons, wait)
+        return GateResult(Verdict.RETHINK, True, t_l, c_l, _f(t_r), _f(c_r), None, None, reasons, wait, queued)
 
     delta = c_r - c_l
     saved = finish - t_r
@@ -101,7 +107,15 @@ def evaluate(x: GateInputs) -> GateResult:
         f"Gate 2: local misses ({finish:.2f} h{behind} > {x.deadline_h:.2f} h); renting meets it for "
         f"{price} to save {saved:.2f} h"
     )
-    return GateResult(Verdict.PRICED, True, t_l, c_l, t_r, c_r, delta, saved, reasons, wait)
+    return GateResult(Verdict.PRICED, True, t_l, c_l, t_r, c_r, delta, saved, reasons, wait, queued)
+
+
+def wait_words(wait_h: float, queued_h: float | None) -> str:
+    """Gate 2's w in a few words: the local work queued ahead, or (when local.available_hours stretch it) the wait
+    for the local GPU and the work behind it."""
+    if queued_h is None:
+        return f"{wait_h:.2f} h queued ahead"
+    return f"{wait_h:.2f} h wait for the local GPU ({queued_h:.2f} h of work queued ahead, in local.available_hours)"
 
 
 def _f(v: float) -> float | None:

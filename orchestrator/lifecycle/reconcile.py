@@ -463,10 +463,11 @@ class Reconciler:
                 self.store.update_job(job["id"], None, spec={**job["spec"], "_late_in_line_at": now})
                 continue
             supersede(job["decision"], d)
-            wait = d.get("local_wait_h") or 0.0
+            wait, queued = d.get("local_wait_h") or 0.0, d.get("local_queued_h")
             why = (f"its {_gpu_h(job):.2f} h run cannot checkpoint, and no stretch of local.available_hours is that "
-                   "long now" if unfit else f"{wait:.2f} h of local work is now ahead of it in line (earlier "
-                   "deadlines), so local no longer makes its deadline")
+                   "long now" if unfit else f"{wait if queued is None else queued:.2f} h of local work is now ahead "
+                   "of it in line (earlier deadlines)" + ("" if queued is None else f", done {wait:.2f} h from now "
+                   "in local.available_hours") + ", so local no longer makes its deadline")
             d["reasons"].insert(0, f"decided again while queued: {why}")
             record = record_decision(self.app, again.facts, d, now, job["id"])
             with self.store.tx() as conn:
