@@ -472,7 +472,7 @@ class StateSettings(Strict):
 
 CRON_FIELDS = ("minute", "hour", "day-of-month", "month", "day-of-week")
 CRON_EXPECTED = ("expected five crontab fields, minute hour day-of-month month day-of-week, e.g. \"0 2 * * mon\" "
-                 "(Mondays at 02:00)")
+                 "(Mondays at 02:00), or @hourly, @daily, @weekly, @monthly, @yearly")
 
 
 class Schedule(Strict):
@@ -483,7 +483,9 @@ class Schedule(Strict):
                       "read at each slot, so an edit applies from the next cycle. Its deadline must be "
                       "`deadline_hours`, counted from the slot.")
     cron: str = Field(description="When: a five-field crontab, minute hour day-of-month month day-of-week, read in "
-                      "`timezone` (\"0 2 * * mon\": Mondays at 02:00; \"30 1 1,15 * *\": the 1st and 15th at 01:30).")
+                      "`timezone` (\"0 2 * * mon\": Mondays at 02:00; \"30 1 1,15 * *\": the 1st and 15th at 01:30), "
+                      "or one of cron's nicknames (@hourly, @daily or @midnight, @weekly, @monthly, @yearly or "
+                      "@annually).")
     timezone: str | None = Field(None, description="IANA time zone the cron is read in (\"Europe/Berlin\"); unset: "
                                  "this machine's.")
     overlap: Literal["skip", "queue"] = Field(

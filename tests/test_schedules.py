@@ -16,6 +16,7 @@ import pytest
 from apscheduler.triggers.cron import CronTrigger
 
 from orchestrator.app import App
+from orchestrator.config import Schedule
 from orchestrator.schedules import (
     KEY_PREFIX,
     _trigger,
@@ -226,9 +227,23 @@ def test_a_cron_restricting_both_days_fires_on_either_as_crontab_does(cron: str,
     assert all(datetime.fromtimestamp(t, UTC).hour == 2 for t in month)
 
 
+@pytest.mark.parametrize(("cron", "slots"), [
+    ("@weekly", ["05 00:00", "12 00:00", "19 00:00", "26 00:00"]),  # Sundays at midnight, as cron(8) reads it
+    ("@monthly", ["01 00:00"]), ("@yearly", ["01 00:00"]), ("@annually", ["01 00:00"]),
+    ("@daily", [f"{d:02} 00:00" for d in range(1, 32)]), ("@midnight", [f"{d:02} 00:00" for d in range(1, 32)]),
+    ("@HOURLY", [f"{d:02} {h:02}:00" for d in range(1, 32) for h in range(24)]),
+])
+def test_cron_s_nicknames_are_the_lines_cron_reads_them_for(cron: str, slots: list[str]) -> None:
+    start = datetime(2031, 1, 1, tzinfo=UTC).timestamp()  # a Wednesday
+    month = slots_between(_trigger(cron, "UTC"), start - 1, start + 31 * DAY - 1)
+    assert [datetime.fromtimestamp(t, UTC).strftime("%d %H:%M") for t in month] == slots
+    Schedule(job="nightly.toml", cron=cron)  # and the config takes it
+
+
 @pytest.mark.parametrize(("entry", "field", "says"), [
     ('job = "nightly.toml"\ncron = "0 2 * * monday"', "schedule.0.cron", "is not a crontab: expected five crontab"),
     ('job = "nightly.toml"\ncron = "0 2 * *"', "schedule.0.cron", "is not a crontab"),
+    ('job = "nightly.toml"\ncron = "@reboot"', "schedule.0.cron", "or @hourly, @daily, @weekly, @monthly, @yearly"),
     ('job = "nightly.toml"\ncron = "0 2 * * 8"', "schedule.0.cron", "is not a crontab"),
     # Five fields, one out of range: which one, not "expected five fields".
     ('job = "nightly.toml"\ncron = "61 9 * * *"', "schedule.0.cron", "'61 9 * * *': minute 61 is more than 59"),

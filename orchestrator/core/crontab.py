@@ -11,11 +11,19 @@ cron is read as two APScheduler crontabs whose slots are joined (`as_apscheduler
 from __future__ import annotations
 
 DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # crontab's numbers 0-6 (7 is Sunday again)
+# The nicknames cron(8) takes for a whole line (`@reboot` is none: a schedule has slots, not a boot).
+ALIASES = {"@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *", "@weekly": "0 0 * * 0",
+           "@daily": "0 0 * * *", "@midnight": "0 0 * * *", "@hourly": "0 * * * *"}
+
+
+def five_fields(cron: str) -> str:
+    """`cron` as five fields: a nickname (`@weekly`) as the line cron(8) reads it for, anything else as it is."""
+    return ALIASES.get(cron.strip().lower(), cron)
 
 
 def for_apscheduler(cron: str) -> str:
     """`cron` with its day-of-week field as day names. Raises ValueError for a field crontab does not allow."""
-    fields = cron.split()
+    fields = five_fields(cron).split()
     if len(fields) != 5:
         raise ValueError(f"{len(fields)} fields")
     days = weekdays(fields[4])
@@ -26,6 +34,7 @@ def for_apscheduler(cron: str) -> str:
 def as_apscheduler(cron: str) -> list[str]:
     """The APScheduler crontabs whose slots together are `cron`'s: one, or two when both day fields are restricted
     (neither starts with `*`, cron's own test): `0 0 1 * mon` is the 1st of every month and every Monday."""
+    cron = five_fields(cron)
     fields = for_apscheduler(cron).split()
     day_of_month, day_of_week = cron.split()[2], cron.split()[4]
     if day_of_month.startswith("*") or day_of_week.startswith("*"):
