@@ -231,8 +231,8 @@ class Policy(Strict):
         default_factory=_train_only,
         description="Job kinds the cloud may run. Only 'train' unless you document a fallback here.",
     )
-    overhead_h: NonNegFloat = Field(
-        0.5, description="Provisioning + sync + teardown overhead t_ovh used until burstctl has measured it."
+    overhead_h: Annotated[float, Field(ge=0), _at_most(24, "hours, not minutes (half an hour is 0.5)")] = Field(
+        0.5, description="Provisioning + sync + teardown overhead t_ovh, in hours, used until burstctl has measured it."
     )
     spot_preemptions_per_hour: NonNegFloat = Field(
         0.05, description="Expected spot preemptions per hour: the prior that this installation's own spot "

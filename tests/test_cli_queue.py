@@ -607,9 +607,10 @@ def test_bad_config_exits_2_naming_the_field(burstctl, tmp_path: Path, text: str
         ("[local]\nboard_power_w = 400000\n", "local.board_power_w", "expected watts"),  # mW
         ("[daemon]\ntick_s = 5000\n", "daemon.tick_s", "seconds, not milliseconds"),
         ("[local]\nsafety_margin_gib = 1024\n", "local.safety_margin_gib", "leaves nothing of the card's 15.92 GiB"),
+        ("[policy]\noverhead_h = 30\n", "policy.overhead_h", "30 is more than 24: expected hours, not minutes"),
     ],
     ids=["vram-in-mib", "rented-vram-in-mib", "electricity-in-cents", "power-in-milliwatts", "tick-in-ms",
-         "margin-bigger-than-the-card"],
+         "margin-bigger-than-the-card", "overhead-in-minutes"],
 )
 def test_a_value_in_the_wrong_unit_is_refused_saying_which_unit_is_expected(
         burstctl, tmp_path: Path, text: str, field: str, says: str) -> None:
