@@ -68,12 +68,25 @@ _PHRASES = {
     "job.requeued_local": "brought home to run locally",
     "job.market_switch": "changes market",
     "instance.preempted": "preempted",
+    # Of no job: said alone.
+    "daemon.started": "daemon started",
+    "daemon.stopping": "daemon stopping",
+    "daemon.stopped": "daemon stopped",
+    "daemon.config_reloaded": "daemon reloaded its config file",
+    "revert_local.done": "revert-local done: local-only until `burstctl burst-enable`",
+    "burst.enabled": "bursting enabled again",
+    "provider.unreachable": "provider unreachable",
+    "provider.unavailable": "provider cannot be used",
+    "instance.orphan_terminated": "orphaned instance terminated",
+    "state.events_pruned": "old events pruned",
+    "state.checkpoints_pruned": "old checkpoints pruned",
 }
 
 
-def _phrase(kind: str) -> str:
-    """What a notice of this type says: its phrase, or the type in words (`job.plan_restored`: "plan restored")."""
-    return _PHRASES.get(kind) or kind.split(".", 1)[-1].replace("_", " ")
+def _phrase(kind: str, *, of_a_job: bool = True) -> str:
+    """What a notice of this type says: its phrase, or the type in words: after a job's name without its family
+    (`job.plan_restored`: "plan restored"), alone with it (`schedule.armed`: "schedule armed")."""
+    return _PHRASES.get(kind) or (kind.split(".", 1)[-1] if of_a_job else kind).replace("_", " ").replace(".", " ")
 
 
 class DeliveryFailed(Exception):
@@ -103,9 +116,11 @@ def notice_text(kind: str, data: dict[str, Any], job_name: str | None, spent_usd
     if kind == "budget.crossed":
         return (f"burstctl: {data['fraction']:.0%} of {data['month']}'s cloud budget spent "
                 f"(${data['spent_usd']:.2f} of ${data['cap_usd']:.2f})")
-    what = _phrase(kind) if job_name or kind in _PHRASES else kind  # of no job, the type itself says what
+    what = _phrase(kind, of_a_job=job_name is not None)
+    if job_name is None and data.get("provider"):
+        what += f" ({data['provider']})"
     subject = f"{job_name} {what}" if job_name else what
-    reason = data.get("reason") or data.get("error")
+    reason = data.get("reason") or data.get("error") or data.get("problem")
     if kind.startswith("schedule.") and data.get("job_file"):
         subject = f"{os.path.basename(str(data['job_file']))}: {subject}"
     text = f"burstctl: {subject}" + (f": {reason}" if reason and reason != "completed" else "")

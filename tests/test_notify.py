@@ -472,7 +472,11 @@ def test_a_notice_says_why_a_job_needs_a_person_and_any_event_in_words(tmp_path:
     assert notice_text("job.redecided", {"state": "queued", "reason": "a reason"}, "od-full") == \
         "burstctl: od-full decided again: a reason"
     assert notice_text("job.plan_restored", {}, "od-full") == "burstctl: od-full plan restored"
-    assert notice_text("daemon.started", {}, None) == "burstctl: daemon.started"  # of no job: the type says it
+    # Of no job: said in words, never as the raw type ("burstctl: daemon.config_reloaded").
+    assert notice_text("daemon.config_reloaded", {}, None) == "burstctl: daemon reloaded its config file"
+    assert notice_text("schedule.armed", {}, None) == "burstctl: schedule armed"
+    assert notice_text("provider.unavailable", {"provider": "lambda", "problem": "LAMBDA_API_KEY is not set"},
+                       None) == "burstctl: provider cannot be used (lambda): LAMBDA_API_KEY is not set"
     app.close()
 
 
