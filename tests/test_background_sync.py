@@ -170,3 +170,36 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a zombie (ended, not yet reaped by init) is not running
         return stat.read().split(") ")[-1][0] != "Z"
+
+
+def test_a_daemon_that_loses_its_database_lock_ends_its_transfers_and_writes_nothing_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # PostgreSQL can end the session that holds the lock while the daemon runs: it stops without writing to a
+    # database another daemon may own now. Its rsyncs had been left running, into staging directories that the
+    # other daemon's pulls write too.
+    from orchestrator.daemon import run_daemon
+    from orchestrator.errors import OperationalError
+
+    pidfile = tmp_path / "child.pid"
+    app = App(state_dir_override=str(tmp_path / "state"))
+
+    def tick(self: Reconciler) -> None:
+        if not self.syncs.busy("a1"):
+            self.syncs.start("a1", lambda: run_transfer(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]))
+
+    def still_holds(lease: object) -> bool:  # until the transfer runs
+        return not (pidfile.exists() and pidfile.read_text().strip())
+
+    monkeypatch.setattr(Reconciler, "tick", tick)
+    monkeypatch.setattr(app.store, "still_holds", still_holds)
+    closed: list[bool] = []
+    monkeypatch.setattr(Reconciler, "close", lambda self, wait_s=0.0: closed.append(True))
+    with pytest.raises(OperationalError, match="lost this database's daemon lock"):
+        run_daemon(app, tick_s=0.1, max_ticks=200)
+    assert not closed  # nothing written down
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child):
+        assert time.monotonic() < deadline, "a transfer outlived the daemon that lost its lock"
+        time.sleep(0.02)
+    app.close()
