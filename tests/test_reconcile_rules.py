@@ -1038,6 +1038,9 @@ class _Stoppable:
     def list_owned(self) -> list[InstanceInfo]:
         return []
 
+    def offers(self) -> list[Offer]:
+        return []
+
 
 def _last_checkpoint_beside(rec: Reconciler, app: App, release: Callable[[], None]
                             ) -> Callable[..., SyncDone]:
@@ -1081,6 +1084,53 @@ def test_a_stop_brings_the_last_checkpoint_home_beside_the_tick_then_ends_the_at
     assert app.store.get_job(job_id)["checkpoint"] == "step-00000050"
     (synced,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.synced"]
     assert synced["data"]["checkpoints"] == ["step-00000050"]
+    rec.close()
+    app.close()
+
+
+def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_beside_the_tick(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a spot notice the daemon pulled the newest checkpoint inside the tick, then launched the next instance: a
+    # 20 GB pull took the two minutes the notice gives before the launch began, and held up every other attempt's
+    # notice. The pull starts first, beside the tick; the launch follows at once; and until the reclaim a pull
+    # starts again each tick, for what the trainer writes meanwhile.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path)
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(instance_id="i-1"))
+
+    class Noticed(_Stoppable):
+        def status(self, att: dict[str, Any]) -> dict[str, Any]:
+            return {"supervisor_alive": True, "exit": None,
+                    "heartbeat": {"ts": time.time(), "notice": {"time": "2026-12-04T03:00:00Z"}}}
+
+    cloud = Noticed()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    pulled = threading.Event()
+    pulls: list[float] = []
+    beside = _last_checkpoint_beside(rec, app, lambda: pulled.wait(10))
+    monkeypatch.setattr(rec, "_sync_beside", lambda *a, **k: pulls.append(time.monotonic()) or beside(*a, **k))
+    launched: list[float] = []
+    monkeypatch.setattr(reconcile, "launch_successor",
+                        lambda rec, att, job, now: launched.append(time.monotonic()) or False)
+
+    started = time.monotonic()
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 1.0, "the tick is not held up by the pull"
+    assert len(pulls) == 1 and len(launched) == 1 and pulls[0] <= launched[0] and not pulled.is_set()
+    reason = app.store.get_job(job_id)["reason"]
+    assert reason == ("spot interruption notice: sim reclaims the instance at 2026-12-04T03:00:00Z; its newest "
+                      "checkpoint is coming home (none is home yet); it resumes elsewhere")
+    assert "notice_seen_at" in attempt()["info"]
+    pulled.set()
+    deadline = time.monotonic() + 10
+    while not rec.syncs.finished():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    rec._collect_syncs()
+    assert app.store.get_job(job_id)["checkpoint"] == "step-00000050"
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert len(pulls) == 2 and len(launched) == 1  # pulled again at the next tick; launched once
     rec.close()
     app.close()
 

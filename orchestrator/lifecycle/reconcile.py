@@ -82,6 +82,7 @@ SYNC_FAILING = "checkpoints are not coming home (the instance is kept and the pu
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
 CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
 STOP_WAIT_S = 60.0  # how long a stopped run is given to write its last checkpoint and exit, tick by tick
+NOTICE_SYNCS_S = 300.0  # after a spot notice, a sync each tick for this long (EC2 reclaims in 120 s, GCP in 30 s)
 CLOSE_WAIT_S = 30.0  # how long a stopping daemon waits for the syncs under way (systemd's stop timeout is 60 s)
 
 
@@ -1084,8 +1085,6 @@ class Reconciler:
             with self.store.tx() as conn:  # the job name's: `queue.setup_estimate` adds it to the job's t_ovh
                 self._measure(conn, att, "setup_s", float(setup_s), key=setup_key(job["name"]))
         self._watch_s3_uploads(att, job, info, (ex or {}).get("s3") or status.get("s3"), exited=ex is not None)
-        if hb.get("notice") and "notice_seen_at" not in info:
-            self._on_notice(att, job, info, hb["notice"], now)
         # Staleness is how long, on this process's monotonic clock, the instance's heartbeat has not changed:
         # comparing its timestamp with the wall clock calls a healthy run lost when either clock jumps. A
         # restarted daemon watches for a full timeout again.
@@ -1093,17 +1092,20 @@ class Reconciler:
         seen = self._heartbeats.get(att["id"])
         if seen is None or seen[0] != hb.get("ts"):
             seen = self._heartbeats[att["id"]] = (hb.get("ts"), mono)
+        if hb.get("notice") and "notice_seen_at" not in info:
+            info["notice_seen_at"] = now
+            self._sync_now(att, job, info)  # first: the newest checkpoint is what the reclaim would take
+            self._on_notice(att, job, info, hb["notice"], now)
         if ex is None and hb and mono - seen[1] > self.cfg.daemon.heartbeat_timeout_s:
             self._lost(att, job, provider, inst, "heartbeat lost (stale)")
             return
         interval = float(job["spec"]["checkpoint"]["interval_minutes"]) * 60.0
         sync_every = min(interval, max(self.cfg.daemon.tick_s, interval / 2))
-        # The clock now, not the tick's `now`: a notice handled above has just synced, and would read as a clock
-        # gone back (a second pull in the same tick).
-        since_sync = self.clock() - info.get("last_sync_at", 0)
-        if ex is None and (since_sync >= sync_every or since_sync < 0) and not self.syncs.busy(att["id"]):
-            snapshot = {**att, "info": dict(info)}  # < 0 above: the clock went back
-            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job))
+        if 0 <= now - info.get("notice_seen_at", -math.inf) < NOTICE_SYNCS_S:
+            sync_every = 0.0  # until the reclaim: whatever the trainer writes comes home as soon as it is there
+        since_sync = now - info.get("last_sync_at", 0)
+        if ex is None and (since_sync >= sync_every or since_sync < 0):  # < 0: the clock went back
+            self._sync_now(att, job, info)
         if ex is not None:
             if not self._final_sync(att, job, info):  # its last sync first, beside the tick: what follows ends it
                 with self.store.tx() as conn:
@@ -1151,6 +1153,12 @@ class Reconciler:
         if offer is None:
             return None
         return attempt_should_move(self.app, job, att["provider"], offer, Market(att["market"]), now)
+
+    def _sync_now(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
+        """Start a sync of the running attempt beside the tick, unless one is under way."""
+        if not self.syncs.busy(att["id"]):
+            snapshot = {**att, "info": dict(info)}
+            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job))
 
     def _watch_s3_uploads(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
                           s3: dict[str, Any] | None, *, exited: bool) -> None:
@@ -1502,30 +1510,26 @@ class Reconciler:
     def _on_notice(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], notice: Any,
                    now: float) -> None:
         """The supervisor saw a spot interruption notice (and told the trainer to write a last checkpoint). Said at
-        once, and the newest complete checkpoint not yet home is pulled now: the instance may be reclaimed before
-        the trainer's last one is written or its exit seen, and what it holds then is lost with it."""
-        info["notice_seen_at"] = now
+        once. The newest complete checkpoint the instance holds is on its way home beside the tick (`_step_running`
+        started it, and starts another each tick until the reclaim: the trainer's last one may be written
+        meanwhile), and, make before break, the next instance is launched now: a multi-GB pull then holds up neither
+        its launch nor any other attempt's notice. `info` is persisted by the caller, `_step_running`."""
         when = notice.get("time") if isinstance(notice, dict) else None
+        home = job.get("checkpoint")
         self.emit("instance.interruption_notice", job_id=job["id"], attempt_id=att["id"],
                   instance=att["instance_id"], provider=att["provider"], reclaim_at=when,
-                  last_checkpoint_home=job.get("checkpoint"))
-        pulled = self._pull(att, job, info)
-        home = (self.store.get_job(job["id"]) or job).get("checkpoint")
+                  last_checkpoint_home=home)
         with self.store.tx() as conn:
             self.store.set_attempt_info(att["id"], info, conn)
-        successor = launch_successor(self, att, job, now)  # make before break: the next instance boots meanwhile
+        successor = launch_successor(self, att, job, now)  # the next instance boots while this one checkpoints
         with self.store.tx() as conn:
             self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value, reason=(
                 f"spot interruption notice: {att['provider']} reclaims the instance"
-                + (f" at {when}" if when else "") + "; "
-                + (f"checkpoint {home} is home" if pulled and home else "it has written no checkpoint yet"
-                   if pulled else "its newest checkpoint could not be brought home")
+                + (f" at {when}" if when else "") + "; its newest checkpoint is coming home ("
+                + (f"{home} is home)" if home else "none is home yet)")
                 + ("; its next instance is launching" if successor else "; it resumes elsewhere")))
         if successor:
             self._advance_new_attempt(job["id"])  # launched now, not a tick later: every second of boot counts
-        # The logs since the last sync, once the successor is on its way: the exit may never be seen before the
-        # reclaim. (`info` is persisted by the caller, `_step_running`.)
-        self._pull_logs(att, job, info)
 
     def _lost(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, inst: InstanceInfo | None,
               reason: str, info: dict[str, Any] | None = None) -> None:
