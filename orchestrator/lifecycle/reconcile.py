@@ -1537,10 +1537,9 @@ class Reconciler:
         now = self.clock()
         info = dict(info or att["info"])
         self._finished_sync(att, job, info)
-        if (inst is not None and not inst.state.gone and reason == "spot interruption notice") \
-                or self.cloud_steps.checkpoints_outlive_instance({**att, "info": info}, job):
-            # The trainer wrote a last checkpoint on the notice; or what the instance uploaded to S3 is there still.
-            self._pull(att, job, info)
+        # The trainer's last checkpoint on a notice came home with its run's last sync (`_final_sync`), before this.
+        if self.cloud_steps.checkpoints_outlive_instance({**att, "info": info}, job):
+            self._pull(att, job, info)  # what the instance uploaded to S3 is there still
         last_ckpt = info.get("last_checkpoint_at") or att["started_at"] or now
         # Rounded once, here: the attempt, instance.preempted and job.resuming then say the same figure.
         lost_h = round(max(0.0, now - last_ckpt) / 3600.0, 4) if att["started_at"] else 0.0
