@@ -6,7 +6,8 @@ it last did (the setting `schedule:<job file>`), and queues the newest slot that
   the config never queues a slot from before it was there. One taken out of the config is forgotten
   (`schedule.removed`), so putting it back arms it afresh.
 - A daemon that was down across several slots queues only the newest of them, its deadline counted from that slot;
-  when that deadline has passed too, the slot is skipped (`schedule.missed`).
+  when that deadline has passed too, the slot is skipped (`schedule.missed`). The older ones are said as missed
+  too, in one event with how many they were (`slots`).
 - The cycle is queued and the slot recorded in one transaction: a daemon killed at any moment queues a slot once.
 - A slot that comes while the schedule's previous cycle is not over is skipped (`schedule.skipped`), unless the
   schedule says `overlap = "queue"`.
@@ -21,7 +22,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -159,10 +160,36 @@ def fire_due(app: App, now: float | None = None) -> list[Fired]:
             app.events.emit("schedule.armed", job_file=str(path), cron=sched.cron, next_slot_at=nxt)
             done.append(Fired(str(path), "armed"))
             continue
-        slot = newest_slot(trig, float(rec.get("last_slot_at") or rec["armed_at"]), now)
+        last = float(rec.get("last_slot_at") or rec["armed_at"])
+        slot = newest_slot(trig, last, now)
         if slot is not None:
+            _say_slept_through(app, trig, path, last, slot)
             done.append(_fire(app, sched, path, key, rec, slot, now))
     return done
+
+
+SLEPT_COUNTED = 10_000  # slots slept through counted at most (a year of an every-minute cron is 525,600)
+
+
+def _say_slept_through(app: App, trig: CronSlots, path: Path, last: float, slot: float) -> None:
+    """The slots between the last one done and `slot`, the newest, passed while no daemon ran: said once, as missed
+    (their cycles never ran). None in the usual tick, found with one look."""
+    first = next_slot(trig, last)
+    if first is None or first >= slot:
+        return
+    count, newest = 0, first
+    at: float | None = first
+    while at is not None and at < slot and count < SLEPT_COUNTED:
+        count, newest = count + 1, at
+        at = next_slot(trig, at)
+    more = count == SLEPT_COUNTED and at is not None and at < slot
+    app.events.emit("schedule.missed", job_file=str(path), slot_at=newest, first_slot_at=first, slots=count,
+                    reason=f"the daemon was not running at {'more than ' if more else ''}{count} slot"
+                           f"{'s' if count != 1 else ''} before the one at {_utc(slot)}: only the newest is run")
+
+
+def _utc(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def _fire(app: App, sched: Schedule, path: Path, key: str, rec: dict[str, Any], slot: float, now: float) -> Fired:

@@ -81,12 +81,19 @@ def test_a_daemon_down_across_slots_queues_only_the_newest_and_skips_one_whose_d
     fire_due(app, ARMED)
     (fired,) = fire_due(app, SLOT_1 + 3 * DAY + 3600)  # four slots slept through: one cycle, the newest
     assert fired.slot_at == SLOT_1 + 3 * DAY and len(_jobs(app)) == 1
+    # The three before it are said, once, in one event: their cycles never ran.
+    (slept,) = [d for t, d in _events(app) if t == "schedule.missed"]
+    assert (slept["slots"], slept["first_slot_at"], slept["slot_at"]) == (3, SLOT_1, SLOT_1 + 2 * DAY)
+    assert slept["reason"] == ("the daemon was not running at 3 slots before the one at 2030-01-11 02:00 UTC: only "
+                               "the newest is run")
     app.store.update_job(fired.job_id, None, state="done")
     # Down again, past the newest slot's 12 h deadline: nothing to queue, said once.
     (missed,) = fire_due(app, SLOT_1 + 5 * DAY + 13 * 3600)
     assert (missed.outcome, missed.slot_at) == ("missed", SLOT_1 + 5 * DAY)
     assert fire_due(app, SLOT_1 + 5 * DAY + 14 * 3600) == [] and len(_jobs(app)) == 1
-    assert [t for t, _ in _events(app)][-1] == "schedule.missed"
+    assert [t for t, _ in _events(app)][-2:] == ["schedule.missed"] * 2  # the 4th day's slot slept through, the 5th's
+    assert _events(app)[-2][1]["slots"] == 1 and _events(app)[-2][1]["reason"].startswith(
+        "the daemon was not running at 1 slot before")
     app.close()
 
 
