@@ -1135,6 +1135,43 @@ def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_bes
     app.close()
 
 
+def test_a_run_found_finished_by_a_stop_brings_its_end_home_beside_the_tick_then_succeeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # revert-local (or the budget) finds a run that has just exited 0: it is finished, not stopped. Its final
+    # checkpoint was pulled inside the tick; now it comes home beside it, the attempt waiting at `finishing`.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path)
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(instance_id="i-1"))
+
+    class Completed(_Stoppable):
+        def status(self, att: dict[str, Any]) -> dict[str, Any]:
+            return {"supervisor_alive": False, "exit": {"reason": "completed", "exit_code": 0}}
+
+    cloud = Completed()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    pulled = threading.Event()
+    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    for _ in range(2):
+        started = time.monotonic()
+        rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "revert-local")  # type: ignore[arg-type]
+        assert time.monotonic() - started < 1.0, "the tick is not held up by the pull"
+        rec._collect_syncs()  # the start of a tick leaves a finishing attempt's last sync to its own step
+    assert attempt()["state"] == "finishing" and not cloud.terminated
+    pulled.set()
+    deadline = time.monotonic() + 10
+    while not rec.syncs.finished():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    rec._collect_syncs()
+    rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "revert-local")  # type: ignore[arg-type]
+    assert attempt()["state"] == "succeeded" and cloud.terminated == ["i-1"]
+    job = app.store.get_job(job_id)
+    assert (job["state"], job["checkpoint"]) == ("done", "step-00000050")
+    rec.close()
+    app.close()
+
+
 def test_revert_local_brings_every_stopped_run_s_last_checkpoint_home_side_by_side(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Two jobs bursting: revert-local wound one down, pulled its last checkpoint, then began the other's. Their

@@ -1114,7 +1114,7 @@ class Reconciler:
             reason = ex.get("reason")
             if reason == "completed" and ex.get("exit_code") == 0:
                 with self.store.tx() as conn:
-                    move(conn, att, A.FINISHING, info=info)
+                    move(conn, att, A.FINISHING, info={**info, "final_synced": True})
             elif reason == "notice":
                 self._lost(att, job, provider, inst, "spot interruption notice", info=info)
             elif reason == "terminated":  # not by us: a running attempt's stop goes through _stop
@@ -1200,6 +1200,10 @@ class Reconciler:
         self._synced(att, job, info, done)
         if att["id"] in self._final_syncs:
             self._final_syncs.discard(att["id"])
+            if outputs and not done.pulled:  # with a new checkpoint `_synced` has taken them
+                self._outputs_done(att, job, info, done.outputs)
+            if outputs and isinstance(done.outputs, list):
+                info["final_outputs"] = done.outputs  # the run's outputs as it ended (`_pull_outputs`)
             return True
         return self._final_sync(att, job, info, outputs=outputs)  # a periodic one, from before: now the last one
 
@@ -1285,7 +1289,7 @@ class Reconciler:
         ended meanwhile (its end pulled on its own, or its instance went) counts only for a checkpoint it brought
         home."""
         for attempt_id in self.syncs.finished():
-            if attempt_id in self._final_syncs and self._still_running(attempt_id):
+            if attempt_id in self._final_syncs and self._still_ending(attempt_id):
                 continue  # the attempt's own step takes it (`_final_sync`)
             self._final_syncs.discard(attempt_id)
             done = self.syncs.take(attempt_id)
@@ -1296,10 +1300,11 @@ class Reconciler:
                 self.emit("attempt.error", attempt_id=attempt_id, state=A.RUNNING.value,
                           error=self.app.redactor(f"writing down a sync: {type(exc).__name__}: {exc}")[:500])
 
-    def _still_running(self, attempt_id: str) -> bool:
+    def _still_ending(self, attempt_id: str) -> bool:
+        """Whether the attempt is still at the step that takes its last sync (running, or finishing)."""
         with self.store.engine.connect() as c:
             state = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == attempt_id)).scalar()
-        return state == A.RUNNING.value
+        return state in (A.RUNNING.value, A.FINISHING.value)
 
     def _collect_sync(self, attempt_id: str, done: SyncDone) -> None:
         """`_collect_syncs` for one attempt."""
@@ -1321,13 +1326,14 @@ class Reconciler:
                                                   s.attempts.c.state == A.RUNNING.value).values(info=info))
 
     def _pull_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
-        """The job's `outputs` home once it has finished on the instance (`CloudSteps.pull_outputs`); False when that
-        failed (said once per distinct error; the caller keeps the instance and tries again)."""
+        """The job's `outputs`, home with the run's last sync (`final_outputs`), written down once it has finished
+        on the instance; False when that sync did not bring them (said once per distinct error; the caller keeps the
+        instance and starts another)."""
         if not job["spec"].get("outputs") or "outputs" in info:
             return True
-        names = self._sync_outputs(att, job, info)
+        names = info.pop("final_outputs", None)
         if names is None:
-            return False
+            return False  # the last sync did not bring them (`_outputs_done` said why)
         info["outputs"] = names
         # Against everything home, earlier attempts' files too: a pattern one of them matched is not missing.
         home = job_outputs_dir(self.cfg, job["id"])
@@ -1336,18 +1342,12 @@ class Reconciler:
                   dir=str(home), **({"missing": missing} if missing else {}))
         return True
 
-    def _sync_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
-                      shared: SharedConnection | None = None) -> list[str] | None:
-        """The job's `outputs` as they are on the instance, home: with each checkpoint that came home (so what an
-        attempt wrote, a TensorBoard events file per run say, is not lost with its instance when it is preempted,
-        and is as of its newest checkpoint), and once it has finished (`_pull_outputs`). A later attempt's file
-        replaces an earlier one of the same path. The paths, or None without outputs or when the pull failed (said
-        once per distinct error)."""
-        return self._outputs_done(att, job, info, self._outputs_io({**att, "info": info}, job, shared))
-
     def _outputs_io(self, att: dict[str, Any], job: dict[str, Any], shared: SharedConnection | None
                     ) -> list[str] | Exception | None:
-        """`_sync_outputs`' transfer: the paths, its failure, or None when the job names no outputs."""
+        """The job's `outputs` as they are on the instance, home: with each checkpoint that came home (so what an
+        attempt wrote, a TensorBoard events file per run say, is not lost with its instance when it is preempted,
+        and is as of its newest checkpoint), and with a run's last sync. A later attempt's file replaces an earlier
+        one of the same path. The paths, the transfer's failure, or None when the job names no outputs."""
         if not job["spec"].get("outputs"):
             return None
         try:
@@ -1464,15 +1464,23 @@ class Reconciler:
 
     def _step_finishing(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, *,
                         stop_reason: str | None = None) -> None:
-        """Bring the final checkpoint and outputs home, then end the attempt as succeeded. Until both are home the
-        instance is kept and the pull retried every tick; with a `stop_reason` the pull is tried once, then the
+        """Bring the final checkpoint and outputs home (the run's last sync, beside the tick: `_final_sync`; the
+        running step's, or one of this step's own), then end the attempt as succeeded. Until both are home the
+        instance is kept and a last sync started again each tick; with a `stop_reason` it is tried once, then the
         attempt is stopped for it (the job resumes from what is home)."""
         info = dict(att["info"])
         chaos_point("finishing")
-        what = None if self._pull(att, job, info) else "its final checkpoint"
+        if not info.get("final_synced"):
+            if not self._final_sync(att, job, info):
+                with self.store.tx() as conn:
+                    self.store.set_attempt_info(att["id"], info, conn)
+                return  # looked at again next tick
+            info["final_synced"] = True
+        what = "its final checkpoint" if "sync_error" in info else None
         if what is None and not self._pull_outputs(att, job, info):
             what = "its outputs"
         if what is not None:
+            info.pop("final_synced")  # the next look starts another last sync
             if stop_reason is not None:
                 self._stop(att, job, provider, stop_reason, info=info)
             else:
