@@ -192,9 +192,7 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
         ticks = _schedule(app, scheduler, shut_down, current, stop, tick_s, max_ticks, exit_when_idle, on_tick,
                           lease, lost, notifying)
         if lost.is_set():  # another daemon may own the state now: nothing is written down, and no rsync of ours
-            from orchestrator.remote.sync import stop_transfers
-
-            stop_transfers()  # writes on into the staging directories its pulls use
+            reconciler.abandon()  # writes on into the staging directories its pulls use
         else:
             try:  # the syncs in flight end, and what they brought home is written down
                 reconciler.close()

@@ -7,7 +7,7 @@ it last did (the setting `schedule:<job file>`), and queues the newest slot that
   (`schedule.removed`), so putting it back arms it afresh.
 - A daemon that was down across several slots queues only the newest of them, its deadline counted from that slot;
   when that deadline has passed too, the slot is skipped (`schedule.missed`). The older ones are said as missed
-  too, in one event with how many they were (`slots`).
+  too, once, in one event with how many they were (`slots`), recorded with the newest slot.
 - The cycle is queued and the slot recorded in one transaction: a daemon killed at any moment queues a slot once.
 - A slot that comes while the schedule's previous cycle is not over is skipped (`schedule.skipped`), unless the
   schedule says `overlap = "queue"`.
@@ -163,40 +163,50 @@ def fire_due(app: App, now: float | None = None) -> list[Fired]:
         last = float(rec.get("last_slot_at") or rec["armed_at"])
         slot = newest_slot(trig, last, now)
         if slot is not None:
-            _say_slept_through(app, trig, path, last, slot)
-            done.append(_fire(app, sched, path, key, rec, slot, now))
+            done.append(_fire(app, sched, path, key, rec, slot, now, _slept_through(trig, last, slot)))
     return done
 
 
 SLEPT_COUNTED = 10_000  # slots slept through counted at most (a year of an every-minute cron is 525,600)
 
 
-def _say_slept_through(app: App, trig: CronSlots, path: Path, last: float, slot: float) -> None:
-    """The slots between the last one done and `slot`, the newest, passed while no daemon ran: said once, as missed
-    (their cycles never ran). None in the usual tick, found with one look."""
+def _slept_through(trig: CronSlots, last: float, slot: float) -> dict[str, Any] | None:
+    """The slots between the last one done and `slot`, the newest, at which no tick ran (the daemon was down, or its
+    ticks further apart than the slots), as the `schedule.missed` event that says them; None in the usual tick,
+    found with one look."""
     first = next_slot(trig, last)
     if first is None or first >= slot:
-        return
+        return None
     count, newest = 0, first
     at: float | None = first
     while at is not None and at < slot and count < SLEPT_COUNTED:
         count, newest = count + 1, at
         at = next_slot(trig, at)
     more = count == SLEPT_COUNTED and at is not None and at < slot
-    app.events.emit("schedule.missed", job_file=str(path), slot_at=newest, first_slot_at=first, slots=count,
-                    reason=f"the daemon was not running at {'more than ' if more else ''}{count} slot"
-                           f"{'s' if count != 1 else ''} before the one at {_utc(slot)}: only the newest is run")
+    return {"slot_at": newest, "first_slot_at": first, "slots": count,
+            "reason": f"no tick ran at {'more than ' if more else ''}{count} slot{'s' if count != 1 else ''} before "
+                      f"the one at {_utc(slot)} (the daemon was not running, or its ticks were further apart): only "
+                      "the newest is run"}
 
 
 def _utc(at: float) -> str:
     return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def _fire(app: App, sched: Schedule, path: Path, key: str, rec: dict[str, Any], slot: float, now: float) -> Fired:
+def _fire(app: App, sched: Schedule, path: Path, key: str, rec: dict[str, Any], slot: float, now: float,
+          slept: dict[str, Any] | None) -> Fired:
+    """The slot's outcome, recorded with it in one transaction, and with it the slots slept through before it
+    (`slept`): each said once."""
+    def say_slept(conn: Any) -> None:
+        if slept is not None:
+            app.events.emit("schedule.missed", job_file=str(path), conn=conn, **slept)
+
     def passed(outcome: str, **said: Any) -> Fired:
         """The slot is over without a cycle: recorded, so it is said once."""
-        app.store.set_setting(key, {**rec, "last_slot_at": slot})
-        app.events.emit(f"schedule.{outcome}", job_file=str(path), slot_at=slot, **said)
+        with app.store.tx() as conn:
+            app.store.set_setting(key, {**rec, "last_slot_at": slot}, conn=conn)
+            say_slept(conn)
+            app.events.emit(f"schedule.{outcome}", job_file=str(path), slot_at=slot, conn=conn, **said)
         return Fired(str(path), outcome, slot)
 
     previous = rec.get("last_job_id")
@@ -215,6 +225,7 @@ def _fire(app: App, sched: Schedule, path: Path, key: str, rec: dict[str, Any], 
 
     def record(conn: Any, job_id: str) -> None:
         app.store.set_setting(key, {**rec, "last_slot_at": slot, "last_job_id": job_id}, conn=conn)
+        say_slept(conn)
 
     try:
         job_id, decision, _ = enqueue(app, path, now, slot_at=slot, also=record)

@@ -35,6 +35,23 @@ def test_a_sync_runs_on_a_thread_and_is_taken_once_when_it_has_finished() -> Non
     syncs.close()
 
 
+def test_an_urgent_sync_runs_at_once_however_many_periodic_ones_are_in_line() -> None:
+    # Four jobs pulling multi-GB checkpoints fill the pool; a spot notice's pull (or a run's last one) queued behind
+    # them would start after the reclaim. It runs on a thread of its own, and a periodic sync of the same attempt
+    # still in line is dropped for it.
+    syncs: BackgroundSyncs[str] = BackgroundSyncs(1)
+    release = threading.Event()
+    syncs.start("busy", lambda: "home" if release.wait(10) else "late")
+    syncs.start("noticed", lambda: "periodic")  # in line behind "busy"
+    assert syncs.busy("noticed") and not syncs.free_for_urgent("busy")  # under way: waited for, not dropped
+    assert syncs.free_for_urgent("noticed")  # still in line: dropped
+    syncs.start("noticed", lambda: "urgent", urgent=True)
+    assert syncs.take("noticed", wait=True) == "urgent" and not release.is_set()
+    release.set()
+    assert syncs.take("busy", wait=True) == "home"
+    syncs.close()
+
+
 def test_syncs_of_several_attempts_run_at_once_and_finish_in_any_order() -> None:
     syncs: BackgroundSyncs[str] = BackgroundSyncs(2)
     slow, fast, fast_running = threading.Event(), threading.Event(), threading.Event()

@@ -1028,6 +1028,9 @@ class _Stoppable:
     def release_s3(self, att: dict[str, Any], job: dict[str, Any]) -> None:
         pass
 
+    def checkpoints_outlive_instance(self, att: dict[str, Any], job: dict[str, Any]) -> bool:
+        return False
+
     def terminate(self, ids: list[str]) -> None:
         self.terminated += ids
 
@@ -1128,7 +1131,10 @@ def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_bes
         assert time.monotonic() < deadline
         time.sleep(0.01)
     rec._collect_syncs()
-    assert app.store.get_job(job_id)["checkpoint"] == "step-00000050"
+    job = app.store.get_job(job_id)
+    assert job["checkpoint"] == "step-00000050"
+    assert job["reason"] == ("spot interruption notice: sim reclaims the instance at 2026-12-04T03:00:00Z; its newest "
+                             "checkpoint is coming home (step-00000050 is home); it resumes elsewhere")
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     assert len(pulls) == 2 and len(launched) == 1  # pulled again at the next tick; launched once
     rec.close()
@@ -1172,6 +1178,44 @@ def test_a_run_found_finished_by_a_stop_brings_its_end_home_beside_the_tick_then
     app.close()
 
 
+def test_a_loss_waits_for_the_sync_under_way_so_what_it_brings_home_is_not_lost_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # After a notice a pull is under way each tick; the reclaim comes during one. Ended at once, the attempt had
+    # counted an hour of work lost that the pull then brought home, and its successor took over while the pull
+    # still held the job's checkpoint store.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path)
+    an_hour_ago = time.time() - 3600
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(
+            instance_id="i-1", started_at=an_hour_ago))
+
+    class Reclaimed(_Stoppable):
+        def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
+            return {}
+
+    cloud = Reclaimed()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    pulled = threading.Event()
+    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    rec._sync_now(attempt(), app.store.get_job(job_id), {}, urgent=True)
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert attempt()["state"] == "running" and "loss_seen_at" in attempt()["info"]
+    pulled.set()
+    deadline = time.monotonic() + 10
+    while not rec.syncs.finished():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    rec._collect_syncs()
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert attempt()["state"] == "preempted"
+    (preempted,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "instance.preempted"]
+    assert preempted["data"]["lost_work_h"] < 0.01  # not the hour since the attempt began
+    assert app.store.get_job(job_id)["checkpoint"] == "step-00000050"
+    rec.close()
+    app.close()
+
+
 def test_revert_local_brings_every_stopped_run_s_last_checkpoint_home_side_by_side(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Two jobs bursting: revert-local wound one down, pulled its last checkpoint, then began the other's. Their
@@ -1197,6 +1241,26 @@ def test_revert_local_brings_every_stopped_run_s_last_checkpoint_home_side_by_si
     assert sorted(cloud.terminated) == ["i-1", "i-2"]
     assert [r.terminated for r in report.rows] == ["yes", "yes"]
     assert [r.checkpoint for r in report.rows] == ["step-00000050", "step-00000050"]
+    app.close()
+
+
+def test_revert_local_lets_a_last_pull_under_way_at_its_timeout_finish_before_the_instance_goes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Cut short at --timeout, the pull's instance was then terminated by the sweep with the checkpoint half home,
+    # and reported gone: the run's last hour of work thrown away. It finishes (as a pull inside the loop always did).
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path)
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(instance_id="i-1"))
+    cloud = _Stoppable()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: time.sleep(3)))
+    report = revert.revert_local(app, rec, timeout_s=1)
+    rec.close(wait_s=0)
+    (row,) = report.rows
+    assert (row.terminated, row.checkpoint) == ("yes", "step-00000050") and cloud.terminated[0] == "i-1"
+    assert attempt()["state"] == "aborted" and app.store.get_job(job_id)["checkpoint"] == "step-00000050"
+    assert job_id in report.held + report.requeued_local
     app.close()
 
 

@@ -84,8 +84,8 @@ def test_a_daemon_down_across_slots_queues_only_the_newest_and_skips_one_whose_d
     # The three before it are said, once, in one event: their cycles never ran.
     (slept,) = [d for t, d in _events(app) if t == "schedule.missed"]
     assert (slept["slots"], slept["first_slot_at"], slept["slot_at"]) == (3, SLOT_1, SLOT_1 + 2 * DAY)
-    assert slept["reason"] == ("the daemon was not running at 3 slots before the one at 2030-01-11 02:00 UTC: only "
-                               "the newest is run")
+    assert slept["reason"] == ("no tick ran at 3 slots before the one at 2030-01-11 02:00 UTC (the daemon was not "
+                               "running, or its ticks were further apart): only the newest is run")
     app.store.update_job(fired.job_id, None, state="done")
     # Down again, past the newest slot's 12 h deadline: nothing to queue, said once.
     (missed,) = fire_due(app, SLOT_1 + 5 * DAY + 13 * 3600)
@@ -93,7 +93,30 @@ def test_a_daemon_down_across_slots_queues_only_the_newest_and_skips_one_whose_d
     assert fire_due(app, SLOT_1 + 5 * DAY + 14 * 3600) == [] and len(_jobs(app)) == 1
     assert [t for t, _ in _events(app)][-2:] == ["schedule.missed"] * 2  # the 4th day's slot slept through, the 5th's
     assert _events(app)[-2][1]["slots"] == 1 and _events(app)[-2][1]["reason"].startswith(
-        "the daemon was not running at 1 slot before")
+        "no tick ran at 1 slot before")
+    app.close()
+
+
+def test_the_slots_slept_through_are_said_with_the_newest_slot_s_record_so_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A queue that fails at the newest slot (the database, say) records nothing: the tick after says them then.
+    import orchestrator.queue
+
+    app = _setup(tmp_path)
+    fire_due(app, ARMED)
+    real = orchestrator.queue.enqueue
+
+    def failing(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(orchestrator.queue, "enqueue", failing)
+    with pytest.raises(RuntimeError):
+        fire_due(app, SLOT_1 + DAY + 3600)
+    assert [t for t, _ in _events(app)] == ["schedule.armed"]
+    monkeypatch.setattr(orchestrator.queue, "enqueue", real)
+    (fired,) = fire_due(app, SLOT_1 + DAY + 3600)
+    assert fired.outcome == "queued" and fire_due(app, SLOT_1 + DAY + 3700) == []
+    assert [t for t, _ in _events(app)] == ["schedule.armed", "schedule.missed", "schedule.queued"]
     app.close()
 
 

@@ -14,7 +14,8 @@ from orchestrator.lifecycle.service import build_reconciler
 
 @cli.command("revert-local")
 @click.option("--timeout", "timeout_s", type=FiniteFloat(min=1), default=180.0, show_default=True,
-              help="Bound on the last checkpoints, syncs and terminations.")
+              help="Bound on waiting for the last checkpoints and terminations (a last pull under way then is let "
+                   "finish, and its instance goes after it).")
 @json_option
 @pass_app
 def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
@@ -28,7 +29,7 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
     reconciler = build_reconciler(app)
     try:
         report = revert_local(app, reconciler, timeout_s=timeout_s)
-    finally:  # a last sync still under way at the timeout is cut short: the attempt is reported as not gone
+    finally:  # every last sync has been taken by now, unless revert_local failed: nothing is left running then
         reconciler.close(wait_s=0)
     if as_json:
         print_json(report.as_dict())

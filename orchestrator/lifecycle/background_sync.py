@@ -41,6 +41,15 @@ class SyncDone:
     logs: Exception | bool | None = None  # True: the logs came home; their failure; None: not tried
 
 
+def _do(future: Future[T], work: Callable[[], T]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return  # cancelled while queued
+    try:
+        future.set_result(work())
+    except BaseException as exc:  # the work returns its failures; this is a bug's, kept for the taker
+        future.set_exception(exc)
+
+
 class _Workers:
     """A fixed number of daemon threads taking work off a queue. Not concurrent.futures' pool: the interpreter joins
     its threads at exit, so a daemon stopping would wait for a multi-GB pull to end, past systemd's stop timeout."""
@@ -59,15 +68,15 @@ class _Workers:
             t.start()
         return future
 
+    def submit_now(self, work: Callable[[], T]) -> Future[T]:
+        """`work` on a thread of its own, started now: not in line behind the queue's."""
+        future: Future[T] = Future()
+        threading.Thread(target=_do, args=(future, work), name="burstctl-sync-urgent", daemon=True).start()
+        return future
+
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            future, work = item
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled while queued
-            try:
-                future.set_result(work())
-            except BaseException as exc:  # the work returns its failures; this is a bug's, kept for the taker
-                future.set_exception(exc)
+            _do(*item)
 
     def shutdown(self) -> None:
         for _ in self._threads:
@@ -86,14 +95,29 @@ class BackgroundSyncs(Generic[T]):
     def busy(self, attempt_id: str) -> bool:
         return attempt_id in self._running
 
-    def start(self, attempt_id: str, work: Callable[[], T]) -> None:
-        """Run `work` for the attempt: on a thread, or at once without workers (the caller's tick then waits)."""
+    def free_for_urgent(self, attempt_id: str) -> bool:
+        """Whether an urgent sync of the attempt may start now: none is in flight, or the one there was still queued
+        behind other attempts' (cancelled: it had not begun, and the urgent one does its work)."""
+        f = self._running.get(attempt_id)
+        if f is not None and f.cancel():
+            del self._running[attempt_id]
+        return attempt_id not in self._running
+
+    def start(self, attempt_id: str, work: Callable[[], T], *, urgent: bool = False) -> None:
+        """Run `work` for the attempt: on a thread, or at once without workers (the caller's tick then waits).
+        `urgent` (a notice's pull, a run's last one): on a thread of its own, not in line behind other attempts'
+        periodic syncs, however many run."""
         if self._pool is not None:
-            self._running[attempt_id] = self._pool.submit(work)
+            self._running[attempt_id] = self._pool.submit_now(work) if urgent else self._pool.submit(work)
             return
         done: Future[T] = Future()
         done.set_result(work())
         self._running[attempt_id] = done
+
+    def finished_for(self, attempt_id: str) -> bool:
+        """Whether the attempt's sync has finished (and not yet been taken)."""
+        f = self._running.get(attempt_id)
+        return f is not None and f.done()
 
     def finished(self) -> list[str]:
         """The attempts whose sync has finished and not yet been taken."""
@@ -110,12 +134,13 @@ class BackgroundSyncs(Generic[T]):
             return None
         return f.result()
 
-    def wait_all(self, timeout_s: float | None = None) -> None:
-        """Cancel the syncs still queued, and wait for those under way to finish (at most `timeout_s`)."""
+    def wait_all(self, timeout_s: float | None = None) -> bool:
+        """Cancel the syncs still queued, and wait for those under way to finish (at most `timeout_s`). True when
+        none is under way any more."""
         for attempt_id, f in list(self._running.items()):
             if f.cancel():
                 del self._running[attempt_id]
-        wait(list(self._running.values()), timeout=timeout_s)
+        return not wait(list(self._running.values()), timeout=timeout_s).not_done
 
     def adopt(self, before: BackgroundSyncs[T]) -> None:
         """Take over the syncs in flight of the reconciler this one replaces (a config reload); its threads finish

@@ -196,6 +196,17 @@ class Reconciler:
         stop_transfers()
         self.syncs.close()
 
+    def abandon(self) -> None:
+        """Once the ticks are over and nothing may be written down (the daemon lost its database lock: another may
+        own the state): the syncs still in line are dropped, and every transfer those under way run is ended until
+        they have (a sync whose checkpoint pull is ended goes on to its outputs' and logs'), so that no rsync of
+        this process writes on into the staging directories the next daemon's pulls use."""
+        until = time.monotonic() + CLOSE_WAIT_S
+        while not self.syncs.wait_all(timeout_s=0.2) and time.monotonic() < until:
+            stop_transfers()
+        stop_transfers()
+        self.syncs.close()
+
     # --- the tick -----------------------------------------------------------------------------------------
     def tick(self) -> None:
         self._collect_syncs()
@@ -1094,18 +1105,19 @@ class Reconciler:
             seen = self._heartbeats[att["id"]] = (hb.get("ts"), mono)
         if hb.get("notice") and "notice_seen_at" not in info:
             info["notice_seen_at"] = now
-            self._sync_now(att, job, info)  # first: the newest checkpoint is what the reclaim would take
+            self._sync_now(att, job, info, urgent=True)  # first: the newest checkpoint is what the reclaim would take
             self._on_notice(att, job, info, hb["notice"], now)
         if ex is None and hb and mono - seen[1] > self.cfg.daemon.heartbeat_timeout_s:
             self._lost(att, job, provider, inst, "heartbeat lost (stale)")
             return
         interval = float(job["spec"]["checkpoint"]["interval_minutes"]) * 60.0
         sync_every = min(interval, max(self.cfg.daemon.tick_s, interval / 2))
-        if 0 <= now - info.get("notice_seen_at", -math.inf) < NOTICE_SYNCS_S:
+        noticed = 0 <= now - info.get("notice_seen_at", -math.inf) < NOTICE_SYNCS_S
+        if noticed:
             sync_every = 0.0  # until the reclaim: whatever the trainer writes comes home as soon as it is there
         since_sync = now - info.get("last_sync_at", 0)
         if ex is None and (since_sync >= sync_every or since_sync < 0):  # < 0: the clock went back
-            self._sync_now(att, job, info)
+            self._sync_now(att, job, info, urgent=noticed)
         if ex is not None:
             if not self._final_sync(att, job, info):  # its last sync first, beside the tick: what follows ends it
                 with self.store.tx() as conn:
@@ -1154,11 +1166,13 @@ class Reconciler:
             return None
         return attempt_should_move(self.app, job, att["provider"], offer, Market(att["market"]), now)
 
-    def _sync_now(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
-        """Start a sync of the running attempt beside the tick, unless one is under way."""
-        if not self.syncs.busy(att["id"]):
+    def _sync_now(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], *,
+                  urgent: bool = False) -> None:
+        """Start a sync of the running attempt beside the tick, unless one is under way. `urgent` (after a notice):
+        at once, on a thread of its own, not in line behind other attempts' syncs (`BackgroundSyncs.start`)."""
+        if self.syncs.free_for_urgent(att["id"]) if urgent else not self.syncs.busy(att["id"]):
             snapshot = {**att, "info": dict(info)}
-            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job))
+            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job), urgent=urgent)
 
     def _watch_s3_uploads(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
                           s3: dict[str, Any] | None, *, exited: bool) -> None:
@@ -1190,10 +1204,10 @@ class Reconciler:
         periodic ones: a multi-GB final checkpoint then holds up no other attempt's heartbeat check, notice or stop.
         True once it has been done and written down (failed or not: the step after it retries what it must have);
         False while it, or a periodic sync started before, is under way."""
-        if not self.syncs.busy(att["id"]):
+        if self.syncs.free_for_urgent(att["id"]):
             self._final_syncs.add(att["id"])
             snapshot = {**att, "info": dict(info)}
-            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job, outputs=outputs))
+            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job, outputs=outputs), urgent=True)
         done = self.syncs.take(att["id"])
         if done is None:
             return False  # looked at again next tick
@@ -1262,7 +1276,7 @@ class Reconciler:
         if done.pulled:
             info["last_checkpoint_at"] = done.at
             outputs = self._outputs_done(att, job, info, done.outputs)
-            self._checkpoint_home(att, job, done, outputs)
+            self._checkpoint_home(att, job, done, outputs, info)
         else:
             # Nothing new: the newest checkpoint home is the job's all the same. One that a sync brought home but
             # never wrote down (the daemon killed in between, or stopped while it was under way) is found here: a
@@ -1273,11 +1287,15 @@ class Reconciler:
         return True
 
     def _checkpoint_home(self, att: dict[str, Any], job: dict[str, Any], done: SyncDone,
-                         outputs: list[str] | None) -> None:
-        """A new checkpoint home: the job's, measured and said."""
+                         outputs: list[str] | None, info: dict[str, Any] | None = None) -> None:
+        """A new checkpoint home: the job's, measured and said (in the job's reason too while a notice is)."""
         assert done.pulled
+        info = att["info"] if info is None else info
         with self.store.tx() as conn:
             self.store.update_job(job["id"], conn, checkpoint=done.pulled[-1].name)
+            if info.get("notice") and att["state"] == A.RUNNING.value:
+                self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value,
+                                      reason=_notice_reason(att, info, done.pulled[-1].name))
             self._measure(conn, att, "sync_s", done.took_s)
             self.app.events.emit("checkpoint.synced", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                  checkpoints=[p.name for p in done.pulled], seconds=round(done.took_s, 3),
@@ -1527,23 +1545,29 @@ class Reconciler:
         self.emit("instance.interruption_notice", job_id=job["id"], attempt_id=att["id"],
                   instance=att["instance_id"], provider=att["provider"], reclaim_at=when,
                   last_checkpoint_home=home)
+        info["notice"] = {"reclaim_at": when}
         with self.store.tx() as conn:
             self.store.set_attempt_info(att["id"], info, conn)
-        successor = launch_successor(self, att, job, now)  # the next instance boots while this one checkpoints
+        info["notice"]["successor"] = launch_successor(self, att, job, now)  # boots while this one checkpoints
         with self.store.tx() as conn:
-            self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value, reason=(
-                f"spot interruption notice: {att['provider']} reclaims the instance"
-                + (f" at {when}" if when else "") + "; its newest checkpoint is coming home ("
-                + (f"{home} is home)" if home else "none is home yet)")
-                + ("; its next instance is launching" if successor else "; it resumes elsewhere")))
-        if successor:
+            self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value,
+                                  reason=_notice_reason(att, info, home))
+        if info["notice"]["successor"]:
             self._advance_new_attempt(job["id"])  # launched now, not a tick later: every second of boot counts
 
     def _lost(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, inst: InstanceInfo | None,
               reason: str, info: dict[str, Any] | None = None) -> None:
-        """A preemption, seen by the provider's state, the notice, or heartbeat loss."""
+        """A preemption, seen by the provider's state, the notice, or heartbeat loss. A sync of the attempt's under way
+        (a notice's, most often, when the reclaim comes) is waited for, tick by tick, up to the heartbeat timeout:
+        what it brings home is then not counted as lost work, and the next run resumes from it."""
         now = self.clock()
         info = dict(info or att["info"])
+        if self.syncs.busy(att["id"]) and not self.syncs.finished_for(att["id"]):
+            since = info.setdefault("loss_seen_at", now)
+            if 0 <= now - since < self.cfg.daemon.heartbeat_timeout_s:
+                with self.store.tx() as conn:
+                    self.store.set_attempt_info(att["id"], info, conn)
+                return  # looked at again next tick; a sync still under way then is written down when it ends
         self._finished_sync(att, job, info)
         # The trainer's last checkpoint on a notice came home with its run's last sync (`_final_sync`), before this.
         if self.cloud_steps.checkpoints_outlive_instance({**att, "info": info}, job):
@@ -1644,6 +1668,15 @@ class Reconciler:
         conn.execute(insert(s.measurements).values(ts=self.clock(), provider=att["provider"] or "local",
                                                    instance_type=key or att["instance_type"] or "local",
                                                    metric=metric, value=float(value)))
+
+
+def _notice_reason(att: dict[str, Any], info: dict[str, Any], home: str | None) -> str:
+    """A noticed attempt's job's reason: the reclaim, the newest checkpoint home, the next instance."""
+    notice = info["notice"]
+    return (f"spot interruption notice: {att['provider']} reclaims the instance"
+            + (f" at {notice['reclaim_at']}" if notice.get("reclaim_at") else "")
+            + f"; its newest checkpoint is coming home ({f'{home} is home' if home else 'none is home yet'})"
+            + ("; its next instance is launching" if notice.get("successor") else "; it resumes elsewhere"))
 
 
 def _run_over(status: dict[str, Any] | None) -> bool:

@@ -16,6 +16,7 @@ process cannot use at all (its API key is not in this shell's environment, say):
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,11 +160,16 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) 
     return report
 
 
+OVERTIME_TERMINATE_S = 30.0  # after a last pull let finish past the deadline: its instance's termination, confirmed
+
+
 def _wind_down(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline: float,
                report: RevertReport) -> list[RevertRow]:
     """Step every active attempt towards its end, together, until all have ended or the deadline: their last
     checkpoints are written and brought home side by side (the syncs run beside, `Reconciler._final_sync`), not one
-    attempt's after another's. A provider that fails a step leaves its attempt as it is (unverified)."""
+    attempt's after another's. A last pull under way at the deadline is let finish, and its attempt ended then: cut
+    short, its instance would be terminated by the sweep below with the checkpoint half home. A provider that fails
+    a step leaves its attempt as it is (unverified)."""
     steps: dict[str, tuple[dict[str, Any], Any]] = {}  # attempt id → (job, provider), while it is stepped
     current = {att["id"]: att for att in active}
     for att in active:
@@ -174,8 +180,18 @@ def _wind_down(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline
             continue
         steps[att["id"]] = (app.store.get_job(att["job_id"]) or {"id": att["job_id"], "state": "running",
                                                                   "spec": {}}, provider)
+    overtime: dict[str, float] = {}  # attempts let finish their last pull past the deadline → until when after it
     while steps:
+        now = time.monotonic()
         for attempt_id, (job, provider) in list(steps.items()):
+            if now >= deadline:
+                if rec.syncs.busy(attempt_id):
+                    overtime[attempt_id] = math.inf  # its last pull under way: let finish
+                elif overtime.get(attempt_id) == math.inf:
+                    overtime[attempt_id] = now + OVERTIME_TERMINATE_S  # pulled: now its instance goes
+                if now >= overtime.get(attempt_id, now):
+                    del steps[attempt_id]  # not yet stopped, or not yet confirmed gone: left to the sweep below
+                    continue
             att = current[attempt_id]
             try:
                 if att["state"] == AttemptState.INTENT.value:
@@ -192,7 +208,7 @@ def _wind_down(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline
             current[attempt_id] = _attempt(app, attempt_id)
             if AttemptState(current[attempt_id]["state"]).final:
                 del steps[attempt_id]
-        if not steps or time.monotonic() >= deadline:
+        if not steps:
             break
         time.sleep(0.5)
     return [_wound_down(app, rec, att, report) for att in active]

@@ -1,7 +1,8 @@
 """Make before break on a spot interruption notice.
 
 EC2 gives two minutes between the notice and the reclaim; a GPU instance takes about as long to boot. So on the
-notice (`Reconciler._on_notice`, once the newest checkpoint is home) the job's next cloud attempt is written at once,
+notice (`Reconciler._on_notice`, as the pull of the newest checkpoint starts beside the tick) the job's next cloud
+attempt is written at once,
 on the offer and market its spot policy picks now, spot first in another zone than the one being reclaimed: the
 *successor* (`info.successor_for`: the noticed attempt). It launches and boots like any attempt, then waits at
 `bootstrapping` until the noticed attempt has ended (its last checkpoint pulled, its instance terminated), and is

@@ -141,7 +141,7 @@ def push_dir(target: Target, trust: HostKeyTrust, local_dir: str | Path, remote_
             stats = _rsync(target, trust, [*extra, f"{local}/", _remote_spec(target, remote_dir) + "/"],
                            what=f"pushing {local}")
         else:
-            stats = _sftp_push_tree(conn.sftp(), local, remote_dir, exclude)
+            stats = _sftp_push_tree(_sftp(conn), local, remote_dir, exclude)
     stats.seconds = time.monotonic() - started
     return stats
 
@@ -198,7 +198,7 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
                                      basis=f"../{basis}" if basis and delta else None, what=what)
             else:
                 stats = SyncStats("sftp")
-                sftp = conn.sftp()
+                sftp = _sftp(conn)
                 for rel in todo:
                     _sftp_put_if_changed(sftp, newest / safe_relpath(rel), f"{remote_staging}/{rel}", stats)
         elif chosen == "rsync":
@@ -214,7 +214,7 @@ def push_checkpoint(target: Target, trust: HostKeyTrust, local_ckpt_dir: str | P
             # Nothing on the instance reads a leftover against the manifest, and SFTP would take a file of the same
             # size and mtime as it is (the same name, written again by a run replayed from an older step): gone.
             run(conn, ["sh", "-c", 'rm -rf -- "$1"; mkdir -p -- "$1"', "sh", remote_staging], timeout=300)
-            stats = _sftp_push_tree(conn.sftp(), newest, remote_staging, (), manifest_last=True)
+            stats = _sftp_push_tree(_sftp(conn), newest, remote_staging, (), manifest_last=True)
         # The final name is free or holds an incomplete leftover (no manifest): replace it in one rename. Then the
         # staging dirs of pushes that never finished (superseded by this one) go: nothing resumes them.
         run(conn, ["sh", "-c", 'rm -rf -- "$1/$3"; if [ -e "$2" ]; then rm -rf -- "$2"; fi; mv -- "$1" "$2" && '
@@ -290,7 +290,7 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
                     stats = _rsync_pull_checkpoint(target, trust, conn, remote_path, staging, basis,
                                                    bwlimit_kib, what=f"pulling checkpoint {name} into {local_root}")
                 else:
-                    stats = _sftp_pull_checkpoint(conn.sftp(), remote_path, staging, basis, bwlimit_kib)
+                    stats = _sftp_pull_checkpoint(_sftp(conn), remote_path, staging, basis, bwlimit_kib)
                 total.add(stats)
                 problem = verify_and_fsync(staging, basis)
             except OSError as e:
@@ -337,9 +337,9 @@ def pull_files(target: Target, trust: HostKeyTrust, remote_dir: str, names: Sequ
                 stats = _rsync(target, trust, [*how, "--files-from=-", "--from0", src, f"{local}/"], what=what,
                                stdin="".join(f"{n}\0" for n in names))
             elif append:
-                stats = _sftp_append_files(conn.sftp(), remote_dir, names, local)
+                stats = _sftp_append_files(_sftp(conn), remote_dir, names, local)
             else:
-                stats = _sftp_get_files(conn.sftp(), remote_dir, names, local)
+                stats = _sftp_get_files(_sftp(conn), remote_dir, names, local)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise SyncError(f"local disk full (No space left on device) while {what}") from None
@@ -410,6 +410,18 @@ def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, st
         with _RUNNING_LOCK:
             _RUNNING.discard(proc)
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+SFTP_STALL_S = 60.0  # an SFTP read or write that gets no answer this long fails (a reclaimed instance says nothing)
+
+
+def _sftp(conn: fabric.Connection) -> paramiko.SFTPClient:
+    """The connection's SFTP session, whose operations fail after SFTP_STALL_S without an answer: paramiko waits for
+    ever by default, and a pull from an instance that vanished would hold its sync thread, and the attempt's end,
+    for as long (rsync's ssh gives up after 60 s: ServerAliveInterval 15, CountMax 4)."""
+    sftp = conn.sftp()
+    sftp.get_channel().settimeout(SFTP_STALL_S)
+    return sftp
 
 
 def stop_transfers() -> int:
