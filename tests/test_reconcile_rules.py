@@ -938,14 +938,17 @@ def test_local_only_runs_here_late_the_jobs_that_fit_and_never_decides_them_back
     app.close()
 
 
-def _running_on_the_cloud(app: App, tmp_path: Path) -> tuple[str, Callable[[], dict[str, Any]]]:
-    """A job with a cloud attempt running (no instance behind it), and a reader of that attempt's row as it is now."""
+def _running_on_the_cloud(app: App, tmp_path: Path, instance_id: str | None = None
+                          ) -> tuple[str, Callable[[], dict[str, Any]]]:
+    """A job with a cloud attempt running (on `instance_id`; none: no instance behind it), and a reader of that
+    attempt's row as it is now."""
     job_id, _, _ = enqueue(app, write_job(tmp_path, "running", local_throughput=0, rented_throughput={"H100": 2.0}))
     with app.store.tx() as c:
         app.store.update_job(job_id, c, state="running")
         c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
                                             provider="sim", instance_type="gpu_1x_h100", market="spot",
-                                            idempotency_key="k1", info={}, created_at=time.time()))
+                                            instance_id=instance_id, idempotency_key="k1", info={},
+                                            created_at=time.time()))
 
     def attempt() -> dict[str, Any]:
         with app.store.engine.connect() as c:
@@ -1045,6 +1048,13 @@ class _Stoppable:
         return []
 
 
+def _until_a_sync_finished(rec: Reconciler) -> None:
+    deadline = time.monotonic() + 10
+    while not rec.syncs.finished():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def _last_checkpoint_beside(rec: Reconciler, app: App, release: Callable[[], None]
                             ) -> Callable[..., SyncDone]:
     """A stand-in for a stop's last sync on its thread: it waits for `release`, then brings step 50 home."""
@@ -1062,9 +1072,7 @@ def test_a_stop_brings_the_last_checkpoint_home_beside_the_tick_then_ends_the_at
     # up every other attempt's heartbeat check, notice and stop for minutes. It is pulled on a sync thread now; the
     # attempt's step looks each tick, and the instance goes once the checkpoint is home.
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, attempt = _running_on_the_cloud(app, tmp_path)
-    with app.store.tx() as c:
-        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(instance_id="i-1"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
     cloud = _Stoppable()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
@@ -1077,10 +1085,7 @@ def test_a_stop_brings_the_last_checkpoint_home_beside_the_tick_then_ends_the_at
     assert attempt()["state"] == "running" and not cloud.terminated
     rec._collect_syncs()  # the start of a tick leaves the stop's sync to the attempt's own step
     pulled.set()
-    deadline = time.monotonic() + 10
-    while not rec.syncs.finished():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _until_a_sync_finished(rec)
     rec._collect_syncs()
     rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "budget-cap")  # type: ignore[arg-type]
     assert attempt()["state"] == "aborted" and cloud.terminated == ["i-1"]
@@ -1098,9 +1103,7 @@ def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_bes
     # notice. The pull starts first, beside the tick; the launch follows at once; and until the reclaim a pull
     # starts again each tick, for what the trainer writes meanwhile.
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, attempt = _running_on_the_cloud(app, tmp_path)
-    with app.store.tx() as c:
-        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(instance_id="i-1"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
 
     class Noticed(_Stoppable):
         def status(self, att: dict[str, Any]) -> dict[str, Any]:
@@ -1126,10 +1129,7 @@ def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_bes
                       "checkpoint is coming home (none is home yet); it resumes elsewhere")
     assert "notice_seen_at" in attempt()["info"]
     pulled.set()
-    deadline = time.monotonic() + 10
-    while not rec.syncs.finished():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _until_a_sync_finished(rec)
     rec._collect_syncs()
     job = app.store.get_job(job_id)
     assert job["checkpoint"] == "step-00000050"
@@ -1146,9 +1146,7 @@ def test_a_run_found_finished_by_a_stop_brings_its_end_home_beside_the_tick_then
     # revert-local (or the budget) finds a run that has just exited 0: it is finished, not stopped. Its final
     # checkpoint was pulled inside the tick; now it comes home beside it, the attempt waiting at `finishing`.
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, attempt = _running_on_the_cloud(app, tmp_path)
-    with app.store.tx() as c:
-        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(instance_id="i-1"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
 
     class Completed(_Stoppable):
         def status(self, att: dict[str, Any]) -> dict[str, Any]:
@@ -1165,10 +1163,7 @@ def test_a_run_found_finished_by_a_stop_brings_its_end_home_beside_the_tick_then
         rec._collect_syncs()  # the start of a tick leaves a finishing attempt's last sync to its own step
     assert attempt()["state"] == "finishing" and not cloud.terminated
     pulled.set()
-    deadline = time.monotonic() + 10
-    while not rec.syncs.finished():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _until_a_sync_finished(rec)
     rec._collect_syncs()
     rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "revert-local")  # type: ignore[arg-type]
     assert attempt()["state"] == "succeeded" and cloud.terminated == ["i-1"]
@@ -1202,10 +1197,7 @@ def test_a_loss_waits_for_the_sync_under_way_so_what_it_brings_home_is_not_lost_
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     assert attempt()["state"] == "running" and "loss_seen_at" in attempt()["info"]
     pulled.set()
-    deadline = time.monotonic() + 10
-    while not rec.syncs.finished():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _until_a_sync_finished(rec)
     rec._collect_syncs()
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     assert attempt()["state"] == "preempted"
@@ -1249,9 +1241,7 @@ def test_revert_local_lets_a_last_pull_under_way_at_its_timeout_finish_before_th
     # Cut short at --timeout, the pull's instance was then terminated by the sweep with the checkpoint half home,
     # and reported gone: the run's last hour of work thrown away. It finishes (as a pull inside the loop always did).
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, attempt = _running_on_the_cloud(app, tmp_path)
-    with app.store.tx() as c:
-        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(instance_id="i-1"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
     cloud = _Stoppable()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: time.sleep(3)))
