@@ -1208,6 +1208,34 @@ def test_a_loss_waits_for_the_sync_under_way_so_what_it_brings_home_is_not_lost_
     app.close()
 
 
+def test_a_stop_s_last_sync_does_not_stand_for_the_end_of_a_run_that_finished_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The trainer finished as it was stopped: the stop's last sync brought no outputs (only with a new checkpoint),
+    # and taken as the run's end it would have had the finished run stopped for outputs that were never asked for.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
+    rec = Reconciler(app, {}, cloud=None)
+    asked: list[bool] = []
+
+    def sync_beside(att: dict[str, Any], job: dict[str, Any], *, outputs: bool = False) -> SyncDone:
+        asked.append(outputs)
+        return SyncDone(at=time.time(), pulled=PulledCheckpoints([], TransferStats("rsync"), {}),
+                        outputs=["runs/events.out"] if outputs else None)
+
+    release = threading.Event()
+    monkeypatch.setattr(rec, "_sync_beside", lambda *a, **k: release.wait(10) and sync_beside(*a, **k))
+    job, info = app.store.get_job(job_id), {}
+    assert not rec._final_sync(attempt(), job, info, outputs=False)  # the stop's, under way
+    release.set()
+    deadline = time.monotonic() + 10
+    while not rec._final_sync(attempt(), job, info, outputs=True):  # the run's end: one more, with the outputs
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert asked == [False, True] and info["final_outputs"] == ["runs/events.out"]
+    rec.close()
+    app.close()
+
+
 def test_revert_local_brings_every_stopped_run_s_last_checkpoint_home_side_by_side(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Two jobs bursting: revert-local wound one down, pulled its last checkpoint, then began the other's. Their

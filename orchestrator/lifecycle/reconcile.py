@@ -165,7 +165,7 @@ class Reconciler:
         self._lacking_env_since = 0.0
         # Attempts whose run has ended and whose last sync runs beside the tick (`_final_sync`): taken by their own
         # step, not by `_collect_syncs`. In memory only: a restarted daemon starts each one again.
-        self._final_syncs: set[str] = set()
+        self._final_syncs: dict[str, bool] = {}  # → whether it brings the outputs whatever came
 
     @property
     def cloud_steps(self) -> CloudSteps:
@@ -1192,7 +1192,7 @@ class Reconciler:
         what it brings home is counted. `info` is the attempt's, persisted by the caller. `shared`: the sync's SSH
         connection, when it has one."""
         beside = self.syncs.take(att["id"], wait=True)
-        self._final_syncs.discard(att["id"])
+        self._final_syncs.pop(att["id"], None)
         if beside is not None:  # its failure too is on record, though the pull that follows may well succeed
             self._synced(att, job, info, beside)
         return self._synced(att, job, info, self._sync_io({**att, "info": info}, job, shared, logs=False))
@@ -1205,7 +1205,7 @@ class Reconciler:
         True once it has been done and written down (failed or not: the step after it retries what it must have);
         False while it, or a periodic sync started before, is under way."""
         if self.syncs.free_for_urgent(att["id"]):
-            self._final_syncs.add(att["id"])
+            self._final_syncs[att["id"]] = outputs
             snapshot = {**att, "info": dict(info)}
             self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job, outputs=outputs), urgent=True)
         done = self.syncs.take(att["id"])
@@ -1213,7 +1213,9 @@ class Reconciler:
             return False  # looked at again next tick
         self._synced(att, job, info, done)
         if att["id"] in self._final_syncs:
-            self._final_syncs.discard(att["id"])
+            with_outputs = self._final_syncs.pop(att["id"])
+            if outputs and not with_outputs:
+                return self._final_sync(att, job, info, outputs=True)  # a stop's, and the run ended well meanwhile
             if outputs and not done.pulled:  # with a new checkpoint `_synced` has taken them
                 self._outputs_done(att, job, info, done.outputs)
             if outputs and isinstance(done.outputs, list):
@@ -1227,7 +1229,7 @@ class Reconciler:
         pull hanging (it is written down when it ends, `_collect_syncs`); one that failed is not news at an end."""
         done = self.syncs.take(att["id"])
         if done is not None:
-            self._final_syncs.discard(att["id"])
+            self._final_syncs.pop(att["id"], None)
         if done is not None and done.error is None:
             self._synced(att, job, info, done)
 
@@ -1309,7 +1311,7 @@ class Reconciler:
         for attempt_id in self.syncs.finished():
             if attempt_id in self._final_syncs and self._still_ending(attempt_id):
                 continue  # the attempt's own step takes it (`_final_sync`)
-            self._final_syncs.discard(attempt_id)
+            self._final_syncs.pop(attempt_id, None)
             done = self.syncs.take(attempt_id)
             assert done is not None
             try:
