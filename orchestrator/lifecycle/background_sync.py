@@ -10,9 +10,10 @@ What is in flight is held only here, in memory, and a daemon that stops loses no
 visible only once verified (a pull cut short leaves a staging directory that the next pull resumes), and a restarted
 daemon syncs each running attempt again at once. A run that has ended, or has been stopped, has its last sync here
 too, taken by its own step once finished (`Reconciler._final_sync`); a spot notice starts one at once and another
-each tick until the reclaim. A step that pulls inside the tick (a run's end found by a stop, a preemption whose
-checkpoints outlive the instance) first takes the attempt's sync: one still queued is cancelled (the step pulls now
-itself), one under way is waited for, so that what it brings home is counted.
+each tick until the reclaim; those run at once, on threads of their own, never in line behind periodic ones. The
+one step that still pulls inside the tick (a preemption whose checkpoints outlive the instance, in S3) first takes
+the attempt's sync: one still queued is cancelled (the step pulls now itself), one under way is waited for, so that
+what it brings home is counted.
 """
 
 from __future__ import annotations
