@@ -1,5 +1,5 @@
 """What bringing the logs home adds to a checkpoint sync: `pull_checkpoints` alone against it followed by the logs'
-pull, as the daemon does at each sync (`Reconciler._pull` then `_pull_logs`), in one run.
+pull, as the daemon does at each sync (`Reconciler._sync_io`: the checkpoint, then `_logs_io`), in one run.
 
 Run by hand (never in tests):  .venv/bin/python benchmarks/sync_logs.py [--rounds 20] [--log-kib 4]
 

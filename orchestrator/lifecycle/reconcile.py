@@ -1386,16 +1386,10 @@ class Reconciler:
             info.pop("outputs_error", None)
         return got
 
-    def _pull_logs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
-                   shared: SharedConnection | None = None) -> None:
-        """Bring the attempt's logs home (`CloudSteps.pull_logs`) at each sync and at its end, while the instance
-        answers. A failure costs only the logs' freshness: said once per distinct error, tried at the next sync.
-        `info` is the attempt's, persisted by the caller. `shared`: the sync's SSH connection, when it has one."""
-        self._logs_done(att, job, info, self._logs_io({**att, "info": info}, job, shared))
-
     def _logs_io(self, att: dict[str, Any], job: dict[str, Any], shared: SharedConnection | None
                  ) -> Exception | bool:
-        """`_pull_logs`' transfer: True, or its failure."""
+        """The attempt's logs home (`CloudSteps.pull_logs`), at each sync and at its end: True, or the failure, which
+        costs only their freshness (said once per distinct error by `_logs_done`, tried again at the next sync)."""
         try:
             self.cloud_steps.pull_logs(att, job, shared)
         except Exception as exc:
