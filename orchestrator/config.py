@@ -13,7 +13,8 @@ import json
 import os
 import re
 import tomllib
-from datetime import UTC, datetime, time
+from datetime import UTC, datetime, time, timedelta
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -485,7 +486,7 @@ class Schedule(Strict):
     cron: str = Field(description="When: a five-field crontab, minute hour day-of-month month day-of-week, read in "
                       "`timezone` (\"0 2 * * mon\": Mondays at 02:00; \"30 1 1,15 * *\": the 1st and 15th at 01:30), "
                       "or one of cron's nicknames (@hourly, @daily or @midnight, @weekly, @monthly, @yearly or "
-                      "@annually).")
+                      "@annually). Its slots must be at least `daemon.tick_s` apart.")
     timezone: str | None = Field(None, description="IANA time zone the cron is read in (\"Europe/Berlin\"); unset: "
                                  "this machine's.")
     overlap: Literal["skip", "queue"] = Field(
@@ -645,6 +646,19 @@ class Config(Strict):
         return self
 
     @model_validator(mode="after")
+    def _slots_a_tick_apart(self) -> Config:
+        # Slots closer together than the daemon's ticks would each tick pass some by, each time said as missed.
+        if self.daemon.tick_s <= 60:  # cron's slots are whole minutes apart at the least: always the case
+            return self
+        for k, sched in enumerate(self.schedule):
+            gap = _closest_slots_s(sched)
+            if gap is not None and gap < self.daemon.tick_s:
+                raise FieldValueError(f"schedule.{k}.cron", f"'{sched.cron}' has slots {gap:.0f} s apart, closer than "
+                                      f"daemon.tick_s ({self.daemon.tick_s:g} s): expected slots at least a tick "
+                                      "apart, or a shorter tick")
+        return self
+
+    @model_validator(mode="after")
     def _notifier_names_unique(self) -> Config:
         seen: set[str] = set()
         for k, n in enumerate(self.notify):
@@ -673,6 +687,23 @@ class Config(Strict):
                  "PGPASSWORD", *(n.url_env for n in self.notify if n.url_env),
                  *(n.secret_env for n in self.notify if n.secret_env)]
         return [n for n in names if n]
+
+
+def _closest_slots_s(sched: Schedule, looks: int = 64) -> float | None:
+    """The least time between two of the schedule's next `looks` slots (None: fewer than two to come)."""
+    from apscheduler.triggers.cron import CronTrigger
+
+    from orchestrator.core import crontab
+
+    triggers = [CronTrigger.from_crontab(c, timezone=sched.timezone) for c in crontab.as_apscheduler(sched.cron)]
+    at, slots = datetime.now(UTC), []
+    for _ in range(looks):
+        nxt = min((t for trig in triggers if (t := trig.get_next_fire_time(None, at)) is not None), default=None)
+        if nxt is None:
+            break
+        slots.append(nxt.timestamp())
+        at = nxt + timedelta(seconds=1)
+    return min((b - a for a, b in pairwise(slots)), default=None)
 
 
 def config_candidates(explicit: str | None) -> list[tuple[Path, bool]]:

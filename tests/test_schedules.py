@@ -16,7 +16,7 @@ import pytest
 from apscheduler.triggers.cron import CronTrigger
 
 from orchestrator.app import App
-from orchestrator.config import Schedule
+from orchestrator.config import Config, Schedule
 from orchestrator.schedules import (
     KEY_PREFIX,
     _trigger,
@@ -270,6 +270,11 @@ def test_cron_s_nicknames_are_the_lines_cron_reads_them_for(cron: str, slots: li
     Schedule(job="nightly.toml", cron=cron)  # and the config takes it
 
 
+def test_slots_a_tick_apart_or_more_are_taken() -> None:
+    Config.model_validate({"daemon": {"tick_s": 300}, "schedule": [{"job": "a.toml", "cron": "*/5 * * * *"},
+                                                                     {"job": "b.toml", "cron": "@hourly"}]})
+
+
 @pytest.mark.parametrize(("entry", "field", "says"), [
     ('job = "nightly.toml"\ncron = "0 2 * * monday"', "schedule.0.cron", "is not a crontab: expected five crontab"),
     ('job = "nightly.toml"\ncron = "0 2 * *"', "schedule.0.cron", "is not a crontab"),
@@ -285,6 +290,10 @@ def test_cron_s_nicknames_are_the_lines_cron_reads_them_for(cron: str, slots: li
     ('job = "nightly.toml"\ncron = "0 2 * * *"\noverlap = "maybe"', "schedule.0.overlap", "'skip' or 'queue'"),
     ('job = "nightly.toml"\ncron = "0 2 * * *"\n\n[[schedule]]\njob = "./nightly.toml"\ncron = "0 3 * * *"',
      "schedule.1.job", "has a schedule already"),
+    # Slots closer than the ticks: each tick would pass some by, and say so.
+    ('job = "nightly.toml"\ncron = "*/2 * * * *"\n\n[daemon]\ntick_s = 300', "schedule.0.cron",
+     "'*/2 * * * *' has slots 120 s apart, closer than daemon.tick_s (300 s)"),
+    ('job = "nightly.toml"\ncron = "0,1 2 * * *"\n\n[daemon]\ntick_s = 90', "schedule.0.cron", "has slots 60 s apart"),
 ])
 def test_a_bad_schedule_is_one_line_naming_the_file_and_field_and_changes_nothing(
         burstctl, tmp_path: Path, entry: str, field: str, says: str) -> None:
