@@ -110,7 +110,8 @@ class CheckpointSpec(BaseModel):
             raise ValueError("expected a directory inside the workdir, relative to it (e.g. \"checkpoints\")")
         return v
     interval_minutes: Annotated[float, Field(gt=0)] = Field(30.0, description="How often the job checkpoints.")
-    resumable: bool = Field(True, description="The trainer writes checkpoints and resumes from $BURST_RESUME_FROM. "
+    resumable: bool = Field(True, description="The trainer writes checkpoints and resumes from $BURST_RESUME_FROM "
+                            "(true unless said, once the table is there). "
                             "false: a stop loses all its work, so it gets no hybrid plan (nothing to hand over), spot "
                             "is priced with each preemption restarting it from the start, and a running attempt is "
                             "never moved between markets.")
@@ -164,7 +165,11 @@ class JobSpec(BaseModel):
     deadline_critical: bool = Field(False, description="This run's completion is critical: on-demand, no spot.")
     torchrun: bool = Field(False, description="Launch with torchrun --standalone --nproc_per_node=g (locally g=1).")
     max_run_hours: Annotated[float, Field(gt=0)] | None = Field(None, description="Guard: stop after this long.")
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    checkpoint: CheckpointSpec = Field(
+        default_factory=lambda: CheckpointSpec(resumable=False),
+        description="How the trainer checkpoints. Without this table the job is taken as one that does not "
+                    "(`resumable = false`): a trainer that never heard of $BURST_CHECKPOINT_DIR would lose its work at "
+                    "each preemption, hand-over or pause that a plan for a checkpointing job takes for granted.")
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Extra environment for the command. Stored in plain text (database, `show --json`): not for "

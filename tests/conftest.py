@@ -165,6 +165,7 @@ def write_job(folder: Path, name: str = "job", **fields: object) -> Path:
     base: dict[str, object] = {
         "name": name, "kind": "train", "command": ["python", "train.py"], "workdir": ".",
         "deadline_hours": 24, "work_units": 1, "local_throughput": 0.33, "rented_throughput": {"H100": 2.0},
+        "checkpoint": {"resumable": True},  # the default job checkpoints; without the table it would not
     }
     base.update(fields)
     lines = []

@@ -118,6 +118,17 @@ def test_a_job_file_that_says_it_does_not_resume_gets_no_hybrid_plan(burstctl, t
     assert (resumes["plan_kind"], restarts["plan_kind"]) == ("hybrid", "burst")
 
 
+def test_a_job_file_without_a_checkpoint_table_is_taken_as_one_that_does_not_resume(burstctl, tmp_path: Path) -> None:
+    # A trainer that never heard of $BURST_CHECKPOINT_DIR loses its work at a hand-over: no hybrid plan for it.
+    fields = dict(work_units=1, local_throughput=0.033, rented_throughput={"H100": 0.17}, deadline_hours=12,
+                  market="on-demand")
+    silent = json.loads(burstctl("decide", str(write_job(tmp_path, "silent", checkpoint=None, **fields)),
+                                 "--json").stdout)
+    table = json.loads(burstctl("decide", str(write_job(tmp_path, "table", checkpoint={"interval_minutes": 20},
+                                                        **fields)), "--json").stdout)
+    assert (silent["plan_kind"], table["plan_kind"]) == ("burst", "hybrid")
+
+
 def test_a_market_the_job_did_not_choose_is_credited_to_the_policy_default(burstctl, tmp_path: Path) -> None:
     (tmp_path / "burstctl.toml").write_text('[policy]\ndefault_market = "on-demand"\n')
     chosen_by_policy = json.loads(burstctl("decide", str(write_job(tmp_path, "p", local_throughput=0)),
