@@ -156,8 +156,17 @@ def _ago(age_s: float) -> str:
     return f"{age_s / 60:.0f} min ago" if age_s < 5400 else f"{age_s / 3600:.0f} h ago"
 
 
+# The providers whose cloud sells spot. Lambda Cloud sells none: its adapter takes a spot sibling only where a
+# Lambda-style API lists one (simcloud), which its listing then says.
+SELLS_SPOT = ("sim", "ec2")
+
+
 def reference_offers(cfg: Config) -> dict[str, GpuOffer]:
-    return {gpu: GpuOffer(gpu, p.on_demand_usd_h, p.spot_usd_h, p.vram_gib * 2**30 / 1e9)
+    """[prices], for what no provider has listed lately. Its spot figure only where an enabled provider sells spot:
+    planned on spot at Lambda Cloud, a job would have been held and approved at a third of what it then pays."""
+    enabled = enabled_providers(cfg)
+    spot = not enabled or any(name in SELLS_SPOT for name in enabled)
+    return {gpu: GpuOffer(gpu, p.on_demand_usd_h, p.spot_usd_h if spot else None, p.vram_gib * 2**30 / 1e9)
             for gpu, p in cfg.prices.items()}
 
 

@@ -118,6 +118,20 @@ def test_a_job_file_that_says_it_does_not_resume_gets_no_hybrid_plan(burstctl, t
     assert (resumes["plan_kind"], restarts["plan_kind"]) == ("hybrid", "burst")
 
 
+def test_with_only_lambda_cloud_enabled_and_nothing_listed_yet_a_burst_is_planned_on_demand(
+        burstctl, tmp_path: Path) -> None:
+    # Lambda Cloud sells no spot: planned from [prices]' spot figure, the job was held and approved at a third of
+    # what its on-demand run then cost.
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text("[providers.sim]\nenabled = false\n\n[providers.lambda]\nenabled = true\n")
+    job = str(write_job(tmp_path, "big", local_throughput=0, rented_throughput={"H100": 0.17}, deadline_hours=48))
+    d = json.loads(burstctl("--config", str(cfg), "decide", job, "--json").stdout)
+    assert [p["market"] for p in d["plan"]] == ["on-demand"] and d["plan_cost_usd"] == pytest.approx(19.15, abs=0.01)
+    cfg.write_text("[providers.lambda]\nenabled = true\n")  # with simcloud too, spot is for sale
+    d = json.loads(burstctl("--config", str(cfg), "decide", job, "--json").stdout)
+    assert [p["market"] for p in d["plan"]] == ["spot"]
+
+
 def test_a_job_file_without_a_checkpoint_table_is_taken_as_one_that_does_not_resume(burstctl, tmp_path: Path) -> None:
     # A trainer that never heard of $BURST_CHECKPOINT_DIR loses its work at a hand-over: no hybrid plan for it.
     fields = dict(work_units=1, local_throughput=0.033, rented_throughput={"H100": 0.17}, deadline_hours=12,
