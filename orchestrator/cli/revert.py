@@ -20,15 +20,17 @@ from orchestrator.lifecycle.service import build_reconciler
 @pass_app
 def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
     """Go back to local-only in one command: stop launching, bring checkpoints home, terminate every owned
-    instance (orphans too), requeue bursted jobs locally. Works with or without the daemon running.
+    instance (orphans too), requeue bursted jobs locally. Works with or without the daemon running: a running daemon
+    winds its cloud attempts down itself at its next tick, and this waits for it.
 
     Exit 0 when every owned instance is confirmed gone, 1 otherwise (naming what is left, and every enabled provider
     this shell could not ask, e.g. without its API key)."""
     if app.config_problem is not None:
         _switch_only(app, as_json)
     reconciler = build_reconciler(app)
+    daemon = running_daemon(app)
     try:
-        report = revert_local(app, reconciler, timeout_s=timeout_s)
+        report = revert_local(app, reconciler, timeout_s=timeout_s, daemon_running=daemon is not None)
     finally:  # every last sync has been taken by now, unless revert_local failed: nothing is left running then
         reconciler.close(wait_s=0)
     if as_json:
@@ -51,6 +53,9 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
             out.print(f"queued locally by an earlier revert-local: {', '.join(report.already_local)}")
         if report.held:
             out.print(f"held (do not fit locally): {', '.join(report.held)}")
+        if report.daemon_winding_down:
+            out.print(f"the running daemon is still winding down: {', '.join(report.daemon_winding_down)} "
+                      "(`burstctl status`; run revert-local again to confirm)")
         for name, why in report.not_swept.items():
             out.print(f"{name}: not asked what runs there: {why}")
         for name in report.unreachable:

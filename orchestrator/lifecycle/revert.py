@@ -57,6 +57,7 @@ class RevertReport:
     # Enabled providers this process cannot use (no API key in its environment, say), by why: never asked what
     # runs there, so nothing is confirmed gone on them.
     not_swept: dict[str, str] = field(default_factory=dict)
+    daemon_winding_down: list[str] = field(default_factory=list)  # attempts the running daemon had not yet ended
 
     @property
     def left(self) -> list[RevertRow]:
@@ -71,6 +72,7 @@ class RevertReport:
                 "finished": self.finished, "requeued_local": self.requeued_local, "already_local": self.already_local,
                 "held_until_burst_enable": self.held,
                 "unreachable_providers": self.unreachable, "not_swept": self.not_swept,
+                "daemon_winding_down": self.daemon_winding_down,
                 "left": [r.as_dict() for r in self.left], "all_gone": self.all_gone}
 
 
@@ -107,18 +109,27 @@ def restore_plans(app: App) -> list[str]:
     return restored
 
 
-def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) -> RevertReport:
+def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0,
+                 daemon_running: bool = False) -> RevertReport:
+    """`daemon_running`: a daemon runs on this state, and winds the cloud attempts down itself once it reads the
+    switch (at its next tick); this process then waits for it instead of stepping them too: two processes stepping
+    one attempt each write back what the other has just done (a finished run's outcome lost and the job run again,
+    an instance terminated under the other's last pull). The sweep then leaves alone what the daemon still holds."""
     set_burst_enabled(app, False, "revert-local")
     report = RevertReport(not_swept=dict(reconciler.unavailable))
     deadline = time.monotonic() + timeout_s
 
-    with app.store.engine.connect() as c:
-        active = [dict(r) for r in c.execute(select(s.attempts).where(
-            s.attempts.c.where == "cloud", s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
-    report.rows.extend(_wind_down(app, reconciler, active, deadline, report))
+    active = _active_cloud_attempts(app)
+    if daemon_running:
+        report.rows.extend(_wait_for_daemon(app, reconciler, active, deadline, report))
+    else:
+        report.rows.extend(_wind_down(app, reconciler, active, deadline, report))
+    # The daemon's own, still under way (and any it launched since): its to end, not this sweep's.
+    held = {(a["provider"], a["instance_id"]) for a in _active_cloud_attempts(app)} if daemon_running else set()
+    held_attempts = {a["id"] for a in _active_cloud_attempts(app)} if daemon_running else set()
 
     # Sweep: anything owned and alive, known to the database or not.
-    seen = {(r.provider, r.instance) for r in report.rows}
+    seen = {(r.provider, r.instance) for r in report.rows} | held
     for name, provider in reconciler.providers.items():
         try:
             owned = [i for i in provider.list_owned() if not i.state.gone]
@@ -128,7 +139,7 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) 
             app.events.emit("provider.unreachable", provider=name, during="revert-local")
             continue
         for inst in owned:
-            if (name, inst.id) in seen:
+            if (name, inst.id) in seen or inst.attempt_id in held_attempts:
                 continue
             status = _terminate_confirm(provider, inst.id, deadline)
             _record_instance(app, name, inst.id, inst.attempt_id, status)
@@ -142,6 +153,8 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) 
                    .mappings()]
     for row in pending:
         if any(r.instance == row["id"] and r.terminated == "yes" for r in report.rows):
+            continue
+        if (row["provider"], row["id"]) in held:
             continue
         known = reconciler.providers.get(row["provider"])
         status = "unverified" if known is None else _terminate_confirm(known, row["id"], deadline)
@@ -158,6 +171,26 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0) 
                     finished=report.finished, requeued_local=report.requeued_local, held=report.held,
                     unreachable=report.unreachable, not_swept=sorted(report.not_swept))
     return report
+
+
+def _active_cloud_attempts(app: App) -> list[dict[str, Any]]:
+    with app.store.engine.connect() as c:
+        return [dict(r) for r in c.execute(select(s.attempts).where(
+            s.attempts.c.where == "cloud", s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
+
+
+def _wait_for_daemon(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline: float,
+                     report: RevertReport) -> list[RevertRow]:
+    """The running daemon winds the attempts down (its `_stop_reason` reads the switch): wait for their ends, up to
+    the deadline. One it is still winding down then is said (`daemon_winding_down`), not cut short: its last pull
+    may be under way, and the daemon ends it."""
+    waiting = {att["id"] for att in active}
+    while waiting and time.monotonic() < deadline:
+        waiting = {i for i in waiting if not AttemptState(_attempt(app, i)["state"]).final}
+        if waiting:
+            time.sleep(0.5)
+    report.daemon_winding_down = sorted(waiting)
+    return [_wound_down(app, rec, att, report) for att in active]
 
 
 OVERTIME_TERMINATE_S = 30.0  # after a last pull let finish past the deadline: its instance's termination, confirmed
@@ -228,6 +261,8 @@ def _wound_down(app: App, rec: Reconciler, att: dict[str, Any], report: RevertRe
         if rec.cloud is not None:  # local-only from now on: S3 keeps nothing that what is home supersedes
             job = app.store.get_job(att["job_id"]) or {"id": att["job_id"], "state": "running", "spec": {}}
             rec.cloud.release_s3(current, job)
+    elif att["id"] in report.daemon_winding_down:
+        status = "no"  # the daemon's still, which ends it: not recorded as one for the sweeps to terminate
     else:
         status = "unverified" if att["provider"] in report.unreachable or att["provider"] in report.not_swept else "no"
         if current["instance_id"]:
@@ -292,6 +327,8 @@ def _record_instance(app: App, provider: str, instance_id: str, attempt_id: str 
             c.execute(insert(s.instances).values(provider=provider, id=instance_id, attempt_id=attempt_id,
                                                  state=InstanceState.TERMINATED.value if gone else "unverified",
                                                  gone_at=now if gone else None, verified_gone=gone))
+        if gone:  # the meter stops now, not when a daemon next steps the attempt (days later, perhaps)
+            app.store.close_open_charges(c, ended_at=now, instance=(provider, instance_id))
 
 
 def _requeue_local(app: App, report: RevertReport) -> None:
