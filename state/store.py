@@ -504,6 +504,21 @@ class Store:
         with self.tx() as c:
             return _inserted_id(c.execute(insert(s.ledger).values(**row)))
 
+    def close_open_charges(self, conn: Connection, *, ended_at: float, minimum_s: float = 60.0,
+                           attempt_id: str | None = None, instance: tuple[str, str] | None = None) -> None:
+        """End the charges still open for an attempt, or for an instance (provider, id), at `ended_at`, each billed
+        at least `minimum_s` (the provider's minimum)."""
+        led = s.ledger
+        q = select(led).where(led.c.ended_at.is_(None))
+        if attempt_id is not None:
+            q = q.where(led.c.attempt_id == attempt_id)
+        if instance is not None:
+            q = q.where(led.c.provider == instance[0], led.c.instance_id == instance[1])
+        for r in conn.execute(q).mappings().all():
+            billed = max(minimum_s, ended_at - r["started_at"])
+            self.close_charge(r["id"], ended_at=max(ended_at, r["started_at"]), billed_seconds=billed,
+                              cost_usd=r["rate_usd_h"] * billed / 3600.0, conn=conn)
+
     def close_charge(self, charge_id: int, *, ended_at: float, billed_seconds: float, cost_usd: float,
                      conn: Connection | None = None) -> None:
         q = (

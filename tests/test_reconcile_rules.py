@@ -1208,6 +1208,53 @@ def test_a_loss_waits_for_the_sync_under_way_so_what_it_brings_home_is_not_lost_
     app.close()
 
 
+def test_a_run_lost_on_an_instance_still_there_brings_what_it_wrote_home_before_the_instance_goes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The trainer was stopped outside burstctl (an OOM kill, a reboot): the instance answers, with up to half a
+    # checkpoint interval written since the last sync. Terminated at once, that work went with it.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(started_at=time.time() - 3600))
+    cloud = _Stoppable()  # its trainer says it was terminated, not by burstctl
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    pulled = threading.Event()
+    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert attempt()["state"] == "running" and cloud.terminated == []  # its last pull under way
+    pulled.set()
+    _until_a_sync_finished(rec)
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert attempt()["state"] == "preempted" and cloud.terminated == ["i-1"]
+    (preempted,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "instance.preempted"]
+    assert preempted["data"]["lost_work_h"] < 0.01 and app.store.get_job(job_id)["checkpoint"] == "step-00000050"
+    rec.close()
+    app.close()
+
+
+def test_a_loss_seen_and_then_healthy_again_leaves_no_trace_that_a_later_loss_would_take_for_its_own(
+        tmp_path: Path) -> None:
+    # SSH dropped past the timeout while a sync ran, then came back. The loss's start, kept, had a later loss's
+    # wait for its pull over before it began.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(
+            info={"loss_seen_at": time.time() - 3600, "loss_synced": True, "last_sync_at": time.time()}))
+
+    class Healthy(_Stoppable):
+        def status(self, att: dict[str, Any]) -> dict[str, Any]:
+            return {"supervisor_alive": True, "heartbeat": {"ts": time.time()}}
+
+    cloud = Healthy()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert attempt()["state"] == "running"
+    assert "loss_seen_at" not in attempt()["info"] and "loss_synced" not in attempt()["info"]
+    rec.close()
+    app.close()
+
+
 def test_a_stop_s_last_sync_does_not_stand_for_the_end_of_a_run_that_finished_meanwhile(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The trainer finished as it was stopped: the stop's last sync brought no outputs (only with a new checkpoint),
@@ -1279,6 +1326,79 @@ def test_revert_local_lets_a_last_pull_under_way_at_its_timeout_finish_before_th
     assert (row.terminated, row.checkpoint) == ("yes", "step-00000050") and cloud.terminated[0] == "i-1"
     assert attempt()["state"] == "aborted" and app.store.get_job(job_id)["checkpoint"] == "step-00000050"
     assert job_id in report.held + report.requeued_local
+    app.close()
+
+
+def test_with_a_daemon_running_revert_local_waits_for_it_to_wind_down_and_steps_no_attempt_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two processes stepping one attempt each wrote back what the other had just done: a finished run's outcome
+    # lost (the job run again), an instance terminated under the other's last pull. The daemon alone steps it.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
+    shell, daemon = _Stoppable(), _Stoppable()
+    rec = Reconciler(app, {"sim": shell}, cloud=shell)  # type: ignore[dict-item, arg-type]
+    report = revert.revert_local(app, rec, timeout_s=1, daemon_running=True)
+    # The daemon has not ticked: nothing was stepped, terminated or recorded for a sweep to terminate.
+    assert shell.terminated == [] and attempt()["state"] == "running"
+    assert report.daemon_winding_down == [f"{job_id}-a1"] and [r.terminated for r in report.rows] == ["no"]
+    with app.store.engine.connect() as c:
+        assert c.execute(select(s.instances.c.id).where(s.instances.c.state == "unverified")).all() == []
+
+    # The daemon's ticks wind it down while revert-local waits, which then reports it as the daemon ended it.
+    ticking = Reconciler(app, {"sim": daemon}, cloud=daemon)  # type: ignore[dict-item, arg-type]
+    monkeypatch.setattr(ticking, "_sync_beside", _last_checkpoint_beside(ticking, app, lambda: None))
+    stop = threading.Event()
+
+    def ticks() -> None:
+        while not stop.is_set():
+            ticking.tick()
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=ticks)
+    thread.start()
+    try:
+        again = revert.revert_local(app, rec, timeout_s=30, daemon_running=True)
+    finally:
+        stop.set()
+        thread.join()
+    ticking.close(wait_s=0)
+    rec.close(wait_s=0)
+    assert shell.terminated == [] and daemon.terminated == ["i-1"] and attempt()["state"] == "aborted"
+    (row,) = again.rows
+    assert (row.terminated, row.checkpoint) == ("yes", "step-00000050") and again.daemon_winding_down == []
+    assert job_id in again.held + again.requeued_local
+    app.close()
+
+
+def test_the_meter_stops_when_an_instance_was_seen_gone_not_when_a_daemon_next_steps_its_attempt(
+        tmp_path: Path) -> None:
+    # revert-local without a daemon: its sweep terminated an instance whose attempt it could not end by --timeout.
+    # The charge ran on in `budget` and the cap until a daemon, days later, stepped the attempt and billed them all.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _ = _running_on_the_cloud(app, tmp_path, "i-1")
+    start = time.time() - 7200
+    app.store.open_charge({"month": month_key(start), "job_id": job_id, "attempt_id": f"{job_id}-a1",
+                           "provider": "sim", "instance_id": "i-1", "rate_usd_h": 3.0, "started_at": start})
+    revert._record_instance(app, "sim", "i-1", f"{job_id}-a1", "yes")  # the sweep saw it go, now
+    (charge,) = app.store.ledger_rows()
+    assert charge["ended_at"] == pytest.approx(time.time(), abs=5) and charge["cost_usd"] == pytest.approx(6, abs=0.01)
+
+    # A daemon that steps such an attempt later ends its charge when the instance went, not at its own now.
+    app.close()
+    (tmp_path / "second").mkdir()
+    app = App(state_dir_override=str(tmp_path / "second" / "state"))
+    job2, attempt2 = _running_on_the_cloud(app, tmp_path / "second", "i-2")
+    app.store.open_charge({"month": month_key(start), "job_id": job2, "attempt_id": f"{job2}-a1",
+                           "provider": "sim", "instance_id": "i-2", "rate_usd_h": 3.0, "started_at": start})
+    with app.store.tx() as c:
+        c.execute(insert(s.instances).values(provider="sim", id="i-2", attempt_id=f"{job2}-a1", state="terminated",
+                                             gone_at=start + 3600, verified_gone=True))
+    rec = Reconciler(app, {}, cloud=None)
+    with app.store.tx() as c:
+        rec._close_instance(c, attempt2(), "i-2", time.time())
+    (second,) = app.store.ledger_rows()
+    assert second["ended_at"] == start + 3600 and second["cost_usd"] == pytest.approx(3.0)
+    rec.close()
     app.close()
 
 

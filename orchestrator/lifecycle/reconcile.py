@@ -82,6 +82,7 @@ SYNC_FAILING = "checkpoints are not coming home (the instance is kept and the pu
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
 CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
 STOP_WAIT_S = 60.0  # how long a stopped run is given to write its last checkpoint and exit, tick by tick
+LOSS_PULL_MAX_S = 1800.0  # a lost run's last pull from an instance still there, at most (stalls end it sooner)
 NOTICE_SYNCS_S = 300.0  # after a spot notice, a sync each tick for this long (EC2 reclaims in 120 s, GCP in 30 s)
 CLOSE_WAIT_S = 30.0  # how long a stopping daemon waits for the syncs under way (systemd's stop timeout is 60 s)
 
@@ -1110,6 +1111,9 @@ class Reconciler:
         if ex is None and hb and mono - seen[1] > self.cfg.daemon.heartbeat_timeout_s:
             self._lost(att, job, provider, inst, "heartbeat lost (stale)")
             return
+        if ex is None:  # healthy again after a loss seen: a later one waits for its pull afresh
+            info.pop("loss_seen_at", None)
+            info.pop("loss_synced", None)
         interval = float(job["spec"]["checkpoint"]["interval_minutes"]) * 60.0
         sync_every = min(interval, max(self.cfg.daemon.tick_s, interval / 2))
         noticed = 0 <= now - info.get("notice_seen_at", -math.inf) < NOTICE_SYNCS_S
@@ -1124,9 +1128,10 @@ class Reconciler:
                     self.store.set_attempt_info(att["id"], info, conn)
                 return
             reason = ex.get("reason")
+            info["final_synced"] = True  # whatever follows: a loss does not pull again
             if reason == "completed" and ex.get("exit_code") == 0:
                 with self.store.tx() as conn:
-                    move(conn, att, A.FINISHING, info={**info, "final_synced": True})
+                    move(conn, att, A.FINISHING, info=info)
             elif reason == "notice":
                 self._lost(att, job, provider, inst, "spot interruption notice", info=info)
             elif reason == "terminated":  # not by us: a running attempt's stop goes through _stop
@@ -1558,7 +1563,17 @@ class Reconciler:
         what it brings home is then not counted as lost work, and the next run resumes from it."""
         now = self.clock()
         info = dict(info or att["info"])
-        if self.syncs.busy(att["id"]) and not self.syncs.finished_for(att["id"]):
+        if inst is not None and not inst.state.gone and not info.get("loss_synced") and not info.get("final_synced"):
+            # The instance is still there (its trainer stopped outside, its heartbeat went stale, SSH dropped): one
+            # last pull of what it wrote since the last sync, beside the tick, before it goes. Bounded by the
+            # transfers' own stall timeouts, and by LOSS_PULL_MAX_S for one that trickles.
+            since = info.setdefault("loss_seen_at", now)
+            if 0 <= now - since < LOSS_PULL_MAX_S and not self._final_sync(att, job, info, outputs=False):
+                with self.store.tx() as conn:
+                    self.store.set_attempt_info(att["id"], info, conn)
+                return  # looked at again next tick
+            info["loss_synced"] = True
+        elif self.syncs.busy(att["id"]) and not self.syncs.finished_for(att["id"]):
             since = info.setdefault("loss_seen_at", now)
             if 0 <= now - since < self.cfg.daemon.heartbeat_timeout_s:
                 with self.store.tx() as conn:
@@ -1566,18 +1581,22 @@ class Reconciler:
                 return  # looked at again next tick; a sync still under way then is written down when it ends
         self._finished_sync(att, job, info)
         # The trainer's last checkpoint on a notice came home with its run's last sync (`_final_sync`), before this.
-        if self.cloud_steps.checkpoints_outlive_instance({**att, "info": info}, job):
-            self._pull(att, job, info)  # what the instance uploaded to S3 is there still
+        if self.cloud_steps.checkpoints_outlive_instance({**att, "info": info}, job) and not self.syncs.busy(att["id"]):
+            # What the instance uploaded to S3 is there still. A pull from the gone instance still hanging past the
+            # wait is not waited for in the tick: the next attempt starts from S3 in-region all the same.
+            self._pull(att, job, info)
         last_ckpt = info.get("last_checkpoint_at") or att["started_at"] or now
         # Rounded once, here: the attempt, instance.preempted and job.resuming then say the same figure.
         lost_h = round(max(0.0, now - last_ckpt) / 3600.0, 4) if att["started_at"] else 0.0
         with self.store.tx() as conn:
-            if move(conn, att, A.TERMINATING, info={**info, "outcome": A.PREEMPTED.value, "stop_reason": reason},
-                    lost_work_h=lost_h, reason=reason):
+            moved = move(conn, att, A.TERMINATING, info={**info, "outcome": A.PREEMPTED.value, "stop_reason": reason},
+                         lost_work_h=lost_h, reason=reason)
+            if moved:
                 self.app.events.emit("instance.preempted", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      instance=att["instance_id"], provider=att["provider"],
                                      lost_work_h=lost_h, reason=reason)
-        self._step_terminating(att, job, provider)
+        if moved:
+            self._step_terminating(att, job, provider)
 
     def _stop(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, reason: str, *,
               outcome: AttemptState = A.ABORTED, info: dict[str, Any] | None = None,
@@ -1612,11 +1631,13 @@ class Reconciler:
         else:
             self._finished_sync(att, job, info)
         with self.store.tx() as conn:
-            if move(conn, att, A.TERMINATING, info={**info, "outcome": outcome.value, "stop_reason": reason},
-                    reason=reason):
+            moved = move(conn, att, A.TERMINATING, info={**info, "outcome": outcome.value, "stop_reason": reason},
+                         reason=reason)
+            if moved:
                 self.app.events.emit("attempt.stopping", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      reason=reason, outcome=outcome.value)
-        self._step_terminating(att, job, provider)
+        if moved:  # else another process moved it first (a finished run's outputs pull, say): its step goes on
+            self._step_terminating(att, job, provider)
 
     def _step_terminating(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         started = time.monotonic()
@@ -1640,15 +1661,15 @@ class Reconciler:
             self._after_attempt(conn, att, job, outcome, att.get("reason"))
 
     def _close_instance(self, conn: Any, att: dict[str, Any], inst_id: str, now: float) -> None:
-        conn.execute(update(s.instances).where(s.instances.c.provider == att["provider"], s.instances.c.id == inst_id)
-                     .values(state=InstanceState.TERMINATED.value, gone_at=now, verified_gone=True))
-        rows = conn.execute(select(s.ledger).where(s.ledger.c.attempt_id == att["id"],
-                                                   s.ledger.c.ended_at.is_(None))).mappings().all()
-        minimum = float(att["info"].get("billing_minimum_s", 60.0))
-        for r in rows:
-            billed = max(minimum, now - r["started_at"])
-            self.store.close_charge(r["id"], ended_at=now, billed_seconds=billed,
-                                    cost_usd=r["rate_usd_h"] * billed / 3600.0, conn=conn)
+        """The instance is gone: its charge ends when it went, if another process (revert-local, with no daemon
+        running) saw it go earlier, else now. Billed up to now, an instance gone for days was billed for them."""
+        where = (s.instances.c.provider == att["provider"], s.instances.c.id == inst_id)
+        seen_gone = conn.execute(select(s.instances.c.gone_at).where(*where)).scalar()
+        ended = min(now, float(seen_gone)) if seen_gone is not None else now
+        conn.execute(update(s.instances).where(*where)
+                     .values(state=InstanceState.TERMINATED.value, gone_at=ended, verified_gone=True))
+        self.store.close_open_charges(conn, ended_at=ended, attempt_id=att["id"],
+                                      minimum_s=float(att["info"].get("billing_minimum_s", 60.0)))
 
     def _after_attempt(self, conn: Any, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
                        reason: str | None) -> None:
@@ -1746,6 +1767,8 @@ def _retry_unverified(reconciler: Reconciler) -> None:
                                                             s.instances.c.id == inst["id"])
                                   .values(state=InstanceState.TERMINATED.value, verified_gone=True,
                                           gone_at=reconciler.clock()))
+                        app.store.close_open_charges(c, ended_at=reconciler.clock(),
+                                                     instance=(inst["provider"], inst["id"]))
                     outcome = "gone"
                 else:
                     outcome = seen.state.value
