@@ -1370,6 +1370,22 @@ def test_with_a_daemon_running_revert_local_waits_for_it_to_wind_down_and_steps_
     app.close()
 
 
+def test_revert_local_fails_for_a_provider_it_cannot_ask_only_if_something_of_ours_may_run_there(
+        tmp_path: Path) -> None:
+    # simcloud is enabled by default: a fresh install without its key was told revert-local failed, with nothing
+    # ever launched anywhere. Every launch is written down before it is made, so the state knows.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    rec = Reconciler(app, {}, cloud=None)
+    rec.unavailable = {"sim": "no API key"}
+    fresh = revert.revert_local(app, rec, timeout_s=1)
+    assert fresh.all_gone and fresh.nothing_there == {"sim": "no API key"} and fresh.not_swept == {}
+    _running_on_the_cloud(app, tmp_path, "i-1")
+    ours = revert.revert_local(app, rec, timeout_s=1)
+    assert not ours.all_gone and ours.not_swept == {"sim": "no API key"} and ours.nothing_there == {}
+    rec.close()
+    app.close()
+
+
 def test_the_meter_stops_when_an_instance_was_seen_gone_not_when_a_daemon_next_steps_its_attempt(
         tmp_path: Path) -> None:
     # revert-local without a daemon: its sweep terminated an instance whose attempt it could not end by --timeout.

@@ -58,6 +58,8 @@ def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
                       "(`burstctl status`; run revert-local again to confirm)")
         for name, why in report.not_swept.items():
             out.print(f"{name}: not asked what runs there: {why}")
+        for name, why in report.nothing_there.items():
+            out.print(f"{name}: not asked ({why}), and nothing of this installation's can run there")
         for name in report.unreachable:
             out.print(f"{name}: its sweep failed, so what runs there is not known (`burstctl events`: "
                       "provider.unreachable)")

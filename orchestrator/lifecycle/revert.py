@@ -58,6 +58,9 @@ class RevertReport:
     # runs there, so nothing is confirmed gone on them.
     not_swept: dict[str, str] = field(default_factory=dict)
     daemon_winding_down: list[str] = field(default_factory=list)  # attempts the running daemon had not yet ended
+    # Enabled providers this process cannot use either, but on which nothing of this installation's can run: every
+    # attempt there has ended and every instance is confirmed gone. Said, not a failure.
+    nothing_there: dict[str, str] = field(default_factory=dict)
 
     @property
     def left(self) -> list[RevertRow]:
@@ -72,7 +75,7 @@ class RevertReport:
                 "finished": self.finished, "requeued_local": self.requeued_local, "already_local": self.already_local,
                 "held_until_burst_enable": self.held,
                 "unreachable_providers": self.unreachable, "not_swept": self.not_swept,
-                "daemon_winding_down": self.daemon_winding_down,
+                "daemon_winding_down": self.daemon_winding_down, "not_asked_nothing_there": self.nothing_there,
                 "left": [r.as_dict() for r in self.left], "all_gone": self.all_gone}
 
 
@@ -117,6 +120,10 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0,
     an instance terminated under the other's last pull). The sweep then leaves alone what the daemon still holds."""
     set_burst_enabled(app, False, "revert-local")
     report = RevertReport(not_swept=dict(reconciler.unavailable))
+    # One this installation never left anything on need not be asked: every launch is written down before it is
+    # made, so what runs there of its own has an attempt not yet ended or an instance not confirmed gone.
+    for name in [n for n in report.not_swept if not _may_hold_ours(app, n)]:
+        report.nothing_there[name] = report.not_swept.pop(name)
     deadline = time.monotonic() + timeout_s
 
     active = _active_cloud_attempts(app)
@@ -171,6 +178,16 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0,
                     finished=report.finished, requeued_local=report.requeued_local, held=report.held,
                     unreachable=report.unreachable, not_swept=sorted(report.not_swept))
     return report
+
+
+def _may_hold_ours(app: App, provider: str) -> bool:
+    """Whether something this installation launched may still run on `provider`."""
+    with app.store.engine.connect() as c:
+        attempt = c.execute(select(s.attempts.c.id).where(
+            s.attempts.c.provider == provider, s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES)).limit(1)).first()
+        instance = c.execute(select(s.instances.c.id).where(
+            s.instances.c.provider == provider, s.instances.c.verified_gone.is_(False)).limit(1)).first()
+    return attempt is not None or instance is not None
 
 
 def _active_cloud_attempts(app: App) -> list[dict[str, Any]]:
