@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -1228,6 +1229,41 @@ def test_a_run_lost_on_an_instance_still_there_brings_what_it_wrote_home_before_
     assert attempt()["state"] == "preempted" and cloud.terminated == ["i-1"]
     (preempted,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "instance.preempted"]
     assert preempted["data"]["lost_work_h"] < 0.01 and app.store.get_job(job_id)["checkpoint"] == "step-00000050"
+    rec.close()
+    app.close()
+
+
+def test_work_since_a_checkpoint_counts_from_when_the_trainer_wrote_it_not_from_when_it_came_home(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Synced every half interval, a checkpoint comes home up to that long after it was written: counted from the
+    # pull, the work lost at a reclaim, and the unsaved hours the spot policy's safety net weighs, read too little.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(started_at=time.time() - 3600))
+    written = time.time() - 1200
+
+    def sync_beside(att: dict[str, Any], job: dict[str, Any], *, outputs: bool = False) -> SyncDone:
+        store = checkpoints.store_dir(app.config, job["id"])
+        path = write_checkpoint(store, "step-00000050", {"w.bin": b"5"})
+        manifest = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps({**manifest, "created_at": written}))
+        return SyncDone(at=time.time(), pulled=PulledCheckpoints([path], TransferStats("rsync"), {}))
+
+    class Reclaimed(_Stoppable):
+        def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
+            return {}
+
+    cloud = Reclaimed()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    monkeypatch.setattr(rec, "_sync_beside", sync_beside)
+    rec._sync_now(attempt(), app.store.get_job(job_id), {})
+    _until_a_sync_finished(rec)
+    rec._collect_syncs()
+    assert attempt()["info"]["last_checkpoint_at"] == pytest.approx(written)
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    (preempted,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "instance.preempted"]
+    assert preempted["data"]["lost_work_h"] == pytest.approx(1 / 3, abs=0.01)
     rec.close()
     app.close()
 

@@ -61,7 +61,7 @@ from providers.base import (
     Provider,
     ProviderError,
 )
-from runbooks import job_outputs
+from runbooks import burst_checkpoint, job_outputs
 from state import schema as s
 from state.schema import planned_rented_usd
 
@@ -221,6 +221,8 @@ class Reconciler:
             job = jobs.get(att["job_id"])
             if job is not None:
                 self._advance(att, job)
+        for gone in self._heartbeats.keys() - {att["id"] for att in attempts}:
+            del self._heartbeats[gone]  # ended attempts: months of them in a daemon that never restarts
         self._schedule()
 
     def _advance(self, att: dict[str, Any], job: dict[str, Any]) -> None:
@@ -1281,7 +1283,7 @@ class Reconciler:
                 conn.execute(update(s.jobs).where(s.jobs.c.id == job["id"], s.jobs.c.reason.startswith(SYNC_FAILING))
                              .values(reason=info.pop("reason_before_sync_error", None), updated_at=time.time()))
         if done.pulled:
-            info["last_checkpoint_at"] = done.at
+            info["last_checkpoint_at"] = _written_at(done.pulled[-1], done.at, att.get("started_at"))
             outputs = self._outputs_done(att, job, info, done.outputs)
             self._checkpoint_home(att, job, done, outputs, info)
         else:
@@ -1746,6 +1748,18 @@ def sweep_orphans(reconciler: Reconciler) -> dict[str, list[str]]:
                             attempt_id=inst.attempt_id, reason=why)
     _retry_unverified(reconciler)
     return terminated
+
+
+def _written_at(checkpoint: Path, pulled_at: float, started_at: float | None) -> float:
+    """When a checkpoint that came home was written: its manifest's time, which the work since counts from (the
+    lost work of a loss, the unsaved hours the spot policy's safety net weighs), not when the pull ended, up to half
+    a checkpoint interval and a pull later. The instance's clock is read within the attempt's run and no later than
+    the pull, so a skewed one can neither move it before the run nor after the pull."""
+    try:
+        created = float(burst_checkpoint.read_manifest(checkpoint).get("created_at") or pulled_at)
+    except (OSError, ValueError, TypeError):
+        return pulled_at
+    return max(min(created, pulled_at), started_at or -math.inf)
 
 
 def _retry_unverified(reconciler: Reconciler) -> None:
