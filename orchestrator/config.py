@@ -225,7 +225,10 @@ def _train_only() -> list[JobKind]:
 class Policy(Strict):
     max_auto_delta_usd: NonNegFloat = Field(
         5.0,
-        description="Largest price of a deadline (ΔC = C_R − C_L, USD) the daemon approves without asking.",
+        description="Largest extra cost, in USD, of a priced job's plan over running it locally (the plan as it will "
+        "run, on spot or hybrid: `over local` in `burstctl list`) that the daemon approves without asking; above it "
+        "the job waits for `burstctl approve`, unless it is `deadline_critical`. Not ΔC = C_R − C_L, which is all "
+        "on-demand.",
     )
     default_market: Market = Field("auto", description="Market for jobs that do not choose: auto|spot|on-demand.")
     cloud_kinds: list[JobKind] = Field(
@@ -257,10 +260,18 @@ class GpuPrice(Strict):
 
 
 def _default_prices() -> dict[str, GpuPrice]:
+    # Reference figures, to be edited to what the user pays. The last five are the GPUs of the EC2 adapter's type
+    # table (providers/ec2.py GPU_TABLE) with no figure above: AWS's on-demand list price per GPU-hour (us-east-1,
+    # 2025: p3.2xlarge, g6e.xlarge, g6.xlarge, g4dn.xlarge, p5en.48xlarge / 8) and a typical spot price.
     return {
         "H100": GpuPrice(on_demand_usd_h=3.00, spot_usd_h=1.00, vram_gib=79.65),
         "A100": GpuPrice(on_demand_usd_h=1.80, spot_usd_h=0.65, vram_gib=80),
         "A10": GpuPrice(on_demand_usd_h=0.75, spot_usd_h=0.25, vram_gib=22.49),
+        "V100": GpuPrice(on_demand_usd_h=3.06, spot_usd_h=0.97, vram_gib=15.78),  # V100 16GB: 16160 MiB
+        "L40S": GpuPrice(on_demand_usd_h=1.86, spot_usd_h=0.70, vram_gib=44.99),  # 46068 MiB
+        "L4": GpuPrice(on_demand_usd_h=0.80, spot_usd_h=0.30, vram_gib=22.49),  # 23034 MiB
+        "T4": GpuPrice(on_demand_usd_h=0.53, spot_usd_h=0.21, vram_gib=15.0),  # 15360 MiB
+        "H200": GpuPrice(on_demand_usd_h=7.91, spot_usd_h=3.00, vram_gib=140.4),  # 143771 MiB
     }
 
 
@@ -295,8 +306,11 @@ class LambdaProvider(Strict):
     regions: list[str] = Field(default_factory=list, description="Allowed regions in preference order (Lambda's "
                                "codes, such as \"us-east-1\"); empty = any.")
     instance_types: list[str] = Field(
-        default_factory=list, description="Allowed instance types in preference order; empty = any."
-    )
+        default_factory=list, description="Instance types the daemon may launch (Lambda's names, such as "
+        "\"gpu_1x_h100_sxm5\"); empty = any GPU type listed. Among the offers a job can use (a GPU type and count it "
+        "names, with capacity), across providers, the daemon takes the lowest price per unit of work; this order "
+        "only breaks ties. A launch never falls back to another type: after a refusal for capacity the daemon "
+        "chooses again, that offer last.")
 
     @field_validator("regions")
     @classmethod
@@ -313,18 +327,27 @@ class Ec2Provider(Strict):
     region: str = Field("us-east-1", description="AWS region.")
     profile: str | None = Field(None, description="AWS profile of the standard credential chain.")
     endpoint_url: str | None = Field(None, description="Override endpoint (moto's server); AWS_ENDPOINT_URL works too.")
-    ami: str = Field("ami-12c6146b", description="Image with the GPU driver and Python.")
+    ami: str = Field("ami-12c6146b", description="Image with the GPU driver and Python, in `region`. The default is "
+                     "a placeholder (the tests' image): replace it.")
     key_name: str = Field("burstctl", description="EC2 key pair name.")
-    security_group_ids: list[str] = Field(default_factory=list, description="Security groups (SSH inbound).")
+    security_group_ids: list[str] = Field(
+        default_factory=list, description="Security groups of the instances; they must allow SSH inbound (ssh_port) "
+        "from this machine.")
     subnet_ids: dict[str, str] = Field(default_factory=dict, description="Subnet per availability zone.")
     instance_profile: str | None = Field(None, description="IAM instance profile name (e.g. for S3 checkpoints).")
     user_data: str | None = Field(
         None, description="cloud-init user data for every instance (plain text; boto3 base64-encodes it)."
     )
     instance_types: list[str] = Field(
-        default_factory=lambda: ["p3.2xlarge"], description="Instance types in fallback order."
-    )
-    zones: list[str] = Field(default_factory=list, description="Availability zones in fallback order; empty = all.")
+        default_factory=lambda: ["p3.2xlarge"], description="Instance types offered, each priced in "
+        "`on_demand_usd_h` (a type without a price is skipped). Among the offers a job can use (a GPU type and count "
+        "it names), across providers, the daemon takes the lowest price per unit of work; this order only breaks "
+        "ties. A launch never falls back to another type: after a refusal for capacity the daemon chooses again, that "
+        "offer last.")
+    zones: list[str] = Field(
+        default_factory=list, description="Availability zones a launch tries, in this order, going on to the next "
+        "only when one has no capacity; empty = every available zone of the region, in name order. An offer's spot "
+        "price is the highest of these zones' prices.")
     on_demand_usd_h: dict[str, PositiveFloat] = Field(
         default_factory=lambda: {"p3.2xlarge": 3.06}, description="On-demand $/h per instance type."
     )

@@ -89,7 +89,8 @@ def render(job_name: str, job_id: str | None, d: dict[str, Any], *, now: float, 
                  "→ rethink scope")
     else:
         gate2 = (f"{queued}T_L = {fmt_h(d['t_local_h'])} > D = {deadline_h:.2f} h; T_R = {fmt_h(d['t_rented_h'])} ≤ D; "
-                 f"ΔC = {fmt_usd(d['delta_cost_usd'])} to save {fmt_h(d['hours_saved'])}")
+                 f"ΔC = {fmt_usd(d['delta_cost_usd'])} to save {fmt_h(d['hours_saved'])} "
+                 "(all on-demand; approval weighs the plan's extra cost over local, below)")
     mc = d.get("market_costs") or {}
     lines = [
         f"# Decision: {job_name}" if job_id else f"# Decision (what-if, not queued): {job_name}",

@@ -3,9 +3,10 @@
 A decision is arithmetic made before a run; this is the check on it after. For the jobs that finished in a window
 (done, failed or cancelled, having run): each job's plan — the decision it ran on, its cost and hours, and the
 plan it was queued on when it was decided again on the way — beside the meter's (the ledger; local hours at
-`local.usd_per_hour`, as the plan priced them) and whether its deadline held; over them all, what was spent on
-which market, how measured compared with expected, and what spot saved against on-demand at the rate the decision
-priced on-demand at. A job that revert-local brought home says so, and is not set beside a plan it did not run on.
+`local.board_power_w` × `local.electricity_usd_per_kwh`, as the plan priced them) and whether its deadline held;
+over them all, what was spent on which market, how measured compared with expected, and what spot saved against
+on-demand at the rate the decision priced on-demand at. A job that revert-local brought home says so, and is not
+set beside a plan it did not run on.
 
 Read from jobs, attempts and the ledger, which `prune-events` never deletes, with one grouped query each: a month
 of 10,000 jobs is three queries, not thirty thousand.

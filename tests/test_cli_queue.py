@@ -58,7 +58,8 @@ def test_decide_prints_the_gates_in_the_seed_scripts_words(burstctl) -> None:
     r = burstctl("decide", "--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12", *SEED_FLAGS)
     assert r.returncode == 0
     assert "GATE 2: local MISSES the deadline (30.30 h > 12.00 h)." in r.stdout
-    assert "price of the deadline: dC ~ $16.12 to save 23.92 h (all of it on-demand" in r.stdout
+    assert "price of the deadline: dC ~ $16.12 to save 23.92 h (all of it on-demand; approval weighs what the " \
+        "plan below" in r.stdout
 
 
 def test_decide_says_why_a_job_does_not_fit_locally(burstctl, tmp_path: Path) -> None:
@@ -579,7 +580,7 @@ def test_an_unpriced_cycle_gpu_names_budget_cycle_gpu(burstctl, tmp_path: Path) 
     cfg.write_text('[budget]\ncycle_gpu = "B200"\n')
     r = burstctl("--config", str(cfg), "budget")
     assert (r.returncode, r.stderr) == (2, f"burstctl: error: {cfg}: field 'budget.cycle_gpu': 'B200' has no entry "
-                                           "in [prices] (known: A10, A100, H100)\n")
+                                           "in [prices] (known: A10, A100, H100, H200, L4, L40S, T4, V100)\n")
 
 
 def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> None:
@@ -886,8 +887,8 @@ def test_a_job_file_naming_an_unpriced_gpu_type_is_refused_naming_the_priced_one
     for command in ("decide", "enqueue"):
         r = burstctl(command, str(job))
         assert (r.returncode, r.stderr) == (2, f"burstctl: error: {job}: field 'rented_throughput.B200': 'B200' is "
-                                               "not a GPU type of [prices] (A10, A100, H100): name one of them, or "
-                                               "add [prices.B200] to the config\n")
+                                               "not a GPU type of [prices] (A10, A100, H100, H200, L4, L40S, T4, "
+                                               "V100): name one of them, or add [prices.B200] to the config\n")
     assert json.loads(burstctl("list", "--json").stdout) == []
 
 
@@ -923,6 +924,19 @@ def test_status_lists_a_local_attempt_which_has_no_market(burstctl, tmp_path: Pa
     r = burstctl("status")
     assert r.returncode == 0, r.stderr
     assert f"{job_id}-a1" in r.stdout and "local" in r.stdout
+
+
+def test_status_names_the_config_file_it_read(burstctl, tmp_path: Path) -> None:
+    # None: no file, the built-in defaults. A daemon under systemd may read another file than the CLI: say which.
+    assert json.loads(burstctl("status", "--json").stdout)["config"] is None
+    assert "config: no file (built-in defaults)" in burstctl("status").stdout
+    cfg = tmp_path / "elsewhere" / "burst.toml"
+    cfg.parent.mkdir()
+    cfg.write_text("[budget]\nmonthly_cap_usd = 20\n")
+    assert json.loads(burstctl("--config", str(cfg), "status", "--json").stdout)["config"] == str(cfg)
+    assert f"config: {cfg}" in burstctl("--config", str(cfg), "status").stdout
+    (tmp_path / "burstctl.toml").write_text("")  # ./burstctl.toml, found relative: said as an absolute path
+    assert json.loads(burstctl("status", "--json").stdout)["config"] == str(tmp_path / "burstctl.toml")
 
 
 def test_a_gpu_type_is_the_priced_one_whatever_its_case(burstctl, tmp_path: Path) -> None:

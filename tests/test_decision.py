@@ -181,7 +181,7 @@ def test_a_rethink_or_local_job_s_headline_is_its_gate_not_a_note_said_after_it(
     assert local["reasons"][-1].startswith("local GPU open 3.03 h")
     assert local["headline"].startswith("Gate 2: local finishes")
     burst = decide(C, CTX).to_dict()  # otherwise the last word: here, what the deadline costs
-    assert burst["headline"] == burst["reasons"][-1] and burst["headline"].startswith("the deadline costs")
+    assert burst["headline"] == burst["reasons"][-1] and burst["headline"].startswith("its plan costs")
 
 
 def test_decision_json_has_the_documented_keys() -> None:

@@ -258,7 +258,8 @@ def test_the_measured_line_says_whether_the_deadline_held_and_how_the_hours_spli
         job_after_attempt(app, c, cloud, job, AttemptState.SUCCEEDED, "completed", deadline + 0.5 * 3600)
     (measured,) = (e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.measured")
     assert measured["deadline_met"] is False and measured["late_h"] == 0.5 and measured["local_h"] == 2.0
-    # Local hours cost what the plan priced them at (local.usd_per_hour, $0.10 by default), beside the cloud's meter.
+    # Local hours cost what the plan priced them at (board_power_w × electricity_usd_per_kwh, $0.10 by default),
+    # beside the cloud's meter.
     assert measured["local_cost_usd"] == pytest.approx(0.2)
     record = Path(job["record_path"]).read_text()
     assert ("- **Measured:** run 3.50 h (local 2.00 h, cloud 1.50 h), cost $0.00 cloud + $0.20 local at $0.10/h"

@@ -183,7 +183,8 @@ def _print_human(job: JobFacts, d: dict[str, Any], gates: GateResult) -> None:
                 p("  rented makes it: {} <= {}.".format(*_apart(gates.t_rented_h or 0.0, D)))
                 if d["delta_cost_usd"] >= 0:
                     p(f"  price of the deadline: dC ~ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h "
-                      "(all of it on-demand; the plan below is the cheapest safe way it runs).")
+                      "(all of it on-demand; approval weighs what the plan below, the cheapest safe way it runs, "
+                      "costs more than local).")
                 else:
                     p(f"  price of the deadline: none: renting is ${-d['delta_cost_usd']:.2f} cheaper than local "
                       f"and saves {d['hours_saved']:.2f} h.")

@@ -276,8 +276,10 @@ def cancel_cmd(app: App, job: str, as_json: bool) -> None:
 @json_option
 @pass_app
 def approve_cmd(app: App, job: str, as_json: bool) -> None:
-    """Approve the price of a job's deadline (ΔC above the configured ceiling); it is queued to burst. A local run
-    re-planned behind schedule (running, its price awaiting approval) bursts the rest instead of running on, late."""
+    """Approve the price of a job's deadline. A job awaits approval when its plan costs more than running it
+    locally (`over local` in `list`) by more than policy.max_auto_delta_usd; approved, it is queued to burst. A
+    local run re-planned behind schedule (running, its price awaiting approval) bursts the rest instead of running
+    on, late."""
     j = job_or_fail(app, job)
     if j["state"] == JobState.RUNNING.value and j["decision"].get("action") == "await-approval" and not j["approved"]:
         with app.store.tx() as conn:

@@ -72,9 +72,9 @@ def _ratio(r: dict[str, float] | None) -> str:
 @pass_app
 def report_cmd(app: App, month: str | None, days: float | None, every: bool, limit: int, as_json: bool) -> None:
     """What the finished jobs were expected to cost and take, beside what they did: per job, the plan it ran on
-    against the meter (cloud charges, and local hours at local.usd_per_hour) and whether its deadline held; in all,
-    the spend by market, measured over expected (the done jobs), and what spot saved against on-demand at the rate
-    each decision priced on-demand at."""
+    against the meter (cloud charges, and local hours at local.board_power_w × local.electricity_usd_per_kwh, as the
+    config gives them now) and whether its deadline held; in all, the spend by market, measured over expected (the
+    done jobs), and what spot saved against on-demand at the rate each decision priced on-demand at."""
     now = time.time()
     label, since, until = window(month, days, every, now)
     found = outcomes(app, since, until, now)

@@ -60,6 +60,9 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
         "schedules": _next_slots(app, now) if settings else [],
         "notify": _notifiers(app, now) if settings else [],
         "state_dir": str(app.config.state_dir),
+        # The file this command read (None: no file, built-in defaults). A daemon started elsewhere (a service
+        # manager's working directory and environment) may have read another.
+        "config": str(Path(app.config.source).absolute()) if app.config.source else None,
         "config_problem": None if settings else str(app.config_problem),
     }
 
@@ -160,7 +163,8 @@ def _notifier_txt(n: dict[str, Any], now: float) -> str:
 @json_option
 @pass_app
 def status_cmd(app: App, as_json: bool) -> None:
-    """Whether the daemon runs, the mode (burst enabled or local-only), active jobs and instances, spend."""
+    """Whether the daemon runs, the config file read (this command's: a daemon started elsewhere may read another),
+    the mode (burst enabled or local-only), active jobs and instances, spend."""
     d = status_data(app)
     if as_json:
         print_json(d)
@@ -168,6 +172,7 @@ def status_cmd(app: App, as_json: bool) -> None:
     dmn = d["daemon"]
     where = f" on {dmn['host']}" if dmn.get("host") else ""
     out.print(f"daemon: running (pid {dmn['pid']}{where})" if dmn["running"] else "daemon: not running")
+    out.print(f"config: {escape(d['config'])}" if d["config"] else "config: no file (built-in defaults)")
     mode = d["mode"]
     out.print(f"mode: [bold]{mode}[/bold]" + ("  (revert-local is in force; `burstctl burst-enable` lifts it)"
                                               if mode == "local-only" else ""))

@@ -405,12 +405,12 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
             versus = f"(its plan ${plan.cost_usd:.2f} against ${g.c_local_usd or 0.0:.2f} local)"
             if extra > ctx.max_auto_delta_usd:
                 action = "await-approval"
-                reasons.append(f"the deadline costs ${extra:.2f} more than local {versus}, above the "
+                reasons.append(f"its plan costs ${extra:.2f} more than local {versus}, above the "
                                f"${ctx.max_auto_delta_usd:.2f} approved without asking: `burstctl approve`")
             elif extra < 0:  # local's own hours cost more than renting (a slow card, a long job)
                 reasons.append(f"the deadline costs nothing: renting is ${-extra:.2f} cheaper than local")
             else:
-                reasons.append(f"the deadline costs ${extra:.2f} more than local {versus}: within the "
+                reasons.append(f"its plan costs ${extra:.2f} more than local {versus}: within the "
                                f"${ctx.max_auto_delta_usd:.2f} approved without asking")
         if not ok and plan.kind == "hybrid":
             # A hybrid's local hours spend no cloud money: they start now, and the budget is asked again at the
