@@ -939,6 +939,31 @@ def test_status_names_the_config_file_it_read(burstctl, tmp_path: Path) -> None:
     assert json.loads(burstctl("status", "--json").stdout)["config"] == str(tmp_path / "burstctl.toml")
 
 
+def test_status_says_when_the_running_daemon_read_another_config_file_than_this_command(
+        burstctl, tmp_path: Path) -> None:
+    # A daemon under systemd reads ~/.config/burstctl/config.toml while the CLI reads ./burstctl.toml: it plans
+    # with other settings, on the same state, and nothing said so.
+    from orchestrator.daemon import CONFIG_SEEN_KEY, DaemonLock
+
+    ours = tmp_path / "burstctl.toml"
+    ours.write_text("")
+    burstctl("status")  # makes the state
+    app = App(config_path=str(ours), state_dir_override=str(burstctl.state_dir))
+    app.store.set_setting(CONFIG_SEEN_KEY, {"source": str(tmp_path / "other.toml"), "sha256": "x"})
+    lock = DaemonLock(burstctl.state_dir)
+    lock.acquire()  # a daemon runs on this state
+    try:
+        d = json.loads(burstctl("status", "--json").stdout)
+        assert d["daemon_config"] == str(tmp_path / "other.toml")
+        assert f"the running daemon read {tmp_path / 'other.toml'}, not this file" in burstctl("status").stdout
+        app.store.set_setting(CONFIG_SEEN_KEY, {"source": str(ours), "sha256": "x"})
+        assert json.loads(burstctl("status", "--json").stdout)["daemon_config"] is None
+    finally:
+        lock.release()
+        app.close()
+    assert json.loads(burstctl("status", "--json").stdout)["daemon_config"] is None  # no daemon: nothing to say
+
+
 def test_a_gpu_type_is_the_priced_one_whatever_its_case(burstctl, tmp_path: Path) -> None:
     job = write_job(tmp_path, "lower", local_throughput=0, rented_throughput={"h100": 2.0})
     d = json.loads(burstctl("decide", str(job), "--json", "--no-record").stdout)

@@ -63,8 +63,22 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
         # The file this command read (None: no file, built-in defaults). A daemon started elsewhere (a service
         # manager's working directory and environment) may have read another.
         "config": str(Path(app.config.source).absolute()) if app.config.source else None,
+        # The file the running daemon read, when it is not this command's: two configs on one state.
+        "daemon_config": _daemon_config_elsewhere(app) if daemon is not None else None,
         "config_problem": None if settings else str(app.config_problem),
     }
+
+
+def _daemon_config_elsewhere(app: App) -> str | None:
+    """The config file the running daemon read ("" for none, built-in defaults), if not the one this command
+    read; None when they are the same."""
+    seen = app.store.get_setting(CONFIG_SEEN_KEY)
+    if not seen:
+        return None
+    theirs, ours = seen.get("source"), app.config.source
+    same = (theirs is None and ours is None) or (
+        theirs is not None and ours is not None and Path(theirs).resolve() == Path(ours).resolve())
+    return None if same else str(theirs or "")
 
 
 def _local_hours(app: App, now: float) -> dict[str, Any] | None:
@@ -173,6 +187,9 @@ def status_cmd(app: App, as_json: bool) -> None:
     where = f" on {dmn['host']}" if dmn.get("host") else ""
     out.print(f"daemon: running (pid {dmn['pid']}{where})" if dmn["running"] else "daemon: not running")
     out.print(f"config: {escape(d['config'])}" if d["config"] else "config: no file (built-in defaults)")
+    if d["daemon_config"] is not None:
+        out.print(f"[yellow]the running daemon read {escape(d['daemon_config']) or 'no file (built-in defaults)'}, "
+                  "not this file: it plans with those settings (README, Running it under systemd)[/yellow]")
     mode = d["mode"]
     out.print(f"mode: [bold]{mode}[/bold]" + ("  (revert-local is in force; `burstctl burst-enable` lifts it)"
                                               if mode == "local-only" else ""))
