@@ -926,6 +926,23 @@ def test_status_lists_a_local_attempt_which_has_no_market(burstctl, tmp_path: Pa
     assert f"{job_id}-a1" in r.stdout and "local" in r.stdout
 
 
+def test_enqueue_notes_when_no_enabled_provider_can_be_used_from_this_shell_for_a_job_that_bursts(
+        burstctl, tmp_path: Path) -> None:
+    # "burst → queued" and nothing more, while no cloud could ever take it from here: said on stderr, not refused
+    # (the daemon's own environment may hold the keys).
+    big = str(write_job(tmp_path, "big", local_throughput=0, rented_throughput={"H100": 0.17}, deadline_hours=48))
+    small = str(write_job(tmp_path, "small"))
+    keyless = burstctl("enqueue", big, "--json", env={"BURSTCTL_SIM_API_KEY": ""})
+    assert keyless.returncode == 0 and json.loads(keyless.stdout)["placement"] == "cloud"
+    assert ("burstctl: note: no enabled provider can be used from this shell (sim: no API key: set the environment "
+            "variable BURSTCTL_SIM_API_KEY)") in keyless.stderr
+    assert "no enabled provider" not in burstctl("enqueue", small, env={"BURSTCTL_SIM_API_KEY": ""}).stderr  # local
+    assert "no enabled provider" not in burstctl("enqueue", big, env={"BURSTCTL_SIM_API_KEY": "k"}).stderr
+    cfg = tmp_path / "none.toml"
+    cfg.write_text("[providers.sim]\nenabled = false\n")
+    assert "no provider is enabled in the config" in burstctl("--config", str(cfg), "enqueue", big).stderr
+
+
 def test_status_names_the_config_file_it_read(burstctl, tmp_path: Path) -> None:
     # None: no file, the built-in defaults. A daemon under systemd may read another file than the CLI: say which.
     assert json.loads(burstctl("status", "--json").stdout)["config"] is None

@@ -86,12 +86,30 @@ def enqueue_cmd(app: App, job_file: str, as_json: bool) -> None:
     d = decision.to_dict()
     job = app.store.get_job(job_id)
     assert job is not None
+    cloudless = _no_cloud_from_here(app) if job["placement"] in ("cloud", "hybrid") else None
     if as_json:
         print_json({**_public(job), "decision": d})
-        return
-    out.print(job_id)
-    out.print(f"[dim]{job['name']}: {d['verdict']} → {job['state']}; {escape(job['reason'] or '')}[/dim]")
-    out.print(f"[dim]decision record: {record}[/dim]")
+    else:
+        out.print(job_id)
+        out.print(f"[dim]{job['name']}: {d['verdict']} → {job['state']}; {escape(job['reason'] or '')}[/dim]")
+        out.print(f"[dim]decision record: {record}[/dim]")
+    if cloudless:
+        click.echo(f"burstctl: note: {cloudless}", err=True)
+
+
+def _no_cloud_from_here(app: App) -> str | None:
+    """Why no enabled provider can be used with this shell's credentials, for a job that must burst; None when one
+    can. Said, not refused: the daemon's own environment (a systemd env file) may hold the keys."""
+    from providers.registry import build
+
+    slots = [slot for slot in build(app.config, orchestrator_id=app.orchestrator_id).values() if slot.enabled]
+    if not slots:
+        return "no provider is enabled in the config: this job waits until one is"
+    if any(slot.provider is not None for slot in slots):
+        return None
+    why = "; ".join(f"{slot.name}: {slot.problem}" for slot in slots)
+    return (f"no enabled provider can be used from this shell ({why}): the daemon needs the credentials in its own "
+            "environment (`burstctl providers` checks them)")
 
 
 LIST_FINISHED = 20  # `burstctl list` without --all: every job not over, and the newest this many finished ones
