@@ -13,6 +13,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+from orchestrator.daemon import daemon_running
 from state import schema as s
 from state.store import Store
 from tests.e2e import (
@@ -54,6 +55,25 @@ def _run_to_the_end(tmp: Path, url: str, config: Path, state: Path, job_id: str,
     return sim_instances(url)
 
 
+def _enqueued_to_a_running_daemon(tmp: Path, url: str, state: Path, spec: Path, local_step_s: float
+                                  ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`_enqueue` then `_run_to_the_end`, but the job queued once the daemon runs: its plan's seconds count from
+    the enqueue, and a daemon still starting on a loaded machine (imports, its first tick) had eaten the 16 s of
+    the local phase, so the job burst at once with no hand-over to see."""
+    config = write_config(tmp, url, policy={"overhead_h": 0.001, "hybrid_margin_h": 0.0,
+                                            "default_market": "on-demand"})
+    daemon = EnvDaemon(tmp, config, state).start(env={"LOCAL_STEP_S": str(local_step_s)})
+    try:
+        wait_for(lambda: daemon_running(state)[0], 60, "the daemon to run")
+        r = cli(config, state, "enqueue", str(spec), "--json")
+        assert r.returncode == 0, r.stderr
+        decided = json.loads(r.stdout)
+        wait_for(lambda: job(state, decided["id"])["state"] == "done", 120, "the job to end")
+    finally:
+        assert daemon.stop() == 0
+    return decided, sim_instances(url)
+
+
 def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Path) -> None:
     state = tmp_path / "state"
     # W = 1, s_L = 90/h, s_R = 180/h, D = 31.6 s, t_ovh = 0.001 h, no margin: local misses (T_L = 40 s), renting
@@ -61,13 +81,11 @@ def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Pat
     # card runs at its estimate (200 steps in 40 s), the rented one fast.
     spec = _two_speed_job(tmp_path, "hybrid", s_local=90, s_rented=180, deadline_hours=0.008778)
     with simcloud(tmp_path) as url:
-        config, decided = _enqueue(tmp_path, url, state, spec)
-        job_id = decided["id"]
-        assert decided["placement"] == "hybrid"
-        local_phase, cloud_phase = decided["decision"]["plan"]
-        assert local_phase["where"] == "local" and cloud_phase["where"] == "cloud"
-        assert local_phase["hours"] == pytest.approx(16 / 3600, abs=1e-4)
-        instances = _run_to_the_end(tmp_path, url, config, state, job_id, 0.2)
+        decided, instances = _enqueued_to_a_running_daemon(tmp_path, url, state, spec, 0.2)
+    assert decided["placement"] == "hybrid"
+    local_phase, cloud_phase = decided["decision"]["plan"]
+    assert local_phase["where"] == "local" and cloud_phase["where"] == "cloud"
+    assert local_phase["hours"] == pytest.approx(16 / 3600, abs=1e-4)
 
     types = [e["type"] for e in events(state)]
     assert types.index("attempt.stop_requested") < types.index("job.switching") < types.index("attempt.intent")
@@ -107,12 +125,11 @@ def test_a_local_run_slower_than_its_estimate_bursts_earlier_from_its_measured_p
     # deadline. From the progress the trainer reports, the latest safe hand-over is about 8 s after the start.
     spec = _two_speed_job(tmp_path, "slow-local", s_local=90, s_rented=180, deadline_hours=0.008778)
     with simcloud(tmp_path) as url:
-        config, decided = _enqueue(tmp_path, url, state, spec)
-        job_id = decided["id"]
-        planned_local = job(state, job_id)["decision"]["plan"][0]
-        assert planned_local["where"] == "local" and planned_local["hours"] == pytest.approx(16 / 3600, abs=1e-4)
-        planned_switch = job(state, job_id)["created_at"] + planned_local["hours"] * 3600
-        instances = _run_to_the_end(tmp_path, url, config, state, job_id, 1.0)
+        decided, instances = _enqueued_to_a_running_daemon(tmp_path, url, state, spec, 1.0)
+    job_id = decided["id"]
+    planned_local = decided["decision"]["plan"][0]  # as queued: the run may re-plan it
+    assert planned_local["where"] == "local" and planned_local["hours"] == pytest.approx(16 / 3600, abs=1e-4)
+    planned_switch = job(state, job_id)["created_at"] + planned_local["hours"] * 3600
 
     [stop] = events(state, "attempt.stop_requested")
     assert stop["data"]["reason"] == "hybrid-switch"
