@@ -34,6 +34,7 @@ Attention = Literal["sdpa", "eager"]
 MAX_DEADLINE_YEARS = 10
 SHELL_OPERATORS = frozenset({"|", "||", "&&", ";", "&", ">", ">>", "<", "2>", "2>&1", "&>"})  # what a shell reads
 MAX_DEADLINE_HOURS = MAX_DEADLINE_YEARS * 365.25 * 24  # 87660 h
+MAX_STOP_GRACE_S = 3600.0  # a trainer's last checkpoint: an hour is more than any disk needs for one
 DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2026-12-01T09:00:00Z"
 DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 and at most {MAX_DEADLINE_HOURS:.0f} "
                            f"({MAX_DEADLINE_YEARS} years)")
@@ -115,6 +116,17 @@ class CheckpointSpec(BaseModel):
                             "false: a stop loses all its work, so it gets no hybrid plan (nothing to hand over), spot "
                             "is priced with each preemption restarting it from the start, and a running attempt is "
                             "never moved between markets.")
+    stop_grace_s: Annotated[float, Field(gt=0, le=MAX_STOP_GRACE_S)] = Field(
+        30.0, description="Seconds the trainer has for its last checkpoint once it is told to stop (SIGTERM, from a "
+                          "stop, a hand-over, the local hours' end, max_run_hours or a spot notice) before it is "
+                          f"killed (SIGKILL); at most {MAX_STOP_GRACE_S:.0f}. Give it the time the trainer takes to "
+                          "write a checkpoint with its optimizer state (a 7B model's full fine-tune writes about "
+                          "100 GB). The daemon waits for the run's end this long and a margin (30 s on an instance, "
+                          "10 s on this machine) before it brings the newest checkpoint home and ends the instance. "
+                          "On spot the grace cannot outlast the reclaim: EC2 takes the instance about 120 s after its "
+                          "interruption notice whatever the grace, so a trainer that needs longer loses what it has "
+                          "not written by then and resumes from its newest complete checkpoint: checkpoint more "
+                          "often (interval_minutes), or run it on-demand.")
 
 
 class JobSpec(BaseModel):
@@ -142,6 +154,17 @@ class JobSpec(BaseModel):
                     "terminated, from the workdir when it finished on this machine (which keeps its own). On a rented "
                     "instance they also come home with each checkpoint, so a preempted attempt's files (a "
                     "TensorBoard events file per run) are not lost with it.")
+    exclude: list[str] = Field(
+        default_factory=list,
+        description="What the push to a rented instance leaves out of the workdir, besides .git, __pycache__, "
+                    "*.pyc, .venv and checkpoint.dir: rsync's exclude patterns, relative to the workdir (\"data/\", "
+                    "\"wandb/\", \"*.ckpt\"). As in a .gitignore, a pattern with no '/' but a trailing one matches "
+                    "a name at any depth (\"*.ckpt\", \"wandb/\"), and one with a '/' before its end is a path from "
+                    "the workdir (\"data/raw/\", \"logs/*.txt\"), unless it begins with '**' (\"**/cache/\": at "
+                    "any depth); a trailing '/' matches directories only; '*' and '?' stop at '/', '**' does not; "
+                    "[...] is a class. Nothing under a directory left out is pushed. rsync and the SFTP fallback "
+                    "leave out the same files. Not for what the command needs: a pattern that leaves out its "
+                    "script is refused.")
     setup_retries: Annotated[int, Field(ge=0, le=10)] = Field(
         2, description="How many times a failed setup runs again on the same instance, after 10 s, then 20 s, 40 s "
                        "…, before the attempt fails: a network blip in a pip install passes, a missing package "
@@ -226,6 +249,15 @@ class JobSpec(BaseModel):
             if not path.strip() or path.startswith(("/", "~")) or ".." in PurePosixPath(path).parts:
                 raise ValueError(f"'{path}' is not inside the workdir: expected a path or glob relative to it, "
                                  "e.g. \"result.json\" or \"eval/*.json\"")
+        return v
+
+    @field_validator("exclude")
+    @classmethod
+    def _exclude_patterns(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            problem = _exclude_problem(pattern)
+            if problem is not None:
+                raise ValueError(problem)
         return v
 
     @field_validator("command")
@@ -347,6 +379,13 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
                        + (f" (did you mean '{near[0]}'?)" if near else "")
                        + f"; expected the path of the script {Path(spec.command[0]).name} runs, relative to it",
                        source=path, field="command.1")
+    script = _script_run(spec.command, spec.torchrun) if spec.exclude and not spec.setup else None
+    hit = next((i for i, p in enumerate(spec.exclude) if script and _leaves_out(p, script)), None)
+    if hit is not None:
+        # Found out on a rented instance, it costs a billing minimum and a boot to say so.
+        raise BadInput(f"'{spec.exclude[hit]}' leaves '{script}', the script the command runs, out of the push to an "
+                       "instance, which would not have it; expected patterns that keep it", source=path,
+                       field=f"exclude.{hit}")
     return spec, deadline_at
 
 
@@ -361,6 +400,57 @@ def _missing_script(command: list[str], workdir: Path) -> str | None:
     if script.startswith(("/", "~", "$")) or (workdir / script).exists():
         return None
     return script
+
+
+def _script_run(command: list[str], torchrun: bool) -> str | None:
+    """The file of the workdir the command runs, normalized: torchrun's script (the command's first word), or the
+    script python, bash or sh are given. None when it names none, or one outside the workdir."""
+    if torchrun:
+        script = command[0]
+    elif len(command) >= 2 and SCRIPT_RUNNERS.fullmatch(Path(command[0]).name):
+        script = command[1]
+    else:
+        return None
+    if script.startswith(("-", "/", "~", "$")) or _climbs_out(script):
+        return None
+    return posixpath.normpath(script)
+
+
+def rsync_exclude(pattern: str) -> str:
+    """A job's `exclude` pattern as rsync's --exclude reads it. One with a '/' before its end is a path from the
+    workdir (a .gitignore's rule), which rsync would match at any depth: it is anchored with a leading '/', unless it
+    begins with '**' (rsync then matches it at any depth, the top included, as a .gitignore does). Others as given."""
+    return f"/{pattern}" if "/" in pattern.rstrip("/") and not pattern.startswith("**") else pattern
+
+
+def _exclude_problem(pattern: str) -> str | None:
+    """Why an `exclude` pattern is refused, or None."""
+    from orchestrator.remote.sync import compile_excludes  # paramiko's import: only for a job that has patterns
+
+    example = "expected a pattern relative to the workdir, e.g. \"data/\" or \"*.ckpt\""
+    parts = (pattern[:-1] if pattern.endswith("/") else pattern).split("/")
+    if not pattern.strip():
+        return f"an empty pattern leaves nothing out: {example}"
+    if pattern.startswith(("/", "~")):
+        return (f"'{pattern}' is not relative to the workdir: {example} (a '/' inside a pattern, \"data/raw/\", "
+                "makes it a path from the workdir)")
+    if ".." in parts:
+        return f"'{pattern}' climbs out of the workdir with '..', and only the workdir is pushed: {example}"
+    if "" in parts or "." in parts:
+        return f"'{pattern}' has an empty or '.' part, which no path in the workdir has: {example}"
+    if pattern.startswith(("+ ", "- ")) or pattern == "!":
+        return f"'{pattern}' would be read by rsync as a filter rule ('+ ', '- ', '!'), not a pattern: {example}"
+    try:
+        compile_excludes([pattern])
+    except ValueError as exc:
+        return f"{exc}: {example}"
+    return None
+
+
+def _leaves_out(pattern: str, script: str) -> bool:
+    from orchestrator.remote.sync import left_out
+
+    return left_out(script, [rsync_exclude(pattern)])
 
 
 def _leaves_workdir(arg: str) -> bool:

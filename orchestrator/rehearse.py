@@ -1,10 +1,11 @@
 """`burstctl rehearse`: run a job on a private simcloud with injected spot preemptions, and say whether its
 checkpointing survives them — before anyone pays for a real GPU.
 
-The job is run exactly as the daemon would run a burst: simcloud and `burstctl daemon` are child processes in a
-throwaway state directory; the job's spec is rewritten so that it bursts to spot whatever its gates say (local
-throughput 0, market spot, one GPU, a relaxed deadline). Each preemption is EC2-style: an interruption notice,
-`notice_s` of lead time, then the instance is reclaimed and its processes die.
+The job is run as the daemon runs a burst: simcloud and `burstctl daemon` are child processes in a throwaway state
+directory; the job's spec is rewritten so that it bursts to spot whatever its gates say (local throughput 0, market
+spot, one GPU, a relaxed deadline), and what a rehearsal does not run is dropped (`setup`, `max_run_hours`: see
+`rehearsal_spec` for each). Each preemption is EC2-style: an interruption notice, `notice_s` of lead time, then the
+instance is reclaimed and its processes die.
 
 What is observed, and where from:
 - the daemon's events (attempt running, instance preempted/terminated, job resumed, done) in the rehearsal's
@@ -35,7 +36,7 @@ from sqlalchemy import func, select
 from orchestrator.children import Children, free_port
 from orchestrator.config import toml_value
 from orchestrator.errors import BadInput, OperationalError
-from orchestrator.jobspec import JobSpec, load_job
+from orchestrator.jobspec import JobSpec, _missing_script, load_job
 from runbooks import burst_checkpoint
 from state import schema as s
 from state.store import Store
@@ -164,8 +165,14 @@ def default_every_s(spec: JobSpec) -> float:
 
 
 def rehearsal_spec(spec: JobSpec, source: Path) -> str:
-    """The job, forced to burst to spot on one simulated H100 with a relaxed deadline; its command, workdir,
-    checkpoint settings and environment unchanged."""
+    """The job, forced to burst to spot on one simulated H100 with a relaxed deadline. Kept as they are: its command
+    (under torchrun, with one process, when it asks for torchrun), workdir, what the push leaves out, outputs,
+    checkpoint settings (grace included) and environment. Replaced: its kind (by train, which the rehearsal's
+    config lets burst), market, GPUs and their types, throughputs and deadline. Dropped: `[model]` (gate 1's
+    sizing), `deadline_critical` (it would forbid spot), `checkpoint.resumable` (whether the job resumes is what the
+    rehearsal finds out), `setup` (the simulated instance is this machine, set up already: a pip install there
+    would install into your environment) and `max_run_hours` (a guard sized for the real run; the rehearsal's own
+    bound is its --timeout). docs/rehearse.md has the same, as a table."""
     rented = max(spec.rented_throughput.values())
     fields: dict[str, Any] = {
         "name": spec.name, "kind": "train", "command": list(spec.command),
@@ -173,14 +180,33 @@ def rehearsal_spec(spec: JobSpec, source: Path) -> str:
         "work_units": spec.work_units, "local_throughput": 0.0, "rented_throughput": {REHEARSAL_GPU: rented},
         "gpus": 1, "market": "spot",
     }
-    if spec.pass_env:  # the rehearsal's daemon runs in this shell's environment, where the names are looked up
-        fields["pass_env"] = list(spec.pass_env)
+    if spec.torchrun:  # its command is the bare script, which only torchrun runs (with one process on one GPU)
+        fields["torchrun"] = True
+    for name in ("outputs", "exclude", "pass_env"):  # pass_env: looked up in this shell's environment, the daemon's
+        if getattr(spec, name):
+            fields[name] = list(getattr(spec, name))
     lines = [f"{k} = {toml_value(v)}" for k, v in fields.items()]
     lines += ["", "[checkpoint]", f"dir = {toml_value(spec.checkpoint.dir)}",
-              f"interval_minutes = {toml_value(spec.checkpoint.interval_minutes)}"]
+              f"interval_minutes = {toml_value(spec.checkpoint.interval_minutes)}",
+              f"stop_grace_s = {toml_value(spec.checkpoint.stop_grace_s)}"]
     if spec.env:
         lines += ["", "[env]"] + [f"{json.dumps(k)} = {toml_value(v)}" for k, v in spec.env.items()]
     return "\n".join(lines) + "\n"
+
+
+def check_rehearsable(spec: JobSpec, source: Path) -> None:
+    """What a rehearsal cannot run, as bad input (exit 2) before anything is started."""
+    if spec.torchrun and shutil.which("torchrun") is None:
+        # The simulated instance runs its commands with this shell's PATH: without torchrun there, the bare script
+        # the command names would fail on the instance, and the rehearsal would report a failed job.
+        raise BadInput("a rehearsal of a torchrun job needs torch installed here: no torchrun on this shell's PATH, "
+                       "which the simulated instance runs with (put the bin directory of an environment with torch "
+                       "first on PATH)", source=source, field="torchrun")
+    missing = _missing_script(spec.command, source.parent / spec.workdir) if spec.setup else None
+    if missing is not None:
+        raise BadInput(f"'{missing}' is not in the workdir '{spec.workdir}', and a rehearsal does not run the job's "
+                       "setup, which may fetch it: expected the script in the workdir to rehearse the job",
+                       source=source, field="setup")
 
 
 def validate_options(opts: RehearsalOptions) -> None:
@@ -555,7 +581,8 @@ def rehearse(spec_path: str | Path, opts: RehearsalOptions, say: Callable[[str],
     before anything starts; the children are always stopped; the throwaway directory is removed unless `keep`."""
     path = Path(spec_path)
     validate_options(opts)
-    load_job(path)  # bad input exits 2 before any process starts
+    spec, _ = load_job(path)  # bad input exits 2 before any process starts
+    check_rehearsable(spec, path)
     workdir = Path(tempfile.mkdtemp(prefix="burstctl-rehearse-"))
     reh = Rehearsal(path, opts, say, workdir, keep=keep)
     try:

@@ -29,9 +29,10 @@ it needs boto3, this file does not), and once more after the command exits and b
 when the daemon sees the exit the last checkpoint is already in S3. Heartbeats go on during that final upload.
 
 On a spot notice (polled from --metadata-url), on SIGTERM/SIGINT, or at --max-run-s, the command's process group
-gets SIGTERM so the trainer can write a last checkpoint, then SIGKILL after --grace-s. If the supervisor itself is
-SIGKILLed it cannot forward anything: the command keeps running in its own process group, whose id is in the
-heartbeat (`child_pgid`) so `supervisor.py stop` or the daemon can end it.
+gets SIGTERM so the trainer can write a last checkpoint, then SIGKILL after --grace-s (burstctl gives the job's
+`checkpoint.stop_grace_s`). If the supervisor itself is SIGKILLed it cannot forward anything: the command keeps
+running in its own process group, whose id is in the heartbeat (`child_pgid`) so `supervisor.py stop` (SIGTERM, then
+SIGKILL after its own --grace-s) or the daemon can end it.
 
 Stdlib-only and Python 3.8+ compatible: the instance may have nothing but a plain `python3`. The daemon also
 imports it (`from runbooks import supervisor`) for `launcher_argv`, `read_env_file` and `read_status`.

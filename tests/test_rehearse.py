@@ -154,12 +154,17 @@ def test_the_users_own_config_does_not_reach_the_private_simcloud_or_daemon(tmp_
     (lambda t: [str(_spec(t, _VALID)), "--every-s", "-1"], "--every-s"),
     (lambda t: [str(_spec(t, _VALID)), "--timeout", "0"], "--timeout"),
     (lambda t: [str(_spec(t, _VALID)), "--seed", "x"], "--seed"),
+    (lambda t: [str(_spec(t, _VALID + "torchrun = true\n"))], "field 'torchrun': a rehearsal of a torchrun job needs "
+     "torch installed here"),
 ])
 def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path: Path, make_args: Callable[[Path], list[str]],
                                                             needle: str) -> None:
     scratch = tmp_path / "scratch"  # where a rehearsal would make its throwaway directory
     scratch.mkdir()
-    r = burstctl("rehearse", *make_args(tmp_path), timeout=60, env={**os.environ, "TMPDIR": str(scratch)})
+    # PATH without torch's bin: the rehearsal of a torchrun job cannot run its bare script there.
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "torchrun").exists())
+    r = burstctl("rehearse", *make_args(tmp_path), timeout=60,
+                 env={**os.environ, "TMPDIR": str(scratch), "PATH": path})
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr and needle in lines[0], r.stderr

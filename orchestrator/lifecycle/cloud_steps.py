@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import posixpath
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,10 +30,10 @@ from typing import Any
 from sqlalchemy import select, update
 
 from orchestrator.app import App
-from orchestrator.jobspec import JobSpec
+from orchestrator.jobspec import JobSpec, rsync_exclude
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.homes import attempt_run_dir, job_outputs_dir
-from orchestrator.lifecycle.local import work_units_env
+from orchestrator.lifecycle.local import IN_TICK_STOP_MAX_S, stop_grace_s, work_units_env
 from orchestrator.remote import ssh, sync
 from providers.base import InstanceInfo, Provider
 from runbooks import supervisor
@@ -42,7 +44,16 @@ from state import schema as s
 RUNBOOKS = Path(__file__).resolve().parents[2] / "runbooks"
 RUNBOOK_FILES = ("bootstrap.sh", "supervisor.py", "burst_checkpoint.py", "checkpoint_transfer.py",
                  "s3_checkpoints.py")
-EXCLUDE = (".git", "__pycache__", "*.pyc", ".venv")
+EXCLUDE = (".git", "__pycache__", "*.pyc", ".venv")  # at any depth, whatever the job says
+
+
+def push_exclude(spec: Mapping[str, Any]) -> list[str]:
+    """What the push of a job's workdir to an instance leaves out, as rsync's patterns: EXCLUDE, the job's
+    checkpoint.dir (that directory of the workdir, not one of the same name deeper), and the job's own `exclude`
+    (none for a job queued before it existed)."""
+    ckpt = posixpath.normpath(spec.get("checkpoint", {}).get("dir", "checkpoints"))
+    literal = re.sub(r"([*?\[\\])", r"\\\1", ckpt) if re.search(r"[*?\[]", ckpt) else ckpt  # a name, not a pattern
+    return [*EXCLUDE, f"/{literal}", *(rsync_exclude(p) for p in spec.get("exclude") or [])]
 
 
 class DbHostKeyTrust:
@@ -231,8 +242,7 @@ class CloudSteps:
         timings["bootstrap"] = time.monotonic() - t
 
         t = time.monotonic()
-        ckpt_rel = spec.get("checkpoint", {}).get("dir", "checkpoints")
-        sync.push_dir(target, trust, spec["workdir"], f"{jobdir}/work", exclude=(*EXCLUDE, ckpt_rel), conn=conn)
+        sync.push_dir(target, trust, spec["workdir"], f"{jobdir}/work", exclude=push_exclude(spec), conn=conn)
         timings["push_workdir"] = time.monotonic() - t
         return remote
 
@@ -293,7 +303,7 @@ class CloudSteps:
             argv = [python, f"{base}/runbooks/supervisor.py", "--run-dir", run_dir, "--job-id", job["id"],
                     "--attempt", str(att["n"]), "--checkpoint-dir", f"{jobdir}/checkpoints",
                     "--workdir", f"{jobdir}/work", "--env-file", f"{run_dir}/job.env",
-                    "--gpus", str(spec.get("gpus", 1)), "--daemonize"]
+                    "--gpus", str(spec.get("gpus", 1)), "--grace-s", repr(stop_grace_s(spec)), "--daemonize"]
             if spec.get("torchrun"):
                 argv.append("--torchrun")
             if remote_resume:
@@ -405,9 +415,14 @@ class CloudSteps:
         return names
 
     def request_checkpoint(self, att: dict[str, Any]) -> None:
-        """SIGTERM through the supervisor: the trainer writes a last checkpoint and exits."""
+        """SIGTERM through the supervisor: the trainer writes a last checkpoint and exits, SIGKILLed after the job's
+        grace (checkpoint.stop_grace_s, given to the supervisor at its start). At once, unless the supervisor is
+        gone: then `stop` signals the trainer itself and waits, inside the daemon's tick, at most
+        IN_TICK_STOP_MAX_S."""
+        spec = (self.app.store.get_job(att["job_id"]) or {}).get("spec") or {}
         conn = ssh.connect(self.target(att), trust=self.trust(att), timeout_s=10)
         try:
-            ssh.run(conn, self._supervisor(att, "stop"), timeout=60)
+            ssh.run(conn, [*self._supervisor(att, "stop"), "--grace-s",
+                           repr(min(stop_grace_s(spec), IN_TICK_STOP_MAX_S))], timeout=60)
         finally:
             conn.close()

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from orchestrator import records
 from orchestrator.app import App
 from orchestrator.core.plan import latest_switch_at
 from orchestrator.core.replan import replan_late_local
+from orchestrator.jobspec import CheckpointSpec
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import LOCAL_HOURS_OVER, exit_reason, job_after_attempt
 from orchestrator.lifecycle.homes import attempt_run_dir, job_outputs_dir
@@ -45,8 +46,15 @@ from state import schema as s
 A = AttemptState
 RUNBOOKS = Path(__file__).resolve().parents[2] / "runbooks"
 SUPERVISOR = RUNBOOKS / "supervisor.py"
-# How long giving up a local attempt waits for its supervisor to end the trainer (its grace is 30 s).
-TRAINER_STOP_WAIT_S = 40.0
+# What the daemon waits for a stopped run's end beyond the job's grace (checkpoint.stop_grace_s, the supervisor's
+# SIGTERM → SIGKILL): the SIGKILL and the exit record on this machine; on an instance also the status polls over SSH,
+# a tick apart. With the default grace of 30 s: 40 s and 60 s.
+LOCAL_STOP_MARGIN_S = 10.0
+CLOUD_STOP_MARGIN_S = 30.0
+# A trainer whose supervisor is gone is signalled, and waited for, by the daemon itself, inside its tick: held
+# that long at most, whatever the job's grace, so that no other job's step waits an hour behind it. (A live
+# supervisor applies the job's whole grace on its own: the usual case.)
+IN_TICK_STOP_MAX_S = 30.0
 
 
 def supervisor_status(run_dir: Path) -> dict[str, Any]:
@@ -61,6 +69,18 @@ def _switch_args(terms: dict[str, Any]) -> dict[str, float]:
 def work_units_env(spec: dict[str, Any]) -> dict[str, str]:
     """The job's W for its trainer, so that `units_done` and `throughput_units_h` come back in the job's units."""
     return {"BURST_WORK_UNITS": repr(float(spec.get("work_units", 1.0)))}
+
+
+def stop_grace_s(spec: Mapping[str, Any]) -> float:
+    """The job's checkpoint.stop_grace_s, from its stored spec (a dict): the default for a job queued before the
+    field existed, whose spec has none."""
+    default: float = CheckpointSpec.model_fields["stop_grace_s"].default
+    return float((spec.get("checkpoint") or {}).get("stop_grace_s", default))
+
+
+def stop_wait_s(spec: Mapping[str, Any], margin_s: float = CLOUD_STOP_MARGIN_S) -> float:
+    """How long the daemon waits for a run it stopped to end: the job's grace and a margin."""
+    return stop_grace_s(spec) + margin_s
 
 
 def write_env_file(path: Path, env: dict[str, str]) -> None:
@@ -191,7 +211,7 @@ class LocalRunner:
         write_env_file(env_file, {**spec.get("env", {}), **work_units_env(spec), "PYTHONPATH": str(RUNBOOKS)})
         argv = [sys.executable, str(SUPERVISOR), "--run-dir", str(run), "--job-id", job["id"],
                 "--attempt", str(att["n"]), "--checkpoint-dir", str(ckpt), "--workdir", spec["workdir"],
-                "--env-file", str(env_file),
+                "--env-file", str(env_file), "--grace-s", repr(stop_grace_s(spec)),
                 "--daemonize"]
         if resume is not None:
             argv += ["--resume-from", str(resume)]
@@ -217,14 +237,19 @@ class LocalRunner:
                     self.app.events.emit("job.resumed", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                          where="local", checkpoint=resume.name)
 
-    def end_trainer(self, att: dict[str, Any], wait_s: float = TRAINER_STOP_WAIT_S) -> bool:
+    def end_trainer(self, att: dict[str, Any], wait_s: float | None = None) -> bool:
         """End a local attempt's trainer before the attempt is given up: SIGTERM through its supervisor (a last
-        checkpoint, SIGKILL after the supervisor's grace), waiting up to `wait_s` for the supervisor to go. A
-        given-up attempt never leaves its trainer running, holding the GPU and writing into the checkpoint dir the
-        job's next attempt starts from. True when nothing of it runs any more."""
+        checkpoint, SIGKILL after the job's grace), waiting up to `wait_s` (by default the grace and
+        LOCAL_STOP_MARGIN_S) for the supervisor to go. A given-up attempt never leaves its trainer running, holding
+        the GPU and writing into the checkpoint dir the job's next attempt starts from. True when nothing of it runs
+        any more."""
         run = self.run_dir(att["id"])
-        supervisor.stop(run, grace_s=30.0)  # nothing to do when nothing of it runs
-        deadline = time.monotonic() + wait_s
+        spec = (self.app.store.get_job(att["job_id"]) or {}).get("spec") or {}
+        # Without its supervisor, the trainer is signalled here, and killed after the grace (held in the tick).
+        supervisor.stop(run, grace_s=min(stop_grace_s(spec), IN_TICK_STOP_MAX_S))  # nothing to do if nothing runs
+        # Waited for in the tick too: a longer grace is given up on here and looked at again at the next try.
+        wait = min(stop_wait_s(spec, LOCAL_STOP_MARGIN_S), IN_TICK_STOP_MAX_S + LOCAL_STOP_MARGIN_S)
+        deadline = time.monotonic() + (wait if wait_s is None else wait_s)
         while supervisor.read_status(run).get("supervisor_alive") and time.monotonic() < deadline:
             time.sleep(0.2)
         return not supervisor.read_status(run).get("supervisor_alive")
@@ -266,7 +291,8 @@ class LocalRunner:
                 else:
                     progress["reason"] = self._hold(att, job, info, held)
             if wanted and not info.get("stop_requested"):
-                supervisor.stop(run, grace_s=30.0)  # SIGTERM: the trainer writes a last checkpoint
+                # SIGTERM: the trainer writes a last checkpoint, in the job's grace (its supervisor's --grace-s)
+                supervisor.stop(run, grace_s=min(stop_grace_s(job["spec"]), IN_TICK_STOP_MAX_S))
                 info["stop_requested"] = now
                 info["stop_reason"] = wanted
                 self.app.events.emit("attempt.stop_requested", job_id=job["id"], attempt_id=att["id"], reason=wanted,

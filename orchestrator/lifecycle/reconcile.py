@@ -30,7 +30,7 @@ from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.background_sync import BackgroundSyncs, SyncDone
 from orchestrator.lifecycle.finish import exit_reason, requeued_local_reason
 from orchestrator.lifecycle.homes import job_outputs_dir
-from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
+from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_wait_s
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
 from orchestrator.lifecycle.market_switch import (
     TO_ON_DEMAND,
@@ -81,7 +81,6 @@ BOOT_WAIT_S, BOOT_POLL_S, BOOT_WAIT_WINDOW_S = 1.0, 0.2, 15.0  # brief in-tick p
 SYNC_FAILING = "checkpoints are not coming home (the instance is kept and the pull retried)"  # a job's reason
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
 CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
-STOP_WAIT_S = 60.0  # how long a stopped run is given to write its last checkpoint and exit, tick by tick
 LOSS_PULL_MAX_S = 1800.0  # a lost run's last pull from an instance still there, at most (stalls end it sooner)
 NOTICE_SYNCS_S = 300.0  # after a spot notice, a sync each tick for this long (EC2 reclaims in 120 s, GCP in 30 s)
 CLOSE_WAIT_S = 30.0  # how long a stopping daemon waits for the syncs under way (systemd's stop timeout is 60 s)
@@ -1623,7 +1622,8 @@ class Reconciler:
                 except Exception as exc:
                     self.emit("attempt.last_checkpoint_failed", job_id=job["id"], attempt_id=att["id"],
                               error=self.app.redactor(f"{type(exc).__name__}: {exc}"))
-            if 0 <= now - float(info["stop_requested_at"]) < STOP_WAIT_S and not _run_over(
+            # Its grace (checkpoint.stop_grace_s) and a margin, looked at tick by tick: no other attempt waits.
+            if 0 <= now - float(info["stop_requested_at"]) < stop_wait_s(job["spec"]) and not _run_over(
                     seen[0] if asked_before and seen is not None else self._supervisor_status(att)):
                 return  # it writes its last checkpoint: looked at again next tick, other attempts not held up
             if not self._final_sync(att, job, info, outputs=False):  # the last checkpoint home, then the instance goes

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
 import json
 import os
 import re
 import shutil
 import signal
 import stat
+import string
 import subprocess
 import threading
 import time
@@ -125,13 +125,15 @@ def push_dir(target: Target, trust: HostKeyTrust, local_dir: str | Path, remote_
              conn: fabric.Connection | None = None) -> SyncStats:
     """Copy `local_dir`'s contents into `remote_dir` on the instance (created if needed).
 
-    `exclude` holds rsync-style glob patterns matched against each path's name and its path relative to
-    `local_dir`. Files already there with the same size and mtime are skipped; nothing remote is deleted.
-    `conn`: an open connection to the instance to use (and leave open), instead of opening one.
+    `exclude` holds rsync's exclude patterns, relative to `local_dir` (a leading '/' anchors one there); SFTP's
+    walker leaves out what rsync does (`pushed_paths`, and the rules above `compile_excludes`). Files already there
+    with the same size and mtime are skipped; nothing remote is deleted. `conn`: an open connection to the instance
+    to use (and leave open), instead of opening one. ValueError for a pattern rsync would never match.
     """
     local = Path(local_dir)
     if not local.is_dir():
         raise SyncError(f"workdir {local} is not a directory")
+    rules = compile_excludes(exclude)  # before anything is sent, whichever transport sends it
     started = time.monotonic()
     with _connection(target, trust, conn) as conn:
         chosen = choose_transport(target, conn, transport)
@@ -141,7 +143,7 @@ def push_dir(target: Target, trust: HostKeyTrust, local_dir: str | Path, remote_
             stats = _rsync(target, trust, [*extra, f"{local}/", _remote_spec(target, remote_dir) + "/"],
                            what=f"pushing {local}")
         else:
-            stats = _sftp_push_tree(_sftp(conn), local, remote_dir, exclude)
+            stats = _sftp_push_tree(_sftp(conn), local, remote_dir, rules)
     stats.seconds = time.monotonic() - started
     return stats
 
@@ -463,6 +465,202 @@ def _rsync(target: Target, trust: HostKeyTrust, args: list[str], *, what: str, s
                      files_transferred=found.get("Number of regular files transferred", 0))
 
 
+# --- what a push leaves out: rsync's exclude patterns, read the same way by the SFTP walker ---------------------
+# rsync(1) "PATTERN MATCHING RULES", as exclude.c (`rule_matches`) and wildmatch.c apply them. Both transports must
+# leave out the same files, so the walker below follows rsync's reading, byte for byte, not fnmatch's:
+# - a trailing '/' matches directories only (a symlink to one is not one); a leading '/' anchors the pattern at the
+#   top of the pushed directory;
+# - a pattern with no '/' (besides a trailing one) and no '**' matches a name at any depth; one with a '/' inside
+#   matches the end of a path, as many components as it has; one with '**' is tried after every '/' (from the start
+#   only when it begins with '**', which then also matches at the top);
+# - '*' matches within a name, '**' (or more) across '/', '?' one byte but '/', '[...]' one byte of a class ('!' or
+#   '^' negates; ranges; [:alpha:] and the other C-locale classes) but never '/'; a backslash escapes the byte after
+#   it, but only in a pattern with a wildcard (without one, the pattern is a literal name, backslashes included);
+# - a trailing '/***' matches the directory and everything in it;
+# - an excluded directory is not entered: nothing under it is sent.
+_GRAPH = string.ascii_letters + string.digits + string.punctuation
+_POSIX_CLASSES = {name.encode(): frozenset(map(ord, chars)) for name, chars in {
+    "alnum": string.ascii_letters + string.digits, "alpha": string.ascii_letters, "blank": " \t",
+    "cntrl": "".join(map(chr, [*range(32), 127])), "digit": string.digits, "graph": _GRAPH,
+    "lower": string.ascii_lowercase, "print": _GRAPH + " ", "punct": string.punctuation, "space": " \t\n\v\f\r",
+    "upper": string.ascii_uppercase, "xdigit": string.hexdigits}.items()}  # the C locale's: ASCII only
+_SLASH, _BACKSLASH, _STAR, _LBRACKET, _RBRACKET = b"/"[0], b"\\"[0], b"*"[0], b"["[0], b"]"[0]
+
+
+@dataclass(frozen=True)
+class ExcludeRule:
+    """One rsync `--exclude` pattern, compiled (`compile_excludes`)."""
+
+    pattern: str
+    regex: re.Pattern[bytes]  # the pattern's body (no leading or trailing '/'), matched against a whole text
+    anchored: bool  # a leading '/'
+    directory: bool  # a trailing '/': directories only
+    slashes: int  # '/'s in the pattern (a leading one included), its trailing one not
+    wild2: bool  # a '**' in it
+    wild2_prefix: bool  # it begins with '**'
+    wild3_suffix: bool  # it ends with '***'
+
+    def matches(self, rel: bytes, is_dir: bool) -> bool:
+        """Whether this rule leaves out the entry at `rel` (relative to the pushed directory), itself."""
+        if self.directory and not is_dir:
+            return False
+        text = rel if self.slashes or self.wild2 else rel.rsplit(b"/", 1)[-1]
+        if self.wild2_prefix:
+            text = b"/" + text  # so that "**/x" matches x at the top too
+        if is_dir and self.wild3_suffix:
+            text += b"/"  # so that "d/***" matches d itself
+        if self.anchored or self.wild2_prefix or not (self.slashes or self.wild2):
+            starts = [0]
+        elif not self.wild2:  # the last slashes + 1 components of the path, when it has that many
+            cuts = [i + 1 for i, c in enumerate(text) if c == _SLASH]
+            if len(cuts) < self.slashes:
+                return False
+            starts = [cuts[-self.slashes - 1] if len(cuts) > self.slashes else 0]
+        else:  # after every '/'
+            starts = [0, *(i + 1 for i, c in enumerate(text) if c == _SLASH)]
+        return any(self.regex.fullmatch(text, start) for start in starts)
+
+
+def compile_excludes(patterns: Sequence[str]) -> tuple[ExcludeRule, ...]:
+    """The patterns as rsync reads them. ValueError, naming the pattern, for one rsync would never match (a '['
+    not closed, an unknown [:class:], a lone trailing backslash)."""
+    return tuple(_compile(p) for p in patterns)
+
+
+def _compile(pattern: str) -> ExcludeRule:
+    body = os.fsencode(pattern)
+    directory = len(body) > 1 and body.endswith(b"/")
+    body = body[:-1] if directory else body
+    slashes, anchored = body.count(b"/"), body.startswith(b"/")
+    wild = any(c in body for c in b"*?[")
+    wild2 = wild and b"**" in body
+    body = body[1:] if anchored else body
+    try:
+        regex = _wildmatch_regex(body) if wild else re.escape(body)
+    except ValueError as exc:
+        raise ValueError(f"'{pattern}': {exc}") from None
+    return ExcludeRule(pattern, re.compile(regex, re.DOTALL), anchored, directory, slashes, wild2,
+                       wild2 and not anchored and body.startswith(b"**"), wild2 and body.endswith(b"***"))
+
+
+def _wildmatch_regex(p: bytes) -> bytes:
+    out: list[bytes] = []
+    i = 0
+    while i < len(p):
+        c = p[i]
+        if c == _STAR:
+            run = len(p[i:]) - len(p[i:].lstrip(b"*"))
+            out.append(b".*" if run > 1 else b"[^/]*")
+            i += run
+            continue
+        if c == _LBRACKET:
+            members, i = _bracket(p, i)
+            out.append(b"[" + b"".join(re.escape(bytes([m])) for m in sorted(members)) + b"]" if members else b"(?!)")
+            continue
+        if c == b"?"[0]:
+            out.append(b"[^/]")
+        elif c == _BACKSLASH:
+            i += 1
+            if i == len(p):
+                raise ValueError("ends in a lone '\\', which rsync never matches")
+            out.append(re.escape(p[i:i + 1]))
+        else:
+            out.append(re.escape(p[i:i + 1]))
+        i += 1
+    return b"".join(out)
+
+
+def _bracket(p: bytes, i: int) -> tuple[set[int], int]:
+    """The bytes the class opening at p[i] matches ('/' never), and the index after its ']': wildmatch.c's loop,
+    collecting members instead of testing one byte. The first byte after '[' (or '[!') is a member even if ']'."""
+    unclosed = ValueError("a '[' is not closed by a ']', and rsync never matches such a pattern")
+    i += 1
+    negated = i < len(p) and p[i] in b"!^"
+    i += negated
+    members: set[int] = set()
+    prev = 0
+    while True:
+        if i >= len(p):
+            raise unclosed
+        c = p[i]
+        if c == _BACKSLASH:
+            i += 1
+            if i >= len(p):
+                raise unclosed
+            c = p[i]
+            members.add(c)
+        elif c == b"-"[0] and prev and i + 1 < len(p) and p[i + 1] != _RBRACKET:
+            i += 1
+            if p[i] == _BACKSLASH:
+                i += 1
+                if i >= len(p):
+                    raise unclosed
+            members.update(range(prev, p[i] + 1))
+            c = 0
+        elif c == _LBRACKET and p[i + 1:i + 2] == b":":
+            end = p.find(b"]", i + 2)
+            if end < 0:
+                raise unclosed
+            if end - (i + 2) - 1 < 0 or p[end - 1] != b":"[0]:
+                members.add(c)  # not a [:class:]: a '[' like any other byte
+            else:
+                name = p[i + 2:end - 1]
+                if name not in _POSIX_CLASSES:
+                    raise ValueError(f"[:{name.decode(errors='replace')}:] is not a character class rsync knows "
+                                     "(alnum, alpha, blank, cntrl, digit, graph, lower, print, punct, space, upper, "
+                                     "xdigit)")
+                members.update(_POSIX_CLASSES[name])
+                i, c = end, 0
+        else:
+            members.add(c)
+        prev = c
+        i += 1
+        if i < len(p) and p[i] == _RBRACKET:
+            if negated:
+                members = set(range(256)) - members
+            members.discard(_SLASH)
+            return members, i + 1
+
+
+def _pushed(local: Path, rules: Sequence[ExcludeRule]) -> Iterator[tuple[Path, str, bool]]:
+    """What a push of `local` sends, as rsync -rl would with these rules: (path, path relative to `local`, whether it
+    is a directory), each directory before what is in it. A symlink is sent as one, never followed (one to a
+    directory is not a directory); what is neither a file, a directory nor a symlink (a socket) is not sent."""
+    for dirpath, dirnames, filenames in os.walk(local):
+        base = Path(dirpath)
+        prefix = base.relative_to(local).as_posix()
+        prefix = "" if prefix == "." else prefix + "/"
+        links = [d for d in dirnames if (base / d).is_symlink()]  # os.walk lists them with the directories
+        kept = []
+        for d in sorted(set(dirnames) - set(links)):
+            if not _left_out(prefix + d, True, rules):
+                kept.append(d)
+                yield base / d, prefix + d, True
+        dirnames[:] = kept
+        for name in sorted([*filenames, *links]):
+            if not _left_out(prefix + name, False, rules):
+                yield base / name, prefix + name, False
+
+
+def _left_out(rel: str, is_dir: bool, rules: Sequence[ExcludeRule]) -> bool:
+    raw = os.fsencode(rel)
+    return any(rule.matches(raw, is_dir) for rule in rules)
+
+
+def pushed_paths(local_dir: str | Path, exclude: Sequence[str]) -> list[str]:
+    """The paths, relative to `local_dir`, that `push_dir(local_dir, exclude=exclude)` sends (directories with a
+    trailing '/'), by either transport. ValueError as `compile_excludes`."""
+    return [rel + "/" if is_dir else rel for _, rel, is_dir in _pushed(Path(local_dir), compile_excludes(exclude))]
+
+
+def left_out(rel: str, exclude: Sequence[str], *, is_dir: bool = False) -> bool:
+    """Whether a push leaves out the path `rel` (relative to the pushed directory): it or a directory above it
+    matches a pattern. ValueError as `compile_excludes`."""
+    rules = compile_excludes(exclude)
+    parts = PurePosixPath(rel).parts
+    return any(_left_out("/".join(parts[:n]), n < len(parts) or is_dir, rules) for n in range(1, len(parts) + 1))
+
+
 # --- SFTP ----------------------------------------------------------------------------------------------------------
 class _RateLimit:
     """Sleeps so that bytes/elapsed stays under the cap (None: no cap)."""
@@ -597,31 +795,18 @@ def _sftp_get_files(sftp: paramiko.SFTPClient, remote_dir: str, names: Sequence[
     return stats
 
 
-def _excluded(rel: str, patterns: Sequence[str]) -> bool:
-    name = rel.rsplit("/", 1)[-1]
-    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(rel, p.lstrip("/")) for p in patterns)
-
-
-def _sftp_push_tree(sftp: paramiko.SFTPClient, local: Path, remote_dir: str, exclude: Sequence[str], *,
+def _sftp_push_tree(sftp: paramiko.SFTPClient, local: Path, remote_dir: str, rules: Sequence[ExcludeRule], *,
                     manifest_last: bool = False) -> SyncStats:
     stats = SyncStats("sftp")
     _sftp_makedirs(sftp, remote_dir)
     deferred: list[tuple[Path, str]] = []
-    for dirpath, dirnames, filenames in os.walk(local):
-        base = Path(dirpath)
-        rel_base = base.relative_to(local).as_posix()
-        rel_base = "" if rel_base == "." else rel_base + "/"
-        dirnames[:] = sorted(d for d in dirnames if not _excluded(rel_base + d, exclude))
-        for d in dirnames:
-            _sftp_makedirs(sftp, f"{remote_dir}/{rel_base}{d}")
-        for fname in sorted(filenames):
-            rel = rel_base + fname
-            if _excluded(rel, exclude):
-                continue
-            if manifest_last and rel == MANIFEST:
-                deferred.append((base / fname, f"{remote_dir}/{rel}"))
-                continue
-            _sftp_put_if_changed(sftp, base / fname, f"{remote_dir}/{rel}", stats)
+    for path, rel, is_dir in _pushed(local, rules):
+        if is_dir:
+            _sftp_makedirs(sftp, f"{remote_dir}/{rel}")
+        elif manifest_last and rel == MANIFEST:
+            deferred.append((path, f"{remote_dir}/{rel}"))
+        else:
+            _sftp_put_if_changed(sftp, path, f"{remote_dir}/{rel}", stats)
     for src, dest in deferred:
         _sftp_put_if_changed(sftp, src, dest, stats)
     return stats
@@ -661,6 +846,7 @@ def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
 
 __all__ = [
     "STAGING_PREFIX",
+    "ExcludeRule",
     "InstanceRunbooks",
     "PulledCheckpoints",
     "PushedCheckpoint",
@@ -668,7 +854,10 @@ __all__ = [
     "SyncStats",
     "Transport",
     "choose_transport",
+    "compile_excludes",
+    "left_out",
     "pull_checkpoints",
     "push_checkpoint",
     "push_dir",
+    "pushed_paths",
 ]
