@@ -167,6 +167,13 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
     old[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda _sig, _frame: reread.set())
     try:
         reconciler = build_reconciler(app)
+        # Holding the lock, no other daemon runs: rsyncs a daemon killed outright left behind are ended before any
+        # pull of this one writes where they still write.
+        from orchestrator.lifecycle.service import transfers_dir
+        from orchestrator.remote.sync import end_orphaned_transfers
+
+        if ended := end_orphaned_transfers(transfers_dir(app)):
+            app.events.emit("daemon.orphan_transfers_ended", transfers=ended)
         # What the daemon runs on, as read from the file: `status` compares it with the file as it is now.
         app.store.set_setting(CONFIG_SEEN_KEY, config_fingerprint(app.config))
         watch = ConfigWatch(app.config_path, app.state_dir_override, app.config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from orchestrator.app import App
 from orchestrator.lifecycle.background_sync import BackgroundSyncs
 from orchestrator.lifecycle.reconcile import Reconciler
-from orchestrator.remote.sync import run_transfer, stop_transfers
+from orchestrator.remote.sync import end_orphaned_transfers, run_transfer, stop_transfers
 
 
 def test_a_sync_runs_on_a_thread_and_is_taken_once_when_it_has_finished() -> None:
@@ -220,3 +221,35 @@ def test_a_daemon_that_loses_its_database_lock_ends_its_transfers_and_writes_not
         assert time.monotonic() < deadline, "a transfer outlived the daemon that lost its lock"
         time.sleep(0.02)
     app.close()
+
+
+def test_transfers_of_a_process_killed_outright_are_ended_by_the_next_daemon_and_a_live_ones_are_not(
+        tmp_path: Path) -> None:
+    # SIGKILL or the OOM killer: the daemon could not end its rsyncs, which wrote on into the staging directories
+    # the next daemon's pulls write too (and a pull could move one into place while an orphan still wrote into it).
+    records = tmp_path / "transfers"
+    pidfiles = {name: tmp_path / f"{name}.pid" for name in ("killed", "alive")}
+    starter = ("import sys, time; from pathlib import Path; from orchestrator.remote import sync; "
+               "sync.record_transfers_in(Path(sys.argv[1])); "
+               "sync.run_transfer(['sh', '-c', f'sleep 60 & echo $! > {sys.argv[2]}; wait'])")
+    owners = {name: subprocess.Popen([sys.executable, "-c", starter, str(records), str(pidfile)])
+              for name, pidfile in pidfiles.items()}
+    deadline = time.monotonic() + 30
+    while not all(p.exists() and p.read_text().strip() for p in pidfiles.values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    children = {name: int(p.read_text()) for name, p in pidfiles.items()}
+    owners["killed"].kill()
+    owners["killed"].wait(10)
+    assert _alive(children["killed"])  # its transfer outlived it, in a session of its own
+    try:
+        assert end_orphaned_transfers(records) == 1
+        deadline = time.monotonic() + 5
+        while _alive(children["killed"]):
+            assert time.monotonic() < deadline, "the orphaned transfer was not ended"
+            time.sleep(0.02)
+        assert _alive(children["alive"]) and len(list(records.glob("*.json"))) == 1  # a live process's own
+    finally:
+        owners["alive"].kill()
+        owners["alive"].wait(10)
+        end_orphaned_transfers(records)

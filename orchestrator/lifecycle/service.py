@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from sqlalchemy import func, select
 
 from orchestrator.app import App
@@ -16,7 +18,9 @@ def build_reconciler(app: App, before: Reconciler | None = None) -> Reconciler:
     """The reconciler for `app`'s config. An enabled provider that cannot be used is said (`provider.unavailable`),
     unless `before` (the reconciler a config reload replaces) already had it unusable for the same reason."""
     from orchestrator.lifecycle.cloud_steps import CloudSteps
+    from orchestrator.remote import sync
 
+    sync.record_transfers_in(transfers_dir(app))  # a process killed outright leaves its rsyncs to the next daemon
     slots = build(app.config, orchestrator_id=app.orchestrator_id, sink=app.events.provider_sink)
     unavailable = {slot.name: slot.problem or "" for slot in slots.values() if slot.enabled and slot.provider is None}
     said = before.unavailable if before is not None else {}
@@ -27,6 +31,11 @@ def build_reconciler(app: App, before: Reconciler | None = None) -> Reconciler:
     reconciler = Reconciler(app, providers, cloud=CloudSteps(app, providers) if providers else None)
     reconciler.unavailable = unavailable
     return reconciler
+
+
+def transfers_dir(app: App) -> Path:
+    """Where the running transfers (rsync) of this state's processes are written down (`sync.record_transfers_in`)."""
+    return app.config.state_dir / "transfers"
 
 
 def has_active_work(app: App) -> bool:

@@ -391,6 +391,60 @@ _STAT_LINE = re.compile(r"^(Total bytes sent|Total bytes received|Number of regu
 # the next daemon's pull of the same checkpoint writes too.
 _RUNNING: set[subprocess.Popen[str]] = set()
 _RUNNING_LOCK = threading.Lock()
+# Where each running transfer is written down, with the process that started it (`record_transfers_in`): a daemon
+# killed outright (SIGKILL, the OOM killer) cannot end its rsyncs, and the next one ends them from there.
+_RECORDS: Path | None = None
+
+
+def record_transfers_in(directory: Path) -> None:
+    """Write each transfer this process starts under `directory` while it runs (`end_orphaned_transfers`)."""
+    global _RECORDS
+    directory.mkdir(parents=True, exist_ok=True)
+    _RECORDS = directory
+
+
+def end_orphaned_transfers(directory: Path) -> int:
+    """End the transfers written down under `directory` whose process is gone but which still run: left by a daemon
+    or a revert-local killed outright, they wrote on into the staging directories this process's pulls of the same
+    checkpoints write, and a pull could move one into place while an orphan still wrote into it. A transfer of a
+    process still alive (a revert-local beside this daemon) is left alone. Returns how many it ended."""
+    ended = 0
+    for record in directory.glob("*.json") if directory.is_dir() else []:
+        try:
+            seen = json.loads(record.read_text())
+            owner, transfer = (int(seen["owner"]), seen["owner_start"]), (int(seen["pid"]), seen["start"])
+        except (OSError, ValueError, KeyError, TypeError):
+            record.unlink(missing_ok=True)
+            continue
+        if _started_at(owner[0]) == owner[1]:
+            continue  # its process runs: its own
+        if _started_at(transfer[0]) == transfer[1]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(transfer[0], signal.SIGTERM)
+                ended += 1
+        record.unlink(missing_ok=True)
+    return ended
+
+
+def _started_at(pid: int) -> str | None:
+    """The process's start time since boot (/proc/PID/stat's 22nd field), which a reused pid does not share; None
+    for none."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat_line.rsplit(")", 1)[-1].split()[19]
+
+
+def _record(proc: subprocess.Popen[str]) -> Path | None:
+    if _RECORDS is None:
+        return None
+    path = _RECORDS / f"{os.getpid()}-{proc.pid}.json"
+    with contextlib.suppress(OSError):
+        path.write_text(json.dumps({"owner": os.getpid(), "owner_start": _started_at(os.getpid()),
+                                    "pid": proc.pid, "start": _started_at(proc.pid)}))
+        return path
+    return None
 
 
 def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, str] | None = None
@@ -402,6 +456,7 @@ def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, st
                             start_new_session=True)
     with _RUNNING_LOCK:
         _RUNNING.add(proc)
+    record = _record(proc)
     try:
         out, err = proc.communicate(stdin)
     except BaseException:  # interrupted (Ctrl-C in a foreground command): its group does not outlive it
@@ -411,6 +466,8 @@ def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, st
     finally:
         with _RUNNING_LOCK:
             _RUNNING.discard(proc)
+        if record is not None:
+            record.unlink(missing_ok=True)
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
