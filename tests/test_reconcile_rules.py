@@ -940,17 +940,18 @@ def test_local_only_runs_here_late_the_jobs_that_fit_and_never_decides_them_back
     app.close()
 
 
-def _running_on_the_cloud(app: App, tmp_path: Path, instance_id: str | None = None
-                          ) -> tuple[str, Callable[[], dict[str, Any]]]:
-    """A job with a cloud attempt running (on `instance_id`; none: no instance behind it), and a reader of that
-    attempt's row as it is now."""
+def _running_on_the_cloud(app: App, tmp_path: Path, instance_id: str | None = None, *,
+                          started_ago_s: float | None = None) -> tuple[str, Callable[[], dict[str, Any]]]:
+    """A job with a cloud attempt running (on `instance_id`; none: no instance behind it; started `started_ago_s`
+    ago), and a reader of that attempt's row as it is now."""
     job_id, _, _ = enqueue(app, write_job(tmp_path, "running", local_throughput=0, rented_throughput={"H100": 2.0}))
     with app.store.tx() as c:
         app.store.update_job(job_id, c, state="running")
         c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
                                             provider="sim", instance_type="gpu_1x_h100", market="spot",
                                             instance_id=instance_id, idempotency_key="k1", info={},
-                                            created_at=time.time()))
+                                            created_at=time.time(),
+                                            started_at=None if started_ago_s is None else time.time() - started_ago_s))
 
     def attempt() -> dict[str, Any]:
         with app.store.engine.connect() as c:
@@ -1181,11 +1182,7 @@ def test_a_loss_waits_for_the_sync_under_way_so_what_it_brings_home_is_not_lost_
     # counted an hour of work lost that the pull then brought home, and its successor took over while the pull
     # still held the job's checkpoint store.
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, attempt = _running_on_the_cloud(app, tmp_path)
-    an_hour_ago = time.time() - 3600
-    with app.store.tx() as c:
-        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(
-            instance_id="i-1", started_at=an_hour_ago))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=3600)
 
     class Reclaimed(_Stoppable):
         def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
@@ -1215,9 +1212,7 @@ def test_a_run_lost_on_an_instance_still_there_brings_what_it_wrote_home_before_
     # The trainer was stopped outside burstctl (an OOM kill, a reboot): the instance answers, with up to half a
     # checkpoint interval written since the last sync. Terminated at once, that work went with it.
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
-    with app.store.tx() as c:
-        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(started_at=time.time() - 3600))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=3600)
     cloud = _Stoppable()  # its trainer says it was terminated, not by burstctl
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
@@ -1239,9 +1234,7 @@ def test_work_since_a_checkpoint_counts_from_when_the_trainer_wrote_it_not_from_
     # Synced every half interval, a checkpoint comes home up to that long after it was written: counted from the
     # pull, the work lost at a reclaim, and the unsaved hours the spot policy's safety net weighs, read too little.
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
-    with app.store.tx() as c:
-        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(started_at=time.time() - 3600))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=3600)
     written = time.time() - 1200
 
     def sync_beside(att: dict[str, Any], job: dict[str, Any], *, outputs: bool = False) -> SyncDone:
