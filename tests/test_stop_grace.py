@@ -155,3 +155,13 @@ def test_a_rehearsal_gives_the_trainer_the_jobs_grace(tmp_path: Path) -> None:
     forced = tmp_path / "forced.toml"
     forced.write_text(rehearsal_spec(spec, tmp_path / "rehearsed.toml"))
     assert jobspec.load_job(forced)[0].checkpoint.stop_grace_s == 90.0
+
+
+def test_revert_local_waits_long_enough_for_the_longest_grace_among_the_running_jobs() -> None:
+    # Cut short at 180 s, a 10-minute grace's last checkpoint was terminated half written by the sweep.
+    from orchestrator.lifecycle.revert import default_timeout_s
+
+    assert default_timeout_s([], {}) == 180.0
+    running = [{"job_id": "j1"}, {"job_id": "j2"}]
+    assert default_timeout_s(running, {"j1": {}, "j2": {"checkpoint": {"stop_grace_s": 30.0}}}) == 180.0
+    assert default_timeout_s(running, {"j1": {}, "j2": {"checkpoint": {"stop_grace_s": 600.0}}}) == 600 + 30 + 120

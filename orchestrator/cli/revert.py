@@ -13,12 +13,13 @@ from orchestrator.lifecycle.service import build_reconciler
 
 
 @cli.command("revert-local")
-@click.option("--timeout", "timeout_s", type=FiniteFloat(min=1), default=180.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=FiniteFloat(min=1), default=None,
               help="Bound on waiting for the last checkpoints and terminations (a last pull under way then is let "
-                   "finish, and its instance goes after it).")
+                   "finish, and its instance goes after it). Default: 180 s, or a running job's "
+                   "checkpoint.stop_grace_s and 150 s when that is longer.")
 @json_option
 @pass_app
-def revert_local_cmd(app: App, timeout_s: float, as_json: bool) -> None:
+def revert_local_cmd(app: App, timeout_s: float | None, as_json: bool) -> None:
     """Go back to local-only in one command: stop launching, bring checkpoints home, terminate every owned
     instance (orphans too), requeue bursted jobs locally. Works with or without the daemon running: a running daemon
     winds its cloud attempts down itself at its next tick, and this waits for it.

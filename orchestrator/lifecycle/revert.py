@@ -26,6 +26,7 @@ from sqlalchemy import insert, select, update
 from orchestrator.app import BURST_ENABLED_KEY, App
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.finish import REQUEUED_LOCAL, requeued_local_reason
+from orchestrator.lifecycle.local import stop_wait_s
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.states import JobState
@@ -112,7 +113,18 @@ def restore_plans(app: App) -> list[str]:
     return restored
 
 
-def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0,
+DEFAULT_TIMEOUT_S = 180.0  # a stop's wait for its last checkpoint (60 s by default), then its pull and termination
+PULL_AND_TERMINATE_S = DEFAULT_TIMEOUT_S - 60.0
+
+
+def default_timeout_s(active: list[dict[str, Any]], specs: dict[str, dict[str, Any]]) -> float:
+    """180 s, or longer for a job whose trainer is given longer for its last checkpoint (checkpoint.stop_grace_s):
+    cut short at 180 s, a 10-minute grace's checkpoint was terminated half written."""
+    return max([DEFAULT_TIMEOUT_S, *(stop_wait_s(specs.get(att["job_id"]) or {}) + PULL_AND_TERMINATE_S
+                                     for att in active)])
+
+
+def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float | None = None,
                  daemon_running: bool = False) -> RevertReport:
     """`daemon_running`: a daemon runs on this state, and winds the cloud attempts down itself once it reads the
     switch (at its next tick); this process then waits for it instead of stepping them too: two processes stepping
@@ -124,9 +136,11 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float = 180.0,
     # made, so what runs there of its own has an attempt not yet ended or an instance not confirmed gone.
     for name in [n for n in report.not_swept if not _may_hold_ours(app, n)]:
         report.nothing_there[name] = report.not_swept.pop(name)
-    deadline = time.monotonic() + timeout_s
-
     active = _active_cloud_attempts(app)
+    if timeout_s is None:
+        timeout_s = default_timeout_s(active, {a["job_id"]: (app.store.get_job(a["job_id"]) or {}).get("spec") or {}
+                                               for a in active})
+    deadline = time.monotonic() + timeout_s
     if daemon_running:
         report.rows.extend(_wait_for_daemon(app, reconciler, active, deadline, report))
     else:
