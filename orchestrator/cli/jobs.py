@@ -379,8 +379,13 @@ def budget_cmd(app: App, as_json: bool) -> None:
     view = BudgetView(month, cfg.budget.monthly_cap_usd, app.store.month_spend(month, now), cycles, spot, od)
     # Running instances go on billing until stopped: the daemon keeps what stopping them takes out of "left" before
     # it launches anything new, so a launch can be refused with money seemingly left.
+    from orchestrator.lifecycle.local import stop_grace_s
+
     accruing = sum(r["rate_usd_h"] for r in rows if r["ended_at"] is None)
-    kept = accruing * stop_horizon_h(daemon_tick_s(app))
+    tick_s = daemon_tick_s(app)
+    kept = sum(r["rate_usd_h"] * stop_horizon_h(tick_s, stop_grace_s((app.store.get_job(r["job_id"] or "") or {})
+                                                                     .get("spec") or {}))
+               for r in rows if r["ended_at"] is None)  # each its job's grace too, as the daemon keeps it
     # What new cycles can have: less what admitted jobs' plans hold and what stopping the running ones takes.
     held = held_by_plans(app, now)
     free = BudgetView(month, view.cap_usd, view.spent_usd + held.usd + kept, cycles, spot, od)

@@ -51,10 +51,14 @@ def cycle_prices(cycle_gpu_hours: float, od_usd_per_gpu_h: float,
     return spot, cycle_gpu_hours * od_usd_per_gpu_h
 
 
-def stop_horizon_h(tick_s: float) -> float:
+DEFAULT_GRACE_S = 30.0  # a trainer's time for its last checkpoint unless its job says (checkpoint.stop_grace_s)
+
+
+def stop_horizon_h(tick_s: float, grace_s: float = DEFAULT_GRACE_S) -> float:
     """How long a stop may take to end the spending: three ticks to notice and act, 120 s to checkpoint, sync and
-    terminate (also covers a daemon down for less than 120 s). Every running instance is reserved this long."""
-    return (3 * tick_s + 120) / 3600.0
+    terminate (also covers a daemon down for less than 120 s), and a job's longer grace for its last checkpoint
+    beyond that. Every running instance is reserved this long."""
+    return (3 * tick_s + 120 + max(0.0, grace_s - DEFAULT_GRACE_S)) / 3600.0
 
 
 def admits(projected_usd: float, cap_usd: float, spent_usd: float, held: Held | None = None) -> tuple[bool, str]:

@@ -10,6 +10,7 @@ called once it took over.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 A = AttemptState
 
 
-def no_room(rec: Reconciler, now: float, *, rate_usd_h: float, minimum_s: float, expected_h: float = 0.0
-            ) -> str | None:
+def no_room(rec: Reconciler, now: float, *, rate_usd_h: float, minimum_s: float, expected_h: float = 0.0,
+            spec: Mapping[str, Any] | None = None) -> str | None:
     """Why a second cloud attempt for a job may not be launched now (beside the one running), or None: it would
     be one cloud attempt more than `daemon.max_cloud_attempts` allows, or its billing minimum and the work expected
     of it would not fit the budget."""
@@ -34,7 +35,7 @@ def no_room(rec: Reconciler, now: float, *, rate_usd_h: float, minimum_s: float,
     running = rec.attempts_active("cloud")
     if running >= cap:
         return f"{running} cloud attempts run, max_cloud_attempts is {cap}"
-    return rec.budget_problem(now, rate_usd_h=rate_usd_h, minimum_s=minimum_s, expected_h=expected_h)
+    return rec.budget_problem(now, rate_usd_h=rate_usd_h, minimum_s=minimum_s, expected_h=expected_h, spec=spec)
 
 
 def wait_or_take_over(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provider: Provider, *,
@@ -63,7 +64,7 @@ def wait_or_take_over(rec: Reconciler, att: dict[str, Any], job: dict[str, Any],
     if why_not is None:
         why_not = rec.budget_problem(rec.clock(), rate_usd_h=float(att["info"].get("rate_usd_h") or 0.0),
                                      minimum_s=float(att["info"].get("billing_minimum_s", 60.0)),
-                                     expected_h=rec._expected_remaining_h(fresh))
+                                     expected_h=rec._expected_remaining_h(fresh), spec=fresh["spec"])
     if why_not is not None:
         return why_not
     with rec.store.tx() as conn:

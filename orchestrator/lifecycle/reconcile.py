@@ -30,7 +30,7 @@ from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.background_sync import BackgroundSyncs, SyncDone
 from orchestrator.lifecycle.finish import exit_reason, requeued_local_reason
 from orchestrator.lifecycle.homes import job_outputs_dir
-from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_wait_s
+from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_grace_s, stop_wait_s
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
 from orchestrator.lifecycle.market_switch import (
     TO_ON_DEMAND,
@@ -892,30 +892,36 @@ class Reconciler:
         return None
 
     # --- the budget: month-to-date spend never crosses budget.monthly_cap_usd (tests/test_budget_property.py) --
-    def budget_horizon_h(self) -> float:
-        """How long a stop may take to end the spending (`budget.stop_horizon_h`)."""
-        return stop_horizon_h(self.tick_s)
+    def budget_horizon_h(self, spec: Mapping[str, Any] | None = None) -> float:
+        """How long a stop of a job with `spec` may take to end the spending (`budget.stop_horizon_h`, with the
+        job's grace for its last checkpoint)."""
+        return stop_horizon_h(self.tick_s, stop_grace_s(spec or {}))
 
-    def budget_exposure(self, now: float) -> dict[str, tuple[float, float]]:
-        """Per month that can still grow: (USD committed, USD/h still accruing). Committed counts closed
-        charges at cost and open ones at no less than their billing minimum (what stopping now would cost). An
-        open charge counts against the month it opened in, even after the calendar has moved on."""
+    def budget_exposure(self, now: float) -> dict[str, tuple[float, float, float]]:
+        """Per month that can still grow: (USD committed, USD/h still accruing, USD kept for the running instances
+        to stop: each one's rate over its job's stop horizon). Committed counts closed charges at cost and open
+        ones at no less than their billing minimum (what stopping now would cost). An open charge counts against
+        the month it opened in, even after the calendar has moved on."""
         with self.store.engine.connect() as c:
             open_months = {r[0] for r in c.execute(select(s.ledger.c.month).where(s.ledger.c.ended_at.is_(None)))}
             months = open_months | {month_key(now)}
             rows = c.execute(select(s.ledger, s.attempts.c.info).select_from(
                 s.ledger.outerjoin(s.attempts, s.attempts.c.id == s.ledger.c.attempt_id))
                 .where(s.ledger.c.month.in_(sorted(months)))).mappings().all()
-        out = {m: (0.0, 0.0) for m in months}
+            running = {r["job_id"] for r in rows if r["cost_usd"] is None and r["job_id"]}
+            specs = {j: spec for j, spec in c.execute(select(s.jobs.c.id, s.jobs.c.spec).where(
+                s.jobs.c.id.in_(sorted(running))))} if running else {}
+        out = {m: (0.0, 0.0, 0.0) for m in months}
         for r in rows:
-            committed, accruing = out[r["month"]]
+            committed, accruing, kept = out[r["month"]]
             if r["cost_usd"] is not None:
                 committed += r["cost_usd"]
             else:
                 minimum_s = float((r["info"] or {}).get("billing_minimum_s", 0.0))
                 committed += r["rate_usd_h"] * max(minimum_s, now - r["started_at"]) / 3600.0
                 accruing += r["rate_usd_h"]
-            out[r["month"]] = (committed, accruing)
+                kept += r["rate_usd_h"] * self.budget_horizon_h(specs.get(r["job_id"]))
+            out[r["month"]] = (committed, accruing, kept)
         return out
 
     def _budget_still_short(self, job: dict[str, Any], now: float) -> bool:
@@ -925,30 +931,30 @@ class Reconciler:
         if not refused:
             return False
         return self.budget_problem(now, rate_usd_h=float(refused["rate_usd_h"]), minimum_s=float(refused["minimum_s"]),
-                                   expected_h=self._expected_remaining_h(job)) is not None
+                                   expected_h=self._expected_remaining_h(job), spec=job["spec"]) is not None
 
     def launch_budget_problem(self, job: dict[str, Any], offer: Offer, market: Market, now: float) -> str | None:
         """Why the budget refuses launching `job` on `offer` and `market` now (its rate, its billing minimum and
         the hours of work left to it), or None."""
         return self.budget_problem(now, rate_usd_h=offer.rate_usd_h(market), minimum_s=offer.billing_minimum_s,
-                                   expected_h=self._expected_remaining_h(job))
+                                   expected_h=self._expected_remaining_h(job), spec=job["spec"])
 
     def budget_problem(self, now: float, *, rate_usd_h: float = 0.0, minimum_s: float = 0.0,
-                       expected_h: float = 0.0) -> str | None:
+                       expected_h: float = 0.0, spec: Mapping[str, Any] | None = None) -> str | None:
         """Why spending must not go on (or a launch at `rate_usd_h` must not start), or None. Every running
         instance may go on accruing for one stop horizon after this check, so that is reserved for all of them;
         a new one must also fit its billing minimum and the work expected of it."""
         cap = self.cfg.budget.monthly_cap_usd
-        horizon_h = self.budget_horizon_h()
+        horizon_h = self.budget_horizon_h(spec)
         this_month = month_key(now)
-        for month, (committed, accruing) in sorted(self.budget_exposure(now).items()):
-            reserved = committed + accruing * horizon_h
+        for month, (committed, accruing, kept) in sorted(self.budget_exposure(now).items()):
+            reserved = committed + kept
             if month == this_month and rate_usd_h > 0:
                 new_h = max(expected_h, minimum_s / 3600.0) + horizon_h
                 left = cap - reserved
                 if rate_usd_h * new_h > left + 1e-9:
                     # Every term named: the decision's projection (plan hours at the configured price) is smaller.
-                    running = f", ${accruing * horizon_h:.2f} kept for the running ones to stop" if accruing else ""
+                    running = f", ${kept:.2f} kept for the running ones to stop" if accruing else ""
                     hours = max(expected_h, minimum_s / 3600.0)
                     return (f"budget: ${rate_usd_h * new_h:.2f} projected for the rest ({hours:.3g} h at today's "
                             f"${rate_usd_h:.2f}/h, plus {horizon_h * 3600:.0f} s to stop) exceeds the "

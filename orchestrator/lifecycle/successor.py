@@ -61,7 +61,7 @@ def launch_successor(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], 
     provider_name, offer, market, facts = choice
     rate = offer.rate_usd_h(market)
     if no_room(rec, now, rate_usd_h=rate, minimum_s=offer.billing_minimum_s,
-               expected_h=rec._expected_remaining_h(job)) is not None:
+               expected_h=rec._expected_remaining_h(job), spec=job["spec"]) is not None:
         return None
     regions: list[str] = []
     if market is Market.SPOT:
