@@ -969,7 +969,7 @@ def _running_on_the_cloud(app: App, tmp_path: Path, instance_id: str | None = No
         app.store.update_job(job_id, c, state="running")
         c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="running",
                                             provider="sim", instance_type="gpu_1x_h100", market="spot",
-                                            instance_id=instance_id, idempotency_key="k1", info={},
+                                            instance_id=instance_id, idempotency_key=f"{job_id}-k1", info={},
                                             created_at=time.time(),
                                             started_at=None if started_ago_s is None else time.time() - started_ago_s))
 
@@ -1417,6 +1417,54 @@ def test_with_a_daemon_running_revert_local_waits_for_it_to_wind_down_and_steps_
     (row,) = again.rows
     assert (row.terminated, row.checkpoint) == ("yes", "step-00000050") and again.daemon_winding_down == []
     assert job_id in again.held + again.requeued_local
+    app.close()
+
+
+def test_beside_a_daemon_that_has_the_keys_revert_local_from_a_keyless_shell_reports_what_the_daemon_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The README's own setup: the API key in the systemd env file only. The shell recorded the daemon's instances
+    # as unverified (for the daemon's sweep to terminate, under a pull) and exited 1 after a clean wind-down.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    _, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
+    app.store.set_setting("cloud_health", {"sim": {"ok": True}})  # the daemon uses sim
+    shell = Reconciler(app, {}, cloud=None)
+    shell.unavailable = {"sim": "no API key"}
+    daemon = _Stoppable()
+    ticking = Reconciler(app, {"sim": daemon}, cloud=daemon)  # type: ignore[dict-item, arg-type]
+    monkeypatch.setattr(ticking, "_sync_beside", _last_checkpoint_beside(ticking, app, lambda: None))
+    stop = threading.Event()
+
+    def ticks() -> None:
+        while not stop.is_set():
+            ticking.tick()
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=ticks)
+    thread.start()
+    try:
+        report = revert.revert_local(app, shell, timeout_s=30, daemon_running=True)
+    finally:
+        stop.set()
+        thread.join()
+    assert attempt()["state"] == "aborted" and daemon.terminated == ["i-1"]
+    (row,) = report.rows
+    assert (row.terminated, row.checkpoint) == ("yes", "step-00000050") and report.all_gone
+    assert report.daemon_sweeps == {"sim": "no API key"} and report.not_swept == {}
+    with app.store.engine.connect() as c:
+        assert c.execute(select(s.instances.c.id).where(s.instances.c.state == "unverified")).all() == []
+    ticking.close(wait_s=0)
+
+    # A daemon that cannot use the provider would never end an attempt there: this shell winds it down itself.
+    (tmp_path / "second").mkdir()
+    _, attempt2 = _running_on_the_cloud(app, tmp_path / "second", "i-2")
+    app.store.set_setting("cloud_health", {})
+    mine = _Stoppable()
+    here = Reconciler(app, {"sim": mine}, cloud=mine)  # type: ignore[dict-item, arg-type]
+    monkeypatch.setattr(here, "_sync_beside", _last_checkpoint_beside(here, app, lambda: None))
+    again = revert.revert_local(app, here, timeout_s=30, daemon_running=True)
+    assert mine.terminated == ["i-2"] and attempt2()["state"] == "aborted" and again.daemon_winding_down == []
+    here.close(wait_s=0)
+    shell.close(wait_s=0)
     app.close()
 
 

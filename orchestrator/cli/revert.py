@@ -59,6 +59,8 @@ def revert_local_cmd(app: App, timeout_s: float | None, as_json: bool) -> None:
                       "(`burstctl status`; run revert-local again to confirm)")
         for name, why in report.not_swept.items():
             out.print(f"{name}: not asked what runs there: {why}")
+        for name, why in report.daemon_sweeps.items():
+            out.print(f"{name}: not asked from here ({why}); the running daemon, which uses it, sweeps it")
         for name, why in report.nothing_there.items():
             out.print(f"{name}: not asked ({why}), and nothing of this installation's can run there")
         for name in report.unreachable:

@@ -62,6 +62,9 @@ class RevertReport:
     # Enabled providers this process cannot use either, but on which nothing of this installation's can run: every
     # attempt there has ended and every instance is confirmed gone. Said, not a failure.
     nothing_there: dict[str, str] = field(default_factory=dict)
+    # Enabled providers this process cannot use but the running daemon does (its keys in its own environment): it
+    # ended their attempts, and its sweep (every daemon.sweep_s) terminates anything else of ours there.
+    daemon_sweeps: dict[str, str] = field(default_factory=dict)
 
     @property
     def left(self) -> list[RevertRow]:
@@ -77,6 +80,7 @@ class RevertReport:
                 "held_until_burst_enable": self.held,
                 "unreachable_providers": self.unreachable, "not_swept": self.not_swept,
                 "daemon_winding_down": self.daemon_winding_down, "not_asked_nothing_there": self.nothing_there,
+                "not_asked_daemon_sweeps": self.daemon_sweeps,
                 "left": [r.as_dict() for r in self.left], "all_gone": self.all_gone}
 
 
@@ -141,13 +145,17 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float | None = 
         timeout_s = default_timeout_s(active, {a["job_id"]: (app.store.get_job(a["job_id"]) or {}).get("spec") or {}
                                                for a in active})
     deadline = time.monotonic() + timeout_s
-    if daemon_running:
-        report.rows.extend(_wait_for_daemon(app, reconciler, active, deadline, report))
-    else:
-        report.rows.extend(_wind_down(app, reconciler, active, deadline, report))
+    # The daemon's to wind down: on the providers it uses (an attempt on one it cannot use would never end there).
+    daemons = _daemon_providers(app) if daemon_running else set()
+    theirs = [a for a in active if daemons is None or a["provider"] in daemons]
+    report.rows.extend(_wind_down(app, reconciler, [a for a in active if a not in theirs], deadline, report))
+    report.rows.extend(_wait_for_daemon(app, reconciler, theirs, deadline, report))
+    for name in [n for n in report.not_swept if daemons is None or n in daemons]:
+        report.daemon_sweeps[name] = report.not_swept.pop(name)  # with its own credentials, every sweep_s
     # The daemon's own, still under way (and any it launched since): its to end, not this sweep's.
-    held = {(a["provider"], a["instance_id"]) for a in _active_cloud_attempts(app)} if daemon_running else set()
-    held_attempts = {a["id"] for a in _active_cloud_attempts(app)} if daemon_running else set()
+    still = [a for a in _active_cloud_attempts(app) if daemons is None or a["provider"] in daemons]
+    held = {(a["provider"], a["instance_id"]) for a in still}
+    held_attempts = {a["id"] for a in still}
 
     # Sweep: anything owned and alive, known to the database or not.
     seen = {(r.provider, r.instance) for r in report.rows} | held
@@ -194,6 +202,12 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float | None = 
     return report
 
 
+def _daemon_providers(app: App) -> set[str] | None:
+    """The providers the running daemon uses, as it last said (`cloud_health`); None when it has not said yet."""
+    health = app.store.get_setting("cloud_health")
+    return None if health is None else set(health)
+
+
 def _may_hold_ours(app: App, provider: str) -> bool:
     """Whether something this installation launched may still run on `provider`."""
     with app.store.engine.connect() as c:
@@ -221,7 +235,7 @@ def _wait_for_daemon(app: App, rec: Reconciler, active: list[dict[str, Any]], de
         if waiting:
             time.sleep(0.5)
     report.daemon_winding_down = sorted(waiting)
-    return [_wound_down(app, rec, att, report) for att in active]
+    return [_wound_down(app, rec, att, report, by_daemon=True) for att in active]
 
 
 OVERTIME_TERMINATE_S = 30.0  # after a last pull let finish past the deadline: its instance's termination, confirmed
@@ -278,9 +292,16 @@ def _wind_down(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline
     return [_wound_down(app, rec, att, report) for att in active]
 
 
-def _wound_down(app: App, rec: Reconciler, att: dict[str, Any], report: RevertReport) -> RevertRow:
-    """The report's row for an attempt `_wind_down` stepped (or could not)."""
-    if att["provider"] not in rec.providers:
+def _wound_down(app: App, rec: Reconciler, att: dict[str, Any], report: RevertReport, *,
+                by_daemon: bool = False) -> RevertRow:
+    """The report's row for an attempt `_wind_down` stepped (or could not), or, `by_daemon`, that the running daemon
+    winds down: what it ended is said as ended, whether this shell could use its provider or not, and what it has
+    not ended yet is its to end, recorded as nothing for a sweep to terminate."""
+    if by_daemon:
+        current = _attempt(app, att["id"])
+        if not AttemptState(current["state"]).final:
+            return RevertRow(att["job_id"], att["provider"], current["instance_id"], _last_synced(app, att), "no")
+    elif att["provider"] not in rec.providers:
         if att["instance_id"]:
             _record_instance(app, att["provider"], att["instance_id"], att["id"], "unverified")
         return RevertRow(att["job_id"], att["provider"], att["instance_id"], None, "unverified")
@@ -292,8 +313,6 @@ def _wound_down(app: App, rec: Reconciler, att: dict[str, Any], report: RevertRe
         if rec.cloud is not None:  # local-only from now on: S3 keeps nothing that what is home supersedes
             job = app.store.get_job(att["job_id"]) or {"id": att["job_id"], "state": "running", "spec": {}}
             rec.cloud.release_s3(current, job)
-    elif att["id"] in report.daemon_winding_down:
-        status = "no"  # the daemon's still, which ends it: not recorded as one for the sweeps to terminate
     else:
         status = "unverified" if att["provider"] in report.unreachable or att["provider"] in report.not_swept else "no"
         if current["instance_id"]:
