@@ -80,7 +80,8 @@ CONFIG_SEEN_KEY = "daemon_config"
 def config_fingerprint(cfg: Config) -> dict[str, Any]:
     """Which config file, and a digest of the settings read from it (names of secrets only, never values)."""
     digest = hashlib.sha256(cfg.model_dump_json(exclude={"source"}).encode()).hexdigest()
-    return {"source": str(cfg.source) if cfg.source else None, "sha256": digest}
+    # Resolved: `status` in another directory compares it with the file it read itself.
+    return {"source": str(Path(cfg.source).resolve()) if cfg.source else None, "sha256": digest}
 
 
 def _record_tick(app: App, tick_s: float) -> None:

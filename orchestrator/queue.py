@@ -10,6 +10,7 @@ import bisect
 import functools
 import heapq
 import math
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -161,11 +162,24 @@ def _ago(age_s: float) -> str:
 SELLS_SPOT = ("sim", "ec2")
 
 
+def _may_be_used(cfg: Config, name: str) -> bool:
+    """Whether an enabled provider's credentials may be at hand (simcloud, enabled by default, has none on a machine
+    that rents from Lambda Cloud; alone, it is the embedded default, planned on as it is). EC2's credential chain is
+    not walked here: counted as at hand."""
+    if name != "sim":
+        return True
+    sim = cfg.providers.sim
+    key_file = sim.api_key_file
+    if os.environ.get(sim.api_key_env):
+        return True
+    return key_file is not None and Path(os.path.expandvars(key_file)).expanduser().is_file()
+
+
 def reference_offers(cfg: Config) -> dict[str, GpuOffer]:
     """[prices], for what no provider has listed lately. Its spot figure only where an enabled provider sells spot:
     planned on spot at Lambda Cloud, a job would have been held and approved at a third of what it then pays."""
     enabled = enabled_providers(cfg)
-    spot = not enabled or any(name in SELLS_SPOT for name in enabled)
+    spot = enabled in ([], ["sim"]) or any(name in SELLS_SPOT and _may_be_used(cfg, name) for name in enabled)
     return {gpu: GpuOffer(gpu, p.on_demand_usd_h, p.spot_usd_h if spot else None, p.vram_gib * 2**30 / 1e9)
             for gpu, p in cfg.prices.items()}
 

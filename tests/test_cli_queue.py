@@ -128,9 +128,12 @@ def test_with_only_lambda_cloud_enabled_and_nothing_listed_yet_a_burst_is_planne
     job = str(write_job(tmp_path, "big", local_throughput=0, rented_throughput={"H100": 0.17}, deadline_hours=48))
     d = json.loads(burstctl("--config", str(cfg), "decide", job, "--json").stdout)
     assert [p["market"] for p in d["plan"]] == ["on-demand"] and d["plan_cost_usd"] == pytest.approx(19.15, abs=0.01)
-    cfg.write_text("[providers.lambda]\nenabled = true\n")  # with simcloud too, spot is for sale
-    d = json.loads(burstctl("--config", str(cfg), "decide", job, "--json").stdout)
+    # simcloud is enabled by default: with its key at hand spot is for sale; without one, simcloud is no cloud.
+    cfg.write_text("[providers.lambda]\nenabled = true\n")
+    d = json.loads(burstctl("--config", str(cfg), "decide", job, "--json", env={"BURSTCTL_SIM_API_KEY": "k"}).stdout)
     assert [p["market"] for p in d["plan"]] == ["spot"]
+    d = json.loads(burstctl("--config", str(cfg), "decide", job, "--json", env={"BURSTCTL_SIM_API_KEY": ""}).stdout)
+    assert [p["market"] for p in d["plan"]] == ["on-demand"]
 
 
 def test_a_job_file_without_a_checkpoint_table_is_taken_as_one_that_does_not_resume(burstctl, tmp_path: Path) -> None:
@@ -957,13 +960,18 @@ def test_status_names_the_config_file_it_read(burstctl, tmp_path: Path) -> None:
 
 
 def test_status_says_when_the_running_daemon_read_another_config_file_than_this_command(
-        burstctl, tmp_path: Path) -> None:
+        burstctl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A daemon under systemd reads ~/.config/burstctl/config.toml while the CLI reads ./burstctl.toml: it plans
     # with other settings, on the same state, and nothing said so.
-    from orchestrator.daemon import CONFIG_SEEN_KEY, DaemonLock
+    from orchestrator.daemon import CONFIG_SEEN_KEY, DaemonLock, config_fingerprint
 
     ours = tmp_path / "burstctl.toml"
     ours.write_text("")
+    # A daemon that found ./burstctl.toml records it resolved: status elsewhere compares it with its own file.
+    monkeypatch.chdir(tmp_path)
+    relative = App(config_path="burstctl.toml", state_dir_override=str(tmp_path / "elsewhere"))
+    assert config_fingerprint(relative.config)["source"] == str(ours.resolve())
+    relative.close()
     burstctl("status")  # makes the state
     app = App(config_path=str(ours), state_dir_override=str(burstctl.state_dir))
     app.store.set_setting(CONFIG_SEEN_KEY, {"source": str(tmp_path / "other.toml"), "sha256": "x"})

@@ -535,8 +535,10 @@ def test_status_says_when_the_config_file_changed_since_the_daemon_read_it(tmp_p
     assert not _config_changed(App(config_path=str(cfg), state_dir_override=str(tmp_path / "state")))
     cfg.write_text("[budget]\nmonthly_cap_usd = 100.0\n")  # raised while it runs
     assert _config_changed(App(config_path=str(cfg), state_dir_override=str(tmp_path / "state")))
-    # Another config file than the daemon's (status run without --config) says nothing about the daemon's.
-    assert not _config_changed(App(state_dir_override=str(tmp_path / "state")))
+    # Another config file than the daemon's says nothing about the daemon's.
+    other = tmp_path / "other.toml"
+    other.write_text("[budget]\nmonthly_cap_usd = 100.0\n")
+    assert not _config_changed(App(config_path=str(other), state_dir_override=str(tmp_path / "state")))
     daemon.close()
 
 
@@ -1278,6 +1280,55 @@ def test_work_since_a_checkpoint_counts_from_when_the_trainer_wrote_it_not_from_
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     (preempted,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "instance.preempted"]
     assert preempted["data"]["lost_work_h"] == pytest.approx(1 / 3, abs=0.01)
+    rec.close()
+    app.close()
+
+
+def test_work_lost_counts_up_to_when_the_loss_was_seen_not_to_the_end_of_its_last_pull(tmp_path: Path) -> None:
+    # The trainer died 10 min after its last checkpoint; the loss's last pull then took half an hour, during which
+    # nothing ran that could be lost.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=7200)
+    seen = time.time()
+    rec = Reconciler(app, {"sim": _Stoppable()}, cloud=_Stoppable(),  # type: ignore[dict-item, arg-type]
+                     clock=lambda: seen + 1800)
+    info = {"last_checkpoint_at": seen - 600, "loss_seen_at": seen, "loss_synced": True}
+    inst = InstanceInfo(id="i-1", state=InstanceState.RUNNING, instance_type="x", market=Market.SPOT)
+    rec._lost(attempt(), app.store.get_job(job_id), rec.providers["sim"], inst, "heartbeat lost (stale)", info=info)
+    (preempted,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "instance.preempted"]
+    assert preempted["data"]["lost_work_h"] == pytest.approx(600 / 3600, abs=1e-3)
+    rec.close()
+    app.close()
+
+
+def test_a_loss_that_heals_during_its_last_pull_leaves_that_pull_as_a_periodic_sync_not_a_last_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # SSH went quiet past the timeout: the loss began its last pull, then SSH answered again. Held as a run's last
+    # sync, that pull's result was never written down while the run ran, and no sync could start after it.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=3600)
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(
+            info={"last_seen_at": time.time() - 3600}))
+    answers: list[dict[str, Any] | None] = [None]
+
+    class Flaky(_Stoppable):
+        def status(self, att: dict[str, Any]) -> dict[str, Any] | None:  # type: ignore[override]
+            return answers[-1]
+
+    cloud = Flaky()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    pulled = threading.Event()
+    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert "loss_seen_at" in attempt()["info"] and rec.syncs.busy(f"{job_id}-a1")  # the loss's pull under way
+    answers.append({"supervisor_alive": True, "heartbeat": {"ts": time.time()}})
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert attempt()["state"] == "running" and "loss_seen_at" not in attempt()["info"]
+    pulled.set()
+    _until_a_sync_finished(rec)
+    rec._collect_syncs()  # written down as any periodic sync: the run goes on
+    assert not rec.syncs.busy(f"{job_id}-a1") and app.store.get_job(job_id)["checkpoint"] == "step-00000050"
     rec.close()
     app.close()
 

@@ -1118,9 +1118,11 @@ class Reconciler:
         if ex is None and hb and mono - seen[1] > self.cfg.daemon.heartbeat_timeout_s:
             self._lost(att, job, provider, inst, "heartbeat lost (stale)")
             return
-        if ex is None:  # healthy again after a loss seen: a later one waits for its pull afresh
-            info.pop("loss_seen_at", None)
+        if ex is None and info.pop("loss_seen_at", None) is not None:
+            # Healthy again after a loss seen: a later one waits for its pull afresh, and the loss's own pull, if
+            # one ran, is taken as a periodic sync (held as a last one, it blocked every sync after it).
             info.pop("loss_synced", None)
+            self._final_syncs.pop(att["id"], None)
         interval = float(job["spec"]["checkpoint"]["interval_minutes"]) * 60.0
         sync_every = min(interval, max(self.cfg.daemon.tick_s, interval / 2))
         noticed = 0 <= now - info.get("notice_seen_at", -math.inf) < NOTICE_SYNCS_S
@@ -1593,8 +1595,10 @@ class Reconciler:
             # wait is not waited for in the tick: the next attempt starts from S3 in-region all the same.
             self._pull(att, job, info)
         last_ckpt = info.get("last_checkpoint_at") or att["started_at"] or now
-        # Rounded once, here: the attempt, instance.preempted and job.resuming then say the same figure.
-        lost_h = round(max(0.0, now - last_ckpt) / 3600.0, 4) if att["started_at"] else 0.0
+        # Up to when the loss was seen, not the end of its last pull. Rounded once, here: the attempt,
+        # instance.preempted and job.resuming then say the same figure.
+        seen = min(now, float(info.get("loss_seen_at") or now))
+        lost_h = round(max(0.0, seen - last_ckpt) / 3600.0, 4) if att["started_at"] else 0.0
         with self.store.tx() as conn:
             moved = move(conn, att, A.TERMINATING, info={**info, "outcome": A.PREEMPTED.value, "stop_reason": reason},
                          lost_work_h=lost_h, reason=reason)

@@ -408,7 +408,7 @@ def end_orphaned_transfers(directory: Path) -> int:
     or a revert-local killed outright, they wrote on into the staging directories this process's pulls of the same
     checkpoints write, and a pull could move one into place while an orphan still wrote into it. A transfer of a
     process still alive (a revert-local beside this daemon) is left alone. Returns how many it ended."""
-    ended = 0
+    ended: list[int] = []
     for record in directory.glob("*.json") if directory.is_dir() else []:
         try:
             seen = json.loads(record.read_text())
@@ -421,19 +421,41 @@ def end_orphaned_transfers(directory: Path) -> int:
         if _started_at(transfer[0]) == transfer[1]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(transfer[0], signal.SIGTERM)
-                ended += 1
+                ended.append(transfer[0])
         record.unlink(missing_ok=True)
-    return ended
+    deadline = time.monotonic() + ORPHAN_END_WAIT_S  # gone before this process's first pull, not just signalled
+    while any(_group_alive(pgid) for pgid in ended) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pgid in ended:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    return len(ended)
+
+
+ORPHAN_END_WAIT_S = 10.0
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group runs (a zombie, which an init that does not reap may leave, does not)."""
+    for name in os.listdir("/proc"):
+        fields = _stat_fields(int(name)) if name.isdigit() else None
+        if fields and fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command's name (state, ppid, pgrp, ...); None for no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
 
 
 def _started_at(pid: int) -> str | None:
-    """The process's start time since boot (/proc/PID/stat's 22nd field), which a reused pid does not share; None
-    for none."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat_line.rsplit(")", 1)[-1].split()[19]
+    """The process's start time since boot (stat's 22nd field), which a reused pid does not share; None for none."""
+    fields = _stat_fields(pid)
+    return fields[19] if fields else None
 
 
 def _record(proc: subprocess.Popen[str]) -> Path | None:
