@@ -10,7 +10,6 @@ import bisect
 import functools
 import heapq
 import math
-import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -168,11 +167,14 @@ def _may_be_used(cfg: Config, name: str) -> bool:
     not walked here: counted as at hand."""
     if name != "sim":
         return True
-    sim = cfg.providers.sim
-    key_file = sim.api_key_file
-    if os.environ.get(sim.api_key_env):
-        return True
-    return key_file is not None and Path(os.path.expandvars(key_file)).expanduser().is_file()
+    from providers import lambda_cloud
+    from providers.base import AuthFailed
+
+    try:
+        lambda_cloud.read_api_key(cfg.providers.sim)
+    except AuthFailed:
+        return False
+    return True
 
 
 def reference_offers(cfg: Config) -> dict[str, GpuOffer]:

@@ -53,7 +53,7 @@ from orchestrator.remote.ssh import (
     rsync_ssh_command,
     run,
 )
-from runbooks import burst_checkpoint
+from runbooks import burst_checkpoint, supervisor
 from runbooks.checkpoint_transfer import (
     RSYNC_PARTIAL_DIR,
     STAGING_PREFIX,
@@ -403,6 +403,9 @@ def record_transfers_in(directory: Path) -> None:
     _RECORDS = directory
 
 
+ORPHAN_END_WAIT_S = 10.0  # an orphaned transfer SIGTERMed is SIGKILLed after this long
+
+
 def end_orphaned_transfers(directory: Path) -> int:
     """End the transfers written down under `directory` whose process is gone but which still run: left by a daemon
     or a revert-local killed outright, they wrote on into the staging directories this process's pulls of the same
@@ -416,46 +419,20 @@ def end_orphaned_transfers(directory: Path) -> int:
         except (OSError, ValueError, KeyError, TypeError):
             record.unlink(missing_ok=True)
             continue
-        if _started_at(owner[0]) == owner[1]:
+        if supervisor.process_start_ticks(owner[0]) == owner[1]:
             continue  # its process runs: its own
-        if _started_at(transfer[0]) == transfer[1]:
+        if supervisor.process_start_ticks(transfer[0]) == transfer[1]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(transfer[0], signal.SIGTERM)
                 ended.append(transfer[0])
         record.unlink(missing_ok=True)
     deadline = time.monotonic() + ORPHAN_END_WAIT_S  # gone before this process's first pull, not just signalled
-    while any(_group_alive(pgid) for pgid in ended) and time.monotonic() < deadline:
+    while any(supervisor.group_alive(pgid) for pgid in ended) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for pgid in ended:
+    for pgid in [pgid for pgid in ended if supervisor.group_alive(pgid)]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
     return len(ended)
-
-
-ORPHAN_END_WAIT_S = 10.0
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of the group runs (a zombie, which an init that does not reap may leave, does not)."""
-    for name in os.listdir("/proc"):
-        fields = _stat_fields(int(name)) if name.isdigit() else None
-        if fields and fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command's name (state, ppid, pgrp, ...); None for no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-    except OSError:
-        return None
-
-
-def _started_at(pid: int) -> str | None:
-    """The process's start time since boot (stat's 22nd field), which a reused pid does not share; None for none."""
-    fields = _stat_fields(pid)
-    return fields[19] if fields else None
 
 
 def _record(proc: subprocess.Popen[str]) -> Path | None:
@@ -463,8 +440,8 @@ def _record(proc: subprocess.Popen[str]) -> Path | None:
         return None
     path = _RECORDS / f"{os.getpid()}-{proc.pid}.json"
     with contextlib.suppress(OSError):
-        path.write_text(json.dumps({"owner": os.getpid(), "owner_start": _started_at(os.getpid()),
-                                    "pid": proc.pid, "start": _started_at(proc.pid)}))
+        path.write_text(json.dumps({"owner": os.getpid(), "owner_start": supervisor.process_start_ticks(os.getpid()),
+                                    "pid": proc.pid, "start": supervisor.process_start_ticks(proc.pid)}))
         return path
     return None
 
