@@ -1430,22 +1430,10 @@ def test_revert_local_lets_a_last_pull_under_way_at_its_timeout_finish_before_th
     app.close()
 
 
-def test_with_a_daemon_running_revert_local_waits_for_it_to_wind_down_and_steps_no_attempt_itself(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two processes stepping one attempt each wrote back what the other had just done: a finished run's outcome
-    # lost (the job run again), an instance terminated under the other's last pull. The daemon alone steps it.
-    app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
-    shell, daemon = _Stoppable(), _Stoppable()
-    rec = Reconciler(app, {"sim": shell}, cloud=shell)  # type: ignore[dict-item, arg-type]
-    report = revert.revert_local(app, rec, timeout_s=1, daemon_running=True)
-    # The daemon has not ticked: nothing was stepped, terminated or recorded for a sweep to terminate.
-    assert shell.terminated == [] and attempt()["state"] == "running"
-    assert report.daemon_winding_down == [f"{job_id}-a1"] and [r.terminated for r in report.rows] == ["no"]
-    with app.store.engine.connect() as c:
-        assert c.execute(select(s.instances.c.id).where(s.instances.c.state == "unverified")).all() == []
-
-    # The daemon's ticks wind it down while revert-local waits, which then reports it as the daemon ended it.
+def _revert_beside_a_ticking_daemon(app: App, shell: Reconciler, daemon: _Stoppable,
+                                    monkeypatch: pytest.MonkeyPatch) -> revert.RevertReport:
+    """revert-local run by `shell` while a daemon on `daemon`'s cloud ticks in a thread (its last pulls bring step
+    50 home), as the daemon process beside the CLI would."""
     ticking = Reconciler(app, {"sim": daemon}, cloud=daemon)  # type: ignore[dict-item, arg-type]
     monkeypatch.setattr(ticking, "_sync_beside", _last_checkpoint_beside(ticking, app, lambda: None))
     stop = threading.Event()
@@ -1458,11 +1446,34 @@ def test_with_a_daemon_running_revert_local_waits_for_it_to_wind_down_and_steps_
     thread = threading.Thread(target=ticks)
     thread.start()
     try:
-        again = revert.revert_local(app, rec, timeout_s=30, daemon_running=True)
+        return revert.revert_local(app, shell, timeout_s=30, daemon_running=True)
     finally:
         stop.set()
         thread.join()
-    ticking.close(wait_s=0)
+        ticking.close(wait_s=0)
+
+
+def _unverified_instances(app: App) -> list[Any]:
+    with app.store.engine.connect() as c:
+        return list(c.execute(select(s.instances.c.id).where(s.instances.c.state == "unverified")).all())
+
+
+def test_with_a_daemon_running_revert_local_waits_for_it_to_wind_down_and_steps_no_attempt_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two processes stepping one attempt each wrote back what the other had just done: a finished run's outcome
+    # lost (the job run again), an instance terminated under the other's last pull. The daemon alone steps it.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
+    shell, daemon = _Stoppable(), _Stoppable()
+    rec = Reconciler(app, {"sim": shell}, cloud=shell)  # type: ignore[dict-item, arg-type]
+    report = revert.revert_local(app, rec, timeout_s=1, daemon_running=True)
+    # The daemon has not ticked: nothing was stepped, terminated or recorded for a sweep to terminate.
+    assert shell.terminated == [] and attempt()["state"] == "running"
+    assert report.daemon_winding_down == [f"{job_id}-a1"] and [r.terminated for r in report.rows] == ["no"]
+    assert _unverified_instances(app) == []
+
+    # The daemon's ticks wind it down while revert-local waits, which then reports it as the daemon ended it.
+    again = _revert_beside_a_ticking_daemon(app, rec, daemon, monkeypatch)
     rec.close(wait_s=0)
     assert shell.terminated == [] and daemon.terminated == ["i-1"] and attempt()["state"] == "aborted"
     (row,) = again.rows
@@ -1481,29 +1492,12 @@ def test_beside_a_daemon_that_has_the_keys_revert_local_from_a_keyless_shell_rep
     shell = Reconciler(app, {}, cloud=None)
     shell.unavailable = {"sim": "no API key"}
     daemon = _Stoppable()
-    ticking = Reconciler(app, {"sim": daemon}, cloud=daemon)  # type: ignore[dict-item, arg-type]
-    monkeypatch.setattr(ticking, "_sync_beside", _last_checkpoint_beside(ticking, app, lambda: None))
-    stop = threading.Event()
-
-    def ticks() -> None:
-        while not stop.is_set():
-            ticking.tick()
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=ticks)
-    thread.start()
-    try:
-        report = revert.revert_local(app, shell, timeout_s=30, daemon_running=True)
-    finally:
-        stop.set()
-        thread.join()
+    report = _revert_beside_a_ticking_daemon(app, shell, daemon, monkeypatch)
     assert attempt()["state"] == "aborted" and daemon.terminated == ["i-1"]
     (row,) = report.rows
     assert (row.terminated, row.checkpoint) == ("yes", "step-00000050") and report.all_gone
     assert report.daemon_sweeps == {"sim": "no API key"} and report.not_swept == {}
-    with app.store.engine.connect() as c:
-        assert c.execute(select(s.instances.c.id).where(s.instances.c.state == "unverified")).all() == []
-    ticking.close(wait_s=0)
+    assert _unverified_instances(app) == []
 
     # A daemon that cannot use the provider would never end an attempt there: this shell winds it down itself.
     (tmp_path / "second").mkdir()
