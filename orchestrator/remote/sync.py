@@ -681,8 +681,8 @@ def _bracket(p: bytes, i: int) -> tuple[set[int], int]:
 def _pushed(local: Path, rules: Sequence[ExcludeRule]) -> Iterator[tuple[Path, str, bool]]:
     """What a push of `local` sends, as rsync -rl would with these rules: (path, path relative to `local`, whether it
     is a directory), each directory before what is in it. A symlink is sent as one, never followed (one to a
-    directory is not a directory). What is neither a file, a directory nor a symlink (a socket) is listed too, as
-    rsync -rl lists it, and sent by neither transport (`_sftp_put_if_changed` skips it)."""
+    directory is not a directory). What is neither a file, a directory nor a symlink (a socket) is listed too, and
+    sent by neither transport (rsync without -D skips it, and so does `_sftp_put_if_changed`)."""
     for dirpath, dirnames, filenames in os.walk(local):
         base = Path(dirpath)
         prefix = base.relative_to(local).as_posix()
