@@ -1229,6 +1229,39 @@ def test_a_loss_waits_for_the_sync_under_way_so_what_it_brings_home_is_not_lost_
     app.close()
 
 
+def test_a_pull_that_ends_after_the_loss_was_written_down_corrects_the_work_counted_lost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loss waits for a pull under way only up to the heartbeat timeout; one that lands later brought home work
+    # the attempt had counted as lost, and the figure (which the market switch's useful hours read) stayed an hour.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=3600)
+
+    class Reclaimed(_Stoppable):
+        def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
+            return {}
+
+    now = [time.time()]
+    cloud = Reclaimed()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud, clock=lambda: now[0])  # type: ignore[dict-item, arg-type]
+    pulled = threading.Event()
+    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    rec._sync_now(attempt(), app.store.get_job(job_id), {}, urgent=True)
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    now[0] += app.config.daemon.heartbeat_timeout_s + 1  # the pull outlasts the loss's wait
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert attempt()["state"] == "preempted" and attempt()["lost_work_h"] == pytest.approx(1.0, abs=0.01)
+
+    pulled.set()
+    _until_a_sync_finished(rec)
+    rec._collect_syncs()
+    assert attempt()["lost_work_h"] < 0.01 and app.store.get_job(job_id)["checkpoint"] == "step-00000050"
+    (corrected,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "attempt.lost_work_corrected"]
+    assert corrected["data"]["counted_before"] == pytest.approx(1.0, abs=0.01)
+    assert corrected["data"]["checkpoint"] == "step-00000050"
+    rec.close()
+    app.close()
+
+
 def test_a_run_lost_on_an_instance_still_there_brings_what_it_wrote_home_before_the_instance_goes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The trainer was stopped outside burstctl (an OOM kill, a reboot): the instance answers, with up to half a

@@ -1352,12 +1352,28 @@ class Reconciler:
         if att["state"] != A.RUNNING.value:
             if done.pulled:
                 self._checkpoint_home(att, job, done, None if isinstance(done.outputs, Exception) else done.outputs)
+                self._recount_lost_work(att, job, done)
             return
         info = dict(att["info"])
         self._synced(att, job, info, done)
         with self.store.tx() as conn:  # unless another process moved it meanwhile
             conn.execute(update(s.attempts).where(s.attempts.c.id == attempt_id,
                                                   s.attempts.c.state == A.RUNNING.value).values(info=info))
+
+    def _recount_lost_work(self, att: dict[str, Any], job: dict[str, Any], done: SyncDone) -> None:
+        """A sync that ended after its attempt's loss was written down (the loss waits for it only up to the
+        heartbeat timeout) saved some of the work counted as lost: the attempt's figure is corrected, and said."""
+        counted_to, lost_before = att["info"].get("lost_counted_to"), att.get("lost_work_h")
+        if counted_to is None or lost_before is None or not done.pulled:
+            return
+        written = _written_at(done.pulled[-1], done.at, att["started_at"])
+        lost_h = round(max(0.0, float(counted_to) - written) / 3600.0, 4)
+        if lost_h >= lost_before:
+            return
+        with self.store.tx() as conn:
+            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(lost_work_h=lost_h))
+            self.app.events.emit("attempt.lost_work_corrected", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                 lost_work_h=lost_h, counted_before=lost_before, checkpoint=done.pulled[-1].name)
 
     def _pull_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
         """The job's `outputs`, home with the run's last sync (`final_outputs`), written down once it has finished
@@ -1600,7 +1616,8 @@ class Reconciler:
         seen = min(now, float(info.get("loss_seen_at") or now))
         lost_h = round(max(0.0, seen - last_ckpt) / 3600.0, 4) if att["started_at"] else 0.0
         with self.store.tx() as conn:
-            moved = move(conn, att, A.TERMINATING, info={**info, "outcome": A.PREEMPTED.value, "stop_reason": reason},
+            moved = move(conn, att, A.TERMINATING, info={**info, "outcome": A.PREEMPTED.value, "stop_reason": reason,
+                                                         "lost_counted_to": seen},
                          lost_work_h=lost_h, reason=reason)
             if moved:
                 self.app.events.emit("instance.preempted", job_id=job["id"], attempt_id=att["id"], conn=conn,
