@@ -24,6 +24,7 @@ from tests.e2e import (
     SIM_KEY,
     Daemon,
     cli,
+    daemon_until,
     events,
     job,
     preempt,
@@ -215,6 +216,23 @@ def test_cancelling_a_running_burst_brings_its_last_checkpoint_home_and_terminat
     assert measured["ended"] == "cancelled" and measured["cost_usd"] > 0
     record = Path(job(state, job_id)["record_path"]).read_text()
     assert f"- **Measured:** cancelled: run {measured['run_h']:.2f} h, cost $" in record
+
+
+def test_on_instances_with_only_the_pure_python_ssh_server_a_burst_runs_to_done_over_sftp(tmp_path: Path) -> None:
+    # A machine without OpenSSH's sshd runs simcloud's instances on paramiko's server, whose SFTP is confined to the
+    # instance's folder: every step of a burst (push, start, syncs, outputs) must work through it, as `make demo` does
+    # on a fresh machine. The workdir push once stat'ed `/` and every burst failed at its bootstrap.
+    state = tmp_path / "state"
+    with simcloud(tmp_path, "--paramiko") as url:
+        config = write_config(tmp_path, url)
+        job_id = json.loads(cli(config, state, "enqueue", str(spot_job(tmp_path, steps=30)), "--json").stdout)["id"]
+        daemon_until(tmp_path, config, state, lambda: job(state, job_id)["state"] in ("done", "failed"), 120,
+                     "the burst to end")
+        instances = sim_instances(url)
+    assert job(state, job_id)["state"] == "done", job(state, job_id)["reason"]
+    assert [i["status"] for i in instances] == ["terminated"]
+    assert {e["data"]["via"] for e in events(state, "checkpoint.synced")} == {"sftp"}
+    assert (state / "outputs" / job_id / "result.json").is_file()
 
 
 @pytest.mark.parametrize("launch_on_notice", [True, False])

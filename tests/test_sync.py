@@ -130,6 +130,20 @@ def test_push_workdir_then_pull_checkpoints_round_trip(instance: Instance, tmp_p
     assert pull(instance, local) == []  # already complete locally: nothing to do
 
 
+def test_a_workdir_pushed_to_an_absolute_path_is_created_from_the_deepest_folder_there(
+        instance: Instance, tmp_path: Path) -> None:
+    # The daemon pushes to the instance's home by its absolute path. The SFTP walker stat'ed every ancestor from `/`
+    # on, which a server confined to a folder (the paramiko sandbox, an OpenSSH chroot) refuses: every burst's
+    # bootstrap failed with "Permission denied" on a machine without OpenSSH's sshd.
+    workdir = tmp_path / "work"
+    (workdir / "src").mkdir(parents=True)
+    (workdir / "src" / "train.py").write_text("print('train')\n")
+    remote = instance.sandbox / "home" / "jobs" / "j1" / "work"
+    pushed = push_dir(instance.target, instance.trust, workdir, str(remote),
+                      transport=instance.transport)  # type: ignore[arg-type]
+    assert (remote / "src" / "train.py").read_text() == "print('train')\n" and pushed.files_transferred >= 1
+
+
 def test_push_checkpoint_sends_the_newest_complete_one_under_a_hidden_name_then_renames(
         backend: SshBackend, key_path: Path, tmp_path: Path) -> None:
     for transport in [p for p in ("rsync", "sftp") if p == "sftp" or HAVE_RSYNC]:

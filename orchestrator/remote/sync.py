@@ -892,13 +892,21 @@ def _sftp_put_if_changed(sftp: paramiko.SFTPClient, src: Path, dest: str, stats:
 
 
 def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
-    parts = PurePosixPath(path).parts
-    for i in range(1, len(parts) + 1):
-        partial = str(PurePosixPath(*parts[:i]))
+    """`mkdir -p` over SFTP, from the deepest folder that exists down: a server confined to a folder (a chroot, an
+    SFTP sandbox) refuses to stat the ancestors outside it, `/` first."""
+    missing: list[str] = []
+    folder = PurePosixPath(path)
+    while True:
         try:
-            sftp.stat(partial)
+            sftp.stat(str(folder))
+            break
         except FileNotFoundError:
-            sftp.mkdir(partial)
+            missing.append(str(folder))
+            if folder.parent == folder:
+                break
+            folder = folder.parent
+    for name in reversed(missing):
+        sftp.mkdir(name)
 
 
 __all__ = [
