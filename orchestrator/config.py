@@ -670,16 +670,23 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _slots_a_tick_apart(self) -> Config:
-        # Slots closer together than the daemon's ticks would each tick pass some by, each time said as missed.
-        if self.daemon.tick_s <= 60:  # cron's slots are whole minutes apart at the least: always the case
-            return self
+        if (too_close := self.schedule_slots_closer_than(self.daemon.tick_s, "daemon.tick_s")) is not None:
+            raise too_close
+        return self
+
+    def schedule_slots_closer_than(self, tick_s: float, tick_name: str) -> FieldValueError | None:
+        """A schedule whose slots are closer together than the daemon's ticks (`tick_name`: where that tick is set),
+        said as the error to raise; None if there is none. Each tick would pass some slots by, each time said as
+        missed."""
+        if tick_s <= 60:  # cron's slots are whole minutes apart at the least: always the case
+            return None
         for k, sched in enumerate(self.schedule):
             gap = _closest_slots_s(sched)
-            if gap is not None and gap < self.daemon.tick_s:
-                raise FieldValueError(f"schedule.{k}.cron", f"'{sched.cron}' has slots {gap:.0f} s apart, closer than "
-                                      f"daemon.tick_s ({self.daemon.tick_s:g} s): expected slots at least a tick "
-                                      "apart, or a shorter tick")
-        return self
+            if gap is not None and gap < tick_s:
+                return FieldValueError(f"schedule.{k}.cron", f"'{sched.cron}' has slots {gap:.0f} s apart, closer "
+                                       f"than {tick_name} ({tick_s:g} s): expected slots at least a tick apart, or a "
+                                       "shorter tick")
+        return None
 
     @model_validator(mode="after")
     def _notifier_names_unique(self) -> Config:

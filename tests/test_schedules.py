@@ -300,6 +300,21 @@ def test_a_bad_schedule_is_one_line_naming_the_file_and_field_and_changes_nothin
     assert_config_refused(burstctl, tmp_path, f"[[schedule]]\n{entry}\n", "schedules", field, says)
 
 
+def test_a_daemon_whose_tick_is_longer_than_a_schedules_slots_apart_is_refused_before_it_starts(
+        burstctl_subprocess, tmp_path: Path) -> None:
+    # The config's own tick is checked as the file is read; `daemon --tick` overrides it, and is checked the same.
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('[[schedule]]\njob = "nightly.toml"\ncron = "*/2 * * * *"\n')
+    r = burstctl_subprocess("--config", str(cfg), "daemon", "--tick", "300", "--max-ticks", "1")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr.strip() == (f"burstctl: error: {cfg}: field 'schedule.0.cron': '*/2 * * * *' has slots 120 s "
+                                "apart, closer than --tick (300 s): expected slots at least a tick apart, or a "
+                                "shorter tick")
+    app = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+    assert app.store.get_setting("daemon", None) is None  # it never started
+    app.close()
+
+
 def test_the_daemon_queues_a_due_slot_runs_the_cycle_and_schedules_says_so(burstctl, burstctl_subprocess,
                                                                           tmp_path: Path) -> None:
     (tmp_path / "work").mkdir()

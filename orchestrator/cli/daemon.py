@@ -9,6 +9,7 @@ import click
 from orchestrator.app import App
 from orchestrator.cli.base import FiniteFloat, cli, pass_app
 from orchestrator.daemon import run_daemon
+from orchestrator.errors import BadInput
 
 
 @cli.command("daemon")
@@ -21,5 +22,7 @@ def daemon_cmd(app: App, tick_s: float | None, max_ticks: int | None, exit_when_
     """Run the orchestrator: take queued jobs, run them locally or in the cloud, until SIGTERM.
 
     Logs go to stderr (readable) and to <state>/events.jsonl (JSON lines)."""
+    if tick_s is not None and (too_close := app.config.schedule_slots_closer_than(tick_s, "--tick")) is not None:
+        raise BadInput(str(too_close), source=app.config.source or "config", field=too_close.field)
     app.console = sys.stderr
     run_daemon(app, tick_s=tick_s, max_ticks=max_ticks, exit_when_idle=exit_when_idle)
