@@ -79,7 +79,9 @@ CONFIG_SEEN_KEY = "daemon_config"
 
 def config_fingerprint(cfg: Config) -> dict[str, Any]:
     """Which config file, and a digest of the settings read from it (names of secrets only, never values)."""
-    digest = hashlib.sha256(cfg.model_dump_json(exclude={"source"}).encode()).hexdigest()
+    # The state directory resolved too: `--state-dir x` here and `--state-dir /tmp/x` there are one setting.
+    settled = cfg.model_copy(update={"state": cfg.state.model_copy(update={"dir": cfg.state_dir.resolve()})})
+    digest = hashlib.sha256(settled.model_dump_json(exclude={"source"}).encode()).hexdigest()
     # Resolved: `status` in another directory compares it with the file it read itself.
     return {"source": str(Path(cfg.source).resolve()) if cfg.source else None, "sha256": digest}
 

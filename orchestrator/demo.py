@@ -100,7 +100,10 @@ class Demo:
         self._write_config()
         res.candidates = self.candidates()
 
-        wait = self.children.wait  # fails at once, with the child's own error, if simcloud or the daemon dies
+        def wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+            """Fails at once, with the child's own error, if simcloud or the daemon dies; or with the job's reason
+            if one of the demo's jobs has failed (not after the wait's timeout)."""
+            return self.children.wait(lambda: self._none_failed() and pred(), timeout, what)
         self.say("starting simcloud (real SSH endpoints on 127.0.0.1) and the daemon")
         self.children.spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.dir / "sim"))
         wait(self._sim_answers, 60, "simcloud to answer")
@@ -176,6 +179,19 @@ class Demo:
     # --- observations -----------------------------------------------------------------------------------------
     def _store(self) -> Store:
         return Store(f"sqlite:///{self.state / 'burstctl.db'}")
+
+    def _none_failed(self) -> bool:
+        """True while no job of the demo has failed or been cancelled; else OperationalError with its reason."""
+        st = self._store()
+        try:
+            ended = [j for j in st.list_jobs() if j["state"] in ("failed", "cancelled")]
+        finally:
+            st.close()
+        if ended:
+            j = ended[0]
+            raise OperationalError(f"demo: {j['name']} {j['state']}: {j['reason']} (its events: burstctl --state-dir "
+                                   f"{self.state} events --job {j['id']})")
+        return True
 
     def _job(self, job_id: str) -> dict[str, Any]:
         st = self._store()

@@ -72,3 +72,27 @@ def test_the_demo_refuses_a_state_dir_that_is_not_empty_and_changes_nothing(tmp_
     assert [f.name for f in state.iterdir()] == ["state.db"] and (state / "state.db").read_text() == "the user's"
     r = run_burstctl("--state-dir", str(state / "state.db"), "demo", timeout=60)
     assert r.returncode == 2 and f"'{state / 'state.db'}' is a file: the demo keeps" in r.stderr
+
+
+def test_the_demo_stops_waiting_as_soon_as_one_of_its_jobs_has_failed_and_says_why(tmp_path: Path) -> None:
+    # It waited out its 120 s for a job that had failed in 5 s, then said only that it had timed out.
+    from orchestrator.app import App
+    from orchestrator.demo import Demo
+    from orchestrator.errors import OperationalError
+    from orchestrator.queue import enqueue
+    from state import schema as s
+    from tests.conftest import write_job
+
+    demo = Demo(tmp_path / "demo", say=lambda line: None)
+    app = App(state_dir_override=str(demo.state))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "spot-trainer", local_throughput=0))
+    assert demo._none_failed()
+    with app.store.tx() as c:
+        c.execute(s.jobs.update().where(s.jobs.c.id == job_id).values(
+            state="failed", reason="gave up after 5 failed steps: PermissionError: [Errno 13] Permission denied"))
+    with pytest.raises(OperationalError) as failed:
+        demo._none_failed()
+    assert str(failed.value) == (
+        f"demo: spot-trainer failed: gave up after 5 failed steps: PermissionError: [Errno 13] Permission denied "
+        f"(its events: burstctl --state-dir {demo.state} events --job {job_id})")
+    app.close()

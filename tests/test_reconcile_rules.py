@@ -533,6 +533,9 @@ def test_status_says_when_the_config_file_changed_since_the_daemon_read_it(tmp_p
     daemon = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
     daemon.store.set_setting(CONFIG_SEEN_KEY, config_fingerprint(daemon.config))  # what the daemon does at its start
     assert not _config_changed(App(config_path=str(cfg), state_dir_override=str(tmp_path / "state")))
+    with pytest.MonkeyPatch.context() as m:  # the same state directory, named from elsewhere: the same setting
+        m.chdir(tmp_path)
+        assert not _config_changed(App(config_path=str(cfg), state_dir_override="state"))
     cfg.write_text("[budget]\nmonthly_cap_usd = 100.0\n")  # raised while it runs
     assert _config_changed(App(config_path=str(cfg), state_dir_override=str(tmp_path / "state")))
     # Another config file than the daemon's says nothing about the daemon's.
@@ -744,6 +747,20 @@ def test_a_queued_local_job_says_it_waits_for_the_local_gpu_while_another_run_ho
     assert (waiting["state"], waiting["reason"]) == ("queued", "waiting for the local GPU: 1 local run(s) use its 1 "
                                                      "slot(s) (daemon.local_concurrency); it starts when one ends")
     assert [e["type"] for e in app.store.events(job_id=second)][-1] == "job.waiting"
+    app.close()
+
+
+def test_a_queued_local_job_counts_the_run_started_ahead_of_it_in_the_same_tick(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # At a daemon's first tick, the earlier job takes the one slot: the later one said "0 local run(s) use its 1
+    # slot(s)", a wait with nothing to wait for.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    enqueue(app, write_job(tmp_path, "first", local_throughput=1.0, deadline_hours=30))
+    second, _, _ = enqueue(app, write_job(tmp_path, "second", local_throughput=1.0, deadline_hours=40))
+    rec = Reconciler(app, {}, cloud=None)
+    monkeypatch.setattr(rec.local, "start", lambda job: True)  # the first one's run, started
+    rec._schedule()
+    assert app.store.get_job(second)["reason"].startswith("waiting for the local GPU: 1 local run(s) use its 1 slot")
     app.close()
 
 

@@ -68,6 +68,9 @@ def admits(projected_usd: float, cap_usd: float, spent_usd: float, held: Held | 
     held = held or Held()
     left = max(0.0, cap_usd - spent_usd - held.usd)
     holds = f"${held.usd:.2f} held for {held.said('other ')}" if held.jobs else ""
+    if projected_usd > cap_usd + 1e-9:  # not a matter of waiting for a new month
+        return False, (f"projected rented ${projected_usd:.2f} is more than the whole ${cap_usd:.2f} monthly budget: "
+                       "no month pays it; raise budget.monthly_cap_usd, or give it less work or a later deadline")
     if projected_usd > left + 1e-9:
         return False, (f"projected rented ${projected_usd:.2f} exceeds the ${left:.2f} left of the ${cap_usd:.2f} "
                        f"monthly budget (${spent_usd:.2f} spent{', ' + holds if holds else ''})")

@@ -395,7 +395,8 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         reasons.append("bursting is disabled (revert-local): the job waits; `burstctl burst-enable` lifts it")
     else:
         ok, why = admits(plan.rented_cost_usd, ctx.budget_cap_usd, ctx.spent_usd, ctx.held)
-        if math.isfinite(ctx.budget_cap_usd):
+        over_cap = plan.rented_cost_usd > ctx.budget_cap_usd + 1e-9  # no month's budget pays it
+        if math.isfinite(ctx.budget_cap_usd) and not (over_cap and plan.kind == "hybrid"):  # a hybrid's says more
             reasons.append(f"budget: {why}")
         if not ok and plan.kind != "hybrid":
             action = "blocked"
@@ -415,7 +416,7 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         if not ok and plan.kind == "hybrid":
             # A hybrid's local hours spend no cloud money: they start now, and the budget is asked again at the
             # hand-over (the launch's own check), which waits for it. The alternative is the local GPU idle.
-            if plan.rented_cost_usd > ctx.budget_cap_usd + 1e-9:  # no month's budget pays it: say so
+            if over_cap:
                 reasons.append(f"budget: its cloud phase (${plan.rented_cost_usd:.2f}) is more than the whole "
                                f"${ctx.budget_cap_usd:.2f} monthly cap, so no month pays it: it runs locally, late, "
                                "and hands over only if budget.monthly_cap_usd is raised")

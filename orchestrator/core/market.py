@@ -85,7 +85,8 @@ class MarketChoice:
 def choose_market(x: MarketInputs) -> MarketChoice:
     od_cost = x.od_usd_per_gpu_h * x.gpus * x.run_h
     if x.spot_usd_per_gpu_h is None:
-        return MarketChoice("on-demand", od_cost, x.run_h, None, None, None, ["no spot market for this GPU type"])
+        return MarketChoice("on-demand", od_cost, x.run_h, None, None, None,
+                            ["no spot offer for this GPU type from the enabled providers"])
 
     n = x.preemptions_per_h * x.run_h
     if x.resumable:

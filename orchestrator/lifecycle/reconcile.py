@@ -307,7 +307,10 @@ class Reconciler:
         self.app.events.emit(type_, **data)
 
     def mode(self) -> str:
-        return "burst-enabled" if burst_enabled(self.app) else "local-only"
+        """As `status` says it: the kill switch's, or local-only for want of a usable cloud provider."""
+        if not burst_enabled(self.app):
+            return "local-only"
+        return "burst-enabled" if self.providers else "local-only (no cloud provider is usable)"
 
     def sweep(self) -> dict[str, list[str]]:
         return sweep_orphans(self)
@@ -355,7 +358,7 @@ class Reconciler:
                     self._note(job, f"{LOCAL_GPU_HOURS}: they begin {_opens(self.cfg, hours, now)}",
                                same_as=LOCAL_GPU_HOURS)
                 else:
-                    self._note(job, f"{LOCAL_GPU_BUSY}: {n_local} local run(s) use its "
+                    self._note(job, f"{LOCAL_GPU_BUSY}: {n_local + len(started)} local run(s) use its "
                                f"{self.cfg.daemon.local_concurrency} slot(s) (daemon.local_concurrency); it starts "
                                "when one ends", same_as=LOCAL_GPU_BUSY)
         self._redecide_late_in_line([j for j in ready if j["placement"] == "local" and j["state"] ==
