@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from orchestrator.config import JobKind, Market, PassedEnvName, read_toml
+from orchestrator.config import ENV_NAME, JobKind, Market, PassedEnvName, read_toml
 from orchestrator.errors import PATTERN_WORDS, BadInput, FieldValueError, format_validation_error, what_was_given
 
 Method = Literal["full", "lora", "qlora"]
@@ -233,7 +233,7 @@ class JobSpec(BaseModel):
         if isinstance(v, str):
             words = shlex.split(v)
             shell = next((w for w in words if w in SHELL_OPERATORS), None)
-            if info.field_name == "command" and shell is not None:
+            if shell is not None:
                 # Found only when it runs: `python3 train.py | tee log` fails with "unrecognized arguments: | tee".
                 raise ValueError(f"'{v}' is split into arguments and run without a shell, so '{shell}' would reach "
                                  f"the program as an argument: to use a shell, write [\"sh\", \"-c\", {json.dumps(v)}]")
@@ -263,8 +263,20 @@ class JobSpec(BaseModel):
     @field_validator("command")
     @classmethod
     def _nonempty(cls, v: list[str]) -> list[str]:
-        if not v:
-            raise ValueError("must not be empty")
+        if not v or not v[0].strip():
+            raise ValueError("must not be empty: expected the program and its arguments, e.g. "
+                             "[\"python3\", \"train.py\"]")
+        if len(v) == 1 and len(words := v[0].split()) > 1:  # found only when it runs: "no such file" (code 127)
+            raise ValueError(f"'{v[0]}' is one argument, run as a program of that name: write "
+                             f"{json.dumps(words)}, or the whole command as one string")
+        return v
+
+    @field_validator("command", "setup")
+    @classmethod
+    def _no_nul(cls, v: list[str]) -> list[str]:
+        # No program can be given one: it failed at its start, after a rented instance had booted.
+        if any("\0" in word for word in v):
+            raise ValueError("holds a NUL character: no program's argument can")
         return v
 
     @field_validator("rented_throughput")
@@ -277,7 +289,15 @@ class JobSpec(BaseModel):
     @field_validator("env")
     @classmethod
     def _settable(cls, v: dict[str, str]) -> dict[str, str]:
-        for name in v:
+        for name, value in v.items():
+            if not ENV_NAME.fullmatch(name):
+                raise ValueError(f"'{name}' is not a variable name: expected letters, digits and '_', not starting "
+                                 "with a digit")
+            if "\0" in value or "\n" in value or "\r" in value:
+                # The job's environment is handed over a line a variable: a line break would end the value there
+                # and start another variable (one the job contract reserves, even), and a NUL no process takes.
+                raise ValueError(f"'{name}' holds a {'NUL character' if chr(0) in value else 'line break'}: "
+                                 "expected one line of text")
             if name in RESERVED_ENV:
                 raise ValueError(f"'{name}' is set by burstctl for every job (the job contract) and cannot be set "
                                  "here: it would be replaced")

@@ -807,7 +807,7 @@ class Supervisor:
             record["setup_s"] = round(self.setup_s, 3)
         if exit_code not in (0, None) or reason in ("failed", "setup-failed"):
             # Why it failed, in the command's own words: the daemon has only this record, not the log.
-            record["stderr_tail"] = _last_line(tail_of or self.run_dir / STDERR_LOG)
+            record["stderr_tail"] = last_line(tail_of or self.run_dir / STDERR_LOG)
         write_json_atomic(self.run_dir / EXIT_FILE, record, durable=True)
         self.state = "exited"
         self.heartbeat()
@@ -816,7 +816,7 @@ class Supervisor:
         return exit_code if exit_code is not None else 128 + (sig or 0)
 
 
-def _last_line(path: Path, limit: int = 300) -> str | None:
+def last_line(path: Path, limit: int = 300) -> str | None:
     """The last non-empty line of a log (read from its end, whatever its size), cut to `limit` characters."""
     try:
         with open(path, "rb") as fh:
@@ -1031,7 +1031,7 @@ def run_setup(args: argparse.Namespace) -> dict:
                 break
         else:
             return {"status": "failed", "exit_code": code, "tries": len(waits),
-                    "tail": _last_line(args.setup_dir / SETUP_LOG)}
+                    "tail": last_line(args.setup_dir / SETUP_LOG)}
         record_setup_done(args, _now() - started)
         return {"status": "done", "seconds": round(_now() - started, 3)}
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.config import toml_value
 from tests.postgres import PostgresServer, find_bin_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -179,26 +181,13 @@ def write_job(folder: Path, name: str = "job", **fields: object) -> Path:
             lines.append(f"{k} = {toml_value(v)}")
     for k, v in tables:
         lines.append(f"[{k}]")
-        lines.extend(f"{kk} = {toml_value(vv)}" for kk, vv in v.items())
+        lines.extend(f"{json.dumps(kk)} = {toml_value(vv)}" for kk, vv in v.items())
     path = folder / f"{name}.toml"
     path.write_text("\n".join(lines) + "\n")
     workdir = folder / str(base.get("workdir") or ".")
     if base.get("command") == ["python", "train.py"] and workdir.is_dir():
         (workdir / "train.py").touch(exist_ok=True)  # the default job's script is there, as intake checks
     return path
-
-
-def toml_value(v: object) -> str:
-    """A Python value as a TOML literal (tables as inline tables)."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f'"{k}" = {toml_value(x)}' for k, x in v.items()) + " }"
-    return str(v)
 
 
 @contextmanager

@@ -385,6 +385,20 @@ BAD_JOBS = {
     "outputs-outside-workdir": ({"outputs": ["result.json", "../results"]}, "outputs",
                                 "'../results' is not inside the workdir"),
     "outputs-absolute": ({"outputs": ["/etc/passwd"]}, "outputs", "'/etc/passwd' is not inside the workdir"),
+    # Found only when it runs: a NUL in [env] restarted a local job about once a second for ever, holding the GPU;
+    # a line break cut the value and started another variable in the job's environment file.
+    "env-nul": ({"env": {"A": "x\0y"}}, "env", "'A' holds a NUL character: expected one line of text"),
+    "env-line-break": ({"env": {"A": "x\nPYTHONPATH=/injected"}}, "env",
+                       "'A' holds a line break: expected one line of text"),
+    "env-bad-name": ({"env": {"A=B": "x"}}, "env", "'A=B' is not a variable name"),
+    "env-name-a-digit-first": ({"env": {"1A": "x"}}, "env", "'1A' is not a variable name"),
+    "command-nul": ({"command": ["python3", "train.py", "--tag", "a\0b"]}, "command",
+                    "holds a NUL character: no program's argument can"),
+    "command-empty-program": ({"command": [" ", "train.py"]}, "command", "must not be empty"),
+    "command-one-argument": ({"command": ["python3 train.py"]}, "command",
+                             "'python3 train.py' is one argument, run as a program of that name: write "
+                             "[\"python3\", \"train.py\"]"),
+    "setup-shell-operator": ({"setup": "pip install x && echo done"}, "setup", "'&&' would reach the program"),
 }
 
 

@@ -276,3 +276,35 @@ def test_the_outputs_an_instance_lists_are_those_its_run_wrote(tmp_path: Path) -
 def test_the_outputs_patterns_that_matched_no_file_are_the_missing_ones(patterns: list[str], names: list[str],
                                                                         missing: list[str]) -> None:
     assert job_outputs.unmatched(patterns, names) == missing
+
+
+def test_a_local_run_whose_supervisor_dies_at_each_start_fails_after_three_instead_of_resuming_for_ever(
+        tmp_path: Path) -> None:
+    # A supervisor that dies at once (an environment no process takes, a machine out of processes) was taken for a
+    # preemption each time: the job resumed every tick, for ever, holding the local GPU's slot.
+    from orchestrator.lifecycle.local import SUPERVISOR_DIED
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "local", command=["sleep", "60"], deadline_hours=24,
+                                          local_throughput=1.0))
+    runner = LocalRunner(app)
+    for n in (1, 2, 3):
+        assert runner.start(app.store.get_job(job_id))
+        with app.store.engine.connect() as c:
+            att = dict(c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id, s.attempts.c.n == n))
+                       .mappings().one())
+        run = runner.run_dir(att["id"])
+        pid = supervisor.read_status(run)["supervisor_pid"]
+        os.kill(pid, signal.SIGKILL)  # gone without a word; its trainer, in a session of its own, runs on
+        deadline = time.monotonic() + 30
+        while supervisor.read_status(run).get("supervisor_alive") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert supervisor.read_status(run)["child_alive"]
+        runner.step(att, app.store.get_job(job_id))
+        assert not supervisor.read_status(run)["child_alive"]  # ended before another attempt's trainer starts
+        job = app.store.get_job(job_id)
+        if n < 3:
+            assert (job["state"], job["reason"]) == ("resuming", f"preempted: {SUPERVISOR_DIED}")
+    assert job["state"] == "failed"
+    assert job["reason"].startswith(f"{SUPERVISOR_DIED} 3 times in a row within 60 s of its start: ")
+    app.close()

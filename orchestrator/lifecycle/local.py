@@ -94,6 +94,10 @@ def write_env_file(path: Path, env: dict[str, str]) -> None:
 # The supervisor's exit reason "terminated" when burstctl did not ask for the stop: a shutdown of the machine, or
 # someone's kill. The trainer was asked for a last checkpoint, so this is a preemption: the job resumes. (A user
 # who wants it over runs `burstctl cancel`.)
+SUPERVISOR_DIED = "local supervisor died"
+# A local run whose supervisor dies this soon after its start, this many times in a row, fails: it cannot start.
+SUPERVISOR_EARLY_S = 60.0
+SUPERVISOR_DEATHS_MAX = 3
 STOPPED_OUTSIDE = "stopped from outside burstctl (SIGTERM or SIGINT to its supervisor)"
 
 
@@ -268,8 +272,17 @@ class LocalRunner:
         now = time.time()
         if ex is None:
             if not st.get("supervisor_alive"):
+                if st.get("child_alive") and not self.end_trainer(att):
+                    # Its trainer runs on without it: ended first (a last checkpoint in its grace), else the next
+                    # attempt's trainer would share the GPU and the checkpoint directory with it.
+                    return
                 self._outputs_home(att, job, info, finished=False)
-                self._end(att, job, A.PREEMPTED, "local supervisor died", info)
+                if (deaths := self._deaths_at_start(att, now)) >= SUPERVISOR_DEATHS_MAX:
+                    said = supervisor.last_line(run / supervisor.SUPERVISOR_LOG) or "its supervisor.log says nothing"
+                    self._end(att, job, A.FAILED, f"{SUPERVISOR_DIED} {deaths} times in a row within "
+                              f"{SUPERVISOR_EARLY_S:.0f} s of its start: {said}", info)
+                else:
+                    self._end(att, job, A.PREEMPTED, SUPERVISOR_DIED, info)
                 return
             wanted = None
             progress: dict[str, Any] = {}
@@ -463,6 +476,26 @@ class LocalRunner:
         if record is not None:
             records.superseded(job.get("record_path"), record, "re-planned while running locally", now)
         job.update(fields)
+
+    def _deaths_at_start(self, att: dict[str, Any], now: float) -> int:
+        """How many of the job's local attempts in a row, this one included, lost their supervisor within
+        SUPERVISOR_EARLY_S of their start: a run that cannot start (a machine without room for another process,
+        an environment no process takes), which resuming again at once would only repeat, every tick."""
+        def early(a: Any, ended: float) -> bool:
+            return ended - float(a["started_at"] or a["created_at"]) < SUPERVISOR_EARLY_S
+
+        if not early(att, now):
+            return 0
+        with self.app.store.engine.connect() as c:
+            before = c.execute(select(s.attempts).where(s.attempts.c.job_id == att["job_id"],
+                                                        s.attempts.c.where == "local", s.attempts.c.n < att["n"])
+                               .order_by(s.attempts.c.n.desc()).limit(SUPERVISOR_DEATHS_MAX - 1)).mappings().all()
+        deaths = 1
+        for a in before:
+            if a["reason"] != SUPERVISOR_DIED or a["ended_at"] is None or not early(a, a["ended_at"]):
+                break
+            deaths += 1
+        return deaths
 
     def _end(self, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState, reason: str,
              info: dict[str, Any]) -> None:
