@@ -393,7 +393,7 @@ class DaemonSettings(Strict):
     redecide_per_tick: Annotated[int, Field(ge=1)] = Field(
         50, description="Blocked jobs re-decided per tick (budget freed, kill switch lifted)."
     )
-    local_concurrency: Annotated[int, Field(ge=0)] = Field(
+    local_concurrency: Annotated[int, Field(ge=0, le=64)] = Field(
         1, description="Local GPU jobs at once (one GPU: 1). 0: none, and gate 1 finds no local option for any job "
                        "(every job that may burst is decided for the cloud).")
     offers_ttl_s: PositiveFloat = Field(
@@ -481,7 +481,7 @@ class StateSettings(Strict):
         except ArgumentError:
             raise ValueError("is not a database URL: expected e.g. 'postgresql+psycopg://burst@db.example/burstctl'"
                              " or 'sqlite:////var/lib/burstctl/burstctl.db'") from None
-        if url.password is not None:
+        if url.password is not None or any(k.lower() == "password" for k in url.query):
             raise ValueError("holds a password: secrets are never written inline; give it in PGPASSWORD or "
                              "~/.pgpass, which libpq reads") from None
         if url.get_backend_name() not in ("sqlite", "postgresql"):
@@ -553,6 +553,11 @@ NOTIFIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # match (`jobs.*`), unsaid. A test checks that every event emitted is of one of them.
 EVENT_FAMILIES = ("attempt", "budget", "burst", "checkpoint", "cloud", "daemon", "instance", "job", "notify",
                   "preemption", "provider", "revert_local", "schedule", "spot", "state")
+
+
+# An owner tag is also part of instance names (Lambda Cloud's, EC2's Name tag): the characters every cloud takes,
+# as a job's name (whose words `errors.PATTERN_WORDS` has).
+OWNER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class Notify(Strict):
@@ -641,7 +646,7 @@ class Config(Strict):
         default_factory=list, description="Where the daemon sends notices ([[notify]] tables): a job done or failed, "
         "one waiting for approval, a slot missed, an instance not confirmed gone (`burstctl notify-test` tries "
         "them).")
-    orchestrator_id: str | None = Field(
+    orchestrator_id: Annotated[str, Field(min_length=1, max_length=48, pattern=OWNER_PATTERN)] | None = Field(
         None, description="Owner tag on every instance this installation creates. Unset: one is made for this state "
         "on first use and kept in it (`burstctl-` and 8 hex digits; a state from before that keeps `burstctl`). Two "
         "installations on one cloud account must not share it: each one's sweep and revert-local terminate the "
@@ -772,6 +777,8 @@ def read_toml(path: Path) -> dict:
         raise BadInput("file not found", source=path) from None
     except IsADirectoryError:
         raise BadInput("is a directory, expected a TOML file", source=path) from None
+    except OSError as exc:  # a file another user's mode keeps from this one, a disk that fails
+        raise BadInput(f"cannot be read ({exc.strerror or type(exc).__name__})", source=path) from None
     except tomllib.TOMLDecodeError as exc:
         raise BadInput(f"not valid TOML ({exc})", source=path) from None
     except UnicodeDecodeError:

@@ -675,6 +675,29 @@ def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: P
     assert_config_refused(burstctl, tmp_path, text, "budget", field, says)
 
 
+@pytest.mark.parametrize(("text", "field", "says"), [
+    # A password in the URL's query is as inline as one before the host; the line never quotes it.
+    ("[state]\ndatabase_url = 'postgresql+psycopg://burst@127.0.0.1/x?password=SEKRIT99'\n", "state.database_url",
+     "holds a password: secrets are never written inline"),
+    ("[daemon]\nlocal_concurrency = 1000000000000\n", "daemon.local_concurrency", "less than or equal to 64"),
+    ("orchestrator_id = 'has space/and;semicolon'\n", "orchestrator_id",
+     "expected a name of letters, digits, '.', '_' and '-', starting with a letter or digit, at most 48 characters"),
+], ids=["password-in-the-query", "a-local-gpu-count-no-machine-has", "an-owner-tag-no-cloud-takes"])
+def test_settings_found_wrong_only_at_run_time_are_refused_as_the_file_is_read(
+        burstctl, tmp_path: Path, text: str, field: str, says: str) -> None:
+    assert_config_refused(burstctl, tmp_path, text, "budget", field, says)
+    assert "SEKRIT99" not in burstctl("--config", str(tmp_path / "burstctl.toml"), "budget").stderr
+
+
+def test_a_config_file_that_cannot_be_read_and_an_empty_path_are_one_line_each(burstctl, tmp_path: Path) -> None:
+    r = burstctl("--config", "/proc/1/mem", "budget")  # a file no one reads as a stream, root included
+    assert r.returncode == 2 and r.stderr.startswith("burstctl: error: /proc/1/mem: cannot be read (")
+    assert len(r.stderr.strip().splitlines()) == 1
+    for flag in ("--config", "--state-dir"):  # a script's unset variable is not the defaults
+        r = burstctl(flag, "", "budget", state_dir=None)
+        assert (r.returncode, r.stderr.strip()) == (2, f"burstctl: error: field '{flag}': is empty: expected a path")
+
+
 MISTYPED = "[budget]\nmonthy_cap_usd = 20\n"
 
 

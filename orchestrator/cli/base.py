@@ -117,6 +117,9 @@ STATE_READERS = {"status", "list", "show", "events", "logs", "revert-local"}
 @click.pass_context
 def cli(ctx: click.Context, config_path: str | None, state_dir: str | None) -> None:
     """burstctl: decide whether each training job runs locally or bursts to a rented GPU, then run it."""
+    for flag, value in (("--config", config_path), ("--state-dir", state_dir)):
+        if value is not None and not value.strip():  # a script's unset variable: not the defaults, said
+            raise BadInput("is empty: expected a path", field=flag)
     app = App(config_path=config_path, state_dir_override=state_dir, says_notes=True,
               state_only=ctx.invoked_subcommand in STATE_READERS)
     ctx.obj = app
