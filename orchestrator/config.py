@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from orchestrator.core.gates import MAX_OVERHEAD_H, MAX_RATE_USD_GPU_H
 from orchestrator.errors import BadInput, FieldValueError, format_validation_error
 
 Market = Literal["auto", "spot", "on-demand"]
@@ -37,6 +38,9 @@ def _at_most(limit: float, expected: str) -> AfterValidator:
         return v
     return AfterValidator(check)
 
+
+# A price no GPU-hour has: one typed in cents, or none at all (1e308 made every plan's cost inf).
+GPU_HOUR_USD = _at_most(MAX_RATE_USD_GPU_H, "dollars per GPU-hour (an H100 rents for $2 to $12)")
 
 GpuGiB = Annotated[float, Field(gt=0), _at_most(
     1024, "GiB as nvidia-smi reports it (memory.total), not MiB (a 16 GB card reads 16303 MiB = 15.92 GiB)")]
@@ -235,7 +239,8 @@ class Policy(Strict):
         default_factory=_train_only,
         description="Job kinds the cloud may run. Only 'train' unless you document a fallback here.",
     )
-    overhead_h: Annotated[float, Field(ge=0), _at_most(24, "hours, not minutes (half an hour is 0.5)")] = Field(
+    overhead_h: Annotated[float, Field(ge=0),
+                          _at_most(MAX_OVERHEAD_H, "hours, not minutes (half an hour is 0.5)")] = Field(
         0.5, description="Provisioning + sync + teardown overhead t_ovh, in hours, used until burstctl has measured it."
     )
     spot_preemptions_per_hour: NonNegFloat = Field(
@@ -252,8 +257,9 @@ class Policy(Strict):
 
 
 class GpuPrice(Strict):
-    on_demand_usd_h: PositiveFloat = Field(description="On-demand $/GPU-hour.")
-    spot_usd_h: PositiveFloat | None = Field(None, description="Spot $/GPU-hour, if a spot market exists.")
+    on_demand_usd_h: Annotated[PositiveFloat, GPU_HOUR_USD] = Field(description="On-demand $/GPU-hour.")
+    spot_usd_h: Annotated[PositiveFloat, GPU_HOUR_USD] | None = Field(
+        None, description="Spot $/GPU-hour, if a spot market exists.")
     vram_gib: GpuGiB = Field(
         79.65, description="Memory per GPU in GiB as nvidia-smi reports it (memory.total), less than the marketed "
         "size: H100 80GB 81559 MiB = 79.65 GiB, A100 80GB 80, A10/A10G 23028 MiB = 22.49 GiB, L40S 44.99, H200 140.4.")

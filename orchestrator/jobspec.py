@@ -347,6 +347,24 @@ def too_much_work(work: float, rates: Iterable[float]) -> str | None:
             "longest deadline")
 
 
+def too_slow(work: float, rate: float, gpus: int = 1, *, local: bool = False) -> str | None:
+    """Why a throughput given for one GPU type (`rate` units/h per GPU, `gpus` of them) is no figure of a GPU, or
+    None: at it, `work` would take longer than the longest deadline there is (10 years). Such a GPU meets no
+    deadline, and its hours and dollars overflow every figure printed for it (a local_throughput of 1e-300 gave
+    300-digit costs). The local GPU's 0 means the job does not fit there, never too slow."""
+    total = rate * gpus
+    if rate <= 0 or work / total <= MAX_DEADLINE_HOURS:
+        return None
+    hours = work / total
+    took = f"{hours:.3g} h" if math.isfinite(hours) else "beyond any number of hours"
+    per = "" if local else " per GPU"
+    on = f" on {gpus} GPUs" if gpus > 1 else ""
+    return (f"{work:g} units take {took} at {rate:g} units/h{per}{on}; expected at least "
+            f"{work / MAX_DEADLINE_HOURS / gpus:.3g} units/h{per}, which finishes them within {MAX_DEADLINE_YEARS} "
+            f"years ({MAX_DEADLINE_HOURS:.0f} h), the longest deadline"
+            + (", or 0 if the job does not fit on the local GPU" if local else ""))
+
+
 def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float]:
     """Parse and validate a job file; returns the spec and its absolute deadline (unix seconds)."""
     path = Path(path)
@@ -371,6 +389,13 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
                                                                    for s_r in spec.rented_throughput.values())])
     if why:
         raise BadInput(why, source=path, field="work_units")
+    why = too_slow(spec.work_units, spec.local_throughput, local=True)
+    if why:
+        raise BadInput(why, source=path, field="local_throughput")
+    for gpu, s_r in spec.rented_throughput.items():
+        why = too_slow(spec.work_units, s_r, spec.gpus)
+        if why:
+            raise BadInput(why, source=path, field=f"rented_throughput.{gpu}")
     deadline_at = spec.deadline_at(now)
     if deadline_at <= now:
         # The file's own instant when it gave one: a year-1 deadline is past but not a timestamp datetime can hold.

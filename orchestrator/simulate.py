@@ -53,6 +53,39 @@ from orchestrator.errors import BadInput
 
 _EPS_S = 1e-6  # seconds; float progress sums are compared with this tolerance
 
+# Bounds of a simulation's figures, so that each stays finite and its arrays fit in memory (`burstctl simulate`):
+MIN_JOB_HOURS = 1 / 3600.0  # a second of compute: well above _EPS_S, below which a job is done before it starts
+MAX_PRICE_USD_H = 1000.0  # $/h of an instance (p3.16xlarge, 8 V100s: $24.48)
+MAX_STARTS = 100_000  # random starts per trace (the paper's 300)
+MAX_GAP_SECONDS = 86_400  # a tick of a day; the traces' are 30 to 600 s
+MAX_NODES = 1_000_000  # instances per tick in a trace, and so the gang size (the traces': 1 to 16)
+TRACE_FORMAT = "shared/spot-traces/README.md"
+
+
+def shown_count(n: int) -> str:
+    """A whole number for a message: as it is, or, past 15 digits, its size (an error once printed 120 digits)."""
+    digits = len(str(abs(n)))
+    return str(n) if digits <= 15 else f"{'-' if n < 0 else ''}a {digits}-digit number"
+
+
+def _shown_json(v: object) -> str:
+    """A trace's value for a message, in JSON's words (NaN, Infinity, true, null) and at most a few characters."""
+    if isinstance(v, bool) or v is None:
+        return json.dumps(v)
+    if isinstance(v, int):
+        return shown_count(v)
+    if isinstance(v, float):
+        return json.dumps(v) if not math.isfinite(v) else f"{v:g}"
+    kinds: dict[type, str] = {str: "a string", list: "a list", dict: "an object"}
+    return kinds.get(type(v), type(v).__name__)
+
+
+def _is_count(v: object) -> bool:
+    """An instance count of a trace's `data`: a whole number from 0 to MAX_NODES (1.0 is one, true is not)."""
+    if type(v) is int:
+        return 0 <= v <= MAX_NODES
+    return type(v) is float and math.isfinite(v) and v.is_integer() and 0 <= v <= MAX_NODES
+
 
 @dataclass(frozen=True)
 class JobSetting:
@@ -66,14 +99,15 @@ class JobSetting:
 
     def validate(self) -> None:
         for name in ("job_hours", "deadline_hours"):
-            if not getattr(self, name) > 0:
-                raise BadInput("must be > 0", field=name)
+            if not 0 < getattr(self, name) < math.inf:
+                raise BadInput("must be a finite number > 0", field=name)
         for name in ("changeover_hours", "od_price", "spot_price"):
             if getattr(self, name) < 0 or not math.isfinite(getattr(self, name)):
                 raise BadInput("must be a finite number >= 0", field=name)
-        if self.deadline_hours < self.job_hours:
-            raise BadInput(f"deadline {self.deadline_hours} h is shorter than the job's {self.job_hours} h of "
-                           "compute: no policy can make it", field="deadline_hours")
+        if self.deadline_hours < self.job_hours + self.changeover_hours - 1e-9:
+            raise BadInput(f"deadline {self.deadline_hours:g} h is shorter than the job's {self.job_hours:g} h of "
+                           f"compute and the changeover of {self.changeover_hours:g} h its start pays: no policy can "
+                           "make it", field="deadline_hours")
 
 
 @dataclass(frozen=True)
@@ -112,27 +146,36 @@ def load_trace(path: str | Path, *, nodes: int = 1, window: int | None = None) -
         doc = json.loads(p.read_text())
     except FileNotFoundError:
         raise BadInput("no such trace file", source=p) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError: a JSONDecodeError, or an integer of more digits than Python converts; RecursionError: nesting.
         raise BadInput(f"not a JSON trace ({type(exc).__name__})", source=p) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list) or not doc["data"]:
         raise BadInput("expected a non-empty list of per-tick counts", source=p, field="data")
+    # JSON as Python reads it spells NaN and Infinity: neither is a tick's length (int(NaN) crashed the offline
+    # optimum), and the offline optimum counts whole seconds (a tick of 0.4 s was 0 of them).
     gap = (doc.get("metadata") or {}).get("gap_seconds") if isinstance(doc.get("metadata"), dict) else None
-    if not isinstance(gap, int | float) or isinstance(gap, bool) or gap <= 0:
-        raise BadInput("expected a positive number of seconds per tick", source=p, field="metadata.gap_seconds")
-    try:
-        counts = np.asarray(doc["data"], dtype=float)
-    except (TypeError, ValueError):
-        raise BadInput("expected numbers only", source=p, field="data") from None
+    if not ((type(gap) is int or (type(gap) is float and math.isfinite(gap) and gap.is_integer()))
+            and 1 <= gap <= MAX_GAP_SECONDS):
+        raise BadInput(f"expected a whole number of seconds per tick from 1 to {MAX_GAP_SECONDS} (the format: "
+                       f"{TRACE_FORMAT}), got {_shown_json(gap) if gap is not None else 'nothing'}", source=p,
+                       field="metadata.gap_seconds")
+    bad = next((i for i, v in enumerate(doc["data"]) if not _is_count(v)), None)
+    if bad is not None:
+        raise BadInput(f"expected the number of spot instances in tick {bad}, a whole number from 0 to {MAX_NODES} "
+                       f"(the format: {TRACE_FORMAT}), got {_shown_json(doc['data'][bad])}", source=p,
+                       field=f"data.{bad}")
+    counts = np.asarray(doc["data"], dtype=float)
     if window is not None:
         if window <= 0:
-            raise BadInput("must be a positive number of ticks", field="window")
+            raise BadInput(f"must be a positive number of ticks, got {shown_count(window)}", field="window")
         if window > counts.shape[0]:
-            raise BadInput(f"window of {window} ticks is longer than the trace ({counts.shape[0]} ticks)",
-                           source=p, field="window")
+            raise BadInput(f"is longer than the trace: expected at most its {counts.shape[0]} ticks, got "
+                           f"{shown_count(window)}", source=p, field="window")
         counts = counts[:window]
     if nodes > 1 and counts.max() <= 1:
         # A 1-node trace (0 or 1 each tick) read for a gang: spot could never be usable, every policy on-demand.
-        raise BadInput(f"is a 1-node trace (each tick 0 or 1); expected --nodes 1 with it, or a {nodes}-node trace",
+        raise BadInput(f"is a 1-node trace (each tick 0 or 1); expected --nodes 1 with it, or a "
+                       f"{shown_count(nodes)}-node trace",
                        source=p, field="nodes")
     return Trace(name=p.stem, path=p, gap_seconds=float(gap), available=counts == nodes)
 
@@ -935,7 +978,6 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
         raise BadInput("must be a positive number of runs per trace", field="starts")
     rng = np.random.default_rng(seed)
     trace_starts = [sample_starts(t, job, starts, rng) for t in traces]
-    workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
     # Each zone's model is shrunk towards what the other zones given (same tick, same clock) showed until then.
     others = [[o for j, o in enumerate(traces) if j != i and o.gap_seconds == t.gap_seconds]
               for i, t in enumerate(traces)]
@@ -953,6 +995,8 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
     offline_rank = -1 if exact_offline else 1
     tasks.sort(key=lambda task: offline_rank if task[1] is None
                else 0 if getattr(POLICIES[task[1]], "uses_history", False) else 2)
+    # No more processes than tasks: the rest would only sit idle.
+    workers = min(workers if workers is not None else min(os.cpu_count() or 1, 8), len(tasks))
 
     replays: dict[tuple[int, str], BatchOutcome] = {}
     offline: dict[int, tuple[float, bool, float]] = {}

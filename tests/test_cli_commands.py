@@ -64,8 +64,20 @@ def test_no_number_option_takes_nan_or_infinity() -> None:
     (["retry", "some-job", "--deadline-hours", "100000"], "100000.0 is not in the range 0<x<=87660.0"),
     (["daemon", "--tick", "inf"], "'--tick': expected a finite number, got inf"),
     (["prune-events", "--older-than", "nan"], "'--older-than': expected a finite number, got nan"),
+    # An event id or a count is a database INTEGER (at most 2**63 - 1): a larger one was an internal OverflowError.
+    (["events", "--after", "99999999999999999999999"],
+     "'--after': 99999999999999999999999 is not in the range 0<=x<=9223372036854775807"),
+    (["events", "--limit", "99999999999999999999999"],
+     "'--limit': 99999999999999999999999 is not in the range 1<=x<=9223372036854775807"),
 ])
 def test_a_number_that_is_not_one_is_refused_in_one_line(burstctl_here, args: list[str], expected: str,
                                                           tmp_path: Path) -> None:
     r = burstctl_here("--state-dir", str(tmp_path / "state"), *args)
     assert r.returncode == 2 and expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_events_after_the_largest_id_a_database_holds_is_an_empty_page_not_an_error(burstctl_here,
+                                                                                     tmp_path: Path) -> None:
+    r = burstctl_here("--state-dir", str(tmp_path / "state"), "events", "--after", str(2**63 - 1), "--limit",
+                      str(2**63 - 1), "--json")
+    assert (r.returncode, r.stdout) == (0, ""), r.stderr

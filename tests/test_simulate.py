@@ -76,6 +76,76 @@ def test_all_spot_trace_costs_spot_only(tmp_path: Path) -> None:
     assert exact and costs == pytest.approx([26 / 6, 26 / 6])
 
 
+# A trace as `shared/spot-traces/README.md` gives its format: a tick's length in whole seconds, and each tick's count
+# of spot instances. Python's JSON reads NaN and Infinity: a NaN tick length was an internal ValueError, and NaN or
+# strings in `data` were taken for ticks without spot.
+BAD_TRACES = {
+    "nan-gap": ('{"metadata": {"gap_seconds": NaN}, "data": [1, 0]}', "metadata.gap_seconds",
+                "expected a whole number of seconds per tick from 1 to 86400 (the format: "
+                "shared/spot-traces/README.md), got NaN"),
+    "infinite-gap": ('{"metadata": {"gap_seconds": Infinity}, "data": [1, 0]}', "metadata.gap_seconds",
+                     "expected a whole number of seconds per tick from 1 to 86400 (the format: "
+                     "shared/spot-traces/README.md), got Infinity"),
+    "fraction-of-a-second-gap": ('{"metadata": {"gap_seconds": 0.4}, "data": [1, 0]}', "metadata.gap_seconds",
+                                 "from 1 to 86400 (the format: shared/spot-traces/README.md), got 0.4"),
+    "no-gap": ('{"data": [1, 0]}', "metadata.gap_seconds", "from 1 to 86400 (the format: "
+                                                           "shared/spot-traces/README.md), got nothing"),
+    "nan-tick": ('{"metadata": {"gap_seconds": 600}, "data": [1, 0, NaN]}', "data.2",
+                 "expected the number of spot instances in tick 2, a whole number from 0 to 1000000 (the format: "
+                 "shared/spot-traces/README.md), got NaN"),
+    "string-tick": ('{"metadata": {"gap_seconds": 600}, "data": [1, "1"]}', "data.1",
+                    "expected the number of spot instances in tick 1, a whole number from 0 to 1000000 (the format: "
+                    "shared/spot-traces/README.md), got a string"),
+    "negative-tick": ('{"metadata": {"gap_seconds": 600}, "data": [-1]}', "data.0", "got -1"),
+    "half-tick": ('{"metadata": {"gap_seconds": 600}, "data": [1, 0.5]}', "data.1", "got 0.5"),
+    "true-tick": ('{"metadata": {"gap_seconds": 600}, "data": [true]}', "data.0", "got true"),
+    "infinite-tick": ('{"metadata": {"gap_seconds": 600}, "data": [1, -Infinity]}', "data.1", "got -Infinity"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRACES))
+def test_a_trace_file_out_of_its_format_is_one_line_naming_the_file_and_the_field(burstctl_here, tmp_path: Path,
+                                                                                  case: str) -> None:
+    text, field, says = BAD_TRACES[case]
+    trace = tmp_path / f"{case}.json"
+    trace.write_text(text)
+    r = burstctl_here("simulate", "--trace", str(trace), *JOB_ARGS, "--starts", "5", "--workers", "1")
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.startswith(f"burstctl: error: {trace}: field '{field}': ") and r.stderr.endswith(f"{says}\n")
+    assert len(r.stderr.splitlines()) == 1
+
+
+def test_a_whole_number_of_seconds_or_instances_written_as_a_float_is_read_as_one(tmp_path: Path) -> None:
+    trace = tmp_path / "floats.json"
+    trace.write_text(json.dumps({"metadata": {"gap_seconds": 600.0}, "data": [1.0, 0.0] * 30}))
+    assert load_traces([trace])[0].available.tolist() == [True, False] * 30
+
+
+def test_at_the_ceilings_of_its_prices_and_hours_the_json_is_finite(burstctl_here, tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "zone-a.json", ([1] * 20 + [0] * 7) * 12)  # 54 h
+    r = burstctl_here("simulate", "--trace", str(trace), "--job-hours", "4", "--deadline-hours", "28",
+                      "--changeover-hours", "24", "--od-price", "1000", "--spot-price", "1000", "--starts", "5",
+                      "--policy", "greedy", "--workers", "1", "--json")
+    assert (r.returncode, r.stderr) == (0, "")
+
+    def no_constant(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    doc = json.loads(r.stdout, parse_constant=no_constant)
+    assert all(math.isfinite(p["mean_cost_usd"]) for p in doc["policies"].values())
+
+
+def test_free_prices_print_a_dash_where_a_ratio_has_no_denominator(burstctl_here, tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "zone-a.json", ([1] * 20 + [0] * 7) * 6)
+    args = ["simulate", "--trace", str(trace), *JOB_ARGS, "--starts", "5", "--workers", "1", "--policy", "greedy"]
+    args[args.index("--od-price") + 1] = args[args.index("--spot-price") + 1] = "0"
+    r = burstctl_here(*args)
+    assert r.returncode == 0, r.stderr
+    greedy = next(line for line in r.stdout.splitlines() if "greedy" in line)
+    assert [cell.strip() for cell in greedy.split("│")[1:-1]][2::6] == ["—", "—"]  # savings vs OD, ÷ offline
+    assert json.loads(burstctl_here(*args, "--json").stdout)["policies"]["greedy"]["ratio_to_offline"] is None
+
+
 @needs_traces
 def test_offline_optimum_never_costs_more_than_any_policy_on_the_same_start() -> None:
     traces = load_traces([SETTING_A_DIR / "us-west-2a_v100_1.json", SETTING_A_DIR / "us-west-2b_k80_8.json"],
@@ -199,6 +269,29 @@ def test_cli_is_deterministic_for_a_seed_whatever_the_worker_count(tmp_path: Pat
     (["--trace", "ok.json", "--nodes", "4"], "field '--nodes': is a 1-node trace"),
     (["--trace", "ok.json", "--seed", "-1"], "field '--seed': must be 0 or more"),
     (["--trace", "ok.json", "--spot-price", "5"], "costs more than on-demand"),
+    # Every number has bounds that keep the figures finite and the run in memory, said with its value as :g prints it
+    # (--job-hours 1e-300 was an internal error, --starts 1e11 a MemoryError, --od-price 1e308 NaN in the JSON).
+    (["--trace", "ok.json", "--job-hours", "1e-300"], "field '--job-hours': expected hours, at least 1 second "
+                                                      "(0.000278 h) and at most 87660 (10 years), got 1e-300"),
+    (["--trace", "ok.json", "--deadline-hours", "1e120"], "field '--deadline-hours': expected hours, at least 1 "
+                                                          "second (0.000278 h) and at most 87660 (10 years), "
+                                                          "got 1e+120"),
+    (["--trace", "ok.json", "--changeover-hours", "2.5"], "field '--deadline-hours': deadline 6 h is shorter than the "
+                                                          "job's 4 h and the changeover of 2.5 h its start pays: no "
+                                                          "policy can make it"),
+    (["--trace", "ok.json", "--changeover-hours", "nan"],
+     "field '--changeover-hours': expected hours from 0 to 24, not minutes (12 minutes is 0.2), as policy.overhead_h, "
+     "got nan"),
+    (["--trace", "ok.json", "--od-price", "1e308"], "field '--od-price': expected dollars per hour from 0 to 1000, "
+                                                    "got 1e+308"),
+    (["--trace", "ok.json", "--starts", "100000000000"], "field '--starts': expected a whole number of runs per trace "
+                                                         "from 1 to 100000, got 100000000000"),
+    (["--trace", "ok.json", "--workers", "100000000000"], "field '--workers': expected a whole number of processes "
+                                                          "from 1 to 1024, got 100000000000"),
+    (["--trace", "ok.json", "--nodes", "1" + "0" * 120], "field '--nodes': expected a whole number of instances in the "
+                                                         "gang from 1 to 1000000, got a 121-digit number"),
+    (["--trace", "ok.json", "--window", "1" + "0" * 120], "field '--window': is longer than the trace: expected at "
+                                                          "most its 120 ticks, got a 121-digit number"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, extra: list[str], expect: str) -> None:
     write_trace(tmp_path / "ok.json", [1, 0] * 60)
@@ -209,7 +302,8 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, extra: list[str], e
             args[args.index(flag) + 1] = value
         else:
             args += [flag, str(tmp_path / value) if flag == "--trace" else value]
-    result = burstctl("simulate", *args, "--starts", "5", "--workers", "1")
+    small = [x for flag, value in (("--starts", "5"), ("--workers", "1")) if flag not in args for x in (flag, value)]
+    result = burstctl("simulate", *args, *small)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expect in lines[0] and "Traceback" not in result.stderr

@@ -14,7 +14,14 @@ from rich.markup import escape
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
-from orchestrator.core.gates import GateResult, wait_words
+from orchestrator.core.gates import (
+    MAX_GPUS,
+    MAX_LOCAL_USD_H,
+    MAX_OVERHEAD_H,
+    MAX_RATE_USD_GPU_H,
+    GateResult,
+    wait_words,
+)
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import (
     DEADLINE_HOURS_EXPECTED,
@@ -24,6 +31,7 @@ from orchestrator.jobspec import (
     NAME_PATTERN,
     load_job,
     too_much_work,
+    too_slow,
 )
 from orchestrator.queue import (
     context,
@@ -37,6 +45,17 @@ from orchestrator.queue import (
 FLAG_GPU = "rented"
 
 
+# A flag's ceiling and what the flag is counted in (a larger figure is in the wrong unit, or no figure at all: a rate
+# of 1e308 $/GPU-h made the plan's cost inf, and printed nothing but an internal error). The config's own ceilings
+# for the same settings (core/gates.py).
+CEILINGS = {
+    "--rate": (MAX_RATE_USD_GPU_H, "dollars per GPU-hour (an H100 rents for $2 to $12)"),
+    "--overhead-h": (MAX_OVERHEAD_H, "hours, not minutes (half an hour is 0.5), as policy.overhead_h"),
+    "--local-usd-h": (MAX_LOCAL_USD_H, "dollars per hour, not cents (a 400 W GPU at $0.25/kWh costs 0.10), as "
+                      "the local $/h local.board_power_w and local.electricity_usd_per_kwh can give"),
+}
+
+
 def _positive(name: str, v: float | None, allow_zero: bool = False) -> None:
     if v is None:
         return
@@ -44,6 +63,16 @@ def _positive(name: str, v: float | None, allow_zero: bool = False) -> None:
     if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
         raise BadInput(f"expected a finite {'non-negative' if allow_zero else 'positive'} number, got {v}",
                        field=name)
+    if name in CEILINGS and v > CEILINGS[name][0]:
+        limit, unit = CEILINGS[name]
+        raise BadInput(f"{v:g} is more than {limit:g}: expected {unit}", field=name)
+
+
+def _gpus(v: int | None) -> None:
+    if v is not None and not 1 <= v <= MAX_GPUS:
+        shown = str(v) if len(str(v)) <= 12 else f"a {len(str(v))}-digit number"
+        raise BadInput(f"expected an integer from 1 to {MAX_GPUS} (as a job file's gpus), got {shown}",
+                       field="--gpus")
 
 
 def _deadline_hours(v: float | None) -> None:
@@ -100,11 +129,14 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
             _positive(k, flags[k])
         for k in ("--s-local", "--overhead-h", "--local-usd-h"):
             _positive(k, flags[k], allow_zero=True)
-        if gpus is not None and gpus < 1:
-            raise BadInput(f"expected an integer ≥ 1, got {gpus}", field="--gpus")
+        _gpus(gpus)
         why = too_much_work(work or 1.0, [s_local or 0.0, (s_rented or 5.0) * (gpus or 1)])
         if why:
             raise BadInput(why, field="--work")
+        for k, s, g in (("--s-local", s_local or 0.0, 1), ("--s-rented", s_rented or 5.0, gpus or 1)):
+            why = too_slow(work or 1.0, s, g, local=k == "--s-local")
+            if why:
+                raise BadInput(why, field=k)
         if not re.fullmatch(NAME_PATTERN, name) or len(name) > NAME_MAX:
             raise BadInput(f"expected {NAME_EXPECTED} characters", field="--name")
         job = JobFacts(name=name, kind="train", work=work or 1.0, s_local=s_local or 0.0,

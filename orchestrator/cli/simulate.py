@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 
 import click
@@ -10,15 +9,58 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orchestrator.cli.base import cli, json_option, print_json, table
+from orchestrator.core.gates import MAX_OVERHEAD_H
 from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES
 from orchestrator.errors import BadInput
+from orchestrator.jobspec import MAX_DEADLINE_HOURS, MAX_DEADLINE_YEARS
 from orchestrator.records import fmt_usd
-from orchestrator.simulate import JobSetting, load_traces, simulate
+from orchestrator.simulate import (
+    MAX_NODES,
+    MAX_PRICE_USD_H,
+    MAX_STARTS,
+    MIN_JOB_HOURS,
+    JobSetting,
+    load_traces,
+    shown_count,
+    simulate,
+)
+
+# Each number flag's bounds and what it is counted in, said when a value is outside them. The ceilings keep every
+# figure finite and the run's memory bounded: --od-price 1e308 printed NaN and Infinity in the JSON, --starts 1e11
+# ended in a MemoryError, and a job of 1e-300 h in an internal error.
+HOURS = (f"hours, at least 1 second ({MIN_JOB_HOURS:.3g} h) and at most {MAX_DEADLINE_HOURS:.0f} "
+         f"({MAX_DEADLINE_YEARS} years)")
+BOUNDS: dict[str, tuple[float, float, str]] = {
+    "--job-hours": (MIN_JOB_HOURS, MAX_DEADLINE_HOURS, HOURS),
+    "--deadline-hours": (MIN_JOB_HOURS, MAX_DEADLINE_HOURS, HOURS),
+    "--changeover-hours": (0.0, MAX_OVERHEAD_H, f"hours from 0 to {MAX_OVERHEAD_H:g}, not minutes (12 minutes is "
+                                                "0.2), as policy.overhead_h"),
+    "--od-price": (0.0, MAX_PRICE_USD_H, f"dollars per hour from 0 to {MAX_PRICE_USD_H:g}"),
+    "--spot-price": (0.0, MAX_PRICE_USD_H, f"dollars per hour from 0 to {MAX_PRICE_USD_H:g}"),
+}
+COUNTS: dict[str, tuple[int, int, str]] = {
+    "--starts": (1, MAX_STARTS, "runs per trace"),
+    "--nodes": (1, MAX_NODES, "instances in the gang"),
+    "--workers": (1, 1024, "processes"),
+}
 
 
-def _non_negative(name: str, value: float) -> None:
-    if not math.isfinite(value) or value < 0:
-        raise BadInput(f"must be a finite number >= 0, got {value}", field=name)
+def _within(name: str, value: float) -> None:
+    low, high, expected = BOUNDS[name]
+    if not low <= value <= high:  # nan fails every comparison
+        raise BadInput(f"expected {expected}, got {value:g}", field=name)
+
+
+def _count_within(name: str, value: int) -> None:
+    low, high, expected = COUNTS[name]
+    if not low <= value <= high:
+        raise BadInput(f"expected a whole number of {expected} from {low} to {high}, got {shown_count(value)}",
+                       field=name)
+
+
+def _ratio(value: float | None, spec: str) -> str:
+    """A ratio of the report, or a dash where its denominator is $0 (prices of 0): no ratio to show."""
+    return "—" if value is None else format(value, spec)
 
 
 @cli.command("simulate")
@@ -53,26 +95,26 @@ def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: fl
 
     Semantics and reference figures: Wu et al., "Can't Be Late", NSDI 2024 (see docs/simulate.md).
     """
-    for name, value in (("--job-hours", job_hours), ("--deadline-hours", deadline_hours)):
-        if not math.isfinite(value) or value <= 0:
-            raise BadInput(f"must be a number > 0, got {value}", field=name)
-    for name, value in (("--changeover-hours", changeover_hours), ("--od-price", od_price),
+    for name, value in (("--job-hours", job_hours), ("--deadline-hours", deadline_hours),
+                        ("--changeover-hours", changeover_hours), ("--od-price", od_price),
                         ("--spot-price", spot_price)):
-        _non_negative(name, value)
+        _within(name, value)
     if deadline_hours < job_hours:
-        raise BadInput(f"deadline {deadline_hours} h is shorter than the job's {job_hours} h: no policy can make it",
-                       field="--deadline-hours")
+        raise BadInput(f"deadline {deadline_hours:g} h is shorter than the job's {job_hours:g} h: no policy can make "
+                       "it", field="--deadline-hours")
+    if job_hours + changeover_hours > deadline_hours + 1e-9:
+        # Not even the offline optimum makes it: it cost inf, printed as Infinity in the JSON.
+        raise BadInput(f"deadline {deadline_hours:g} h is shorter than the job's {job_hours:g} h and the changeover "
+                       f"of {changeover_hours:g} h its start pays: no policy can make it", field="--deadline-hours")
     if spot_price > od_price:
-        raise BadInput(f"spot at ${spot_price}/h costs more than on-demand at ${od_price}/h: spot never pays, and the "
-                       "policies and the offline bound take it to be the cheaper market", field="--spot-price")
-    if starts <= 0:
-        raise BadInput(f"must be > 0, got {starts}", field="--starts")
+        raise BadInput(f"spot at ${spot_price:g}/h costs more than on-demand at ${od_price:g}/h: spot never pays, and "
+                       "the policies and the offline bound take it to be the cheaper market", field="--spot-price")
+    _count_within("--starts", starts)
     if seed < 0:
-        raise BadInput(f"must be 0 or more, got {seed}", field="--seed")
-    if nodes <= 0:
-        raise BadInput(f"must be > 0, got {nodes}", field="--nodes")
-    if workers is not None and workers <= 0:
-        raise BadInput(f"must be > 0, got {workers}", field="--workers")
+        raise BadInput(f"must be 0 or more, got {shown_count(seed)}", field="--seed")
+    _count_within("--nodes", nodes)
+    if workers is not None:
+        _count_within("--workers", workers)
     names = list(dict.fromkeys(policy_names)) or list(POLICIES)
     for name in names:
         if name not in POLICIES:
@@ -102,14 +144,14 @@ def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: fl
     rows = []
     for name, p in doc["policies"].items():
         label = f"{name} (default)" if name == DEFAULT_POLICY else name
-        rows.append((label, fmt_usd(p["mean_cost_usd"]), f"{p['mean_savings_vs_od']:.1%}",
+        rows.append((label, fmt_usd(p["mean_cost_usd"]), _ratio(p["mean_savings_vs_od"], ".1%"),
                      f"{p['spot_work_hours']:.1f}", f"{p['od_work_hours']:.1f}",
                      f"{p['spot_hours']:.1f}", f"{p['od_hours']:.1f}",
-                     f"{p['misses']}/{p['runs']}", f"{p['ratio_to_offline']:.3f}"))
+                     f"{p['misses']}/{p['runs']}", _ratio(p["ratio_to_offline"], ".3f")))
     off = doc["offline"]
     moving = "; the job may move between zones" if may_move else ""
-    table(f"{len(traces)} trace(s) × {starts} starts{moving}; C={job_hours} h, R={deadline_hours} h, "
-          f"d={changeover_hours} h",
+    table(f"{len(traces)} trace(s) × {starts} starts{moving}; C={job_hours:g} h, R={deadline_hours:g} h, "
+          f"d={changeover_hours:g} h",
           ["policy", "mean cost", "savings vs OD", "spot work h", "OD work h", "spot billed h", "OD billed h",
            "misses", "÷ offline"], rows)
     kind = "exact" if off["exact"] else "lower bound" if exact_offline else "lower bound; --exact-offline for the exact"

@@ -13,6 +13,15 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# Ceilings no real figure reaches, so that a figure typed in the wrong unit (cents for dollars, minutes for hours)
+# is refused rather than believed, and the gates' dollars stay finite (a rate of 1e308 $/GPU-h made every cost inf).
+# They are the config's own where it has one (config.py): `policy.overhead_h` is at most 24 h, and the local $/h is
+# `local.board_power_w` (at most 5,000 W) × `local.electricity_usd_per_kwh` (at most $5/kWh), so at most $25/h.
+MAX_RATE_USD_GPU_H = 1000.0  # an H100 rents for $2-$12 a GPU-hour
+MAX_OVERHEAD_H = 24.0
+MAX_LOCAL_USD_H = 25.0
+MAX_GPUS = 64  # as a job file's `gpus`
+
 
 class Verdict(StrEnum):
     LOCAL = "local"
