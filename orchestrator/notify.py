@@ -100,9 +100,11 @@ def notice_type(event: dict[str, Any]) -> str:
     """The event's type, or, for a job queued, decided again or retried into a state that needs a person,
     `job.<state>`."""
     if event["type"] in ("job.enqueued", "job.redecided", "job.retried"):
-        state = (event.get("data") or {}).get("state")
-        if state in _NEEDS_A_PERSON:
-            return f"job.{state}"
+        data = event.get("data") or {}
+        if data.get("state") in _NEEDS_A_PERSON:
+            return f"job.{data['state']}"
+        if data.get("action") == "await-approval":  # a hybrid, queued: its local phase runs while it waits
+            return "job.awaiting_approval"
     return str(event["type"])
 
 

@@ -38,7 +38,7 @@ from orchestrator.core.local_hours import LocalHours
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import JobSpec, load_job
 from orchestrator.lifecycle.schedule import reported
-from orchestrator.lifecycle.states import RETRIABLE, STATE_FOR_ACTION, JobState, check_transition
+from orchestrator.lifecycle.states import RETRIABLE, JobState, check_transition, state_for
 from providers.base import Offer
 
 
@@ -625,7 +625,9 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
     d = decision.to_dict()
     job_id = new_job_id()
     deadline = datetime.fromtimestamp(deadline_at).astimezone().isoformat()
-    state, placement = STATE_FOR_ACTION[decision.action], decision.placement
+    state, placement = state_for(decision.action, decision.placement), decision.placement
+    if state is JobState.QUEUED and decision.action == "await-approval":
+        d["reasons"].append(HYBRID_MEANWHILE)
     if here_meanwhile(d, ctx, spec.kind):
         state, placement = JobState.QUEUED, "local"
     spec_data = stored_spec(spec, path, slot_at)
@@ -639,6 +641,7 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
                 "record_path": str(record_path),
             }, conn=conn)
             app.events.emit("job.enqueued", job_id=job_id, conn=conn, name=spec.name, state=state.value,
+                            action=d["action"],
                             deadline=deadline, reason=headline(d))
             app.events.emit("job.decided", job_id=job_id, conn=conn, verdict=d["verdict"], action=d["action"],
                             inputs=_inputs(job), decision=d)
@@ -704,7 +707,14 @@ def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, co
         d["work_done"] = round(done, 6)
         d["reasons"].insert(0, f"{done:.4g} of {spec.work_units:.4g} units done (its checkpoint is home): "
                                f"decided on the {job_facts.work:.4g} left")
-    return Redecision(STATE_FOR_ACTION[decision.action], d, job_facts, done)
+    target = state_for(decision.action, decision.placement)
+    if target is JobState.QUEUED and decision.action == "await-approval":
+        d["reasons"].append(HYBRID_MEANWHILE)
+    return Redecision(target, d, job_facts, done)
+
+
+HYBRID_MEANWHILE = ("meanwhile its local phase runs: only the hand-over to the cloud waits for `burstctl approve` "
+                    "(never approved, it runs on locally, late)")
 
 
 def here_meanwhile(d: dict[str, Any], ctx: DecisionContext, kind: str) -> bool:

@@ -211,13 +211,14 @@ def test_enqueue_the_seed_examples_then_list_show_and_events(burstctl) -> None:
 
 
 def test_approving_a_hybrid_no_months_budget_pays_promises_no_burst(burstctl, tmp_path: Path) -> None:
-    # Seed C's hybrid rents its last hours on-demand for more than the whole $15 cap: the approval queues its local
-    # phase, and says the hand-over waits for a higher cap rather than "then the rest bursts".
+    # Seed C's hybrid rents its last hours on-demand for more than the whole $15 cap: the approval says the
+    # hand-over waits for a higher cap rather than "then the rest bursts".
     job = write_job(tmp_path, "seed-c", local_throughput=0.033, rented_throughput={"H100": 0.17},
                     deadline_hours=12, market="on-demand")
     (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 15\n")
     decided = json.loads(burstctl("enqueue", str(job), "--json").stdout)
-    assert decided["state"] == "awaiting_approval" and decided["placement"] == "hybrid"
+    assert decided["state"] == "queued" and decided["placement"] == "hybrid"  # its local phase is not held
+    assert decided["decision"]["action"] == "await-approval"
     r = burstctl("approve", "seed-c")
     assert r.returncode == 0, r.stderr
     assert "then the rest bursts" not in r.stdout
@@ -231,7 +232,8 @@ def test_approve_queues_a_priced_job_and_cancel_ends_it(burstctl, tmp_path: Path
     cfg = tmp_path / "burstctl.toml"
     cfg.write_text("[budget]\nmonthly_cap_usd = 100\n")
     r = burstctl("enqueue", str(job), "--json")
-    assert json.loads(r.stdout)["state"] == "awaiting_approval"
+    assert (json.loads(r.stdout)["state"], json.loads(r.stdout)["approved"]) == ("queued", False)  # a hybrid
+    assert "queued: its plan costs $12.90 more than local" in " ".join(burstctl("list").stdout.split())  # as held
     r = burstctl("approve", "priced", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["state"] == "queued" and json.loads(r.stdout)["approved"]
@@ -539,9 +541,90 @@ def test_work_no_gpu_given_finishes_within_the_longest_deadline_is_refused(burst
     assert JobSpec.model_validate({"name": "old", "command": ["true"], "deadline_hours": 1, "work_units": 1e308,
                                    "local_throughput": 0, "rented_throughput": {"H100": 0.17}}).work_units == 1e308
     # A job slow locally but fine rented is not: the fastest GPU given is what counts.
-    slow_here = write_job(tmp_path, "slow-here", work_units=1, local_throughput=1e-9, rented_throughput={"H100": 0.17})
+    slow_here = write_job(tmp_path, "slow-here", work_units=1, local_throughput=1e-4, rented_throughput={"H100": 0.17})
     assert burstctl("decide", str(slow_here), "--json").returncode == 0
     assert _written(burstctl) != []
+
+
+# Each figure a what-if can give has a ceiling no real one reaches, the config's own for the same setting
+# (policy.overhead_h at most 24 h; a local $/h of at most 5,000 W × $5/kWh), so that the dollars stay finite: a rate
+# of 1e308 $/GPU-h was an internal error, and with --json exited 0 printing `"plan_cost_usd": Infinity`, not JSON.
+TOO_LARGE_FLAGS = {
+    "rate": (["--rate", "1e308"], "field '--rate': 1e+308 is more than 1000: expected dollars per GPU-hour (an H100 "
+                                  "rents for $2 to $12)"),
+    "overhead-h": (["--overhead-h", "1e308"], "field '--overhead-h': 1e+308 is more than 24: expected hours, not "
+                                              "minutes (half an hour is 0.5), as policy.overhead_h"),
+    "local-usd-h": (["--local-usd-h", "1e308"], "field '--local-usd-h': 1e+308 is more than 25: expected dollars per "
+                                                "hour, not cents (a 400 W GPU at $0.25/kWh costs 0.10), as the local "
+                                                "$/h local.board_power_w and local.electricity_usd_per_kwh can give"),
+    "gpus": (["--gpus", "65"], "field '--gpus': expected an integer from 1 to 64 (as a job file's gpus), got 65"),
+    "gpus-beyond-a-float": (["--gpus", "1" + "0" * 400], "field '--gpus': expected an integer from 1 to 64 (as a job "
+                                                         "file's gpus), got a 401-digit number"),
+    "s-local": (["--s-local", "1e-300"], "field '--s-local': 1 units take 1e+300 h at 1e-300 units/h; expected at "
+                                         "least 1.14e-05 units/h, which finishes them within 10 years (87660 h), the "
+                                         "longest deadline, or 0 if the job does not fit on the local GPU"),
+    "s-rented": (["--s-rented", "1e-300", "--gpus", "8", "--s-local", "1"],  # local finishes: the work is no problem
+                 "field '--s-rented': 1 units take 1.25e+299 h at 1e-300 units/h per GPU on 8 GPUs; expected at least "
+                 "1.43e-06 units/h per GPU, which finishes them within 10 years (87660 h), the longest deadline"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOO_LARGE_FLAGS))
+@pytest.mark.parametrize("as_json", [False, True], ids=["human", "json"])
+def test_a_what_if_figure_beyond_any_real_one_is_refused_in_one_line_and_records_nothing(
+        burstctl, case: str, as_json: bool) -> None:
+    args, line = TOO_LARGE_FLAGS[case]
+    flags = {"--work": "1", "--s-local": "0", "--s-rented": "2", "--deadline-h": "24", "--rate": "3", "--gpus": "64"}
+    flags.update(zip(args[::2], args[1::2], strict=True))
+    r = burstctl("decide", *[x for kv in flags.items() for x in kv], *(["--json"] if as_json else []))
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", f"burstctl: error: {line}\n")
+    assert _written(burstctl) == []
+
+
+def test_a_what_if_at_every_ceiling_is_decided_in_finite_dollars(burstctl) -> None:
+    r = burstctl("decide", "--work", "1", "--s-local", "0", "--s-rented", "2", "--deadline-h", "24", "--rate", "1000",
+                 "--gpus", "64", "--overhead-h", "24", "--local-usd-h", "25", "--no-record", "--json")
+    assert r.returncode == 0, r.stderr
+
+    def no_constant(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    d = json.loads(r.stdout, parse_constant=no_constant)
+    assert d["verdict"] == "burst" and d["plan_cost_usd"] == pytest.approx(1000 * 64 * (1 / 128 + 24))
+
+
+@pytest.mark.parametrize(("flag", "value", "line"), [
+    ("--overhead-h", "25", "field '--overhead-h': 25 is more than 24: expected hours, not minutes"),
+    ("--local-usd-h", "1e308", "field '--local-usd-h': 1e+308 is more than 25: expected dollars per hour, not cents"),
+])
+def test_decide_on_a_job_file_bounds_its_overrides_as_the_config_bounds_them(burstctl, tmp_path: Path, flag: str,
+                                                                              value: str, line: str) -> None:
+    (tmp_path / "train.py").touch()
+    r = burstctl("decide", str(write_job(tmp_path)), flag, value)
+    assert r.returncode == 2 and r.stderr.startswith(f"burstctl: error: {line}"), r.stderr
+    assert len(r.stderr.splitlines()) == 1 and _written(burstctl) == []
+
+
+@pytest.mark.parametrize(("fields", "field", "line"), [
+    ({"local_throughput": 1e-300}, "local_throughput",
+     "1 units take 1e+300 h at 1e-300 units/h; expected at least 1.14e-05 units/h, which finishes them within 10 "
+     "years (87660 h), the longest deadline, or 0 if the job does not fit on the local GPU"),
+    ({"rented_throughput": {"H100": 2.0, "A100": 1e-300}, "gpus": 2}, "rented_throughput.A100",
+     "1 units take 5e+299 h at 1e-300 units/h per GPU on 2 GPUs; expected at least 5.7e-06 units/h per GPU, which "
+     "finishes them within 10 years (87660 h), the longest deadline"),
+], ids=["local", "rented"])
+def test_a_gpu_too_slow_to_finish_the_work_in_10_years_is_refused_naming_its_throughput(
+        burstctl, tmp_path: Path, fields: dict[str, object], field: str, line: str) -> None:
+    # A local_throughput of 1e-300 was decided, in 300-digit hours and dollars; the local GPU's 0 says the job does
+    # not fit there, and a GPU that finishes within 10 years (the longest deadline) is a figure.
+    (tmp_path / "train.py").touch()
+    path = write_job(tmp_path, "crawl", **fields)
+    for command in ("enqueue", "decide"):
+        r = burstctl(command, str(path))
+        assert (r.returncode, r.stderr) == (2, f"burstctl: error: {path}: field '{field}': {line}\n"), command
+    assert json.loads(burstctl("list", "--json").stdout) == [] and _written(burstctl) == []
+    slow = write_job(tmp_path, "slow", local_throughput=1 / 80000, rented_throughput={"H100": 2.0, "A100": 1 / 80000})
+    assert burstctl("decide", str(slow), "--no-record").returncode == 0
 
 
 def test_decide_on_a_job_file_rejects_an_infinite_overhead(burstctl, tmp_path: Path) -> None:
@@ -682,7 +765,11 @@ def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: P
     ("[daemon]\nlocal_concurrency = 1000000000000\n", "daemon.local_concurrency", "less than or equal to 64"),
     ("orchestrator_id = 'has space/and;semicolon'\n", "orchestrator_id",
      "expected a name of letters, digits, '.', '_' and '-', starting with a letter or digit, at most 48 characters"),
-], ids=["password-in-the-query", "a-local-gpu-count-no-machine-has", "an-owner-tag-no-cloud-takes"])
+    # A price no GPU-hour has made every plan's cost inf, and `decide` an internal error.
+    ("[prices.H100]\non_demand_usd_h = 1e308\nvram_gib = 80\n", "prices.H100.on_demand_usd_h",
+     "1e+308 is more than 1000: expected dollars per GPU-hour"),
+], ids=["password-in-the-query", "a-local-gpu-count-no-machine-has", "an-owner-tag-no-cloud-takes",
+        "a-price-no-gpu-hour-has"])
 def test_settings_found_wrong_only_at_run_time_are_refused_as_the_file_is_read(
         burstctl, tmp_path: Path, text: str, field: str, says: str) -> None:
     assert_config_refused(burstctl, tmp_path, text, "budget", field, says)

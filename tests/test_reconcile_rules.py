@@ -21,6 +21,7 @@ from orchestrator.lifecycle.finish import REQUEUED_LOCAL, job_after_attempt
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.schedule import watch_schedule
+from orchestrator.notify import notice_type
 from orchestrator.queue import enqueue
 from providers.base import AuthFailed, InstanceInfo, InstanceState, Market, Offer
 from providers.lambda_cloud import LambdaCloud
@@ -376,7 +377,7 @@ def test_a_hybrid_local_phase_runs_on_while_the_budget_would_refuse_its_burst(tm
     app = App(config_path=str(tmp_path / "burstctl.toml"), state_dir_override=str(tmp_path / "state"))
     job_id, _, _ = enqueue(app, write_job(tmp_path, "c", local_throughput=0.033, market="on-demand",
                                           rented_throughput={"H100": 0.17}, deadline_hours=12))
-    job = app.store.get_job(job_id)
+    job = {**app.store.get_job(job_id), "approved": True}  # its price approved: only the budget holds it
     assert job["placement"] == "hybrid"
     full = app.config
     with SimCloudServer(api_key="sim-rules-key") as sim:
@@ -390,6 +391,29 @@ def test_a_hybrid_local_phase_runs_on_while_the_budget_would_refuse_its_burst(tm
         app.use_config(full)
         assert Reconciler(app, providers, cloud=CloudSteps(app, providers))._hand_over_held(job, time.time()) is None
         sim_provider.close()
+    app.close()
+
+
+def test_a_hybrid_awaiting_approval_runs_its_local_phase_and_only_its_hand_over_waits_for_approve(
+        tmp_path: Path) -> None:
+    # Held whole, a hybrid above the approval ceiling left the local GPU idle until someone approved, and each hour
+    # of that made its cloud phase longer. Its local phase costs nothing: it is queued; the burst is what waits.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, decision, _ = enqueue(app, write_job(tmp_path, "c", local_throughput=0.033, market="on-demand",
+                                                 rented_throughput={"H100": 0.17}, deadline_hours=12))
+    job = app.store.get_job(job_id)
+    assert decision.action == "await-approval" and (job["state"], job["placement"]) == ("queued", "hybrid")
+    assert job["decision"]["reasons"][-1].startswith("meanwhile its local phase runs: only the hand-over to the "
+                                                     "cloud waits for `burstctl approve`")
+    (enqueued,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "job.enqueued"]
+    assert notice_type(enqueued) == "job.awaiting_approval"  # a person is told, as of a job held whole
+    cloud = _Stoppable()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    assert rec._hand_over_held(job, time.time()) == f"its price waits for approval: `burstctl approve {job_id}`"
+    with app.store.tx() as c:
+        app.store.update_job(job_id, c, approved=True)
+    assert not (rec._hand_over_held(app.store.get_job(job_id), time.time()) or "").startswith("its price waits")
+    rec.close()
     app.close()
 
 
@@ -407,7 +431,7 @@ def test_a_hand_over_and_a_launch_count_only_capacity_on_the_market_they_launch_
                                    regions=("us-east-1", "us-west-1"), request_interval_s=0.0)
         providers = {"sim": sim_provider}
         rec = Reconciler(app, providers, cloud=CloudSteps(app, providers))
-        on_demand, spot = (app.store.get_job(jobs[m]) for m in ("on-demand", "spot"))
+        on_demand, spot = ({**app.store.get_job(jobs[m]), "approved": True} for m in ("on-demand", "spot"))
         assert rec._hand_over_held(on_demand, time.time()) == "no cloud lists on-demand capacity for 1×H100"
         assert rec._hand_over_held(spot, time.time()) is None
 

@@ -29,7 +29,7 @@ from orchestrator.events import EventTail
 from orchestrator.jobspec import MAX_DEADLINE_HOURS
 from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.schedule import reported
-from orchestrator.lifecycle.states import JobState, check_transition
+from orchestrator.lifecycle.states import JobState, awaits_approval, check_transition
 from orchestrator.records import fmt_h, fmt_usd, plan_name
 from state import schema as s
 from state.schema import planned_rented_usd
@@ -145,7 +145,7 @@ def list_cmd(app: App, states: tuple[str, ...], show_all: bool, as_json: bool) -
                   "draws every row, --json lists them, --state narrows[/dim]")
     # Why the jobs that are held are held (blocked, awaiting approval): the question `list` is most often run to
     # answer. A few lines, not one per job of a long queue.
-    waiting = [j for j in jobs if j["reason"] and j["state"] in WAITING_STATES]
+    waiting = [j for j in jobs if j["reason"] and (j["state"] in WAITING_STATES or awaits_approval(j))]
     for j in waiting[:REASONS_SHOWN]:
         out.print(f"[dim]{escape(j['id'])} {escape(j['state'])}: {escape(j['reason'])}[/dim]")
     if len(waiting) > REASONS_SHOWN:
@@ -299,28 +299,31 @@ def approve_cmd(app: App, job: str, as_json: bool) -> None:
     local run re-planned behind schedule (running, its price awaiting approval) bursts the rest instead of running
     on, late."""
     j = job_or_fail(app, job)
-    if j["state"] == JobState.RUNNING.value and j["decision"].get("action") == "await-approval" and not j["approved"]:
-        with app.store.tx() as conn:
-            if not app.store.update_job(j["id"], conn, expect_state=j["state"], approved=True,
-                                        reason="deadline price approved: the daemon bursts the rest"):
-                raise BadInput(f"job {j['id']} changed state meanwhile; try again", field="JOB")
-            app.events.emit("job.approved", job_id=j["id"], conn=conn, previous=j["state"], state=j["state"])
-        new = app.store.get_job(j["id"])
-        assert new is not None
-        print_json(_public(new)) if as_json else out.print(f"{j['id']} approved: it bursts the rest")
-        return
-    if j["state"] != JobState.AWAITING_APPROVAL.value:
+    if not awaits_approval(j):
         raise BadInput(f"job {j['id']} is {j['state']}, not awaiting approval", field="JOB")
     plan = j["decision"].get("plan") or []
     local_first = next((p for p in plan if p["where"] == "local"), None) if j["placement"] == "hybrid" else None
-    runs = (f"{local_first['hours']:.2f} h on the local GPU first (when it is free), then the rest bursts"
-            if local_first else "queued to burst")
+    held_whole = j["state"] == JobState.AWAITING_APPROVAL.value
+    if local_first:
+        runs = (f"{local_first['hours']:.2f} h on the local GPU first (when it is free), then the rest bursts"
+                if held_whole else "its local phase runs on, and the rest bursts at its hand-over")
+    else:
+        runs = "queued to burst" if held_whole else "it bursts the rest"
     rented, cap = planned_rented_usd(j["decision"]), app.config.budget.monthly_cap_usd
     if local_first and rented > cap + 1e-9:  # approved or not, no month's budget pays the hand-over: not promised
         runs = (f"{local_first['hours']:.2f} h on the local GPU first; its cloud phase (${rented:.2f}) is more than "
                 f"the whole ${cap:.2f} monthly cap, so it runs on locally, late, unless budget.monthly_cap_usd is "
                 "raised")
-    j = _set_state(app, job, JobState.QUEUED, "job.approved", approved=True, reason=f"deadline price approved: {runs}")
+    if held_whole:
+        j = _set_state(app, job, JobState.QUEUED, "job.approved", approved=True,
+                       reason=f"deadline price approved: {runs}")
+    else:  # queued or running (a hybrid's local phase, a local run re-planned behind schedule): only approved
+        with app.store.tx() as conn:
+            if not app.store.update_job(j["id"], conn, expect_state=j["state"], approved=True,
+                                        reason=f"deadline price approved: {runs}"):
+                raise BadInput(f"job {j['id']} changed state meanwhile; try again", field="JOB")
+            app.events.emit("job.approved", job_id=j["id"], conn=conn, previous=j["state"], state=j["state"])
+        j = app.store.get_job(j["id"]) or j
     print_json(_public(j)) if as_json else out.print(f"{j['id']} approved: {runs}")
 
 
@@ -431,6 +434,9 @@ def budget_cmd(app: App, as_json: bool) -> None:
 
 
 EVENTS_SHOWN = 100  # `burstctl events` without --limit or --all: the newest this many, as `tail` shows the end
+# The largest number a database INTEGER holds (SQLite's and PostgreSQL's BIGINT): an event id or a LIMIT above it
+# reached the database as an OverflowError.
+DB_INT_MAX = 2**63 - 1
 
 
 @cli.command("events")
@@ -438,10 +444,10 @@ EVENTS_SHOWN = 100  # `burstctl events` without --limit or --all: the newest thi
 @click.option("--job", "job_ref", default=None, help="Only this job's events.")
 @click.option("--type", "type_prefix", default=None,
               help="Only events whose type starts with this (`job.` or `job.*`: every job event; `job.done`).")
-@click.option("--limit", type=click.IntRange(min=1), default=None,
+@click.option("--limit", type=click.IntRange(min=1, max=DB_INT_MAX), default=None,
               help=f"At most this many (the newest; {EVENTS_SHOWN} unless --all; with --after, the first).")
 @click.option("--all", "show_all", is_flag=True, help="Every event from the first (streamed), not only the newest.")
-@click.option("--after", "after_id", type=click.IntRange(min=0), default=None,
+@click.option("--after", "after_id", type=click.IntRange(min=0, max=DB_INT_MAX), default=None,
               help="Only events with a higher id, oldest first: every one (streamed), or the first --limit. A "
                    "script pages with the last id it printed.")
 @click.option("--interval", type=FiniteFloat(min=0.05), default=0.5, show_default=True,

@@ -756,6 +756,8 @@ class Reconciler:
         capacity) lets it go."""
         if not burst_enabled(self.app):
             return "bursting is disabled (revert-local)"
+        if job["decision"].get("action") == "await-approval" and not job.get("approved"):
+            return f"its price waits for approval: `burstctl approve {job['id']}`"
         if self.cloud is None or not self.providers:
             return "no cloud provider is usable"
         offers, problems, too_small = self._offers_with_capacity(job, now)

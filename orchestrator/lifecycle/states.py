@@ -67,6 +67,22 @@ STATE_FOR_ACTION: dict[str, JobState] = {
 }
 
 
+def state_for(action: str, placement: str) -> JobState:
+    """What a fresh decision puts a job in. A hybrid plan awaiting approval is queued all the same: its local phase
+    costs nothing and needs no one's leave, and only its hand-over to the cloud waits for `burstctl approve`
+    (`Reconciler._hand_over_held`). Held whole, the local GPU sat idle while the deadline came closer."""
+    if action == "await-approval" and placement == "hybrid":
+        return JobState.QUEUED
+    return STATE_FOR_ACTION[action]
+
+
+def awaits_approval(job: dict) -> bool:
+    """Whether a job's price waits for `burstctl approve`: held whole, or a hybrid whose local phase runs meanwhile."""
+    return job["state"] == JobState.AWAITING_APPROVAL.value or (
+        job["state"] in (JobState.QUEUED.value, JobState.RUNNING.value)
+        and (job.get("decision") or {}).get("action") == "await-approval" and not job.get("approved"))
+
+
 def check_transition(current: str, target: str, job: str) -> None:
     cur, tgt = JobState(current), JobState(target)
     if tgt not in JOB_TRANSITIONS[cur]:
