@@ -1114,6 +1114,13 @@ class _Stoppable:
         return []
 
 
+class _Reclaimed(_Stoppable):
+    """As `_Stoppable`, with the instance reclaimed: the provider describes it as gone."""
+
+    def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
+        return {}
+
+
 def _until_a_sync_finished(rec: Reconciler) -> None:
     deadline = time.monotonic() + 10
     while not rec.syncs.finished():
@@ -1247,11 +1254,7 @@ def test_a_loss_waits_for_the_sync_under_way_so_what_it_brings_home_is_not_lost_
     app = App(state_dir_override=str(tmp_path / "state"))
     job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=3600)
 
-    class Reclaimed(_Stoppable):
-        def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
-            return {}
-
-    cloud = Reclaimed()
+    cloud = _Reclaimed()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
     monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
@@ -1277,12 +1280,8 @@ def test_a_pull_that_ends_after_the_loss_was_written_down_corrects_the_work_coun
     app = App(state_dir_override=str(tmp_path / "state"))
     job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=3600)
 
-    class Reclaimed(_Stoppable):
-        def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
-            return {}
-
     now = [time.time()]
-    cloud = Reclaimed()
+    cloud = _Reclaimed()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud, clock=lambda: now[0])  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
     monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
@@ -1340,11 +1339,7 @@ def test_work_since_a_checkpoint_counts_from_when_the_trainer_wrote_it_not_from_
         (path / "manifest.json").write_text(json.dumps({**manifest, "created_at": written}))
         return SyncDone(at=time.time(), pulled=PulledCheckpoints([path], TransferStats("rsync"), {}))
 
-    class Reclaimed(_Stoppable):
-        def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
-            return {}
-
-    cloud = Reclaimed()
+    cloud = _Reclaimed()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     monkeypatch.setattr(rec, "_sync_beside", sync_beside)
     rec._sync_now(attempt(), app.store.get_job(job_id), {})
