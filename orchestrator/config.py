@@ -9,6 +9,7 @@ Secrets are never inline: a provider names the *environment variable* that holds
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import json
 import os
 import re
@@ -559,6 +560,40 @@ NOTIFIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # match (`jobs.*`), unsaid. A test checks that every event emitted is of one of them.
 EVENT_FAMILIES = ("attempt", "budget", "burst", "checkpoint", "cloud", "daemon", "instance", "job", "notify",
                   "preemption", "provider", "revert_local", "schedule", "spot", "state")
+# Every event type burstctl records, and the notice types a decision's state gives a job (`notify.notice_type`):
+# a notifier's pattern that names none of them (`job.fialed`) would send nothing, unsaid. A test holds this to the
+# code (tests/test_notify.py).
+EVENT_TYPES = frozenset({
+    "attempt.ended", "attempt.error", "attempt.hand_over_held", "attempt.host_key_mismatch", "attempt.intent",
+    "attempt.last_checkpoint_failed", "attempt.launch_failed", "attempt.launch_unknown", "attempt.logs_pull_failed",
+    "attempt.lost_work_corrected", "attempt.market_switch", "attempt.outputs_copy_failed",
+    "attempt.outputs_pull_failed", "attempt.probe_taken_over", "attempt.provider_unavailable", "attempt.running",
+    "attempt.setup_started_early", "attempt.spot_probe", "attempt.stop_requested", "attempt.stopping",
+    "attempt.successor_taken_over",
+    "budget.crossed",
+    "burst.disabled", "burst.enabled",
+    "checkpoint.corrupt", "checkpoint.sync_failed", "checkpoint.synced",
+    "cloud.health",
+    "daemon.config_rejected", "daemon.config_reloaded", "daemon.lock_lost", "daemon.notify_failed",
+    "daemon.orphan_transfers_ended", "daemon.schedule_failed", "daemon.started", "daemon.stopped", "daemon.stopping",
+    "daemon.sweep_failed", "daemon.tick_failed",
+    "instance.adopted", "instance.host_key_recorded", "instance.interruption_notice", "instance.launched",
+    "instance.orphan_terminate_failed", "instance.orphan_terminated", "instance.preempted", "instance.ready",
+    "instance.terminate_retry", "instance.terminate_unverified", "instance.terminated",
+    "job.approved", "job.awaiting_approval", "job.behind_schedule", "job.blocked", "job.cancelled", "job.decided",
+    "job.done", "job.enqueued", "job.failed", "job.market_switch", "job.measured", "job.outputs_home",
+    "job.plan_restored", "job.redecided", "job.replanned", "job.requeued_local", "job.resumed", "job.resuming",
+    "job.rethink", "job.retried", "job.switching", "job.waiting",
+    "notify.armed", "notify.failed", "notify.recovered", "notify.removed", "notify.test",
+    "preemption.error",
+    "provider.call", "provider.launch_fallback", "provider.launch_found_existing", "provider.launched",
+    "provider.offer_skipped", "provider.retry", "provider.unavailable", "provider.unreachable",
+    "revert_local.done",
+    "schedule.armed", "schedule.job_invalid", "schedule.missed", "schedule.queued", "schedule.removed",
+    "schedule.skipped",
+    "spot.notice", "spot.preempted",
+    "state.checkpoints_pruned", "state.events_pruned",
+})
 
 
 # An owner tag is also part of instance names (Lambda Cloud's, EC2's Name tag): the characters every cloud takes,
@@ -611,6 +646,12 @@ class Notify(Strict):
                 hint = f" (did you mean '{near[0]}{dot or '.'}{pattern.partition('.')[2] or '*'}'?)" if near else ""
                 raise ValueError(f"'{pattern}' matches no event: expected an event type such as 'job.done' or a "
                                  f"pattern such as 'job.*', of {', '.join(EVENT_FAMILIES)}{hint}")
+            if not any(fnmatch.fnmatchcase(kind, pattern) for kind in EVENT_TYPES):  # a typo: nothing would be sent
+                of_family = sorted(k for k in EVENT_TYPES if k.startswith(f"{family}."))
+                near = difflib.get_close_matches(pattern, of_family, n=1)
+                raise ValueError(f"'{pattern}' matches no event type burstctl records"
+                                 + (f" (did you mean '{near[0]}'?)" if near else "")
+                                 + f": expected one of {', '.join(of_family)}, or a pattern such as '{family}.*'")
         return v
 
     @field_validator("name")

@@ -193,6 +193,10 @@ def _utc(at: float) -> str:
     return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
+# A slot passed without a cycle, by outcome: the event it is recorded as.
+SCHEDULE_EVENTS = {"skipped": "schedule.skipped", "job_invalid": "schedule.job_invalid", "missed": "schedule.missed"}
+
+
 def _fire(app: App, sched: Schedule, path: Path, key: str, rec: dict[str, Any], slot: float, now: float,
           slept: dict[str, Any] | None) -> Fired:
     """The slot's outcome, recorded with it in one transaction, and with it the slots slept through before it
@@ -206,7 +210,7 @@ def _fire(app: App, sched: Schedule, path: Path, key: str, rec: dict[str, Any], 
         with app.store.tx() as conn:
             app.store.set_setting(key, {**rec, "last_slot_at": slot}, conn=conn)
             say_slept(conn)
-            app.events.emit(f"schedule.{outcome}", job_file=str(path), slot_at=slot, conn=conn, **said)
+            app.events.emit(SCHEDULE_EVENTS[outcome], job_file=str(path), slot_at=slot, conn=conn, **said)
         return Fired(str(path), outcome, slot)
 
     previous = rec.get("last_job_id")

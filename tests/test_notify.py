@@ -480,6 +480,44 @@ def test_a_notice_says_why_a_job_needs_a_person_and_any_event_in_words(tmp_path:
     app.close()
 
 
+# Strings of an event's shape in the code that are not event types: settings' paths, a file's name.
+NOT_EVENTS = {"budget.cycle_gpu", "daemon.lock", "daemon.tick_s", "job.env", "state.dir"}
+
+
+def test_the_event_types_a_notifier_may_name_are_those_the_code_records() -> None:
+    # `[[notify]] events` refuses a type in no one's list (`job.fialed`, which would send nothing): the list must
+    # hold every type the code names, and name none it does not.
+    import ast
+
+    from orchestrator.config import EVENT_TYPES
+
+    shaped = re.compile(rf"({'|'.join(EVENT_FAMILIES)})\.[a-z_]+")
+    named: set[str] = set()
+    for folder in ("orchestrator", "providers", "state"):
+        for path in (REPO / folder).rglob("*.py"):
+            constants = (n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant))
+            named |= {c for c in constants if isinstance(c, str) and shaped.fullmatch(c)}
+    named -= NOT_EVENTS
+    assert named == EVENT_TYPES, (sorted(named - EVENT_TYPES), sorted(EVENT_TYPES - named))
+
+
+@pytest.mark.parametrize(("events", "says"), [
+    ('["job.fialed"]', "'job.fialed' matches no event type burstctl records (did you mean 'job.failed'?)"),
+    ('["job.done", "instance.exploded"]', "'instance.exploded' matches no event type burstctl records"),
+    ('["schedule.zz*"]', "'schedule.zz*' matches no event type burstctl records"),
+])
+def test_a_notifier_naming_an_event_type_that_is_never_recorded_is_refused(
+        burstctl, tmp_path: Path, events: str, says: str) -> None:
+    assert_config_refused(burstctl, tmp_path, f'[[notify]]\nname = "n"\ncommand = ["true"]\nevents = {events}\n',
+                          "budget", "notify.0.events", says)
+
+
+def test_a_notifier_pattern_that_matches_recorded_types_is_taken() -> None:
+    from orchestrator.config import Notify
+
+    Notify.model_validate({"name": "n", "command": ["true"], "events": ["job.*ed", "instance.*", "*", "job.done"]})
+
+
 def test_every_event_burstctl_emits_is_of_a_kind_a_notifier_s_pattern_may_name() -> None:
     # `[[notify]] events` refuses a pattern of no known kind (EVENT_FAMILIES): a new kind of event must be added
     # there, or a notifier could never be set to send it.

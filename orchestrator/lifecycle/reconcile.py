@@ -1027,7 +1027,8 @@ class Reconciler:
                     "provider": att["provider"], "instance_id": inst.id, "instance_type": inst.instance_type,
                     "market": inst.market.value, "rate_usd_h": att["info"].get("rate_usd_h", 0.0),
                     "started_at": launched}, conn=conn)
-            self.app.events.emit(f"instance.{how}", job_id=job["id"], attempt_id=att["id"], conn=conn,
+            self.app.events.emit("instance.adopted" if how == "adopted" else "instance.launched", job_id=job["id"],
+                                 attempt_id=att["id"], conn=conn,
                                  provider=att["provider"], instance=inst.id, instance_type=inst.instance_type,
                                  market=inst.market.value, region=inst.region)
 
