@@ -40,6 +40,7 @@ DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 an
                            f"({MAX_DEADLINE_YEARS} years)")
 # A job's name is part of file names (decision records): no path separators, no leading dot.
 NAME_PATTERN, NAME_MAX = r"^[A-Za-z0-9][A-Za-z0-9._-]*$", 48
+JOB_ID = re.compile(r"j[0-9a-f]{8}")  # `queue.new_job_id`'s shape
 NAME_EXPECTED = f"letters, digits, '.', '_' and '-', starting with a letter or digit, at most {NAME_MAX}"
 PATTERN_WORDS[NAME_PATTERN] = f"a name of {NAME_EXPECTED} characters"
 # Variables burstctl itself gives the command (the supervisor's contract, and the runbooks' PYTHONPATH): a value
@@ -212,9 +213,20 @@ class JobSpec(BaseModel):
             raise ValueError(DEADLINE_HOURS_EXPECTED)
         return v
 
+    @field_validator("name")
+    @classmethod
+    def _not_an_id(cls, v: str) -> str:
+        # Commands take a job by id or by name: a name shaped like an id would be taken for another job's.
+        if JOB_ID.fullmatch(v):
+            raise ValueError(f"'{v}' has the shape of a job id (j and 8 hex digits), which commands would take for "
+                             "another job's: expected a name that says what the job is")
+        return v
+
     @field_validator("deadline", mode="before")
     @classmethod
     def _not_a_bare_date(cls, v: object) -> object:
+        if isinstance(v, int | float) and not isinstance(v, bool):  # pydantic would read seconds since 1970
+            raise ValueError(f"is a number: {DEADLINE_EXPECTED} (or deadline_hours for hours from now)")
         # TOML's `deadline = 2026-12-03` is a date, which pydantic would take as a naive midnight.
         if isinstance(v, date) and not isinstance(v, datetime):
             raise ValueError(f"is a date without a time: {DEADLINE_EXPECTED}")

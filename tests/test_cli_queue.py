@@ -401,6 +401,11 @@ BAD_JOBS = {
                              "'python3 train.py' is one argument, run as a program of that name: write "
                              "[\"python3\", \"train.py\"]"),
     "setup-shell-operator": ({"setup": "pip install x && echo done"}, "setup", "'&&' would reach the program"),
+    # `show j25073e72` would find another job than the one of that name.
+    "name-shaped-like-an-id": ({"name": "j25073e72"}, "name", "'j25073e72' has the shape of a job id"),
+    # Read as seconds since 1970: "in the past (1970-01-01...)".
+    "deadline-a-number": ({"deadline_hours": None, "deadline": 5}, "deadline",
+                          "is a number: expected an ISO 8601 date and time with a time zone"),
 }
 
 
