@@ -218,12 +218,24 @@ def test_cancelling_a_running_burst_brings_its_last_checkpoint_home_and_terminat
     assert f"- **Measured:** cancelled: run {measured['run_h']:.2f} h, cost $" in record
 
 
+def _path_without(tmp: Path, program: str) -> str:
+    """A PATH with every program of this one but `program`: for an instance image that lacks it."""
+    farm = tmp / f"bin-without-{program}"
+    farm.mkdir()
+    for folder in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep):
+        for exe in Path(folder).glob("*") if Path(folder).is_dir() else []:
+            if exe.name != program and not (farm / exe.name).exists() and os.access(exe, os.X_OK):
+                (farm / exe.name).symlink_to(exe)
+    return str(farm)
+
+
 def test_on_instances_with_only_the_pure_python_ssh_server_a_burst_runs_to_done_over_sftp(tmp_path: Path) -> None:
     # A machine without OpenSSH's sshd runs simcloud's instances on paramiko's server, whose SFTP is confined to the
-    # instance's folder: every step of a burst (push, start, syncs, outputs) must work through it, as `make demo` does
-    # on a fresh machine. The workdir push once stat'ed `/` and every burst failed at its bootstrap.
+    # instance's folder; an instance without rsync is synced over SFTP. Every step of a burst (push, start, syncs,
+    # outputs) must work through that, as `make demo` does on a fresh machine. The workdir push once stat'ed `/`,
+    # and every burst failed at its bootstrap.
     state = tmp_path / "state"
-    with simcloud(tmp_path, "--paramiko") as url:
+    with simcloud(tmp_path, "--paramiko", env={"PATH": _path_without(tmp_path, "rsync")}) as url:
         config = write_config(tmp_path, url)
         job_id = json.loads(cli(config, state, "enqueue", str(spot_job(tmp_path, steps=30)), "--json").stdout)["id"]
         daemon_until(tmp_path, config, state, lambda: job(state, job_id)["state"] in ("done", "failed"), 120,
