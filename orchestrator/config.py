@@ -818,8 +818,11 @@ def toml_value(v: Any) -> str:
 
 def read_toml(path: Path) -> dict:
     try:
+        if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or a device: reading waits for ever
+            raise BadInput("is not a regular file, expected a TOML file", source=path)
         with path.open("rb") as fh:
-            return tomllib.load(fh)
+            # A byte-order mark, as some Windows editors write: not TOML, and harmless.
+            return tomllib.loads(fh.read().removeprefix(b"\xef\xbb\xbf").decode())
     except FileNotFoundError:
         raise BadInput("file not found", source=path) from None
     except IsADirectoryError:

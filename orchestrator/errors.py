@@ -64,7 +64,8 @@ class FieldValueError(ValueError):
 # What a value of the wrong type should have been, by pydantic's error type (strict models: nothing is converted).
 _EXPECTED_TYPE = {"float_type": "a number", "int_type": "an integer", "int_from_float": "an integer",
                   "bool_type": "true or false", "string_type": "a string", "list_type": "a list",
-                  "dict_type": "a table", "datetime_type": "an ISO 8601 date and time"}
+                  "dict_type": "a table", "model_type": "a table", "model_attributes_type": "a table",
+                  "datetime_type": "an ISO 8601 date and time"}
 
 
 # A number out of its range, by pydantic's error type: its bound's name in the error's context, and the words.
@@ -149,6 +150,8 @@ def _one_problem(error: Any, model: Any) -> tuple[str, str]:
     elif kind == "string_too_short":
         msg = "expected some text, got an empty string" if error.get("ctx", {}).get("min_length") == 1 else \
             f"expected at least {error.get('ctx', {}).get('min_length')} characters"
+    elif kind == "string_too_long":
+        msg = f"expected at most {error.get('ctx', {}).get('max_length')} characters"
     elif kind == "string_pattern_mismatch":
         pattern = error.get("ctx", {}).get("pattern")
         msg = f"expected {PATTERN_WORDS.get(pattern, f'a string matching {pattern}')}"

@@ -401,6 +401,9 @@ BAD_JOBS = {
                              "'python3 train.py' is one argument, run as a program of that name: write "
                              "[\"python3\", \"train.py\"]"),
     "setup-shell-operator": ({"setup": "pip install x && echo done"}, "setup", "'&&' would reach the program"),
+    # In this file's words, not pydantic's ("Input should be a valid dictionary or instance of CheckpointSpec").
+    "a-number-for-a-table": ({"checkpoint": 5}, "checkpoint", "expected a table, got 5"),
+    "name-too-long": ({"name": "n" * 49}, "name", "expected at most 48 characters"),
     # `show j25073e72` would find another job than the one of that name.
     "name-shaped-like-an-id": ({"name": "j25073e72"}, "name", "'j25073e72' has the shape of a job id"),
     # Read as seconds since 1970: "in the past (1970-01-01...)".
@@ -686,6 +689,21 @@ def test_an_unpriced_cycle_gpu_names_budget_cycle_gpu(burstctl, tmp_path: Path) 
     r = burstctl("--config", str(cfg), "budget")
     assert (r.returncode, r.stderr) == (2, f"burstctl: error: {cfg}: field 'budget.cycle_gpu': 'B200' has no entry "
                                            "in [prices] (known: A10, A100, H100, H200, L4, L40S, T4, V100)\n")
+
+
+def test_a_job_file_a_windows_editor_saved_with_a_byte_order_mark_is_read(burstctl, tmp_path: Path) -> None:
+    path = write_job(tmp_path, "bom", local_throughput=1.0)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    r = burstctl("enqueue", str(path), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["name"] == "bom", r.stderr
+
+
+def test_a_fifo_given_as_a_job_file_is_refused_not_waited_on(burstctl, tmp_path: Path) -> None:
+    fifo = tmp_path / "job.toml"
+    os.mkfifo(fifo)
+    r = burstctl("enqueue", str(fifo))  # reading it would wait for a writer for ever
+    assert (r.returncode, r.stderr.strip()) == (2, f"burstctl: error: {fifo}: is not a regular file, expected a "
+                                                   "TOML file")
 
 
 def test_missing_file_and_non_toml_are_bad_input(burstctl, tmp_path: Path) -> None:
