@@ -73,6 +73,12 @@ _BOUND = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "
           "less_than": ("lt", "less than"), "less_than_equal": ("le", "less than or equal to")}
 
 
+def shown_count(n: int) -> str:
+    """A whole number for a message: as it is, or, past 15 digits, its size (an error once printed 120 digits)."""
+    digits = len(str(abs(n)))
+    return str(n) if digits <= 15 else f"{'-' if n < 0 else ''}a {digits}-digit number"
+
+
 def what_was_given(value: object) -> str:
     """The wrong value, shown only when it cannot be a secret (a boolean or a number); else only its kind."""
     if isinstance(value, bool):

@@ -625,9 +625,7 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
     d = decision.to_dict()
     job_id = new_job_id()
     deadline = datetime.fromtimestamp(deadline_at).astimezone().isoformat()
-    state, placement = state_for(decision.action, decision.placement), decision.placement
-    if state is JobState.QUEUED and decision.action == "await-approval":
-        d["reasons"].append(HYBRID_MEANWHILE)
+    state, placement = _state_said(decision, d), decision.placement
     if here_meanwhile(d, ctx, spec.kind):
         state, placement = JobState.QUEUED, "local"
     spec_data = stored_spec(spec, path, slot_at)
@@ -707,14 +705,17 @@ def redecide(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, co
         d["work_done"] = round(done, 6)
         d["reasons"].insert(0, f"{done:.4g} of {spec.work_units:.4g} units done (its checkpoint is home): "
                                f"decided on the {job_facts.work:.4g} left")
-    target = state_for(decision.action, decision.placement)
-    if target is JobState.QUEUED and decision.action == "await-approval":
-        d["reasons"].append(HYBRID_MEANWHILE)
-    return Redecision(target, d, job_facts, done)
+    return Redecision(_state_said(decision, d), d, job_facts, done)
 
 
-HYBRID_MEANWHILE = ("meanwhile its local phase runs: only the hand-over to the cloud waits for `burstctl approve` "
-                    "(never approved, it runs on locally, late)")
+def _state_said(decision: Decision, d: dict[str, Any]) -> JobState:
+    """The state a fresh decision puts its job in (`state_for`); a hybrid queued while its price awaits approval
+    says so in its reasons (`d`, the decision as stored)."""
+    state = state_for(decision.action, decision.placement)
+    if state is JobState.QUEUED and decision.action == "await-approval":
+        d["reasons"].append("meanwhile its local phase runs: only the hand-over to the cloud waits for `burstctl "
+                            "approve` (never approved, it runs on locally, late)")
+    return state
 
 
 def here_meanwhile(d: dict[str, Any], ctx: DecisionContext, kind: str) -> bool:

@@ -49,7 +49,7 @@ from orchestrator.core.spot_policy import (
     safety_net_engaged_batch,
 )
 from orchestrator.core.zones import pick_zone_batch, zone_order
-from orchestrator.errors import BadInput
+from orchestrator.errors import BadInput, shown_count
 
 _EPS_S = 1e-6  # seconds; float progress sums are compared with this tolerance
 
@@ -60,12 +60,6 @@ MAX_STARTS = 100_000  # random starts per trace (the paper's 300)
 MAX_GAP_SECONDS = 86_400  # a tick of a day; the traces' are 30 to 600 s
 MAX_NODES = 1_000_000  # instances per tick in a trace, and so the gang size (the traces': 1 to 16)
 TRACE_FORMAT = "shared/spot-traces/README.md"
-
-
-def shown_count(n: int) -> str:
-    """A whole number for a message: as it is, or, past 15 digits, its size (an error once printed 120 digits)."""
-    digits = len(str(abs(n)))
-    return str(n) if digits <= 15 else f"{'-' if n < 0 else ''}a {digits}-digit number"
 
 
 def _shown_json(v: object) -> str:

@@ -22,7 +22,7 @@ from orchestrator.core.gates import (
     GateResult,
     wait_words,
 )
-from orchestrator.errors import BadInput
+from orchestrator.errors import BadInput, shown_count
 from orchestrator.jobspec import (
     DEADLINE_HOURS_EXPECTED,
     MAX_DEADLINE_HOURS,
@@ -70,8 +70,7 @@ def _positive(name: str, v: float | None, allow_zero: bool = False) -> None:
 
 def _gpus(v: int | None) -> None:
     if v is not None and not 1 <= v <= MAX_GPUS:
-        shown = str(v) if len(str(v)) <= 12 else f"a {len(str(v))}-digit number"
-        raise BadInput(f"expected an integer from 1 to {MAX_GPUS} (as a job file's gpus), got {shown}",
+        raise BadInput(f"expected an integer from 1 to {MAX_GPUS} (as a job file's gpus), got {shown_count(v)}",
                        field="--gpus")
 
 

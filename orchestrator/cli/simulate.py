@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from orchestrator.cli.base import cli, json_option, print_json, table
 from orchestrator.core.gates import MAX_OVERHEAD_H
 from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES
-from orchestrator.errors import BadInput
+from orchestrator.errors import BadInput, shown_count
 from orchestrator.jobspec import MAX_DEADLINE_HOURS, MAX_DEADLINE_YEARS
 from orchestrator.records import fmt_usd
 from orchestrator.simulate import (
@@ -21,7 +21,6 @@ from orchestrator.simulate import (
     MIN_JOB_HOURS,
     JobSetting,
     load_traces,
-    shown_count,
     simulate,
 )
 

@@ -44,7 +44,7 @@ from orchestrator.lifecycle.market_switch import (
 )
 from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
-from orchestrator.lifecycle.states import JobState
+from orchestrator.lifecycle.states import JobState, awaits_approval
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
 from orchestrator.queue import headline, local_hours, local_time, record_offers_seen, setup_key, throughput_key
 from orchestrator.records import supersede, superseded
@@ -756,7 +756,7 @@ class Reconciler:
         capacity) lets it go."""
         if not burst_enabled(self.app):
             return "bursting is disabled (revert-local)"
-        if job["decision"].get("action") == "await-approval" and not job.get("approved"):
+        if awaits_approval(job):
             return f"its price waits for approval: `burstctl approve {job['id']}`"
         if self.cloud is None or not self.providers:
             return "no cloud provider is usable"
