@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.core.gates import MAX_OVERHEAD_H, MAX_RATE_USD_GPU_H
-from orchestrator.errors import BadInput, FieldValueError, format_validation_error
+from orchestrator.errors import PATTERN_WORDS, BadInput, FieldValueError, format_validation_error
 
 Market = Literal["auto", "spot", "on-demand"]
 JobKind = Literal["train", "eval", "embed", "serve"]
@@ -47,6 +47,13 @@ GpuGiB = Annotated[float, Field(gt=0), _at_most(
     1024, "GiB as nvidia-smi reports it (memory.total), not MiB (a 16 GB card reads 16303 MiB = 15.92 GiB)")]
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# A name, a job's or an installation's owner tag, is part of file names (decision records) and of instance names
+# (Lambda Cloud's, EC2's Name tag): the characters every cloud takes, no path separator, no leading dot.
+NAME_PATTERN, NAME_MAX = r"^[A-Za-z0-9][A-Za-z0-9._-]*$", 48
+NAME_EXPECTED = f"letters, digits, '.', '_' and '-', starting with a letter or digit, at most {NAME_MAX}"
+PATTERN_WORDS[NAME_PATTERN] = f"a name of {NAME_EXPECTED} characters"
+
 ENV_NAME_EXPECTED = ("expected the NAME of an environment variable (letters, digits and '_', not starting with a "
                      "digit) that holds the secret, not the secret itself")
 
@@ -493,6 +500,11 @@ class StateSettings(Strict):
                              "~/.pgpass, which libpq reads") from None
         if url.get_backend_name() not in ("sqlite", "postgresql"):
             raise ValueError(f"names the '{url.get_backend_name()}' database: expected SQLite or PostgreSQL")
+        if url.get_backend_name() == "sqlite" and (url.database in (None, "", ":memory:")
+                                                  or url.query.get("mode") == "memory"):
+            # Each process would have its own, gone when it ends: no command would see the daemon's queue.
+            raise ValueError("is an in-memory database, which no other process sees and which is gone when its own "
+                             "ends: expected a file, e.g. 'sqlite:////var/lib/burstctl/burstctl.db'")
         try:
             url.get_dialect().import_dbapi()
         except (ImportError, NoSuchModuleError):
@@ -596,9 +608,6 @@ EVENT_TYPES = frozenset({
 })
 
 
-# An owner tag is also part of instance names (Lambda Cloud's, EC2's Name tag): the characters every cloud takes,
-# as a job's name (whose words `errors.PATTERN_WORDS` has).
-OWNER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class Notify(Strict):
@@ -693,7 +702,7 @@ class Config(Strict):
         default_factory=list, description="Where the daemon sends notices ([[notify]] tables): a job done or failed, "
         "one waiting for approval, a slot missed, an instance not confirmed gone (`burstctl notify-test` tries "
         "them).")
-    orchestrator_id: Annotated[str, Field(min_length=1, max_length=48, pattern=OWNER_PATTERN)] | None = Field(
+    orchestrator_id: Annotated[str, Field(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN)] | None = Field(
         None, description="Owner tag on every instance this installation creates. Unset: one is made for this state "
         "on first use and kept in it (`burstctl-` and 8 hex digits; a state from before that keeps `burstctl`). Two "
         "installations on one cloud account must not share it: each one's sweep and revert-local terminate the "

@@ -15,14 +15,23 @@ import re
 import shlex
 import time
 from collections.abc import Iterable
-from datetime import UTC, date, datetime
+from datetime import date, datetime
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from orchestrator.config import ENV_NAME, JobKind, Market, PassedEnvName, read_toml
-from orchestrator.errors import PATTERN_WORDS, BadInput, FieldValueError, format_validation_error, what_was_given
+from orchestrator.config import (
+    ENV_NAME,
+    NAME_EXPECTED,
+    NAME_MAX,
+    NAME_PATTERN,
+    JobKind,
+    Market,
+    PassedEnvName,
+    read_toml,
+)
+from orchestrator.errors import BadInput, FieldValueError, format_validation_error, what_was_given
 
 Method = Literal["full", "lora", "qlora"]
 Dtype = Literal["fp32", "bf16", "fp16", "int8", "int4"]
@@ -38,11 +47,7 @@ MAX_STOP_GRACE_S = 3600.0  # a trainer's last checkpoint: an hour is more than a
 DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2026-12-01T09:00:00Z"
 DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 and at most {MAX_DEADLINE_HOURS:.0f} "
                            f"({MAX_DEADLINE_YEARS} years)")
-# A job's name is part of file names (decision records): no path separators, no leading dot.
-NAME_PATTERN, NAME_MAX = r"^[A-Za-z0-9][A-Za-z0-9._-]*$", 48
 JOB_ID = re.compile(r"j[0-9a-f]{8}")  # `queue.new_job_id`'s shape
-NAME_EXPECTED = f"letters, digits, '.', '_' and '-', starting with a letter or digit, at most {NAME_MAX}"
-PATTERN_WORDS[NAME_PATTERN] = f"a name of {NAME_EXPECTED} characters"
 # Variables burstctl itself gives the command (the supervisor's contract, and the runbooks' PYTHONPATH): a value
 # passed under one of these names would be silently replaced, so the name is refused instead.
 RESERVED_ENV = frozenset({"BURST_JOB_ID", "BURST_ATTEMPT", "BURST_CHECKPOINT_DIR", "BURST_RESUME_FROM",
@@ -211,6 +216,13 @@ class JobSpec(BaseModel):
         # Before pydantic's own check, so inf and nan get the same words as a deadline beyond the cap.
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError(DEADLINE_HOURS_EXPECTED)
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _a_directory(cls, v: str) -> str:
+        if not v.strip():  # Path("") would be the job file's directory: "." says so, "" is more likely a slip
+            raise ValueError("is empty: expected a directory relative to the job file (\".\" for the file's own)")
         return v
 
     @field_validator("name")
@@ -410,9 +422,12 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
             raise BadInput(why, source=path, field=f"rented_throughput.{gpu}")
     deadline_at = spec.deadline_at(now)
     if deadline_at <= now:
-        # The file's own instant when it gave one: a year-1 deadline is past but not a timestamp datetime can hold.
-        when = (spec.deadline or datetime.fromtimestamp(deadline_at, UTC)).isoformat()
-        raise BadInput(f"is in the past ({when}); expected a future instant", source=path, field="deadline")
+        if spec.deadline is None:  # hours so few that they round to now
+            raise BadInput(f"is {spec.deadline_hours!r} hours, which is now; expected the hours from now the job has "
+                           "(e.g. 12)", source=path, field="deadline_hours")
+        # The file's own instant: a year-1 deadline is past but not a timestamp datetime can hold.
+        raise BadInput(f"is in the past ({spec.deadline.isoformat()}); expected a future instant", source=path,
+                       field="deadline")
     if deadline_at - now > MAX_DEADLINE_HOURS * 3600.0:
         if spec.deadline is not None:
             raise BadInput(f"is more than {MAX_DEADLINE_YEARS} years ahead ({spec.deadline.isoformat()}); expected "
@@ -428,6 +443,19 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
         raise BadInput(f"'{spec.command[outside]}' is outside the workdir '{spec.workdir}', and only the workdir is "
                        "copied to a rented instance; expected a path inside it (set workdir to a directory that "
                        "holds it)", source=path, field=f"command.{outside}")
+    for field, argv in (("command", spec.command), ("setup", spec.setup)):
+        at = _shell_word(argv)
+        if at is not None:
+            raise BadInput(_shell_word_problem(argv[at]), source=path, field=f"{field}.{at}")
+    absolute = _absolute_script(spec.command, spec.torchrun) if not spec.setup else None  # a setup may put it there
+    if absolute is not None:
+        # Found out on a rented instance, it costs a billing minimum and a boot to say so.
+        at, given = absolute
+        inside = Path(given).resolve().is_relative_to(workdir.resolve())
+        hint = (f"'{Path(given).resolve().relative_to(workdir.resolve())}'" if inside
+                else "a path relative to the workdir (set workdir to a directory that holds it)")
+        raise BadInput(f"'{given}' is an absolute path, and only the workdir is copied to a rented instance, "
+                       f"where it would not be; expected {hint}", source=path, field=f"command.{at}")
     missing = _missing_script(spec.command, workdir) if not spec.setup else None  # a setup may fetch it
     if missing is not None:
         # Found out on a rented instance, it costs a billing minimum and a boot to say so.
@@ -457,6 +485,42 @@ def _missing_script(command: list[str], workdir: Path) -> str | None:
     if script.startswith(("/", "~", "$")) or (workdir / script).exists():
         return None
     return script
+
+
+def _absolute_script(command: list[str], torchrun: bool) -> tuple[int, str] | None:
+    """The index and path of the script the command runs (as `_script_run` finds it) when that is absolute."""
+    at = 0 if torchrun else 1
+    if (len(command) > at and command[at].startswith("/")
+            and (torchrun or SCRIPT_RUNNERS.fullmatch(Path(command[0]).name))):
+        return at, command[at]
+    return None
+
+
+# What only a shell expands: an environment variable by the convention of capitals ($HF_HOME, ${BURST_JOB_ID})
+# or any name in braces, and a leading ~. A command runs without a shell, so its program gets them as written.
+SHELL_WORD = re.compile(r"\$\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)\}|\$(?P<name>[A-Z_][A-Z0-9_]*)\b|^~(?=/|$)")
+SHELLS = re.compile(r"(ba|da|z|k)?sh")
+
+
+def _shell_word(argv: list[str]) -> int | None:
+    """The index of the first argument holding a word only a shell would expand. None for a shell given a script
+    to run (`sh -c "..."`), whose script expands its own."""
+    if argv and SHELLS.fullmatch(Path(argv[0]).name) and any(
+            re.fullmatch(r"-[A-Za-z]*c[A-Za-z]*", a) for a in argv[1:]):
+        return None
+    return next((i for i, arg in enumerate(argv) if SHELL_WORD.search(arg)), None)
+
+
+def _shell_word_problem(arg: str) -> str:
+    found = SHELL_WORD.search(arg)
+    assert found is not None
+    if found.group(0).startswith("~"):
+        return (f"'{arg}' reaches the program as written: it runs without a shell, so '~' is not your home "
+                "directory; expected a path relative to the workdir")
+    name = found.group("braced") or found.group("name")
+    return (f"'{arg}' reaches the program as written: it runs without a shell, so ${name} is not expanded; "
+            f"expected the program to read the variable itself (os.environ[\"{name}\"]), or a shell to expand "
+            f"it: [\"sh\", \"-c\", \"...\"]")
 
 
 def _script_run(command: list[str], torchrun: bool) -> str | None:

@@ -21,7 +21,7 @@ from sqlalchemy import insert
 from orchestrator import jobspec, queue
 from orchestrator.app import App
 from orchestrator.config import Config
-from orchestrator.errors import OperationalError
+from orchestrator.errors import BadInput, OperationalError
 from state import schema as s
 from tests.conftest import REPO, assert_config_refused, write_job
 
@@ -409,6 +409,21 @@ BAD_JOBS = {
     # Read as seconds since 1970: "in the past (1970-01-01...)".
     "deadline-a-number": ({"deadline_hours": None, "deadline": 5}, "deadline",
                           "is a number: expected an ISO 8601 date and time with a time zone"),
+    # Hours so few that they round to now are said of deadline_hours, not of a deadline the file never gave.
+    "deadline-hours-that-are-now": ({"deadline_hours": 1e-300}, "deadline_hours", "is 1e-300 hours, which is now"),
+    # Path("") is the job file's own directory, and the missing script was reported under command.1.
+    "workdir-empty": ({"workdir": ""}, "workdir", "is empty: expected a directory relative to the job file"),
+    # Each found only on a rented instance, where the script is not and nothing expands the word.
+    "script-absolute": ({"command": ["python3", "/home/me/train.py"]}, "command.1",
+                        "'/home/me/train.py' is an absolute path, and only the workdir is copied to a rented "
+                        "instance, where it would not be; expected a path relative to the workdir"),
+    "script-from-home": ({"command": "python3 ~/train.py"}, "command.1",
+                         "'~/train.py' reaches the program as written: it runs without a shell, so '~' is not your "
+                         "home directory"),
+    "variable-in-command": ({"command": ["python3", "train.py", "--out", "${BURST_CHECKPOINT_DIR}/x"]}, "command.3",
+                            "so $BURST_CHECKPOINT_DIR is not expanded; expected the program to read the variable "
+                            "itself (os.environ[\"BURST_CHECKPOINT_DIR\"]), or a shell to expand it"),
+    "variable-in-setup": ({"setup": "pip install -r $REQS"}, "setup.3", "so $REQS is not expanded"),
 }
 
 
@@ -425,6 +440,27 @@ def test_a_script_a_setup_may_fetch_or_a_module_is_not_looked_for(tmp_path: Path
                                       setup="git clone https://example.org/repo clone"))
     assert jobspec.load_job(write_job(tmp_path, "module", command=["python3", "-m", "trainer.main"]))
     assert jobspec.load_job(write_job(tmp_path, "shell", command=["sh", "-c", "python3 x.py"]))
+
+
+def test_an_absolute_script_inside_the_workdir_is_told_by_its_relative_path(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").touch()
+    with pytest.raises(BadInput, match=r"field 'command.1': '/.*/src/train.py' is an absolute path, .* expected "
+                                       r"'src/train.py'"):
+        jobspec.load_job(write_job(tmp_path, "abs", command=["python3", str(tmp_path / "src" / "train.py")]))
+    # A setup may put it there; a program at an absolute path is the instance image's.
+    assert jobspec.load_job(write_job(tmp_path, "fetched", command=["python3", "/opt/job/train.py"],
+                                      setup="sh fetch.sh"))
+    assert jobspec.load_job(write_job(tmp_path, "program", command=["/usr/bin/python3", "src/train.py"]))
+
+
+def test_words_a_shell_would_expand_are_refused_unless_a_shell_runs_them(tmp_path: Path) -> None:
+    (tmp_path / "train.py").touch()
+    assert jobspec.load_job(write_job(tmp_path, "sh-c", command=["bash", "-lc", "python3 train.py --out $HOME/x"]))
+    # Lower case and a lone '$' are a program's own words (a regex, a price), not a variable by convention.
+    assert jobspec.load_job(write_job(tmp_path, "own", command=["python3", "train.py", "--re", "^a$b", "--p", "5$"]))
+    with pytest.raises(BadInput, match=r"field 'command.3': .* so \$HF_HOME is not expanded"):
+        jobspec.load_job(write_job(tmp_path, "var", command=["python3", "train.py", "--cache", "$HF_HOME"]))
 
 
 def test_a_setup_given_as_a_string_is_split_like_the_command(tmp_path: Path) -> None:
@@ -791,8 +827,11 @@ def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: P
     # A price no GPU-hour has made every plan's cost inf, and `decide` an internal error.
     ("[prices.H100]\non_demand_usd_h = 1e308\nvram_gib = 80\n", "prices.H100.on_demand_usd_h",
      "1e+308 is more than 1000: expected dollars per GPU-hour"),
+    # Each process would have its own queue, gone when it ends: `enqueue` fed none the daemon sees.
+    ("[state]\ndatabase_url = 'sqlite:///:memory:'\n", "state.database_url", "is an in-memory database"),
+    ("[state]\ndatabase_url = 'sqlite://'\n", "state.database_url", "is an in-memory database"),
 ], ids=["password-in-the-query", "a-local-gpu-count-no-machine-has", "an-owner-tag-no-cloud-takes",
-        "a-price-no-gpu-hour-has"])
+        "a-price-no-gpu-hour-has", "an-in-memory-database", "an-in-memory-database-by-default"])
 def test_settings_found_wrong_only_at_run_time_are_refused_as_the_file_is_read(
         burstctl, tmp_path: Path, text: str, field: str, says: str) -> None:
     assert_config_refused(burstctl, tmp_path, text, "budget", field, says)

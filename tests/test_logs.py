@@ -68,6 +68,15 @@ def test_the_newest_attempts_stdout_by_default_and_any_attempts_other_logs_on_re
     assert f"logs: burstctl logs {job.id} (2 attempts, in {job.state / 'runs'}/{job.id}-a<N>/)" in shown
     missing = job.logs("--setup")
     assert missing.returncode == 0 and missing.stdout == "" and "(no setup.log for this attempt yet)" in missing.stderr
+    assert job.logs("--stderr", "--stderr").stdout == ""  # the same log twice is still one
+
+
+def test_two_logs_at_once_are_refused_not_one_dropped(job: Job) -> None:
+    job.attempt(1, "running", stdout=b"step 1\n", stderr=b"a warning\n")
+    r = job.logs("--stderr", "--setup")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == ("burstctl: error: --stderr and --setup name 2 logs: expected one of --stdout, --stderr, "
+                        "--setup or --supervisor\n")
 
 
 @pytest.mark.parametrize(("text", "lines", "expected"), [

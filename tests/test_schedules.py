@@ -402,6 +402,27 @@ def test_a_cycle_planned_longer_than_its_slots_spacing_is_counted_once_per_cycle
     assert row["cycles_left_this_month"] == row["slots_left_this_month"]
 
 
+def test_budget_leaves_out_the_cycles_of_a_schedule_whose_job_file_does_not_validate(
+        burstctl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The daemon skips such a schedule's slots until the file is fixed: they queue no cycle to count.
+    noon = SimpleNamespace(time=lambda: datetime(2031, 1, 10, 12, 0, 30, tzinfo=UTC).timestamp())
+    monkeypatch.setattr("orchestrator.cli.schedules.time", noon)
+    monkeypatch.setattr("orchestrator.cli.jobs.time", noon)
+    write_job(tmp_path, "daily", command=["true"], deadline_hours=10, local_throughput=1)
+    write_job(tmp_path, "broken", command=["true"], deadline_hours=10, local_throughput=1, gpus=0)
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('[providers.sim]\nenabled = false\n\n'
+                   + "".join(f'[[schedule]]\njob = "{name}.toml"\ncron = "0 3 * * *"\ntimezone = "UTC"\n\n'
+                             for name in ("daily", "broken")))
+    rows = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
+    assert [r["cycles_left_this_month"] for r in rows] == [21, 21] and "gpus" in rows[1]["problem"]
+    budget = json.loads(burstctl("--config", str(cfg), "budget", "--json").stdout)
+    assert (budget["scheduled_cycles_left"], budget["schedules_skipped"]) == (21, [str(tmp_path / "broken.toml")])
+    shown = burstctl("--config", str(cfg), "budget").stdout
+    assert (f"not counted: 1 schedule(s) whose job file does not validate now, skipped at their slots "
+            f"({tmp_path / 'broken.toml'}; `burstctl schedules` says why)") in shown.replace("\n", "")
+
+
 def test_budget_weighs_what_the_scheduled_cycles_would_rent_against_what_is_free(
         burstctl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # It had compared the count of every cycle, local ones too, with the reference cycles the money buys: an

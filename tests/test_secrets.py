@@ -4,11 +4,13 @@ argument lists, never shell lines; and an instance whose host key changes after 
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shutil
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -217,3 +219,41 @@ def test_a_key_file_is_shown_as_the_file_and_a_missing_one_is_named_as_the_probl
     sim = next(p for p in json.loads(r.stdout)["providers"] if p["name"] == "sim")
     assert sim["credential"] == f"file {missing}" and sim["credential_present"] is False
     assert f"cannot read the API key file {missing}: No such file or directory" in json.dumps(sim)
+
+
+class _EchoingCloud(http.server.BaseHTTPRequestHandler):
+    """A Lambda-style API that answers /instance-types with the bearer key it was sent inside the GPU's name, the
+    type's name and a region's: what a buggy or hostile endpoint could do."""
+
+    def do_GET(self) -> None:
+        key = self.headers.get("Authorization", "").removeprefix("Bearer ")
+        name = f"gpu_1x_{key}"
+        body = json.dumps({"data": {name: {
+            "instance_type": {"name": name, "description": f"1x H100 {key}", "gpu_description": f"H100 {key} (80 GB)",
+                              "price_cents_per_hour": 249,
+                              "specs": {"vcpus": 26, "memory_gib": 200, "storage_gib": 512, "gpus": 1}},
+            "regions_with_capacity_available": [{"name": f"us-{key}", "description": key}]}}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_provider_that_echoes_the_key_in_its_offers_has_it_redacted_in_the_listing(tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoingCloud)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = tmp_path / "k.toml"
+        config.write_text("[providers.sim]\nenabled = false\n[providers.lambda]\nenabled = true\n"
+                          f'base_url = "http://127.0.0.1:{server.server_address[1]}/api/v1"\n')
+        for args in (("providers", "--json"), ("providers",)):
+            r = run(config, tmp_path / "state", *args)
+            assert r.returncode == 0, r.stderr
+            assert LAMBDA_SECRET not in r.stdout + r.stderr and "gpu_1x_***" in r.stdout, r.stdout
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
+from orchestrator.config import NAME_EXPECTED, NAME_MAX, NAME_PATTERN
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.core.gates import (
     MAX_GPUS,
@@ -26,9 +27,6 @@ from orchestrator.errors import BadInput, shown_count
 from orchestrator.jobspec import (
     DEADLINE_HOURS_EXPECTED,
     MAX_DEADLINE_HOURS,
-    NAME_EXPECTED,
-    NAME_MAX,
-    NAME_PATTERN,
     load_job,
     too_much_work,
     too_slow,

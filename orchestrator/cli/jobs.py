@@ -394,11 +394,15 @@ def budget_cmd(app: App, as_json: bool) -> None:
     free = BudgetView(month, view.cap_usd, view.spent_usd + held.usd + kept, cycles, spot, od)
     scheduled: int | None = None  # the cadence the schedules ask for, beside the one the budget buys
     scheduled_usd = 0.0  # what their cycles that burst would rent this month, each planned as one queued now
+    broken: list[str] = []  # the job files of schedules whose file does not validate now
     if cfg.schedule:
         from orchestrator.cli.schedules import cloud_usd_left, schedule_rows
 
         rows = schedule_rows(app, now)
-        scheduled = sum(r["cycles_left_this_month"] for r in rows)
+        # A schedule whose job file does not validate queues nothing at its slots (the daemon skips them, saying
+        # why) until the file is fixed: no cycles of its own to count.
+        broken = [r["job_file"] for r in rows if r["problem"]]
+        scheduled = sum(r["cycles_left_this_month"] for r in rows if not r["problem"])
         scheduled_usd = cloud_usd_left(rows)
     data = {"month": month, "cap_usd": view.cap_usd, "spent_usd": round(view.spent_usd, 4),
             "remaining_usd": round(view.remaining_usd, 4), "held_usd": round(held.usd, 4), "held_jobs": held.jobs,
@@ -407,7 +411,8 @@ def budget_cmd(app: App, as_json: bool) -> None:
             "usd_per_cycle_spot": spot, "usd_per_cycle_on_demand": od, "accruing_usd_h": round(accruing, 4),
             "kept_to_stop_running_usd": round(kept, 4),
             "cycles_left_spot": free.cycles_left_spot, "cycles_left_on_demand": free.cycles_left_on_demand,
-            "scheduled_cycles_left": scheduled, "scheduled_cloud_usd": round(scheduled_usd, 4)}
+            "scheduled_cycles_left": scheduled, "scheduled_cloud_usd": round(scheduled_usd, 4),
+            "schedules_skipped": broken}
     if as_json:
         print_json(data)
         return
@@ -427,6 +432,9 @@ def budget_cmd(app: App, as_json: bool) -> None:
         *([("cycles the schedules queue this month", scheduled),
            ("their cloud cost, planned as now", fmt_usd(scheduled_usd))] if scheduled is not None else []),
     ])
+    if broken:
+        out.print(escape(f"not counted: {len(broken)} schedule(s) whose job file does not validate now, skipped at "
+                         f"their slots ({', '.join(broken)}; `burstctl schedules` says why)"))
     if scheduled_usd > free.remaining_usd + 1e-9:
         out.print(f"the schedules' cycles left this month would rent {fmt_usd(scheduled_usd)}, each planned as one "
                   f"queued now (`burstctl schedules`), and {fmt_usd(free.remaining_usd)} is free: a cycle that must "

@@ -59,16 +59,23 @@ def _describe(att: dict[str, Any]) -> str:
 @click.argument("job")
 @click.option("--attempt", "attempt_n", type=click.IntRange(min=1), default=None,
               help="The attempt's number (default: the newest that has run).")
-@click.option("--stdout", "log", flag_value="stdout.log", default=True, help="The command's stdout (the default).")
-@click.option("--stderr", "log", flag_value="stderr.log", help="The command's stderr.")
-@click.option("--setup", "log", flag_value="setup.log", help="The job's setup on the instance.")
-@click.option("--supervisor", "log", flag_value="supervisor.log", help="The supervisor's notes: start, stop, exit.")
+@click.option("--stdout", "logs", flag_value="stdout.log", multiple=True, help="The command's stdout (the default).")
+@click.option("--stderr", "logs", flag_value="stderr.log", multiple=True, help="The command's stderr.")
+@click.option("--setup", "logs", flag_value="setup.log", multiple=True, help="The job's setup on the instance.")
+@click.option("--supervisor", "logs", flag_value="supervisor.log", multiple=True,
+              help="The supervisor's notes: start, stop, exit.")
 @click.option("--tail", "lines", type=click.IntRange(min=0), default=None, help="Only the last N lines.")
 @click.option("--follow", "-f", is_flag=True, help="Go on printing what the log gains until its attempt is over.")
 @pass_app
-def logs_cmd(app: App, job: str, attempt_n: int | None, log: str, lines: int | None, follow: bool) -> None:
+def logs_cmd(app: App, job: str, attempt_n: int | None, logs: tuple[str, ...], lines: int | None,
+             follow: bool) -> None:
     """Print a job's log: the newest attempt's stdout by default. A cloud attempt's logs are as they were at its
     last checkpoint sync while it runs, and whole once it has ended; they stay after the instance is gone."""
+    if len(set(logs)) > 1:  # one log is printed: the others would be dropped without a word
+        given = " and ".join(f"--{name.removesuffix('.log')}" for name in dict.fromkeys(logs))
+        raise BadInput(f"{given} name {len(set(logs))} logs: expected one of --stdout, --stderr, --setup or "
+                       "--supervisor")
+    log = logs[0] if logs else "stdout.log"
     found = job_or_fail(app, job, newest=True)
     attempts = [a for a in _attempts(app, found["id"]) if a["started_at"] is not None]
     if attempt_n is not None:

@@ -49,6 +49,7 @@ def providers_cmd(app: App, only: str | None, as_json: bool) -> None:
                 entry["problem"] = f"{type(exc).__name__}: {app.redactor(str(exc))}"
                 failing.append(f"{name} ({entry['problem']})")
         report.append(entry)
+    report = app.redactor(report)  # what a provider answered may hold the key it was sent (a buggy or hostile API)
     if as_json:
         print_json({"providers": report})
     else:

@@ -39,8 +39,7 @@ def copy_state_cmd(app: App, url: str, as_json: bool) -> None:
         raise OperationalError(f"a daemon is running{pid}: stop it first, so that nothing changes while the state is "
                                "copied")
     sqlite = make_url(url)
-    if sqlite.get_backend_name() == "sqlite" and sqlite.database and sqlite.database != ":memory:" and \
-            not Path(sqlite.database).parent.is_dir():
+    if sqlite.get_backend_name() == "sqlite" and sqlite.database and not Path(sqlite.database).parent.is_dir():
         # A typo in the path would otherwise make the directories it names.
         raise BadInput(f"directory '{Path(sqlite.database).parent}' does not exist; expected a SQLite file in an "
                        "existing directory", source="--to")
