@@ -114,6 +114,29 @@ def test_a_local_run_slower_than_its_s_l_says_once_that_it_will_miss_the_deadlin
     app.close()
 
 
+def test_failed_steps_with_steps_that_went_through_between_them_do_not_give_the_attempt_up(tmp_path: Path) -> None:
+    # Only failures in a row count: five glitches spread over a three-day run had failed the job.
+    from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS, Reconciler
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "long", command=["sleep", "120"], deadline_hours=24,
+                                          local_throughput=1.0))
+    rec = Reconciler(app, {}, cloud=None)
+    assert rec.local.start(app.store.get_job(job_id))
+    rec.local.step(only_attempt(app, job_id), app.store.get_job(job_id))
+    run = rec.local.run_dir(only_attempt(app, job_id)["id"])
+    try:
+        for i in range(MAX_STEP_ERRORS + 1):
+            rec._step_failed(only_attempt(app, job_id), app.store.get_job(job_id), RuntimeError(f"glitch {i}"))
+            assert only_attempt(app, job_id)["info"]["errors"] == 1
+            rec._advance(only_attempt(app, job_id), app.store.get_job(job_id))  # a step that goes through
+            att = only_attempt(app, job_id)
+            assert att["state"] == "running" and "errors" not in att["info"] and "last_error" not in att["info"]
+    finally:
+        supervisor.stop(run, grace_s=5.0)
+    app.close()
+
+
 def test_a_local_attempt_given_up_after_failing_steps_does_not_leave_its_trainer_running(tmp_path: Path) -> None:
     # Five steps in a row failed (here: said so directly). The attempt is given up; its trainer must end with it,
     # or it would hold the GPU and write into the checkpoint dir the job's next attempt starts from.

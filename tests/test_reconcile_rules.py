@@ -447,6 +447,40 @@ def test_a_hand_over_and_a_launch_count_only_capacity_on_the_market_they_launch_
     app.close()
 
 
+def test_an_instance_that_never_comes_up_fails_the_launch_not_the_job(tmp_path: Path) -> None:
+    # A boot or SSH timeout had ended the attempt as failed, and every failed attempt fails its job: one bad host
+    # took a job that another instance would have run. Now it is a failed launch: the job launches again, and after
+    # daemon.max_launch_failures of them in a row it waits, blocked, with the reason.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    full = app.config
+    app.use_config(full.model_copy(update={"daemon": full.daemon.model_copy(update={
+        "boot_timeout_s": 0.5, "max_launch_failures": 2, "launch_backoff_s": 0.0})}))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "unbooted", local_throughput=0, market="on-demand"))
+    with SimCloudServer(api_key="sim-rules-key", boot_delay_s=3600.0) as sim:
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key",
+                               regions=("us-east-1", "us-west-1"), request_interval_s=0.0)
+        rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}))
+        reasons = []
+        for _ in range(2):
+            rec.tick()  # launched, looked at while it boots, not up within boot_timeout_s: terminated, and in line
+            job = app.store.get_job(job_id)
+            reasons.append((job["state"], job["reason"]))
+        assert reasons[0] == ("queued", "launch failed: its instance was not running within daemon.boot_timeout_s "
+                                        "(boot-timeout); another is launched")
+        rec.tick()  # blocked after two in a row; with no launch_backoff_s, decided again at once
+        (blocked,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "job.blocked"]
+        assert blocked["data"]["reason"].startswith("2 launches failed in a row (boot-timeout)")
+        assert app.store.get_job(job_id)["state"] != "failed"
+        with app.store.engine.connect() as c:
+            rows = c.execute(select(s.attempts).order_by(s.attempts.c.n)).mappings()
+            ended = [(r["state"], r["reason"]) for r in rows]
+        assert ended == [("aborted", "boot-timeout")] * 2
+        assert [i.status for i in sim.instances()] == ["terminated"] * 2
+        assert app.store.month_spend(month_key(time.time())) > 0  # each billed its minimum, and closed
+        provider.close()
+    app.close()
+
+
 class _Instances:
     """A provider that only describes instances: the one named in `present` is running, any other is gone."""
 
@@ -801,6 +835,67 @@ def test_a_local_job_starts_behind_any_number_of_cloud_jobs_that_cannot(tmp_path
     monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
     rec._schedule()
     assert started == [local_id]
+    app.close()
+
+
+def test_a_stored_job_that_no_longer_validates_fails_saying_why_and_the_others_are_scheduled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Jobs queued by a burstctl that checked less (a name shaped like a job id was refused only later): read
+    # again at each tick, one such job raised in the middle of the schedule, and no job started or was decided
+    # again, every tick.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    old_queued, _, _ = enqueue(app, write_job(tmp_path, "old-queued", local_throughput=1.0, deadline_hours=10))
+    old_blocked, _, _ = enqueue(app, write_job(tmp_path, "old-blocked", local_throughput=0, deadline_hours=11))
+    for job_id, state in ((old_queued, "queued"), (old_blocked, "blocked")):
+        job = app.store.get_job(job_id)
+        app.store.update_job(job_id, state=state, spec={**job["spec"], "name": "j0123abcd"})
+    behind, _, _ = enqueue(app, write_job(tmp_path, "behind", local_throughput=1.0, deadline_hours=20))
+    rec = Reconciler(app, {}, cloud=None)
+    started: list[str] = []
+    monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
+    rec._schedule()
+    assert started == [behind]
+    for job_id in (old_queued, old_blocked):
+        failed = app.store.get_job(job_id)
+        assert failed["state"] == "failed"
+        assert failed["reason"].startswith("its stored spec: field 'name': 'j0123abcd' has the shape of a job id")
+        assert failed["reason"].endswith("it was queued by a burstctl that checked less; fix its job file, then "
+                                         "`burstctl retry` reads it again")
+        assert [e["type"] for e in app.store.events(job_id=job_id)][-1] == "job.failed"
+    app.close()
+
+
+def test_a_cancel_committed_while_the_daemon_ends_the_jobs_attempt_stands(
+        tmp_path: Path, postgres_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On PostgreSQL (read committed) a `cancel` can commit between the daemon's read of the job and its update of
+    # it, in the transaction that ends the attempt: the update had overwritten the cancel, and the job went on.
+    config = tmp_path / "burstctl.toml"
+    config.write_text(f'[state]\ndatabase_url = "{postgres_server.new_database()}"\n')
+    app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "raced", local_throughput=1.0))
+    now = time.time()
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="local", state="succeeded",
+                                            info={}, created_at=now, started_at=now, ended_at=now))
+    app.store.update_job(job_id, state="running")
+    with app.store.engine.connect() as c:
+        att = dict(c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id)).mappings().one())
+    other = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
+
+    def cancel_meanwhile(*_: Any) -> list[Path]:  # the done job's checkpoints are trimmed between read and update
+        with other.store.tx() as c:
+            assert other.store.update_job(job_id, c, expect_state="running", state="cancelled",
+                                          reason="cancelled by the user")
+        return []
+
+    monkeypatch.setattr(checkpoints, "trim_done", cancel_meanwhile)
+    with app.store.tx() as conn:
+        job_after_attempt(app, conn, att, app.store.get_job(job_id), AttemptState.SUCCEEDED, None, time.time())
+    job = app.store.get_job(job_id)
+    assert (job["state"], job["reason"]) == ("cancelled", "cancelled by the user")
+    types = [e["type"] for e in app.store.events(job_id=job_id)]
+    assert "job.done" not in types and types[-1] == "job.measured"
+    other.close()
     app.close()
 
 

@@ -25,6 +25,9 @@ A = AttemptState
 # How the reason of a job revert-local moved home begins, until it starts there (`revert.restore_plans` reads it).
 REQUEUED_LOCAL = "revert-local: requeued locally"
 LOCAL_HOURS_OVER = "local-hours"  # the stop reason of a local run whose local.available_hours ended
+# The stop reasons of an instance that never came up (not running, or not reachable by SSH, within
+# daemon.boot_timeout_s): the launch failed, not the job. Counted towards daemon.max_launch_failures.
+NEVER_CAME_UP = frozenset({"boot-timeout", "ssh-timeout"})
 
 
 def requeued_local_reason(cfg: Any, job_id: str, why: str = "") -> str:
@@ -35,21 +38,39 @@ def requeued_local_reason(cfg: Any, job_id: str, why: str = "") -> str:
                                        else "from the start (no checkpoint yet)")
 
 
+class _JobChanged(Exception):
+    """The job's state changed between its read and its update: a command beside the tick (`cancel`) won."""
+
+
 def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
                       reason: str | None, now: float) -> None:
     # Inside the caller's write transaction: checkpoints are only named here (sizes, `deep=False`), never read in
     # full, and the store's lock, which a multi-GB pull beside the tick may hold for minutes, is taken only to trim a
     # done job's store, once its last pull is over.
+    for _ in range(2):
+        row = conn.execute(select(s.jobs).where(s.jobs.c.id == job["id"])).mappings().first()
+        current: dict[str, Any] = dict(row) if row is not None else job
+        if current["state"] in (JobState.CANCELLED.value, JobState.DONE.value, JobState.FAILED.value):
+            if current["state"] == JobState.CANCELLED.value:  # its last attempt just ended: what it cost is final
+                _fill_measured(app, conn, job, att, now, ended="cancelled")
+            return
+        try:
+            _next_for_job(app, conn, att, job, current, outcome, reason, now)
+            return
+        except _JobChanged:
+            continue  # read again: what it was changed to decides (a cancelled job's cost is final now)
+
+
+def _next_for_job(app: App, conn: Connection, att: dict[str, Any], job: dict[str, Any], current: dict[str, Any],
+                  outcome: AttemptState, reason: str | None, now: float) -> None:
     store = app.store
-    current = store.get_job(job["id"]) or job
-    if current["state"] in (JobState.CANCELLED.value, JobState.DONE.value, JobState.FAILED.value):
-        if current["state"] == JobState.CANCELLED.value:  # its last attempt just ended: what it cost is final now
-            _fill_measured(app, conn, job, att, now, ended="cancelled")
-        return
     stop_reason = att["info"].get("stop_reason") or reason or ""
 
     def to(state: JobState, why: str, event: str, **data: Any) -> None:
-        store.update_job(job["id"], conn, state=state.value, reason=why, **data.pop("_fields", {}))
+        # Compare-and-set: on PostgreSQL a `cancel` may commit between the read above and this update.
+        if not store.update_job(job["id"], conn, expect_state=current["state"], state=state.value, reason=why,
+                                **data.pop("_fields", {})):
+            raise _JobChanged
         app.events.emit(event, job_id=job["id"], attempt_id=att["id"], conn=conn, reason=why, **data)
 
     def back_in_line() -> JobState:
@@ -105,6 +126,10 @@ def job_after_attempt(app: App, conn: Connection, att: dict[str, Any], job: dict
                    if stop_reason == TO_ON_DEMAND
                    else "moving to spot: spot is back, and the spot policy finds it worth a changeover")
             to(back, why, "job.market_switch", market="on-demand" if stop_reason == TO_ON_DEMAND else "spot")
+        elif stop_reason in NEVER_CAME_UP:
+            what = "running" if stop_reason == "boot-timeout" else "reachable by SSH"
+            to(back_in_line(), f"launch failed: its instance was not {what} within daemon.boot_timeout_s "
+                               f"({stop_reason}); another is launched", "job.waiting")
         elif stop_reason == "max-run-time":
             to(JobState.FAILED, "exceeded max_run_hours", "job.failed")
             _fill_measured(app, conn, job, att, now, ended="failed")

@@ -25,10 +25,11 @@ from orchestrator.core.budget import month_key, stop_horizon_h
 from orchestrator.core.decision import UNMEASURED_SETUP
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.core.sizing import gb_and_gib
-from orchestrator.jobspec import ModelSpec
+from orchestrator.errors import format_validation_error
+from orchestrator.jobspec import JobSpec, ModelSpec
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.background_sync import BackgroundSyncs, SyncDone
-from orchestrator.lifecycle.finish import exit_reason, requeued_local_reason
+from orchestrator.lifecycle.finish import NEVER_CAME_UP, exit_reason, requeued_local_reason
 from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_grace_s, stop_wait_s
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
@@ -149,6 +150,9 @@ class Reconciler:
         self.app = app
         self.cfg = app.config
         self.store = app.store
+        # The owner tag, read now: made on first use, it is written to the state, which inside a launch's own write
+        # transaction waited on that transaction (SQLite: "database is locked").
+        self.owner = app.orchestrator_id
         self.providers = dict(providers)
         self.clock = clock
         self.local = LocalRunner(app, hand_over_held=self._hand_over_held)
@@ -247,6 +251,10 @@ class Reconciler:
                 fresh_job = c.execute(select(s.jobs).where(s.jobs.c.id == job["id"])).mappings().first()
             if row is None or AttemptState(row["state"]).final or fresh_job is None:
                 return
+            att, job = dict(row), dict(fresh_job)
+            if att["info"].get("errors"):  # a step went through: the failures counted were not consecutive
+                att["info"] = {k: v for k, v in att["info"].items() if k not in ("errors", "last_error")}
+                self.store.set_attempt_info(att["id"], att["info"])
             if row["state"] == before:
                 # An instance launched a moment ago is often up within a second: look again briefly rather than
                 # a whole tick later (bounded, so other attempts are not held up).
@@ -255,7 +263,6 @@ class Reconciler:
                     return
                 time.sleep(BOOT_POLL_S)
                 waited += BOOT_POLL_S
-            att, job = dict(row), dict(fresh_job)
 
     def _host_key_changed(self, att: dict[str, Any], job: dict[str, Any], exc: HostKeyMismatch) -> None:
         """Not the machine we launched (or someone in the middle): never retried, never trusted. The attempt is
@@ -332,7 +339,7 @@ class Reconciler:
         while True:  # read again while jobs that lack their pass_env were found in the window (and left out)
             lacking = len(self._lacking_env)
             n_local, n_cloud, ready = self._ready(now)
-            ready = [j for j in ready if not self._lacks_passed_env(j)]
+            ready = [j for j in self._readable(ready) if not self._lacks_passed_env(j)]
             if len(self._lacking_env) == lacking:
                 break
         local_free = self.cfg.daemon.local_concurrency - n_local
@@ -396,6 +403,30 @@ class Reconciler:
                            key=lambda j: float(j["deadline_at"] or math.inf))
             return (self.attempts_active("local", c), self.attempts_active("cloud", c),
                     [j for j in ready if j["id"] not in busy_jobs])
+
+    def _readable(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The jobs whose stored spec validates; each other one fails, saying why. A job queued by an older
+        burstctl may break a rule added since (a name shaped like a job id): raised in the middle of the schedule,
+        it had stopped every launch and every decision again, every tick."""
+        from pydantic import ValidationError
+
+        from orchestrator.queue import spec_of
+
+        readable = []
+        for job in jobs:
+            try:
+                spec_of(job)
+            except ValidationError as exc:
+                problem = self.app.redactor(str(format_validation_error(exc, "its stored spec", JobSpec)))
+                reason = (f"{problem}: it was queued by a burstctl that checked less; fix its job file, then "
+                          "`burstctl retry` reads it again")
+                with self.store.tx() as conn:
+                    if self.store.update_job(job["id"], conn, expect_state=job["state"],
+                                             state=JobState.FAILED.value, reason=reason):
+                        self.app.events.emit("job.failed", job_id=job["id"], conn=conn, reason=reason)
+            else:
+                readable.append(job)
+        return readable
 
     def _lacks_passed_env(self, job: dict[str, Any]) -> bool:
         """A job whose pass_env the daemon cannot give it waits (no instance is rented for it), saying which
@@ -521,7 +552,7 @@ class Reconciler:
         if not blocked:
             return
         ctx = context(self.app, now)
-        due = [job for job in blocked
+        due = [job for job in self._readable(blocked)
                if job["spec"].get("_retry_at", 0) <= now and not self._budget_still_short(job, now)]
         # Measured s_R for the whole batch in one query (not one per job); jobs of one name may list other GPUs.
         gpus_by_name: dict[str, set[str]] = {}
@@ -612,7 +643,7 @@ class Reconciler:
         conn.execute(insert(s.attempts).values(
             id=attempt_id, job_id=job["id"], n=n, where="cloud", state=A.INTENT.value, provider=provider_name,
             instance_type=offer.instance_type, region=None, market=market.value,
-            idempotency_key=f"{self.app.orchestrator_id}-{attempt_id}",
+            idempotency_key=f"{self.owner}-{attempt_id}",
             info={"rate_usd_h": rate, "billing_minimum_s": offer.billing_minimum_s, "launch_tried": False,
                   "gpu": offer.gpu_model, **({"market_policy": market_facts} if market_facts else {}), **placed,
                   **info},
@@ -699,7 +730,8 @@ class Reconciler:
         return max(hours - done, d.get("overhead_h") or 0.0)
 
     def _recent_launch_failures(self, job_id: str) -> list[dict[str, Any]]:
-        """Consecutive launch failures since the last attempt that got an instance, newest first."""
+        """Consecutive launch failures since the last attempt that got a usable instance, newest first: refused
+        launches, and instances that never came up (`NEVER_CAME_UP`)."""
         with self.store.engine.connect() as c:
             # Never more than max_launch_failures count (then the job blocks and they are reset): read no more.
             rows = [dict(r) for r in c.execute(
@@ -707,7 +739,8 @@ class Reconciler:
                 .order_by(s.attempts.c.n.desc()).limit(self.cfg.daemon.max_launch_failures)).mappings()]
         out = []
         for r in rows:
-            if r["state"] != A.LAUNCH_FAILED.value or r["info"].get("failure_counted") is False:
+            never_up = r["state"] == A.ABORTED.value and r["info"].get("stop_reason") in NEVER_CAME_UP
+            if (r["state"] != A.LAUNCH_FAILED.value and not never_up) or r["info"].get("failure_counted") is False:
                 break
             out.append(r)
         return out
@@ -984,7 +1017,7 @@ class Reconciler:
             with self.store.tx() as conn:
                 self.store.set_attempt_info(att["id"], info, conn)
             att["info"] = info
-            tags = OwnerTags(self.app.orchestrator_id, job["id"], att["id"])
+            tags = OwnerTags(self.owner, job["id"], att["id"])
             req = LaunchRequest(instance_type=att["instance_type"], market=Market(att["market"]), tags=tags,
                                 idempotency_key=att["idempotency_key"], ssh_public_key=self.cloud_steps.public_key,
                                 ssh_key_name=None, region_order=tuple(info.get("region_order") or ()))
@@ -1040,12 +1073,12 @@ class Reconciler:
             return
         if inst.state is not InstanceState.RUNNING or not inst.host:
             if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
-                self._stop(att, job, provider, "boot-timeout", outcome=A.FAILED)
+                self._stop(att, job, provider, "boot-timeout")  # aborted: the job launches again
             return
         target = self.cloud_steps.target(att, inst)
         if not self.cloud_steps.reachable(att, target):
             if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
-                self._stop(att, job, provider, "ssh-timeout", outcome=A.FAILED)
+                self._stop(att, job, provider, "ssh-timeout")  # aborted: the job launches again
             return
         boot_s = now - att["created_at"]
         with self.store.tx() as conn:

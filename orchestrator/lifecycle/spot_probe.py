@@ -80,14 +80,14 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
     probe_id = f"{job['id']}-a{n}"
     row = {"id": probe_id, "job_id": job["id"], "n": n, "where": "cloud", "state": A.INTENT.value,
            "provider": att["provider"], "instance_type": att["instance_type"], "region": None,
-           "market": Market.SPOT.value, "idempotency_key": f"{rec.app.orchestrator_id}-{probe_id}", "created_at": now,
+           "market": Market.SPOT.value, "idempotency_key": f"{rec.owner}-{probe_id}", "created_at": now,
            "info": {"probe_for": att["id"], "rate_usd_h": rate, "billing_minimum_s": minimum, "launch_tried": True,
                     "failure_counted": False, "gpu": att["info"].get("gpu"), "market_policy": facts}}
     with rec.store.tx() as conn:
         conn.execute(insert(s.attempts).values(**row))
     probe = {**row, "started_at": None, "instance_id": None}
     request = LaunchRequest(instance_type=att["instance_type"], market=Market.SPOT,
-                            tags=OwnerTags(rec.app.orchestrator_id, job["id"], probe_id),
+                            tags=OwnerTags(rec.owner, job["id"], probe_id),
                             idempotency_key=row["idempotency_key"], ssh_public_key=rec.cloud_steps.public_key)
     said = {"job_id": job["id"], "attempt_id": probe_id, "probe_for": att["id"]}
     try:

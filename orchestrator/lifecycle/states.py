@@ -43,7 +43,8 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.RUNNING, JobState.BLOCKED, JobState.AWAITING_APPROVAL,
                                 JobState.CANCELLED, JobState.FAILED}),
     JobState.AWAITING_APPROVAL: frozenset({JobState.QUEUED, JobState.BLOCKED, JobState.CANCELLED}),
-    JobState.BLOCKED: frozenset({JobState.QUEUED, JobState.AWAITING_APPROVAL, JobState.CANCELLED}),
+    JobState.BLOCKED: frozenset({JobState.QUEUED, JobState.AWAITING_APPROVAL, JobState.CANCELLED,
+                                 JobState.FAILED}),  # failed: its stored spec no longer validates
     JobState.RUNNING: frozenset({JobState.DONE, JobState.FAILED, JobState.RESUMING, JobState.QUEUED,
                                  JobState.BLOCKED, JobState.CANCELLED}),
     JobState.RESUMING: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.BLOCKED, JobState.FAILED,
