@@ -68,6 +68,13 @@ class InvalidRequest(ProviderError):
 
 # A launch refused outright: no instance exists, and retrying the same call now will not change that.
 LAUNCH_REFUSALS = (NoCapacity, QuotaExceeded, AuthFailed, InvalidRequest)
+TAXONOMY = (*LAUNCH_REFUSALS, Throttled, Transient)
+
+
+def category(exc: ProviderError) -> str:
+    """The taxonomy's name for an error (a subclass an adapter may define is told as the kind it is): what the
+    lifecycle records and reads back, never the vendor's words."""
+    return next((kind.__name__ for kind in TAXONOMY if isinstance(exc, kind)), type(exc).__name__)
 
 
 # --- data -------------------------------------------------------------------------------------------------

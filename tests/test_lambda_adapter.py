@@ -28,6 +28,8 @@ from providers.base import (
     OwnerTags,
     QuotaExceeded,
     RetryPolicy,
+    Throttled,
+    category,
 )
 from providers.lambda_cloud import InstanceGone, LambdaCloud, Pacer, from_config, parse_gpu_description, read_api_key
 from providers.simcloud.api import FaultKind, SimCloudServer
@@ -110,6 +112,13 @@ def test_offers_normalise_gpu_prices_and_spot_extension(lam: LambdaCloud) -> Non
     assert h100.regions == ("us-east-1", "us-west-1")
     assert offers["gpu_8x_h100_sxm5"].spot_usd_h is None
     assert offers["gpu_1x_a10"].gpu_model == "A10"
+
+
+def test_an_adapters_own_error_is_recorded_as_the_kind_of_the_taxonomy_it_is() -> None:
+    # The lifecycle records and reads back this name (a spot refusal's `launch_error`), never a class of one cloud.
+    assert category(InstanceGone("gone", provider="lambda")) == "InvalidRequest"
+    assert [category(e("x")) for e in (NoCapacity, QuotaExceeded, AuthFailed, Throttled)] == [
+        "NoCapacity", "QuotaExceeded", "AuthFailed", "Throttled"]
 
 
 def test_gpu_description_parsing() -> None:

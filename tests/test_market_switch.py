@@ -77,7 +77,8 @@ def _refused(app: App, n: int, at: float) -> None:
     with app.store.tx() as c:
         c.execute(insert(s.attempts).values(
             id=f"j1-a{n}", job_id="j1", n=n, where="cloud", state="launch_failed", provider="sim",
-            instance_type="gpu_1x_h100", market="spot", info={}, reason="NoCapacity: no spot capacity",
+            instance_type="gpu_1x_h100", market="spot", info={"launch_error": "NoCapacity"},
+            reason="NoCapacity: no spot capacity",
             created_at=at, ended_at=at))
 
 

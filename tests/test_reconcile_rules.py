@@ -23,7 +23,7 @@ from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.notify import notice_type
 from orchestrator.queue import enqueue
-from providers.base import AuthFailed, InstanceInfo, InstanceState, Market, Offer
+from providers.base import AuthFailed, InstanceInfo, InstanceState, Market, Offer, RetryPolicy
 from providers.lambda_cloud import LambdaCloud
 from providers.simcloud.api import SimCloudServer
 from runbooks.burst_checkpoint import write_checkpoint
@@ -477,6 +477,55 @@ def test_an_instance_that_never_comes_up_fails_the_launch_not_the_job(tmp_path: 
         assert ended == [("aborted", "boot-timeout")] * 2
         assert [i.status for i in sim.instances()] == ["terminated"] * 2
         assert app.store.month_spend(month_key(time.time())) > 0  # each billed its minimum, and closed
+        provider.close()
+    app.close()
+
+
+def test_a_job_cancelled_after_the_tick_read_it_gets_no_attempt(tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "cancelled", local_throughput=0, market="on-demand"))
+    read = app.store.get_job(job_id)
+    app.store.update_job(job_id, state="cancelled", reason="cancelled by the user")  # `cancel`, beside the tick
+    with SimCloudServer(api_key="sim-rules-key") as sim:
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
+                               request_interval_s=0.0)
+        rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}))
+        assert rec._start_cloud_attempt(read, time.time()) is False
+        provider.close()
+    with app.store.engine.connect() as c:
+        assert c.execute(select(s.attempts)).first() is None
+    assert app.store.get_job(job_id)["state"] == "cancelled"
+    app.close()
+
+
+def test_a_launch_whose_outcome_is_unknown_is_never_given_up_while_the_provider_cannot_say(tmp_path: Path) -> None:
+    # The launch made an instance, but its answer was lost; then the provider throttled every look for it. After
+    # five failed steps the attempt had been given up as a failed launch: the instance ran, and billed, with no
+    # row or charge of ours, outside the budget's cap.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "unknown", local_throughput=0, market="on-demand"))
+    with SimCloudServer(api_key="sim-rules-key") as sim:
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
+                               request_interval_s=0.0, timeout_s=0.5,
+                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
+        rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}))
+        sim.inject("delayed-response", route="instance-operations/launch", delay_s=2.0)  # made, answer lost
+        sim.inject("throttle", count=1000, route="instances")
+        for _ in range(reconcile.MAX_STEP_ERRORS + 2):
+            rec.tick()
+        with app.store.engine.connect() as c:
+            (att,) = c.execute(select(s.attempts)).mappings()
+        assert att["state"] == "intent" and att["info"]["errors"] > reconcile.MAX_STEP_ERRORS
+        assert app.store.get_job(job_id)["reason"].startswith("the outcome of its launch on sim is not known yet: "
+                                                             "Throttled")
+        assert len(sim.instances()) == 1  # the launch made it
+        sim.clear_faults()
+        rec.tick()  # it answers: the instance is found, adopted and metered
+        with app.store.engine.connect() as c:
+            (att,) = c.execute(select(s.attempts)).mappings()
+            charges = c.execute(select(s.ledger)).mappings().all()
+        assert att["state"] in ("provisioning", "bootstrapping") and att["instance_id"] == sim.instances()[0].id
+        assert [r["instance_id"] for r in charges] == [att["instance_id"]]
         provider.close()
     app.close()
 

@@ -27,7 +27,7 @@ from orchestrator.core.spot_watch import SpotLife, SpotView, mean_uptime_h, watc
 from orchestrator.core.zones import zone_order
 from orchestrator.lifecycle.machine import AttemptState as A
 from orchestrator.simulate import Trace, TraceHistory, refit_stats, refit_ticks
-from providers.base import Market, Offer
+from providers.base import Market, NoCapacity, Offer
 from state import schema as s
 
 # Stop reasons of a running attempt the policy moves to the other market.
@@ -100,7 +100,7 @@ def _spot_rows(app: App, provider: str | None, instance_type: str | None, now: f
     for r in rows:
         info = r["info"] or {}
         if r["state"] == A.LAUNCH_FAILED.value:
-            if (r["reason"] or "").startswith("NoCapacity"):
+            if info.get("launch_error") == NoCapacity.__name__:
                 refusals.append(r["ended_at"] or r["created_at"])
         elif r["instance_id"]:
             preempted = r["state"] == A.PREEMPTED.value or info.get("outcome") == A.PREEMPTED.value

@@ -57,10 +57,12 @@ from providers.base import (
     InstanceState,
     LaunchRequest,
     Market,
+    NoCapacity,
     Offer,
     OwnerTags,
     Provider,
     ProviderError,
+    category,
 )
 from runbooks import burst_checkpoint, job_outputs
 from state import schema as s
@@ -294,6 +296,12 @@ class Reconciler:
         if info["errors"] < MAX_STEP_ERRORS:
             return
         reason = f"gave up after {info['errors']} failed steps: {error}"
+        if att["where"] == "cloud" and att["state"] == A.INTENT.value and info.get("launch_tried"):
+            # Whether its launch made an instance is not known until the provider answers: given up now, one it made
+            # would run, and bill, with no row or charge of ours until the sweep found it. It waits, and says so.
+            self._note(job, f"the outcome of its launch on {att['provider']} is not known yet: {error}; asked "
+                            "again each tick until the provider answers", same_as="the outcome of its launch")
+            return
         if att["where"] == "local" and att["state"] != A.INTENT.value and not self.local.end_trainer(att):
             return  # its trainer still runs: given up once it is gone, not before (the next error tries again)
         if att["where"] == "local" or att["state"] == A.INTENT.value:
@@ -627,8 +635,9 @@ class Reconciler:
         # Spot goes first to the region whose capacity has been listed longest (the rule simulate --may-move replays).
         regions = spot_region_order(self.app, provider_name, offer, now) if market is Market.SPOT else ()
         with self.store.tx() as conn:
-            self.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.RUNNING.value,
-                                  reason=f"bursting to {provider_name} {offer.instance_type} ({market.value})")
+            if not self.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.RUNNING.value,
+                                         reason=f"bursting to {provider_name} {offer.instance_type} ({market.value})"):
+                return False  # changed since it was read (a `cancel` beside the tick): no intent for it
             self.write_intent(conn, job, provider_name, offer, market, market_facts, rate, regions, now)
         return True
 
@@ -675,7 +684,7 @@ class Reconciler:
         # Offers whose launch was just refused for capacity go last: the next one is tried, as a provider's own
         # fallback would, but chosen here, where its GPU, memory and price are weighed and metered.
         refused = {(r["provider"], r["instance_type"], r["market"]) for r in self._recent_launch_failures(job["id"])
-                   if r["info"].get("launch_error") == "NoCapacity"}
+                   if r["info"].get("launch_error") == NoCapacity.__name__}
         held_back: list[tuple[float, str, Offer, Market, dict[str, Any]]] = []
         for name, o in offers:
             market, why = market_for_attempt(self.app, job, name, o, now)
@@ -1029,7 +1038,7 @@ class Reconciler:
                 reason = f"{type(exc).__name__}: {self.app.redactor(str(exc))}"
                 with self.store.tx() as conn:
                     if move(conn, att, A.LAUNCH_FAILED, reason=reason,
-                            info={**att["info"], "launch_error": type(exc).__name__}):
+                            info={**att["info"], "launch_error": category(exc)}):
                         self.app.events.emit("attempt.launch_failed", job_id=job["id"], attempt_id=att["id"],
                                              conn=conn, provider=att["provider"], error=type(exc).__name__,
                                              code=exc.code, reason=reason)

@@ -40,7 +40,7 @@ from sqlalchemy import insert, select
 from orchestrator.lifecycle.finish import probe_interval_s
 from orchestrator.lifecycle.handover import no_room, wait_or_take_over
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, move
-from providers.base import LAUNCH_REFUSALS, LaunchRequest, Market, OwnerTags, Provider, ProviderError
+from providers.base import LAUNCH_REFUSALS, LaunchRequest, Market, OwnerTags, Provider, ProviderError, category
 from state import schema as s
 
 if TYPE_CHECKING:
@@ -96,7 +96,8 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
     except LAUNCH_REFUSALS as exc:
         wait_s = _next_probe(rec, job, facts, now)
         with rec.store.tx() as conn:
-            move(conn, probe, A.LAUNCH_FAILED, reason=f"{type(exc).__name__}: {rec.app.redactor(str(exc))}")
+            move(conn, probe, A.LAUNCH_FAILED, reason=f"{type(exc).__name__}: {rec.app.redactor(str(exc))}",
+                 info={**probe["info"], "launch_error": category(exc)})
         rec.emit("attempt.spot_probe", **said, result="refused", error=type(exc).__name__,
                  next_probe_s=round(wait_s, 1))
         return None
