@@ -504,6 +504,17 @@ class Store:
         with self.tx() as c:
             return _inserted_id(c.execute(insert(s.ledger).values(**row)))
 
+    def instance_gone(self, conn: Connection, provider: str, instance_id: str, *, gone_at: float) -> None:
+        """The provider confirmed the instance gone: its row says so, and its open charges end at `gone_at`, each
+        billed at least its attempt's billing minimum (the offer's, kept in the attempt's info when it launched)."""
+        where = (s.instances.c.provider == provider, s.instances.c.id == instance_id)
+        conn.execute(update(s.instances).where(*where).values(state="terminated", gone_at=gone_at,  # InstanceState
+                                                               verified_gone=True))
+        info = conn.execute(select(s.attempts.c.info).join(s.instances, s.instances.c.attempt_id == s.attempts.c.id)
+                            .where(*where)).scalar()
+        self.close_open_charges(conn, ended_at=gone_at, instance=(provider, instance_id),
+                                minimum_s=float((info or {}).get("billing_minimum_s", 60.0)))
+
     def close_open_charges(self, conn: Connection, *, ended_at: float, minimum_s: float = 60.0,
                            attempt_id: str | None = None, instance: tuple[str, str] | None = None) -> None:
         """End the charges still open for an attempt, or for an instance (provider, id), at `ended_at`, each billed

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import insert, select, text
 
 from state import schema
 from state.store import Store
@@ -124,6 +124,29 @@ def test_open_charges_accrue_until_closed(db_url: str) -> None:
     st.open_charge({"month": "2026-11", "provider": "sim", "rate_usd_h": 1.2, "started_at": 99999.0})
     st.open_charge({"month": "2026-12", "provider": "sim", "rate_usd_h": 9.0, "started_at": 0.0})
     assert abs(st.month_spend("2026-11", now=99999.0 + 3600) - 4.8) < 1e-9
+
+
+def test_an_instance_confirmed_gone_closes_its_charge_at_its_attempts_billing_minimum(db_url: str) -> None:
+    # The daemon, its sweep and revert-local each closed charges, two of them at a fixed 60 s whatever the offer's
+    # minimum was: one function now, reading the minimum the attempt launched with.
+    st = Store(db_url)
+    st.insert_job({"id": "j1", "name": "x", "kind": "train", "state": "running", "verdict": "burst",
+                   "placement": "cloud", "spec": {}, "decision": {}, "deadline_at": 0.0})
+    with st.tx() as c:
+        c.execute(insert(schema.attempts).values(id="j1-a1", job_id="j1", n=1, where="cloud", state="terminating",
+                                                 info={"billing_minimum_s": 600.0}, created_at=1000.0))
+        c.execute(insert(schema.instances).values(provider="sim", id="i-1", attempt_id="j1-a1", state="running",
+                                                  launched_at=1000.0, verified_gone=False))
+    st.open_charge({"month": "2026-11", "provider": "sim", "instance_id": "i-1", "attempt_id": "j1-a1",
+                    "rate_usd_h": 3.6, "started_at": 1000.0})
+    with st.tx() as c:
+        st.instance_gone(c, "sim", "i-1", gone_at=1010.0)
+    with st.engine.connect() as c:
+        charge = c.execute(select(schema.ledger)).mappings().one()
+        inst = c.execute(select(schema.instances)).mappings().one()
+    assert (charge["ended_at"], charge["billed_seconds"], charge["cost_usd"]) == (1010.0, 600.0, pytest.approx(0.6))
+    assert (inst["state"], inst["gone_at"], inst["verified_gone"]) == ("terminated", 1010.0, True)
+    st.close()
 
 
 def test_the_newest_events_are_read_from_the_end_in_order(db_url: str) -> None:

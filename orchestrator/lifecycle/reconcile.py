@@ -1740,13 +1740,10 @@ class Reconciler:
     def _close_instance(self, conn: Any, att: dict[str, Any], inst_id: str, now: float) -> None:
         """The instance is gone: its charge ends when it went, if another process (revert-local, with no daemon
         running) saw it go earlier, else now. Billed up to now, an instance gone for days was billed for them."""
-        where = (s.instances.c.provider == att["provider"], s.instances.c.id == inst_id)
-        seen_gone = conn.execute(select(s.instances.c.gone_at).where(*where)).scalar()
-        ended = min(now, float(seen_gone)) if seen_gone is not None else now
-        conn.execute(update(s.instances).where(*where)
-                     .values(state=InstanceState.TERMINATED.value, gone_at=ended, verified_gone=True))
-        self.store.close_open_charges(conn, ended_at=ended, attempt_id=att["id"],
-                                      minimum_s=float(att["info"].get("billing_minimum_s", 60.0)))
+        seen_gone = conn.execute(select(s.instances.c.gone_at).where(s.instances.c.provider == att["provider"],
+                                                                     s.instances.c.id == inst_id)).scalar()
+        self.store.instance_gone(conn, att["provider"], inst_id,
+                                 gone_at=min(now, float(seen_gone)) if seen_gone is not None else now)
 
     def _after_attempt(self, conn: Any, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
                        reason: str | None) -> None:
@@ -1852,12 +1849,7 @@ def _retry_unverified(reconciler: Reconciler) -> None:
                 seen = provider.describe([inst["id"]]).get(inst["id"])
                 if seen is None or seen.state.gone:
                     with app.store.tx() as c:
-                        c.execute(update(s.instances).where(s.instances.c.provider == inst["provider"],
-                                                            s.instances.c.id == inst["id"])
-                                  .values(state=InstanceState.TERMINATED.value, verified_gone=True,
-                                          gone_at=reconciler.clock()))
-                        app.store.close_open_charges(c, ended_at=reconciler.clock(),
-                                                     instance=(inst["provider"], inst["id"]))
+                        app.store.instance_gone(c, inst["provider"], inst["id"], gone_at=reconciler.clock())
                     outcome = "gone"
                 else:
                     outcome = seen.state.value

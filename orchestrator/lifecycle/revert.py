@@ -30,7 +30,7 @@ from orchestrator.lifecycle.local import stop_wait_s
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.states import JobState
-from providers.base import InstanceState, ProviderError
+from providers.base import ProviderError
 from state import schema as s
 
 
@@ -370,15 +370,16 @@ def _record_instance(app: App, provider: str, instance_id: str, attempt_id: str 
     now = time.time()
     gone = status == "yes"
     with app.store.tx() as c:
-        res = c.execute(update(s.instances).where(s.instances.c.provider == provider, s.instances.c.id == instance_id)
-                        .values(verified_gone=gone, state=InstanceState.TERMINATED.value if gone else "unverified",
-                                gone_at=now if gone else None))
-        if res.rowcount == 0:
+        known = c.execute(select(s.instances.c.id).where(s.instances.c.provider == provider,
+                                                         s.instances.c.id == instance_id)).first()
+        if known is None:
             c.execute(insert(s.instances).values(provider=provider, id=instance_id, attempt_id=attempt_id,
-                                                 state=InstanceState.TERMINATED.value if gone else "unverified",
-                                                 gone_at=now if gone else None, verified_gone=gone))
+                                                 state="unverified", verified_gone=False))
         if gone:  # the meter stops now, not when a daemon next steps the attempt (days later, perhaps)
-            app.store.close_open_charges(c, ended_at=now, instance=(provider, instance_id))
+            app.store.instance_gone(c, provider, instance_id, gone_at=now)
+        else:
+            c.execute(update(s.instances).where(s.instances.c.provider == provider, s.instances.c.id == instance_id)
+                      .values(verified_gone=False, state="unverified", gone_at=None))
 
 
 def _requeue_local(app: App, report: RevertReport) -> None:
