@@ -245,7 +245,7 @@ def held_by_plans(app: App, now: float, exclude: str | None = None) -> Held:
     what its instances have cost so far (`budget.admits` keeps it from the next job). `exclude`: the job being
     decided again, which must not hold money against itself. Summed in the database (`jobs.rented_usd`): every
     decision asks, and the queue may hold thousands."""
-    from sqlalchemy import case, func, select
+    from sqlalchemy import case, func, or_, select
 
     from state import schema as s
 
@@ -253,6 +253,10 @@ def held_by_plans(app: App, now: float, exclude: str | None = None) -> Held:
     admitted = select(j.c.id, j.c.rented_usd).where(
         j.c.state.in_((JobState.QUEUED.value, JobState.RUNNING.value, JobState.RESUMING.value)),
         j.c.placement.in_(("cloud", "hybrid")), j.c.rented_usd > 0,
+        # A plan no month's cap pays never hands over while the cap stands (its local phase runs on, late), and a
+        # hybrid whose price awaits `approve` hands over only once approved: neither holds money from other jobs.
+        j.c.rented_usd <= app.config.budget.monthly_cap_usd + 1e-9,
+        or_(j.c.approved, func.coalesce(j.c.decision["action"].as_string(), "") != "await-approval"),
         *([j.c.id != exclude] if exclude is not None else [])).subquery()
     accrued = func.coalesce(led.c.cost_usd, led.c.rate_usd_h * (now - led.c.started_at) / 3600.0)
     spent = (select(led.c.job_id, func.sum(accrued).label("usd"))

@@ -171,6 +171,12 @@ def load_trace(path: str | Path, *, nodes: int = 1, window: int | None = None) -
         raise BadInput(f"is a 1-node trace (each tick 0 or 1); expected --nodes 1 with it, or a "
                        f"{shown_count(nodes)}-node trace",
                        source=p, field="nodes")
+    if counts.max() > nodes:
+        # An N-node trace is a gang's (spot usable when all N are up): read for a smaller job, spot would count only
+        # in the ticks when exactly that many happened to be up.
+        most = shown_count(int(counts.max()))
+        raise BadInput(f"is a {most}-node trace (each tick 0 to {most} instances up); expected --nodes {most} with "
+                       "it", source=p, field="nodes")
     return Trace(name=p.stem, path=p, gap_seconds=float(gap), available=counts == nodes)
 
 

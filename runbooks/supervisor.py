@@ -816,15 +816,22 @@ class Supervisor:
         return exit_code if exit_code is not None else 128 + (sig or 0)
 
 
+# Lines a tool prints after its error that say nothing of it: pip's advice to upgrade itself follows almost every
+# failure of an out-of-date pip ("[notice] To update, run: pip install --upgrade pip").
+TRAILER_NOISE = re.compile(r"\[notice\] |WARNING: You are using pip version |You should consider upgrading via ")
+
+
 def last_line(path: Path, limit: int = 300) -> str | None:
-    """The last non-empty line of a log (read from its end, whatever its size), cut to `limit` characters."""
+    """The last non-empty line of a log that is not a tool's trailing advice (read from its end, whatever its size),
+    cut to `limit` characters."""
     try:
         with open(path, "rb") as fh:
             fh.seek(max(0, fh.seek(0, os.SEEK_END) - 8192))
             lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return None
-    return lines[-1][:limit] if lines else None
+    said = [ln for ln in lines if not TRAILER_NOISE.match(ln)] or lines
+    return said[-1][:limit] if said else None
 
 
 def _claim_run_dir(args: argparse.Namespace) -> tuple[dict, int | None]:

@@ -29,7 +29,7 @@ from providers.simcloud.api import SimCloudServer
 from runbooks.burst_checkpoint import write_checkpoint
 from runbooks.checkpoint_transfer import PulledCheckpoints, TransferStats
 from state import schema as s
-from tests.conftest import write_job
+from tests.conftest import REPO, write_job
 
 
 def test_a_job_the_budget_refused_at_launch_stays_blocked_until_that_launch_would_fit(tmp_path: Path) -> None:
@@ -664,6 +664,20 @@ def test_a_job_stopped_before_the_budget_cap_says_what_was_spent_and_what_came_h
     assert held["state"] == "blocked"
     assert held["reason"].startswith("stopped before the monthly budget cap: $0.00 spent of $15.00 this month, "
                                      "checkpoint step-00000042 home; it is decided again as the budget allows")
+    app.close()
+
+
+def test_a_hybrid_no_month_pays_or_one_awaiting_approval_holds_no_money_from_other_jobs(tmp_path: Path) -> None:
+    # The seed's candidate C at a $15 cap: its cloud phase ($15.27) is more than the whole cap, so it runs locally
+    # and never hands over; and its price awaits approval. It had held the $15.27 all the same, and every other
+    # burst was blocked for the month, "held for 1 other admitted job's plan".
+    app = App(state_dir_override=str(tmp_path / "state"))
+    c_id, c_decision, _ = enqueue(app, REPO / "examples" / "seed" / "c-big-local-deadline.toml")
+    assert c_decision.action == "await-approval" and app.store.get_job(c_id)["placement"] == "hybrid"
+    other = {"local_throughput": 0, "rented_throughput": {"H100": 1.0}, "work_units": 0.5, "market": "on-demand"}
+    burst_id, d, _ = enqueue(app, write_job(tmp_path, "small-burst", **other))
+    assert app.store.get_job(burst_id)["state"] == "queued", d.reasons[-1]
+    assert d.reasons[-1].startswith("budget: projected rented $") and "held" not in d.reasons[-1]
     app.close()
 
 

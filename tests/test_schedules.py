@@ -379,7 +379,8 @@ def test_a_cycle_planned_longer_than_its_slots_spacing_is_counted_once_per_cycle
         burstctl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # An hourly cron whose cycle takes 3 h on the local GPU: two slots in three are skipped (overlap "skip"), so
     # the month holds a third of its slots' cycles, and `budget` counts those. Asked at noon on 10 January 2031:
-    # 516 hourly slots to the month's end.
+    # 515 hourly slots to the month's end (13:00 on the 10th to 23:00 on the 31st; 00:00 on 1 February is
+    # February's).
     noon = SimpleNamespace(time=lambda: datetime(2031, 1, 10, 12, 0, 30, tzinfo=UTC).timestamp())
     monkeypatch.setattr("orchestrator.cli.schedules.time", noon)
     monkeypatch.setattr("orchestrator.cli.jobs.time", noon)
@@ -390,7 +391,7 @@ def test_a_cycle_planned_longer_than_its_slots_spacing_is_counted_once_per_cycle
     (row,) = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
     assert row["plan_now"]["hours"] == pytest.approx(3.0)
     slots = row["slots_left_this_month"]
-    assert (slots, row["cycles_left_this_month"]) == (516, 172)
+    assert (slots, row["cycles_left_this_month"]) == (515, 172)
     shown = burstctl("--config", str(cfg), "schedules").stdout
     assert f"{math.ceil(slots / 3)} of {slots} slots" in shown
     assert (f'hourly: a cycle takes about 3.0 h, so the slots that come while one runs are skipped (overlap = "skip"): '
@@ -400,6 +401,23 @@ def test_a_cycle_planned_longer_than_its_slots_spacing_is_counted_once_per_cycle
     cfg.write_text(cfg.read_text() + 'overlap = "queue"\n')
     (row,) = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
     assert row["cycles_left_this_month"] == row["slots_left_this_month"]
+
+
+def test_a_slot_at_the_first_instant_of_next_month_is_next_months(
+        burstctl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An @monthly cron fires at 00:00 UTC on the 1st: it had been counted as a cycle left this month, and its cost
+    # as this month's.
+    noon = SimpleNamespace(time=lambda: datetime(2031, 1, 10, 12, tzinfo=UTC).timestamp())
+    monkeypatch.setattr("orchestrator.cli.schedules.time", noon)
+    monkeypatch.setattr("orchestrator.cli.jobs.time", noon)
+    write_job(tmp_path, "monthly", command=["true"], deadline_hours=10, local_throughput=1)
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('[providers.sim]\nenabled = false\n\n[[schedule]]\njob = "monthly.toml"\ncron = "@monthly"\n'
+                   'timezone = "UTC"\n')
+    (row,) = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
+    assert row["next_slot_at"] == datetime(2031, 2, 1, tzinfo=UTC).timestamp()
+    assert (row["slots_left_this_month"], row["cycles_left_this_month"]) == (0, 0)
+    assert json.loads(burstctl("--config", str(cfg), "budget", "--json").stdout)["scheduled_cycles_left"] == 0
 
 
 def test_budget_leaves_out_the_cycles_of_a_schedule_whose_job_file_does_not_validate(

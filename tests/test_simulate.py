@@ -267,6 +267,9 @@ def test_cli_is_deterministic_for_a_seed_whatever_the_worker_count(tmp_path: Pat
     (["--trace", "ok.json", "--od-price", "-1"], "od-price"),
     (["--trace", "ok.json", "--policy", "psychic"], "unknown policy"),
     (["--trace", "ok.json", "--nodes", "4"], "field '--nodes': is a 1-node trace"),
+    # A 16-node gang's trace read for one node: spot only in the ticks when exactly one of the 16 was up.
+    (["--trace", "gang.json", "--nodes", "1"], "field '--nodes': is a 16-node trace (each tick 0 to 16 instances "
+                                               "up); expected --nodes 16 with it"),
     (["--trace", "ok.json", "--seed", "-1"], "field '--seed': must be 0 or more"),
     (["--trace", "ok.json", "--spot-price", "5"], "costs more than on-demand"),
     # Every number has bounds that keep the figures finite and the run in memory, said with its value as :g prints it
@@ -295,6 +298,7 @@ def test_cli_is_deterministic_for_a_seed_whatever_the_worker_count(tmp_path: Pat
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, extra: list[str], expect: str) -> None:
     write_trace(tmp_path / "ok.json", [1, 0] * 60)
+    write_trace(tmp_path / "gang.json", [16, 1, 0, 12] * 30)
     (tmp_path / "bad.json").write_text("{not json")
     args = [*JOB_ARGS]
     for flag, value in zip(extra[::2], extra[1::2], strict=True):
@@ -344,7 +348,7 @@ def test_vectorised_replay_matches_the_scalar_replay_run_for_run() -> None:
 def test_trace_type_carries_gang_availability(tmp_path: Path) -> None:
     path = write_trace(tmp_path / "gang.json", [0, 4, 3, 4, 4])
     assert load_traces([path], nodes=4)[0].available.tolist() == [False, True, False, True, True]
-    assert isinstance(load_traces([path])[0], Trace)
+    assert isinstance(load_traces([path], nodes=4)[0], Trace)
 
 
 def reference_offline_optimum(trace: Trace, starts: np.ndarray, job: JobSetting, max_work_units: int

@@ -540,6 +540,19 @@ def test_a_failed_setup_is_reported_with_its_last_line_and_the_command_never_sta
     assert sv.setup_done(job.root / "setup", setup_script(job, code=4)) is None
 
 
+def test_the_line_a_failure_is_told_by_is_the_error_not_pips_advice_to_upgrade_itself(tmp_path: Path) -> None:
+    # An out-of-date pip ends almost every failure with a notice: the job had failed with "[notice] To update, run:
+    # pip install --upgrade pip", in show, list, its event and its notice.
+    log = tmp_path / "setup.log"
+    log.write_text("Collecting thispackagedoesnotexist-xyz==9.9\n"
+                   "ERROR: No matching distribution found for thispackagedoesnotexist-xyz==9.9\n\n"
+                   "[notice] A new release of pip is available: 23.2.1 -> 26.3\n"
+                   "[notice] To update, run: pip install --upgrade pip\n")
+    assert sv.last_line(log) == "ERROR: No matching distribution found for thispackagedoesnotexist-xyz==9.9"
+    log.write_text("[notice] To update, run: pip install --upgrade pip\n")  # nothing else said: that, then
+    assert sv.last_line(log) == "[notice] To update, run: pip install --upgrade pip"
+
+
 def test_a_failed_setup_is_tried_again_after_a_wait_and_a_passing_try_starts_the_command(job: Job) -> None:
     setup = setup_script(job, code=1, failing_runs=2)  # a network blip: two runs fail, the third passes
     proc = subprocess.run(job.argv(*setup_options(job, setup), "--setup-retries", "3", "--setup-retry-s", "0.3",

@@ -40,7 +40,8 @@ def schedule_rows(app: App, now: float) -> list[dict[str, Any]]:
             plan = _plan_now(app, spec, path, deadline_at, now)
         except BadInput as exc:
             problem = app.redactor(str(exc))
-        slots = slots_between(trig, now, month_end(now))
+        end = month_end(now)  # the next month's first instant: a slot then is next month's
+        slots = [at for at in slots_between(trig, now, end) if at < end]
         cycle_h = plan["hours"] if plan else None
         # The cycle not yet over, from its own slot (`last_slot_at` moves on at a slot skipped while it runs).
         running_slot = None if last_job is None or JobState(last_job["state"]) in FINAL \
