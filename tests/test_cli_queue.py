@@ -208,6 +208,9 @@ def test_enqueue_the_seed_examples_then_list_show_and_events(burstctl) -> None:
         in typo.stderr
     glob = burstctl("events", "--type", "job.*ed")
     assert glob.returncode == 2 and "field '--type': 'job.*ed' is not a prefix" in glob.stderr
+    two = burstctl("events", "--type", "job.enqueued", "--type", "job.done")  # the first had been dropped unsaid
+    assert (two.returncode, two.stdout) == (2, "")
+    assert "field '--type': is given 2 times: expected one type or prefix" in two.stderr
 
 
 def test_approving_a_hybrid_no_months_budget_pays_promises_no_burst(burstctl, tmp_path: Path) -> None:

@@ -117,3 +117,27 @@ def test_a_job_that_has_not_run_or_an_attempt_it_has_not_made_is_one_line(job: J
     wrong = job.logs("--attempt", "3")
     assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [
         f"burstctl: error: field '--attempt': job {job.id} has no attempt 3 that ran (attempts that ran: 1)"]
+
+
+def test_follow_on_a_job_that_has_not_started_waits_for_its_first_attempt(job: Job) -> None:
+    # `enqueue` then `logs -f` is what one types: it had failed, "has not run yet: no logs".
+    follow = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--state-dir", str(job.state), "logs",
+                               job.id, "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert follow.stderr is not None and follow.stdout is not None
+    assert follow.stderr.readline().decode().endswith("is queued: waiting for its first attempt to start\n")
+    run = job.attempt(1, "running", where="local", stdout=b"step 1\n")
+    assert follow.stdout.readline() == b"step 1\n"
+    with job.app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job.id}-a1").values(state="succeeded"))
+    follow.communicate(timeout=30)
+    assert follow.returncode == 0 and run.is_dir()
+
+
+def test_follow_on_a_job_cancelled_before_it_ran_ends_saying_so(job: Job) -> None:
+    follow = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--state-dir", str(job.state), "logs",
+                               job.id, "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert follow.stderr is not None
+    follow.stderr.readline()
+    job.app.store.update_job(job.id, state="cancelled")
+    _, err = follow.communicate(timeout=30)
+    assert follow.returncode == 1 and f"job {job.id} ended cancelled without running: no logs" in err

@@ -450,7 +450,7 @@ DB_INT_MAX = 2**63 - 1
 @cli.command("events")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new events as they happen.")
 @click.option("--job", "job_ref", default=None, help="Only this job's events.")
-@click.option("--type", "type_prefix", default=None,
+@click.option("--type", "type_prefixes", multiple=True,
               help="Only events whose type starts with this (`job.` or `job.*`: every job event; `job.done`).")
 @click.option("--limit", type=click.IntRange(min=1, max=DB_INT_MAX), default=None,
               help=f"At most this many (the newest; {EVENTS_SHOWN} unless --all; with --after, the first).")
@@ -462,10 +462,14 @@ DB_INT_MAX = 2**63 - 1
               help="Poll interval with --follow.")
 @json_option
 @pass_app
-def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefix: str | None, limit: int | None,
+def events_cmd(app: App, follow: bool, job_ref: str | None, type_prefixes: tuple[str, ...], limit: int | None,
                show_all: bool, after_id: int | None, interval: float, as_json: bool) -> None:
     """Print the event log (JSON lines with --json), the newest 100 unless --limit, --all or --after says
     otherwise; optionally following it live."""
+    if len(type_prefixes) > 1:  # click keeps the last one given: the others would be dropped without a word
+        raise BadInput(f"is given {len(type_prefixes)} times: expected one type or prefix (`job.` takes every job "
+                       "event)", field="--type")
+    type_prefix = type_prefixes[0] if type_prefixes else None
     if show_all and limit:
         raise BadInput("--all and --limit exclude each other", field="--limit")
     if show_all and after_id is not None:

@@ -21,6 +21,7 @@ from orchestrator.cli.jobs import job_or_fail
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.lifecycle.homes import attempt_run_dir
 from orchestrator.lifecycle.machine import AttemptState
+from orchestrator.lifecycle.states import FINAL, JobState
 from orchestrator.retention import LOGS_PRUNED_AT
 from state import schema as s
 
@@ -86,6 +87,10 @@ def logs_cmd(app: App, job: str, attempt_n: int | None, logs: tuple[str, ...], l
                            field="--attempt")
     elif attempts:
         chosen = attempts[-1]
+    elif follow and JobState(found["state"]) not in FINAL:  # `enqueue` then `logs -f`: its first attempt is awaited
+        click.echo(f"# {found['name']} ({found['id']}) is {found['state']}: waiting for its first attempt to start",
+                   err=True)
+        chosen = _first_attempt(app, found["id"])
     else:
         raise OperationalError(f"job {found['id']} ({found['state']}) has not run yet: no logs")
     path = attempt_run_dir(app.config, chosen["id"]) / log
@@ -93,6 +98,18 @@ def logs_cmd(app: App, job: str, attempt_n: int | None, logs: tuple[str, ...], l
         ", as of its last checkpoint sync"
     click.echo(f"# {found['name']} ({found['id']}), {_describe(chosen)}: {log}{note}", err=True)
     _print(app, chosen, path, lines, follow)
+
+
+def _first_attempt(app: App, job_id: str) -> dict[str, Any]:
+    """The job's first attempt once it has started; an error if the job ends without one."""
+    while True:
+        time.sleep(FOLLOW_POLL_S)
+        started = [a for a in _attempts(app, job_id) if a["started_at"] is not None]
+        if started:
+            return started[0]
+        job = app.store.get_job(job_id) or {"state": JobState.CANCELLED.value}
+        if JobState(job["state"]) in FINAL:
+            raise OperationalError(f"job {job_id} ended {job['state']} without running: no logs")
 
 
 def _print(app: App, att: dict[str, Any], path: Path, lines: int | None, follow: bool) -> None:
