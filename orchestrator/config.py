@@ -713,8 +713,10 @@ class Config(Strict):
     @model_validator(mode="after")
     def _cycle_gpu_priced(self) -> Config:
         if self.budget.cycle_gpu not in self.prices:
+            whole = ("; the file's [prices] replaces the built-in prices whole: expected it to list this GPU too, "
+                     "or budget.cycle_gpu to name one it lists" if "prices" in self.model_fields_set else "")
             raise FieldValueError("budget.cycle_gpu", f"'{self.budget.cycle_gpu}' has no entry in [prices] "
-                                  f"(known: {', '.join(sorted(self.prices))})")
+                                  f"(known: {', '.join(sorted(self.prices))}){whole}")
         return self
 
     @model_validator(mode="after")

@@ -813,7 +813,7 @@ def retry(app: App, job: dict[str, Any], now: float | None = None, *,
     d = again.decision
     if again.target is JobState.RETHINK:
         raise BadInput(f"job {job['id']} would be rethink again: {headline(d) or ''} (a "
-                       "later deadline, --deadline-hours, may do)", field="--deadline-hours")
+                       "later deadline, --deadline-hours, may do)")
     check_transition(job["state"], again.target.value, job["id"])
     records.supersede(job["decision"], d)
     d["retry_of"] = job["state"]

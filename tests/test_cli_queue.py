@@ -60,6 +60,11 @@ def test_decide_prints_the_gates_in_the_seed_scripts_words(burstctl) -> None:
     assert "GATE 2: local MISSES the deadline (30.30 h > 12.00 h)." in r.stdout
     assert "price of the deadline: dC ~ $16.12 to save 23.92 h (all of it on-demand; approval weighs what the " \
         "plan below" in r.stdout
+    # No provider is asked in flags mode: the market is --rate's, not "no spot offer from the enabled providers".
+    reasons = json.loads(burstctl("decide", "--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12",
+                                  *SEED_FLAGS, "--json").stdout)["reasons"]
+    assert "market: on-demand at --rate: flags give no spot price" in reasons
+    assert not [r for r in reasons if "enabled providers" in r]
 
 
 def test_decide_says_why_a_job_does_not_fit_locally(burstctl, tmp_path: Path) -> None:
@@ -268,6 +273,13 @@ def test_show_says_revert_local_brought_a_job_home_and_how_it_goes_back_on_its_p
     assert burstctl("revert-local", "--timeout", "5").returncode == 0
     shown = burstctl("show", "c-big-local-deadline").stdout
     assert "now placed local, not hybrid as decided: revert-local brought it home; bursting is still off" in shown
+    app = App(state_dir_override=str(burstctl.state_dir))
+    job_id = app.store.get_job("c-big-local-deadline")["id"]
+    app.store.update_job(job_id, state="done")  # it finished here: nothing goes back on a plan
+    shown = burstctl("show", "c-big-local-deadline").stdout
+    assert "revert-local brought it home" in shown and "bursting is still off" not in shown
+    app.store.update_job(job_id, state="queued")
+    app.close()
     assert burstctl("burst-enable").returncode == 0
     assert "now placed" not in burstctl("show", "c-big-local-deadline").stdout  # back on its plan
 
@@ -728,6 +740,12 @@ def test_an_unpriced_cycle_gpu_names_budget_cycle_gpu(burstctl, tmp_path: Path) 
     r = burstctl("--config", str(cfg), "budget")
     assert (r.returncode, r.stderr) == (2, f"burstctl: error: {cfg}: field 'budget.cycle_gpu': 'B200' has no entry "
                                            "in [prices] (known: A10, A100, H100, H200, L4, L40S, T4, V100)\n")
+    # One GPU priced in the file's own table: the built-in ones are gone with it, H100 (the default) too.
+    cfg.write_text("[prices.RTX4090]\non_demand_usd_h = 0.7\nvram_gib = 24\n")
+    r = burstctl("--config", str(cfg), "budget")
+    assert r.stderr == (f"burstctl: error: {cfg}: field 'budget.cycle_gpu': 'H100' has no entry in [prices] (known: "
+                        "RTX4090); the file's [prices] replaces the built-in prices whole: expected it to list this "
+                        "GPU too, or budget.cycle_gpu to name one it lists\n")
 
 
 def test_a_job_file_a_windows_editor_saved_with_a_byte_order_mark_is_read(burstctl, tmp_path: Path) -> None:

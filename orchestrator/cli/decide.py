@@ -141,7 +141,8 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
                        market="on-demand")
         assert rate is not None
         ctx = DecisionContext(local_usd_h=0.10 if local_usd_h is None else local_usd_h,
-                              offers={FLAG_GPU: GpuOffer(FLAG_GPU, rate, None, math.inf)},
+                              offers={FLAG_GPU: GpuOffer(FLAG_GPU, rate, None, math.inf,
+                                                        no_spot_why="on-demand at --rate: flags give no spot price")},
                               overhead_h=0.5 if overhead_h is None else overhead_h,
                               max_auto_delta_usd=app.config.policy.max_auto_delta_usd,
                               hybrid_margin_h=app.config.policy.hybrid_margin_h)

@@ -29,7 +29,7 @@ from orchestrator.events import EventTail
 from orchestrator.jobspec import MAX_DEADLINE_HOURS
 from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.schedule import reported
-from orchestrator.lifecycle.states import JobState, awaits_approval, check_transition
+from orchestrator.lifecycle.states import FINAL, JobState, awaits_approval, check_transition
 from orchestrator.records import fmt_h, fmt_usd, plan_name
 from state import schema as s
 from state.schema import planned_rented_usd
@@ -214,7 +214,7 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
     if j["placement"] == "local" and d.get("placement") in ("cloud", "hybrid"):  # only revert-local moves one home
         out.print(f"  now placed local, not {d['placement']} as decided: revert-local brought it home"
                   + ("; bursting is still off (`burstctl burst-enable` puts it back on its plan unless it has "
-                     "started here)" if not burst_enabled(app) else ""))
+                     "started here)" if not burst_enabled(app) and JobState(j["state"]) not in FINAL else ""))
     for r in d["reasons"]:
         out.print(f"  · {escape(r)}")
     out.print(f"deadline {_when(j['deadline_at'])} UTC; record {escape(j['record_path'])}")

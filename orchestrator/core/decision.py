@@ -27,6 +27,7 @@ class GpuOffer:
     od_usd_per_gpu_h: float
     spot_usd_per_gpu_h: float | None
     vram_gb: float
+    no_spot_why: str = "no spot offer for this GPU type from the enabled providers"  # said when spot is None
 
 
 @dataclass(frozen=True)
@@ -351,7 +352,8 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         spot_usd_per_gpu_h=offer.spot_usd_per_gpu_h, preemptions_per_h=rate_h,
         checkpoint_interval_h=job.checkpoint_interval_h, restart_overhead_h=overhead_h,
         deadline_h=job.deadline_h, deadline_critical=job.deadline_critical, preference=job.market,
-        resumable=job.checkpoints, preference_from=job.market_from, policy_tick_h=ctx.policy_tick_h))
+        resumable=job.checkpoints, preference_from=job.market_from, policy_tick_h=ctx.policy_tick_h,
+        no_spot_why=offer.no_spot_why))
     reasons.extend(f"market: {r}" for r in market.reasons)
     if market.spot_cost_usd is not None:
         reasons.append(f"market: λ = {rate_h:.3g} preemptions/h ({basis})")

@@ -52,6 +52,7 @@ class MarketInputs:
     resumable: bool = True  # False: a preemption loses everything done, not half a checkpoint interval
     preference_from: str = "job"  # who set `preference`, for the record: "job" or "policy.default_market"
     policy_tick_h: float = 0.0  # how often the daemon asks the spot policy: its safety net rounds to it
+    no_spot_why: str = "no spot offer for this GPU type from the enabled providers"  # the reason, spot being None
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,7 @@ class MarketChoice:
 def choose_market(x: MarketInputs) -> MarketChoice:
     od_cost = x.od_usd_per_gpu_h * x.gpus * x.run_h
     if x.spot_usd_per_gpu_h is None:
-        return MarketChoice("on-demand", od_cost, x.run_h, None, None, None,
-                            ["no spot offer for this GPU type from the enabled providers"])
+        return MarketChoice("on-demand", od_cost, x.run_h, None, None, None, [x.no_spot_why])
 
     n = x.preemptions_per_h * x.run_h
     if x.resumable:
