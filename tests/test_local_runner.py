@@ -114,17 +114,48 @@ def test_a_local_run_slower_than_its_s_l_says_once_that_it_will_miss_the_deadlin
     app.close()
 
 
-def test_failed_steps_with_steps_that_went_through_between_them_do_not_give_the_attempt_up(tmp_path: Path) -> None:
-    # Only failures in a row count: five glitches spread over a three-day run had failed the job.
-    from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS, Reconciler
+def test_a_run_behind_schedule_is_said_once_and_its_reason_follows_the_measured_speed(tmp_path: Path) -> None:
+    # The reason had been frozen at the first figure, taken seconds after a resume, and was still shown once the end
+    # it projected had passed, beside a progress line with other figures.
+    from orchestrator.lifecycle.schedule import watch_schedule
 
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "long", command=["sleep", "120"], deadline_hours=24,
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "slow", local_throughput=1.0, deadline_hours=2, work_units=2))
+    att, info, now = {"id": f"{job_id}-a1", "where": "local"}, {}, time.time()
+
+    def measured(done: float, units_h: float) -> str:
+        info["metrics"] = {"units_done": done, "throughput_units_h": units_h}
+        watch_schedule(app, att, app.store.get_job(job_id), info, now)
+        return app.store.get_job(job_id)["reason"]
+
+    assert measured(0.1, 0.5).startswith("behind schedule: at the 0.5 units/h measured (1 planned), the 1.9 units "
+                                         "left end ")  # 3.8 h: 1.80 h late
+    assert measured(0.2, 0.9).startswith("behind schedule: at the 0.9 units/h measured (1 planned), the 1.8 units")
+    assert measured(0.3, 2.0).startswith("on schedule again: at the 2 units/h measured, the run ends ")
+    assert measured(0.3, 0.5).startswith("behind schedule: at the 0.5 units/h measured")
+    assert [e["type"] for e in app.store.events(job_id=job_id)].count("job.behind_schedule") == 1
+    app.close()
+
+
+def _running_sleeper(tmp_path: Path) -> tuple[App, str, Any, Path]:
+    """A local job running `sleep 120` under a real supervisor, started by a reconciler: (app, job id, the
+    reconciler, the attempt's run dir)."""
+    from orchestrator.lifecycle.reconcile import Reconciler
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "sleeper", command=["sleep", "120"], deadline_hours=24,
                                           local_throughput=1.0))
     rec = Reconciler(app, {}, cloud=None)
     assert rec.local.start(app.store.get_job(job_id))
-    rec.local.step(only_attempt(app, job_id), app.store.get_job(job_id))
-    run = rec.local.run_dir(only_attempt(app, job_id)["id"])
+    rec.local.step(only_attempt(app, job_id), app.store.get_job(job_id))  # intent → running: supervisor, command
+    return app, job_id, rec, rec.local.run_dir(only_attempt(app, job_id)["id"])
+
+
+def test_failed_steps_with_steps_that_went_through_between_them_do_not_give_the_attempt_up(tmp_path: Path) -> None:
+    # Only failures in a row count: five glitches spread over a three-day run had failed the job.
+    from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS
+
+    app, job_id, rec, run = _running_sleeper(tmp_path)
     try:
         for i in range(MAX_STEP_ERRORS + 1):
             rec._step_failed(only_attempt(app, job_id), app.store.get_job(job_id), RuntimeError(f"glitch {i}"))
@@ -140,17 +171,10 @@ def test_failed_steps_with_steps_that_went_through_between_them_do_not_give_the_
 def test_a_local_attempt_given_up_after_failing_steps_does_not_leave_its_trainer_running(tmp_path: Path) -> None:
     # Five steps in a row failed (here: said so directly). The attempt is given up; its trainer must end with it,
     # or it would hold the GPU and write into the checkpoint dir the job's next attempt starts from.
-    from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS, Reconciler
+    from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS
 
-    app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "stuck", command=["sleep", "120"], deadline_hours=24,
-                                          local_throughput=1.0))
-    rec = Reconciler(app, {}, cloud=None)
-    assert rec.local.start(app.store.get_job(job_id))
+    app, job_id, rec, run = _running_sleeper(tmp_path)
     att = only_attempt(app, job_id)
-    rec.local.step(att, app.store.get_job(job_id))  # intent → running: the supervisor and its command start
-    att = only_attempt(app, job_id)
-    run = rec.local.run_dir(att["id"])
     assert att["state"] == "running" and supervisor.read_status(run)["child_alive"]
 
     for _ in range(MAX_STEP_ERRORS):

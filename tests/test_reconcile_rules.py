@@ -885,6 +885,15 @@ def test_a_queued_local_job_counts_the_run_started_ahead_of_it_in_the_same_tick(
     app.close()
 
 
+def _local_starts_of_a_schedule(app: App, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The jobs one schedule of a new reconciler starts on the local GPU (said, not run)."""
+    rec = Reconciler(app, {}, cloud=None)
+    started: list[str] = []
+    monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
+    rec._schedule()
+    return started
+
+
 def test_a_local_job_starts_behind_any_number_of_cloud_jobs_that_cannot(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # With the cloud unreachable, 30 cloud jobs due earlier had filled the window of candidates a tick reads, and
@@ -893,10 +902,7 @@ def test_a_local_job_starts_behind_any_number_of_cloud_jobs_that_cannot(tmp_path
     for n in range(30):
         enqueue(app, write_job(tmp_path, f"cloud-{n}", local_throughput=0, deadline_hours=10 + n / 100))
     local_id, _, _ = enqueue(app, write_job(tmp_path, "local", local_throughput=1.0, deadline_hours=20))
-    rec = Reconciler(app, {}, cloud=None)
-    started: list[str] = []
-    monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
-    rec._schedule()
+    started = _local_starts_of_a_schedule(app, monkeypatch)
     assert started == [local_id]
     app.close()
 
@@ -913,10 +919,7 @@ def test_a_stored_job_that_no_longer_validates_fails_saying_why_and_the_others_a
         job = app.store.get_job(job_id)
         app.store.update_job(job_id, state=state, spec={**job["spec"], "name": "j0123abcd"})
     behind, _, _ = enqueue(app, write_job(tmp_path, "behind", local_throughput=1.0, deadline_hours=20))
-    rec = Reconciler(app, {}, cloud=None)
-    started: list[str] = []
-    monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
-    rec._schedule()
+    started = _local_starts_of_a_schedule(app, monkeypatch)
     assert started == [behind]
     for job_id in (old_queued, old_blocked):
         failed = app.store.get_job(job_id)
