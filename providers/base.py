@@ -184,8 +184,9 @@ class InstanceInfo:
 
 
 class Provider(Protocol):
-    """The lifecycle's one view of a cloud. Optional capability, looked up with getattr: `checkpoint_store(job_id)`
-    → an `S3CheckpointStore` the job's instances upload to (EC2 with `checkpoint_bucket`), or None."""
+    """The lifecycle's one view of a cloud. Optional capabilities, looked up with getattr: `checkpoint_store(job_id)`
+    → an `S3CheckpointStore` the job's instances upload to (EC2 with `checkpoint_bucket`), or None; and
+    `spot_notice_url(instance_id)` → where an instance polls for its spot interruption notice (EC2's semantics)."""
 
     name: str
 

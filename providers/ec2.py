@@ -228,6 +228,10 @@ class Ec2Adapter:
         prefix = "/".join(p for p in (self.config.checkpoint_prefix.strip("/"), job_id) if p)
         return f"s3://{self.config.checkpoint_bucket}/{prefix}"
 
+    def spot_notice_url(self, instance_id: str) -> str:
+        """The instance metadata service's interruption notice, as every EC2 instance reads it."""
+        return "http://169.254.169.254/latest/meta-data/spot/instance-action"
+
     def checkpoint_store(self, job_id: str) -> S3CheckpointStore | None:
         uri = self.checkpoint_uri(job_id)
         if uri is None:

@@ -151,6 +151,13 @@ class LambdaCloud:
     def close(self) -> None:
         self._http.close()
 
+    def spot_notice_url(self, instance_id: str) -> str | None:
+        """simcloud's stand-in for EC2's metadata notice (Lambda Cloud sells no spot, so has none)."""
+        if self.name != "sim":
+            return None
+        root = self.base_url.removesuffix("/api/v1")
+        return f"{root}/_sim/instances/{instance_id}/latest/meta-data/spot/instance-action"
+
     # --- Provider ---------------------------------------------------------------------------------------------
     def offers(self) -> list[Offer]:
         """One offer per on-demand GPU type, with the spot price of its spot sibling when simcloud lists one.

@@ -121,6 +121,18 @@ def test_an_adapters_own_error_is_recorded_as_the_kind_of_the_taxonomy_it_is() -
         "NoCapacity", "QuotaExceeded", "AuthFailed", "Throttled"]
 
 
+def test_simcloud_says_where_an_instance_polls_for_its_spot_notice_and_lambda_has_none() -> None:
+    sim = LambdaCloud(name="sim", base_url="http://127.0.0.1:9/api/v1/", api_key="k")
+    lam = LambdaCloud(name="lambda", base_url="https://cloud.lambda.ai/api/v1", api_key="k")
+    try:
+        assert sim.spot_notice_url("i-1") == ("http://127.0.0.1:9/_sim/instances/i-1/latest/meta-data/spot/"
+                                              "instance-action")
+        assert lam.spot_notice_url("i-1") is None  # Lambda Cloud sells no spot
+    finally:
+        sim.close()
+        lam.close()
+
+
 def test_gpu_description_parsing() -> None:
     assert parse_gpu_description("A100 (40 GB SXM4)") == ("A100", 40.0)
     assert parse_gpu_description("Tesla V100 (16 GB)") == ("V100", 16.0)

@@ -87,12 +87,8 @@ def orchestrator_key(app: App) -> tuple[Path, str]:
 
 def notice_url(provider: Provider, instance_id: str) -> str | None:
     """Where the instance polls for a spot interruption notice (EC2 semantics), if its cloud has one."""
-    if provider.name == "ec2":
-        return "http://169.254.169.254/latest/meta-data/spot/instance-action"
-    if provider.name == "sim":
-        root = provider.base_url.removesuffix("/").removesuffix("/api/v1")  # type: ignore[attr-defined]
-        return f"{root}/_sim/instances/{instance_id}/latest/meta-data/spot/instance-action"
-    return None
+    ask = getattr(provider, "spot_notice_url", None)  # optional capability
+    return ask(instance_id) if ask is not None else None
 
 
 def write_remote_env_file(conn: Any, path: str, env: Mapping[str, str]) -> None:

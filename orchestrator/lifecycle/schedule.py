@@ -9,7 +9,6 @@ from typing import Any
 from orchestrator.app import App
 from orchestrator.core.plan import projected_finish_at
 
-
 # How a job's reason begins while its run is behind schedule, and once it is back on it (`watch_schedule`).
 BEHIND = "behind schedule: "
 ON_SCHEDULE_AGAIN = "on schedule again: "
