@@ -604,7 +604,8 @@ def new_job_id() -> str:
 def record_decision(app: App, job: JobFacts, decision: dict[str, Any], now: float, job_id: str | None) -> Path:
     text = records.render(job.name, job_id, decision, now=now, deadline_h=job.deadline_h, work=job.work,
                           s_local=job.s_local, gpus=job.gpus, local_gpu=app.config.local.gpu)
-    return records.write(app.config.state_dir, job.name, job_id, text, now)
+    # Offers' names and reasons are the providers' words, which may hold a key they were sent: as events, redacted.
+    return records.write(app.config.state_dir, job.name, job_id, app.redactor(text), now)
 
 
 def stored_spec(spec: JobSpec, path: str | Path, slot_at: float | None = None) -> dict[str, Any]:

@@ -257,3 +257,23 @@ def test_a_provider_that_echoes_the_key_in_its_offers_has_it_redacted_in_the_lis
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_key_a_provider_echoed_into_a_decision_is_redacted_in_its_record(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # An offer's or a refusal's words are the provider's, and reach the decision record's reasons.
+    from orchestrator.app import App
+    from orchestrator.jobspec import load_job
+    from orchestrator.queue import enqueue, facts, record_decision
+    from tests.conftest import write_job
+
+    monkeypatch.setenv("LAMBDA_API_KEY", LAMBDA_SECRET)  # the key the config's Lambda section names
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "echoed", local_throughput=0))
+    d = {**app.store.get_job(job_id)["decision"]}
+    d["reasons"] = [*d["reasons"], f"no capacity for gpu_1x_{LAMBDA_SECRET} (tried: us-{LAMBDA_SECRET})"]
+    spec, deadline_at = load_job(tmp_path / "echoed.toml")
+    record = record_decision(app, facts(spec, deadline_at, 0.0, app.config), d, 0.0, job_id)
+    text = record.read_text()
+    assert LAMBDA_SECRET not in text and "gpu_1x_***" in text
+    app.close()

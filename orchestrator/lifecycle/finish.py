@@ -188,7 +188,7 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
         f"run {run_txt} h{split}, cost {costs}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
         f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else "") + deadline)
     if job.get("record_path") and Path(job["record_path"]).exists():
-        records.fill_measured(Path(job["record_path"]), text)
+        records.fill_measured(Path(job["record_path"]), app.redactor(text))  # what providers named, redacted
     app.events.emit("job.measured", job_id=job["id"], conn=conn, run_h=round(run_h, 4), cost_usd=round(cost, 4),
                     where=where, preemptions=preemptions, peak_vram_gb=peak, ended=ended,
                     local_h=round(local_h, 4), local_cost_usd=round(local_usd, 4),
