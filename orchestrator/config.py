@@ -608,8 +608,6 @@ EVENT_TYPES = frozenset({
 })
 
 
-
-
 class Notify(Strict):
     """Where the daemon sends notices of the events a person should hear of: a webhook (`url_env`) or a command,
     exactly one of the two. Notices go in the order their events happened, none skipped: one that cannot be

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from orchestrator.core.budget import Held, admits
 from orchestrator.core.gates import GateInputs, GateResult, Verdict, evaluate
 from orchestrator.core.local_hours import LocalHours
-from orchestrator.core.market import MarketChoice, MarketInputs, choose_market
+from orchestrator.core.market import NO_SPOT_OFFER, MarketChoice, MarketInputs, choose_market
 from orchestrator.core.plan import Phase, Plan, hybrid_plan
 from orchestrator.core.sizing import gb_and_gib
 
@@ -27,7 +27,7 @@ class GpuOffer:
     od_usd_per_gpu_h: float
     spot_usd_per_gpu_h: float | None
     vram_gb: float
-    no_spot_why: str = "no spot offer for this GPU type from the enabled providers"  # said when spot is None
+    no_spot_why: str = NO_SPOT_OFFER  # said when spot is None (decide's flags mode says why there is none)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ def safety_net(work_left_h: float, time_left_h: float, changeover_h: float, tick
     return time_left_h - tick_h < work_left_h + changeover_h + EPS_H
 
 
+NO_SPOT_OFFER = "no spot offer for this GPU type from the enabled providers"  # why on-demand, spot being None
+
+
 @dataclass(frozen=True)
 class MarketInputs:
     run_h: float  # T: rented wall-clock hours including overhead, with no preemption
@@ -52,7 +55,7 @@ class MarketInputs:
     resumable: bool = True  # False: a preemption loses everything done, not half a checkpoint interval
     preference_from: str = "job"  # who set `preference`, for the record: "job" or "policy.default_market"
     policy_tick_h: float = 0.0  # how often the daemon asks the spot policy: its safety net rounds to it
-    no_spot_why: str = "no spot offer for this GPU type from the enabled providers"  # the reason, spot being None
+    no_spot_why: str = NO_SPOT_OFFER  # the reason, spot being None
 
 
 @dataclass(frozen=True)
