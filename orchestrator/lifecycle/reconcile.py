@@ -43,6 +43,7 @@ from orchestrator.lifecycle.market_switch import (
     record_spot_listings,
     spot_region_order,
 )
+from orchestrator.lifecycle.orphans import sweep_orphans
 from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState, awaits_approval
@@ -328,7 +329,7 @@ class Reconciler:
         return "burst-enabled" if self.providers else "local-only (no cloud provider is usable)"
 
     def sweep(self) -> dict[str, list[str]]:
-        return sweep_orphans(self)
+        return sweep_orphans(self.app, self.providers, self.clock)
 
     def _jobs_of(self, attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ids = sorted({a["job_id"] for a in attempts})
@@ -1788,40 +1789,6 @@ def _room_to_run(job: dict[str, Any], hours: LocalHours) -> bool:
     return job["spec"]["checkpoint"].get("resumable", True) or hours.room_for(_gpu_h(job))
 
 
-def sweep_orphans(reconciler: Reconciler) -> dict[str, list[str]]:
-    """Every owned instance whose attempt is unknown or over is terminated (a leaked instance is money lost).
-    Returns, per provider, the ids terminated; an unreachable provider is reported and skipped."""
-    app = reconciler.app
-    terminated: dict[str, list[str]] = {}
-    for name, provider in reconciler.providers.items():
-        try:
-            owned = provider.list_owned()
-        except ProviderError as exc:
-            app.events.emit("provider.unreachable", provider=name, error=type(exc).__name__, during="sweep")
-            continue
-        with app.store.engine.connect() as c:
-            attempts = {r["id"]: dict(r) for r in c.execute(select(s.attempts).where(
-                s.attempts.c.id.in_([i.attempt_id for i in owned if i.attempt_id]))).mappings()}
-        for inst in owned:
-            if inst.state.gone:
-                continue
-            att = attempts.get(inst.attempt_id or "")
-            if att is not None and not AttemptState(att["state"]).final and att["instance_id"] in (None, inst.id):
-                continue  # live: the tick drives it (an intent adopts it by tag)
-            why = "no attempt" if att is None else f"attempt {att['state']}"
-            try:
-                provider.terminate([inst.id])
-            except ProviderError as exc:
-                app.events.emit("instance.orphan_terminate_failed", provider=name, instance=inst.id,
-                                error=type(exc).__name__)
-                continue
-            terminated.setdefault(name, []).append(inst.id)
-            app.events.emit("instance.orphan_terminated", provider=name, instance=inst.id,
-                            attempt_id=inst.attempt_id, reason=why)
-    _retry_unverified(reconciler)
-    return terminated
-
-
 def _written_at(checkpoint: Path, pulled_at: float, started_at: float | None) -> float:
     """When a checkpoint that came home was written: its manifest's time, which the work since counts from (the
     lost work of a loss, the unsaved hours the spot policy's safety net weighs), not when the pull ended, up to half
@@ -1832,28 +1799,3 @@ def _written_at(checkpoint: Path, pulled_at: float, started_at: float | None) ->
     except (OSError, ValueError, TypeError):
         return pulled_at
     return max(min(created, pulled_at), started_at or -math.inf)
-
-
-def _retry_unverified(reconciler: Reconciler) -> None:
-    """Instances left unverified (e.g. by revert-local while their cloud was unreachable) are retried every sweep."""
-    app = reconciler.app
-    with app.store.engine.connect() as c:
-        pending = [dict(r) for r in c.execute(select(s.instances).where(s.instances.c.state == "unverified"))
-                   .mappings()]
-    for inst in pending:
-        provider = reconciler.providers.get(inst["provider"])
-        outcome = "provider unavailable"
-        if provider is not None:
-            try:
-                provider.terminate([inst["id"]])
-                seen = provider.describe([inst["id"]]).get(inst["id"])
-                if seen is None or seen.state.gone:
-                    with app.store.tx() as c:
-                        app.store.instance_gone(c, inst["provider"], inst["id"], gone_at=reconciler.clock())
-                    outcome = "gone"
-                else:
-                    outcome = seen.state.value
-            except ProviderError as exc:
-                outcome = type(exc).__name__
-        app.events.emit("instance.terminate_retry", provider=inst["provider"], instance=inst["id"],
-                        outcome=outcome)

@@ -1,0 +1,126 @@
+"""Instances of ours that no attempt drives: found by the daemon's sweep or by revert-local, terminated, and metered.
+
+An orphan bills like any instance (a launch whose answer was lost, an attempt ended while its instance lived on, a
+state restored from an old copy), so the meter counts it: `record_orphan` writes it down as an instance not yet
+confirmed gone, with a charge open from when it started; the charge closes when the provider confirms it gone
+(`Store.instance_gone`), as every instance's does. When it started: the provider's launch time, else (a provider
+that does not say, as Lambda's API) the start of the attempt it was launched for, else when it was found; never
+before the end of a charge the meter already holds for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sqlalchemy import Connection, func, insert, select, update
+
+from orchestrator.app import App
+from orchestrator.core.budget import month_key
+from orchestrator.lifecycle.machine import AttemptState
+from providers.base import InstanceInfo, Provider, ProviderError
+from state import schema as s
+
+
+def orphan_rate(provider: Provider, inst: InstanceInfo, attempt: dict[str, Any] | None) -> float | None:
+    """Its $/h: its attempt's when it was launched as that attempt's type and market, else the provider's offer for
+    its type (its region's when listed); None when the provider cannot say."""
+    if attempt is not None and (attempt["instance_type"], attempt["market"]) == (inst.instance_type,
+                                                                                 inst.market.value):
+        rate = (attempt["info"] or {}).get("rate_usd_h")
+        if rate is not None:
+            return float(rate)
+    try:
+        offers = [o for o in provider.offers() if o.instance_type == inst.instance_type]
+    except ProviderError:
+        return None
+    here = [o for o in offers if inst.region in o.regions] or offers
+    return here[0].rate_usd_h(inst.market) if here else None
+
+
+def record_orphan(app: App, conn: Connection, provider_name: str, inst: InstanceInfo,
+                  attempt: dict[str, Any] | None, rate: float | None, now: float) -> float | None:
+    """Write the orphan down as not yet confirmed gone, and open its charge unless one is open already. Returns the
+    time its new charge starts from (None: none opened, as one is open or its rate is unknown)."""
+    where = (s.instances.c.provider == provider_name, s.instances.c.id == inst.id)
+    if conn.execute(select(s.instances.c.id).where(*where)).first() is None:
+        conn.execute(insert(s.instances).values(
+            provider=provider_name, id=inst.id, attempt_id=attempt["id"] if attempt else None, state="unverified",
+            instance_type=inst.instance_type, market=inst.market.value, rate_usd_h=rate, host=inst.host,
+            port=inst.ssh_port, launched_at=inst.launched_at, verified_gone=False))
+    else:  # known, and thought gone or going: it is not, so it is asked after again until it is
+        conn.execute(update(s.instances).where(*where).values(state="unverified", verified_gone=False, gone_at=None))
+    led = s.ledger
+    mine = (led.c.provider == provider_name, led.c.instance_id == inst.id)
+    if rate is None or conn.execute(select(led.c.id).where(*mine, led.c.ended_at.is_(None))).first() is not None:
+        return None
+    metered_to = conn.execute(select(func.max(led.c.ended_at)).where(*mine)).scalar()
+    started = inst.launched_at if inst.launched_at is not None else (attempt or {}).get("created_at") or now
+    started = min(max(started, metered_to or started), now)
+    app.store.open_charge({
+        "month": month_key(started), "job_id": attempt["job_id"] if attempt else inst.tags.get("burstctl:job"),
+        "attempt_id": attempt["id"] if attempt else None, "provider": provider_name, "instance_id": inst.id,
+        "instance_type": inst.instance_type, "market": inst.market.value, "rate_usd_h": rate,
+        "started_at": started}, conn=conn)
+    return started
+
+
+def sweep_orphans(app: App, providers: Mapping[str, Provider], clock: Callable[[], float]) -> dict[str, list[str]]:
+    """Every owned instance whose attempt is unknown or over is metered and terminated (a leaked instance is money
+    lost). Returns, per provider, the ids terminated; an unreachable provider is reported and skipped."""
+    terminated: dict[str, list[str]] = {}
+    for name, provider in providers.items():
+        try:
+            owned = provider.list_owned()
+        except ProviderError as exc:
+            app.events.emit("provider.unreachable", provider=name, error=type(exc).__name__, during="sweep")
+            continue
+        with app.store.engine.connect() as c:
+            attempts = {r["id"]: dict(r) for r in c.execute(select(s.attempts).where(
+                s.attempts.c.id.in_([i.attempt_id for i in owned if i.attempt_id]))).mappings()}
+        for inst in owned:
+            if inst.state.gone:
+                continue
+            att = attempts.get(inst.attempt_id or "")
+            if att is not None and not AttemptState(att["state"]).final and att["instance_id"] in (None, inst.id):
+                continue  # live: the tick drives it (an intent adopts it by tag)
+            rate = orphan_rate(provider, inst, att)
+            with app.store.tx() as conn:
+                since = record_orphan(app, conn, name, inst, att, rate, clock())
+            why = "no attempt" if att is None else f"attempt {att['state']}"
+            try:
+                provider.terminate([inst.id])
+            except ProviderError as exc:
+                app.events.emit("instance.orphan_terminate_failed", provider=name, instance=inst.id,
+                                error=type(exc).__name__)
+                continue
+            terminated.setdefault(name, []).append(inst.id)
+            app.events.emit("instance.orphan_terminated", provider=name, instance=inst.id,
+                            attempt_id=inst.attempt_id, reason=why, rate_usd_h=rate, metered_from=since)
+    retry_unverified(app, providers, clock)
+    return terminated
+
+
+def retry_unverified(app: App, providers: Mapping[str, Provider], clock: Callable[[], float]) -> None:
+    """Instances not yet confirmed gone (an orphan just terminated, or one revert-local left while its cloud was
+    unreachable) are terminated again and asked after, every sweep; confirmed gone, their charges close."""
+    with app.store.engine.connect() as c:
+        pending = [dict(r) for r in c.execute(select(s.instances).where(s.instances.c.state == "unverified"))
+                   .mappings()]
+    for inst in pending:
+        provider = providers.get(inst["provider"])
+        outcome = "provider unavailable"
+        if provider is not None:
+            try:
+                provider.terminate([inst["id"]])
+                seen = provider.describe([inst["id"]]).get(inst["id"])
+                if seen is None or seen.state.gone:
+                    with app.store.tx() as c:
+                        app.store.instance_gone(c, inst["provider"], inst["id"], gone_at=clock())
+                    outcome = "gone"
+                else:
+                    outcome = seen.state.value
+            except ProviderError as exc:
+                outcome = type(exc).__name__
+        app.events.emit("instance.terminate_retry", provider=inst["provider"], instance=inst["id"],
+                        outcome=outcome)
