@@ -196,6 +196,11 @@ def test_enqueue_the_seed_examples_then_list_show_and_events(burstctl) -> None:
     c = ids["c-big-local-deadline"]["decision"]
     row = next(line for line in burstctl("list").stdout.splitlines() if "c-big-local-deadline" in line)
     assert f"${c['plan_cost_usd'] - c['c_local_usd']:.2f}" in row and "$16.12" not in row
+    # --json carries the table's plan and over-local columns, as numbers.
+    assert {k: listed[2][k] for k in ("plan", "plan_cost_usd", "over_local_usd")} == {
+        "plan": "hybrid on-demand", "plan_cost_usd": c["plan_cost_usd"],
+        "over_local_usd": pytest.approx(c["plan_cost_usd"] - c["c_local_usd"])}
+    assert (listed[0]["plan"], listed[0]["over_local_usd"]) == ("local", None)
     shown = json.loads(burstctl("show", "b-full-grpo-7b", "--json").stdout)
     assert shown["decision"]["verdict"] == "burst"
     assert {e["type"] for e in shown["events"]} == {"job.enqueued", "job.decided"}

@@ -129,7 +129,9 @@ def list_cmd(app: App, states: tuple[str, ...], show_all: bool, as_json: bool) -
     jobs, hidden = _listed(app, states, show_all)
     note = f"{hidden} older finished job{'s' if hidden != 1 else ''} not shown (--all lists them)" if hidden else None
     if as_json:
-        print_json([_public(j) for j in jobs])
+        print_json([{**_public(j), "plan": plan_name(j["decision"]),  # the table's columns, as numbers
+                     "plan_cost_usd": j["decision"].get("plan_cost_usd"),
+                     "over_local_usd": _over_local_usd(j["decision"])} for j in jobs])
         if note:
             click.echo(note, err=True)
         return
@@ -174,12 +176,17 @@ def _listed(app: App, states: tuple[str, ...], show_all: bool) -> tuple[list[dic
     return sorted(jobs + finished, key=lambda j: j["created_at"]), hidden
 
 
-def _over_local(d: dict[str, Any]) -> str:
+def _over_local_usd(d: dict[str, Any]) -> float | None:
     """What a priced job's plan costs more than running it locally: what `policy.max_auto_delta_usd` is held against
-    (not the seed's all-on-demand ΔC, which `show` and `decide` print)."""
+    (not the seed's all-on-demand ΔC, which `show` and `decide` print). None for a job that is not priced."""
     if d.get("verdict") != "priced" or d.get("plan_cost_usd") is None or d.get("c_local_usd") is None:
-        return "—"
-    return fmt_usd(d["plan_cost_usd"] - d["c_local_usd"])
+        return None
+    return float(d["plan_cost_usd"] - d["c_local_usd"])
+
+
+def _over_local(d: dict[str, Any]) -> str:
+    over = _over_local_usd(d)
+    return "—" if over is None else fmt_usd(over)
 
 
 def _plan_txt(d: dict[str, Any]) -> str:
