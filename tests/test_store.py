@@ -90,18 +90,29 @@ def test_processes_opening_a_new_database_at_once_take_turns_at_migrating(
         backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     # The daemon and the first CLI command often start together on a new state directory. Both used to read
     # version 0 and create the tables; one failed with "table jobs already exists" (1 run in 4 or so, here).
-    code = "import sys; from state.store import Store; Store(sys.argv[1]).close()"
+    # Each process imports once, then opens every new database as soon as it is named: the four open it together,
+    # not as their interpreters happen to finish starting.
+    code = ("import sys\nfrom state.store import Store\n"
+            "for url in sys.stdin:\n    Store(url.strip()).close()\n    print('opened', flush=True)\n")
     server = request.getfixturevalue("postgres_server") if backend == "postgresql" else None
-    for trial in range(8):
-        url = server.new_database() if server else f"sqlite:///{tmp_path / f'new-{trial}.db'}"
-        procs = [subprocess.Popen([sys.executable, "-c", code, url], stderr=subprocess.PIPE, text=True)
-                 for _ in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    try:
+        for trial in range(8):
+            url = server.new_database() if server else f"sqlite:///{tmp_path / f'new-{trial}.db'}"
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write(url + "\n")
+                p.stdin.flush()
+            for p in procs:
+                assert p.stdout is not None
+                assert p.stdout.readline() == "opened\n", p.communicate(timeout=60)[1][-500:]
+            with Store(url).engine.connect() as c:
+                versions = [r[0] for r in c.execute(select(schema.schema_version.c.version))]
+            assert versions == [v for v, _ in schema.MIGRATIONS], "each migration once"
+    finally:
         for p in procs:
-            _, err = p.communicate(timeout=60)
-            assert p.returncode == 0, err[-500:]
-        with Store(url).engine.connect() as c:
-            versions = [r[0] for r in c.execute(select(schema.schema_version.c.version))]
-        assert versions == [v for v, _ in schema.MIGRATIONS], "each migration once"
+            p.communicate(timeout=60)  # stdin closed: each ends
 
 
 def test_job_updates_are_compare_and_set(db_url: str) -> None:
