@@ -304,11 +304,9 @@ class Rehearsal:
         except OSError:
             return  # the instance's disk is gone (terminated) or not there yet
         for path in complete:
-            if path.name in watch.checkpoints:
-                continue
             seen = _seen(path)
-            if seen is not None:
-                watch.checkpoints[path.name] = seen
+            if seen is not None and watch.checkpoints.get(path.name) != seen:
+                watch.checkpoints[path.name] = seen  # new, or written again under its name (a run started over)
         run = jobdir / watch.attempt_id / "run"
         metrics = _read_json(run / "metrics.json")
         if isinstance(metrics, dict) and isinstance(metrics.get("step"), int):
@@ -459,7 +457,7 @@ class Rehearsal:
         home = self._home_checkpoints(job_id)
         for p in self.preemptions:
             old = self.attempts[p.attempt_id]
-            mine = self._written_during(old, home)
+            mine = self._written_by(old, home, job_id)
             p.had_checkpoint = bool(mine) or bool(old.resumed_from)
             on_disk = sorted({**{c.name: c for c in mine}, **old.checkpoints}.values(), key=lambda c: c.name)
             p.checkpoint_before = on_disk[-1].name if on_disk else None
@@ -480,7 +478,7 @@ class Rehearsal:
             new = self.attempts.get(p.next_attempt or "")
             if new is None or not p.resumed_from:
                 continue
-            written = self._written_during(new, home)
+            written = self._written_by(new, home, job_id)
             if not written:
                 continue
             first = min(written, key=lambda c: c.created_at or 0.0)
@@ -491,13 +489,10 @@ class Rehearsal:
             else:  # no step in the manifests: checkpoint names sort by progress (the contract)
                 p.resumed_correctly = first.name > p.resumed_from
 
-    def _written_during(self, watch: AttemptWatch, home: list[SeenCheckpoint]) -> list[SeenCheckpoint]:
-        """Checkpoints the attempt's trainer wrote: created while it ran (seen on its instance or brought home)."""
+    def _written_by(self, watch: AttemptWatch, home: list[SeenCheckpoint], job_id: str) -> list[SeenCheckpoint]:
         later = [w.running_at for w in self.attempts.values() if w.running_at > watch.running_at]
-        end = min(later) if later else float("inf")
-        found = {c.name: c for c in [*watch.checkpoints.values(), *home]
-                 if c.created_at is not None and watch.running_at <= c.created_at < end}
-        return list(found.values())
+        pushed = self._known(job_id, watch.resumed_from) if watch.resumed_from else None
+        return written_by(watch, home, min(later) if later else None, pushed)
 
     def _home_checkpoints(self, job_id: str) -> list[SeenCheckpoint]:
         folder = self.state / "checkpoints" / job_id
@@ -562,6 +557,21 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def written_by(watch: AttemptWatch, home: list[SeenCheckpoint], next_running_at: float | None,
+               pushed: SeenCheckpoint | None) -> list[SeenCheckpoint]:
+    """The checkpoints an attempt's trainer wrote. Those seen on its instance's disk are its own whenever they were
+    written (the disk is its alone), but the one pushed for it to resume from (`pushed`, as it was home). The daemon
+    says an attempt runs only once its trainer has started: under load, seconds later, in which a fast trainer has
+    written checkpoints already. Judged by that time alone, the first ones were not counted, and a trainer that
+    started over from step 0 was seen to go past the step it was handed. Those seen only at home (written and pruned
+    between two looks, or after the instance was gone) are its own when written from then to the next attempt's."""
+    end = float("inf") if next_running_at is None else next_running_at
+    found = {c.name: c for c in home
+             if c.created_at is not None and watch.running_at <= c.created_at < end}
+    found.update({c.name: c for c in watch.checkpoints.values() if c != pushed})
+    return list(found.values())
 
 
 def _seen(path: Path) -> SeenCheckpoint | None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.rehearse import AttemptWatch, SeenCheckpoint, written_by
+
 REPO = Path(__file__).resolve().parent.parent
 SIM_RATE_USD_H = 1.00  # simcloud's H100 spot list price, which a rehearsal always rents
 STEPS, EVERY, STEP_S = 160, 10, 0.1  # about 16 s of training, a checkpoint every second
@@ -213,3 +215,23 @@ def test_a_checkpoint_that_never_came_home_is_reported_as_lost_work_not_as_an_un
     assert not ok
     assert verdict.startswith("loses all work on preemption: step-00000022 did not come home before the reclaim")
     assert "[1]" in verdict and "no checkpoint written after" not in verdict
+
+
+def test_a_trainer_that_started_over_is_caught_however_late_the_daemon_says_it_runs() -> None:
+    # Resumed from step 20, the trainer started over instead: step 10, then 20 again, then 30, on its new instance.
+    # Under load the daemon said the attempt runs (running_at) only after the first two were written. Judged by that
+    # time alone, its first checkpoint was step 30, past the step it was handed: "resumes correctly".
+    pushed = SeenCheckpoint("step-00000020", 20, 50.0)
+    disk = {c.name: c for c in (SeenCheckpoint("step-00000010", 10, 98.5), SeenCheckpoint("step-00000020", 20, 99.0),
+                                SeenCheckpoint("step-00000030", 30, 101.0))}
+    watch = AttemptWatch("j-a2", "i-2", running_at=100.0, resumed_from=pushed.name, checkpoints=disk)
+    home = [pushed, SeenCheckpoint("step-00000030", 30, 101.0)]
+    first = min(written_by(watch, home, None, pushed), key=lambda c: c.created_at or 0.0)
+    assert (first.name, first.step) == ("step-00000010", 10)  # not past 20: it ignored BURST_RESUME_FROM
+
+    # The checkpoint pushed for it to resume from is not its own; one seen only at home counts while it ran.
+    on_its_disk = AttemptWatch("j-a2", "i-2", running_at=100.0, resumed_from=pushed.name,
+                               checkpoints={pushed.name: pushed})
+    later = SeenCheckpoint("step-00000040", 40, 120.0)
+    assert written_by(on_its_disk, [pushed, later], None, pushed) == [later]
+    assert written_by(on_its_disk, [pushed, later], 110.0, pushed) == []  # the next attempt's, not this one's
