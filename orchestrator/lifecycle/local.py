@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import select
 
 from orchestrator import records
 from orchestrator.app import App
@@ -28,6 +28,7 @@ from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import LOCAL_HOURS_OVER, exit_reason, job_after_attempt
 from orchestrator.lifecycle.homes import attempt_run_dir, job_outputs_dir
 from orchestrator.lifecycle.machine import AttemptState, move
+from orchestrator.lifecycle.machine import create as create_attempt
 from orchestrator.lifecycle.schedule import behind, reported, watch_schedule
 from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import (
@@ -116,9 +117,6 @@ class LocalRunner:
     # --- start ------------------------------------------------------------------------------------------------
     def start(self, job: dict[str, Any]) -> bool:
         now = time.time()
-        with self.app.store.engine.connect() as c:
-            n = int(c.execute(select(func.max(s.attempts.c.n)).where(s.attempts.c.job_id == job["id"])).scalar() or 0)
-        attempt_id = f"{job['id']}-a{n + 1}"
         info: dict[str, Any] = {}
         if job["placement"] == "hybrid":
             terms = self._hybrid_terms(job)
@@ -128,15 +126,11 @@ class LocalRunner:
             if self._hand_over_if_due(job, terms, info["switch_at"], now):
                 return False
         with self.app.store.tx() as conn:
-            conn.execute(insert(s.attempts).values(
-                id=attempt_id, job_id=job["id"], n=n + 1, where="local", state=A.INTENT.value, provider="local",
-                instance_type="local", market=None, idempotency_key=None, info=info, created_at=now))
+            att = create_attempt(conn, job["id"], where="local", provider="local", instance_type="local", market=None,
+                                 info=info, created_at=now)
             if not self.app.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.RUNNING.value,
                                              reason="running locally"):
                 raise RuntimeError(f"job {job['id']} changed state while starting")
-        att = {"id": attempt_id, "n": n + 1, "job_id": job["id"], "state": A.INTENT.value, "info": info,
-               "where": "local",
-               "started_at": None, "instance_id": None}
         self._spawn(att, job)
         return True
 

@@ -1,5 +1,6 @@
-"""The attempt state machine, in one place: its states, its transitions, and the one function that moves an
-attempt (compare-and-set in the database, plus an event). The reconciler decides *when*; this says *what may*.
+"""The attempt state machine, in one place: its states, its transitions, the one function that creates an attempt
+(`create`, at `intent`: the cloud's, a spot probe's, a local run's) and the one that moves one (compare-and-set in the
+database). The reconciler decides *when*; this says *what may*.
 
 A cloud attempt:
 
@@ -33,7 +34,7 @@ import time
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, func, insert, select, update
 
 from state import schema as s
 
@@ -81,6 +82,21 @@ TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
 
 class IllegalTransition(RuntimeError):
     pass
+
+
+def create(conn: Connection, job_id: str, *, where: str, provider: str, instance_type: str, market: str | None,
+           info: dict[str, Any], created_at: float, owner: str | None = None) -> dict[str, Any]:
+    """A new attempt of the job, at `intent` (every attempt starts there), numbered after its others in the same
+    transaction, and its row. `owner`: a cloud attempt's, whose idempotency key and instance tags it makes unique
+    to this installation."""
+    n = int(conn.execute(select(func.max(s.attempts.c.n)).where(s.attempts.c.job_id == job_id)).scalar() or 0) + 1
+    attempt_id = f"{job_id}-a{n}"
+    row: dict[str, Any] = {
+        "id": attempt_id, "job_id": job_id, "n": n, "where": where, "state": AttemptState.INTENT.value,
+        "provider": provider, "instance_type": instance_type, "region": None, "market": market,
+        "idempotency_key": f"{owner}-{attempt_id}" if owner else None, "info": info, "created_at": created_at}
+    conn.execute(insert(s.attempts).values(**row))
+    return {**row, "started_at": None, "instance_id": None}
 
 
 def move(conn: Connection, attempt: dict[str, Any], target: AttemptState, **fields: Any) -> bool:

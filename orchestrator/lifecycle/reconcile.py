@@ -33,6 +33,7 @@ from orchestrator.lifecycle.finish import NEVER_CAME_UP, exit_reason, requeued_l
 from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_grace_s, stop_wait_s
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
+from orchestrator.lifecycle.machine import create as create_attempt
 from orchestrator.lifecycle.market_switch import (
     TO_ON_DEMAND,
     TO_SPOT,
@@ -647,17 +648,13 @@ class Reconciler:
                      **info: Any) -> str:
         """Write a cloud attempt's intent (launched by its next step, `_step_intent`) and say so; its id. `info`:
         more of the attempt's info (a successor's `successor_for`)."""
-        n = self._next_attempt_number(job["id"], conn)
-        attempt_id = f"{job['id']}-a{n}"
         placed = {"region_order": list(regions)} if regions else {}
-        conn.execute(insert(s.attempts).values(
-            id=attempt_id, job_id=job["id"], n=n, where="cloud", state=A.INTENT.value, provider=provider_name,
-            instance_type=offer.instance_type, region=None, market=market.value,
-            idempotency_key=f"{self.owner}-{attempt_id}",
+        attempt_id = create_attempt(
+            conn, job["id"], where="cloud", provider=provider_name, instance_type=offer.instance_type,
+            market=market.value, owner=self.owner, created_at=now,
             info={"rate_usd_h": rate, "billing_minimum_s": offer.billing_minimum_s, "launch_tried": False,
                   "gpu": offer.gpu_model, **({"market_policy": market_facts} if market_facts else {}), **placed,
-                  **info},
-            created_at=now))
+                  **info})["id"]
         self.app.events.emit("attempt.intent", job_id=job["id"], attempt_id=attempt_id, conn=conn,
                              provider=provider_name, instance_type=offer.instance_type, market=market.value,
                              rate_usd_h=rate,
@@ -754,13 +751,6 @@ class Reconciler:
                 break
             out.append(r)
         return out
-
-    def _next_attempt_number(self, job_id: str, conn: Connection | None = None) -> int:
-        query = select(func.max(s.attempts.c.n)).where(s.attempts.c.job_id == job_id)
-        if conn is not None:
-            return int(conn.execute(query).scalar() or 0) + 1
-        with self.store.engine.connect() as c:
-            return int(c.execute(query).scalar() or 0) + 1
 
     def _run_here_meanwhile(self, job: dict[str, Any]) -> None:
         """Local-only (revert-local): a cloud job that fits locally runs here, late if need be, as revert-local

@@ -35,11 +35,12 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import select
 
 from orchestrator.lifecycle.finish import probe_interval_s
 from orchestrator.lifecycle.handover import no_room, wait_or_take_over
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, move
+from orchestrator.lifecycle.machine import create as create_attempt
 from providers.base import LAUNCH_REFUSALS, LaunchRequest, Market, OwnerTags, Provider, ProviderError, category
 from state import schema as s
 
@@ -76,19 +77,16 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
         rec.emit("attempt.spot_probe", job_id=job["id"], attempt_id=att["id"], probe_for=att["id"], result="deferred",
                  reason=why_not, next_probe_s=round(wait_s, 1))
         return None
-    n = rec._next_attempt_number(job["id"])
-    probe_id = f"{job['id']}-a{n}"
-    row = {"id": probe_id, "job_id": job["id"], "n": n, "where": "cloud", "state": A.INTENT.value,
-           "provider": att["provider"], "instance_type": att["instance_type"], "region": None,
-           "market": Market.SPOT.value, "idempotency_key": f"{rec.owner}-{probe_id}", "created_at": now,
-           "info": {"probe_for": att["id"], "rate_usd_h": rate, "billing_minimum_s": minimum, "launch_tried": True,
-                    "failure_counted": False, "gpu": att["info"].get("gpu"), "market_policy": facts}}
     with rec.store.tx() as conn:
-        conn.execute(insert(s.attempts).values(**row))
-    probe = {**row, "started_at": None, "instance_id": None}
+        probe = create_attempt(
+            conn, job["id"], where="cloud", provider=att["provider"], instance_type=att["instance_type"],
+            market=Market.SPOT.value, owner=rec.owner, created_at=now,
+            info={"probe_for": att["id"], "rate_usd_h": rate, "billing_minimum_s": minimum, "launch_tried": True,
+                  "failure_counted": False, "gpu": att["info"].get("gpu"), "market_policy": facts})
+    probe_id = probe["id"]
     request = LaunchRequest(instance_type=att["instance_type"], market=Market.SPOT,
                             tags=OwnerTags(rec.owner, job["id"], probe_id),
-                            idempotency_key=row["idempotency_key"], ssh_public_key=rec.cloud_steps.public_key)
+                            idempotency_key=probe["idempotency_key"], ssh_public_key=rec.cloud_steps.public_key)
     said = {"job_id": job["id"], "attempt_id": probe_id, "probe_for": att["id"]}
     try:
         inst = provider.launch(request)
