@@ -166,7 +166,7 @@ def test_a_stopping_reconciler_ends_the_transfers_its_syncs_still_run(tmp_path: 
     pidfile = tmp_path / "child.pid"
     app = App(state_dir_override=str(tmp_path / "state"))
     rec = Reconciler(app, {}, cloud=None)
-    rec.syncs.start("a1", lambda: run_transfer(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]).returncode)
+    rec.syncs.pool.start("a1", lambda: run_transfer(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]).returncode)
     deadline = time.monotonic() + 10
     while not pidfile.exists() or not pidfile.read_text().strip():
         assert time.monotonic() < deadline
@@ -202,8 +202,8 @@ def test_a_daemon_that_loses_its_database_lock_ends_its_transfers_and_writes_not
     app = App(state_dir_override=str(tmp_path / "state"))
 
     def tick(self: Reconciler) -> None:
-        if not self.syncs.busy("a1"):
-            self.syncs.start("a1", lambda: run_transfer(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]))
+        if not self.syncs.pool.busy("a1"):
+            self.syncs.pool.start("a1", lambda: run_transfer(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]))
 
     def still_holds(lease: object) -> bool:  # until the transfer runs
         return not (pidfile.exists() and pidfile.read_text().strip())

@@ -14,7 +14,7 @@ from sqlalchemy import insert, select, update
 
 from orchestrator.app import App
 from orchestrator.core.budget import month_key
-from orchestrator.lifecycle import checkpoints, handover, reconcile, revert
+from orchestrator.lifecycle import attempt_syncs, checkpoints, handover, reconcile, revert
 from orchestrator.lifecycle.background_sync import SyncDone
 from orchestrator.lifecycle.cloud_steps import CloudSteps
 from orchestrator.lifecycle.finish import REQUEUED_LOCAL, job_after_attempt
@@ -71,16 +71,16 @@ def test_a_pull_that_fails_because_another_process_wound_the_attempt_down_is_not
     rec = Reconciler(app, {}, cloud=None)
     job = app.store.get_job(job_id)
     seen_running = {"id": f"{job_id}-a1", "state": "running", "info": {}}
-    rec._pull_failed(seen_running, job, {}, EOFError("no SSH session"))
+    rec.syncs.pull_failed(seen_running, job, {}, EOFError("no SSH session"))
     assert not [e for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.sync_failed"]
-    rec._pull_failed({**seen_running, "state": "stopping"}, job, {}, EOFError("no SSH session"))
+    rec.syncs.pull_failed({**seen_running, "state": "stopping"}, job, {}, EOFError("no SSH session"))
     assert [e["type"] for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.sync_failed"] == [
         "checkpoint.sync_failed"]
     # The same for the logs' and outputs' pulls, which the demo's revert-local said had failed every time.
     for event in ("attempt.logs_pull_failed", "attempt.outputs_pull_failed"):
-        rec._said_once(seen_running, job, {}, "error", event, EOFError("no SSH session"))
+        rec.syncs.said_once(seen_running, job, {}, "error", event, EOFError("no SSH session"))
         assert not [e for e in app.store.events(job_id=job_id) if e["type"] == event]
-        rec._said_once({**seen_running, "state": "stopping"}, job, {}, "error", event, EOFError("no SSH session"))
+        rec.syncs.said_once({**seen_running, "state": "stopping"}, job, {}, "error", event, EOFError("no SSH session"))
         assert len([e for e in app.store.events(job_id=job_id) if e["type"] == event]) == 1
     app.close()
 
@@ -1005,7 +1005,7 @@ def test_a_checkpoint_a_sync_brought_home_but_never_wrote_down_is_the_jobs_at_th
     att = {"id": f"{job_id}-a1", "job_id": job_id, "state": "running", "info": {}}
     info: dict[str, Any] = {}
     nothing_new = SyncDone(at=time.time(), pulled=PulledCheckpoints([], TransferStats("rsync"), {}), logs=True)
-    assert rec._synced(att, job, info, nothing_new)
+    assert rec.syncs.write_down(att, job, info, nothing_new)
     assert app.store.get_job(job_id)["checkpoint"] == "step-00000020"
     app.close()
 
@@ -1029,18 +1029,18 @@ def test_a_sync_beside_the_tick_that_failed_is_on_record_though_the_pull_right_a
     job_id, att_id = _running_in_the_cloud(app, tmp_path, "killed-sync")
     rec = Reconciler(app, {}, cloud=None)
     killed = SyncDone(at=time.time(), error=RuntimeError("rsync was killed by signal 9 while pulling step-00000040"))
-    monkeypatch.setattr(rec.syncs, "take", lambda attempt_id, wait=False: killed if attempt_id == att_id else None)
+    monkeypatch.setattr(rec.syncs.pool, "take", lambda attempt_id, wait=False: killed if attempt_id == att_id else None)
     write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000040", {"w.bin": b"4"})
     home = PulledCheckpoints([checkpoints.store_dir(app.config, job_id) / "step-00000040"], TransferStats("rsync"), {})
-    monkeypatch.setattr(rec, "_sync_io", lambda *args, **kwargs: SyncDone(at=time.time(), pulled=home))
+    monkeypatch.setattr(rec.syncs, "transfers", lambda *args, **kwargs: SyncDone(at=time.time(), pulled=home))
     att = {"id": att_id, "job_id": job_id, "state": "running", "info": {}, "provider": "sim", "instance_type": "gpu"}
     info: dict[str, Any] = {}
-    assert rec._pull(att, app.store.get_job(job_id), info)
+    assert rec.syncs.pull_now(att, app.store.get_job(job_id), info)
     (failed,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.sync_failed"]
     assert "killed by signal 9" in failed["data"]["error"]
     after = app.store.get_job(job_id)
     assert after["checkpoint"] == "step-00000040" and "sync_error" not in info
-    assert not (after["reason"] or "").startswith(reconcile.SYNC_FAILING)
+    assert not (after["reason"] or "").startswith(attempt_syncs.SYNC_FAILING)
     app.close()
 
 
@@ -1063,30 +1063,30 @@ def test_a_run_s_last_sync_runs_beside_the_tick_and_is_taken_by_its_own_step(
         write_checkpoint(store, name, {"w.bin": name.encode()})
         return SyncDone(at=time.time(), pulled=PulledCheckpoints([store / name], TransferStats("rsync"), {}))
 
-    monkeypatch.setattr(rec, "_sync_beside", sync_beside)
+    monkeypatch.setattr(rec.syncs, "beside", sync_beside)
     job = app.store.get_job(job_id)
     att = {"id": att_id, "job_id": job_id, "state": "running", "info": {}, "provider": "sim", "instance_type": "gpu"}
-    rec.syncs.start(att_id, lambda: sync_beside(att, job))  # a periodic pull, under way as the run ends
+    rec.syncs.pool.start(att_id, lambda: sync_beside(att, job))  # a periodic pull, under way as the run ends
     info: dict[str, Any] = {}
     started = time.monotonic()
-    assert not rec._final_sync(att, job, info)  # the periodic one has not finished: nothing waited for
+    assert not rec.syncs.final(att, job, info)  # the periodic one has not finished: nothing waited for
     gates["step-00000030"].set()
     deadline = time.monotonic() + 10
-    while not rec.syncs.finished():
+    while not rec.syncs.pool.finished():
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert not rec._final_sync(att, job, info)  # the periodic one is written down; the last one is under way
+    assert not rec.syncs.final(att, job, info)  # the periodic one is written down; the last one is under way
     assert app.store.get_job(job_id)["checkpoint"] == "step-00000030" and finals == [False, True]
     assert time.monotonic() - started < 5  # no step waited for a pull
     gates["step-00000040"].set()
-    while not rec.syncs.finished():
+    while not rec.syncs.pool.finished():
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    rec._collect_syncs()  # the start of the next tick leaves it to the attempt's own step
-    assert rec.syncs.busy(att_id)
-    assert rec._final_sync(att, job, info)
-    assert app.store.get_job(job_id)["checkpoint"] == "step-00000040" and not rec.syncs.busy(att_id)
-    rec.syncs.close()
+    rec.syncs.collect()  # the start of the next tick leaves it to the attempt's own step
+    assert rec.syncs.pool.busy(att_id)
+    assert rec.syncs.final(att, job, info)
+    assert app.store.get_job(job_id)["checkpoint"] == "step-00000040" and not rec.syncs.pool.busy(att_id)
+    rec.syncs.pool.close()
     app.close()
 
 
@@ -1284,7 +1284,7 @@ class _Reclaimed(_Stoppable):
 
 def _until_a_sync_finished(rec: Reconciler) -> None:
     deadline = time.monotonic() + 10
-    while not rec.syncs.finished():
+    while not rec.syncs.pool.finished():
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
@@ -1310,17 +1310,17 @@ def test_a_stop_brings_the_last_checkpoint_home_beside_the_tick_then_ends_the_at
     cloud = _Stoppable()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
-    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
 
     for _ in range(3):
         started = time.monotonic()
         rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "budget-cap")  # type: ignore[arg-type]
         assert time.monotonic() - started < 5.0, "the tick is not held up by the pull"
     assert attempt()["state"] == "running" and not cloud.terminated
-    rec._collect_syncs()  # the start of a tick leaves the stop's sync to the attempt's own step
+    rec.syncs.collect()  # the start of a tick leaves the stop's sync to the attempt's own step
     pulled.set()
     _until_a_sync_finished(rec)
-    rec._collect_syncs()
+    rec.syncs.collect()
     rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "budget-cap")  # type: ignore[arg-type]
     assert attempt()["state"] == "aborted" and cloud.terminated == ["i-1"]
     assert app.store.get_job(job_id)["checkpoint"] == "step-00000050"
@@ -1349,7 +1349,7 @@ def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_bes
     pulled = threading.Event()
     pulls: list[float] = []
     beside = _last_checkpoint_beside(rec, app, lambda: pulled.wait(10))
-    monkeypatch.setattr(rec, "_sync_beside", lambda *a, **k: pulls.append(time.monotonic()) or beside(*a, **k))
+    monkeypatch.setattr(rec.syncs, "beside", lambda *a, **k: pulls.append(time.monotonic()) or beside(*a, **k))
     launched: list[float] = []
     monkeypatch.setattr(reconcile, "launch_successor",
                         lambda rec, att, job, now: launched.append(time.monotonic()) or False)
@@ -1364,7 +1364,7 @@ def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_bes
     assert "notice_seen_at" in attempt()["info"]
     pulled.set()
     _until_a_sync_finished(rec)
-    rec._collect_syncs()
+    rec.syncs.collect()
     job = app.store.get_job(job_id)
     assert job["checkpoint"] == "step-00000050"
     assert job["reason"] == ("spot interruption notice: sim reclaims the instance at 2026-12-04T03:00:00Z; its newest "
@@ -1389,16 +1389,16 @@ def test_a_run_found_finished_by_a_stop_brings_its_end_home_beside_the_tick_then
     cloud = Completed()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
-    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
     for _ in range(2):
         started = time.monotonic()
         rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "revert-local")  # type: ignore[arg-type]
         assert time.monotonic() - started < 5.0, "the tick is not held up by the pull"
-        rec._collect_syncs()  # the start of a tick leaves a finishing attempt's last sync to its own step
+        rec.syncs.collect()  # the start of a tick leaves a finishing attempt's last sync to its own step
     assert attempt()["state"] == "finishing" and not cloud.terminated
     pulled.set()
     _until_a_sync_finished(rec)
-    rec._collect_syncs()
+    rec.syncs.collect()
     rec.wind_down(attempt(), app.store.get_job(job_id), cloud, "revert-local")  # type: ignore[arg-type]
     assert attempt()["state"] == "succeeded" and cloud.terminated == ["i-1"]
     job = app.store.get_job(job_id)
@@ -1418,13 +1418,13 @@ def test_a_loss_waits_for_the_sync_under_way_so_what_it_brings_home_is_not_lost_
     cloud = _Reclaimed()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
-    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
-    rec._sync_now(attempt(), app.store.get_job(job_id), {}, urgent=True)
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    rec.syncs.sync(attempt(), app.store.get_job(job_id), {}, urgent=True)
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     assert attempt()["state"] == "running" and "loss_seen_at" in attempt()["info"]
     pulled.set()
     _until_a_sync_finished(rec)
-    rec._collect_syncs()
+    rec.syncs.collect()
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     assert attempt()["state"] == "preempted"
     (preempted,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "instance.preempted"]
@@ -1445,8 +1445,8 @@ def test_a_pull_that_ends_after_the_loss_was_written_down_corrects_the_work_coun
     cloud = _Reclaimed()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud, clock=lambda: now[0])  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
-    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
-    rec._sync_now(attempt(), app.store.get_job(job_id), {}, urgent=True)
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    rec.syncs.sync(attempt(), app.store.get_job(job_id), {}, urgent=True)
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     now[0] += app.config.daemon.heartbeat_timeout_s + 1  # the pull outlasts the loss's wait
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
@@ -1454,7 +1454,7 @@ def test_a_pull_that_ends_after_the_loss_was_written_down_corrects_the_work_coun
 
     pulled.set()
     _until_a_sync_finished(rec)
-    rec._collect_syncs()
+    rec.syncs.collect()
     assert attempt()["lost_work_h"] < 0.01 and app.store.get_job(job_id)["checkpoint"] == "step-00000050"
     (corrected,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "attempt.lost_work_corrected"]
     assert corrected["data"]["counted_before"] == pytest.approx(1.0, abs=0.01)
@@ -1472,7 +1472,7 @@ def test_a_run_lost_on_an_instance_still_there_brings_what_it_wrote_home_before_
     cloud = _Stoppable()  # its trainer says it was terminated, not by burstctl
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
-    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     assert attempt()["state"] == "running" and cloud.terminated == []  # its last pull under way
     pulled.set()
@@ -1502,10 +1502,10 @@ def test_work_since_a_checkpoint_counts_from_when_the_trainer_wrote_it_not_from_
 
     cloud = _Reclaimed()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
-    monkeypatch.setattr(rec, "_sync_beside", sync_beside)
-    rec._sync_now(attempt(), app.store.get_job(job_id), {})
+    monkeypatch.setattr(rec.syncs, "beside", sync_beside)
+    rec.syncs.sync(attempt(), app.store.get_job(job_id), {})
     _until_a_sync_finished(rec)
-    rec._collect_syncs()
+    rec.syncs.collect()
     assert attempt()["info"]["last_checkpoint_at"] == pytest.approx(written)
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     (preempted,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "instance.preempted"]
@@ -1549,16 +1549,16 @@ def test_a_loss_that_heals_during_its_last_pull_leaves_that_pull_as_a_periodic_s
     cloud = Flaky()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
-    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
-    assert "loss_seen_at" in attempt()["info"] and rec.syncs.busy(f"{job_id}-a1")  # the loss's pull under way
+    assert "loss_seen_at" in attempt()["info"] and rec.syncs.pool.busy(f"{job_id}-a1")  # the loss's pull under way
     answers.append({"supervisor_alive": True, "heartbeat": {"ts": time.time()}})
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     assert attempt()["state"] == "running" and "loss_seen_at" not in attempt()["info"]
     pulled.set()
     _until_a_sync_finished(rec)
-    rec._collect_syncs()  # written down as any periodic sync: the run goes on
-    assert not rec.syncs.busy(f"{job_id}-a1") and app.store.get_job(job_id)["checkpoint"] == "step-00000050"
+    rec.syncs.collect()  # written down as any periodic sync: the run goes on
+    assert not rec.syncs.pool.busy(f"{job_id}-a1") and app.store.get_job(job_id)["checkpoint"] == "step-00000050"
     rec.close()
     app.close()
 
@@ -1601,12 +1601,12 @@ def test_a_stop_s_last_sync_does_not_stand_for_the_end_of_a_run_that_finished_me
                         outputs=["runs/events.out"] if outputs else None)
 
     release = threading.Event()
-    monkeypatch.setattr(rec, "_sync_beside", lambda *a, **k: release.wait(10) and sync_beside(*a, **k))
+    monkeypatch.setattr(rec.syncs, "beside", lambda *a, **k: release.wait(10) and sync_beside(*a, **k))
     job, info = app.store.get_job(job_id), {}
-    assert not rec._final_sync(attempt(), job, info, outputs=False)  # the stop's, under way
+    assert not rec.syncs.final(attempt(), job, info, outputs=False)  # the stop's, under way
     release.set()
     deadline = time.monotonic() + 10
-    while not rec._final_sync(attempt(), job, info, outputs=True):  # the run's end: one more, with the outputs
+    while not rec.syncs.final(attempt(), job, info, outputs=True):  # the run's end: one more, with the outputs
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert asked == [False, True] and info["final_outputs"] == ["runs/events.out"]
@@ -1632,7 +1632,7 @@ def test_revert_local_brings_every_stopped_run_s_last_checkpoint_home_side_by_si
     cloud = _Stoppable()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     both = threading.Barrier(2)
-    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: both.wait(10)))
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: both.wait(10)))
 
     report = revert.revert_local(app, rec, timeout_s=30)
     rec.close(wait_s=0)
@@ -1650,7 +1650,7 @@ def test_revert_local_lets_a_last_pull_under_way_at_its_timeout_finish_before_th
     job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
     cloud = _Stoppable()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
-    monkeypatch.setattr(rec, "_sync_beside", _last_checkpoint_beside(rec, app, lambda: time.sleep(3)))
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: time.sleep(3)))
     report = revert.revert_local(app, rec, timeout_s=1)
     rec.close(wait_s=0)
     (row,) = report.rows
@@ -1665,7 +1665,7 @@ def _revert_beside_a_ticking_daemon(app: App, shell: Reconciler, daemon: _Stoppa
     """revert-local run by `shell` while a daemon on `daemon`'s cloud ticks in a thread (its last pulls bring step
     50 home), as the daemon process beside the CLI would."""
     ticking = Reconciler(app, {"sim": daemon}, cloud=daemon)  # type: ignore[dict-item, arg-type]
-    monkeypatch.setattr(ticking, "_sync_beside", _last_checkpoint_beside(ticking, app, lambda: None))
+    monkeypatch.setattr(ticking.syncs, "beside", _last_checkpoint_beside(ticking, app, lambda: None))
     stop = threading.Event()
 
     def ticks() -> None:
@@ -1735,7 +1735,7 @@ def test_beside_a_daemon_that_has_the_keys_revert_local_from_a_keyless_shell_rep
     app.store.set_setting("cloud_health", {})
     mine = _Stoppable()
     here = Reconciler(app, {"sim": mine}, cloud=mine)  # type: ignore[dict-item, arg-type]
-    monkeypatch.setattr(here, "_sync_beside", _last_checkpoint_beside(here, app, lambda: None))
+    monkeypatch.setattr(here.syncs, "beside", _last_checkpoint_beside(here, app, lambda: None))
     again = revert.revert_local(app, here, timeout_s=30, daemon_running=True)
     assert mine.terminated == ["i-2"] and attempt2()["state"] == "aborted" and again.daemon_winding_down == []
     here.close(wait_s=0)

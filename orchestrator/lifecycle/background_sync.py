@@ -9,7 +9,7 @@ to the database is written by the tick's thread.
 What is in flight is held only here, in memory, and a daemon that stops loses nothing by it: a checkpoint becomes
 visible only once verified (a pull cut short leaves a staging directory that the next pull resumes), and a restarted
 daemon syncs each running attempt again at once. A run that has ended, or has been stopped, has its last sync here
-too, taken by its own step once finished (`Reconciler._final_sync`); a spot notice starts one at once and another
+too, taken by its own step once finished (`AttemptSyncs.final`); a spot notice starts one at once and another
 each tick until the reclaim; those run at once, on threads of their own, never in line behind periodic ones. The
 one step that still pulls inside the tick (a preemption whose checkpoints outlive the instance, in S3) first takes
 the attempt's sync: one still queued is cancelled (the step pulls now itself), one under way is waited for, so that
@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class SyncDone:
-    """What one sync's transfers did (`Reconciler._sync_io`), for the tick to write down (`Reconciler._synced`)."""
+    """What one sync's transfers did (`AttemptSyncs.transfers`), for the tick to write down (`write_down`)."""
 
     at: float  # when it ended, on the reconciler's clock
     error: Exception | None = None  # the checkpoint pull failed (outputs were then not tried)

@@ -28,9 +28,8 @@ from orchestrator.core.sizing import gb_and_gib
 from orchestrator.errors import format_validation_error
 from orchestrator.jobspec import JobSpec, ModelSpec
 from orchestrator.lifecycle import checkpoints, passenv
-from orchestrator.lifecycle.background_sync import BackgroundSyncs, SyncDone
+from orchestrator.lifecycle.attempt_syncs import CLOSE_WAIT_S, AttemptSyncs, notice_reason
 from orchestrator.lifecycle.finish import NEVER_CAME_UP, exit_reason, requeued_local_reason
-from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_grace_s, stop_wait_s
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
 from orchestrator.lifecycle.machine import create as create_attempt
@@ -51,8 +50,7 @@ from orchestrator.lifecycle.states import JobState, awaits_approval
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
 from orchestrator.queue import headline, local_hours, local_time, record_offers_seen, setup_key, throughput_key
 from orchestrator.records import supersede, superseded
-from orchestrator.remote.ssh import HostKeyMismatch, SharedConnection
-from orchestrator.remote.sync import stop_transfers
+from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
     LAUNCH_REFUSALS,
     InstanceInfo,
@@ -66,7 +64,6 @@ from providers.base import (
     ProviderError,
     category,
 )
-from runbooks import burst_checkpoint, job_outputs
 from state import schema as s
 from state.schema import planned_rented_usd
 
@@ -83,12 +80,10 @@ MAX_STEPS_PER_TICK = 4  # intent → provisioning → bootstrapping → running 
 LACKING_ENV_FORGET_S = 60.0  # how long a job lacking its pass_env is left out of the candidates before a new look
 LACKING_ENV_KEPT = 2000  # at most this many left out (each is a row more that the candidates' query reads)
 BOOT_WAIT_S, BOOT_POLL_S, BOOT_WAIT_WINDOW_S = 1.0, 0.2, 15.0  # brief in-tick polling of a just-launched instance
-SYNC_FAILING = "checkpoints are not coming home (the instance is kept and the pull retried)"  # a job's reason
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
 CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
 LOSS_PULL_MAX_S = 1800.0  # a lost run's last pull from an instance still there, at most (stalls end it sooner)
 NOTICE_SYNCS_S = 300.0  # after a spot notice, a sync each tick for this long (EC2 reclaims in 120 s, GCP in 30 s)
-CLOSE_WAIT_S = 30.0  # how long a stopping daemon waits for the syncs under way (systemd's stop timeout is 60 s)
 
 
 def chaos_point(name: str) -> None:
@@ -165,15 +160,12 @@ class Reconciler:
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
         self.unavailable: dict[str, str] = {}  # enabled providers that cannot be used → why (`build_reconciler`)
         self.tick_s = self.cfg.daemon.tick_s  # the daemon's (`daemon --tick` sets it apart from the config's)
-        self.syncs: BackgroundSyncs[SyncDone] = BackgroundSyncs(self.cfg.daemon.sync_workers)
+        self.syncs = AttemptSyncs(app, lambda: self.cloud_steps, clock, self._measure)
         # Jobs whose pass_env this process cannot give (`_lacks_passed_env`), left out of the candidates a tick
         # reads: any number of them, due first, then hides no job that can start. The process's environment is its
         # own for life, but `retry --reread` may change a job's pass_env: forgotten every LACKING_ENV_FORGET_S.
         self._lacking_env: set[str] = set()
         self._lacking_env_since = 0.0
-        # Attempts whose run has ended and whose last sync runs beside the tick (`_final_sync`): taken by their own
-        # step, not by `_collect_syncs`. In memory only: a restarted daemon starts each one again.
-        self._final_syncs: dict[str, bool] = {}  # → whether it brings the outputs whatever came
 
     @property
     def cloud_steps(self) -> CloudSteps:
@@ -186,38 +178,20 @@ class Reconciler:
         """Take over from the reconciler this one replaces (a config reload): when each heartbeat last moved, and
         the syncs in flight."""
         self._heartbeats = before._heartbeats
-        self._final_syncs = before._final_syncs
-        if self.syncs.workers == before.syncs.workers:
-            self.syncs = before.syncs
-        else:
-            self.syncs.adopt(before.syncs)
+        self.syncs.carry_over(before.syncs)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
-        """Once the ticks are over (the daemon stops, revert-local is done): wait for the syncs in flight and write
-        down what they did, so that a checkpoint one brought home is the job's before the process exits. Not for
-        longer than `wait_s` (a service manager kills a daemon slow to stop): a pull still under way then is cut
-        short, and the next pull resumes it."""
-        self.syncs.wait_all(timeout_s=wait_s)
-        self._collect_syncs()
-        # The rsyncs still running are ended, not left to outlive the daemon (their threads then end too); what
-        # they did is not written down: a failure made by stopping them is not one.
-        stop_transfers()
-        self.syncs.close()
+        """Once the ticks are over (the daemon stops, revert-local is done): the syncs in flight, waited for and
+        written down (`AttemptSyncs.close`)."""
+        self.syncs.close(wait_s)
 
     def abandon(self) -> None:
-        """Once the ticks are over and nothing may be written down (the daemon lost its database lock: another may
-        own the state): the syncs still in line are dropped, and every transfer those under way run is ended until
-        they have (a sync whose checkpoint pull is ended goes on to its outputs' and logs'), so that no rsync of
-        this process writes on into the staging directories the next daemon's pulls use."""
-        until = time.monotonic() + CLOSE_WAIT_S
-        while not self.syncs.wait_all(timeout_s=0.2) and time.monotonic() < until:
-            stop_transfers()
-        stop_transfers()
-        self.syncs.close()
+        """Once the ticks are over and nothing may be written down (`AttemptSyncs.abandon`)."""
+        self.syncs.abandon()
 
     # --- the tick -----------------------------------------------------------------------------------------
     def tick(self) -> None:
-        self._collect_syncs()
+        self.syncs.collect()
         with self.store.tx() as conn:
             attempts = active_attempts(conn)
         jobs = {j["id"]: j for j in self._jobs_of(attempts)}
@@ -1142,7 +1116,7 @@ class Reconciler:
             info["setup_s"] = setup_s
             with self.store.tx() as conn:  # the job name's: `queue.setup_estimate` adds it to the job's t_ovh
                 self._measure(conn, att, "setup_s", float(setup_s), key=setup_key(job["name"]))
-        self._watch_s3_uploads(att, job, info, (ex or {}).get("s3") or status.get("s3"), exited=ex is not None)
+        self.syncs.watch_s3_uploads(att, job, info, (ex or {}).get("s3") or status.get("s3"), exited=ex is not None)
         # Staleness is how long, on this process's monotonic clock, the instance's heartbeat has not changed:
         # comparing its timestamp with the wall clock calls a healthy run lost when either clock jumps. A
         # restarted daemon watches for a full timeout again.
@@ -1152,7 +1126,7 @@ class Reconciler:
             seen = self._heartbeats[att["id"]] = (hb.get("ts"), mono)
         if hb.get("notice") and "notice_seen_at" not in info:
             info["notice_seen_at"] = now
-            self._sync_now(att, job, info, urgent=True)  # first: the newest checkpoint is what the reclaim would take
+            self.syncs.sync(att, job, info, urgent=True)  # first: the newest checkpoint is what the reclaim would take
             self._on_notice(att, job, info, hb["notice"], now)
         if ex is None and hb and mono - seen[1] > self.cfg.daemon.heartbeat_timeout_s:
             self._lost(att, job, provider, inst, "heartbeat lost (stale)")
@@ -1161,7 +1135,7 @@ class Reconciler:
             # Healthy again after a loss seen: a later one waits for its pull afresh, and the loss's own pull, if
             # one ran, is taken as a periodic sync (held as a last one, it blocked every sync after it).
             info.pop("loss_synced", None)
-            self._final_syncs.pop(att["id"], None)
+            self.syncs.forget_final(att["id"])
         interval = float(job["spec"]["checkpoint"]["interval_minutes"]) * 60.0
         sync_every = min(interval, max(self.cfg.daemon.tick_s, interval / 2))
         noticed = 0 <= now - info.get("notice_seen_at", -math.inf) < NOTICE_SYNCS_S
@@ -1169,9 +1143,9 @@ class Reconciler:
             sync_every = 0.0  # until the reclaim: whatever the trainer writes comes home as soon as it is there
         since_sync = now - info.get("last_sync_at", 0)
         if ex is None and (since_sync >= sync_every or since_sync < 0):  # < 0: the clock went back
-            self._sync_now(att, job, info, urgent=noticed)
+            self.syncs.sync(att, job, info, urgent=noticed)
         if ex is not None:
-            if not self._final_sync(att, job, info):  # its last sync first, beside the tick: what follows ends it
+            if not self.syncs.final(att, job, info):  # its last sync first, beside the tick: what follows ends it
                 with self.store.tx() as conn:
                     self.store.set_attempt_info(att["id"], info, conn)
                 return
@@ -1219,298 +1193,6 @@ class Reconciler:
             return None
         return attempt_should_move(self.app, job, att["provider"], offer, Market(att["market"]), now)
 
-    def _sync_now(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], *,
-                  urgent: bool = False) -> None:
-        """Start a sync of the running attempt beside the tick, unless one is under way. `urgent` (after a notice):
-        at once, on a thread of its own, not in line behind other attempts' syncs (`BackgroundSyncs.start`)."""
-        if self.syncs.free_for_urgent(att["id"]) if urgent else not self.syncs.busy(att["id"]):
-            snapshot = {**att, "info": dict(info)}
-            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job), urgent=urgent)
-
-    def _watch_s3_uploads(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
-                          s3: dict[str, Any] | None, *, exited: bool) -> None:
-        """An instance that cannot upload to S3 (twice in a row, or for its last checkpoint) sends this attempt's
-        checkpoints home over SSH instead, said once."""
-        if not s3 or not s3.get("error") or info.get("s3_unavailable"):
-            return
-        if exited or int(s3.get("failures", 0)) >= 2:
-            info["s3_unavailable"] = self.app.redactor(str(s3["error"]))[:300]
-            self.emit("checkpoint.s3_unavailable", job_id=job["id"], attempt_id=att["id"],
-                      error=info["s3_unavailable"], fallback="ssh")
-
-    def _pull(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
-              shared: SharedConnection | None = None) -> bool:
-        """Bring the newest checkpoint home (and the outputs with a new one), now; False when the pull failed
-        (nothing partial is visible). A sync of the attempt's under way beside the tick is waited for first, so that
-        what it brings home is counted. `info` is the attempt's, persisted by the caller. `shared`: the sync's SSH
-        connection, when it has one."""
-        beside = self.syncs.take(att["id"], wait=True)
-        self._final_syncs.pop(att["id"], None)
-        if beside is not None:  # its failure too is on record, though the pull that follows may well succeed
-            self._synced(att, job, info, beside)
-        return self._synced(att, job, info, self._sync_io({**att, "info": info}, job, shared, logs=False))
-
-    def _final_sync(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], *,
-                    outputs: bool = True) -> bool:
-        """The sync that follows a run's end or a stop's last checkpoint (its newest checkpoint, its logs, and its
-        outputs: with `outputs` whatever is there, else with a new checkpoint), on a thread beside the tick like the
-        periodic ones: a multi-GB final checkpoint then holds up no other attempt's heartbeat check, notice or stop.
-        True once it has been done and written down (failed or not: the step after it retries what it must have);
-        False while it, or a periodic sync started before, is under way."""
-        if self.syncs.free_for_urgent(att["id"]):
-            self._final_syncs[att["id"]] = outputs
-            snapshot = {**att, "info": dict(info)}
-            self.syncs.start(att["id"], lambda: self._sync_beside(snapshot, job, outputs=outputs), urgent=True)
-        done = self.syncs.take(att["id"])
-        if done is None:
-            return False  # looked at again next tick
-        self._synced(att, job, info, done)
-        if att["id"] in self._final_syncs:
-            with_outputs = self._final_syncs.pop(att["id"])
-            if outputs and not with_outputs:
-                return self._final_sync(att, job, info, outputs=True)  # a stop's, and the run ended well meanwhile
-            if outputs and not done.pulled:  # with a new checkpoint `_synced` has taken them
-                self._outputs_done(att, job, info, done.outputs)
-            if outputs and isinstance(done.outputs, list):
-                info["final_outputs"] = done.outputs  # the run's outputs as it ended (`_pull_outputs`)
-            return True
-        return self._final_sync(att, job, info, outputs=outputs)  # a periodic one, from before: now the last one
-
-    def _finished_sync(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
-        """A sync of the attempt's that brought a checkpoint home since this tick began, counted before its end (the
-        work it saved is not lost work). One still under way is not waited for: the instance may be gone and its
-        pull hanging (it is written down when it ends, `_collect_syncs`); one that failed is not news at an end."""
-        done = self.syncs.take(att["id"])
-        if done is not None:
-            self._final_syncs.pop(att["id"], None)
-        if done is not None and done.error is None:
-            self._synced(att, job, info, done)
-
-    def _sync_beside(self, att: dict[str, Any], job: dict[str, Any], *, outputs: bool = False) -> SyncDone:
-        """A sync on a thread of `syncs`: transfers only (the tick writes down what they did, `_synced`), on one SSH
-        connection of its own for the checkpoint, the outputs and the logs. `outputs`: the run has ended, and its
-        outputs come too whether or not a new checkpoint did."""
-        try:
-            with self.cloud_steps.shared_ssh(att) as shared:
-                return self._sync_io(att, job, shared, logs=True, outputs=outputs)
-        except Exception as exc:  # opening or closing the connection: a failed pull, said as one
-            return SyncDone(error=exc, at=self.clock())
-
-    def _sync_io(self, att: dict[str, Any], job: dict[str, Any], shared: SharedConnection | None, *,
-                 logs: bool, outputs: bool = False) -> SyncDone:
-        """The transfers of a sync, and nothing else: the newest checkpoint, the outputs with a new one (or with
-        `outputs`, whatever came), and with `logs` the logs. Failures are returned, not raised."""
-        started = time.monotonic()
-        try:
-            new = self.cloud_steps.pull(att, job, shared)
-        except Exception as exc:
-            if shared is not None:
-                shared.drop()
-            # The logs come home all the same: a checkpoint store that fails (S3, a full disk) is no reason to stop.
-            return SyncDone(error=exc, at=self.clock(), logs=self._logs_io(att, job, shared) if logs else None)
-        took = time.monotonic() - started
-        at = self.clock()
-        pulled_outputs = self._outputs_io(att, job, shared) if new or outputs else None
-        return SyncDone(pulled=new, took_s=took, at=at, outputs=pulled_outputs,
-                        logs=self._logs_io(att, job, shared) if logs else None)
-
-    def _synced(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], done: SyncDone) -> bool:
-        """Write down what a sync did (`_sync_io`): its checkpoint home, or its failure; its outputs and logs.
-        `info` is the attempt's, persisted by the caller. False when the checkpoint pull failed."""
-        if done.logs is not None:
-            self._logs_done(att, job, info, done.logs)
-        if done.error is not None:
-            self._pull_failed(att, job, info, done.error)
-            return False
-        info["last_sync_at"] = done.at
-        if info.pop("sync_error", None) is not None:
-            info.pop("sync_failures", None)
-            with self.store.tx() as conn:  # the job's reason as it was, unless something else set one since
-                conn.execute(update(s.jobs).where(s.jobs.c.id == job["id"], s.jobs.c.reason.startswith(SYNC_FAILING))
-                             .values(reason=info.pop("reason_before_sync_error", None), updated_at=time.time()))
-        if done.pulled:
-            info["last_checkpoint_at"] = _written_at(done.pulled[-1], done.at, att.get("started_at"))
-            outputs = self._outputs_done(att, job, info, done.outputs)
-            self._checkpoint_home(att, job, done, outputs, info)
-        else:
-            # Nothing new: the newest checkpoint home is the job's all the same. One that a sync brought home but
-            # never wrote down (the daemon killed in between, or stopped while it was under way) is found here: a
-            # pull does not bring a checkpoint home twice.
-            newest = checkpoints.latest(self.cfg, job["id"], deep=False)
-            if newest is not None and newest.name != job.get("checkpoint"):
-                self.store.update_job(job["id"], checkpoint=newest.name)
-        return True
-
-    def _checkpoint_home(self, att: dict[str, Any], job: dict[str, Any], done: SyncDone,
-                         outputs: list[str] | None, info: dict[str, Any] | None = None) -> None:
-        """A new checkpoint home: the job's, measured and said (in the job's reason too while a notice is)."""
-        assert done.pulled
-        info = att["info"] if info is None else info
-        with self.store.tx() as conn:
-            self.store.update_job(job["id"], conn, checkpoint=done.pulled[-1].name)
-            if info.get("notice") and att["state"] == A.RUNNING.value:
-                self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value,
-                                      reason=_notice_reason(att, info, done.pulled[-1].name))
-            self._measure(conn, att, "sync_s", done.took_s)
-            self.app.events.emit("checkpoint.synced", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                                 checkpoints=[p.name for p in done.pulled], seconds=round(done.took_s, 3),
-                                 via=done.pulled.stats.transport,
-                                 **({} if outputs is None else {"outputs": len(outputs)}))
-
-    def _collect_syncs(self) -> None:
-        """What the syncs beside the last ticks did, written down at the start of this one. One whose attempt has
-        ended meanwhile (its end pulled on its own, or its instance went) counts only for a checkpoint it brought
-        home."""
-        for attempt_id in self.syncs.finished():
-            if attempt_id in self._final_syncs and self._still_ending(attempt_id):
-                continue  # the attempt's own step takes it (`_final_sync`)
-            self._final_syncs.pop(attempt_id, None)
-            done = self.syncs.take(attempt_id)
-            assert done is not None
-            try:
-                self._collect_sync(attempt_id, done)
-            except Exception as exc:  # one attempt's trouble is not every attempt's: the tick goes on
-                self.emit("attempt.error", attempt_id=attempt_id, state=A.RUNNING.value,
-                          error=self.app.redactor(f"writing down a sync: {type(exc).__name__}: {exc}")[:500])
-
-    def _still_ending(self, attempt_id: str) -> bool:
-        """Whether the attempt is still at the step that takes its last sync (running, or finishing)."""
-        with self.store.engine.connect() as c:
-            state = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == attempt_id)).scalar()
-        return state in (A.RUNNING.value, A.FINISHING.value)
-
-    def _collect_sync(self, attempt_id: str, done: SyncDone) -> None:
-        """`_collect_syncs` for one attempt."""
-        with self.store.engine.connect() as c:
-            row = c.execute(select(s.attempts).where(s.attempts.c.id == attempt_id)).mappings().first()
-            job_row = None if row is None else c.execute(
-                select(s.jobs).where(s.jobs.c.id == row["job_id"])).mappings().first()
-        if row is None or job_row is None:
-            return
-        att, job = dict(row), dict(job_row)
-        if att["state"] != A.RUNNING.value:
-            if done.pulled:
-                self._checkpoint_home(att, job, done, None if isinstance(done.outputs, Exception) else done.outputs)
-                self._recount_lost_work(att, job, done)
-            return
-        info = dict(att["info"])
-        self._synced(att, job, info, done)
-        with self.store.tx() as conn:  # unless another process moved it meanwhile
-            conn.execute(update(s.attempts).where(s.attempts.c.id == attempt_id,
-                                                  s.attempts.c.state == A.RUNNING.value).values(info=info))
-
-    def _recount_lost_work(self, att: dict[str, Any], job: dict[str, Any], done: SyncDone) -> None:
-        """A sync that ended after its attempt's loss was written down (the loss waits for it only up to the
-        heartbeat timeout) saved some of the work counted as lost: the attempt's figure is corrected, and said."""
-        counted_to, lost_before = att["info"].get("lost_counted_to"), att.get("lost_work_h")
-        if counted_to is None or lost_before is None or not done.pulled:
-            return
-        written = _written_at(done.pulled[-1], done.at, att["started_at"])
-        lost_h = round(max(0.0, float(counted_to) - written) / 3600.0, 4)
-        if lost_h >= lost_before:
-            return
-        with self.store.tx() as conn:
-            conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(lost_work_h=lost_h))
-            self.app.events.emit("attempt.lost_work_corrected", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                                 lost_work_h=lost_h, counted_before=lost_before, checkpoint=done.pulled[-1].name)
-
-    def _pull_outputs(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
-        """The job's `outputs`, home with the run's last sync (`final_outputs`), written down once it has finished
-        on the instance; False when that sync did not bring them (said once per distinct error; the caller keeps the
-        instance and starts another)."""
-        if not job["spec"].get("outputs") or "outputs" in info:
-            return True
-        names = info.pop("final_outputs", None)
-        if names is None:
-            return False  # the last sync did not bring them (`_outputs_done` said why)
-        info["outputs"] = names
-        # Against everything home, earlier attempts' files too: a pattern one of them matched is not missing.
-        home = job_outputs_dir(self.cfg, job["id"])
-        missing = job_outputs.missing_from(home, job["spec"]["outputs"])
-        self.emit("job.outputs_home", job_id=job["id"], attempt_id=att["id"], files=len(names),
-                  dir=str(home), **({"missing": missing} if missing else {}))
-        return True
-
-    def _outputs_io(self, att: dict[str, Any], job: dict[str, Any], shared: SharedConnection | None
-                    ) -> list[str] | Exception | None:
-        """The job's `outputs` as they are on the instance, home: with each checkpoint that came home (so what an
-        attempt wrote, a TensorBoard events file per run say, is not lost with its instance when it is preempted,
-        and is as of its newest checkpoint), and with a run's last sync. A later attempt's file replaces an earlier
-        one of the same path. The paths, the transfer's failure, or None when the job names no outputs."""
-        if not job["spec"].get("outputs"):
-            return None
-        try:
-            return self.cloud_steps.pull_outputs(att, job, shared)
-        except Exception as exc:
-            if shared is not None:
-                shared.drop()
-            return exc
-
-    def _outputs_done(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
-                      got: list[str] | Exception | None) -> list[str] | None:
-        if isinstance(got, Exception):
-            self._said_once(att, job, info, "outputs_error", "attempt.outputs_pull_failed", got)
-            return None
-        if got is not None:
-            info.pop("outputs_error", None)
-        return got
-
-    def _logs_io(self, att: dict[str, Any], job: dict[str, Any], shared: SharedConnection | None
-                 ) -> Exception | bool:
-        """The attempt's logs home (`CloudSteps.pull_logs`), at each sync and at its end: True, or the failure, which
-        costs only their freshness (said once per distinct error by `_logs_done`, tried again at the next sync)."""
-        try:
-            self.cloud_steps.pull_logs(att, job, shared)
-        except Exception as exc:
-            if shared is not None:
-                shared.drop()
-            return exc
-        return True
-
-    def _logs_done(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], got: Exception | bool) -> None:
-        if isinstance(got, Exception):
-            self._said_once(att, job, info, "logs_error", "attempt.logs_pull_failed", got)
-        else:
-            info.pop("logs_error", None)
-
-    def _moved_on(self, att: dict[str, Any]) -> bool:
-        """The attempt's state is no longer the one this step read: another process moved it meanwhile."""
-        with self.store.engine.connect() as c:
-            now_state = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == att["id"])).scalar()
-        return bool(now_state != att["state"])
-
-    def _said_once(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], key: str, event: str,
-                   exc: Exception) -> None:
-        """A failure that is tried again: `event` once per distinct error (the last one said is `info[key]`). Not
-        said when the attempt moved on meanwhile: revert-local or a cancel, in another process, stopped its instance
-        under the pull, and its own step pulled last."""
-        if self._moved_on(att):
-            return
-        error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:300]
-        if info.get(key) != error:
-            info[key] = error
-            self.emit(event, job_id=job["id"], attempt_id=att["id"], error=error)
-
-    def _pull_failed(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], exc: Exception) -> None:
-        """A failed pull (rsync killed, local disk full, SSH dropped...) keeps the attempt going and is retried at
-        the next sync, not at once: a full disk would be filled and emptied every tick. Its reason is the job's
-        until a pull succeeds; the event is logged once per distinct error, the failures are counted."""
-        if self._moved_on(att):
-            return  # revert-local or a cancel winding it down: its own step pulls last
-        error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:500]
-        same = info.get("sync_error") == error
-        if "sync_error" not in info:
-            info["reason_before_sync_error"] = job["reason"]
-        info["sync_error"] = error
-        info["sync_failures"] = int(info.get("sync_failures", 0)) + 1
-        info["last_sync_at"] = self.clock()
-        with self.store.tx() as conn:
-            self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value,
-                                  reason=f"{SYNC_FAILING}: {error}")
-            if not same:
-                self.app.events.emit("checkpoint.sync_failed", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                                     error=error, failures=info["sync_failures"])
-
     def wind_down(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, reason: str) -> None:
         """Stop an attempt for `reason` (revert-local, the budget, max run time, a kept probe); but a run that has
         already exited 0 is finished instead: its final checkpoint and outputs come home and it succeeds. Stopped,
@@ -1547,20 +1229,20 @@ class Reconciler:
 
     def _step_finishing(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, *,
                         stop_reason: str | None = None) -> None:
-        """Bring the final checkpoint and outputs home (the run's last sync, beside the tick: `_final_sync`; the
+        """Bring the final checkpoint and outputs home (the run's last sync, beside the tick: `AttemptSyncs.final`; the
         running step's, or one of this step's own), then end the attempt as succeeded. Until both are home the
         instance is kept and a last sync started again each tick; with a `stop_reason` it is tried once, then the
         attempt is stopped for it (the job resumes from what is home)."""
         info = dict(att["info"])
         chaos_point("finishing")
         if not info.get("final_synced"):
-            if not self._final_sync(att, job, info):
+            if not self.syncs.final(att, job, info):
                 with self.store.tx() as conn:
                     self.store.set_attempt_info(att["id"], info, conn)
                 return  # looked at again next tick
             info["final_synced"] = True
         what = "its final checkpoint" if "sync_error" in info else None
-        if what is None and not self._pull_outputs(att, job, info):
+        if what is None and not self.syncs.outputs_home(att, job, info):
             what = "its outputs"
         if what is not None:
             info.pop("final_synced")  # the next look starts another last sync
@@ -1616,7 +1298,7 @@ class Reconciler:
         info["notice"]["successor"] = launch_successor(self, att, job, now)  # boots while this one checkpoints
         with self.store.tx() as conn:
             self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value,
-                                  reason=_notice_reason(att, info, home))
+                                  reason=notice_reason(att, info, home))
         if info["notice"]["successor"]:
             self._advance_new_attempt(job["id"])  # launched now, not a tick later: every second of boot counts
 
@@ -1632,23 +1314,24 @@ class Reconciler:
             # last pull of what it wrote since the last sync, beside the tick, before it goes. Bounded by the
             # transfers' own stall timeouts, and by LOSS_PULL_MAX_S for one that trickles.
             since = info.setdefault("loss_seen_at", now)
-            if 0 <= now - since < LOSS_PULL_MAX_S and not self._final_sync(att, job, info, outputs=False):
+            if 0 <= now - since < LOSS_PULL_MAX_S and not self.syncs.final(att, job, info, outputs=False):
                 with self.store.tx() as conn:
                     self.store.set_attempt_info(att["id"], info, conn)
                 return  # looked at again next tick
             info["loss_synced"] = True
-        elif self.syncs.busy(att["id"]) and not self.syncs.finished_for(att["id"]):
+        elif self.syncs.pool.busy(att["id"]) and not self.syncs.pool.finished_for(att["id"]):
             since = info.setdefault("loss_seen_at", now)
             if 0 <= now - since < self.cfg.daemon.heartbeat_timeout_s:
                 with self.store.tx() as conn:
                     self.store.set_attempt_info(att["id"], info, conn)
                 return  # looked at again next tick; a sync still under way then is written down when it ends
-        self._finished_sync(att, job, info)
-        # The trainer's last checkpoint on a notice came home with its run's last sync (`_final_sync`), before this.
-        if self.cloud_steps.checkpoints_outlive_instance({**att, "info": info}, job) and not self.syncs.busy(att["id"]):
+        self.syncs.take_finished(att, job, info)
+        # The trainer's last checkpoint on a notice came home with its last sync (`AttemptSyncs.final`) before this.
+        if (self.cloud_steps.checkpoints_outlive_instance({**att, "info": info}, job)
+                and not self.syncs.pool.busy(att["id"])):
             # What the instance uploaded to S3 is there still. A pull from the gone instance still hanging past the
             # wait is not waited for in the tick: the next attempt starts from S3 in-region all the same.
-            self._pull(att, job, info)
+            self.syncs.pull_now(att, job, info)
         last_ckpt = info.get("last_checkpoint_at") or att["started_at"] or now
         # Up to when the loss was seen, not the end of its last pull. Rounded once, here: the attempt,
         # instance.preempted and job.resuming then say the same figure.
@@ -1671,7 +1354,7 @@ class Reconciler:
         """`seen`: the supervisor's status as read this tick, if it was; a stop asked before this call looks at that
         instead of asking again (one asked now looks afresh, after the SIGTERM). A running attempt's stop ends over
         several ticks, none held up: the trainer's last checkpoint is waited for, then brought home beside the tick
-        (`_final_sync`), then the instance goes."""
+        (`AttemptSyncs.final`), then the instance goes."""
         info = dict(info or att["info"])
         if att["state"] == A.RUNNING.value and outcome is A.ABORTED:
             now = self.clock()
@@ -1692,12 +1375,12 @@ class Reconciler:
             if 0 <= now - float(info["stop_requested_at"]) < stop_wait_s(job["spec"]) and not _run_over(
                     seen[0] if asked_before and seen is not None else self._supervisor_status(att)):
                 return  # it writes its last checkpoint: looked at again next tick, other attempts not held up
-            if not self._final_sync(att, job, info, outputs=False):  # the last checkpoint home, then the instance goes
+            if not self.syncs.final(att, job, info, outputs=False):  # the last checkpoint home, then the instance goes
                 with self.store.tx() as conn:
                     self.store.set_attempt_info(att["id"], info, conn)
                 return
         else:
-            self._finished_sync(att, job, info)
+            self.syncs.take_finished(att, job, info)
         with self.store.tx() as conn:
             moved = move(conn, att, A.TERMINATING, info={**info, "outcome": outcome.value, "stop_reason": reason},
                          reason=reason)
@@ -1752,15 +1435,6 @@ class Reconciler:
                                                    metric=metric, value=float(value)))
 
 
-def _notice_reason(att: dict[str, Any], info: dict[str, Any], home: str | None) -> str:
-    """A noticed attempt's job's reason: the reclaim, the newest checkpoint home, the next instance."""
-    notice = info["notice"]
-    return (f"spot interruption notice: {att['provider']} reclaims the instance"
-            + (f" at {notice['reclaim_at']}" if notice.get("reclaim_at") else "")
-            + f"; its newest checkpoint is coming home ({f'{home} is home' if home else 'none is home yet'})"
-            + ("; its next instance is launching" if notice.get("successor") else "; it resumes elsewhere"))
-
-
 def _run_over(status: dict[str, Any] | None) -> bool:
     """Whether a supervised run has ended, by its supervisor's status (None, it cannot be asked: nothing to wait
     for then)."""
@@ -1777,15 +1451,3 @@ def _room_to_run(job: dict[str, Any], hours: LocalHours) -> bool:
     """Whether a local job may start in the local GPU's hours now: one that cannot checkpoint is never paused when
     they end (its work would be lost), so it starts only when its whole run fits before they do."""
     return job["spec"]["checkpoint"].get("resumable", True) or hours.room_for(_gpu_h(job))
-
-
-def _written_at(checkpoint: Path, pulled_at: float, started_at: float | None) -> float:
-    """When a checkpoint that came home was written: its manifest's time, which the work since counts from (the
-    lost work of a loss, the unsaved hours the spot policy's safety net weighs), not when the pull ended, up to half
-    a checkpoint interval and a pull later. The instance's clock is read within the attempt's run and no later than
-    the pull, so a skewed one can neither move it before the run nor after the pull."""
-    try:
-        created = float(burst_checkpoint.read_manifest(checkpoint).get("created_at") or pulled_at)
-    except (OSError, ValueError, TypeError):
-        return pulled_at
-    return max(min(created, pulled_at), started_at or -math.inf)

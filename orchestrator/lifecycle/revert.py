@@ -249,7 +249,7 @@ OVERTIME_TERMINATE_S = 30.0  # after a last pull let finish past the deadline: i
 def _wind_down(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline: float,
                report: RevertReport) -> list[RevertRow]:
     """Step every active attempt towards its end, together, until all have ended or the deadline: their last
-    checkpoints are written and brought home side by side (the syncs run beside, `Reconciler._final_sync`), not one
+    checkpoints are written and brought home side by side (the syncs run beside, `AttemptSyncs.final`), not one
     attempt's after another's. A last pull under way at the deadline is let finish, and its attempt ended then: cut
     short, its instance would be terminated by the sweep below with the checkpoint half home. A provider that fails
     a step leaves its attempt as it is (unverified)."""
@@ -268,7 +268,7 @@ def _wind_down(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline
         now = time.monotonic()
         for attempt_id, (job, provider) in list(steps.items()):
             if now >= deadline:
-                if rec.syncs.busy(attempt_id):
+                if rec.syncs.pool.busy(attempt_id):
                     overtime[attempt_id] = math.inf  # its last pull under way: let finish
                 elif overtime.get(attempt_id) == math.inf:
                     overtime[attempt_id] = now + OVERTIME_TERMINATE_S  # pulled: now its instance goes
