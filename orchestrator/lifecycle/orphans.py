@@ -10,6 +10,7 @@ before the end of a charge the meter already holds for it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,11 +19,29 @@ from sqlalchemy import Connection, func, insert, select, update
 from orchestrator.app import App
 from orchestrator.core.budget import month_key
 from orchestrator.lifecycle.machine import AttemptState
-from providers.base import InstanceInfo, Provider, ProviderError
+from providers.base import InstanceInfo, Offer, Provider, ProviderError
 from state import schema as s
 
 
-def orphan_rate(provider: Provider, inst: InstanceInfo, attempt: dict[str, Any] | None) -> float | None:
+def attempts_of(app: App, owned: list[InstanceInfo]) -> dict[str, dict[str, Any]]:
+    """The attempts the instances are tagged with that this database knows, by id (one query for a provider's
+    listing)."""
+    with app.store.engine.connect() as c:
+        return {r["id"]: dict(r) for r in c.execute(select(s.attempts).where(
+            s.attempts.c.id.in_([i.attempt_id for i in owned if i.attempt_id]))).mappings()}
+
+
+def meter_orphan(app: App, provider_name: str, offers: Callable[[], list[Offer]], inst: InstanceInfo,
+                 attempt: dict[str, Any] | None, now: float) -> tuple[float | None, float | None]:
+    """`record_orphan` at `orphan_rate`, in a transaction of its own: the rate, and when its new charge starts.
+    `offers`: the provider's listing, asked at most once a sweep however many orphans it finds."""
+    rate = orphan_rate(offers, inst, attempt)
+    with app.store.tx() as conn:
+        return rate, record_orphan(app, conn, provider_name, inst, attempt, rate, now)
+
+
+def orphan_rate(offers: Callable[[], list[Offer]], inst: InstanceInfo, attempt: dict[str, Any] | None
+                ) -> float | None:
     """Its $/h: its attempt's when it was launched as that attempt's type and market, else the provider's offer for
     its type (its region's when listed); None when the provider cannot say."""
     if attempt is not None and (attempt["instance_type"], attempt["market"]) == (inst.instance_type,
@@ -31,10 +50,10 @@ def orphan_rate(provider: Provider, inst: InstanceInfo, attempt: dict[str, Any] 
         if rate is not None:
             return float(rate)
     try:
-        offers = [o for o in provider.offers() if o.instance_type == inst.instance_type]
+        of_type = [o for o in offers() if o.instance_type == inst.instance_type]
     except ProviderError:
         return None
-    here = [o for o in offers if inst.region in o.regions] or offers
+    here = [o for o in of_type if inst.region in o.regions] or of_type
     return here[0].rate_usd_h(inst.market) if here else None
 
 
@@ -75,18 +94,15 @@ def sweep_orphans(app: App, providers: Mapping[str, Provider], clock: Callable[[
         except ProviderError as exc:
             app.events.emit("provider.unreachable", provider=name, error=type(exc).__name__, during="sweep")
             continue
-        with app.store.engine.connect() as c:
-            attempts = {r["id"]: dict(r) for r in c.execute(select(s.attempts).where(
-                s.attempts.c.id.in_([i.attempt_id for i in owned if i.attempt_id]))).mappings()}
+        attempts = attempts_of(app, owned)
+        offers = functools.cache(provider.offers)
         for inst in owned:
             if inst.state.gone:
                 continue
             att = attempts.get(inst.attempt_id or "")
             if att is not None and not AttemptState(att["state"]).final and att["instance_id"] in (None, inst.id):
                 continue  # live: the tick drives it (an intent adopts it by tag)
-            rate = orphan_rate(provider, inst, att)
-            with app.store.tx() as conn:
-                since = record_orphan(app, conn, name, inst, att, rate, clock())
+            rate, since = meter_orphan(app, name, offers, inst, att, clock())
             why = "no attempt" if att is None else f"attempt {att['state']}"
             try:
                 provider.terminate([inst.id])

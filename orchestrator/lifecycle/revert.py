@@ -16,6 +16,7 @@ process cannot use at all (its API key is not in this shell's environment, say):
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.finish import REQUEUED_LOCAL, requeued_local_reason
 from orchestrator.lifecycle.local import stop_wait_s
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
-from orchestrator.lifecycle.orphans import orphan_rate, record_orphan
+from orchestrator.lifecycle.orphans import attempts_of, meter_orphan
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.states import JobState
 from providers.base import ProviderError
@@ -168,13 +169,12 @@ def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float | None = 
                 report.unreachable.append(name)
             app.events.emit("provider.unreachable", provider=name, during="revert-local")
             continue
+        attempts, offers = attempts_of(app, owned), functools.cache(provider.offers)
         for inst in owned:
             if (name, inst.id) in seen or inst.attempt_id in held_attempts:
                 continue
-            attempt = _known_attempt(app, inst.attempt_id)
-            rate = orphan_rate(provider, inst, attempt)
-            with app.store.tx() as c:  # metered from its start until confirmed gone, as any instance
-                record_orphan(app, c, name, inst, attempt, rate, time.time())
+            # Metered from its start until confirmed gone, as any instance.
+            meter_orphan(app, name, offers, inst, attempts.get(inst.attempt_id or ""), time.time())
             status = _terminate_confirm(provider, inst.id, deadline)
             _record_instance(app, name, inst.id, inst.attempt_id, status)
             app.events.emit("instance.orphan_terminated" if status == "yes" else "instance.terminate_unverified",
@@ -355,12 +355,6 @@ def _last_synced(app: App, att: dict[str, Any]) -> str | None:
 def _attempt(app: App, attempt_id: str) -> dict[str, Any]:
     with app.store.engine.connect() as c:
         return dict(c.execute(select(s.attempts).where(s.attempts.c.id == attempt_id)).mappings().one())
-
-
-def _known_attempt(app: App, attempt_id: str | None) -> dict[str, Any] | None:
-    with app.store.engine.connect() as c:
-        row = c.execute(select(s.attempts).where(s.attempts.c.id == attempt_id)).mappings().first()
-    return None if row is None else dict(row)
 
 
 def _terminate_confirm(provider: Any, instance_id: str, deadline: float) -> str:
