@@ -104,7 +104,7 @@ def measure(n: int, ticks: int, database_url: str | None = None, measurements: i
             fire_due(app)
             looks.append(time.perf_counter() - t)
             t = time.perf_counter()
-            rec._schedule()
+            rec.admission.schedule()
             times.append(time.perf_counter() - t)
         app.close()
         return statistics.median(times), statistics.median(looks)

@@ -1,12 +1,12 @@
 """The budget property: whatever the sequence of launches, prices, billing minimums, preemptions, daemon crashes and
 month boundaries, the month-to-date spend never exceeds `budget.monthly_cap_usd`.
 
-Driven through the real parts: the reconciler's launch gate (`Reconciler.budget_problem`, what
+Driven through the real parts: the reconciler's launch gate (`BudgetGuard.problem`, what
 `_start_cloud_attempt` asks before writing an intent), its running guard (`Reconciler._stop_reason`, asked every
 tick), the store's ledger (`open_charge`) and the reconciler's charge closing (`_close_instance`: billing minimum,
 billed seconds), all on a real SQLite database with an injected clock. The world around them is a small model:
 a stop takes effect within two ticks (SIGTERM, last sync, terminate); a crashed daemon is back within 110 s (the
-guard's horizon reserves 120 s, see `Reconciler.budget_horizon_h`).
+guard's horizon reserves 120 s, see `BudgetGuard.horizon_h`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class World:
 
     def launch(self, rate: float, minimum_s: float, expected_h: float) -> None:
         r = self.reconciler
-        if r.budget_problem(self.now, rate_usd_h=rate, minimum_s=minimum_s, expected_h=expected_h) is not None:
+        if r.budget.problem(self.now, rate_usd_h=rate, minimum_s=minimum_s, expected_h=expected_h) is not None:
             return
         self.n += 1
         att = {"id": f"j{self.n}-a1", "job_id": f"j{self.n}", "n": 1, "where": "cloud", "state": "running",
@@ -148,9 +148,9 @@ def test_a_launch_whose_billing_minimum_alone_would_cross_the_cap_is_refused(tmp
     world = make_world(tmp_path, cap=1.0)
     try:
         # $30/h for an hour's minimum is $30: far over a $1 cap even if the job would need only a minute.
-        problem = world.reconciler.budget_problem(world.now, rate_usd_h=30.0, minimum_s=3600.0, expected_h=0.01)
+        problem = world.reconciler.budget.problem(world.now, rate_usd_h=30.0, minimum_s=3600.0, expected_h=0.01)
         assert problem is not None and problem.startswith("budget:")
-        assert world.reconciler.budget_problem(world.now, rate_usd_h=3.0, minimum_s=60.0, expected_h=0.1) is None
+        assert world.reconciler.budget.problem(world.now, rate_usd_h=3.0, minimum_s=60.0, expected_h=0.1) is None
     finally:
         world.reconciler.app.close()
 

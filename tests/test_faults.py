@@ -198,8 +198,7 @@ def test_the_daemon_clock_jumping_forward_and_back_causes_no_budget_stop_no_loss
         # The rest runs in-process: the real reconciler, providers and SSH, with a clock that jumps.
         app = App(config_path=str(config), state_dir_override=str(state))
         offset = [0.0]
-        reconciler = build_reconciler(app)
-        reconciler.clock = lambda: time.time() + offset[0]
+        reconciler = build_reconciler(app, clock=lambda: time.time() + offset[0])
         assert "sim" in reconciler.providers
         try:
             for jump_h in (2.0, -2.0, -5.0, 0.0):  # forward two hours, back to four before now... then back to true

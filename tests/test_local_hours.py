@@ -228,7 +228,7 @@ def test_a_local_job_waiting_for_the_gpu_s_hours_says_when_they_begin(tmp_path: 
     app = App(config_path=str(config), state_dir_override=str(tmp_path / "state"))
     job_id = enqueue_job(app, write_job(tmp_path, "nightly", local_throughput=1.0, deadline_hours=48))[0]
     assert app.store.get_job(job_id)["placement"] == "local"
-    Reconciler(app, {}, cloud=None)._schedule()
+    Reconciler(app, {}, cloud=None).admission.schedule()
     opens = datetime.fromtimestamp(status_data(app)["local_hours"]["until"], UTC)
     assert app.store.get_job(job_id)["reason"] == ("waiting for the local GPU's hours (local.available_hours): they "
                                                    f"begin {opens:%a %H:%M} (UTC)")

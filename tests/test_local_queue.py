@@ -181,7 +181,7 @@ def test_a_queued_job_that_a_more_urgent_one_makes_late_is_decided_again_and_bur
     urgent = _enqueue(app, tmp_path, "urgent", 9)  # ahead of `later` in line: 4 + 4 = 8 h, in time
     assert (urgent["placement"], urgent["decision"]["local_wait_h"]) == ("local", pytest.approx(4.0, abs=0.01))
 
-    Reconciler(app, {}, cloud=None)._schedule()  # the GPU is held: nothing starts; the line is looked at
+    Reconciler(app, {}, cloud=None).admission.schedule()  # the GPU is held: nothing starts; the line is looked at
     later, urgent = app.store.get_job(later["id"]), app.store.get_job(urgent["id"])
     assert urgent["placement"] == "local"  # 8 h: in time, then; `later` now waits for both
     assert (later["state"], later["placement"]) == ("queued", "cloud")
@@ -207,7 +207,7 @@ def test_a_queued_job_the_cloud_cannot_save_stays_local_and_is_asked_again_later
     stuck = app.store.get_job(enqueue(app, path)[0])
     _enqueue(app, tmp_path, "urgent", 8.5)  # ahead of it: 4 + 4 + 4 = 12 h > 9 h, and 40 h rented
     rec = Reconciler(app, {}, cloud=None)
-    rec._schedule()
+    rec.admission.schedule()
     stuck = app.store.get_job(stuck["id"])
     assert stuck["placement"] == "local" and stuck["spec"]["_late_in_line_at"] > 0
     assert app.store.events(job_id=stuck["id"], type_prefix="job.redecided") == []

@@ -93,7 +93,7 @@ def test_a_blocked_job_is_decided_again_with_its_measured_throughput(tmp_path: P
     with app.store.tx() as c:
         c.execute(insert(s.measurements).values(ts=0.0, provider="sim", instance_type=throughput_key("H100",
                                                 "slow-guess"), metric="throughput_units_h", value=1.0))
-    Reconciler(app, {}, cloud=None)._redecide_blocked(time.time())
+    Reconciler(app, {}, cloud=None).admission._redecide_blocked(time.time())
     assert app.store.get_job(job_id)["state"] == "queued"
     app.close()
 

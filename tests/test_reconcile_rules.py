@@ -14,7 +14,7 @@ from sqlalchemy import insert, select, update
 
 from orchestrator.app import App
 from orchestrator.core.budget import month_key
-from orchestrator.lifecycle import attempt_syncs, checkpoints, handover, reconcile, revert
+from orchestrator.lifecycle import admission, attempt_syncs, checkpoints, handover, reconcile, revert
 from orchestrator.lifecycle.background_sync import SyncDone
 from orchestrator.lifecycle.cloud_steps import CloudSteps
 from orchestrator.lifecycle.finish import REQUEUED_LOCAL, job_after_attempt
@@ -40,10 +40,10 @@ def test_a_job_the_budget_refused_at_launch_stays_blocked_until_that_launch_woul
     job = app.store.get_job(job_id)
     assert job is not None and job["state"] == "queued"
     rec = Reconciler(app, {}, cloud=None)
-    rec._block(job, "budget: $1000.00 projected for the rest exceeds the $15.00 left this month",
+    rec.admission._block(job, "budget: $1000.00 projected for the rest exceeds the $15.00 left this month",
                budget_launch={"rate_usd_h": 1000.0, "minimum_s": 3600.0})
     for _ in range(3):
-        rec._redecide_blocked(time.time())
+        rec.admission._redecide_blocked(time.time())
     assert app.store.get_job(job_id)["state"] == "blocked"
     assert not [e for e in app.store.events(job_id=job_id) if e["type"] == "job.redecided"]
 
@@ -53,7 +53,7 @@ def test_a_job_the_budget_refused_at_launch_stays_blocked_until_that_launch_woul
     job["spec"]["_spot_probe_at"] = 0.0  # the daemon's bookkeeping in the spec is not the user's spec to validate
     with app.store.tx() as c:
         app.store.update_job(job_id, c, spec=job["spec"])
-    rec._redecide_blocked(time.time())
+    rec.admission._redecide_blocked(time.time())
     assert app.store.get_job(job_id)["state"] == "queued"
     app.close()
 
@@ -133,7 +133,7 @@ def test_a_job_no_provider_answers_for_is_told_why_not_that_nobody_has_capacity(
     rec = Reconciler(app, {"ec2": refusing}, cloud=None)  # type: ignore[dict-item]
     job = app.store.get_job(job_id)
     assert job is not None
-    assert rec.choose_offer(job, time.time()) is None
+    assert rec.admission.choose_offer(job, time.time()) is None
     assert app.store.get_job(job_id)["reason"] == (
         "no provider answered (ec2: AuthFailed: DescribeInstanceTypes: AuthFailure)")
     app.close()
@@ -166,12 +166,12 @@ def test_a_launch_never_takes_a_card_too_small_for_the_job_whatever_its_price(tm
     job = app.store.get_job(job_id)
     assert job is not None and job["state"] == "queued"
     small, big = _a100("gpu_1x_a100", 40.0, 1.29), _a100("gpu_1x_a100_sxm4_80gb", 80.0, 1.79)
-    chosen = Reconciler(app, {"lambda": _Listing(small, big)}, cloud=None).choose_offer(  # type: ignore[dict-item]
+    chosen = Reconciler(app, {"lambda": _Listing(small, big)}, cloud=None).admission.choose_offer(  # type: ignore[dict-item]
         job, time.time())
     assert chosen is not None and chosen[1] is big
 
     # With only the small one listed, nothing launches, and the job says which card was too small for what.
-    assert Reconciler(app, {"lambda": _Listing(small)}, cloud=None).choose_offer(  # type: ignore[dict-item]
+    assert Reconciler(app, {"lambda": _Listing(small)}, cloud=None).admission.choose_offer(  # type: ignore[dict-item]
         job, time.time()) is None
     assert app.store.get_job(job_id)["reason"] == (
         "no offer with capacity for 1×A100 (too small for its 44.2 GB per GPU and 1.1 GB = 1.00 GiB kept free: "
@@ -179,7 +179,7 @@ def test_a_launch_never_takes_a_card_too_small_for_the_job_whatever_its_price(tm
 
     # A listing that does not say how much memory its card has is not judged by it.
     unsaid = _a100("gpu_1x_a100_pcie", 0.0, 1.29)
-    chosen = Reconciler(app, {"lambda": _Listing(unsaid)}, cloud=None).choose_offer(  # type: ignore[dict-item]
+    chosen = Reconciler(app, {"lambda": _Listing(unsaid)}, cloud=None).admission.choose_offer(  # type: ignore[dict-item]
         job, time.time())
     assert chosen is not None and chosen[1] is unsaid
     app.close()
@@ -198,16 +198,16 @@ def test_after_a_launch_refused_for_capacity_the_next_offer_is_chosen_and_metere
     rec = Reconciler(app, {"lambda": _Listing(h100, a100)}, cloud=None)  # type: ignore[dict-item]
     job = app.store.get_job(job_id)
     assert job is not None
-    assert rec.choose_offer(job, time.time())[1] is h100  # $1.65 a unit of work against the A100's $1.79
+    assert rec.admission.choose_offer(job, time.time())[1] is h100  # $1.65 a unit of work against the A100's $1.79
 
     with app.store.tx() as c:
         c.execute(insert(s.attempts).values(
             id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="launch_failed", provider="lambda",
             instance_type="gpu_1x_h100_sxm5", market="on-demand", created_at=0.0, ended_at=0.0,
             info={"rate_usd_h": 3.29, "launch_error": "NoCapacity"}))
-    assert rec.choose_offer(job, time.time())[1] is a100
+    assert rec.admission.choose_offer(job, time.time())[1] is a100
     only_h100 = Reconciler(app, {"lambda": _Listing(h100)}, cloud=None)  # type: ignore[dict-item]
-    assert only_h100.choose_offer(job, time.time())[1] is h100  # nothing else: the refused one again
+    assert only_h100.admission.choose_offer(job, time.time())[1] is h100  # nothing else: the refused one again
     app.close()
 
 
@@ -226,13 +226,14 @@ def test_a_job_waiting_for_spot_is_looked_at_again_when_its_next_spot_probe_is_d
         def offers(self) -> list[Offer]:
             return [offer]
 
-    monkeypatch.setattr(reconcile, "market_for_attempt",
+    monkeypatch.setattr(admission, "market_for_attempt",
                         lambda *_a, **_k: (None, {"choice": "idle", "slack_h": 3.0}))
     now = time.time()
     job = app.store.get_job(job_id)
     assert job is not None
     job["spec"]["_spot_probe_at"] = now + 5.0
-    assert Reconciler(app, {"ec2": Listing()}, cloud=None).choose_offer(job, now) is None  # type: ignore[dict-item]
+    rec = Reconciler(app, {"ec2": Listing()}, cloud=None)  # type: ignore[dict-item]
+    assert rec.admission.choose_offer(job, now) is None
     waiting = app.store.get_job(job_id)
     assert waiting["wait_until"] == pytest.approx(now + 5.0, abs=0.01)
     assert waiting["reason"].startswith("waiting for spot (refused, next try in 5 s)")
@@ -285,8 +286,8 @@ def _blocked_after_running(app: App, tmp_path: Path, *, local_throughput: float,
     rec = Reconciler(app, {}, cloud=None)
     job = app.store.get_job(job_id)
     assert job is not None
-    rec._block(job, "3 launches failed in a row (NoCapacity)")
-    rec._redecide_blocked(time.time())
+    rec.admission._block(job, "3 launches failed in a row (NoCapacity)")
+    rec.admission._redecide_blocked(time.time())
     job = app.store.get_job(job_id)
     assert job is not None
     return job
@@ -338,8 +339,8 @@ def test_a_job_that_never_ran_and_cannot_meet_its_deadline_is_still_rethink(tmp_
     rec = Reconciler(app, {}, cloud=None)
     job = app.store.get_job(job_id)
     assert job is not None
-    rec._block(job, "3 launches failed in a row (NoCapacity)")
-    rec._redecide_blocked(time.time())
+    rec.admission._block(job, "3 launches failed in a row (NoCapacity)")
+    rec.admission._redecide_blocked(time.time())
     assert app.store.get_job(job_id)["state"] == "rethink"
     app.close()
 
@@ -385,11 +386,13 @@ def test_a_hybrid_local_phase_runs_on_while_the_budget_would_refuse_its_burst(tm
                                    regions=("us-east-1", "us-west-1"), request_interval_s=0.0)
         providers = {"sim": sim_provider}
         app.use_config(full.model_copy(update={"budget": full.budget.model_copy(update={"monthly_cap_usd": 0.5})}))
-        held = Reconciler(app, providers, cloud=CloudSteps(app, providers))._hand_over_held(job, time.time())
+        held = Reconciler(app, providers, cloud=CloudSteps(app, providers)).admission.hand_over_held(
+            job, time.time())
         assert held is not None and held.startswith("the budget would refuse the burst: $")
         assert "exceeds the $0.50 left this month" in held  # the launch's own words
         app.use_config(full)
-        assert Reconciler(app, providers, cloud=CloudSteps(app, providers))._hand_over_held(job, time.time()) is None
+        assert Reconciler(app, providers, cloud=CloudSteps(app, providers)).admission.hand_over_held(
+            job, time.time()) is None
         sim_provider.close()
     app.close()
 
@@ -409,10 +412,12 @@ def test_a_hybrid_awaiting_approval_runs_its_local_phase_and_only_its_hand_over_
     assert notice_type(enqueued) == "job.awaiting_approval"  # a person is told, as of a job held whole
     cloud = _Stoppable()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
-    assert rec._hand_over_held(job, time.time()) == f"its price waits for approval: `burstctl approve {job_id}`"
+    said = rec.admission.hand_over_held(job, time.time())
+    assert said == f"its price waits for approval: `burstctl approve {job_id}`"
     with app.store.tx() as c:
         app.store.update_job(job_id, c, approved=True)
-    assert not (rec._hand_over_held(app.store.get_job(job_id), time.time()) or "").startswith("its price waits")
+    said = rec.admission.hand_over_held(app.store.get_job(job_id), time.time())
+    assert not (said or "").startswith("its price waits")
     rec.close()
     app.close()
 
@@ -432,17 +437,17 @@ def test_a_hand_over_and_a_launch_count_only_capacity_on_the_market_they_launch_
         providers = {"sim": sim_provider}
         rec = Reconciler(app, providers, cloud=CloudSteps(app, providers))
         on_demand, spot = ({**app.store.get_job(jobs[m]), "approved": True} for m in ("on-demand", "spot"))
-        assert rec._hand_over_held(on_demand, time.time()) == "no cloud lists on-demand capacity for 1×H100"
-        assert rec._hand_over_held(spot, time.time()) is None
+        assert rec.admission.hand_over_held(on_demand, time.time()) == "no cloud lists on-demand capacity for 1×H100"
+        assert rec.admission.hand_over_held(spot, time.time()) is None
 
         # Nor does an on-demand launch go to the offer: only spot is listed there.
-        assert rec.choose_offer(on_demand, time.time()) is None
+        assert rec.admission.choose_offer(on_demand, time.time()) is None
         assert app.store.get_job(jobs["on-demand"])["reason"] == "no offer with capacity for 1×H100"
 
         sim.set_capacity(h100, "us-west-1", 1)
         rec.offers.forget("sim")
-        assert rec._hand_over_held(on_demand, time.time()) is None
-        assert rec.choose_offer(on_demand, time.time())[2].value == "on-demand"
+        assert rec.admission.hand_over_held(on_demand, time.time()) is None
+        assert rec.admission.choose_offer(on_demand, time.time())[2].value == "on-demand"
         sim_provider.close()
     app.close()
 
@@ -490,7 +495,7 @@ def test_a_job_cancelled_after_the_tick_read_it_gets_no_attempt(tmp_path: Path) 
         provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
                                request_interval_s=0.0)
         rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}))
-        assert rec._start_cloud_attempt(read, time.time()) is False
+        assert rec.admission._start_cloud_attempt(read, time.time()) is False
         provider.close()
     with app.store.engine.connect() as c:
         assert c.execute(select(s.attempts)).first() is None
@@ -625,7 +630,7 @@ def test_a_daemon_with_no_usable_cloud_provider_is_reported_local_only_by_status
 
     app = App(state_dir_override=str(tmp_path / "state"))
     assert _mode(app, daemon_running=True) == "burst-enabled"  # nothing asked yet
-    Reconciler(app, {}, cloud=None)._record_health(time.time())
+    Reconciler(app, {}, cloud=None).admission._record_health(time.time())
     assert _mode(app, daemon_running=True) == "local-only (no cloud provider is usable: `burstctl providers` says why)"
     assert _mode(app, daemon_running=False) == "burst-enabled"
     app.close()
@@ -702,12 +707,12 @@ def test_a_job_is_admitted_only_into_what_the_plans_already_admitted_leave_of_th
                                           provider="sim", instance_id="i-1", instance_type="x", market="on-demand",
                                           rate_usd_h=3.0, started_at=0.0, ended_at=1.0, cost_usd=10.0))
     rec = Reconciler(app, {}, cloud=None)
-    rec._redecide_blocked(time.time())
+    rec.admission._redecide_blocked(time.time())
     assert app.store.get_job(second)["state"] == "blocked"
     # Once the first is over, the second is decided again into what is left ($40).
     with app.store.tx() as c:
         app.store.update_job(first, c, state="cancelled")
-    rec._redecide_blocked(time.time())
+    rec.admission._redecide_blocked(time.time())
     assert app.store.get_job(second)["state"] == "queued"
     app.close()
 
@@ -717,8 +722,8 @@ def test_a_launch_the_budget_refuses_names_every_term_of_its_projection(tmp_path
     # minimum and the time to stop: a bigger figure, so each term is named.
     app = App(state_dir_override=str(tmp_path / "state"))
     rec = Reconciler(app, {}, cloud=None)
-    why = rec.budget_problem(time.time(), rate_usd_h=12.0, minimum_s=60.0, expected_h=1.5)
-    horizon_s = rec.budget_horizon_h() * 3600
+    why = rec.budget.problem(time.time(), rate_usd_h=12.0, minimum_s=60.0, expected_h=1.5)
+    horizon_s = rec.budget.horizon_h() * 3600
     assert why == (f"budget: ${12.0 * (1.5 + horizon_s / 3600):.2f} projected for the rest (1.5 h at today's $12.00/h, "
                    f"plus {horizon_s:.0f} s to stop) exceeds the $15.00 left this month ($0.00 spent or committed)")
     app.close()
@@ -737,9 +742,9 @@ def test_the_budget_keeps_for_each_running_instance_the_time_its_job_s_last_chec
     app.store.open_charge({"month": month_key(now), "job_id": job_id, "attempt_id": f"{job_id}-a1",
                            "provider": "sim", "instance_id": "i-1", "rate_usd_h": 24.0, "started_at": now})
     rec = Reconciler(app, {}, cloud=None)
-    ((_, accruing, kept),) = rec.budget_exposure(now).values()
-    assert accruing == 24.0 and kept == pytest.approx(24.0 * (3 * rec.tick_s + 120 + 570) / 3600)
-    assert rec.budget_horizon_h({}) * 3600 == pytest.approx(3 * rec.tick_s + 120)  # the default grace: as before
+    ((_, accruing, kept),) = rec.budget.exposure(now).values()
+    assert accruing == 24.0 and kept == pytest.approx(24.0 * (3 * rec.budget.tick_s + 120 + 570) / 3600)
+    assert rec.budget.horizon_h({}) * 3600 == pytest.approx(3 * rec.budget.tick_s + 120)  # the default grace: as before
     rec.close()
     app.close()
 
@@ -863,7 +868,7 @@ def test_a_queued_local_job_says_it_waits_for_the_local_gpu_while_another_run_ho
         c.execute(insert(s.attempts).values(id=f"{first}-a1", job_id=first, n=1, where="local", state="running",
                                             provider="local", instance_type="local", info={}, created_at=0.0))
         c.execute(update(s.jobs).where(s.jobs.c.id == first).values(state="running"))
-    Reconciler(app, {}, cloud=None)._schedule()
+    Reconciler(app, {}, cloud=None).admission.schedule()
     waiting = app.store.get_job(second)
     assert (waiting["state"], waiting["reason"]) == ("queued", "waiting for the local GPU: 1 local run(s) use its 1 "
                                                      "slot(s) (daemon.local_concurrency); it starts when one ends")
@@ -880,7 +885,7 @@ def test_a_queued_local_job_counts_the_run_started_ahead_of_it_in_the_same_tick(
     second, _, _ = enqueue(app, write_job(tmp_path, "second", local_throughput=1.0, deadline_hours=40))
     rec = Reconciler(app, {}, cloud=None)
     monkeypatch.setattr(rec.local, "start", lambda job: True)  # the first one's run, started
-    rec._schedule()
+    rec.admission.schedule()
     assert app.store.get_job(second)["reason"].startswith("waiting for the local GPU: 1 local run(s) use its 1 slot")
     app.close()
 
@@ -890,7 +895,7 @@ def _local_starts_of_a_schedule(app: App, monkeypatch: pytest.MonkeyPatch) -> li
     rec = Reconciler(app, {}, cloud=None)
     started: list[str] = []
     monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
-    rec._schedule()
+    rec.admission.schedule()
     return started
 
 
@@ -978,7 +983,7 @@ def test_any_number_of_jobs_waiting_for_their_pass_env_hide_no_job_that_can_star
     started: list[str] = []
     monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
     assert all(app.store.get_job(j)["placement"] == "local" for j in sweep)  # 30: more than the window of 1 + 20
-    rec._schedule()
+    rec.admission.schedule()
     assert started == [other]
     waiting = app.store.get_job(sweep[0])
     assert waiting["reason"].startswith("pass_env: SWEEP_TOKEN is not set in the daemon's environment")
@@ -987,7 +992,7 @@ def test_any_number_of_jobs_waiting_for_their_pass_env_hide_no_job_that_can_star
     started.clear()
     rec = Reconciler(app, {}, cloud=None)
     monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
-    rec._schedule()
+    rec.admission.schedule()
     assert started == [sweep[0]]
     app.close()
 
@@ -1102,19 +1107,19 @@ def test_a_cloud_job_is_looked_at_behind_any_number_of_cloud_jobs_waiting_for_a_
     now = time.time()
     for job_id in waiting:
         app.store.update_job(job_id, wait_until=now + 60)
-    rec = Reconciler(app, {}, cloud=None)  # no provider: a job looked at is blocked, saying so
-    rec.clock = lambda: now
-    rec._schedule()
+    clock = [now]
+    rec = Reconciler(app, {}, cloud=None, clock=lambda: clock[0])  # no provider: a job looked at is blocked, saying so
+    rec.admission.schedule()
     assert app.store.get_job(later_id)["state"] == "blocked"
     assert {app.store.get_job(j)["state"] for j in waiting} == {"queued"}
     # One moved home meanwhile (revert-local): its wait was for a launch, and it starts on the local GPU now.
     app.store.update_job(waiting[1], placement="local")
     started: list[str] = []
     monkeypatch.setattr(rec.local, "start", lambda job: started.append(job["id"]) or True)
-    rec._schedule()
+    rec.admission.schedule()
     assert started == [waiting[1]]
-    rec.clock = lambda: now + 61  # their time is up: looked at again, earliest deadline first
-    rec._schedule()
+    clock[0] = now + 61  # their time is up: looked at again, earliest deadline first
+    rec.admission.schedule()
     assert app.store.get_job(waiting[0])["state"] == "blocked"
     app.close()
 
@@ -1129,7 +1134,7 @@ def test_local_only_runs_here_late_the_jobs_that_fit_and_never_decides_them_back
     rec = Reconciler(app, {}, cloud=None)
     revert.revert_local(app, rec, timeout_s=5)
     assert app.store.get_job(home)["placement"] == "local"
-    rec._redecide_late_in_line([app.store.get_job(home)], time.time())
+    rec.admission._redecide_late_in_line([app.store.get_job(home)], time.time())
     job = app.store.get_job(home)
     assert (job["state"], job["placement"]) == ("queued", "local")
     assert not [e for e in app.store.events(job_id=home) if e["type"] == "job.redecided"]
@@ -1146,7 +1151,7 @@ def test_local_only_runs_here_late_the_jobs_that_fit_and_never_decides_them_back
     revert.set_burst_enabled(app, False, "test")
     with app.store.tx() as c:
         app.store.update_job(older, c, state="blocked", reason="bursting is disabled (revert-local)")
-    rec._redecide_blocked(time.time())
+    rec.admission._redecide_blocked(time.time())
     job = app.store.get_job(older)
     assert (job["state"], job["placement"]) == ("queued", "local") and REQUEUED_LOCAL in job["reason"]
     assert app.store.get_job(big)["state"] == "blocked"
@@ -1155,7 +1160,7 @@ def test_local_only_runs_here_late_the_jobs_that_fit_and_never_decides_them_back
     racing, _, _ = enqueue(app, write_job(tmp_path, "racing", **late))
     revert.set_burst_enabled(app, False, "test")
     assert app.store.get_job(racing)["placement"] in ("cloud", "hybrid")
-    assert not rec._start_cloud_attempt(app.store.get_job(racing), time.time())
+    assert not rec.admission._start_cloud_attempt(app.store.get_job(racing), time.time())
     job = app.store.get_job(racing)
     assert (job["state"], job["placement"]) == ("queued", "local")
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
+from orchestrator.lifecycle.budget_guard import expected_remaining_h
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.states import JobState
 from providers.base import Provider
@@ -32,10 +33,10 @@ def no_room(rec: Reconciler, now: float, *, rate_usd_h: float, minimum_s: float,
     be one cloud attempt more than `daemon.max_cloud_attempts` allows, or its billing minimum and the work expected
     of it would not fit the budget."""
     cap = rec.cfg.daemon.max_cloud_attempts
-    running = rec.attempts_active("cloud")
+    running = rec.admission.attempts_active("cloud")
     if running >= cap:
         return f"{running} cloud attempts run, max_cloud_attempts is {cap}"
-    return rec.budget_problem(now, rate_usd_h=rate_usd_h, minimum_s=minimum_s, expected_h=expected_h, spec=spec)
+    return rec.budget.problem(now, rate_usd_h=rate_usd_h, minimum_s=minimum_s, expected_h=expected_h, spec=spec)
 
 
 def wait_or_take_over(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provider: Provider, *,
@@ -62,9 +63,10 @@ def wait_or_take_over(rec: Reconciler, att: dict[str, Any], job: dict[str, Any],
                             or fresh["state"] not in (JobState.QUEUED.value, JobState.RESUMING.value)):
         why_not = f"job {fresh['state']}"
     if why_not is None:
-        why_not = rec.budget_problem(rec.clock(), rate_usd_h=float(att["info"].get("rate_usd_h") or 0.0),
+        now = rec.clock()
+        why_not = rec.budget.problem(now, rate_usd_h=float(att["info"].get("rate_usd_h") or 0.0),
                                      minimum_s=float(att["info"].get("billing_minimum_s", 60.0)),
-                                     expected_h=rec._expected_remaining_h(fresh), spec=fresh["spec"])
+                                     expected_h=expected_remaining_h(rec.app, fresh, now), spec=fresh["spec"])
     if why_not is not None:
         return why_not
     with rec.store.tx() as conn:

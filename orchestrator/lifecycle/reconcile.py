@@ -5,51 +5,42 @@ Level-triggered, like a Kubernetes controller: a tick knows nothing the database
 point and restarted carries on where it was. Every step is a compare-and-set on the attempt's state
 (`machine.move`), so a step repeated after a crash is harmless: a launch is preceded by a look-up by tag/name, a
 terminate of a gone instance is success, a supervisor start is idempotent on the instance.
+
+Which queued jobs start, where and on what is `Admission`'s (lifecycle/admission.py); what the monthly cap allows,
+`BudgetGuard`'s (lifecycle/budget_guard.py); a cloud attempt's syncs, `AttemptSyncs`'s. The reconciler steps the
+attempts: launch, look, bootstrap, watch, move between markets, stop, and what an ended one means for its job.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, func, insert, or_, select, update
+from sqlalchemy import insert, select, update
 
 from orchestrator.app import App, burst_enabled
-from orchestrator.core.budget import month_key, stop_horizon_h
-from orchestrator.core.decision import UNMEASURED_SETUP
-from orchestrator.core.local_hours import LocalHours
-from orchestrator.core.sizing import gb_and_gib
-from orchestrator.errors import format_validation_error
-from orchestrator.jobspec import JobSpec, ModelSpec
+from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import checkpoints, passenv
+from orchestrator.lifecycle.admission import Admission, note_waiting
 from orchestrator.lifecycle.attempt_syncs import CLOSE_WAIT_S, AttemptSyncs, notice_reason
-from orchestrator.lifecycle.finish import NEVER_CAME_UP, exit_reason, requeued_local_reason
-from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_grace_s, stop_wait_s
-from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, active_attempts, move
-from orchestrator.lifecycle.machine import create as create_attempt
+from orchestrator.lifecycle.budget_guard import BudgetGuard
+from orchestrator.lifecycle.finish import exit_reason
+from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_wait_s
+from orchestrator.lifecycle.machine import AttemptState, active_attempts, move
 from orchestrator.lifecycle.market_switch import (
     TO_ON_DEMAND,
     TO_SPOT,
     attempt_should_move,
-    cloud_attempts,
-    cloud_hours_done,
-    market_for_attempt,
-    record_spot_listings,
-    spot_region_order,
 )
 from orchestrator.lifecycle.orphans import sweep_orphans
 from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
-from orchestrator.lifecycle.states import JobState, awaits_approval
+from orchestrator.lifecycle.states import JobState
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
-from orchestrator.queue import headline, local_hours, local_time, record_offers_seen, setup_key, throughput_key
-from orchestrator.records import supersede, superseded
+from orchestrator.queue import setup_key, throughput_key
 from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
     LAUNCH_REFUSALS,
@@ -57,18 +48,14 @@ from providers.base import (
     InstanceState,
     LaunchRequest,
     Market,
-    NoCapacity,
-    Offer,
     OwnerTags,
     Provider,
     ProviderError,
     category,
 )
 from state import schema as s
-from state.schema import planned_rented_usd
 
 if TYPE_CHECKING:
-    from orchestrator.config import Config
     from orchestrator.lifecycle.cloud_steps import CloudSteps
 
 A = AttemptState
@@ -93,56 +80,6 @@ def chaos_point(name: str) -> None:
         os._exit(137)
 
 
-@dataclass
-class OfferCache:
-    """Offers per provider, refreshed at most every `ttl_s` (a cache of observed state, not state)."""
-
-    ttl_s: float = 60.0
-    on_refresh: Callable[[str, list[Offer], float], None] | None = None  # e.g. keep the spot capacity listed
-    _at: dict[str, float] = field(default_factory=dict)
-    _offers: dict[str, list[Offer] | ProviderError] = field(default_factory=dict)
-
-    def get(self, name: str, provider: Provider, now: float) -> list[Offer]:
-        """Offers, or the provider's error, at most once per ttl: an unreachable cloud is not asked every tick."""
-        if now - self._at.get(name, -math.inf) > self.ttl_s:
-            try:
-                self._offers[name] = provider.offers()
-            except ProviderError as exc:
-                self._offers[name] = exc
-            self._at[name] = now
-            fresh = self._offers[name]
-            if self.on_refresh is not None and not isinstance(fresh, ProviderError):
-                self.on_refresh(name, fresh, now)
-        got = self._offers[name]
-        if isinstance(got, ProviderError):
-            raise got
-        return got
-
-    def health(self) -> dict[str, bool]:
-        return {n: not isinstance(v, ProviderError) for n, v in self._offers.items()}
-
-    def checked_at(self) -> float | None:
-        """When the least recently asked provider was last asked (None before any was)."""
-        return min(self._at.values()) if self._at else None
-
-    def forget(self, name: str) -> None:
-        self._at.pop(name, None)
-
-
-def _opens(cfg: Config, hours: LocalHours, now: float) -> str:
-    """When the local GPU's hours begin, in their own zone: "Sat 00:00 (Europe/Berlin)"."""
-    change = hours.until_change_h()
-    if change is None:
-        return "now"
-    at = local_time(cfg, now + change * 3600.0)
-    return f"{at:%a %H:%M} ({cfg.local.timezone or at.tzname()})"
-
-
-def _gpus_named(spec: dict[str, Any]) -> str:
-    """The GPUs a job can rent, as its reasons name them: "1×H100, 1×A100"."""
-    return ", ".join(f"{spec['gpus']}×{g}" for g in spec["rented_throughput"])
-
-
 class Reconciler:
     def __init__(self, app: App, providers: Mapping[str, Provider], *, cloud: CloudSteps | None = None,
                  clock: Callable[[], float] = time.time):
@@ -154,18 +91,16 @@ class Reconciler:
         self.owner = app.orchestrator_id
         self.providers = dict(providers)
         self.clock = clock
-        self.local = LocalRunner(app, hand_over_held=self._hand_over_held)
         self.cloud = cloud  # CloudSteps: SSH, runbooks, syncs (None: the cloud is not configured)
-        self.offers = OfferCache(ttl_s=self.cfg.daemon.offers_ttl_s, on_refresh=self._offers_listed)
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
         self.unavailable: dict[str, str] = {}  # enabled providers that cannot be used → why (`build_reconciler`)
-        self.tick_s = self.cfg.daemon.tick_s  # the daemon's (`daemon --tick` sets it apart from the config's)
+        self.budget = BudgetGuard(app, clock, self.cfg.daemon.tick_s)
+        self.local = LocalRunner(app, hand_over_held=lambda job, now: self.admission.hand_over_held(job, now))
+        self.admission = Admission(app, self.providers, local=self.local, budget=self.budget,
+                                   has_cloud=cloud is not None, owner=self.owner, clock=clock,
+                                   advance=self._advance_new_attempt)
+        self.offers = self.admission.offers  # the providers' listings, read by running attempts' steps too
         self.syncs = AttemptSyncs(app, lambda: self.cloud_steps, clock, self._measure)
-        # Jobs whose pass_env this process cannot give (`_lacks_passed_env`), left out of the candidates a tick
-        # reads: any number of them, due first, then hides no job that can start. The process's environment is its
-        # own for life, but `retry --reread` may change a job's pass_env: forgotten every LACKING_ENV_FORGET_S.
-        self._lacking_env: set[str] = set()
-        self._lacking_env_since = 0.0
 
     @property
     def cloud_steps(self) -> CloudSteps:
@@ -204,7 +139,7 @@ class Reconciler:
                 self._advance(att, job)
         for gone in self._heartbeats.keys() - {att["id"] for att in attempts}:
             del self._heartbeats[gone]  # ended attempts: months of them in a daemon that never restarts
-        self._schedule()
+        self.admission.schedule()
 
     def _advance(self, att: dict[str, Any], job: dict[str, Any]) -> None:
         """Step an attempt, and keep stepping it within this tick while each step moves it on: a launch is
@@ -275,8 +210,8 @@ class Reconciler:
         if att["where"] == "cloud" and att["state"] == A.INTENT.value and info.get("launch_tried"):
             # Whether its launch made an instance is not known until the provider answers: given up now, one it made
             # would run, and bill, with no row or charge of ours until the sweep found it. It waits, and says so.
-            self._note(job, f"the outcome of its launch on {att['provider']} is not known yet: {error}; asked "
-                            "again each tick until the provider answers", same_as="the outcome of its launch")
+            note_waiting(self.app, job, f"the outcome of its launch on {att['provider']} is not known yet: {error}; "
+                         "asked again each tick until the provider answers", same_as="the outcome of its launch")
             return
         if att["where"] == "local" and att["state"] != A.INTENT.value and not self.local.end_trainer(att):
             return  # its trainer still runs: given up once it is gone, not before (the next error tries again)
@@ -313,532 +248,14 @@ class Reconciler:
         with self.store.engine.connect() as c:
             return [dict(r) for r in c.execute(select(s.jobs).where(s.jobs.c.id.in_(ids))).mappings()]
 
-    # --- scheduling -------------------------------------------------------------------------------------------
-    def _schedule(self) -> None:
-        """Start what the free slots allow, earliest deadline first: local (and hybrid) jobs on the local GPU, then
-        cloud jobs; then decide blocked jobs again and record the cloud's health."""
-        now = self.clock()
-        if now - self._lacking_env_since > LACKING_ENV_FORGET_S:
-            self._lacking_env, self._lacking_env_since = set(), now
-        while True:  # read again while jobs that lack their pass_env were found in the window (and left out)
-            lacking = len(self._lacking_env)
-            n_local, n_cloud, ready = self._ready(now)
-            ready = [j for j in self._readable(ready) if not self._lacks_passed_env(j)]
-            if len(self._lacking_env) == lacking:
-                break
-        local_free = self.cfg.daemon.local_concurrency - n_local
-        cloud_free = self.cfg.daemon.max_cloud_attempts - n_cloud
-        # Local work first: it must never wait behind a slow or unreachable cloud.
-        hours = local_hours(self.cfg, now)
-        local_open = hours.is_open()
-        started: set[str] = set()
-        for job in ready:
-            if job["placement"] not in ("local", "hybrid"):
-                continue
-            if local_open and not _room_to_run(job, hours):
-                self._note(job, f"{LOCAL_GPU_HOURS}: it cannot checkpoint, so it is never paused, and its "
-                           f"{_gpu_h(job):.2f} h do not fit before they end", same_as=LOCAL_GPU_HOURS)
-            elif local_open and local_free > 0:
-                if self.local.start(job):
-                    local_free -= 1
-                    started.add(job["id"])
-            elif job["placement"] == "hybrid" and self.local.hand_over_if_due(job, now):
-                continue  # placed on the cloud now: the loop below may start its attempt this tick
-            else:  # said, so that a queued job does not look stuck (its reason was its decision's last word)
-                if not local_open:
-                    self._note(job, f"{LOCAL_GPU_HOURS}: they begin {_opens(self.cfg, hours, now)}",
-                               same_as=LOCAL_GPU_HOURS)
-                else:
-                    self._note(job, f"{LOCAL_GPU_BUSY}: {n_local + len(started)} local run(s) use its "
-                               f"{self.cfg.daemon.local_concurrency} slot(s) (daemon.local_concurrency); it starts "
-                               "when one ends", same_as=LOCAL_GPU_BUSY)
-        self._redecide_late_in_line([j for j in ready if j["placement"] == "local" and j["state"] ==
-                                     JobState.QUEUED.value and j["id"] not in started], now)
-        for job in ready:
-            if job["placement"] == "cloud" and cloud_free > 0 and self._start_cloud_attempt(job, now):
-                cloud_free -= 1
-                self._advance_new_attempt(job["id"])
-        self._redecide_blocked(now)
-        self._record_health(now)
-
-    def _ready(self, now: float) -> tuple[int, int, list[dict[str, Any]]]:
-        """The local and cloud attempts active, and the queued jobs without one that may start, earliest deadline
-        first. Only as many as there are free slots (plus a margin) are read, so a tick stays cheap with 10,000
-        queued jobs. The local GPU's and the cloud's are read apart: in one window, cloud jobs that cannot start
-        (the cloud unreachable) hid every local job behind them. Jobs that wait for a time to launch (for spot, after
-        a failed launch) are not read until then, for the same reason; a job moved home meanwhile (revert-local) is
-        not kept waiting by it. Nor are those known to lack their pass_env."""
-        with self.store.engine.connect() as c:
-            busy_jobs = {r[0] for r in c.execute(
-                select(s.attempts.c.job_id).where(s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES)))}
-
-            def candidates(placements: tuple[str, ...], slots: int, *only: Any) -> list[dict[str, Any]]:
-                # Those known to lack their pass_env are read and dropped here, not left out by the query: as many
-                # bound ids as there are such jobs would pass SQLite's limit (999 before 3.32).
-                return [dict(r) for r in c.execute(
-                    select(s.jobs).where(s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]),
-                                         s.jobs.c.placement.in_(placements), *only)
-                    .order_by(s.jobs.c.deadline_at).limit(slots + 20 + len(self._lacking_env))).mappings()
-                    if r["id"] not in self._lacking_env]
-
-            ready = sorted(candidates(("local", "hybrid"), self.cfg.daemon.local_concurrency)
-                           + candidates(("cloud",), self.cfg.daemon.max_cloud_attempts,
-                                        or_(s.jobs.c.wait_until.is_(None), s.jobs.c.wait_until <= now)),
-                           key=lambda j: float(j["deadline_at"] or math.inf))
-            return (self.attempts_active("local", c), self.attempts_active("cloud", c),
-                    [j for j in ready if j["id"] not in busy_jobs])
-
-    def _readable(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The jobs whose stored spec validates; each other one fails, saying why. A job queued by an older
-        burstctl may break a rule added since (a name shaped like a job id): raised in the middle of the schedule,
-        it had stopped every launch and every decision again, every tick."""
-        from pydantic import ValidationError
-
-        from orchestrator.queue import spec_of
-
-        readable = []
-        for job in jobs:
-            try:
-                spec_of(job)
-            except ValidationError as exc:
-                problem = self.app.redactor(str(format_validation_error(exc, "its stored spec", JobSpec)))
-                reason = (f"{problem}: it was queued by a burstctl that checked less; fix its job file, then "
-                          "`burstctl retry` reads it again")
-                with self.store.tx() as conn:
-                    if self.store.update_job(job["id"], conn, expect_state=job["state"],
-                                             state=JobState.FAILED.value, reason=reason):
-                        self.app.events.emit("job.failed", job_id=job["id"], conn=conn, reason=reason)
-            else:
-                readable.append(job)
-        return readable
-
-    def _lacks_passed_env(self, job: dict[str, Any]) -> bool:
-        """A job whose pass_env the daemon cannot give it waits (no instance is rented for it), saying which
-        variable; it starts once the daemon is restarted with it."""
-        problem = passenv.unusable(job["spec"])
-        if problem is None:
-            return False
-        self._note(job, problem)
-        if len(self._lacking_env) < LACKING_ENV_KEPT:
-            self._lacking_env.add(job["id"])
-        return True
-
-    def attempts_active(self, where: str, conn: Connection | None = None) -> int:
-        """Attempts not yet final `where` ("local" or "cloud"): what `local_concurrency` and `max_cloud_attempts`
-        bound, spot probes included."""
-        query = select(func.count()).select_from(s.attempts).where(
-            s.attempts.c.where == where, s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))
-        if conn is not None:
-            return int(conn.execute(query).scalar() or 0)
-        with self.store.engine.connect() as c:
-            return int(c.execute(query).scalar() or 0)
-
-    def _record_health(self, now: float) -> None:
-        """Whether each provider answers, asked at most once per `offers_ttl_s` even with no cloud job waiting, so
-        that `status` is never an old answer; written (with when) only when the providers were asked again."""
-        if not burst_enabled(self.app):
-            return  # local-only: the cloud is not asked at all
-        if not self.providers:  # none configured with credentials: `status` says so rather than burst-enabled
-            if self.store.get_setting("cloud_health") != {}:
-                with self.store.tx() as conn:
-                    self.store.set_setting("cloud_health", {}, conn=conn)
-                    self.store.set_setting("cloud_health_at", now, conn=conn)
-                    self.app.events.emit("cloud.health", conn=conn, providers={})
-            return
-        for name, provider in self.providers.items():
-            with contextlib.suppress(ProviderError):
-                self.offers.get(name, provider, now)
-        health, at = self.offers.health(), self.offers.checked_at()
-        if not health or self.store.get_setting("cloud_health_at") == at:
-            return
-        with self.store.tx() as conn:
-            if self.store.get_setting("cloud_health") != health:
-                self.store.set_setting("cloud_health", health, conn=conn)
-                self.app.events.emit("cloud.health", conn=conn, providers=health)
-            self.store.set_setting("cloud_health_at", at, conn=conn)
-
-    def _redecide_late_in_line(self, waiting: list[dict[str, Any]], now: float) -> None:
-        """Queued local jobs that the line ahead of them now makes late (a more urgent job arrived after they were
-        decided, or a run ahead took longer) are decided again, with the queue as it is: one whose deadline renting
-        can still save goes to the cloud, a hybrid, or approval. One that stays local is asked again a
-        `daemon.market_check_s` later. The line is walked through `local.available_hours`, as gate 2 walks it; a job
-        that cannot checkpoint and that no stretch of them holds any more (they were cut after it was decided) is
-        decided again too: waiting would be for ever."""
-        from orchestrator.queue import context, local_backlog, record_decision, redecide
-
-        if not waiting:
-            return
-        backlog = local_backlog(self.app, now, until=max(float(j["deadline_at"]) for j in waiting))
-        hours = local_hours(self.cfg, now)
-        late: list[tuple[dict[str, Any], bool]] = []  # (job, whether it can no longer run here at all)
-        for job in waiting:
-            asked = float(job["spec"].get("_late_in_line_at", 0.0))
-            if 0 <= now - asked < self.cfg.daemon.market_check_s:
-                continue
-            planned = job["decision"]
-            gpu_h = float(planned.get("t_local_h") or 0.0) * float(planned.get("local_share") or 1.0)
-            finish_h = hours.finish_h(backlog.wait_h(job["deadline_at"], exclude=job["id"]), gpu_h,
-                                      pauses=job["spec"]["checkpoint"].get("resumable", True))
-            if finish_h is None or now + finish_h * 3600.0 > float(job["deadline_at"]) + 1.0:
-                late.append((job, finish_h is None))
-        if not late:
-            return
-        ctx = context(self.app, now)
-        bursting = burst_enabled(self.app)
-        for job, unfit in late:
-            if not bursting and not unfit:  # local-only: here, late, is the one way left; asked again later
-                self.store.update_job(job["id"], None, spec={**job["spec"], "_late_in_line_at": now})
-                continue
-            again = redecide(self.app, job, ctx, now, backlog=backlog)
-            d = again.decision
-            if d["placement"] == "local":  # renting cannot save it either: it runs here, late; asked again later
-                self.store.update_job(job["id"], None, spec={**job["spec"], "_late_in_line_at": now})
-                continue
-            supersede(job["decision"], d)
-            wait, queued = d.get("local_wait_h") or 0.0, d.get("local_queued_h")
-            why = (f"its {_gpu_h(job):.2f} h run cannot checkpoint, and no stretch of local.available_hours is that "
-                   "long now" if unfit else f"{wait if queued is None else queued:.2f} h of local work is now ahead "
-                   "of it in line (earlier deadlines)" + ("" if queued is None else f", done {wait:.2f} h from now "
-                   "in local.available_hours") + ", so local no longer makes its deadline")
-            d["reasons"].insert(0, f"decided again while queued: {why}")
-            record = record_decision(self.app, again.facts, d, now, job["id"])
-            with self.store.tx() as conn:
-                if not self.store.update_job(job["id"], conn, expect_state=job["state"], state=again.target.value,
-                                             verdict=d["verdict"], placement=d["placement"], decision=d,
-                                             record_path=str(record),
-                                             reason=headline(d)):
-                    record.unlink(missing_ok=True)
-                    continue
-                self.app.events.emit("job.redecided", job_id=job["id"], conn=conn, previous=job["state"],
-                                     state=again.target.value, verdict=d["verdict"], action=d["action"],
-                                     placement=d["placement"], local_wait_h=wait,
-                                     why="no local stretch long enough" if unfit else "late in line",
-                                     reason=headline(d))
-            superseded(job.get("record_path"), record, "decided again while queued", now)
-            if again.target is JobState.QUEUED:  # admitted to the cloud: the next job sees what its plan holds
-                ctx = replace(ctx, held=ctx.held.plus(planned_rented_usd(d)))
-
-    def _redecide_blocked(self, now: float) -> None:
-        """Blocked jobs (budget, kill switch, no capacity) are decided again; the oldest-updated first."""
-        from orchestrator.queue import (
-            LocalBacklog,
-            context,
-            local_backlog,
-            measured_rented_throughputs,
-            reconsider,
-            setup_estimates,
-        )
-
-        with self.store.engine.connect() as c:
-            blocked = [dict(r) for r in c.execute(
-                select(s.jobs).where(s.jobs.c.state == JobState.BLOCKED.value)
-                .order_by(s.jobs.c.updated_at).limit(self.cfg.daemon.redecide_per_tick)).mappings()]
-        if not blocked:
-            return
-        ctx = context(self.app, now)
-        due = [job for job in self._readable(blocked)
-               if job["spec"].get("_retry_at", 0) <= now and not self._budget_still_short(job, now)]
-        # Measured s_R for the whole batch in one query (not one per job); jobs of one name may list other GPUs.
-        gpus_by_name: dict[str, set[str]] = {}
-        for job in due:
-            gpus_by_name.setdefault(job["name"], set()).update(job["spec"].get("rented_throughput", {}))
-        measured = measured_rented_throughputs(self.app, gpus_by_name)
-        setups = setup_estimates(self.app, {job["name"] for job in due if job["spec"].get("setup")})
-        # The local GPU's queue, read once for the batch (and only for the jobs that can run locally at all).
-        here = [float(j["deadline_at"]) for j in due if j["spec"].get("local_throughput", 0) > 0]
-        backlog = local_backlog(self.app, now, until=max(here)) if here else LocalBacklog.of([], 1)
-        # One transaction for the batch; jobs still blocked go to the back of the line (updated_at), so with
-        # thousands blocked every one is looked at in turn, `redecide_per_tick` at a time.
-        with self.store.tx() as conn:
-            moved = set()
-            for job in due:
-                again = reconsider(self.app, job, ctx, now, conn, measured.get(job["name"], {}),
-                                   setups.get(job["name"], UNMEASURED_SETUP), backlog)
-                if again is None:
-                    continue
-                moved.add(job["id"])
-                state, d = again
-                if state == JobState.QUEUED.value and d["placement"] in ("cloud", "hybrid"):
-                    # Admitted: the next job of the batch sees the money its plan holds.
-                    ctx = replace(ctx, held=ctx.held.plus(planned_rented_usd(d)))
-            unchanged = [job["id"] for job in blocked if job["id"] not in moved]
-            if unchanged:
-                conn.execute(update(s.jobs).where(s.jobs.c.id.in_(unchanged)).values(updated_at=now))
-        for job in due:  # committed: each record before points at its job's new one
-            if job["id"] in moved:
-                new = (self.store.get_job(job["id"]) or {}).get("record_path")
-                if new:
-                    superseded(job.get("record_path"), Path(new), f"decided again while {job['state']}", now)
-
-    # --- starting a cloud attempt ------------------------------------------------------------------------------
     def _advance_new_attempt(self, job_id: str) -> None:
+        """Step a cloud attempt that admission has just written down: launched now, not a tick later."""
         with self.store.engine.connect() as c:
             row = c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id, s.attempts.c.state ==
                                                      A.INTENT.value)).mappings().first()
             job = c.execute(select(s.jobs).where(s.jobs.c.id == job_id)).mappings().first()
         if row is not None and job is not None:
             self._advance(dict(row), dict(job))
-
-    def _start_cloud_attempt(self, job: dict[str, Any], now: float) -> bool:
-        retry_at = now + max(30.0, self.cfg.daemon.launch_backoff_s)
-        if not burst_enabled(self.app):
-            if job["decision"].get("fits_locally"):
-                self._run_here_meanwhile(job)
-            else:
-                self._block(job, "bursting is disabled (revert-local): `burstctl burst-enable` lifts it")
-            return False
-        if self.cloud is None or not self.providers:
-            self._block(job, "no cloud provider is usable (check `burstctl providers`)", retry_at=retry_at)
-            return False
-        failures = self._recent_launch_failures(job["id"])
-        if failures and now < failures[0]["ended_at"] + self.cfg.daemon.launch_backoff_s:
-            self.store.update_job(job["id"], wait_until=failures[0]["ended_at"] + self.cfg.daemon.launch_backoff_s)
-            return False  # not read again until then
-        if len(failures) >= self.cfg.daemon.max_launch_failures:
-            self._block(job, f"{len(failures)} launches failed in a row ({failures[0]['reason']}); "
-                             f"retrying in {self.cfg.daemon.launch_backoff_s:.0f} s", retry_at=now +
-                        self.cfg.daemon.launch_backoff_s, reset_failures=True)
-            return False
-        choice = self.choose_offer(job, now)
-        if choice is None:
-            return False
-        provider_name, offer, market, market_facts = choice
-        rate = offer.rate_usd_h(market)
-        problem = self.launch_budget_problem(job, offer, market, now)
-        if problem is not None:
-            self._block(job, problem, budget_launch={"rate_usd_h": rate, "minimum_s": offer.billing_minimum_s})
-            return False
-        # Spot goes first to the region whose capacity has been listed longest (the rule simulate --may-move replays).
-        regions = spot_region_order(self.app, provider_name, offer, now) if market is Market.SPOT else ()
-        with self.store.tx() as conn:
-            if not self.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.RUNNING.value,
-                                         reason=f"bursting to {provider_name} {offer.instance_type} ({market.value})"):
-                return False  # changed since it was read (a `cancel` beside the tick): no intent for it
-            self.write_intent(conn, job, provider_name, offer, market, market_facts, rate, regions, now)
-        return True
-
-    def write_intent(self, conn: Connection, job: dict[str, Any], provider_name: str, offer: Offer, market: Market,
-                     market_facts: dict[str, Any], rate: float, regions: tuple[str, ...] | list[str], now: float,
-                     **info: Any) -> str:
-        """Write a cloud attempt's intent (launched by its next step, `_step_intent`) and say so; its id. `info`:
-        more of the attempt's info (a successor's `successor_for`)."""
-        placed = {"region_order": list(regions)} if regions else {}
-        attempt_id = create_attempt(
-            conn, job["id"], where="cloud", provider=provider_name, instance_type=offer.instance_type,
-            market=market.value, owner=self.owner, created_at=now,
-            info={"rate_usd_h": rate, "billing_minimum_s": offer.billing_minimum_s, "launch_tried": False,
-                  "gpu": offer.gpu_model, **({"market_policy": market_facts} if market_facts else {}), **placed,
-                  **info})["id"]
-        self.app.events.emit("attempt.intent", job_id=job["id"], attempt_id=attempt_id, conn=conn,
-                             provider=provider_name, instance_type=offer.instance_type, market=market.value,
-                             rate_usd_h=rate,
-                             # from a checkpoint, whatever the job waited as (resuming, queued, blocked)
-                             resuming=checkpoints.latest(self.cfg, job["id"], deep=False) is not None,
-                             **({"market_policy": market_facts} if market_facts else {}), **placed,
-                             **({"successor_for": info["successor_for"]} if "successor_for" in info else {}))
-        return attempt_id
-
-    def _offers_listed(self, provider: str, offers: list[Offer], now: float) -> None:
-        """A provider's fresh listing: its spot capacity changes, and its machines and prices for decisions."""
-        record_spot_listings(self.app, provider, offers, now)
-        record_offers_seen(self.app, provider, offers, now)
-
-    def choose_offer(self, job: dict[str, Any], now: float, *, quiet: bool = False
-                     ) -> tuple[str, Offer, Market, dict[str, Any]] | None:
-        """The cheapest offer, across usable providers, of a GPU type the job names, with capacity now; on the market
-        the spot policy picks for it (with what that choice rested on). `quiet`, for a launch beside a running
-        attempt: where there is none, the job's reason and its wait for spot are left as they are."""
-        spec = job["spec"]
-        wanted = {g.upper(): s_r for g, s_r in spec["rented_throughput"].items()}
-        best: tuple[float, str, Offer, Market, dict[str, Any]] | None = None
-        waiting: dict[str, Any] | None = None  # what the policy rests on where it waits for listed spot
-        offers, problems, too_small = self._offers_with_capacity(job, now)
-        # Offers whose launch was just refused for capacity go last: the next one is tried, as a provider's own
-        # fallback would, but chosen here, where its GPU, memory and price are weighed and metered.
-        refused = {(r["provider"], r["instance_type"], r["market"]) for r in self._recent_launch_failures(job["id"])
-                   if r["info"].get("launch_error") == NoCapacity.__name__}
-        held_back: list[tuple[float, str, Offer, Market, dict[str, Any]]] = []
-        for name, o in offers:
-            market, why = market_for_attempt(self.app, job, name, o, now)
-            if market is Market.SPOT and why.get("choice") == "idle" and now < spec.get("_spot_probe_at", 0):
-                market = None  # the policy waits, and the next probe of spot is not due yet
-            if market is None:
-                waiting = why
-                continue
-            if market is Market.ON_DEMAND and not o.capacity_regions(market):
-                continue  # spot capacity listed, on-demand none: the launch would only be refused
-            price = o.rate_usd_h(market)
-            speed = wanted[o.gpu_model.upper()]
-            cost = price / speed  # $ per unit of work
-            if (name, o.instance_type, market.value) in refused:
-                held_back.append((cost, name, o, market, why))
-            elif best is None or cost < best[0]:
-                best = (cost, name, o, market, why)
-        if best is None and held_back:  # nothing else: the refused ones again, cheapest first
-            best = min(held_back, key=lambda b: b[0])
-        if waiting is not None and (best is None or best[3] is Market.ON_DEMAND):
-            if quiet:
-                return None
-            # The policy waits for spot that a provider lists as gone: no launch, and no on-demand elsewhere.
-            # Asked again a market_check_s from now, or when the next probe of spot is due if that is sooner.
-            probe_at = spec.get("_spot_probe_at", 0)
-            look_at = min(now + self.cfg.daemon.market_check_s, probe_at if probe_at > now else float("inf"))
-            self.store.update_job(job["id"], wait_until=look_at)  # not read again until then
-            seen = f"refused, next try in {probe_at - now:.0f} s" if probe_at > now else "none listed"
-            self._note(job, f"waiting for spot ({seen}): {waiting['slack_h']:.2f} h of slack left; the spot "
-                            "policy goes on-demand once waiting no longer pays", same_as="waiting for spot")
-            return None
-        if best is None:
-            if quiet:
-                return None
-            if problems and len(problems) == len(self.providers):  # nobody answered: not a capacity question at all
-                reason = "no provider answered (" + "; ".join(problems) + ")"
-            else:
-                reason = f"no offer with capacity for {_gpus_named(spec)}"
-                if problems or too_small:
-                    reason += f" ({'; '.join(problems + too_small)})"
-            self._note(job, reason)
-            return None
-        return best[1], best[2], best[3], best[4]
-
-    def _expected_remaining_h(self, job: dict[str, Any]) -> float:
-        d = job["decision"]
-        plan = d.get("plan") or []
-        cloud = [p for p in plan if p["where"] == "cloud"]
-        hours = cloud[0]["hours"] if cloud else (d.get("t_rented_h") or 0.0)
-        # Only cloud hours count against the plan's cloud phase (a hybrid's local phase is already outside it).
-        done = cloud_hours_done(cloud_attempts(self.app, job["id"]), self.clock())
-        return max(hours - done, d.get("overhead_h") or 0.0)
-
-    def _recent_launch_failures(self, job_id: str) -> list[dict[str, Any]]:
-        """Consecutive launch failures since the last attempt that got a usable instance, newest first: refused
-        launches, and instances that never came up (`NEVER_CAME_UP`)."""
-        with self.store.engine.connect() as c:
-            # Never more than max_launch_failures count (then the job blocks and they are reset): read no more.
-            rows = [dict(r) for r in c.execute(
-                select(s.attempts).where(s.attempts.c.job_id == job_id, s.attempts.c.where == "cloud")
-                .order_by(s.attempts.c.n.desc()).limit(self.cfg.daemon.max_launch_failures)).mappings()]
-        out = []
-        for r in rows:
-            never_up = r["state"] == A.ABORTED.value and r["info"].get("stop_reason") in NEVER_CAME_UP
-            if (r["state"] != A.LAUNCH_FAILED.value and not never_up) or r["info"].get("failure_counted") is False:
-                break
-            out.append(r)
-        return out
-
-    def _run_here_meanwhile(self, job: dict[str, Any]) -> None:
-        """Local-only (revert-local): a cloud job that fits locally runs here, late if need be, as revert-local
-        requeues those it brings home; `burst-enable` puts it back on its plan if it has not started
-        (`revert.restore_plans`)."""
-        reason = requeued_local_reason(self.cfg, job["id"], " while bursting is disabled,")
-        with self.store.tx() as conn:
-            if self.store.update_job(job["id"], conn, expect_state=job["state"], placement="local", reason=reason):
-                self.app.events.emit("job.requeued_local", job_id=job["id"], conn=conn, reason=reason)
-
-    def _block(self, job: dict[str, Any], reason: str, *, retry_at: float | None = None,
-               reset_failures: bool = False, budget_launch: dict[str, float] | None = None) -> None:
-        """`budget_launch`: the launch the budget refused (its rate and billing minimum), which the job is decided
-        again only once it fits (`_budget_still_short`)."""
-        with self.store.tx() as conn:
-            spec = {k: v for k, v in job["spec"].items() if k != "_budget_launch"}
-            if retry_at is not None:
-                spec["_retry_at"] = retry_at
-            if budget_launch is not None:
-                spec["_budget_launch"] = budget_launch
-            if self.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.BLOCKED.value,
-                                     reason=reason, spec=spec):
-                self.app.events.emit("job.blocked", job_id=job["id"], conn=conn, reason=reason)
-            if reset_failures:
-                for r in self._recent_launch_failures(job["id"]):
-                    info = {**r["info"], "failure_counted": False}
-                    self.store.set_attempt_info(r["id"], info, conn)
-
-    def _hand_over_held(self, job: dict[str, Any], now: float) -> str | None:
-        """Why a hybrid job's local phase cannot hand over now, else None. Stopping the local run for a burst
-        that cannot launch (no capacity, or the monthly budget would refuse it) would leave the local GPU idle while
-        the deadline slips further. Only capacity on the
-        market the cloud phase would launch on counts (`market_for_attempt`, as `choose_offer` asks it): spot
-        capacity does not take an on-demand phase. A provider that lists capacity and lists none for the job's
-        GPUs on that market holds it; one that cannot tell without launching (EC2 lists its zones whatever their
-        capacity) lets it go."""
-        if not burst_enabled(self.app):
-            return "bursting is disabled (revert-local)"
-        if awaits_approval(job):
-            return f"its price waits for approval: `burstctl approve {job['id']}`"
-        if self.cloud is None or not self.providers:
-            return "no cloud provider is usable"
-        offers, problems, too_small = self._offers_with_capacity(job, now)
-        problems += too_small
-        markets: set[str] = set()  # the markets it would launch on where only the other one has capacity
-        refused: str | None = None  # what the budget says of the launch an offer with capacity would make
-        for name, offer in offers:
-            market, _ = market_for_attempt(self.app, job, name, offer, now)
-            if market is not None and offer.capacity_regions(market):
-                # The launch's own budget check, asked before the local run is stopped.
-                refused = self.launch_budget_problem(job, offer, market, now)
-                if refused is None:
-                    return None
-                continue
-            markets.add((market or Market.SPOT).value)  # None: the spot policy waits for spot, listed gone
-        if refused is not None:
-            return f"the budget would refuse the burst: {refused.removeprefix('budget: ')}"
-        on = f"{' or '.join(sorted(markets))} " if markets else ""
-        return (f"no cloud lists {on}capacity for {_gpus_named(job['spec'])}"
-                + (f" ({'; '.join(problems)})" if problems else ""))
-
-    def _offers_with_capacity(self, job: dict[str, Any], now: float
-                              ) -> tuple[list[tuple[str, Offer]], list[str], list[str]]:
-        """(provider, offer) for each offer of a GPU type and count the job names, whose card holds the job, in a
-        region with capacity now; each provider that did not answer, with its error; and the cards listed too small
-        for the job (none or one line)."""
-        spec = job["spec"]
-        wanted = {g.upper() for g in spec["rented_throughput"]}
-        need_gb = self._card_need_gb(job)
-        found: list[tuple[str, Offer]] = []
-        problems: list[str] = []
-        too_small: dict[str, str] = {}
-        for name, provider in self.providers.items():
-            try:
-                offers = self.offers.get(name, provider, now)
-            except ProviderError as exc:
-                problems.append(f"{name}: {type(exc).__name__}: {self.app.redactor(str(exc))[:200]}")
-                continue
-            for o in offers:
-                if o.gpu_model.upper() not in wanted or o.gpu_count != spec["gpus"] or not o.regions:
-                    continue
-                card_gb = o.vram_gib * 2**30 / 1e9  # a card's label read as GiB, as `decide` reads listings
-                if need_gb is not None and 0 < card_gb < need_gb:  # 0: a listing that does not say
-                    # A card the decision took to be bigger ([prices], or an older listing): a launch would OOM.
-                    too_small[f"{name} {o.instance_type}"] = gb_and_gib(card_gb)
-                    continue
-                found.append((name, o))
-        small: list[str] = []
-        if too_small and need_gb is not None:
-            margin = self.cfg.local.safety_margin_gb
-            small.append(f"too small for its {need_gb - margin:.1f} GB per GPU and {gb_and_gib(margin)} kept free: "
-                         + ", ".join(f"{where} has {gb} per GPU" for where, gb in too_small.items()))
-        return found, problems, small
-
-    def _card_need_gb(self, job: dict[str, Any]) -> float | None:
-        """The memory a rented card must have for this job: its per-GPU estimate and the margin gate 1 keeps free
-        (None without a [model] table: nothing to judge a card by)."""
-        spec = job["spec"]
-        if spec.get("model") is None:
-            return None
-        from orchestrator.core import sizing  # sizing is optional input, as in `queue.facts`
-
-        model = ModelSpec.model_validate(spec["model"], strict=False)
-        return sizing.estimate(model, gpus=spec["gpus"]).per_gpu_gb + self.cfg.local.safety_margin_gb
-
-    def _note(self, job: dict[str, Any], reason: str, *, same_as: str | None = None) -> None:
-        """Say why the job waits. A reason that only updates one starting with `same_as` (a slack counting down)
-        changes what `show` and `list --json` say without another event."""
-        if job["reason"] == reason:
-            return
-        with self.store.tx() as conn:
-            self.store.update_job(job["id"], conn, reason=reason)
-            if same_as is None or not (job["reason"] or "").startswith(same_as):
-                self.app.events.emit("job.waiting", job_id=job["id"], conn=conn, reason=reason)
 
     # --- one step of a cloud attempt ---------------------------------------------------------------------------
     def _cloud_step(self, att: dict[str, Any], job: dict[str, Any]) -> None:
@@ -853,9 +270,9 @@ class Reconciler:
                 att["info"] = info
                 self.emit("attempt.provider_unavailable", job_id=job["id"], attempt_id=att["id"],
                           provider=att["provider"])
-            self._note(job, f"attempt {att['id']} is on provider {att['provider']}, which this daemon cannot use "
-                            "(`burstctl providers` says why): its instance is neither watched nor stopped until "
-                            "it can")
+            note_waiting(self.app, job, f"attempt {att['id']} is on provider {att['provider']}, which this daemon "
+                         "cannot use (`burstctl providers` says why): its instance is neither watched nor stopped "
+                         "until it can")
             return
         if att["info"].get("provider_unavailable"):
             info = {k: v for k, v in att["info"].items() if k != "provider_unavailable"}
@@ -895,84 +312,12 @@ class Reconciler:
         if spec.get("max_run_hours") and att["started_at"] and now - att["started_at"] > spec["max_run_hours"] * 3600:
             return "max-run-time"
         live = att["state"] in (A.RUNNING.value, A.BOOTSTRAPPING.value, A.PROVISIONING.value)
-        if live and self.budget_problem(now) is not None:
+        if live and self.budget.problem(now) is not None:
             return "budget-cap"  # stopped while there is still room to checkpoint, sync and terminate
         if live and kept_probe_for(self, att) is not None:
             return TO_SPOT  # a spot probe came up and is kept to take over (even if a daemon died in between)
         if att["state"] == A.RUNNING.value and att["info"].get("stopping_for"):
             return str(att["info"]["stopping_for"])  # a stop begun by a daemon that died before it ended
-        return None
-
-    # --- the budget: month-to-date spend never crosses budget.monthly_cap_usd (tests/test_budget_property.py) --
-    def budget_horizon_h(self, spec: Mapping[str, Any] | None = None) -> float:
-        """How long a stop of a job with `spec` may take to end the spending (`budget.stop_horizon_h`, with the
-        job's grace for its last checkpoint)."""
-        return stop_horizon_h(self.tick_s, stop_grace_s(spec or {}))
-
-    def budget_exposure(self, now: float) -> dict[str, tuple[float, float, float]]:
-        """Per month that can still grow: (USD committed, USD/h still accruing, USD kept for the running instances
-        to stop: each one's rate over its job's stop horizon). Committed counts closed charges at cost and open
-        ones at no less than their billing minimum (what stopping now would cost). An open charge counts against
-        the month it opened in, even after the calendar has moved on."""
-        with self.store.engine.connect() as c:
-            open_months = {r[0] for r in c.execute(select(s.ledger.c.month).where(s.ledger.c.ended_at.is_(None)))}
-            months = open_months | {month_key(now)}
-            rows = c.execute(select(s.ledger, s.attempts.c.info).select_from(
-                s.ledger.outerjoin(s.attempts, s.attempts.c.id == s.ledger.c.attempt_id))
-                .where(s.ledger.c.month.in_(sorted(months)))).mappings().all()
-            running = {r["job_id"] for r in rows if r["cost_usd"] is None and r["job_id"]}
-            specs = {j: spec for j, spec in c.execute(select(s.jobs.c.id, s.jobs.c.spec).where(
-                s.jobs.c.id.in_(sorted(running))))} if running else {}
-        out = {m: (0.0, 0.0, 0.0) for m in months}
-        for r in rows:
-            committed, accruing, kept = out[r["month"]]
-            if r["cost_usd"] is not None:
-                committed += r["cost_usd"]
-            else:
-                minimum_s = float((r["info"] or {}).get("billing_minimum_s", 0.0))
-                committed += r["rate_usd_h"] * max(minimum_s, now - r["started_at"]) / 3600.0
-                accruing += r["rate_usd_h"]
-                kept += r["rate_usd_h"] * self.budget_horizon_h(specs.get(r["job_id"]))
-            out[r["month"]] = (committed, accruing, kept)
-        return out
-
-    def _budget_still_short(self, job: dict[str, Any], now: float) -> bool:
-        """A job the budget refused at launch still would be. Its decision projects less (no stop horizon, billing
-        minimum or live price), so deciding it again would queue it and the launch refuse it again every tick."""
-        refused = job["spec"].get("_budget_launch")
-        if not refused:
-            return False
-        return self.budget_problem(now, rate_usd_h=float(refused["rate_usd_h"]), minimum_s=float(refused["minimum_s"]),
-                                   expected_h=self._expected_remaining_h(job), spec=job["spec"]) is not None
-
-    def launch_budget_problem(self, job: dict[str, Any], offer: Offer, market: Market, now: float) -> str | None:
-        """Why the budget refuses launching `job` on `offer` and `market` now (its rate, its billing minimum and
-        the hours of work left to it), or None."""
-        return self.budget_problem(now, rate_usd_h=offer.rate_usd_h(market), minimum_s=offer.billing_minimum_s,
-                                   expected_h=self._expected_remaining_h(job), spec=job["spec"])
-
-    def budget_problem(self, now: float, *, rate_usd_h: float = 0.0, minimum_s: float = 0.0,
-                       expected_h: float = 0.0, spec: Mapping[str, Any] | None = None) -> str | None:
-        """Why spending must not go on (or a launch at `rate_usd_h` must not start), or None. Every running
-        instance may go on accruing for one stop horizon after this check, so that is reserved for all of them;
-        a new one must also fit its billing minimum and the work expected of it."""
-        cap = self.cfg.budget.monthly_cap_usd
-        horizon_h = self.budget_horizon_h(spec)
-        this_month = month_key(now)
-        for month, (committed, accruing, kept) in sorted(self.budget_exposure(now).items()):
-            reserved = committed + kept
-            if month == this_month and rate_usd_h > 0:
-                new_h = max(expected_h, minimum_s / 3600.0) + horizon_h
-                left = cap - reserved
-                if rate_usd_h * new_h > left + 1e-9:
-                    # Every term named: the decision's projection (plan hours at the configured price) is smaller.
-                    running = f", ${kept:.2f} kept for the running ones to stop" if accruing else ""
-                    hours = max(expected_h, minimum_s / 3600.0)
-                    return (f"budget: ${rate_usd_h * new_h:.2f} projected for the rest ({hours:.3g} h at today's "
-                            f"${rate_usd_h:.2f}/h, plus {horizon_h * 3600:.0f} s to stop) exceeds the "
-                            f"${max(left, 0.0):.2f} left this month (${committed:.2f} spent or committed{running})")
-            elif reserved >= cap:
-                return f"budget: ${reserved:.2f} committed in {month} reaches the ${cap:.2f} cap"
         return None
 
     def _step_intent(self, att: dict[str, Any], job: dict[str, Any], provider: Provider,
@@ -1440,14 +785,3 @@ def _run_over(status: dict[str, Any] | None) -> bool:
     for then)."""
     return status is None or status.get("exit") is not None or not status.get("supervisor_alive")
 
-
-def _gpu_h(job: dict[str, Any]) -> float:
-    """The local GPU hours a job takes from the start (W / s_L)."""
-    s_local = float(job["spec"].get("local_throughput") or 0.0)
-    return float(job["spec"].get("work_units") or 1.0) / s_local if s_local > 0 else 0.0
-
-
-def _room_to_run(job: dict[str, Any], hours: LocalHours) -> bool:
-    """Whether a local job may start in the local GPU's hours now: one that cannot checkpoint is never paused when
-    they end (its work would be lost), so it starts only when its whole run fits before they do."""
-    return job["spec"]["checkpoint"].get("resumable", True) or hours.room_for(_gpu_h(job))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import func, select
@@ -14,7 +16,8 @@ from providers.registry import build, usable
 from state import schema as s
 
 
-def build_reconciler(app: App, before: Reconciler | None = None) -> Reconciler:
+def build_reconciler(app: App, before: Reconciler | None = None, clock: Callable[[], float] = time.time
+                     ) -> Reconciler:
     """The reconciler for `app`'s config. An enabled provider that cannot be used is said (`provider.unavailable`),
     unless `before` (the reconciler a config reload replaces) already had it unusable for the same reason."""
     from orchestrator.lifecycle.cloud_steps import CloudSteps
@@ -28,7 +31,7 @@ def build_reconciler(app: App, before: Reconciler | None = None) -> Reconciler:
         if said.get(name) != problem:
             app.events.emit("provider.unavailable", provider=name, problem=problem)
     providers = usable(slots)
-    reconciler = Reconciler(app, providers, cloud=CloudSteps(app, providers) if providers else None)
+    reconciler = Reconciler(app, providers, cloud=CloudSteps(app, providers) if providers else None, clock=clock)
     reconciler.unavailable = unavailable
     return reconciler
 

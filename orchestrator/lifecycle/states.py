@@ -71,7 +71,7 @@ STATE_FOR_ACTION: dict[str, JobState] = {
 def state_for(action: str, placement: str) -> JobState:
     """What a fresh decision puts a job in. A hybrid plan awaiting approval is queued all the same: its local phase
     costs nothing and needs no one's leave, and only its hand-over to the cloud waits for `burstctl approve`
-    (`Reconciler._hand_over_held`). Held whole, the local GPU sat idle while the deadline came closer."""
+    (`Admission.hand_over_held`). Held whole, the local GPU sat idle while the deadline came closer."""
     if action == "await-approval" and placement == "hybrid":
         return JobState.QUEUED
     return STATE_FOR_ACTION[action]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 
 from orchestrator.app import burst_enabled
+from orchestrator.lifecycle.budget_guard import expected_remaining_h
 from orchestrator.lifecycle.handover import no_room, wait_or_take_over
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
 from orchestrator.lifecycle.market_switch import spot_region_order
@@ -55,13 +56,13 @@ def launch_successor(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], 
             s.attempts.c.job_id == job["id"], s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
     if any(successor_of(a) == att["id"] for a in live):
         return None
-    choice = rec.choose_offer(job, now, quiet=True)
+    choice = rec.admission.choose_offer(job, now, quiet=True)
     if choice is None:
         return None
     provider_name, offer, market, facts = choice
     rate = offer.rate_usd_h(market)
     if no_room(rec, now, rate_usd_h=rate, minimum_s=offer.billing_minimum_s,
-               expected_h=rec._expected_remaining_h(job), spec=job["spec"]) is not None:
+               expected_h=expected_remaining_h(rec.app, job, now), spec=job["spec"]) is not None:
         return None
     regions: list[str] = []
     if market is Market.SPOT:
@@ -70,7 +71,7 @@ def launch_successor(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], 
         regions = [r for r in listed if r != att["region"]] + [r for r in listed if r == att["region"]]
     with rec.store.tx() as conn:
         # A successor's refused launch is a sighting, not one of the job's launch failures.
-        return rec.write_intent(conn, job, provider_name, offer, market, facts, rate, regions, now,
+        return rec.admission.write_intent(conn, job, provider_name, offer, market, facts, rate, regions, now,
                                 successor_for=att["id"], failure_counted=False)
 
 

@@ -1,0 +1,114 @@
+"""The monthly cap, enforced: month-to-date spend never crosses `budget.monthly_cap_usd`
+(tests/test_budget_property.py). Asked before every launch (`Admission`), of every live attempt each tick
+(`Reconciler._stop_reason`) and before a hybrid hands over (`handover`).
+
+Every running instance may go on accruing for one stop horizon after a check (a tick, then its stop's grace for its
+last checkpoint), so that is reserved for all of them; a new launch must also fit its billing minimum and the work
+expected of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sqlalchemy import select
+
+from orchestrator.app import App
+from orchestrator.core.budget import month_key, stop_horizon_h
+from orchestrator.lifecycle.local import stop_grace_s
+from orchestrator.lifecycle.market_switch import cloud_attempts, cloud_hours_done
+from providers.base import Market, Offer
+from state import schema as s
+
+
+def expected_remaining_h(app: App, job: dict[str, Any], now: float) -> float:
+    """The cloud hours a job's plan still expects: its cloud phase (or its rented time) less what its cloud attempts
+    have run, and never less than its overhead."""
+    d = job["decision"]
+    plan = d.get("plan") or []
+    cloud = [p for p in plan if p["where"] == "cloud"]
+    hours = cloud[0]["hours"] if cloud else (d.get("t_rented_h") or 0.0)
+    # Only cloud hours count against the plan's cloud phase (a hybrid's local phase is already outside it).
+    done = cloud_hours_done(cloud_attempts(app, job["id"]), now)
+    return max(hours - done, d.get("overhead_h") or 0.0)
+
+
+class BudgetGuard:
+    """What the budget allows now, read from the ledger every time (nothing is held in memory)."""
+
+    def __init__(self, app: App, clock: Callable[[], float], tick_s: float):
+        self.app = app
+        self.clock = clock
+        self.tick_s = tick_s  # the daemon's (`daemon --tick` sets it apart from the config's)
+
+    def horizon_h(self, spec: Mapping[str, Any] | None = None) -> float:
+        """How long a stop of a job with `spec` may take to end the spending (`budget.stop_horizon_h`, with the
+        job's grace for its last checkpoint)."""
+        return stop_horizon_h(self.tick_s, stop_grace_s(spec or {}))
+
+    def exposure(self, now: float) -> dict[str, tuple[float, float, float]]:
+        """Per month that can still grow: (USD committed, USD/h still accruing, USD kept for the running instances
+        to stop: each one's rate over its job's stop horizon). Committed counts closed charges at cost and open
+        ones at no less than their billing minimum (what stopping now would cost). An open charge counts against
+        the month it opened in, even after the calendar has moved on."""
+        with self.app.store.engine.connect() as c:
+            open_months = {r[0] for r in c.execute(select(s.ledger.c.month).where(s.ledger.c.ended_at.is_(None)))}
+            months = open_months | {month_key(now)}
+            rows = c.execute(select(s.ledger, s.attempts.c.info).select_from(
+                s.ledger.outerjoin(s.attempts, s.attempts.c.id == s.ledger.c.attempt_id))
+                .where(s.ledger.c.month.in_(sorted(months)))).mappings().all()
+            running = {r["job_id"] for r in rows if r["cost_usd"] is None and r["job_id"]}
+            specs = {j: spec for j, spec in c.execute(select(s.jobs.c.id, s.jobs.c.spec).where(
+                s.jobs.c.id.in_(sorted(running))))} if running else {}
+        out = {m: (0.0, 0.0, 0.0) for m in months}
+        for r in rows:
+            committed, accruing, kept = out[r["month"]]
+            if r["cost_usd"] is not None:
+                committed += r["cost_usd"]
+            else:
+                minimum_s = float((r["info"] or {}).get("billing_minimum_s", 0.0))
+                committed += r["rate_usd_h"] * max(minimum_s, now - r["started_at"]) / 3600.0
+                accruing += r["rate_usd_h"]
+                kept += r["rate_usd_h"] * self.horizon_h(specs.get(r["job_id"]))
+            out[r["month"]] = (committed, accruing, kept)
+        return out
+
+    def still_short(self, job: dict[str, Any], now: float) -> bool:
+        """A job the budget refused at launch still would be. Its decision projects less (no stop horizon, billing
+        minimum or live price), so deciding it again would queue it and the launch refuse it again every tick."""
+        refused = job["spec"].get("_budget_launch")
+        if not refused:
+            return False
+        return self.problem(now, rate_usd_h=float(refused["rate_usd_h"]), minimum_s=float(refused["minimum_s"]),
+                            expected_h=expected_remaining_h(self.app, job, now), spec=job["spec"]) is not None
+
+    def launch_problem(self, job: dict[str, Any], offer: Offer, market: Market, now: float) -> str | None:
+        """Why the budget refuses launching `job` on `offer` and `market` now (its rate, its billing minimum and
+        the hours of work left to it), or None."""
+        return self.problem(now, rate_usd_h=offer.rate_usd_h(market), minimum_s=offer.billing_minimum_s,
+                            expected_h=expected_remaining_h(self.app, job, now), spec=job["spec"])
+
+    def problem(self, now: float, *, rate_usd_h: float = 0.0, minimum_s: float = 0.0,
+                expected_h: float = 0.0, spec: Mapping[str, Any] | None = None) -> str | None:
+        """Why spending must not go on (or a launch at `rate_usd_h` must not start), or None. Every running
+        instance may go on accruing for one stop horizon after this check, so that is reserved for all of them;
+        a new one must also fit its billing minimum and the work expected of it."""
+        cap = self.app.config.budget.monthly_cap_usd
+        horizon_h = self.horizon_h(spec)
+        this_month = month_key(now)
+        for month, (committed, accruing, kept) in sorted(self.exposure(now).items()):
+            reserved = committed + kept
+            if month == this_month and rate_usd_h > 0:
+                new_h = max(expected_h, minimum_s / 3600.0) + horizon_h
+                left = cap - reserved
+                if rate_usd_h * new_h > left + 1e-9:
+                    # Every term named: the decision's projection (plan hours at the configured price) is smaller.
+                    running = f", ${kept:.2f} kept for the running ones to stop" if accruing else ""
+                    hours = max(expected_h, minimum_s / 3600.0)
+                    return (f"budget: ${rate_usd_h * new_h:.2f} projected for the rest ({hours:.3g} h at today's "
+                            f"${rate_usd_h:.2f}/h, plus {horizon_h * 3600:.0f} s to stop) exceeds the "
+                            f"${max(left, 0.0):.2f} left this month (${committed:.2f} spent or committed{running})")
+            elif reserved >= cap:
+                return f"budget: ${reserved:.2f} committed in {month} reaches the ${cap:.2f} cap"
+        return None
