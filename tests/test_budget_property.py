@@ -2,7 +2,7 @@
 month boundaries, the month-to-date spend never exceeds `budget.monthly_cap_usd`.
 
 Driven through the real parts: the reconciler's launch gate (`BudgetGuard.problem`, what
-`_start_cloud_attempt` asks before writing an intent), its running guard (`Reconciler._stop_reason`, asked every
+`_start_cloud_attempt` asks before writing an intent), its running guard (`Reconciler.stop_reason`, asked every
 tick), the store's ledger (`open_charge`) and the reconciler's charge closing (`_close_instance`: billing minimum,
 billed seconds), all on a real SQLite database with an injected clock. The world around them is a small model:
 a stop takes effect within two ticks (SIGTERM, last sync, terminate); a crashed daemon is back within 110 s (the
@@ -86,7 +86,7 @@ class World:
                 self.close(attempt_id)
         job = {"state": "running", "spec": {}}
         for attempt_id, att in self.live.items():
-            if attempt_id not in self.stopping and self.reconciler._stop_reason(att, job) == "budget-cap":
+            if attempt_id not in self.stopping and self.reconciler.stop_reason(att, job) == "budget-cap":
                 self.stopping[attempt_id] = self.now + TEARDOWN_S
 
     def crash(self, down_s: float) -> None:

@@ -1207,12 +1207,12 @@ def test_a_stop_begun_by_a_daemon_killed_while_the_trainer_checkpoints_is_carrie
     job_id, attempt = _running_on_the_cloud(app, tmp_path)
     job = app.store.get_job(job_id)
 
-    assert Reconciler(app, {}, cloud=None)._stop_reason(attempt(), job) is None
+    assert Reconciler(app, {}, cloud=None).stop_reason(attempt(), job) is None
     dying = Reconciler(app, {}, cloud=DiesWhileTheTrainerCheckpoints())  # type: ignore[arg-type]
     with pytest.raises(Killed):
-        dying._stop(attempt(), job, None, TO_ON_DEMAND)  # type: ignore[arg-type]
+        dying.stop(attempt(), job, None, TO_ON_DEMAND)  # type: ignore[arg-type]
     assert attempt()["state"] == "running"
-    assert Reconciler(app, {}, cloud=None)._stop_reason(attempt(), job) == TO_ON_DEMAND  # the next daemon's
+    assert Reconciler(app, {}, cloud=None).stop_reason(attempt(), job) == TO_ON_DEMAND  # the next daemon's
     app.close()
 
 

@@ -446,7 +446,7 @@ class Admission:
     def write_intent(self, conn: Connection, job: dict[str, Any], provider_name: str, offer: Offer, market: Market,
                      market_facts: dict[str, Any], rate: float, regions: tuple[str, ...] | list[str], now: float,
                      **info: Any) -> str:
-        """Write a cloud attempt's intent (launched by its next step, `Reconciler._step_intent`) and say so; its
+        """Write a cloud attempt's intent (launched by its next step, `Reconciler.step_intent`) and say so; its
         id. `info`: more of the attempt's info (a successor's `successor_for`)."""
         placed = {"region_order": list(regions)} if regions else {}
         attempt_id = create_attempt(

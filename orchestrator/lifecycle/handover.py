@@ -52,7 +52,7 @@ def wait_or_take_over(rec: Reconciler, att: dict[str, Any], job: dict[str, Any],
         before = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == predecessor)).scalar()
         row = c.execute(select(s.jobs).where(s.jobs.c.id == job["id"])).mappings().first()
     fresh = dict(row) if row is not None else {**job, "state": "gone"}
-    why_not = rec._stop_reason(att, fresh)
+    why_not = rec.stop_reason(att, fresh)
     if why_not is None:
         inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
         if inst is None or inst.state.gone:

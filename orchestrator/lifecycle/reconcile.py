@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import Connection, insert, select, update
 
 from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key
@@ -187,7 +187,7 @@ class Reconciler:
         if provider is None or att["state"] == A.TERMINATING.value:
             return
         try:
-            self._stop(att, job, provider, "host key changed", outcome=A.ABORTED)
+            self.stop(att, job, provider, "host key changed", outcome=A.ABORTED)
         except Exception as exc2:
             self._step_failed(att, job, exc2)
 
@@ -224,7 +224,7 @@ class Reconciler:
         provider = self.providers.get(att["provider"])
         if provider is not None and att["state"] != A.TERMINATING.value:
             try:
-                self._stop(att, job, provider, reason, outcome=A.FAILED)
+                self.stop(att, job, provider, reason, outcome=A.FAILED)
             except Exception as exc2:
                 self.emit("attempt.error", job_id=att["job_id"], attempt_id=att["id"], state=att["state"],
                           error=f"{type(exc2).__name__}: {exc2}")
@@ -283,11 +283,11 @@ class Reconciler:
             step_probe(self, att, job, provider)
             return
         st = A(att["state"])
-        stop_reason = self._stop_reason(att, job)
+        stop_reason = self.stop_reason(att, job)
         if st is A.INTENT:
-            self._step_intent(att, job, provider, stop_reason)
+            self.step_intent(att, job, provider, stop_reason)
         elif st is A.TERMINATING:
-            self._step_terminating(att, job, provider)
+            self.step_terminating(att, job, provider)
         elif stop_reason is not None:
             self.wind_down(att, job, provider, stop_reason)
         elif st is A.PROVISIONING:
@@ -300,7 +300,7 @@ class Reconciler:
         elif st is A.FINISHING:
             self._step_finishing(att, job, provider)
 
-    def _stop_reason(self, att: dict[str, Any], job: dict[str, Any]) -> str | None:
+    def stop_reason(self, att: dict[str, Any], job: dict[str, Any]) -> str | None:
         """Why an attempt must stop now, whatever its state: cancel, kill switch, budget, max run time, a kept spot
         probe to take over from it."""
         now = self.clock()
@@ -320,7 +320,7 @@ class Reconciler:
             return str(att["info"]["stopping_for"])  # a stop begun by a daemon that died before it ended
         return None
 
-    def _step_intent(self, att: dict[str, Any], job: dict[str, Any], provider: Provider,
+    def step_intent(self, att: dict[str, Any], job: dict[str, Any], provider: Provider,
                      stop_reason: str | None) -> None:
         info = dict(att["info"])
         # Any launch that may have happened is looked up before another is made (no idempotency in every cloud).
@@ -336,19 +336,13 @@ class Reconciler:
             with self.store.tx() as conn:
                 self.store.set_attempt_info(att["id"], info, conn)
             att["info"] = info
-            tags = OwnerTags(self.owner, job["id"], att["id"])
-            req = LaunchRequest(instance_type=att["instance_type"], market=Market(att["market"]), tags=tags,
-                                idempotency_key=att["idempotency_key"], ssh_public_key=self.cloud_steps.public_key,
-                                ssh_key_name=None, region_order=tuple(info.get("region_order") or ()))
             chaos_point("before-launch")  # intent and launch_tried are written; the call is not made
             try:
-                found = provider.launch(req)
+                found = self.launch(att, job, provider)
                 chaos_point("after-launch")  # the instance exists; the database does not know its id
             except LAUNCH_REFUSALS as exc:
-                reason = f"{type(exc).__name__}: {self.app.redactor(str(exc))}"
                 with self.store.tx() as conn:
-                    if move(conn, att, A.LAUNCH_FAILED, reason=reason,
-                            info={**att["info"], "launch_error": category(exc)}):
+                    if reason := self.refused(conn, att, exc):
                         self.app.events.emit("attempt.launch_failed", job_id=job["id"], attempt_id=att["id"],
                                              conn=conn, provider=att["provider"], error=type(exc).__name__,
                                              code=exc.code, reason=reason)
@@ -358,9 +352,25 @@ class Reconciler:
                 self.emit("attempt.launch_unknown", job_id=job["id"], attempt_id=att["id"],
                           error=type(exc).__name__)
                 return
-        self._adopt(att, job, found, "adopted" if adopted else "launched")
+        self.adopt(att, job, found, "adopted" if adopted else "launched")
 
-    def _adopt(self, att: dict[str, Any], job: dict[str, Any], inst: InstanceInfo, how: str) -> None:
+    def launch(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> InstanceInfo:
+        """Launch the instance an attempt's row describes (its type, its market, the regions to try first), tagged
+        with the attempt so that a launch whose answer was lost is found by its tags. Raises the provider's error:
+        a refusal (`LAUNCH_REFUSALS`, see `refused`), or an unknown outcome (throttled or transient after retries)."""
+        return provider.launch(LaunchRequest(
+            instance_type=att["instance_type"], market=Market(att["market"]),
+            tags=OwnerTags(self.owner, job["id"], att["id"]), idempotency_key=att["idempotency_key"],
+            ssh_public_key=self.cloud_steps.public_key, region_order=tuple(att["info"].get("region_order") or ())))
+
+    def refused(self, conn: Connection, att: dict[str, Any], exc: ProviderError) -> str | None:
+        """An attempt whose launch was refused ends `launch_failed`, with the refusal's category (what the next
+        offer's choice and the sightings read); why, or None if it had already moved on."""
+        reason = f"{type(exc).__name__}: {self.app.redactor(str(exc))}"
+        moved = move(conn, att, A.LAUNCH_FAILED, reason=reason, info={**att["info"], "launch_error": category(exc)})
+        return reason if moved else None
+
+    def adopt(self, att: dict[str, Any], job: dict[str, Any], inst: InstanceInfo, how: str) -> None:
         now = self.clock()
         launched = inst.launched_at or now
         with self.store.tx() as conn:
@@ -392,12 +402,12 @@ class Reconciler:
             return
         if inst.state is not InstanceState.RUNNING or not inst.host:
             if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
-                self._stop(att, job, provider, "boot-timeout")  # aborted: the job launches again
+                self.stop(att, job, provider, "boot-timeout")  # aborted: the job launches again
             return
         target = self.cloud_steps.target(att, inst)
         if not self.cloud_steps.reachable(att, target):
             if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
-                self._stop(att, job, provider, "ssh-timeout")  # aborted: the job launches again
+                self.stop(att, job, provider, "ssh-timeout")  # aborted: the job launches again
             return
         boot_s = now - att["created_at"]
         with self.store.tx() as conn:
@@ -414,7 +424,7 @@ class Reconciler:
         problem = passenv.unusable(job["spec"])
         if problem is not None:
             # Launched by a daemon that had the variables, bootstrapped by one restarted without them.
-            self._stop(att, job, provider, problem, outcome=A.ABORTED)
+            self.stop(att, job, provider, problem, outcome=A.ABORTED)
             return
         resume_from = checkpoints.resume_point(self.app, job["id"])
         timings = self.cloud_steps.bootstrap_and_start(att, job, resume_from)
@@ -504,7 +514,7 @@ class Reconciler:
             elif reason == "terminated":  # not by us: a running attempt's stop goes through _stop
                 self._lost(att, job, provider, inst, STOPPED_OUTSIDE, info=info)
             else:
-                self._stop(att, job, provider, exit_reason(self.app, job, ex, prefix="job exited"),
+                self.stop(att, job, provider, exit_reason(self.app, job, ex, prefix="job exited"),
                            outcome=A.FAILED, info=info)
             return
         if not 0 <= now - info.get("market_checked_at", 0) < self.cfg.daemon.market_check_s:
@@ -519,7 +529,7 @@ class Reconciler:
                 target, why = move_to
                 self.emit("attempt.market_switch", job_id=job["id"], attempt_id=att["id"], to=target.value,
                           market_policy=why)
-                self._stop(att, job, provider, TO_ON_DEMAND if target is Market.ON_DEMAND else TO_SPOT, info=info)
+                self.stop(att, job, provider, TO_ON_DEMAND if target is Market.ON_DEMAND else TO_SPOT, info=info)
                 if kept is not None:
                     self._advance(kept, job)  # make before break: the kept probe takes over now, not next tick
                 return
@@ -550,7 +560,7 @@ class Reconciler:
         if reason != "cancelled" and self._has_completed(att, status[0] if status else None):
             self._step_finishing(att, job, provider, stop_reason=reason)
         else:
-            self._stop(att, job, provider, reason, seen=status)
+            self.stop(att, job, provider, reason, seen=status)
 
     def _supervisor_status(self, att: dict[str, Any]) -> dict[str, Any] | None:
         """The supervisor's status; None when it cannot be asked (SSH unreachable, an unreadable answer)."""
@@ -592,7 +602,7 @@ class Reconciler:
         if what is not None:
             info.pop("final_synced")  # the next look starts another last sync
             if stop_reason is not None:
-                self._stop(att, job, provider, stop_reason, info=info)
+                self.stop(att, job, provider, stop_reason, info=info)
             else:
                 self._final_pull_failed(att, job, provider, info, what=what)
             return
@@ -604,7 +614,7 @@ class Reconciler:
                 conn.execute(insert(s.measurements).values(
                     ts=self.clock(), provider=att["provider"], instance_type=throughput_key(info["gpu"], job["name"]),
                     metric="throughput_units_h", value=float(speed) / max(1, int(job["spec"].get("gpus", 1)))))
-        self._stop(att, job, provider, "completed", outcome=A.SUCCEEDED, info=info)
+        self.stop(att, job, provider, "completed", outcome=A.SUCCEEDED, info=info)
 
     def _final_pull_failed(self, att: dict[str, Any], job: dict[str, Any], provider: Provider,
                            info: dict[str, Any], what: str) -> None:
@@ -691,9 +701,9 @@ class Reconciler:
                                      instance=att["instance_id"], provider=att["provider"],
                                      lost_work_h=lost_h, reason=reason)
         if moved:
-            self._step_terminating(att, job, provider)
+            self.step_terminating(att, job, provider)
 
-    def _stop(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, reason: str, *,
+    def stop(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, reason: str, *,
               outcome: AttemptState = A.ABORTED, info: dict[str, Any] | None = None,
               seen: tuple[dict[str, Any] | None] | None = None) -> None:
         """`seen`: the supervisor's status as read this tick, if it was; a stop asked before this call looks at that
@@ -733,9 +743,9 @@ class Reconciler:
                 self.app.events.emit("attempt.stopping", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      reason=reason, outcome=outcome.value)
         if moved:  # else another process moved it first (a finished run's outputs pull, say): its step goes on
-            self._step_terminating(att, job, provider)
+            self.step_terminating(att, job, provider)
 
-    def _step_terminating(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+    def step_terminating(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         started = time.monotonic()
         inst_id = att["instance_id"]
         if inst_id:

@@ -231,7 +231,7 @@ def _active_cloud_attempts(app: App) -> list[dict[str, Any]]:
 
 def _wait_for_daemon(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline: float,
                      report: RevertReport) -> list[RevertRow]:
-    """The running daemon winds the attempts down (its `_stop_reason` reads the switch): wait for their ends, up to
+    """The running daemon winds the attempts down (its `stop_reason` reads the switch): wait for their ends, up to
     the deadline. One it is still winding down then is said (`daemon_winding_down`), not cut short: its last pull
     may be under way, and the daemon ends it."""
     waiting = {att["id"] for att in active}
@@ -278,9 +278,9 @@ def _wind_down(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline
             att = current[attempt_id]
             try:
                 if att["state"] == AttemptState.INTENT.value:
-                    rec._step_intent(att, job, provider, "revert-local")
+                    rec.step_intent(att, job, provider, "revert-local")
                 elif att["state"] == AttemptState.TERMINATING.value:
-                    rec._step_terminating(att, job, provider)
+                    rec.step_terminating(att, job, provider)
                 else:  # a run that has already ended well is finished, not stopped
                     rec.wind_down(att, job, provider, "revert-local")
             except ProviderError:

@@ -41,7 +41,7 @@ from orchestrator.lifecycle.finish import probe_interval_s
 from orchestrator.lifecycle.handover import no_room, wait_or_take_over
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, move
 from orchestrator.lifecycle.machine import create as create_attempt
-from providers.base import LAUNCH_REFUSALS, LaunchRequest, Market, OwnerTags, Provider, ProviderError, category
+from providers.base import LAUNCH_REFUSALS, Market, Provider, ProviderError
 from state import schema as s
 
 if TYPE_CHECKING:
@@ -84,18 +84,14 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
             info={"probe_for": att["id"], "rate_usd_h": rate, "billing_minimum_s": minimum, "launch_tried": True,
                   "failure_counted": False, "gpu": att["info"].get("gpu"), "market_policy": facts})
     probe_id = probe["id"]
-    request = LaunchRequest(instance_type=att["instance_type"], market=Market.SPOT,
-                            tags=OwnerTags(rec.owner, job["id"], probe_id),
-                            idempotency_key=probe["idempotency_key"], ssh_public_key=rec.cloud_steps.public_key)
     said = {"job_id": job["id"], "attempt_id": probe_id, "probe_for": att["id"]}
     try:
-        inst = provider.launch(request)
+        inst = rec.launch(probe, job, provider)
         _chaos_point("probe-up")  # the probe's instance exists; the database does not know its id
     except LAUNCH_REFUSALS as exc:
         wait_s = _next_probe(rec, job, facts, now)
         with rec.store.tx() as conn:
-            move(conn, probe, A.LAUNCH_FAILED, reason=f"{type(exc).__name__}: {rec.app.redactor(str(exc))}",
-                 info={**probe["info"], "launch_error": category(exc)})
+            rec.refused(conn, probe, exc)
         rec.emit("attempt.spot_probe", **said, result="refused", error=type(exc).__name__,
                  next_probe_s=round(wait_s, 1))
         return None
@@ -103,7 +99,7 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
         _next_probe(rec, job, facts, now)
         rec.emit("attempt.spot_probe", **said, result="unknown", error=type(exc).__name__)
         return None  # `step_probe` looks it up by its tags next tick
-    rec._adopt(probe, job, inst, "launched")
+    rec.adopt(probe, job, inst, "launched")
     probe["info"] = {**probe["info"], "kept": True}
     with rec.store.tx() as conn:
         rec.store.set_attempt_info(probe_id, probe["info"], conn)
@@ -141,11 +137,11 @@ def step_probe(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
             with rec.store.tx() as conn:
                 move(conn, att, A.ABORTED, reason=f"{PROBE_REASON}: no instance")
             return
-        rec._adopt(att, job, found, "adopted")
+        rec.adopt(att, job, found, "adopted")
         if A(att["state"]) is not A.PROVISIONING:
             return
     if state is A.TERMINATING:
-        rec._step_terminating(att, job, provider)
+        rec.step_terminating(att, job, provider)
     elif is_kept(att) and state is A.PROVISIONING:
         _step_kept(rec, att, job, provider)
     else:
@@ -177,4 +173,4 @@ def _end(rec: Reconciler, probe: dict[str, Any], job: dict[str, Any], provider: 
     with rec.store.tx() as conn:
         move(conn, probe, A.TERMINATING, info={**probe["info"], "outcome": A.ABORTED.value,
                                                 "stop_reason": reason}, reason=reason)
-    rec._step_terminating(probe, job, provider)
+    rec.step_terminating(probe, job, provider)

@@ -86,7 +86,7 @@ def waits(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provider: P
         reason=f"resuming on {att['provider']} {att['instance_type']} ({att['market']}): the instance launched at "
                "the interruption notice", event="attempt.successor_taken_over", successor_for=predecessor)
     if why_not is not None:
-        rec._stop(att, job, provider, f"successor not needed: {why_not}", outcome=A.ABORTED)
+        rec.stop(att, job, provider, f"successor not needed: {why_not}", outcome=A.ABORTED)
         return True
     if successor_of(att) is None:
         return False
