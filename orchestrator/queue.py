@@ -591,6 +591,13 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
     )
 
 
+def job_facts(app: App, spec: JobSpec, deadline_at: float, now: float, path: str | Path) -> JobFacts:
+    """`facts` for a job file taken in now, with what the state knows of it: the rented throughput measured for jobs
+    of its name, its setup's measured time, and the local GPU's queue ahead of it."""
+    return facts(spec, deadline_at, now, app.config, path, measured_rented_throughput(app, spec),
+                 setup_estimate(app, spec), local_wait_h(app, spec, deadline_at, now))
+
+
 def _priced_names(rented: dict[str, float], cfg: Config) -> dict[str, float]:
     """GPU types as `[prices]` spells them: `h100` in a job file is the H100 priced there, not an unknown type."""
     spelled = {name.lower(): name for name in cfg.prices}
@@ -622,9 +629,7 @@ def enqueue(app: App, path: str | Path, now: float | None = None, *, slot_at: fl
     `slot_at`, from which `deadline_hours` count, and `also(conn, job_id)`, done in the job's own transaction."""
     now = time.time() if now is None else now
     spec, deadline_at = load_job(path, now if slot_at is None else slot_at)
-    cfg = app.config
-    job = facts(spec, deadline_at, now, cfg, path, measured_rented_throughput(app, spec), setup_estimate(app, spec),
-                local_wait_h(app, spec, deadline_at, now))
+    job = job_facts(app, spec, deadline_at, now, path)
     ctx = context(app, now)
     decision = decide(job, ctx)
     d = decision.to_dict()

@@ -31,14 +31,7 @@ from orchestrator.jobspec import (
     too_much_work,
     too_slow,
 )
-from orchestrator.queue import (
-    context,
-    facts,
-    local_wait_h,
-    measured_rented_throughput,
-    record_decision,
-    setup_estimate,
-)
+from orchestrator.queue import context, job_facts, record_decision
 
 FLAG_GPU = "rented"
 
@@ -108,8 +101,7 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
         if given:
             raise BadInput(f"{', '.join(given)} cannot be combined with a job file; edit the file instead")
         spec, deadline_at = load_job(job_file, now)
-        job = facts(spec, deadline_at, now, app.config, job_file, measured_rented_throughput(app, spec),
-                    setup_estimate(app, spec), local_wait_h(app, spec, deadline_at, now))
+        job = job_facts(app, spec, deadline_at, now, job_file)
         ctx = context(app, now)
         if overhead_h is not None:
             _positive("--overhead-h", overhead_h, allow_zero=True)

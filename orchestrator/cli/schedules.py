@@ -62,11 +62,9 @@ def schedule_rows(app: App, now: float) -> list[dict[str, Any]]:
 def _plan_now(app: App, spec: JobSpec, path: Path, deadline_at: float, now: float) -> dict[str, Any]:
     """How a cycle queued now would be decided (`burstctl decide` on the job file): its plan and its cloud cost."""
     from orchestrator.core.decision import decide
-    from orchestrator.queue import context, facts, local_wait_h, measured_rented_throughput, setup_estimate
+    from orchestrator.queue import context, job_facts
 
-    d = decide(facts(spec, deadline_at, now, app.config, path, measured_rented_throughput(app, spec),
-                     setup_estimate(app, spec), local_wait_h(app, spec, deadline_at, now)),
-               context(app, now)).to_dict()
+    d = decide(job_facts(app, spec, deadline_at, now, path), context(app, now)).to_dict()
     cloud = sum(p["cost_usd"] for p in d["plan"] or [] if p["where"] == "cloud")
     hours = max(p["start_after_h"] + p["hours"] for p in d["plan"]) if d["plan"] else None  # to its last phase's end
     return {"verdict": d["verdict"], "plan_kind": d["plan_kind"], "cloud_usd": round(cloud, 4),

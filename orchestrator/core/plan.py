@@ -14,8 +14,9 @@ last hours would fall outside the GPU's hands over when its hours end instead (a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,15 @@ class Plan:
     @property
     def rented_cost_usd(self) -> float:
         return sum(p.cost_usd for p in self.phases if p.where == "cloud")
+
+
+def planned_cloud_hours(decision: Mapping[str, Any]) -> tuple[float, float]:
+    """(hours, start_after_h) of the rented run a decision (`Decision.to_dict`) plans, its overhead included: its
+    plan's cloud phase, else the all-rented run it priced (t_rented_h, from the start; 0 h where there is none)."""
+    cloud = next((p for p in decision.get("plan") or [] if p["where"] == "cloud"), None)
+    if cloud is not None:
+        return float(cloud["hours"]), float(cloud.get("start_after_h") or 0.0)
+    return float(decision.get("t_rented_h") or 0.0), 0.0
 
 
 def latest_switch_h(work: float, s_local: float, s_rented: float, gpus: int, overhead_h: float,

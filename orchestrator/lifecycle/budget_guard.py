@@ -1,6 +1,6 @@
 """The monthly cap, enforced: month-to-date spend never crosses `budget.monthly_cap_usd`
 (tests/test_budget_property.py). Asked before every launch (`Admission`), of every live attempt each tick
-(`Reconciler._stop_reason`) and before a hybrid hands over (`handover`).
+(`Reconciler.stop_reason`) and before a hybrid hands over (`handover`).
 
 Every running instance may go on accruing for one stop horizon after a check (a tick, then its stop's grace for its
 last checkpoint), so that is reserved for all of them; a new launch must also fit its billing minimum and the work
@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from orchestrator.app import App
 from orchestrator.core.budget import month_key, stop_horizon_h
+from orchestrator.core.plan import planned_cloud_hours
 from orchestrator.lifecycle.local import stop_grace_s
 from orchestrator.lifecycle.market_switch import cloud_attempts, cloud_hours_done
 from providers.base import Market, Offer
@@ -25,13 +26,10 @@ from state import schema as s
 def expected_remaining_h(app: App, job: dict[str, Any], now: float) -> float:
     """The cloud hours a job's plan still expects: its cloud phase (or its rented time) less what its cloud attempts
     have run, and never less than its overhead."""
-    d = job["decision"]
-    plan = d.get("plan") or []
-    cloud = [p for p in plan if p["where"] == "cloud"]
-    hours = cloud[0]["hours"] if cloud else (d.get("t_rented_h") or 0.0)
+    hours, _ = planned_cloud_hours(job["decision"])
     # Only cloud hours count against the plan's cloud phase (a hybrid's local phase is already outside it).
     done = cloud_hours_done(cloud_attempts(app, job["id"]), now)
-    return max(hours - done, d.get("overhead_h") or 0.0)
+    return max(hours - done, job["decision"].get("overhead_h") or 0.0)
 
 
 class BudgetGuard:
