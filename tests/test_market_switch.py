@@ -153,6 +153,21 @@ def _running_spot(app: App, n: int, started_at: float, last_checkpoint_at: float
             started_at=started_at))
 
 
+def test_the_policy_weighs_the_work_itself_not_the_rework_a_spot_plan_expects(app: App) -> None:
+    # A spot plan's hours hold the expected rework and restarts of its preemptions (here 5.88 h of work and 0.5 h of
+    # overhead priced as 8 h). The policy counts those itself: the work it weighs is the 5.88 h, as at on-demand.
+    job = _job(app, cloud_h=8.0, overhead_h=0.5, deadline_at=12 * H)
+    job["decision"] = {**job["decision"], "t_rented_h": 6.38}
+    _, facts = market_for_attempt(app, job, "sim", _offer(), now=0.0)
+    assert facts["work_left_h"] == pytest.approx(5.88) and facts["slack_h"] == pytest.approx(12 - 5.88)
+    # A hybrid's cloud phase: its work over its planned speed.
+    job["decision"]["plan"] = [{"where": "local", "hours": 4.0, "work_units": 0.4, "units_h": 0.1},
+                               {"where": "cloud", "hours": 4.5, "market": "spot", "work_units": 0.6, "units_h": 0.15,
+                                "start_after_h": 4.0}]
+    _, facts = market_for_attempt(app, job, "sim", _offer(), now=0.0)
+    assert facts["work_left_h"] == pytest.approx(4.0)
+
+
 def test_a_job_running_on_spot_stays_there_while_the_deadline_has_room(app: App) -> None:
     job = _job(app, cloud_h=2.0, overhead_h=0.1, deadline_at=6 * H)
     _running_spot(app, 1, 0.0)

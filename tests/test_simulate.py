@@ -313,6 +313,57 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, extra: list[str], e
     assert len(lines) == 1 and expect in lines[0] and "Traceback" not in result.stderr
 
 
+SEED_C = Path(__file__).resolve().parents[1] / "examples" / "seed" / "c-big-local-deadline.toml"
+PRICED = "[prices.H100]\non_demand_usd_h = 3.0\nspot_usd_h = 1.0\nvram_gib = 79.65\n"
+
+
+def test_a_job_file_stands_for_the_rented_run_its_decision_plans(burstctl_here, tmp_path: Path) -> None:
+    # The seed's candidate C misses its 12 h deadline locally: its plan runs it locally first and bursts the rest.
+    # Replayed, that rented run has the work left after the local phase (at its planned speed), and the deadline
+    # less that phase: as the five flags with those numbers would give it, and said in the JSON.
+    trace = write_trace(tmp_path / "z.json", [1] * 240)  # spot all along
+    (tmp_path / "c.toml").write_text(PRICED)
+    app = ("--config", str(tmp_path / "c.toml"), "--state-dir", str(tmp_path / "state"))
+    replay = ("simulate", "--trace", str(trace), "--starts", "5", "--workers", "1", "--json")
+    decided = json.loads(burstctl_here(*app, "decide", str(SEED_C), "--no-record", "--json").stdout)
+    cloud = next(p for p in decided["plan"] if p["where"] == "cloud")
+    doc = json.loads(burstctl_here(*app, *replay, "--job", str(SEED_C)).stdout)
+    job = doc["job"]
+    assert job["plan_kind"] == "hybrid" and (job["gpu"], job["gpus"]) == ("H100", 1)
+    assert job["job_hours"] == pytest.approx(cloud["work_units"] / cloud["units_h"], rel=1e-4)
+    assert job["deadline_hours"] == pytest.approx(12 - cloud["start_after_h"], abs=1e-3)
+    assert (job["changeover_hours"], job["od_price"], job["spot_price"]) == (decided["overhead_h"], 3.0, 1.0)
+    flags = ("--job-hours", str(job["job_hours"]), "--deadline-hours", str(job["deadline_hours"]),
+             "--changeover-hours", str(job["changeover_hours"]), "--od-price", "3.0", "--spot-price", "1.0")
+    assert json.loads(burstctl_here(*app, *replay, *flags).stdout)["policies"] == doc["policies"]
+    # Its rented run has 0.75 h of slack, too little for spot at a 0.5 h changeover: the safety net runs it on
+    # on-demand whatever the policy. A flag given beside the job file wins over what the file stands for.
+    assert doc["policies"]["greedy"]["spot_hours"] == 0
+    looser = json.loads(burstctl_here(*app, *replay, "--job", str(SEED_C), "--deadline-hours", "24").stdout)
+    assert looser["job"]["deadline_hours"] == 24 and looser["job"]["job_hours"] == job["job_hours"]
+    assert looser["policies"]["greedy"]["mean_cost_usd"] < doc["policies"]["greedy"]["mean_cost_usd"]
+
+
+def test_a_job_file_without_a_spot_price_or_time_to_rent_is_one_line(burstctl_here, tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "z.json", [1, 0] * 60)
+    (tmp_path / "c.toml").write_text(PRICED.replace("spot_usd_h = 1.0\n", ""))
+    app = ("--config", str(tmp_path / "c.toml"), "--state-dir", str(tmp_path / "state"))
+    r = burstctl_here(*app, "simulate", "--trace", str(trace), "--job", str(SEED_C))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert f"{SEED_C}: field 'rented_throughput': no spot price for H100 to replay" in r.stderr
+    (tmp_path / "c.toml").write_text(PRICED)
+    tight = tmp_path / "tight.toml"  # 1 unit at 0.17/h on the H100 is 5.9 h, and its deadline is 4 h
+    tight.write_text(SEED_C.read_text().replace("deadline_hours = 12", "deadline_hours = 4")
+                     .replace('workdir = ".."', f'workdir = "{SEED_C.parents[1]}"'))
+    r = burstctl_here(*app, "simulate", "--trace", str(trace), "--job", str(tight))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert (f"{tight}: field 'deadline_hours': its rented run (5.88 h of work and 0.5 h of overhead on 1×H100) does "
+            "not fit the 4.00 h it has: no policy can make it") in r.stderr
+    r = burstctl_here(*app, "simulate", "--trace", str(trace), "--job-hours", "4")
+    assert r.returncode == 2 and "give --deadline-hours, --changeover-hours, --od-price, --spot-price, or a job " \
+                                  "file with --job" in r.stderr
+
+
 @needs_traces
 @pytest.mark.slow
 @pytest.mark.parametrize(("setting", "starts"), [("a", 60), ("b", 5)])  # (b): 5 starts a trace, $4.65 apart

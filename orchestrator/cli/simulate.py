@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import sys
+import time
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orchestrator.cli.base import cli, json_option, print_json, table
+from orchestrator.app import App
+from orchestrator.cli.base import cli, json_option, pass_app, print_json, table
 from orchestrator.core.gates import MAX_OVERHEAD_H
 from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES
 from orchestrator.errors import BadInput, shown_count
@@ -66,11 +69,14 @@ def _ratio(value: float | None, spec: str) -> str:
 @click.option("--trace", "trace_paths", multiple=True, required=True, type=str,
               help="Trace JSON file or a directory of them (repeatable).")
 @click.option("--window", type=int, default=None, help="Use only the first TICKS ticks of each trace.")
-@click.option("--job-hours", type=float, required=True, help="C: compute the job needs, hours.")
-@click.option("--deadline-hours", type=float, required=True, help="R: deadline from the job's start, hours.")
-@click.option("--changeover-hours", type=float, required=True, help="d: delay paid on every switch, hours.")
-@click.option("--od-price", type=float, required=True, help="On-demand $/h.")
-@click.option("--spot-price", type=float, required=True, help="Spot $/h.")
+@click.option("--job", "job_file", default=None,
+              help="A job file: C, R, d and the prices are those of the rented run its decision plans (`burstctl "
+                   "decide`), as the daemon would run it; any of the five flags below given beside it wins.")
+@click.option("--job-hours", type=float, default=None, help="C: compute the job needs, hours.")
+@click.option("--deadline-hours", type=float, default=None, help="R: deadline from the job's start, hours.")
+@click.option("--changeover-hours", type=float, default=None, help="d: delay paid on every switch, hours.")
+@click.option("--od-price", type=float, default=None, help="On-demand $/h.")
+@click.option("--spot-price", type=float, default=None, help="Spot $/h.")
 @click.option("--starts", type=int, default=300, show_default=True, help="Random start ticks per trace.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the start ticks.")
 @click.option("--policy", "policy_names", multiple=True, type=str,
@@ -86,18 +92,29 @@ def _ratio(value: float | None, spec: str) -> str:
                    "that ends inside a tick counted as ending with it): about ten times the offline DP's CPU.")
 @click.option("--workers", type=int, default=None, help="Processes to use (default: one per core).")
 @json_option
-def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: float, deadline_hours: float,
-                 changeover_hours: float, od_price: float, spot_price: float, starts: int, seed: int,
+@pass_app
+def simulate_cmd(app: App, trace_paths: tuple[str, ...], window: int | None, job_file: str | None,
+                 job_hours: float | None, deadline_hours: float | None, changeover_hours: float | None,
+                 od_price: float | None, spot_price: float | None, starts: int, seed: int,
                  policy_names: tuple[str, ...], nodes: int, may_move: bool, exact_offline: bool,
                  workers: int | None, as_json: bool) -> None:
     """Replay policies over random starts of real spot traces; report cost, hours, misses, ratio to optimum.
 
-    Semantics and reference figures: Wu et al., "Can't Be Late", NSDI 2024 (see docs/simulate.md).
+    The job is given by --job-hours, --deadline-hours, --changeover-hours, --od-price and --spot-price, or by --job
+    FILE. Semantics and reference figures: Wu et al., "Can't Be Late", NSDI 2024 (see docs/simulate.md).
     """
-    for name, value in (("--job-hours", job_hours), ("--deadline-hours", deadline_hours),
-                        ("--changeover-hours", changeover_hours), ("--od-price", od_price),
-                        ("--spot-price", spot_price)):
+    given = {"--job-hours": job_hours, "--deadline-hours": deadline_hours, "--changeover-hours": changeover_hours,
+             "--od-price": od_price, "--spot-price": spot_price}
+    from_job: dict[str, Any] | None = None
+    if job_file is not None:
+        from_job = job_setting(app, job_file)
+        given = {flag: from_job[flag] if value is None else value for flag, value in given.items()}
+    values = {flag: value for flag, value in given.items() if value is not None}
+    if missing := [flag for flag in given if flag not in values]:
+        raise BadInput(f"give {', '.join(missing)}, or a job file with --job (see --help)")
+    for name, value in values.items():
         _within(name, value)
+    job_hours, deadline_hours, changeover_hours, od_price, spot_price = values.values()
     if deadline_hours < job_hours:
         raise BadInput(f"deadline {deadline_hours:g} h is shorter than the job's {job_hours:g} h: no policy can make "
                        "it", field="--deadline-hours")
@@ -137,6 +154,9 @@ def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: fl
                           on_step=lambda: progress.advance(task), may_move=may_move, exact_offline=exact_offline)
 
     doc = report.as_json(DEFAULT_POLICY)
+    if from_job is not None:  # what the file stood for, with the figures replayed (a flag beside it wins)
+        doc["job"] = {"file": job_file, **from_job["said"], "job_hours": job_hours, "deadline_hours": deadline_hours,
+                      "changeover_hours": changeover_hours, "od_price": od_price, "spot_price": spot_price}
     if as_json:
         print_json(doc)
         return
@@ -149,6 +169,8 @@ def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: fl
                      f"{p['misses']}/{p['runs']}", _ratio(p["ratio_to_offline"], ".3f")))
     off = doc["offline"]
     moving = "; the job may move between zones" if may_move else ""
+    if from_job is not None:
+        click.echo(from_job["summary"])
     table(f"{len(traces)} trace(s) × {starts} starts{moving}; C={job_hours:g} h, R={deadline_hours:g} h, "
           f"d={changeover_hours:g} h",
           ["policy", "mean cost", "savings vs OD", "spot work h", "OD work h", "spot billed h", "OD billed h",
@@ -156,3 +178,49 @@ def simulate_cmd(trace_paths: tuple[str, ...], window: int | None, job_hours: fl
     kind = "exact" if off["exact"] else "lower bound" if exact_offline else "lower bound; --exact-offline for the exact"
     click.echo(f"offline optimum ({kind}): {fmt_usd(off['mean_cost_usd'])}/run; changeover-free bound "
                f"{fmt_usd(off['availability_bound_usd'])}; on-demand only {fmt_usd(doc['od_only_cost_usd'])}")
+
+
+def job_setting(app: App, job_file: str) -> dict[str, Any]:
+    """The five flags a job file stands for: the rented run its decision plans now (`burstctl decide`). C is that
+    run's compute (its work over its speed: what a replay's run must do, a preemption losing none of it), d its
+    overhead (paid again at every switch), R the deadline less any local phase that comes first, and the prices
+    its GPU's (per GPU, times the job's GPUs). Also what to say of it: `said` for the JSON, `summary` for the
+    table."""
+    from orchestrator.core.decision import decide
+    from orchestrator.core.plan import planned_cloud_work_h
+    from orchestrator.jobspec import load_job
+    from orchestrator.queue import context, job_facts
+
+    now = time.time()
+    spec, deadline_at = load_job(job_file, now)
+    job = job_facts(app, spec, deadline_at, now, job_file)
+    ctx = context(app, now)
+    d = decide(job, ctx).to_dict()
+    overhead = float(d["overhead_h"] or 0.0)
+    cloud = next((p for p in d["plan"] or [] if p["where"] == "cloud"), None)
+    # As the daemon asks the spot policy (`market_switch`): the compute of the rented run, which a hybrid's local
+    # phase comes before; a local plan's is the all-rented run it was weighed against.
+    C = planned_cloud_work_h(d)
+    gpu, start_h = (cloud["gpu"], float(cloud["start_after_h"])) if cloud is not None else (d["gpu"], 0.0)
+    if gpu is None or C <= 0:
+        why = next((r for r in reversed(d["reasons"]) if "rent" in r.lower()), d["headline"] or d["verdict"])
+        raise BadInput(f"no rented run to replay: {why}", source=job_file, field="rented_throughput")
+    offer = ctx.offers[gpu]
+    if offer.spot_usd_per_gpu_h is None:
+        raise BadInput(f"no spot price for {gpu} to replay: {offer.no_spot_why}", source=job_file,
+                       field="rented_throughput")
+    R = job.deadline_h - start_h
+    if C + overhead > R + 1e-9:
+        raise BadInput(f"its rented run ({C:.2f} h of work and {overhead:g} h of overhead on {job.gpus}×{gpu}) does "
+                       f"not fit the {R:.2f} h it has: no policy can make it (`burstctl decide` says what to "
+                       "rethink)", source=job_file, field="deadline_hours")
+    setting = {"--job-hours": C, "--deadline-hours": R, "--changeover-hours": overhead,
+               "--od-price": offer.od_usd_per_gpu_h * job.gpus, "--spot-price": offer.spot_usd_per_gpu_h * job.gpus}
+    if cloud is None:
+        run = f"the all-rented run its decision weighed (its plan is {d['plan_kind'] or 'none'})"
+    else:
+        run = "the rented run its decision plans" + (f", after a {start_h:.2f} h local phase" if start_h > 0 else "")
+    summary = (f"{spec.name} ({job_file}): {run}, on {job.gpus}×{gpu}; on-demand ${setting['--od-price']:.2f}/h, "
+               f"spot ${setting['--spot-price']:.2f}/h")
+    said = {"name": spec.name, "gpu": gpu, "gpus": job.gpus, "plan_kind": d["plan_kind"], "start_after_h": start_h}
+    return {**setting, "said": said, "summary": summary}

@@ -67,6 +67,20 @@ def planned_cloud_hours(decision: Mapping[str, Any]) -> tuple[float, float]:
     return float(decision.get("t_rented_h") or 0.0), 0.0
 
 
+def planned_cloud_work_h(decision: Mapping[str, Any]) -> float:
+    """The compute of the rented run a decision plans, in hours at its planned speed: without its overhead, and
+    without the expected rework and restarts that a spot plan's hours also hold (`market.choose_market`). The spot
+    policy counts those itself (each switch pays the changeover; the work a preemption lost is counted as not done),
+    so counted in its work too, its safety net went on-demand hours early. A hybrid's cloud phase: its work over
+    its speed; else the all-rented run's on-demand hours (t_rented_h) less the overhead."""
+    overhead = float(decision.get("overhead_h") or 0.0)
+    cloud = next((p for p in decision.get("plan") or [] if p["where"] == "cloud"), None)
+    if cloud is not None and cloud.get("units_h"):
+        return float(cloud["work_units"]) / float(cloud["units_h"])
+    hours = float(decision.get("t_rented_h") or 0.0) or planned_cloud_hours(decision)[0]
+    return max(hours - overhead, 0.0)
+
+
 def latest_switch_h(work: float, s_local: float, s_rented: float, gpus: int, overhead_h: float,
                     deadline_h: float, margin_h: float) -> float | None:
     """Local hours before bursting the rest still meets the deadline; None when no positive x is safe."""

@@ -15,7 +15,7 @@ import numpy as np
 from sqlalchemy import Connection, func, insert, select
 
 from orchestrator.app import App
-from orchestrator.core.plan import planned_cloud_hours
+from orchestrator.core.plan import planned_cloud_work_h
 from orchestrator.core.spot_policy import (
     DEFAULT_POLICY,
     AvailabilityStats,
@@ -349,7 +349,7 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
     d = job["decision"]
     rows = cloud_attempts(app, job["id"])
     overhead = float(d.get("overhead_h") or 0.0)
-    job_h = max(planned_cloud_hours(d)[0] - overhead, 1e-6)
+    job_h = max(planned_cloud_work_h(d), 1e-6)
     # The cloud phase's clock starts with its first attempt (a hybrid plan's local phase is before it).
     t0 = min((r["created_at"] for r in rows), default=now)
     # Progress is what a preemption now would leave: the replays' jobs lose nothing when preempted, a real one loses
