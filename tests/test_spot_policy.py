@@ -386,3 +386,17 @@ def test_a_plan_for_a_shell_that_never_leaves_on_demand_waits_for_spot_instead_o
     assert SemiMarkovDP(od_is_final=True).decide(on_od_spot_back) is Market.ON_DEMAND
     near_deadline = dataclasses.replace(idle_in_outage, elapsed_h=11.7, progress_h=0.0)
     assert SemiMarkovDP(od_is_final=True).decide(near_deadline) is Market.ON_DEMAND, "the safety net still holds"
+
+
+def test_a_changeover_spans_a_few_plan_steps_whatever_the_decision_tick() -> None:
+    # The daemon asks every minute: a 0.5 h changeover planned minute by minute was 31 phases of the table, 240 MB and
+    # 1.5 CPU-seconds a plan with four regimes. Its plan steps are now at least a quarter of the changeover. The
+    # paper's settings, whose ticks are longer than that already, are planned on their own tick as before.
+    policy = SemiMarkovDP()
+    daemon = policy.plan_for(5.0, 12.0, 0.5, 1 / 60, 3.0, 1.0, None)
+    assert daemon.step_h == pytest.approx(0.5 / 4 + 1 / 120, abs=1 / 120) and daemon.phases <= 5
+    assert daemon.actions.nbytes < 10e6
+    uncapped = SemiMarkovDP(max_changeover_steps=10**6)
+    for tick_h in (1 / 6, 195 / 3600):  # settings (a) and (b)
+        job = (48.0, 60.0, 0.2, tick_h, 3.06, 0.9731, None)
+        assert policy.plan_for(*job).step_h == uncapped.plan_for(*job).step_h

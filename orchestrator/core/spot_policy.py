@@ -584,8 +584,8 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     return DPPlan(step_h=step_h, units_per_step=m, changeover_units=d_units, phases=phases, actions=actions)
 
 
-# Plans kept per process (a setting (a) plan is 44 MB). Replays group their runs so that no group passes through
-# more models than this, so each model is planned once.
+# Plans kept per process (a setting (a) plan is 44 MB; a daemon's 6-100 MB with four regimes, by the job's hours).
+# Replays group their runs so that no group passes through more models than this, so each model is planned once.
 PLANS_CACHED = 6
 
 
@@ -616,6 +616,10 @@ class SemiMarkovDP:
     prior_outage_h: float = 1.0
     max_steps: int = 400  # longer horizons are planned on a coarser step (a multiple of the tick)
     max_slack_units: int = 400  # bound on the slack axis: finer is closer to exact, slower to plan
+    # A changeover spans at most this many steps: the table holds a row per step of one (its phases). At the
+    # daemon's 1-minute tick a 0.5 h changeover was 31 phases, and one plan 240 MB and 1.5 CPU-seconds; the
+    # paper's settings (a 10-minute tick and 0.2 h, 195 s and 720 s) are within it and planned as before.
+    max_changeover_steps: int = 4
     uses_history: bool = True
     # Plan for a shell that never leaves on-demand (the daemon's): see `solve_plan`.
     od_is_final: bool = False
@@ -627,7 +631,8 @@ class SemiMarkovDP:
 
     def plan_for(self, job_hours: float, deadline_hours: float, changeover_h: float, tick_h: float,
                  od_price: float, spot_price: float, stats: AvailabilityStats | None) -> DPPlan:
-        step_h = tick_h * max(1, math.ceil(deadline_hours / tick_h / self.max_steps))
+        step_h = tick_h * max(1, math.ceil(deadline_hours / tick_h / self.max_steps),
+                              math.ceil(changeover_h / tick_h / self.max_changeover_steps - 1e-9))
         return cached_plan(self.model_for(stats, tick_h), job_hours, deadline_hours, changeover_h, step_h,
                            od_price, spot_price, self.max_slack_units, self.od_is_final)
 
