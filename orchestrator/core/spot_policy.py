@@ -321,23 +321,39 @@ class DPPlan:
     Time runs in DP steps of `step_h` (the decision tick); work and slack in units of step_h / `units_per_step`.
     `actions[k, j, a, r, b, s]` is a `MARKET_CODE`: k steps left, j the market index (0 idle, 1..phases spot,
     phases+1..2*phases on-demand, by ticks since the switch), a spot up now, r regime, b age bucket, s units of
-    slack.
+    slack. Kept as `packed`, four actions a byte (a code takes 2 bits): a quarter of the memory, for the plans a
+    replay or a daemon keeps (`PLANS_CACHED`); `read` takes entries out, `actions` the whole table. Each step's
+    row of n entries is packed as four quarters of n/4 bytes: entry i of a row is in byte i % (n/4), at bits
+    2·(i // (n/4)), so packing a row is four whole-slice operations (interleaved entries took 0.17 s a plan).
     """
 
     step_h: float
     units_per_step: int
     changeover_units: int
     phases: int
-    actions: np.ndarray = field(repr=False)
+    shape: tuple[int, ...]
+    packed: np.ndarray = field(repr=False)  # uint8, (steps, row size / 4)
+
+    @property
+    def actions(self) -> np.ndarray:
+        """The whole table, unpacked (int8, `shape`)."""
+        return self.read(np.arange(math.prod(self.shape))).reshape(self.shape)
+
+    def read(self, flat: np.ndarray) -> np.ndarray:
+        """The actions at these places of the table flattened (`index`), as int8 market codes."""
+        quarter = self.packed.shape[1]
+        k, i = np.divmod(np.asarray(flat), 4 * quarter)
+        part, byte = np.divmod(i, quarter)
+        return ((self.packed[k, byte] >> (2 * part).astype(np.uint8)) & 3).astype(np.int8)
 
     def index(self, elapsed_h: np.ndarray | float, progress_h: np.ndarray | float, market: np.ndarray | int,
               spot_available: np.ndarray | bool, changeover_left_h: np.ndarray | float, age_h: np.ndarray | float,
               deadline_hours: float, job_hours: float,
               recent_up_fraction: np.ndarray | float = 1.0, recent_changes: np.ndarray | int = 0) -> np.ndarray:
-        """Where runs in these states (arrays or scalars broadcast together) are in `actions.reshape(-1)`: the
-        same in every plan of the same job and shape, whatever its model."""
+        """Where runs in these states (arrays or scalars broadcast together) are in the table flattened (`read`):
+        the same in every plan of the same job and shape, whatever its model."""
         m, unit = self.units_per_step, self.step_h / self.units_per_step
-        k_max, s_max = self.actions.shape[0] - 1, self.actions.shape[-1] - 1
+        k_max, s_max = self.shape[0] - 1, self.shape[-1] - 1
         # Round against the job: whole steps left rounded down, work left rounded up.
         # (np.minimum/np.maximum rather than np.clip: the same, with a fraction of the overhead on small arrays)
         k = np.floor((deadline_hours - elapsed_h) / self.step_h + 1e-6).astype(np.int64)
@@ -349,18 +365,17 @@ class DPPlan:
         phase = np.minimum(np.maximum(-((left_units - self.changeover_units) // m), 0), self.phases - 1)
         market = np.asarray(market)
         j = np.where(market == SPOT_CODE, 1 + phase, np.where(market == OD_CODE, 1 + self.phases + phase, 0))
-        r = regime_in(self.actions.shape[3], recent_up_fraction, recent_changes)
+        r = regime_in(self.shape[3], recent_up_fraction, recent_changes)
         return np.ravel_multi_index((k, j, np.asarray(spot_available).astype(np.int64), r, age_bucket(age_h), s),
-                                    self.actions.shape)
+                                    self.shape)
 
     def lookup(self, elapsed_h: np.ndarray | float, progress_h: np.ndarray | float, market: np.ndarray | int,
                spot_available: np.ndarray | bool, changeover_left_h: np.ndarray | float, age_h: np.ndarray | float,
                deadline_hours: float, job_hours: float,
                recent_up_fraction: np.ndarray | float = 1.0, recent_changes: np.ndarray | int = 0) -> np.ndarray:
         """The planned action for runs in these states (arrays or scalars broadcast together)."""
-        return self.actions.reshape(-1)[self.index(elapsed_h, progress_h, market, spot_available, changeover_left_h,
-                                                   age_h, deadline_hours, job_hours, recent_up_fraction,
-                                                   recent_changes)]
+        return self.read(self.index(elapsed_h, progress_h, market, spot_available, changeover_left_h, age_h,
+                                    deadline_hours, job_hours, recent_up_fraction, recent_changes))
 
 
 def _units_per_step(step_h: float, changeover_h: float, slack_h: float, max_slack_units: int) -> int:
@@ -471,8 +486,13 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     # Changeover units an on-demand finish still pays, per market index: all of d unless already on on-demand.
     chg_left = np.full(n_markets, d_units)
     chg_left[1 + phases:] = np.maximum(d_units - m * np.arange(phases), 0)
-    actions = np.empty((k_max + 1, n_markets, *shape), dtype=np.int8)
-    actions[0] = IDLE_CODE
+    # Each step's actions are chosen into `act`, then packed into their step's row of `packed` (`DPPlan`: a row
+    # holds 2 × 12 × ... entries, a multiple of 4).
+    act = np.empty((n_markets, *shape), dtype=np.int8)
+    packed = np.empty((k_max + 1, act.size // 4), dtype=np.uint8)
+    shifted_codes = np.empty(act.size // 4, dtype=np.uint8)
+    act[...] = IDLE_CODE
+    _pack(act, packed[0], shifted_codes)
 
     def shifted(out: np.ndarray, price: np.float32, after_step: np.ndarray, by: int) -> None:
         """out = price + after_step at slack s - by (a step that spends `by` units of slack); below 0, a miss."""
@@ -554,7 +574,6 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
             np.minimum(q_spot[0], best[p, 1], out=value[1 + i, 1])
             np.minimum(q_spot[p], best[0, 1], out=value_spot[i])
         # Actions for every market and phase (idle, spot and on-demand at phase 0 face the same choice).
-        act = actions[k]
         np.greater(q_idle, q_od[0], out=worse[0])
         choose(act[0], worse[0], q_spot[0], best[0])
         act[1] = act[0]
@@ -581,10 +600,22 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
             value[..., done] = 0.0
             value_spot[..., done] = 0.0
             act[..., done] = IDLE_CODE
-    return DPPlan(step_h=step_h, units_per_step=m, changeover_units=d_units, phases=phases, actions=actions)
+        _pack(act, packed[k], shifted_codes)
+    return DPPlan(step_h=step_h, units_per_step=m, changeover_units=d_units, phases=phases,
+                  shape=(k_max + 1, *act.shape), packed=packed)
 
 
-# Plans kept per process (a setting (a) plan is 44 MB; a daemon's 6-100 MB with four regimes, by the job's hours).
+def _pack(act: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
+    """A step's market codes (0 to 2) four to a byte: its quarters, the first in the lowest two bits (`DPPlan`)."""
+    quarters = act.reshape(4, -1).view(np.uint8)
+    np.left_shift(quarters[3], 6, out=out)
+    for part in (2, 1):
+        np.left_shift(quarters[part], 2 * part, out=tmp)
+        out |= tmp
+    out |= quarters[0]
+
+
+# Plans kept per process (a setting (a) plan keeps 11 MB; a daemon's 2-26 MB with four regimes, by the job's hours).
 # Replays group their runs so that no group passes through more models than this, so each model is planned once.
 PLANS_CACHED = 6
 
@@ -666,10 +697,10 @@ class SemiMarkovDP:
             places: dict[tuple[int, ...], np.ndarray] = {}
             for g in np.flatnonzero(np.bincount(batch.which, minlength=len(batch.known))):
                 plan = self.plan_for(*job, batch.known[g])
-                if plan.actions.shape not in places:
-                    places[plan.actions.shape] = plan.index(*state)
+                if plan.shape not in places:
+                    places[plan.shape] = plan.index(*state)
                 sel = batch.which == g
-                out[sel] = plan.actions.reshape(-1)[places[plan.actions.shape][sel]]
+                out[sel] = plan.read(places[plan.shape][sel])
         out[(out == SPOT_CODE) & ~batch.spot_available] = IDLE_CODE
         out[safety_net_engaged_batch(batch)] = OD_CODE
         out[batch.progress_h >= batch.job_hours] = IDLE_CODE
