@@ -16,8 +16,9 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from baseline import baseline_tree  # benchmarks/baseline.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "e95c7e1"  # the last commit before plans stepped a quarter of the changeover and packed their actions
@@ -61,17 +62,11 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
-    with tempfile.TemporaryDirectory(prefix="burstctl-baseline-") as tmp:
-        base = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline], cwd=REPO, check=True,
-                       capture_output=True)
-        try:
-            runs: dict[str, list[list[dict]]] = {"baseline": [], "now": []}
-            for _ in range(args.rounds):
-                runs["baseline"].append(measure(base))
-                runs["now"].append(measure(REPO))
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, check=True)
+    runs: dict[str, list[list[dict]]] = {"baseline": [], "now": []}
+    with baseline_tree(args.baseline) as base:
+        for _ in range(args.rounds):
+            runs["baseline"].append(measure(base))
+            runs["now"].append(measure(REPO))
     print(f"| C, R, d (h) | baseline {args.baseline}: step, MB, CPU s | now: step, MB, CPU s | memory | CPU |")
     print("|---|---|---|---|---|")
     for i, (job_h, deadline_h, changeover_h) in enumerate(JOBS):

@@ -14,9 +14,10 @@ import json
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from baseline import baseline_tree  # benchmarks/baseline.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "b2f0f4d"  # the last commit before planning and the replay were made faster (docs/simulate.md)
@@ -63,22 +64,15 @@ def main() -> None:
     if args.child:
         child(args.child, args.settings, args.starts, args.seed, args.workers)
         return
-    with tempfile.TemporaryDirectory(prefix="burstctl-baseline-") as tmp:
-        base = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline], cwd=REPO, check=True,
-                       capture_output=True)
-        try:
-            rows = []
-            for setting in args.settings:
-                b_wall, b_cpu, b_doc = measure(base, setting, args)
-                n_wall, n_cpu, n_doc = measure(REPO, setting, args)
-                same = b_doc["policies"] == n_doc["policies"] and b_doc["offline"] == n_doc["offline"]
-                rows.append(f"| ({setting}) | {b_wall:.0f} s / {b_cpu:.0f} s | {n_wall:.1f} s / {n_cpu:.1f} s "
-                            f"| {b_wall / n_wall:.1f}x / {b_cpu / n_cpu:.1f}x | {'yes' if same else 'NO'} |")
-                print(rows[-1], file=sys.stderr)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, check=False,
-                           capture_output=True)
+    with baseline_tree(args.baseline) as base:
+        rows = []
+        for setting in args.settings:
+            b_wall, b_cpu, b_doc = measure(base, setting, args)
+            n_wall, n_cpu, n_doc = measure(REPO, setting, args)
+            same = b_doc["policies"] == n_doc["policies"] and b_doc["offline"] == n_doc["offline"]
+            rows.append(f"| ({setting}) | {b_wall:.0f} s / {b_cpu:.0f} s | {n_wall:.1f} s / {n_cpu:.1f} s "
+                        f"| {b_wall / n_wall:.1f}x / {b_cpu / n_cpu:.1f}x | {'yes' if same else 'NO'} |")
+            print(rows[-1], file=sys.stderr)
     print(f"\n`simulate`, 4 policies + offline optimum, {args.starts} starts/trace, seed {args.seed}, "
           f"{args.workers} workers; baseline {args.baseline}\n")
     print("| setting | baseline wall / CPU | this tree wall / CPU | speed-up wall / CPU | same JSON figures |")
