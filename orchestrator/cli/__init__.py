@@ -20,10 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     NOTES.clear()
     CONFIG_PROBLEMS.clear()
     try:
-        cli.main(args=argv, prog_name="burstctl", standalone_mode=False)
+        # Without standalone mode, click returns a command's `click.exceptions.Exit` code (`burstctl ssh`: the
+        # remote command's status) instead of raising it; every command itself returns None.
+        code = cli.main(args=argv, prog_name="burstctl", standalone_mode=False)
         for note in NOTES:
             print(f"burstctl: note: {note}", file=sys.stderr)
-        return 0
+        return code if type(code) is int else 0
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
     except click.UsageError as exc:

@@ -37,7 +37,7 @@ COMMAND_MODULES = {
     "status": "status", "providers": "providers", "revert-local": "revert", "burst-enable": "revert",
     "copy-state": "state", "prune-events": "state", "simcloud": "simcloud", "rehearse": "rehearse", "demo": "demo",
     "report": "report", "logs": "logs", "schedules": "schedules",
-    "notify-test": "notify",
+    "notify-test": "notify", "ssh": "shell",
 }
 
 # Each command's line in `burstctl --help`, so that listing them imports none (the docstring is the long help).
@@ -66,6 +66,7 @@ COMMAND_SUMMARIES = {
     "simcloud": "The embedded simulated cloud.",
     "simulate": "Replay spot/on-demand policies against real spot traces.",
     "size": "Estimate a job's training memory and the GPUs it fits.",
+    "ssh": "Log in to the instance a job runs on, or run a command there.",
     "status": "Whether the daemon runs, the mode, active jobs and spend.",
 }
 

@@ -359,8 +359,9 @@ def ssh_argv(target: Target, known_hosts: Path, *, connect_timeout_s: int = 10) 
 
 
 @contextlib.contextmanager
-def rsync_ssh_command(target: Target, trust: HostKeyTrust, *, connect_timeout_s: int = 10) -> Iterator[str]:
-    """The string for `rsync -e`, with a private known_hosts file holding exactly the expected key.
+def pinned_ssh_argv(target: Target, trust: HostKeyTrust, *, connect_timeout_s: int = 10) -> Iterator[list[str]]:
+    """`ssh` and its options (`ssh_argv`; the host and a command go after them), with a private known_hosts file
+    holding exactly the expected key.
 
     The key must already be known (pinned, or recorded by a first `connect`); the file is removed on exit.
     """
@@ -375,10 +376,17 @@ def rsync_ssh_command(target: Target, trust: HostKeyTrust, *, connect_timeout_s:
         argv = ssh_argv(target, Path(path), connect_timeout_s=connect_timeout_s)
         # Offer the pinned key type first, so a host with several keys cannot fail on the "wrong" one.
         argv[1:1] = ["-o", f"HostKeyAlgorithms={expected.split()[0]}"]
-        yield shlex.join(argv)  # rsync splits -e on whitespace and honours these quotes
+        yield argv
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+@contextlib.contextmanager
+def rsync_ssh_command(target: Target, trust: HostKeyTrust, *, connect_timeout_s: int = 10) -> Iterator[str]:
+    """The string for `rsync -e` (`pinned_ssh_argv`)."""
+    with pinned_ssh_argv(target, trust, connect_timeout_s=connect_timeout_s) as argv:
+        yield shlex.join(argv)  # rsync splits -e on whitespace and honours these quotes
 
 
 # --- the orchestrator's own key --------------------------------------------------------------------------------

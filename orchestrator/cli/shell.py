@@ -1,0 +1,75 @@
+"""`burstctl ssh`: a shell, or one command, on the instance a job's cloud attempt runs on."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from typing import Any
+
+import click
+from sqlalchemy import select
+
+from orchestrator.app import App
+from orchestrator.cli.base import cli, pass_app
+from orchestrator.cli.jobs import job_or_fail
+from orchestrator.errors import OperationalError
+from orchestrator.lifecycle.machine import AttemptState
+from state import schema as s
+
+A = AttemptState
+# States in which an attempt's instance is up and bootstrapped far enough to log in to (its host and port known).
+LOGGED_IN_STATES = (A.BOOTSTRAPPING.value, A.RUNNING.value, A.FINISHING.value)
+
+
+@cli.command("ssh", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("job")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@pass_app
+def ssh_cmd(app: App, job: str, command: tuple[str, ...]) -> None:
+    """Log in to the instance JOB's cloud attempt runs on, in the job's workdir there; or run COMMAND there
+    (`burstctl ssh JOB -- nvidia-smi`), exiting with its status.
+
+    The daemon's own key and the instance's pinned host key (a changed one is refused, never trusted). The job's
+    environment (its env and pass_env) is not set: its values stay in the run's private env file on the instance.
+    """
+    if command[:1] == ("--",):  # click passes it on to an argument that takes everything unprocessed
+        command = command[1:]
+    found = job_or_fail(app, job, newest=True)
+    att = _logged_in_attempt(app, found)
+    from orchestrator.lifecycle.cloud_steps import CloudSteps, DbHostKeyTrust
+    from orchestrator.remote.ssh import pinned_ssh_argv
+
+    target = CloudSteps(app, {}).target(att)
+    workdir = f"burst/{found['id']}/work"  # under the login's home (cloud_steps' remote layout)
+    if command:
+        remote = f"cd {shlex.quote(workdir)} && {shlex.join(command)}"
+    else:
+        remote = f'cd {shlex.quote(workdir)} 2>/dev/null; exec "${{SHELL:-/bin/sh}}" -l'
+    click.echo(f"# {found['name']} ({found['id']}), attempt {att['n']} on {att['provider']} "
+               f"{att['instance_type']} ({att['market']}), instance {att['instance_id']}", err=True)
+    with pinned_ssh_argv(target, DbHostKeyTrust(app, att["provider"])) as argv:
+        tty = ["-t"] if not command and sys.stdin.isatty() else []
+        # Not exec: the known_hosts file is removed once ssh ends.
+        code = subprocess.call([*argv, *tty, target.host, remote])
+    raise click.exceptions.Exit(code)
+
+
+def _logged_in_attempt(app: App, job: dict[str, Any]) -> dict[str, Any]:
+    """The job's cloud attempt whose instance can be logged in to: the newest (a successor taking over, a kept spot
+    probe, are newer than the attempt they follow). Else why there is none."""
+    with app.store.engine.connect() as c:
+        rows = [dict(r) for r in c.execute(select(s.attempts).where(s.attempts.c.job_id == job["id"])
+                                           .order_by(s.attempts.c.n.desc())).mappings()]
+    for att in rows:
+        if att["where"] == "cloud" and att["state"] in LOGGED_IN_STATES and att["info"].get("host"):
+            return att
+    local = next((a for a in rows if a["where"] == "local" and not A(a["state"]).final), None)
+    if local is not None:
+        raise OperationalError(f"job {job['id']} runs locally (attempt {local['n']}, {local['state']}): no instance "
+                               f"to log in to; its workdir is {job['spec'].get('workdir')}")
+    up = next((a for a in rows if a["where"] == "cloud" and not A(a["state"]).final), None)
+    if up is not None:
+        raise OperationalError(f"job {job['id']}'s attempt {up['n']} on {up['provider']} is {up['state']}: its "
+                               "instance cannot be logged in to yet; try again once it is bootstrapping or running")
+    raise OperationalError(f"job {job['id']} ({job['state']}) has no cloud instance up")
