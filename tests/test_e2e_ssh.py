@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.app import App
 from orchestrator.lifecycle import machine
+from state import schema as s
 from tests.e2e import Daemon, cli, enqueue, events, simcloud, trainer_job, wait_for, write_config
 
 
@@ -22,8 +23,22 @@ def test_a_job_running_locally_or_whose_instance_is_not_up_says_why_in_one_line(
         with app.store.tx() as conn:
             machine.create(conn, job_id, where=where, provider="sim" if where == "cloud" else "local",
                            instance_type="gpu_1x_h100", market=None, info={}, created_at=time.time())
+    # A job whose successor bootstraps beside the attempt running it (make before break on a spot notice).
+    app.store.insert_job({"id": "jboth", "name": "jboth", "kind": "train", "state": "running", "verdict": "burst",
+                          "placement": "cloud", "spec": {"workdir": "/w"}, "decision": {},
+                          "deadline_at": time.time() + 3600})
+    for state_ in ("running", "bootstrapping"):
+        with app.store.tx() as conn:
+            att = machine.create(conn, "jboth", where="cloud", provider="sim", instance_type="gpu_1x_h100",
+                                 market="spot", info={"host": "127.0.0.1", "port": 9, "user": "u"},
+                                 created_at=time.time())
+            conn.execute(s.attempts.update().where(s.attempts.c.id == att["id"]).values(
+                state=state_, instance_id=f"i-{state_}"))
     app.close()
     state = ("--state-dir", str(tmp_path / "state"))
+    r = burstctl_here(*state, "ssh", "jboth", "--", "true")  # no host key recorded for it here: refused
+    assert r.returncode == 1 and "attempt 1 on sim gpu_1x_h100 (spot), instance i-running" in r.stderr, r.stderr
+    assert "no host key pinned or recorded yet" in r.stderr
     r = burstctl_here(*state, "ssh", "jlocal")
     assert (r.returncode, r.stderr.strip()) == (1, "burstctl: error: job jlocal runs locally (attempt 1, intent): no "
                                                    "instance to log in to; its workdir is /home/me/work")

@@ -56,20 +56,21 @@ def ssh_cmd(app: App, job: str, command: tuple[str, ...]) -> None:
 
 
 def _logged_in_attempt(app: App, job: dict[str, Any]) -> dict[str, Any]:
-    """The job's cloud attempt whose instance can be logged in to: the newest (a successor taking over, a kept spot
-    probe, are newer than the attempt they follow). Else why there is none."""
+    """The job's cloud attempt whose instance can be logged in to: the one running it, else the newest that is up
+    (a successor bootstrapping beside it waits to take over). Else why there is none."""
     with app.store.engine.connect() as c:
         rows = [dict(r) for r in c.execute(select(s.attempts).where(s.attempts.c.job_id == job["id"])
                                            .order_by(s.attempts.c.n.desc())).mappings()]
-    for att in rows:
-        if att["where"] == "cloud" and att["state"] in LOGGED_IN_STATES and att["info"].get("host"):
-            return att
+    up = [a for a in rows if a["where"] == "cloud" and a["state"] in LOGGED_IN_STATES and a["info"].get("host")]
+    if up:
+        return min(up, key=lambda a: (a["state"] != A.RUNNING.value, -a["n"]))
     local = next((a for a in rows if a["where"] == "local" and not A(a["state"]).final), None)
     if local is not None:
         raise OperationalError(f"job {job['id']} runs locally (attempt {local['n']}, {local['state']}): no instance "
                                f"to log in to; its workdir is {job['spec'].get('workdir')}")
-    up = next((a for a in rows if a["where"] == "cloud" and not A(a["state"]).final), None)
-    if up is not None:
-        raise OperationalError(f"job {job['id']}'s attempt {up['n']} on {up['provider']} is {up['state']}: its "
-                               "instance cannot be logged in to yet; try again once it is bootstrapping or running")
+    coming = next((a for a in rows if a["where"] == "cloud" and not A(a["state"]).final), None)
+    if coming is not None:
+        raise OperationalError(f"job {job['id']}'s attempt {coming['n']} on {coming['provider']} is "
+                               f"{coming['state']}: its instance cannot be logged in to yet; try again once it is "
+                               "bootstrapping or running")
     raise OperationalError(f"job {job['id']} ({job['state']}) has no cloud instance up")
