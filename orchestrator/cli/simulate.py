@@ -187,7 +187,7 @@ def job_setting(app: App, job_file: str) -> dict[str, Any]:
     its GPU's (per GPU, times the job's GPUs). Also what to say of it: `said` for the JSON, `summary` for the
     table."""
     from orchestrator.core.decision import decide
-    from orchestrator.core.plan import planned_cloud_work_h
+    from orchestrator.core.plan import cloud_phase, planned_cloud_work_h
     from orchestrator.jobspec import load_job
     from orchestrator.queue import context, job_facts
 
@@ -197,7 +197,7 @@ def job_setting(app: App, job_file: str) -> dict[str, Any]:
     ctx = context(app, now)
     d = decide(job, ctx).to_dict()
     overhead = float(d["overhead_h"] or 0.0)
-    cloud = next((p for p in d["plan"] or [] if p["where"] == "cloud"), None)
+    cloud = cloud_phase(d)
     # As the daemon asks the spot policy (`market_switch`): the compute of the rented run, which a hybrid's local
     # phase comes before; a local plan's is the all-rented run it was weighed against.
     C = planned_cloud_work_h(d)

@@ -58,10 +58,15 @@ class Plan:
         return sum(p.cost_usd for p in self.phases if p.where == "cloud")
 
 
+def cloud_phase(decision: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The cloud phase of a decision's plan (`Decision.to_dict`), if it has one."""
+    return next((p for p in decision.get("plan") or [] if p["where"] == "cloud"), None)
+
+
 def planned_cloud_hours(decision: Mapping[str, Any]) -> tuple[float, float]:
-    """(hours, start_after_h) of the rented run a decision (`Decision.to_dict`) plans, its overhead included: its
-    plan's cloud phase, else the all-rented run it priced (t_rented_h, from the start; 0 h where there is none)."""
-    cloud = next((p for p in decision.get("plan") or [] if p["where"] == "cloud"), None)
+    """(hours, start_after_h) of the rented run a decision plans, its overhead included: its plan's cloud phase,
+    else the all-rented run it priced (t_rented_h, from the start; 0 h where there is none)."""
+    cloud = cloud_phase(decision)
     if cloud is not None:
         return float(cloud["hours"]), float(cloud.get("start_after_h") or 0.0)
     return float(decision.get("t_rented_h") or 0.0), 0.0
@@ -74,7 +79,7 @@ def planned_cloud_work_h(decision: Mapping[str, Any]) -> float:
     so counted in its work too, its safety net went on-demand hours early. A hybrid's cloud phase: its work over
     its speed; else the all-rented run's on-demand hours (t_rented_h) less the overhead."""
     overhead = float(decision.get("overhead_h") or 0.0)
-    cloud = next((p for p in decision.get("plan") or [] if p["where"] == "cloud"), None)
+    cloud = cloud_phase(decision)
     if cloud is not None and cloud.get("units_h"):
         return float(cloud["work_units"]) / float(cloud["units_h"])
     hours = float(decision.get("t_rented_h") or 0.0) or planned_cloud_hours(decision)[0]
