@@ -203,8 +203,8 @@ def job_setting(app: App, job_file: str) -> dict[str, Any]:
     C = planned_cloud_work_h(d)
     gpu, start_h = (cloud["gpu"], float(cloud["start_after_h"])) if cloud is not None else (d["gpu"], 0.0)
     if gpu is None or C <= 0:
-        why = next((r for r in reversed(d["reasons"]) if "rent" in r.lower()), d["headline"] or d["verdict"])
-        raise BadInput(f"no rented run to replay: {why}", source=job_file, field="rented_throughput")
+        raise BadInput(f"no rented run to replay: {d['headline'] or d['verdict']}", source=job_file,
+                       field="rented_throughput")
     offer = ctx.offers[gpu]
     if offer.spot_usd_per_gpu_h is None:
         raise BadInput(f"no spot price for {gpu} to replay: {offer.no_spot_why}", source=job_file,
