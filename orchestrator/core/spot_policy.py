@@ -662,6 +662,13 @@ class SemiMarkovDP:
 
     def plan_for(self, job_hours: float, deadline_hours: float, changeover_h: float, tick_h: float,
                  od_price: float, spot_price: float, stats: AvailabilityStats | None) -> DPPlan:
+        # Planned for the deadline rounded up on a grid of a sixteenth of it, at most (a power of 2 hours: 0.5 h
+        # for deadlines of 8 to 16 h; 60 h stays 60 h): a plan's entries are per steps and slack left, which do not
+        # depend on the deadline, so the larger table holds the same answers (`lookup` takes the true figures). The
+        # daemon's clock for a job starts with its first attempt, so the deadline of a job waiting for spot moves
+        # at every check: one plan serves the checks of half an hour, rather than one plan a check.
+        grid = 2.0 ** (math.floor(math.log2(deadline_hours)) - 4)
+        deadline_hours = math.ceil(deadline_hours / grid - 1e-9) * grid
         step_h = tick_h * max(1, math.ceil(deadline_hours / tick_h / self.max_steps),
                               math.ceil(changeover_h / tick_h / self.max_changeover_steps - 1e-9))
         return cached_plan(self.model_for(stats, tick_h), job_hours, deadline_hours, changeover_h, step_h,

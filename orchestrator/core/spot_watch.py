@@ -106,6 +106,13 @@ def mean_uptime_h(preemptions_per_h: float) -> float:
     return 1.0 / preemptions_per_h if preemptions_per_h > 0 else 1e4
 
 
+def plan_grade(hours: float) -> float:
+    """`hours` on a grid 2^(1/16) apart (4.4 %), for the memoryless model: a plan is keyed by its model, and the
+    means move with every check (an outage going on, an instance running), so that one plan serves the checks until
+    an estimate has moved that much, rather than one plan a check."""
+    return 2.0 ** (round(math.log2(hours) * 16) / 16) if hours > 0 else hours
+
+
 def watch(lives: Sequence[SpotLife], refusals: Sequence[float], now: float, *, tick_h: float,
           prior_uptime_h: float, prior_outage_h: float, listings: Sequence[tuple[float, bool]] = (),
           listed_now: bool | None = None) -> SpotView:
@@ -146,6 +153,6 @@ def watch(lives: Sequence[SpotLife], refusals: Sequence[float], now: float, *, t
     stats = AvailabilityStats(
         up_fraction=up_h / observed_h if observed_h > 0 else math.nan,
         mean_outage_h=mean_out, mean_uptime_h=mean_up, observed_h=observed_h,
-        model=SpotModel.geometric(tick_h, mean_up, mean_out))
+        model=SpotModel.geometric(tick_h, plan_grade(mean_up), plan_grade(mean_out)))
     return SpotView(available=state is not False or not known, state_for_h=(now - since) / 3600.0 if known else 0.0,
                     known=known, stats=stats, preemptions=preemptions, outages_ended=outages_ended)
