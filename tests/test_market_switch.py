@@ -14,7 +14,7 @@ from sqlalchemy import insert, select
 
 from orchestrator.app import App
 from orchestrator.core.decision import decide
-from orchestrator.core.spot_policy import DEFAULT_POLICY, REGIMES, Market, SpotState, get_policy
+from orchestrator.core.spot_policy import DEFAULT_POLICY, REGIMES, Market, SpotState, cached_plan, get_policy
 from orchestrator.core.spot_watch import PRIOR_SPELLS
 from orchestrator.jobspec import JobSpec
 from orchestrator.lifecycle.finish import probe_interval_s
@@ -216,6 +216,18 @@ def test_where_spot_is_listed_as_gone_the_job_waits_without_launching_while_wait
     market, facts = market_for_attempt(app, job, "sim", _offer(listed=()), now=600.0)
     assert market is None and facts["spot_seen"] == "down" and facts["for_h"] == pytest.approx(600 / H, abs=1e-3), facts
     assert facts["policy"] == "semi-markov-dp", "it sees spot come back, so it plans to come back from on-demand"
+
+
+def test_a_job_waiting_for_listed_spot_is_not_planned_again_at_every_check(app: App) -> None:
+    # Its clock starts with its first attempt, so its deadline moves with every check, and the memoryless model's
+    # means with the outage going on. A plan is keyed by both: one a check was 0.1 to 1.5 CPU-seconds a minute a job.
+    job = _job(app, cloud_h=6.0, overhead_h=0.5, deadline_at=24 * H)
+    record_spot_listings(app, "sim", [_offer(listed=())], 0.0)
+    before = cached_plan.cache_info().misses
+    choices = [market_for_attempt(app, job, "sim", _offer(listed=()), now=600.0 + 60 * minute)[0]
+               for minute in range(10)]
+    assert choices == [None] * 10  # it waits for spot, listed gone
+    assert cached_plan.cache_info().misses - before <= 2
 
 
 def test_a_job_on_demand_moves_back_to_spot_once_the_provider_lists_spot_again(app: App) -> None:
