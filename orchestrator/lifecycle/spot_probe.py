@@ -27,7 +27,7 @@ Every step is level-triggered on what the database holds, so a daemon killed at 
   provider's minimum at least), charged to the job; its end never changes the job's state.
 
 Replayed on setting (a) (`benchmarks/daemon_shell.py`), probing takes the EC2 daemon from $114.31 a run (on-demand
-final: greedy's figure) to $108.82, about Uniform Progress's $108.08.
+final: greedy's figure) to $108.84, about Uniform Progress's $108.08.
 """
 
 from __future__ import annotations
