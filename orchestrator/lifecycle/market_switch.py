@@ -40,7 +40,7 @@ TO_SPOT = "to-spot"
 # (`daemon.spot_probe_on_demand`, `lifecycle/spot_probe.py`), so it can leave on-demand too, and follows the default.
 # With probes off it never leaves on-demand, so the plan must be made for that (`od_is_final`). Planned as if it
 # could leave without probing, it buys on-demand at the first outage "for a while" and then stays there: replayed on
-# setting (a) that cost $119.53 a run against $114.31 with on-demand final and $108.84 probing
+# setting (a) that cost $119.53 a run against $114.32 with on-demand final and $108.84 probing
 # (benchmarks/daemon_shell.py).
 SEEING_POLICY = get_policy(DEFAULT_POLICY)
 DAEMON_POLICY = (dataclasses.replace(SEEING_POLICY, od_is_final=True) if isinstance(SEEING_POLICY, SemiMarkovDP)

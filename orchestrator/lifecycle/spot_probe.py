@@ -26,7 +26,7 @@ Every step is level-triggered on what the database holds, so a daemon killed at 
   a cloud attempt once the on-demand attempt ended: the kept probe is ended, `aborted`, billed what it ran (the
   provider's minimum at least), charged to the job; its end never changes the job's state.
 
-Replayed on setting (a) (`benchmarks/daemon_shell.py`), probing takes the EC2 daemon from $114.31 a run (on-demand
+Replayed on setting (a) (`benchmarks/daemon_shell.py`), probing takes the EC2 daemon from $114.32 a run (on-demand
 final: greedy's figure) to $108.84, about Uniform Progress's $108.08.
 """
 
