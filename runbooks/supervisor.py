@@ -10,6 +10,8 @@
         # the setup alone (a successor's, run while its predecessor still trains); one JSON line
     python3 supervisor.py status --run-dir RUN          # one JSON line: heartbeat, exit record, liveness, metrics
     python3 supervisor.py stop --run-dir RUN [--grace-s 30]
+    python3 supervisor.py with-env --env-file F -- CMD ARGS...   # exec CMD with the env file's values added
+        # (`burstctl ssh --job-env`: a session with the job's environment, without the BURST_* contract's run files)
 
 Files in RUN: supervisor.pid, supervisor.lock (held for the supervisor's life), heartbeat (JSON, atomically
 replaced every heartbeat period), exit.json (at the end), stdout.log/stderr.log (the command's output, appended),
@@ -1059,11 +1061,31 @@ def setup_command(args: argparse.Namespace) -> int:
     _run_detached(args.setup_dir / SETUP_LOG, lambda: 0 if run_setup(args)["status"] != "failed" else 1)
 
 
+def with_env(argv: list[str]) -> int:
+    """Replace this process with CMD, its environment this one's plus the env file's values. A command that cannot
+    be run exits 127 (not found) or 126, as a shell's would."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = _Parser(prog="supervisor.py with-env")
+    p.add_argument("--env-file", required=True)
+    args, command = p.parse_args(argv[:split]), argv[split + 1:]
+    if not command:
+        raise BadArgs("a command is required after --")
+    env = {**os.environ, **read_env_file(args.env_file)}
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as exc:
+        print(f"supervisor: {command[0]}: {exc.strerror}", file=sys.stderr)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
+    return 0  # not reached: exec replaced this process
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["setup"]:
             return setup_command(parse_setup_args(argv[1:]))
+        if argv[:1] == ["with-env"]:
+            return with_env(argv[1:])
         if argv[:1] in (["status"], ["stop"]):
             p = _Parser(prog=f"supervisor.py {argv[0]}")
             p.add_argument("--run-dir", required=True)

@@ -39,6 +39,11 @@ def test_a_job_running_locally_or_whose_instance_is_not_up_says_why_in_one_line(
     r = burstctl_here(*state, "ssh", "jboth", "--", "true")  # no host key recorded for it here: refused
     assert r.returncode == 1 and "attempt 1 on sim gpu_1x_h100 (spot), instance i-running" in r.stderr, r.stderr
     assert "no host key pinned or recorded yet" in r.stderr
+    # Its env file is written by the bootstrap that starts the job: before that, --job-env says so.
+    r = burstctl_here(*state, "ssh", "jboth", "--job-env", "--", "true")
+    assert r.returncode == 1 and r.stderr.strip().endswith(
+        "job jboth's attempt 1 is running: its env file is written once the bootstrap has started the job; try "
+        "--job-env again then"), r.stderr
     r = burstctl_here(*state, "ssh", "jlocal")
     assert (r.returncode, r.stderr.strip()) == (1, "burstctl: error: job jlocal runs locally (attempt 1, intent): no "
                                                    "instance to log in to; its workdir is /home/me/work")
@@ -53,7 +58,9 @@ def test_a_command_runs_in_the_job_s_workdir_on_its_instance_and_exits_with_its_
     state = tmp_path / "state"
     with simcloud(tmp_path) as url:
         config = write_config(tmp_path, url)
-        job_id = enqueue(config, state, trainer_job(tmp_path, "sshed", steps=3000, every=100, step_s=0.05))
+        spec = trainer_job(tmp_path, "sshed", steps=3000, every=100, step_s=0.05)
+        spec.write_text(spec.read_text() + '[env]\nGREETING = "hello $USER, it\'s me"\n')
+        job_id = enqueue(config, state, spec)
         r = cli(config, state, "ssh", job_id, "--", "true")
         assert r.returncode == 1, r.stderr
         assert r.stderr.strip() == f"burstctl: error: job {job_id} (queued) has no cloud instance up"
@@ -70,6 +77,16 @@ def test_a_command_runs_in_the_job_s_workdir_on_its_instance_and_exits_with_its_
             assert (r.returncode, r.stdout) == (0, "a b|it's|$HOME|"), r.stderr
             # By its name, as every command that names a job.
             assert cli(config, state, "ssh", "sshed", "--", "true").returncode == 0
+            # The job's env only when asked (before or after JOB), as given; the run's contract variables never.
+            show = ["--", "sh", "-c", 'printf "%s|%s|%s" "${GREETING-unset}" "$BURST_WORK_UNITS" '
+                                      '"${BURST_CHECKPOINT_DIR-unset}"; exit 5']
+            r = cli(config, state, "ssh", job_id, *show)
+            assert (r.returncode, r.stdout) == (5, "unset||unset"), r.stderr
+            for args in (("--job-env", job_id), (job_id, "--job-env")):
+                r = cli(config, state, "ssh", *args, *show)
+                assert (r.returncode, r.stdout) == (5, "hello $USER, it's me|1.0|unset"), r.stderr
+            r = cli(config, state, "ssh", job_id, "--job-env", "--", "no-such-program")
+            assert r.returncode == 127 and "no-such-program" in r.stderr, r.stderr
         finally:
             cli(config, state, "cancel", job_id)
             wait_for(lambda: events(state, "instance.terminated"), 60, "the cancelled job's instance to be gone")

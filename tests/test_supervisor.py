@@ -270,6 +270,21 @@ def test_a_command_that_cannot_start_is_failed_127(job: Job) -> None:
     assert "no-such-program" in record["error"]
 
 
+def test_with_env_runs_a_command_with_the_env_file_added_taken_literally(tmp_path: Path) -> None:
+    env_file = tmp_path / "job.env"
+    env_file.write_text("GREETING=hello $USER \"q\"\nEMPTY=\n")
+    show = ["sh", "-c", 'printf "%s|%s|%s" "$GREETING" "${EMPTY-unset}" "$KEPT"; exit 4']
+    proc = subprocess.run([sys.executable, str(SUPERVISOR), "with-env", "--env-file", str(env_file), "--", *show],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "KEPT": "k"})
+    assert (proc.returncode, proc.stdout) == (4, 'hello $USER "q"||k')
+    proc = subprocess.run([sys.executable, str(SUPERVISOR), "with-env", "--env-file", str(env_file), "--",
+                           str(tmp_path / "no-such-program")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 127 and "no-such-program: No such file or directory" in proc.stderr
+    proc = subprocess.run([sys.executable, str(SUPERVISOR), "with-env", "--env-file", str(tmp_path / "gone"), "--",
+                           "true"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("supervisor: error: --env-file")
+
+
 def test_heartbeat_advances_names_the_child_group_and_the_latest_complete_checkpoint(job: Job) -> None:
     proc = subprocess.Popen(job.argv(command=job.waiter()), stdout=subprocess.PIPE, text=True)
     first = job.wait_running()

@@ -23,16 +23,22 @@ LOGGED_IN_STATES = (A.BOOTSTRAPPING.value, A.RUNNING.value, A.FINISHING.value)
 
 
 @cli.command("ssh", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--job-env", is_flag=True,
+              help="Set the job's environment in the session or for COMMAND: its env and pass_env values and "
+                   "BURST_WORK_UNITS, as its trainer gets them (not the run's BURST_CHECKPOINT_DIR and the other "
+                   "contract variables, so a trial run writes nothing the daemon takes for the job's).")
 @click.argument("job")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @pass_app
-def ssh_cmd(app: App, job: str, command: tuple[str, ...]) -> None:
+def ssh_cmd(app: App, job_env: bool, job: str, command: tuple[str, ...]) -> None:
     """Log in to the instance JOB's cloud attempt runs on, in the job's workdir there; or run COMMAND there
     (`burstctl ssh JOB -- nvidia-smi`), exiting with its status.
 
-    The daemon's own key and the instance's pinned host key (a changed one is refused, never trusted). The job's
-    environment (its env and pass_env) is not set: its values stay in the run's private env file on the instance.
+    The daemon's own key and the instance's pinned host key (a changed one is refused, never trusted). Without
+    --job-env the job's env values are not set: they stay in the run's private env file on the instance.
     """
+    if command[:1] == ("--job-env",):  # given after JOB, where click leaves everything to COMMAND
+        job_env, command = True, command[1:]
     if command[:1] == ("--",):  # click passes it on to an argument that takes everything unprocessed
         command = command[1:]
     found = job_or_fail(app, job, newest=True)
@@ -42,10 +48,11 @@ def ssh_cmd(app: App, job: str, command: tuple[str, ...]) -> None:
 
     target = CloudSteps(app, {}).target(att)
     workdir = f"burst/{found['id']}/work"  # under the login's home (cloud_steps' remote layout)
+    wrap = _with_job_env(found, att) if job_env else ""
     if command:
-        remote = f"cd {shlex.quote(workdir)} && {shlex.join(command)}"
+        remote = f"cd {shlex.quote(workdir)} && {wrap}{shlex.join(command)}"
     else:
-        remote = f'cd {shlex.quote(workdir)} 2>/dev/null; exec "${{SHELL:-/bin/sh}}" -l'
+        remote = f'cd {shlex.quote(workdir)} 2>/dev/null; exec {wrap}"${{SHELL:-/bin/sh}}" -l'
     click.echo(f"# {found['name']} ({found['id']}), attempt {att['n']} on {att['provider']} "
                f"{att['instance_type']} ({att['market']}), instance {att['instance_id']}", err=True)
     with pinned_ssh_argv(target, DbHostKeyTrust(app, att["provider"])) as argv:
@@ -53,6 +60,18 @@ def ssh_cmd(app: App, job: str, command: tuple[str, ...]) -> None:
         # Not exec: the known_hosts file is removed once ssh ends.
         code = subprocess.call([*argv, *tty, target.host, remote])
     raise click.exceptions.Exit(code)
+
+
+def _with_job_env(job: dict[str, Any], att: dict[str, Any]) -> str:
+    """The prefix that runs a command with the attempt's env file added (`supervisor.py with-env`, with the
+    interpreter the bootstrap found), shell-quoted; why not, before the bootstrap has written that file."""
+    info = att["info"]
+    if not info.get("remote_run"):
+        raise OperationalError(f"job {job['id']}'s attempt {att['n']} is {att['state']}: its env file is written "
+                               "once the bootstrap has started the job; try --job-env again then")
+    python = info.get("remote_python", "python3")  # attempts bootstrapped before it was recorded ran python3
+    return shlex.join([python, f"{info['remote_base']}/runbooks/supervisor.py", "with-env",
+                       "--env-file", f"{info['remote_run']}/job.env", "--"]) + " "
 
 
 def _logged_in_attempt(app: App, job: dict[str, Any]) -> dict[str, Any]:
