@@ -40,6 +40,10 @@ class Redactor:
             # Longest first, so a secret that contains another is replaced whole.
             self.secrets = sorted({*self.secrets, *new}, key=len, reverse=True)
 
+    def clip(self, text: str, limit: int) -> str:
+        """`text` scrubbed, then cut to `limit` characters: cut first, a secret's first characters would stay."""
+        return str(self(text))[:limit]
+
     def __call__(self, value: Any) -> Any:
         if not self.secrets:
             return value

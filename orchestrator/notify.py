@@ -225,7 +225,7 @@ def _run_command(target: Notify, payload: dict[str, Any], redact: Callable[[Any]
         raise DeliveryFailed(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
     if done.returncode != 0:
         tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no stderr"]
-        raise DeliveryFailed(redact(f"the command exited {done.returncode}: {tail[0][:200]}"))
+        raise DeliveryFailed(f"the command exited {done.returncode}: {redact(tail[0])[:200]}")
 
 
 def _fill(arg: str, fields: dict[str, str]) -> str:

@@ -2,11 +2,11 @@
 
     python3 supervisor.py --run-dir RUN --job-id J --attempt A --checkpoint-dir CKPT [--resume-from PATH]
         [--metadata-url URL] [--heartbeat-s 2] [--notice-poll-s 1] [--grace-s 30] [--gpus N] [--torchrun]
-        [--env-file F] [--workdir W] [--max-run-s S] [--s3-uri s3://B/P [--s3-region R]]
+        [--env-file F] [--secret-env NAME ...] [--workdir W] [--max-run-s S] [--s3-uri s3://B/P [--s3-region R]]
         [--setup-json '["pip", "install", "-r", "requirements.txt"]' --setup-dir DIR [--setup-retries N]
         [--setup-retry-s 10]] [--daemonize] [--dry-run] -- CMD ARGS...
     python3 supervisor.py setup --setup-dir DIR --setup-json JSON [--setup-retries N] [--setup-retry-s 10]
-        --workdir W [--env-file F] [--daemonize]
+        --workdir W [--env-file F] [--secret-env NAME ...] [--daemonize]
         # the setup alone (a successor's, run while its predecessor still trains); one JSON line
     python3 supervisor.py status --run-dir RUN          # one JSON line: heartbeat, exit record, liveness, metrics
     python3 supervisor.py stop --run-dir RUN [--grace-s 30]
@@ -233,6 +233,23 @@ def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
     return out
 
 
+SECRET_MIN_CHARS = 4  # shorter values are not scrubbed (as the daemon's redactor): they would mask common words
+REDACTED = "***"
+
+
+def secret_values(names: list[str], env_file_values: dict[str, str]) -> list[str]:
+    """The values of `names` (--secret-env: the job's pass_env), from the env file or else this process's
+    environment, longest first so a secret that holds another is replaced whole."""
+    found = {env_file_values.get(n, os.environ.get(n, "")) for n in names}
+    return sorted((v for v in found if len(v) >= SECRET_MIN_CHARS), key=len, reverse=True)
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
 def launcher_argv(command: list[str], gpus: int = 1, torchrun: bool = False) -> list[str]:
     """The argv the supervisor executes: the command as given, or under torchrun (one process per GPU).
 
@@ -444,6 +461,8 @@ def parse_run_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpus", type=_positive(int), default=1)
     p.add_argument("--torchrun", action="store_true")
     p.add_argument("--env-file", default="")
+    p.add_argument("--secret-env", action="append", default=[], metavar="NAME",
+                   help="a variable (env file or environment) whose value never appears in this run's records")
     p.add_argument("--workdir", default=".")
     p.add_argument("--max-run-s", type=_positive(float), default=None)
     p.add_argument("--s3-uri", default="", help="upload complete checkpoints to this s3://BUCKET/PREFIX")
@@ -470,6 +489,7 @@ def parse_run_args(argv: list[str]) -> argparse.Namespace:
     if args.s3_uri and not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$", args.s3_uri):
         raise BadArgs("--s3-uri: expected s3://BUCKET/PREFIX")
     args.env_extra = read_env_file(args.env_file) if args.env_file else {}
+    args.secrets = secret_values(args.secret_env, args.env_extra)
     _check_setup_args(args)
     return args
 
@@ -809,7 +829,7 @@ class Supervisor:
             record["setup_s"] = round(self.setup_s, 3)
         if exit_code not in (0, None) or reason in ("failed", "setup-failed"):
             # Why it failed, in the command's own words: the daemon has only this record, not the log.
-            record["stderr_tail"] = last_line(tail_of or self.run_dir / STDERR_LOG)
+            record["stderr_tail"] = last_line(tail_of or self.run_dir / STDERR_LOG, secrets=self.args.secrets)
         write_json_atomic(self.run_dir / EXIT_FILE, record, durable=True)
         self.state = "exited"
         self.heartbeat()
@@ -823,17 +843,23 @@ class Supervisor:
 TRAILER_NOISE = re.compile(r"\[notice\] |WARNING: You are using pip version |You should consider upgrading via ")
 
 
-def last_line(path: Path, limit: int = 300) -> str | None:
+def last_line(path: Path, limit: int = 300, secrets: list[str] | None = None) -> str | None:
     """The last non-empty line of a log that is not a tool's trailing advice (read from its end, whatever its size),
-    cut to `limit` characters."""
+    with `secrets` replaced and then cut to `limit` characters: cut first, a secret's first characters would stay."""
     try:
         with open(path, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 8192))
-            lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
+            start = max(0, fh.seek(0, os.SEEK_END) - 8192)
+            fh.seek(start)
+            text = fh.read().decode(errors="replace")
     except OSError:
         return None
+    if start:  # begun mid-line, maybe mid-secret: only whole lines
+        text = text.partition("\n")[2]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     said = [ln for ln in lines if not TRAILER_NOISE.match(ln)] or lines
-    return said[-1][:limit] if said else None
+    if not said:
+        return "(its last line is longer than 8 KiB)" if start else None
+    return redact(said[-1], secrets or [])[:limit]
 
 
 def _claim_run_dir(args: argparse.Namespace) -> tuple[dict, int | None]:
@@ -1006,6 +1032,8 @@ def parse_setup_args(argv: list[str]) -> argparse.Namespace:
     _add_setup_args(p)
     p.add_argument("--workdir", required=True)
     p.add_argument("--env-file", default="")
+    p.add_argument("--secret-env", action="append", default=[], metavar="NAME",
+                   help="a variable (env file or environment) whose value never appears in this run's records")
     p.add_argument("--daemonize", action="store_true")
     args = p.parse_args(argv)
     if not args.setup_json:
@@ -1015,6 +1043,7 @@ def parse_setup_args(argv: list[str]) -> argparse.Namespace:
     if not args.workdir.is_dir():
         raise BadArgs(f"--workdir: directory '{args.workdir}' does not exist")
     args.env_extra = read_env_file(args.env_file) if args.env_file else {}
+    args.secrets = secret_values(args.secret_env, args.env_extra)
     return args
 
 
@@ -1040,7 +1069,7 @@ def run_setup(args: argparse.Namespace) -> dict:
                 break
         else:
             return {"status": "failed", "exit_code": code, "tries": len(waits),
-                    "tail": last_line(args.setup_dir / SETUP_LOG)}
+                    "tail": last_line(args.setup_dir / SETUP_LOG, secrets=args.secrets)}
         record_setup_done(args, _now() - started)
         return {"status": "done", "seconds": round(_now() - started, 3)}
     finally:

@@ -82,6 +82,36 @@ def test_a_failed_run_says_why_in_the_command_s_own_last_words_with_secrets_scru
     app.close()
 
 
+def test_a_secret_cut_by_the_records_line_limit_leaves_no_fragment_in_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The trainer's last line puts the secret across the 300 characters its exit record keeps: the supervisor
+    # scrubs it before the cut, so none of its characters reach exit.json, the attempt or the job's reason.
+    secret = "Zq9-5ecret-value"
+    monkeypatch.setenv("TRAINER_TOKEN", secret)
+    app = App(state_dir_override=str(tmp_path / "state"))
+    script = "import os, sys; sys.exit('E' * 290 + ' token=' + os.environ['TRAINER_TOKEN'] + ' rejected')"
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "cut", command=[sys.executable, "-c", script],
+                                          local_throughput=1.0, pass_env=["TRAINER_TOKEN"]))
+    job = app.store.get_job(job_id)
+    assert job is not None
+    runner = LocalRunner(app)
+    assert runner.start(job)
+    run = runner.run_dir(only_attempt(app, job_id)["id"])
+    deadline = time.monotonic() + 30
+    while supervisor.read_status(run).get("exit") is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    runner.step(only_attempt(app, job_id), app.store.get_job(job_id))
+
+    failed = app.store.get_job(job_id)
+    assert failed["state"] == "failed" and "EEEE" in failed["reason"]
+    record = (run / supervisor.EXIT_FILE).read_text()
+    assert json.loads(record)["stderr_tail"] == "E" * 290 + " token=***"[:10]  # 300 characters, scrubbed first
+    fragment = secret[:3]  # what a cut after the 297th character would leave
+    for text in (failed["reason"], str(only_attempt(app, job_id)), record, json.dumps(app.store.events())):
+        assert fragment not in text
+    app.close()
+
+
 def test_a_local_run_slower_than_its_s_l_says_once_that_it_will_miss_the_deadline(tmp_path: Path) -> None:
     # The job file claims 3600 units/h (a second's work) and gate 2 keeps it local for a 36 s deadline; the card
     # really does a step per 0.5 s of 200: the trainer's own figures project the end about a minute late.

@@ -331,7 +331,7 @@ def test_a_command_gets_the_notice_on_stdin_and_in_its_arguments_and_a_failure_i
         "import json, os, sys\n"
         "notice = json.load(sys.stdin)\n"
         "if os.path.exists(sys.argv[1] + '.fail'):\n"
-        "    sys.exit(f\"refused: key {os.environ['BURSTCTL_SIM_API_KEY']}\")\n"
+        "    sys.exit(f\"refused: {'x' * 180} key {os.environ['BURSTCTL_SIM_API_KEY']}\")\n"
         "with open(sys.argv[1], 'a') as fh:\n"
         "    fh.write(json.dumps([sys.argv[2:], notice['id'], os.environ['BURSTCTL_NOTICE_TYPE']]) + '\\n')\n")
     got = tmp_path / "got.jsonl"
@@ -349,7 +349,8 @@ def test_a_command_gets_the_notice_on_stdin_and_in_its_arguments_and_a_failure_i
     app.events.emit("job.failed", job_id=job_id, reason="exit 1")
     assert notify_due(app) == 0
     (failed,) = [d for ty, d in _events(app) if ty == "notify.failed"]
-    assert failed["error"] == "the command exited 1: refused: key ***"
+    # Its last line, cut to 200 characters once scrubbed: cut first, the key's first 6 would have stayed.
+    assert failed["error"] == "the command exited 1: refused: " + "x" * 180 + " key ***"
     _nowhere_but_the_environment(app, "sim-key-abcdef123456")
     app.close()
 

@@ -285,6 +285,18 @@ def test_with_env_runs_a_command_with_the_env_file_added_taken_literally(tmp_pat
     assert proc.returncode == 2 and proc.stderr.startswith("supervisor: error: --env-file")
 
 
+def test_the_last_line_is_read_whole_from_the_log_s_end_never_from_the_middle_of_a_line(tmp_path: Path) -> None:
+    secret = "Zq9-5ecret-value"
+    log = tmp_path / "stderr.log"
+    log.write_text("x" * 10_000 + "\nTraceback: token=" + secret + " refused\n")
+    assert sv.last_line(log, secrets=[secret]) == "Traceback: token=*** refused"
+    # The 8 KiB read from the end begins inside the secret, in a line longer than that: none of it is a line.
+    log.write_text("x" * 10_000 + secret + "y" * 8180)
+    assert sv.last_line(log, secrets=[secret]) == "(its last line is longer than 8 KiB)"
+    log.write_text("pip failed\n[notice] To update, run: pip install --upgrade pip\n")
+    assert sv.last_line(log) == "pip failed"
+
+
 def test_heartbeat_advances_names_the_child_group_and_the_latest_complete_checkpoint(job: Job) -> None:
     proc = subprocess.Popen(job.argv(command=job.waiter()), stdout=subprocess.PIPE, text=True)
     first = job.wait_running()

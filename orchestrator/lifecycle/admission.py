@@ -618,7 +618,7 @@ class Admission:
             try:
                 offers = self.offers.get(name, provider, now)
             except ProviderError as exc:
-                problems.append(f"{name}: {type(exc).__name__}: {self.app.redactor(str(exc))[:200]}")
+                problems.append(f"{name}: {type(exc).__name__}: {self.app.redactor.clip(str(exc), 200)}")
                 continue
             for o in offers:
                 if o.gpu_model.upper() not in wanted or o.gpu_count != spec["gpus"] or not o.regions:

@@ -109,7 +109,7 @@ class AttemptSyncs:
         if not s3 or not s3.get("error") or info.get("s3_unavailable"):
             return
         if exited or int(s3.get("failures", 0)) >= 2:
-            info["s3_unavailable"] = self.app.redactor(str(s3["error"]))[:300]
+            info["s3_unavailable"] = self.app.redactor.clip(str(s3["error"]), 300)
             self.app.events.emit("checkpoint.s3_unavailable", job_id=job["id"], attempt_id=att["id"],
                       error=info["s3_unavailable"], fallback="ssh")
 
@@ -246,7 +246,7 @@ class AttemptSyncs:
                 self._collect_sync(attempt_id, done)
             except Exception as exc:  # one attempt's trouble is not every attempt's: the tick goes on
                 self.app.events.emit("attempt.error", attempt_id=attempt_id, state=A.RUNNING.value,
-                          error=self.app.redactor(f"writing down a sync: {type(exc).__name__}: {exc}")[:500])
+                          error=self.app.redactor.clip(f"writing down a sync: {type(exc).__name__}: {exc}", 500))
 
     def _still_ending(self, attempt_id: str) -> bool:
         """Whether the attempt is still at the step that takes its last sync (running, or finishing)."""
@@ -361,7 +361,7 @@ class AttemptSyncs:
         under the pull, and its own step pulled last."""
         if self._moved_on(att):
             return
-        error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:300]
+        error = self.app.redactor.clip(f"{type(exc).__name__}: {exc}", 300)
         if info.get(key) != error:
             info[key] = error
             self.app.events.emit(event, job_id=job["id"], attempt_id=att["id"], error=error)
@@ -372,7 +372,7 @@ class AttemptSyncs:
         until a pull succeeds; the event is logged once per distinct error, the failures are counted."""
         if self._moved_on(att):
             return  # revert-local or a cancel winding it down: its own step pulls last
-        error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:500]
+        error = self.app.redactor.clip(f"{type(exc).__name__}: {exc}", 500)
         same = info.get("sync_error") == error
         if "sync_error" not in info:
             info["reason_before_sync_error"] = job["reason"]

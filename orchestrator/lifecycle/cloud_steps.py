@@ -187,7 +187,7 @@ class CloudSteps:
                 dropped = store.drop_superseded(checkpoints.store_dir(self.app.config, job["id"]))
         except TransferError as exc:
             self.app.events.emit("checkpoint.s3_release_failed", job_id=job["id"], attempt_id=att["id"],
-                                 error=str(exc)[:300])
+                                 error=self.app.redactor.clip(str(exc), 300))
             return []
         if dropped:
             self.app.events.emit("checkpoint.s3_released", job_id=job["id"], attempt_id=att["id"],
@@ -206,8 +206,10 @@ class CloudSteps:
         except ValueError:
             out = {}
         if res.exit_code != 0 or out.get("downloaded") != name:
+            said = out.get("error")  # else stderr's end: scrubbed before it is cut, whichever end is kept
+            error = self.app.redactor.clip(str(said), 300) if said else self.app.redactor(res.stderr.strip())[-300:]
             self.app.events.emit("checkpoint.s3_download_failed", job_id=att["job_id"], attempt_id=att["id"],
-                                 checkpoint=name, error=str(out.get("error") or res.stderr[-300:])[:300])
+                                 checkpoint=name, error=error)
             return None
         return f"{jobdir}/checkpoints/{name}"
 
@@ -253,7 +255,8 @@ class CloudSteps:
             t = time.monotonic()
             ssh.run(conn, [remote.python, f"{remote.base}/runbooks/supervisor.py", "setup",
                            *remote.setup_args(job["spec"]), "--workdir", f"{remote.jobdir}/work",
-                           "--env-file", f"{remote.run_dir}/job.env", "--daemonize"], timeout=60)
+                           "--env-file", f"{remote.run_dir}/job.env", *passenv.secret_args(job["spec"]),
+                           "--daemonize"], timeout=60)
             timings["start_setup"] = time.monotonic() - t
         finally:
             conn.close()
@@ -298,7 +301,7 @@ class CloudSteps:
             t = time.monotonic()
             argv = [python, f"{base}/runbooks/supervisor.py", "--run-dir", run_dir, "--job-id", job["id"],
                     "--attempt", str(att["n"]), "--checkpoint-dir", f"{jobdir}/checkpoints",
-                    "--workdir", f"{jobdir}/work", "--env-file", f"{run_dir}/job.env",
+                    "--workdir", f"{jobdir}/work", "--env-file", f"{run_dir}/job.env", *passenv.secret_args(spec),
                     "--gpus", str(spec.get("gpus", 1)), "--grace-s", repr(stop_grace_s(spec)), "--daemonize"]
             if spec.get("torchrun"):
                 argv.append("--torchrun")

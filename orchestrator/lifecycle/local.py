@@ -209,7 +209,7 @@ class LocalRunner:
         write_env_file(env_file, {**spec.get("env", {}), **work_units_env(spec), "PYTHONPATH": str(RUNBOOKS)})
         argv = [sys.executable, str(SUPERVISOR), "--run-dir", str(run), "--job-id", job["id"],
                 "--attempt", str(att["n"]), "--checkpoint-dir", str(ckpt), "--workdir", spec["workdir"],
-                "--env-file", str(env_file), "--grace-s", repr(stop_grace_s(spec)),
+                "--env-file", str(env_file), *passenv.secret_args(spec), "--grace-s", repr(stop_grace_s(spec)),
                 "--daemonize"]
         if resume is not None:
             argv += ["--resume-from", str(resume)]

@@ -40,6 +40,12 @@ def unusable(spec: Mapping[str, Any]) -> str | None:
     return None
 
 
+def secret_args(spec: Mapping[str, Any]) -> list[str]:
+    """The supervisor's `--secret-env NAME` for each passed variable: it scrubs their values from the lines of the
+    command's output that it records (exit.json), before cutting them, which a redactor here cannot undo."""
+    return [arg for name in names(spec) for arg in ("--secret-env", name)]
+
+
 def values(spec: Mapping[str, Any], redactor: Redactor) -> dict[str, str]:
     """The passed variables' values, for the supervisor; UnusablePassEnv (one line, names only) otherwise."""
     problem = unusable(spec)

@@ -180,7 +180,7 @@ class Reconciler:
     def _host_key_changed(self, att: dict[str, Any], job: dict[str, Any], exc: HostKeyMismatch) -> None:
         """Not the machine we launched (or someone in the middle): never retried, never trusted. The attempt is
         aborted at once (its instance terminated) and the job goes back to the queue."""
-        error = self.app.redactor(str(exc))[:500]
+        error = self.app.redactor.clip(str(exc), 500)
         self.emit("attempt.host_key_mismatch", job_id=job["id"], attempt_id=att["id"], instance=att["instance_id"],
                   error=error)
         provider = self.providers.get(att["provider"])
@@ -193,7 +193,7 @@ class Reconciler:
 
     def _step_failed(self, att: dict[str, Any], job: dict[str, Any], exc: Exception) -> None:
         """Count consecutive failures of the same step; after MAX_STEP_ERRORS the attempt is given up."""
-        error = self.app.redactor(f"{type(exc).__name__}: {exc}")[:500]
+        error = self.app.redactor.clip(f"{type(exc).__name__}: {exc}", 500)
         info = dict(att["info"])
         same = info.get("last_error") == error
         info["errors"] = int(info.get("errors", 0)) + 1
