@@ -437,6 +437,10 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
     if not workdir.is_dir():
         raise BadInput(f"'{spec.workdir}' is a file; expected the directory the command runs in" if workdir.exists()
                        else f"directory '{spec.workdir}' does not exist", source=path, field="workdir")
+    too_wide = _holds_home(workdir)
+    if too_wide:
+        raise BadInput(f"'{spec.workdir}' is {too_wide}, and the whole workdir is copied to a rented instance (~/.ssh "
+                       "and ~/.aws too); expected the project's own directory", source=path, field="workdir")
     outside = next((i for i, arg in enumerate(spec.command) if _leaves_workdir(arg)), None)
     if outside is not None:
         # The command runs in the workdir, locally and on an instance, and only the workdir is copied there.
@@ -572,6 +576,21 @@ def _leaves_out(pattern: str, script: str) -> bool:
     from orchestrator.remote.sync import left_out
 
     return left_out(script, [rsync_exclude(pattern)])
+
+
+def _holds_home(workdir: Path) -> str | None:
+    """What a workdir is if it is the home directory, the filesystem's root or another directory holding the home
+    (its keys and credentials would go to every instance the job runs on), else None."""
+    where = workdir.resolve()
+    try:
+        home = Path.home().resolve()
+    except (KeyError, RuntimeError):  # no home known: only the root is certain to hold everything
+        home = Path(where.anchor)
+    if where == home:
+        return "your home directory"
+    if where == Path(where.anchor):
+        return "the filesystem's root"
+    return f"a directory that holds your home directory ({home})" if home.is_relative_to(where) else None
 
 
 def _leaves_workdir(arg: str) -> bool:

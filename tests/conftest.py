@@ -54,10 +54,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    # Beside the test's directory, not in it: a job's workdir there must not hold the home (jobspec refuses it).
+    home = tmp_path.with_name(f"{tmp_path.name}-home")
+    monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("BURSTCTL_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)
-    os.makedirs(tmp_path / "home", exist_ok=True)
+    os.makedirs(home, exist_ok=True)
 
 
 @pytest.fixture(scope="session")

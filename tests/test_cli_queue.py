@@ -389,6 +389,9 @@ BAD_JOBS = {
     "unknown-preset": ({"model": {"preset": "gpt-17"}}, "model.preset", "qwen2.5-7b"),
     "no-workdir": ({"workdir": "nope"}, "workdir", "does not exist"),
     "workdir-a-file": ({"workdir": "workdir-a-file.toml"}, "workdir", "is a file; expected the directory"),
+    # The whole workdir goes to every instance the job runs on: a home directory's keys with it.
+    "workdir-the-root": ({"workdir": "/"}, "workdir", "'/' is the filesystem's root, and the whole workdir is "
+                         "copied to a rented instance (~/.ssh and ~/.aws too); expected the project's own directory"),
     # Values of the wrong TOML type are refused, never converted: `true` is not 1 h, "no" is not false.
     "bool-for-hours": ({"deadline_hours": True}, "deadline_hours", "expected a number, got true"),
     "string-for-number": ({"deadline_hours": "12"}, "deadline_hours", "expected a number, got a string"),
@@ -501,6 +504,23 @@ def test_bad_job_specs_exit_2_with_one_line_and_queue_nothing(burstctl, tmp_path
     assert "Traceback" not in r.stderr
     assert str(path) in lines[0] and field in lines[0] and expected in lines[0], lines[0]
     assert json.loads(burstctl("list", "--json").stdout) == []
+
+
+def test_a_workdir_that_is_or_holds_the_home_directory_is_refused(burstctl, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # The whole workdir goes to every instance the job runs on: the home's ~/.ssh and ~/.aws would go with it.
+    home = tmp_path / "users" / "me"
+    (home / "project").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    for workdir, what in ((home, "is your home directory"), (home.parent, f"is a directory that holds your home "
+                                                                         f"directory ({home})")):
+        path = write_job(tmp_path, "wide", workdir=str(workdir), command=["true"])
+        r = burstctl("enqueue", str(path))
+        assert (r.returncode, r.stderr.strip()) == (2, f"burstctl: error: {path}: field 'workdir': '{workdir}' {what}, "
+                                                       "and the whole workdir is copied to a rented instance (~/.ssh "
+                                                       "and ~/.aws too); expected the project's own directory")
+    assert burstctl("enqueue", str(write_job(tmp_path, "narrow", workdir=str(home / "project"),
+                                             command=["true"]))).returncode == 0
 
 
 # A deadline is a finite number of hours within 10 years: inf, nan or 1e300 once crashed `enqueue` after it had
