@@ -58,9 +58,14 @@ class App:
             CONFIG_PROBLEMS.append(problem)
         # --state-dir (or state.dir) naming a file, or a path under one: said once here, before any command
         # reaches for its lock or database there and fails with a traceback.
-        blocked = next((p for p in (cfg.state_dir, *cfg.state_dir.parents) if p.exists() and not p.is_dir()), None)
-        if blocked is not None:
-            raise BadInput(f"'{blocked}' is a file; expected a directory (or a path that does not exist yet)",
+        for p in (cfg.state_dir, *cfg.state_dir.parents):
+            if p.exists() and not p.is_dir():
+                what = "is a file"
+            elif p.is_symlink() and not p.exists():  # a loop, or its target gone: nothing can be made there
+                what = "is a symbolic link that leads nowhere (a loop, or to a path that is gone)"
+            else:
+                continue
+            raise BadInput(f"'{p}' {what}; expected a directory (or a path that does not exist yet)",
                            source=None if self.state_dir_override else cfg.source,
                            field="--state-dir" if self.state_dir_override else "state.dir")
         return cfg

@@ -35,13 +35,28 @@ def _at_most(limit: float, expected: str) -> AfterValidator:
     milliseconds for seconds) is refused rather than believed."""
     def check(v: float) -> float:
         if v > limit:
-            raise ValueError(f"{v:g} is more than {limit:g}: expected {expected}")
+            raise ValueError(f"{v:g} is more than {limit:.15g}: expected {expected}")  # 1000000, not 1e+06
         return v
     return AfterValidator(check)
 
 
 # A price no GPU-hour has: one typed in cents, or none at all (1e308 made every plan's cost inf).
 GPU_HOUR_USD = _at_most(MAX_RATE_USD_GPU_H, "dollars per GPU-hour (an H100 rents for $2 to $12)")
+
+# Ceilings no real setting reaches: past them a number is a slip (or 1e308), which some clock, file size or count
+# downstream cannot hold (APScheduler's interval, SQLite's INTEGER, an int of inf): refused here, with the others.
+WEEK_S = 7 * 24 * 3600
+Seconds = Annotated[float, Field(gt=0), _at_most(WEEK_S, f"seconds, at most a week ({WEEK_S})")]
+NonNegSeconds = Annotated[float, Field(ge=0), _at_most(WEEK_S, f"seconds, at most a week ({WEEK_S})")]
+Days = Annotated[float, Field(gt=0), _at_most(36500, "days, at most a hundred years")]
+Hours = Annotated[float, Field(gt=0), _at_most(8760, "hours, at most a year (8760)")]
+NonNegHours = Annotated[float, Field(ge=0), _at_most(8760, "hours, at most a year (8760)")]
+Dollars = Annotated[float, Field(ge=0), _at_most(1e6, "dollars, at most a million")]
+
+
+def _count(limit: int) -> Any:
+    return Field(ge=1, le=limit)
+
 
 GpuGiB = Annotated[float, Field(gt=0), _at_most(
     1024, "GiB as nvidia-smi reports it (memory.total), not MiB (a 16 GB card reads 16303 MiB = 15.92 GiB)")]
@@ -82,7 +97,8 @@ def check_passed_name(value: str) -> str:
     """A job's `pass_env` name: as `check_env_name`, but a name mistyped as one often is ("HF TOKEN", "HF-TOKEN"),
     short, of words without digits, is said with the name it was meant to be."""
     meant = re.sub(r"[ .-]+", "_", value.strip())
-    wordy = len(value) <= 40 and not any(c.isdigit() for c in value)  # a key has digits: never quoted
+    # A key has digits, a passphrase lower case letters: neither is quoted. A name is in capitals.
+    wordy = len(value) <= 40 and not any(c.isdigit() for c in value) and value == value.upper()
     if not ENV_NAME.fullmatch(value) and wordy and not _secret_shaped(value) and ENV_NAME.fullmatch(meant):
         raise ValueError(f"'{value}' is not a variable name: expected letters, digits and '_' (not starting with a "
                          f"digit), such as '{meant}'")
@@ -174,7 +190,7 @@ class LocalMachine(Strict):
         Field(400.0, description="GPU board power under training load, in watts.")
     electricity_usd_per_kwh: Annotated[float, Field(ge=0), _at_most(5, "dollars per kWh, not cents (25 ¢ is 0.25)")] = \
         Field(0.25, description="Electricity price in $ per kWh; with board power it gives the local $/h.")
-    safety_margin_gib: NonNegFloat = Field(
+    safety_margin_gib: Annotated[float, Field(ge=0), _at_most(1024, "GiB")] = Field(
         1.0, description="VRAM kept free on every card, the local one and rented ones (`[prices]` vram_gib), for the "
         "CUDA context and fragmentation when judging whether a job fits."
     )
@@ -220,8 +236,8 @@ class LocalMachine(Strict):
 
 
 class Budget(Strict):
-    monthly_cap_usd: NonNegFloat = Field(15.0, description="Hard cap on cloud spend per calendar month (UTC).")
-    cycle_gpu_hours: PositiveFloat = Field(
+    monthly_cap_usd: Dollars = Field(15.0, description="Hard cap on cloud spend per calendar month (UTC).")
+    cycle_gpu_hours: Annotated[float, Field(gt=0), _at_most(1e5, "GPU-hours of one cycle")] = Field(
         1.5, description="GPU-hours of one typical training cycle, for the cycles-left estimate of `budget`."
     )
     cycle_gpu: str = Field("H100", description="GPU type (a key of [prices]) a typical cycle runs on.")
@@ -235,7 +251,7 @@ def _train_only() -> list[JobKind]:
 
 
 class Policy(Strict):
-    max_auto_delta_usd: NonNegFloat = Field(
+    max_auto_delta_usd: Dollars = Field(
         5.0,
         description="Largest extra cost, in USD, of a priced job's plan over running it locally (the plan as it will "
         "run, on spot or hybrid: `over local` in `burstctl list`) that the daemon approves without asking; above it "
@@ -251,15 +267,16 @@ class Policy(Strict):
                           _at_most(MAX_OVERHEAD_H, "hours, not minutes (half an hour is 0.5)")] = Field(
         0.5, description="Provisioning + sync + teardown overhead t_ovh, in hours, used until burstctl has measured it."
     )
-    spot_preemptions_per_hour: NonNegFloat = Field(
+    spot_preemptions_per_hour: Annotated[float, Field(ge=0), _at_most(
+            60, "preemptions an hour (0.05 is one every 20 hours)")] = Field(
         0.05, description="Expected spot preemptions per hour: the prior that this installation's own spot "
         "instances (30 days, every provider and type) are shrunk towards, and the figure used until there are any."
     )
-    spot_mean_outage_hours: PositiveFloat = Field(
+    spot_mean_outage_hours: Hours = Field(
         1.0, description="Expected length of a spot outage (launches refused for lack of capacity), until the "
                          "daemon's own sightings say otherwise.",
     )
-    hybrid_margin_h: NonNegFloat = Field(
+    hybrid_margin_h: NonNegHours = Field(
         0.25, description="Slack kept before the deadline by hybrid local-then-burst plans (provisioning, no capacity)."
     )
 
@@ -362,7 +379,8 @@ class Ec2Provider(Strict):
         default_factory=list, description="Availability zones a launch tries, in this order, going on to the next "
         "only when one has no capacity; empty = every available zone of the region, in name order. An offer's spot "
         "price is the highest of these zones' prices.")
-    on_demand_usd_h: dict[str, PositiveFloat] = Field(
+    on_demand_usd_h: dict[str, Annotated[float, Field(gt=0), _at_most(
+            MAX_RATE_USD_GPU_H * 16, "dollars per instance-hour")]] = Field(
         default_factory=lambda: {"p3.2xlarge": 3.06}, description="On-demand $/h per instance type."
     )
     ssh_user: str = Field("ubuntu", description="Login user on the image.")
@@ -393,31 +411,31 @@ class Providers(Strict):
 class DaemonSettings(Strict):
     tick_s: Annotated[float, Field(gt=0), _at_most(600, "seconds, not milliseconds (the default is 5)")] = Field(
         5.0, description="Reconcile tick in seconds: every job advances one step per tick.")
-    sweep_s: PositiveFloat = Field(120.0, description="How often every provider is swept for orphaned instances.")
-    heartbeat_timeout_s: PositiveFloat = Field(
+    sweep_s: Seconds = Field(120.0, description="How often every provider is swept for orphaned instances.")
+    heartbeat_timeout_s: Seconds = Field(
         60.0, description="A running attempt whose heartbeat is older than this is treated as preempted."
     )
-    boot_timeout_s: PositiveFloat = Field(900.0, description="Give up on an instance that is not reachable by SSH.")
-    max_cloud_attempts: Annotated[int, Field(ge=1)] = Field(
+    boot_timeout_s: Seconds = Field(900.0, description="Give up on an instance that is not reachable by SSH.")
+    max_cloud_attempts: Annotated[int, _count(1000)] = Field(
         4, description="Cloud attempts running at once, spot probes included.")
-    max_launch_failures: Annotated[int, Field(ge=1)] = Field(
+    max_launch_failures: Annotated[int, _count(1000)] = Field(
         3, description="Consecutive failed launches before a job waits (blocked, with the reason)."
     )
-    launch_backoff_s: NonNegFloat = Field(60.0, description="Wait after a failed launch before trying again.")
-    redecide_per_tick: Annotated[int, Field(ge=1)] = Field(
+    launch_backoff_s: NonNegSeconds = Field(60.0, description="Wait after a failed launch before trying again.")
+    redecide_per_tick: Annotated[int, _count(100_000)] = Field(
         50, description="Blocked jobs re-decided per tick (budget freed, kill switch lifted)."
     )
     local_concurrency: Annotated[int, Field(ge=0, le=64)] = Field(
         1, description="Local GPU jobs at once (one GPU: 1). 0: none, and gate 1 finds no local option for any job "
                        "(every job that may burst is decided for the cloud).")
-    offers_ttl_s: PositiveFloat = Field(
+    offers_ttl_s: Seconds = Field(
         60.0, description="How long providers' offers (prices, capacity, spot capacity) are reused before asking again."
     )
-    market_check_s: PositiveFloat = Field(
+    market_check_s: Seconds = Field(
         60.0, description="How often a running cloud attempt asks the spot policy whether to change market (the "
                           "policy's tick); and how often a local run still late after a re-plan is decided again.",
     )
-    spot_probe_max_s: NonNegFloat = Field(
+    spot_probe_max_s: NonNegSeconds = Field(
         900.0, description="Where spot is seen only by launching (EC2), a job waiting for spot probes it with a "
                            "launch every launch_backoff_s at first, then every tenth of the outage so far, and at "
                            "least this often (the longest gap between probes): a long outage leaves tens of refused "
@@ -441,7 +459,7 @@ class DaemonSettings(Strict):
                        "run ends or is stopped) that run at once, on threads beside the tick: a multi-GB pull then "
                        "holds up no other attempt's heartbeat, interruption notice or stop. 0: each sync runs inside "
                        "the tick, one after another.")
-    pull_kib_s: Annotated[int, Field(ge=1)] | None = Field(
+    pull_kib_s: Annotated[int, _count(10**8)] | None = Field(
         None, description="Cap, in KiB/s, on the rate at which each checkpoint is pulled home over SSH (rsync "
                           "--bwlimit, or paced SFTP), so a multi-GB pull leaves a home link room for everything "
                           "else. Unset: as fast as the link goes. Checkpoints that come home from S3 are not capped.")
@@ -465,21 +483,29 @@ class StateSettings(Strict):
         "(postgresql+psycopg://user@host/db, with `pip install burstctl[postgres]`). A password is never written "
         "here: libpq reads it from PGPASSWORD or ~/.pgpass.",
     )
-    events_file_max_mb: PositiveFloat = Field(
+    events_file_max_mb: Annotated[float, Field(gt=0), _at_most(1e6, "MB, at most a million (a terabyte)")] = Field(
         64.0, description="<dir>/events.jsonl is rotated to events.jsonl.1 (.1 to .2, ...) once it passes this "
         "size, so months of a daemon's log stay bounded. The events table keeps every event.")
-    events_files_kept: Annotated[int, Field(ge=1)] = Field(
+    events_files_kept: Annotated[int, _count(1000)] = Field(
         4, description="Rotated events.jsonl.N files kept; the oldest beyond these is deleted.")
-    events_keep_days: PositiveFloat | None = Field(
+    events_keep_days: Days | None = Field(
         None, description="The daemon deletes, once a day, the events and the attempts' logs (<state>/runs/) of jobs "
         "finished longer ago than this many days (and events of no job as old); unset keeps them all. Jobs, attempts, "
         "the ledger, decision records, checkpoints and outputs stay. `burstctl prune-events --older-than DAYS` does "
         "the same by hand.")
-    checkpoints_keep_days: PositiveFloat | None = Field(
+    checkpoints_keep_days: Days | None = Field(
         None, description="The daemon deletes, once a day, the checkpoints (<state>/checkpoints/<job>/) of jobs done "
         "longer ago than this many days; unset keeps them. A done job keeps only its newest checkpoint anyway, and a "
         "failed or cancelled one keeps all of its own (`burstctl retry` resumes from them). A job's `outputs` stay. "
         "`burstctl prune-events --older-than DAYS --checkpoints` does the same by hand.")
+
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _a_directory(cls, v: object) -> object:
+        if isinstance(v, str) and not v.strip():  # Path("") is the current directory: a slip, as --state-dir ""
+            raise ValueError("is empty: expected a path (left out: $XDG_STATE_HOME/burstctl or "
+                             "~/.local/state/burstctl)")
+        return v
 
     @field_validator("database_url")
     @classmethod
@@ -631,8 +657,8 @@ class Notify(Strict):
         description="The notices to send: event types, `*` a wildcard (\"job.*\", \"*\"). A job queued, decided "
         "again or retried into a state that needs a person is `job.awaiting_approval`, `job.blocked` or "
         "`job.rethink`. The notifiers' own `notify.*` events are never sent.")
-    timeout_s: PositiveFloat = Field(10.0, description="How long one delivery may take before it counts as failed.")
-    digest_over: Annotated[int, Field(ge=1)] = Field(
+    timeout_s: Seconds = Field(10.0, description="How long one delivery may take before it counts as failed.")
+    digest_over: Annotated[int, _count(100_000)] = Field(
         5, description="When more notices than this are due at once (a hundred jobs done in one tick, the backlog "
         "of a webhook that was down), they go as one digest: its first line counts them, then a line each (the "
         "first 20 in the text; all of them in the JSON's `notices`).")

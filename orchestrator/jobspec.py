@@ -60,28 +60,33 @@ class ModelSpec(BaseModel):
     # TOML spells inf and nan; no float of a job means either, and an infinite one crashes the arithmetic later.
     # Strict: a value of the wrong TOML type is refused, not converted (`deadline_hours = true` is not 1 h,
     # `resumable = "no"` is not false); an integer still counts as a number of hours or units.
+    # Each number has a ceiling far above any model (100 T parameters, a 100 M context): past it is a slip, whose
+    # estimate would be hundreds of digits of GB, or inf (`Infinity` in --json, which is not JSON).
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     preset: str | None = Field(None, description="Known architecture, e.g. qwen2.5-7b, llama-3.1-8b.")
-    params: Annotated[float, Field(gt=0)] | None = Field(None, description="Parameter count, if no preset.")
-    layers: Annotated[int, Field(gt=0)] | None = Field(None, description="Transformer layers.")
-    hidden_size: Annotated[int, Field(gt=0)] | None = Field(None, description="Model width.")
-    attention_heads: Annotated[int, Field(gt=0)] | None = Field(None, description="Query heads.")
-    kv_heads: Annotated[int, Field(gt=0)] | None = Field(None, description="KV heads (grouped-query attention).")
-    head_dim: Annotated[int, Field(gt=0)] | None = Field(None, description="Dimension per head.")
-    intermediate_size: Annotated[int, Field(gt=0)] | None = Field(None, description="MLP width.")
-    vocab_size: Annotated[int, Field(gt=0)] | None = Field(None, description="Vocabulary (sizes the output logits).")
+    params: Annotated[float, Field(gt=0, le=1e14)] | None = Field(None, description="Parameter count, if no preset.")
+    layers: Annotated[int, Field(gt=0, le=10_000)] | None = Field(None, description="Transformer layers.")
+    hidden_size: Annotated[int, Field(gt=0, le=1_000_000)] | None = Field(None, description="Model width.")
+    attention_heads: Annotated[int, Field(gt=0, le=100_000)] | None = Field(None, description="Query heads.")
+    kv_heads: Annotated[int, Field(gt=0, le=100_000)] | None = Field(
+        None, description="KV heads (grouped-query attention).")
+    head_dim: Annotated[int, Field(gt=0, le=100_000)] | None = Field(None, description="Dimension per head.")
+    intermediate_size: Annotated[int, Field(gt=0, le=10_000_000)] | None = Field(None, description="MLP width.")
+    vocab_size: Annotated[int, Field(gt=0, le=100_000_000)] | None = Field(
+        None, description="Vocabulary (sizes the output logits).")
     method: Method = Field("full", description="full | lora | qlora.")
     dtype: Dtype = Field("bf16", description="Weights dtype (qlora implies 4-bit base weights).")
-    lora_rank: Annotated[int, Field(gt=0)] = Field(16, description="LoRA rank r.")
+    lora_rank: Annotated[int, Field(gt=0, le=100_000)] = Field(16, description="LoRA rank r.")
     lora_targets: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         description="Matrices that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj).",
     )
-    group_size: Annotated[int, Field(ge=0)] = Field(0, description="GRPO group size G (0 = not GRPO).")
-    prompts_per_step: Annotated[int, Field(ge=0)] = Field(0, description="GRPO prompts per step.")
-    context: Annotated[int, Field(gt=0)] = Field(2048, description="Sequence / rollout context length.")
-    micro_batch: Annotated[int, Field(gt=0)] = Field(1, description="Micro-batch size per GPU.")
+    group_size: Annotated[int, Field(ge=0, le=100_000)] = Field(0, description="GRPO group size G (0 = not GRPO).")
+    prompts_per_step: Annotated[int, Field(ge=0, le=1_000_000)] = Field(0, description="GRPO prompts per step.")
+    context: Annotated[int, Field(gt=0, le=100_000_000)] = Field(
+        2048, description="Sequence / rollout context length.")
+    micro_batch: Annotated[int, Field(gt=0, le=1_000_000)] = Field(1, description="Micro-batch size per GPU.")
     parallelism: Parallelism = Field("ddp", description="ddp (everything replicated) | fsdp (sharded).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in the backward pass.")
     attention: Attention = Field(
@@ -255,7 +260,11 @@ class JobSpec(BaseModel):
     @classmethod
     def _split(cls, v: object, info: ValidationInfo) -> object:
         if isinstance(v, str):
-            words = shlex.split(v)
+            try:
+                words = shlex.split(v)
+            except ValueError as exc:  # shlex's own words ("No closing quotation") say nothing of what to write
+                raise ValueError(f"cannot be split into arguments ({str(exc).lower()}): expected every quote closed, "
+                                 "or a list of arguments ([\"python3\", \"train.py\"])") from None
             shell = next((w for w in words if w in SHELL_OPERATORS), None)
             if shell is not None:
                 # Found only when it runs: `python3 train.py | tee log` fails with "unrecognized arguments: | tee".

@@ -34,7 +34,7 @@ import httpx
 from sqlalchemy import func, select
 
 from orchestrator.children import Children, free_port
-from orchestrator.config import toml_value
+from orchestrator.config import Config, toml_value
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.jobspec import JobSpec, _missing_script, load_job
 from runbooks import burst_checkpoint
@@ -586,12 +586,17 @@ def _seen(path: Path) -> SeenCheckpoint | None:
 
 
 def rehearse(spec_path: str | Path, opts: RehearsalOptions, say: Callable[[str], None] = lambda _: None,
-             keep: bool = False) -> RehearsalResult:
+             keep: bool = False, config: Config | None = None) -> RehearsalResult:
     """Rehearse the job in `spec_path` with `opts.preemptions` injected preemptions. Bad input raises BadInput
-    before anything starts; the children are always stopped; the throwaway directory is removed unless `keep`."""
+    before anything starts, that which `enqueue` would refuse under `config` too (a GPU type its [prices] lacks, an
+    unknown model preset); the children are always stopped; the throwaway directory is removed unless `keep`."""
     path = Path(spec_path)
     validate_options(opts)
-    spec, _ = load_job(path)  # bad input exits 2 before any process starts
+    spec, deadline_at = load_job(path)  # bad input exits 2 before any process starts
+    if config is not None:
+        from orchestrator.queue import facts
+
+        facts(spec, deadline_at, time.time(), config, path)
     check_rehearsable(spec, path)
     workdir = Path(tempfile.mkdtemp(prefix="burstctl-rehearse-"))
     reh = Rehearsal(path, opts, say, workdir, keep=keep)

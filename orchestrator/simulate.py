@@ -122,14 +122,23 @@ class Trace:
         return int(self.available.shape[0])
 
 
-def _trace_files(path: Path) -> list[Path]:
+def _trace_files(given: str | Path) -> list[Path]:
+    if not str(given).strip():  # Path("") is the current directory: a script's unset variable, not a choice
+        raise BadInput("is empty: expected a trace file or a directory of them", field="trace")
+    path = Path(given)
     if path.is_dir():
+        try:  # rglob says nothing of a directory it cannot read: it would be "no trace"
+            os.scandir(path).close()
+        except OSError as exc:
+            raise BadInput(f"directory cannot be read ({exc.strerror})", source=path) from None
         files = sorted(p for p in path.rglob("*.json") if p.is_file())
         if not files:
             raise BadInput("directory holds no *.json trace", source=path)
         return files
     if not path.exists():
         raise BadInput("no such trace file or directory", source=path)
+    if not path.is_file():  # a FIFO or a device: reading it would wait for ever
+        raise BadInput("is not a regular file: expected a JSON trace file", source=path)
     return [path]
 
 
@@ -182,7 +191,7 @@ def load_trace(path: str | Path, *, nodes: int = 1, window: int | None = None) -
 
 def load_traces(paths: Iterable[str | Path], *, nodes: int = 1, window: int | None = None) -> list[Trace]:
     """Files as given, directories expanded to their *.json files (sorted)."""
-    traces = [load_trace(f, nodes=nodes, window=window) for p in paths for f in _trace_files(Path(p))]
+    traces = [load_trace(f, nodes=nodes, window=window) for p in paths for f in _trace_files(p)]
     if not traces:
         raise BadInput("no trace given", field="trace")
     return traces

@@ -427,6 +427,12 @@ BAD_JOBS = {
     # In this file's words, not pydantic's ("Input should be a valid dictionary or instance of CheckpointSpec").
     "a-number-for-a-table": ({"checkpoint": 5}, "checkpoint", "expected a table, got 5"),
     "name-too-long": ({"name": "n" * 49}, "name", "expected at most 48 characters"),
+    # An estimate of inf GB, and `Infinity` in --json, which is not JSON.
+    "model-params-1e308": ({"model": {"params": 1.7e308}}, "model.params", "less than or equal to 1e+14"),
+    "model-context-1e21": ({"model": {"preset": "qwen2.5-7b", "context": 10**21}}, "model.context",
+                           "less than or equal to 1e+08"),
+    "command-unclosed-quote": ({"command": "python3 'train.py"}, "command",
+                               "cannot be split into arguments (no closing quotation): expected every quote closed"),
     # `show j25073e72` would find another job than the one of that name.
     "name-shaped-like-an-id": ({"name": "j25073e72"}, "name", "'j25073e72' has the shape of a job id"),
     # Read as seconds since 1970: "in the past (1970-01-01...)".
@@ -876,8 +882,21 @@ def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: P
     # Each process would have its own queue, gone when it ends: `enqueue` fed none the daemon sees.
     ("[state]\ndatabase_url = 'sqlite:///:memory:'\n", "state.database_url", "is an in-memory database"),
     ("[state]\ndatabase_url = 'sqlite://'\n", "state.database_url", "is an in-memory database"),
+    # Each crashed a command (an int of inf, APScheduler's interval, SQLite's INTEGER) instead of being refused.
+    ("[state]\nevents_file_max_mb = 1e308\n", "state.events_file_max_mb",
+     "1e+308 is more than 1000000: expected MB, at most a million (a terabyte)"),
+    ("[daemon]\nsweep_s = 1e308\n", "daemon.sweep_s", "1e+308 is more than 604800: expected seconds, at most a week"),
+    ("[policy]\nspot_preemptions_per_hour = 1e308\n", "policy.spot_preemptions_per_hour",
+     "expected preemptions an hour (0.05 is one every 20 hours)"),
+    ("[daemon]\nmax_cloud_attempts = 99999999999999999999999\n", "daemon.max_cloud_attempts",
+     "expected a number less than or equal to 1000"),
+    ("[budget]\nmonthly_cap_usd = 1e308\n", "budget.monthly_cap_usd", "expected dollars, at most a million"),
+    # Path("") is the current directory: the state was made wherever the command ran.
+    ("[state]\ndir = ''\n", "state.dir", "is empty: expected a path"),
 ], ids=["password-in-the-query", "a-local-gpu-count-no-machine-has", "an-owner-tag-no-cloud-takes",
-        "a-price-no-gpu-hour-has", "an-in-memory-database", "an-in-memory-database-by-default"])
+        "a-price-no-gpu-hour-has", "an-in-memory-database", "an-in-memory-database-by-default",
+        "an-event-file-size-no-disk-has", "a-sweep-period-no-clock-holds", "a-preemption-rate-no-cloud-has",
+        "more-attempts-than-sqlite-counts", "a-budget-no-lab-has", "an-empty-state-dir"])
 def test_settings_found_wrong_only_at_run_time_are_refused_as_the_file_is_read(
         burstctl, tmp_path: Path, text: str, field: str, says: str) -> None:
     assert_config_refused(burstctl, tmp_path, text, "budget", field, says)
@@ -1042,6 +1061,13 @@ def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path
     assert str(cfg) in line and "state.database_url" in line and "cannot open the database" in line, line
 
 
+def test_a_daemon_tick_past_the_config_s_ceiling_is_refused_before_the_daemon_starts(burstctl_subprocess) -> None:
+    # A tick of 1e308 s started the daemon (its start recorded), then crashed it.
+    r = burstctl_subprocess("daemon", "--tick", "1e308")
+    assert r.returncode == 2 and "'--tick': 1e+308 is not in the range 0.05<=x<=600" in r.stderr, r.stderr
+    assert not (burstctl_subprocess.state_dir / "burstctl.db").exists()
+
+
 def test_unknown_job_is_bad_input(burstctl) -> None:
     r = burstctl("show", "no-such-job")
     assert r.returncode == 2 and "no job with id or name" in r.stderr
@@ -1062,6 +1088,9 @@ def test_usage_errors_are_one_line(burstctl) -> None:
     assert r.returncode == 2 and "field '--name'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = burstctl("events", "--follow", "--interval", "-1")
     assert r.returncode == 2 and "--interval" in r.stderr
+    # The job file's ceiling: 1e11 GPUs sized a model no one can rent.
+    r = burstctl("size", "--params", "7e9", "--gpus", "100000000000")
+    assert r.returncode == 2 and "'--gpus': 100000000000 is not in the range 1<=x<=64" in r.stderr, r.stderr
 
 
 def test_a_state_dir_that_is_a_file_is_bad_input(burstctl, tmp_path: Path) -> None:
@@ -1072,6 +1101,13 @@ def test_a_state_dir_that_is_a_file_is_bad_input(burstctl, tmp_path: Path) -> No
         assert r.returncode == 2, r.stderr
         assert r.stderr.strip() == (f"burstctl: error: field '--state-dir': '{afile}' is a file; expected a "
                                     "directory (or a path that does not exist yet)")
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")  # a path no directory can be made at: it was an internal error
+    for where in (loop, loop / "below"):
+        r = burstctl("status", state_dir=where)
+        assert (r.returncode, r.stderr.strip()) == (2, f"burstctl: error: field '--state-dir': '{loop}' is a symbolic "
+                                                       "link that leads nowhere (a loop, or to a path that is gone); "
+                                                       "expected a directory (or a path that does not exist yet)")
 
 
 def test_a_what_if_decide_never_overwrites_the_record_of_an_enqueued_job(burstctl, tmp_path: Path) -> None:

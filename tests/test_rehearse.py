@@ -158,6 +158,11 @@ def test_the_users_own_config_does_not_reach_the_private_simcloud_or_daemon(tmp_
     (lambda t: [str(_spec(t, _VALID)), "--seed", "x"], "--seed"),
     (lambda t: [str(_spec(t, _VALID + "torchrun = true\n"))], "field 'torchrun': a rehearsal of a torchrun job needs "
      "torch installed here"),
+    # What `enqueue` refuses is refused before the rehearsal, not found out by a job that never ran.
+    (lambda t: [str(_spec(t, _VALID.replace("H100", "FOO")))], "field 'rented_throughput.FOO': 'FOO' is not a GPU type "
+     "of [prices]"),
+    (lambda t: [str(_spec(t, _VALID + '[model]\npreset = "nonexistent-99b"\n'))], "field 'model.preset': unknown "
+     "preset 'nonexistent-99b'"),
 ])
 def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path: Path, make_args: Callable[[Path], list[str]],
                                                             needle: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -311,6 +312,18 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, extra: list[str], e
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expect in lines[0] and "Traceback" not in result.stderr
+
+
+def test_a_trace_that_is_a_pipe_or_an_empty_path_is_one_line_not_a_wait_or_the_current_directory(
+        tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # read, it waits for a writer for ever
+    write_trace(tmp_path / "here.json", [1, 0] * 60)  # what an empty path, the current directory, would have read
+    for given, expect in ((str(fifo), f"burstctl: error: {fifo}: is not a regular file: expected a JSON trace file"),
+                          ("", "burstctl: error: field '--trace': is empty: expected a trace file or a directory of "
+                               "them")):
+        r = burstctl("simulate", "--trace", given, *JOB_ARGS, "--starts", "5", "--workers", "1")
+        assert (r.returncode, r.stderr.strip()) == (2, expect)
 
 
 SEED_C = Path(__file__).resolve().parents[1] / "examples" / "seed" / "c-big-local-deadline.toml"

@@ -13,7 +13,7 @@ from orchestrator.errors import BadInput
 
 
 @cli.command("daemon")
-@click.option("--tick", "tick_s", type=FiniteFloat(min=0.05), default=None,
+@click.option("--tick", "tick_s", type=FiniteFloat(min=0.05, max=600), default=None,
               help="Reconcile tick in seconds (default from config, 5).")
 @click.option("--max-ticks", type=click.IntRange(min=1), default=None, help="Stop after this many ticks.")
 @click.option("--exit-when-idle", is_flag=True, help="Stop once no job is queued or running.")

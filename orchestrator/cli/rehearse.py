@@ -7,7 +7,8 @@ import sys
 
 import click
 
-from orchestrator.cli.base import FiniteFloat, cli, json_option, out, print_json, table
+from orchestrator.app import App
+from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
 from orchestrator.errors import OperationalError
 from orchestrator.records import fmt_usd
 from orchestrator.rehearse import RehearsalOptions, rehearse
@@ -35,7 +36,8 @@ def _step(v: int | None) -> str:
               help="Lead time of each interruption notice (EC2 gives 120 s).")
 @click.option("--keep", is_flag=True, help="Keep the throwaway directory (state, event log, logs) for reading.")
 @json_option
-def rehearse_cmd(job_file: str, preemptions: int, seed: int, every_s: float | None, timeout_s: float,
+@pass_app
+def rehearse_cmd(app: App, job_file: str, preemptions: int, seed: int, every_s: float | None, timeout_s: float,
                  notice_s: float, keep: bool, as_json: bool) -> None:
     """Run JOB_FILE on a private simulated cloud, forced to spot, with injected preemptions; report whether it
     resumed correctly after each, the work each one lost, how long each resume took, attempts, cost, and that
@@ -49,7 +51,7 @@ def rehearse_cmd(job_file: str, preemptions: int, seed: int, every_s: float | No
 
     opts = RehearsalOptions(preemptions=preemptions, seed=seed, every_s=every_s, timeout_s=timeout_s,
                             notice_s=notice_s)
-    res = rehearse(job_file, opts, say, keep=keep)
+    res = rehearse(job_file, opts, say, keep=keep, config=app.config)
     if as_json:
         print_json(res.as_dict())
     else:

@@ -85,7 +85,8 @@ _TERM_MEANING: dict[str, str] = {
 @click.option("--prompts", type=_COUNT, help="GRPO prompts per step.")
 @click.option("--context", type=_POSITIVE_INT, help="Sequence / rollout context length (default 2048).")
 @click.option("--micro-batch", type=_POSITIVE_INT, help="Micro-batch per GPU (default 1).")
-@click.option("--gpus", type=_POSITIVE_INT, default=1, show_default=True, help="GPUs g.")
+@click.option("--gpus", type=click.IntRange(min=1, max=64), default=1, show_default=True,
+              help="GPUs g (1 to 64, as a job file's gpus).")
 @click.option("--parallelism", type=click.Choice(["ddp", "fsdp"]), help="ddp (replicated) | fsdp (sharded).")
 @click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None,
               help="Recompute activations in the backward pass (default on).")
