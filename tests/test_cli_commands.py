@@ -62,7 +62,8 @@ def test_no_number_option_takes_nan_or_infinity() -> None:
 @pytest.mark.parametrize(("args", "expected"), [
     (["retry", "some-job", "--deadline-hours", "nan"], "'--deadline-hours': expected a finite number, got nan"),
     (["retry", "some-job", "--deadline-hours", "100000"], "100000.0 is not in the range 0<x<=87660.0"),
-    (["daemon", "--tick", "inf"], "'--tick': expected a finite number, got inf"),
+    (["daemon", "--tick", "nan"], "'--tick': expected a finite number, got nan"),
+    (["daemon", "--tick", "inf"], "'--tick': inf is not in the range 0.05<=x<=600"),
     (["prune-events", "--older-than", "nan"], "'--older-than': expected a finite number, got nan"),
     # An event id or a count is a database INTEGER (at most 2**63 - 1): a larger one was an internal OverflowError.
     (["events", "--after", "99999999999999999999999"],
