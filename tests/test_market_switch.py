@@ -114,6 +114,7 @@ def test_with_a_day_of_slack_a_short_outage_is_waited_out(app: App) -> None:
         _refused(app, minute + 1, minute * 60.0)
     market, facts = market_for_attempt(app, job, "sim", _offer(), now=600.0)
     assert market is CloudMarket.SPOT and facts["choice"] == "idle", "idle: wait for spot, the next launch is the probe"
+    assert facts["acted"] == "spot: a probe, spot is seen only by launching"  # what was done, beside the choice
 
 
 def test_the_offer_s_prices_are_what_the_policy_weighs(app: App) -> None:

@@ -301,7 +301,12 @@ def market_for_attempt(app: App, job: dict[str, Any], provider: str, offer: Offe
         return Market.ON_DEMAND, facts
     if choice is PolicyMarket.IDLE and offer.spot_regions is not None and not offer.spot_regions:
         return None, facts  # spot is listed as gone: a launch would be refused
-    # Spot, or "wait for spot" where only a launch can tell: the launch is the wait's probe (a refusal costs nothing).
+    if choice is PolicyMarket.IDLE:
+        # "Wait for spot" where only a launch can tell: the launch is the wait's probe (a refusal costs nothing).
+        # Where spot is listed up, the daemon starts the job rather than hold it while spot is there. Either way
+        # the trail says what was done beside what the plan chose.
+        facts = {**facts, "acted": "spot: a probe, spot is seen only by launching" if offer.spot_regions is None
+                 else "spot: listed up, so the job starts rather than wait"}
     return Market.SPOT, facts
 
 
