@@ -39,6 +39,7 @@ class App:
     config_path: str | None = None
     state_dir_override: str | None = None
     console: TextIO | None = None
+    routine_calls: bool = False  # the console shows every provider call (`daemon --verbose`)
     says_notes: bool = False  # the CLI's own App: what it notices is said once the command succeeds (`NOTES`)
     # The command only reads the state (or sets the kill switch): a config file that does not validate, while its
     # [state] section does, is read as that section on built-in defaults, with the file's problem kept in
@@ -108,7 +109,8 @@ class App:
     def events(self) -> EventLog:
         state = self.config.state
         log = EventLog(self.store, self.config.state_dir, self.redactor, console=self.console,
-                       max_bytes=int(state.events_file_max_mb * 2**20), kept=state.events_files_kept)
+                       max_bytes=int(state.events_file_max_mb * 2**20), kept=state.events_files_kept,
+                       routine_calls=self.routine_calls)
         self._closers.append(log.close)
         return log
 

@@ -125,8 +125,9 @@ class EventLog:
     and to the console log when there is one."""
 
     def __init__(self, store: Store, state_dir: Path, redactor: Redactor, console: TextIO | None = None, *,
-                 max_bytes: int = 64 * 2**20, kept: int = 4):
+                 max_bytes: int = 64 * 2**20, kept: int = 4, routine_calls: bool = False):
         self.store = store
+        self.routine_calls = routine_calls  # the console shows provider calls that succeeded first time too
         self.redact = redactor
         state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / "events.jsonl"
@@ -148,10 +149,12 @@ class EventLog:
 
     def provider_sink(self, type_: str, **data: Any) -> int | None:
         """Where provider adapters report. A call that succeeded on its first try is routine (the daemon makes one
-        every tick per running instance: ~17,000 a day): it goes to the console log only. Retries, failures and
-        everything else are kept in the trail."""
+        every tick per running instance: ~17,000 a day): it is kept nowhere, and shown on the console only with
+        `routine_calls` (`daemon --verbose`), where it would bury what happens. Retries, failures and everything
+        else are kept in the trail."""
         if type_ == "provider.call" and data.get("outcome") == "ok" and data.get("tries") == 1:
-            self.console(type_, **data)
+            if self.routine_calls:
+                self.console(type_, **data)
             return None
         return self.emit(type_, **data)
 

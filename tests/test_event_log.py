@@ -30,13 +30,15 @@ def kept(tmp_path: Path, store: Store) -> tuple[list[str], list[str]]:
     return [e["type"] for e in store.events()], [json.loads(line)["event"] for line in lines]
 
 
-def test_a_provider_call_that_succeeds_first_time_reaches_the_console_but_not_the_trail(
+def test_a_provider_call_that_succeeds_first_time_is_kept_nowhere_and_shown_only_when_asked(
         tmp_path: Path, log: tuple[EventLog, io.StringIO, Store]) -> None:
     events, console, store = log
-    for _ in range(100):  # a day of ticks, in miniature
-        call("ec2", "DescribeInstances", lambda: {}, sink=events.provider_sink)
+    for verbose in (False, True):  # `daemon --verbose`
+        events.routine_calls = verbose
+        for _ in range(100):  # a day of ticks, in miniature
+            call("ec2", "DescribeInstances", lambda: {}, sink=events.provider_sink)
     assert kept(tmp_path, store) == ([], [])
-    assert console.getvalue().count("DescribeInstances") == 100
+    assert console.getvalue().count("DescribeInstances") == 100  # the verbose hundred: they would bury the rest
 
 
 def test_every_console_line_starts_with_the_local_time_to_the_second(
