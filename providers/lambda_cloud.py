@@ -341,10 +341,11 @@ class LambdaCloud:
         try:
             resp = self._http.request(method, path, json=body) if body is not None else self._http.request(method, path)
         except httpx.TimeoutException as exc:
-            raise Transient(f"{what}: timed out ({type(exc).__name__})", provider=self.name, code="timeout") from None
-        except httpx.TransportError as exc:
-            raise Transient(f"{what}: connection failed ({type(exc).__name__})", provider=self.name,
-                            code="connection") from None
+            raise Transient(f"{what}: {self._http.base_url} timed out ({type(exc).__name__})", provider=self.name,
+                            code="timeout") from None
+        except httpx.TransportError as exc:  # the URL says where: a wrong base_url, or a server not running
+            raise Transient(f"{what}: connection to {self._http.base_url} failed ({type(exc).__name__})",
+                            provider=self.name, code="connection") from None
         payload = _json_or_none(resp)
         if resp.is_success:
             if not isinstance(payload, dict) or "data" not in payload:

@@ -47,6 +47,9 @@ def providers_cmd(app: App, only: str | None, as_json: bool) -> None:
             except ProviderError as exc:
                 entry["answers"] = False
                 entry["problem"] = f"{type(exc).__name__}: {app.redactor(str(exc))}"
+                if name == "sim" and exc.code == "connection":  # on by default, and nothing serves it yet
+                    entry["problem"] += ("; is simcloud running? `burstctl simcloud serve` starts it, or set "
+                                         "enabled = false under [providers.sim]")
                 failing.append(f"{name} ({entry['problem']})")
         report.append(entry)
     report = app.redactor(report)  # what a provider answered may hold the key it was sent (a buggy or hostile API)
