@@ -45,6 +45,7 @@ FINAL_JOB_STATES = ("done", "failed", "cancelled", "rethink")
 LIVE_SIM_STATUSES = ("booting", "active", "unhealthy", "terminating")  # statuses that hold (and bill) a machine
 RELAXED_DEADLINE_H = 720.0  # a month: the rehearsal is about checkpoints, not about meeting the real deadline
 REHEARSAL_GPU = "H100"  # simcloud sells H100 spot; the job's own GPU types may not exist there
+JITTER = (0.75, 1.25)  # each preemption comes after this many times --every-s of running, seeded
 POLL_S = 0.15  # the observation loop's period: well under the daemon's tick, so no event is seen late
 
 VERDICT_OK = "resumes correctly"
@@ -209,6 +210,24 @@ def check_rehearsable(spec: JobSpec, source: Path) -> None:
                        source=source, field="setup")
 
 
+def check_fits_the_timeout(spec: JobSpec, opts: RehearsalOptions, source: Path) -> None:
+    """A first preemption due only after --timeout would rehearse nothing, after waiting it all out: bad input."""
+    every = opts.every_s or default_every_s(spec)
+    if every * JITTER[0] < opts.timeout_s:
+        return
+    if opts.every_s is not None:
+        raise BadInput(f"the first preemption is due after about {every:g} s of running, past --timeout "
+                       f"{opts.timeout_s:g} s: expected --every-s well under --timeout", field="--every-s")
+    minutes = spec.checkpoint.interval_minutes
+    said = "" if "checkpoint" in spec.model_fields_set else ", the default with no [checkpoint] table"
+    runs = opts.preemptions * every * JITTER[1] + 120  # each preemption's running, and a boot each
+    raise BadInput(f"the job checkpoints every {minutes:g} min{said}, so its first preemption is due after about "
+                   f"{every:.0f} s of running (two intervals, for a checkpoint to be there), past --timeout "
+                   f"{opts.timeout_s:g} s: expected a --timeout over {runs:.0f} s plus the job's own run, or a copy "
+                   "of the job file with a shorter interval_minutes to rehearse", source=source,
+                   field="checkpoint.interval_minutes")
+
+
 def validate_options(opts: RehearsalOptions) -> None:
     if not 1 <= opts.preemptions <= 50:
         raise BadInput(f"must be between 1 and 50, got {opts.preemptions}", field="--preemptions")
@@ -243,6 +262,7 @@ class Rehearsal:
         self.attempts: dict[str, AttemptWatch] = {}
         self.preemptions: list[Preemption] = []
         self.notes: list[str] = []
+        self.every_s = opts.every_s or 0.0  # the running time before each preemption, once the job is read
 
     # --- processes --------------------------------------------------------------------------------------------
     def stop_all(self) -> None:
@@ -387,10 +407,10 @@ class Rehearsal:
     def run(self) -> RehearsalResult:
         started = time.monotonic()
         spec, _ = load_job(self.spec_path)
-        every = self.opts.every_s or default_every_s(spec)
+        every = self.every_s = self.opts.every_s or default_every_s(spec)
         rng = random.Random(self.opts.seed)
         # Seeded jitter, so the preemptions do not always land on the same phase of the checkpoint cycle.
-        delays = [every * rng.uniform(0.75, 1.25) for _ in range(self.opts.preemptions)]
+        delays = [every * rng.uniform(*JITTER) for _ in range(self.opts.preemptions)]
         self._write_config()
         self.say(f"starting a private simcloud and daemon in {self.dir}")
         self.children.spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.sim_state),
@@ -505,6 +525,9 @@ class Rehearsal:
     def _verdict(self, state: str, timed_out: bool, left: int, reason: str | None = None) -> tuple[str, bool]:
         if state == "failed":  # the job's own failure first: "make it run longer" would hide it
             self.notes.append(f"the job failed: {reason or 'no reason recorded'}")
+        elif not self.preemptions and timed_out:
+            self.notes.append(f"no preemption within --timeout {self.opts.timeout_s:g} s: the first was due after "
+                              f"about {self.every_s:.0f} s of running, once the job had started on its instance")
         elif not self.preemptions:
             self.notes.append("the job ended before the first preemption: make it run longer or lower --every-s")
         elif len(self.preemptions) < self.opts.preemptions:
@@ -598,6 +621,7 @@ def rehearse(spec_path: str | Path, opts: RehearsalOptions, say: Callable[[str],
 
         facts(spec, deadline_at, time.time(), config, path)
     check_rehearsable(spec, path)
+    check_fits_the_timeout(spec, opts, path)
     workdir = Path(tempfile.mkdtemp(prefix="burstctl-rehearse-"))
     reh = Rehearsal(path, opts, say, workdir, keep=keep)
     try:

@@ -163,6 +163,12 @@ def test_the_users_own_config_does_not_reach_the_private_simcloud_or_daemon(tmp_
      "of [prices]"),
     (lambda t: [str(_spec(t, _VALID + '[model]\npreset = "nonexistent-99b"\n'))], "field 'model.preset': unknown "
      "preset 'nonexistent-99b'"),
+    # A first preemption due only after --timeout rehearses nothing, after waiting all of it out.
+    (lambda t: [str(_spec(t, _VALID + "[checkpoint]\ninterval_minutes = 20\n"))],
+     "field 'checkpoint.interval_minutes': the job checkpoints every 20 min, so its first preemption is due after "
+     "about 2400 s of running"),
+    (lambda t: [str(_spec(t, _VALID)), "--every-s", "1000", "--timeout", "600"], "field '--every-s': the first "
+     "preemption is due after about 1000 s of running, past --timeout 600 s"),
 ])
 def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path: Path, make_args: Callable[[Path], list[str]],
                                                             needle: str) -> None:
@@ -177,6 +183,20 @@ def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path: Path, make
     assert len(lines) == 1 and "Traceback" not in r.stderr and needle in lines[0], r.stderr
     assert r.stdout == ""
     assert not list(scratch.iterdir())  # no simcloud, no daemon, no state was started
+
+
+def test_a_rehearsal_that_timed_out_before_its_first_preemption_says_so_not_that_the_job_ended(
+        tmp_path: Path) -> None:
+    from orchestrator.rehearse import Rehearsal, RehearsalOptions
+
+    reh = Rehearsal(tmp_path / "job.toml", RehearsalOptions(timeout_s=600.0), lambda _: None, tmp_path)
+    reh.every_s = 2400.0
+    assert reh._verdict("running", timed_out=True, left=0) == ("did not finish within 600 s", False)
+    assert reh.notes == ["no preemption within --timeout 600 s: the first was due after about 2400 s of running, "
+                         "once the job had started on its instance"]
+    reh.notes.clear()
+    assert reh._verdict("done", timed_out=False, left=0) == ("not rehearsed: no preemption happened", False)
+    assert reh.notes == ["the job ended before the first preemption: make it run longer or lower --every-s"]
 
 
 _VALID = ('name = "ok"\ncommand = ["python3", "-c", "pass"]\nworkdir = "."\ndeadline_hours = 1\n'
