@@ -18,6 +18,7 @@ from orchestrator.lifecycle import admission, attempt_syncs, checkpoints, handov
 from orchestrator.lifecycle.background_sync import SyncDone
 from orchestrator.lifecycle.cloud_steps import CloudSteps
 from orchestrator.lifecycle.finish import REQUEUED_LOCAL, job_after_attempt
+from orchestrator.lifecycle.local import LocalRunner
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.schedule import watch_schedule
@@ -394,6 +395,28 @@ def test_a_hybrid_local_phase_runs_on_while_the_budget_would_refuse_its_burst(tm
         assert Reconciler(app, providers, cloud=CloudSteps(app, providers)).admission.hand_over_held(
             job, time.time()) is None
         sim_provider.close()
+    app.close()
+
+
+@pytest.mark.parametrize(("cap", "then"), [
+    (100.0, "bursts the rest by "),
+    # No month pays the hand-over: the reason does not promise it (the decision's own words, where it was made).
+    (10.0, "its cloud phase ($15.27) is more than the whole $10.00 monthly cap, so it runs on locally, late, unless "
+           "budget.monthly_cap_usd is raised"),
+])
+def test_a_hybrid_s_local_phase_promises_the_hand_over_only_when_a_month_s_budget_pays_it(
+        tmp_path: Path, cap: float, then: str) -> None:
+    (tmp_path / "burstctl.toml").write_text(f"[budget]\nmonthly_cap_usd = {cap}\n")
+    app = App(config_path=str(tmp_path / "burstctl.toml"), state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "c", local_throughput=0.033, market="on-demand",
+                                          rented_throughput={"H100": 0.17}, deadline_hours=12))
+    job = app.store.get_job(job_id)
+    assert job is not None and job["placement"] == "hybrid"
+    runner = LocalRunner(app)
+    info = {"hybrid": runner._hybrid_terms(job)}
+    now = time.time()
+    reason = runner._replan({"id": f"{job_id}-a1", "started_at": now}, job, info, now)["reason"]
+    assert reason.startswith("running locally (hybrid plan): 0 of 1 units done (estimated); " + then), reason
     app.close()
 
 

@@ -43,6 +43,7 @@ from orchestrator.queue import (
 )
 from runbooks import job_outputs, supervisor
 from state import schema as s
+from state.schema import planned_rented_usd
 
 A = AttemptState
 RUNBOOKS = Path(__file__).resolve().parents[2] / "runbooks"
@@ -284,7 +285,7 @@ class LocalRunner:
                 watch_schedule(self.app, att, job, info, now)
                 self._redecide_if_late(att, job, info, now)  # may make it a hybrid's local phase, or hand over
             if info.get("hybrid") and not info.get("stop_requested"):
-                progress = self._replan(att, info, now)  # a hybrid hands over earlier instead
+                progress = self._replan(att, job, info, now)  # a hybrid hands over earlier instead
             if job["state"] == JobState.CANCELLED.value:
                 wanted = "cancelled"
             elif not local_hours(self.cfg, now).is_open() and job["spec"]["checkpoint"].get("resumable", True):
@@ -369,7 +370,7 @@ class LocalRunner:
         return (f"running on locally ({plan}): the hand-over to the cloud was due at {due} UTC, but {why}; "
                 "it bursts the rest once the cloud can take it, and may miss the deadline")
 
-    def _replan(self, att: dict[str, Any], info: dict[str, Any], now: float) -> dict[str, Any]:
+    def _replan(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], now: float) -> dict[str, Any]:
         """A hybrid plan's local phase: the hand-over moved to the latest instant that still makes the deadline
         from the work done so far, as the trainer reports it (`units_done` in its metrics, in the job's work
         units), else as the plan estimates it (s_L times the hours this attempt has run)."""
@@ -385,9 +386,14 @@ class LocalRunner:
         info["switch_at"] = latest_switch_at(done=done, **_switch_args(terms))
         at = datetime.fromtimestamp(info["switch_at"], UTC).strftime("%H:%M:%S")
         plan = "hybrid plan, re-planned behind schedule" if terms.get("replanned_at") else "hybrid plan"
+        rented, cap = planned_rented_usd(job["decision"]), self.cfg.budget.monthly_cap_usd
+        then = (f"bursts the rest by {at} UTC to make the deadline" if rented <= cap + 1e-9 else
+                # No month's budget pays the hand-over: not promised (the decision said so too).
+                f"its cloud phase (${rented:.2f}) is more than the whole ${cap:.2f} monthly cap, so it runs on "
+                "locally, late, unless budget.monthly_cap_usd is raised")
         return {"units_done": round(done, 6), "progress": basis, "switch_at": round(info["switch_at"], 3),
                 "reason": f"running locally ({plan}): {done:.4g} of {terms['work']:.4g} units done ({basis}); "
-                          f"bursts the rest by {at} UTC to make the deadline"}
+                          f"{then}"}
 
     def _redecide_if_late(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], now: float) -> None:
         """A plain local run whose trainer's figures put its end past the deadline is decided again, on the work left
