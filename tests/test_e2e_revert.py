@@ -134,7 +134,7 @@ def test_a_cloud_run_that_ended_well_before_revert_local_saw_it_is_finished_not_
 
         r = cli(config, state, "revert-local")
         assert r.returncode == 0, r.stdout + r.stderr
-        assert f"finished (their run had ended; final checkpoint and outputs home): {job_id}" in r.stdout
+        assert f"finished (their run had ended; final checkpoint and outputs home): ends-alone ({job_id})" in r.stdout
         report = json.loads(cli(config, state, "revert-local", "--json").stdout)  # the second run: nothing to do
         assert report["instances"] == [] and report["already_local"] == [] and report["all_gone"]
         assert all(i["status"] in GONE for i in sim_instances(url))

@@ -112,7 +112,7 @@ def test_follow_prints_what_the_log_gains_until_its_attempt_is_over(job: Job) ->
 def test_a_job_that_has_not_run_or_an_attempt_it_has_not_made_is_one_line(job: Job) -> None:
     never = job.logs()
     assert never.returncode == 1 and never.stderr.strip().splitlines() == [
-        f"burstctl: error: job {job.id} (queued) has not run yet: no logs"]
+        f"burstctl: error: job {job.id} (queued) has not run yet: no logs (`--follow` waits for its first attempt)"]
     job.attempt(1, "succeeded")
     wrong = job.logs("--attempt", "3")
     assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [

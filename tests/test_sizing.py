@@ -476,6 +476,19 @@ def test_size_bad_input_exits_2_with_one_line(args: list[str], mentions: str) ->
     assert "Traceback" not in res.stderr
 
 
+def test_the_table_says_which_row_the_total_leaves_out_when_it_is_a_peak_not_a_sum() -> None:
+    # A GRPO QLoRA: rollout and training take turns, so the KV cache's 1.88 GB is beside the total, not in it.
+    res = _burstctl("size", "--model", "qwen2.5-7b", "--method", "qlora", "--group-size", "8", "--prompts", "4",
+                    "--context", "1024")
+    assert res.returncode == 0, res.stderr
+    rows = {line.split("│")[1].strip(): line for line in res.stdout.splitlines() if line.count("│") == 4}
+    assert "not in the total: it takes turns with the activations" in rows["kv_cache"]
+    assert "not in the total" not in rows["activations"]
+    assert "the peak, not the sum" in rows["total"]
+    plain = _burstctl("size", "--model", "qwen2.5-7b", "--method", "lora")  # no rollouts: the rows add up
+    assert "not in the total" not in plain.stdout and "the peak, not the sum" not in plain.stdout
+
+
 def test_what_the_estimate_leaves_out_is_said_with_its_size_where_it_applies() -> None:
     def left_out(est: object) -> list[str]:
         return [n for n in est.notes if n.startswith("not counted")]  # type: ignore[attr-defined]

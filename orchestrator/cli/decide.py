@@ -112,7 +112,7 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
     else:
         missing = [k for k in ("--s-local", "--deadline-h", "--rate") if flags[k] is None]
         if missing:
-            raise BadInput(f"give a job file, or the flags {', '.join(missing)} (see --help)")
+            raise BadInput(f"expected a job file, or the flags {', '.join(missing)} (see --help)")
         _deadline_hours(deadline_h)
         for k in ("--work", "--s-rented", "--rate"):
             _positive(k, flags[k])

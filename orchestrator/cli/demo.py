@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,6 +13,18 @@ from orchestrator.cli.base import cli, json_option, out, print_json, table
 from orchestrator.demo import run_demo
 from orchestrator.errors import OperationalError
 from orchestrator.records import fmt_h, fmt_usd
+
+
+def _this_burstctl() -> str:
+    """How to type this burstctl again: its name where PATH finds this one, else its path (`make demo` runs the
+    venv's, which is not on PATH until the venv is activated)."""
+    here = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    found = shutil.which("burstctl")
+    if found and (here is None or Path(found).resolve() == here):
+        return "burstctl"
+    if here is not None and here.name == "burstctl":
+        return str(Path(sys.argv[0]))
+    return f"{sys.executable} -m orchestrator.cli"
 
 
 @cli.command("demo")
@@ -48,7 +61,8 @@ def demo_cmd(keep: bool, as_json: bool) -> None:
             out.print(f"  {line}")
         out.print(f"decision records: {res.records_dir}")
         out.print(f"event log:        {res.event_log}")
-        out.print(f"look around:      burstctl --state-dir {res.state_dir} events | list | status")
+        out.print(f"look around:      {_this_burstctl()} --state-dir {res.state_dir} status   (or list, events, "
+                  "show JOB, report)")
         if keep:
             out.print(f"simcloud's sandboxes and logs: {res.workdir}/sim")
     if res.instances_left != 0:

@@ -92,7 +92,8 @@ def logs_cmd(app: App, job: str, attempt_n: int | None, logs: tuple[str, ...], l
                    err=True)
         chosen = _first_attempt(app, found["id"])
     else:
-        raise OperationalError(f"job {found['id']} ({found['state']}) has not run yet: no logs")
+        waits = " (`--follow` waits for its first attempt)" if JobState(found["state"]) not in FINAL else ""
+        raise OperationalError(f"job {found['id']} ({found['state']}) has not run yet: no logs{waits}")
     path = attempt_run_dir(app.config, chosen["id"]) / log
     note = "" if chosen["where"] == "local" or AttemptState(chosen["state"]).final else \
         ", as of its last checkpoint sync"

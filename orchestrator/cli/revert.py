@@ -12,6 +12,12 @@ from orchestrator.lifecycle.revert import restore_plans, revert_local, set_burst
 from orchestrator.lifecycle.service import build_reconciler
 
 
+def _named(app: App, job_ids: list[str]) -> str:
+    """Jobs as a person knows them: "name (id)"."""
+    jobs = {j: app.store.get_job(j) for j in job_ids}
+    return ", ".join(f"{job['name']} ({j})" if job else j for j, job in jobs.items())
+
+
 @cli.command("revert-local")
 @click.option("--timeout", "timeout_s", type=FiniteFloat(min=1), default=None,
               help="Bound on waiting for the last checkpoints and terminations (a last pull under way then is let "
@@ -47,13 +53,13 @@ def revert_local_cmd(app: App, timeout_s: float | None, as_json: bool) -> None:
                       else "no instance found on the providers that answered")
         if report.finished:
             out.print(f"finished (their run had ended; final checkpoint and outputs home): "
-                      f"{', '.join(report.finished)}")
+                      f"{_named(app, report.finished)}")
         if report.requeued_local:
-            out.print(f"requeued locally: {', '.join(report.requeued_local)}")
+            out.print(f"requeued locally: {_named(app, report.requeued_local)}")
         if report.already_local:
-            out.print(f"queued locally by an earlier revert-local: {', '.join(report.already_local)}")
+            out.print(f"queued locally by an earlier revert-local: {_named(app, report.already_local)}")
         if report.held:
-            out.print(f"held (do not fit locally): {', '.join(report.held)}")
+            out.print(f"held until `burstctl burst-enable` (they do not fit locally): {_named(app, report.held)}")
         if report.daemon_winding_down:
             out.print(f"the running daemon is still winding down: {', '.join(report.daemon_winding_down)} "
                       "(`burstctl status`; run revert-local again to confirm)")

@@ -145,8 +145,15 @@ def _model_from(job_path: str | None, flags: dict[str, Any]) -> ModelSpec:
 
 
 def _print_human(est: SizingEstimate) -> None:
-    rows = [(k, f"{v:.2f}", _TERM_MEANING[k]) for k, v in est.terms.items()]
-    rows.append(("total", f"{est.total_gb:.2f}", "one GPU, nothing sharded"))
+    terms = est.terms
+    # Rollout and training take turns: only the larger of the KV cache and the activations is in the total.
+    aside = (min(("activations", "kv_cache"), key=lambda k: terms[k]) if terms["kv_cache"] > 0 else None)
+    rows = [(k, f"{v:.2f}", _TERM_MEANING[k] + (" (not in the total: it takes turns with the "
+                                                  f"{'KV cache' if k == 'activations' else 'activations'})"
+                                                  if k == aside else "")) for k, v in terms.items()]
+    peak = abs(sum(terms.values()) - est.total_gb) > 0.005
+    rows.append(("total", f"{est.total_gb:.2f}", "one GPU, nothing sharded" + (": the peak, not the sum (the notes "
+                                                                              "below say why)" if peak else "")))
     where = f"{est.gpus} GPU{'s' if est.gpus > 1 else ''}, {est.parallelism}"
     rows.append(("per GPU", f"{est.per_gpu_gb:.2f}", where))
     table("Training memory estimate", ["term", "GB", "what"], rows)

@@ -234,5 +234,6 @@ def status_cmd(app: App, as_json: bool) -> None:
             if a["problem"]:
                 out.print(f"[yellow]{escape(a['id'])}: {escape(a['problem'])}[/yellow]")
     if d["instances"]:
-        table("instances not yet confirmed gone", ["provider", "instance", "attempt", "state", "type", "market"],
+        table("cloud instances: up, or not yet confirmed gone",
+              ["provider", "instance", "attempt", "state", "type", "market"],
               [(i["provider"], i["id"], i["attempt"], i["state"], i["type"], i["market"]) for i in d["instances"]])
