@@ -1120,6 +1120,17 @@ def test_a_what_if_decide_never_overwrites_the_record_of_an_enqueued_job(burstct
     assert len({str(record), *what_ifs}) == 3 and all(Path(p).exists() for p in what_ifs)
 
 
+def test_deciding_a_file_already_queued_says_the_queue_ahead_may_be_its_own_copy(burstctl, tmp_path: Path) -> None:
+    job = write_job(tmp_path, "twice-weighed")  # local: 3 h of the local GPU's queue
+    first = burstctl("decide", str(job))
+    assert first.returncode == 0 and "note: a job of this name" not in first.stdout
+    job_id = json.loads(burstctl("enqueue", str(job), "--json").stdout)["id"]
+    again = burstctl("decide", str(job))
+    assert "queued ahead" in again.stdout  # the first copy's 3 h, ahead of the file decided as a new job
+    assert (f"note: a job of this name is in the queue already ({job_id} (queued)): this decision weighs the file "
+            "as a new job beside it") in " ".join(again.stdout.split())
+
+
 def test_a_name_means_its_one_job_not_yet_over_else_the_error_lists_the_ids_and_reading_takes_the_newest(
         burstctl, tmp_path: Path) -> None:
     job = write_job(tmp_path, "twice", market="on-demand")

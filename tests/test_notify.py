@@ -482,7 +482,7 @@ def test_a_notice_says_why_a_job_needs_a_person_and_any_event_in_words(tmp_path:
 
 
 # Strings of an event's shape in the code that are not event types: settings' paths, a file's name.
-NOT_EVENTS = {"budget.cycle_gpu", "daemon.lock", "daemon.tick_s", "job.env", "state.dir"}
+NOT_EVENTS = {"budget.cycle_gpu", "checkpoint.interval_minutes", "daemon.lock", "daemon.tick_s", "job.env", "state.dir"}
 
 
 def test_the_event_types_a_notifier_may_name_are_those_the_code_records() -> None:

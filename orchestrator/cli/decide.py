@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 from rich.markup import escape
+from sqlalchemy import select
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
@@ -31,7 +32,9 @@ from orchestrator.jobspec import (
     too_much_work,
     too_slow,
 )
+from orchestrator.lifecycle.states import FINAL
 from orchestrator.queue import context, job_facts, record_decision
+from state import schema as s
 
 FLAG_GPU = "rented"
 
@@ -146,8 +149,23 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
                     "record": str(record) if record else None})
         return
     _print_human(job, d, decision.gates)
+    if job_file and (decision.gates.local_wait_h or 0.0) > 0:
+        _note_same_name_queued(app, job.name)
     if record:
         out.print(f"[dim]decision record: {record}[/dim]")
+
+
+def _note_same_name_queued(app: App, name: str) -> None:
+    """`decide` on a file already queued weighs it as one more job, behind its own copy: say so, not in silence."""
+    final = [state.value for state in FINAL]
+    with app.store.engine.connect() as c:
+        live = c.execute(select(s.jobs.c.id, s.jobs.c.state).where(
+            s.jobs.c.name == name, s.jobs.c.state.notin_(final))).all()
+    if live:
+        ids = ", ".join(f"{job_id} ({state})" for job_id, state in live)
+        out.print(f"note: a job of this name is in the queue already ({ids}): this decision weighs the file as a new "
+                  f"job beside it, so the local work queued ahead may be that job's own; `burstctl show {name}` has "
+                  "its decision")
 
 
 def _apart(a: float, b: float) -> tuple[str, str]:
