@@ -56,14 +56,10 @@ def test_a_local_run_stopped_by_a_signal_from_outside_burstctl_resumes_instead_o
     app.close()
 
 
-def test_a_failed_run_says_why_in_the_command_s_own_last_words_with_secrets_scrubbed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRAINER_TOKEN", "tok-5ecret-value")
-    app = App(state_dir_override=str(tmp_path / "state"))
-    script = ("import os, sys; print('loading', file=sys.stderr); "
-              "sys.exit('ModuleNotFoundError: no module named torch (token ' + os.environ['TRAINER_TOKEN'] + ')')")
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "broken", command=[sys.executable, "-c", script],
-                                          local_throughput=1.0, pass_env=["TRAINER_TOKEN"]))
+def _run_to_its_end(app: App, tmp_path: Path, name: str, script: str, **fields: object) -> tuple[str, Path]:
+    """A local job running `python -c script`, started, waited for and stepped once it exited: (its id, run dir)."""
+    job_id, _, _ = enqueue(app, write_job(tmp_path, name, command=[sys.executable, "-c", script],
+                                          local_throughput=1.0, **fields))
     job = app.store.get_job(job_id)
     assert job is not None
     runner = LocalRunner(app)
@@ -72,9 +68,17 @@ def test_a_failed_run_says_why_in_the_command_s_own_last_words_with_secrets_scru
     deadline = time.monotonic() + 30
     while supervisor.read_status(run).get("exit") is None and time.monotonic() < deadline:
         time.sleep(0.1)
-
     runner.step(only_attempt(app, job_id), app.store.get_job(job_id))
+    return job_id, run
 
+
+def test_a_failed_run_says_why_in_the_command_s_own_last_words_with_secrets_scrubbed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINER_TOKEN", "tok-5ecret-value")
+    app = App(state_dir_override=str(tmp_path / "state"))
+    script = ("import os, sys; print('loading', file=sys.stderr); "
+              "sys.exit('ModuleNotFoundError: no module named torch (token ' + os.environ['TRAINER_TOKEN'] + ')')")
+    job_id, _ = _run_to_its_end(app, tmp_path, "broken", script, pass_env=["TRAINER_TOKEN"])
     failed = app.store.get_job(job_id)
     assert failed["state"] == "failed"
     assert failed["reason"].startswith("exited: failed (code 1): ModuleNotFoundError: no module named torch")
@@ -90,18 +94,7 @@ def test_a_secret_cut_by_the_records_line_limit_leaves_no_fragment_in_them(
     monkeypatch.setenv("TRAINER_TOKEN", secret)
     app = App(state_dir_override=str(tmp_path / "state"))
     script = "import os, sys; sys.exit('E' * 290 + ' token=' + os.environ['TRAINER_TOKEN'] + ' rejected')"
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "cut", command=[sys.executable, "-c", script],
-                                          local_throughput=1.0, pass_env=["TRAINER_TOKEN"]))
-    job = app.store.get_job(job_id)
-    assert job is not None
-    runner = LocalRunner(app)
-    assert runner.start(job)
-    run = runner.run_dir(only_attempt(app, job_id)["id"])
-    deadline = time.monotonic() + 30
-    while supervisor.read_status(run).get("exit") is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    runner.step(only_attempt(app, job_id), app.store.get_job(job_id))
-
+    job_id, run = _run_to_its_end(app, tmp_path, "cut", script, pass_env=["TRAINER_TOKEN"])
     failed = app.store.get_job(job_id)
     assert failed["state"] == "failed" and "EEEE" in failed["reason"]
     record = (run / supervisor.EXIT_FILE).read_text()
