@@ -6,6 +6,7 @@ instance's disk, on this machine); everything crossing between the two sides goe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.remote import sync
 from orchestrator.remote.ssh import MemoryHostKeyTrust, Target, generate_keypair
 from orchestrator.remote.ssh import connect as ssh_connect
 from orchestrator.remote.sync import (
@@ -327,6 +329,65 @@ def test_rsync_killed_mid_pull_leaves_nothing_visible_and_a_retry_resumes(
     assert retry == [local / "step-00000100"] and burst_checkpoint.verify(retry[0])
     assert retry.stats.bytes_received < 3.5 * shard_size  # the finished shard was not fetched again
     assert os.listdir(local) == ["step-00000100"]
+
+
+def _instance_rsyncs(sandbox: Path) -> list[int]:
+    """The instance's side of a transfer: the `rsync --server` processes working in its sandbox (and only there,
+    so that other tests' transfers on this machine are left alone)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            cwd = Path(os.readlink(f"/proc/{entry}/cwd"))
+        except OSError:
+            continue
+        if argv[:1] and argv[0].endswith(b"rsync") and b"--server" in argv and cwd.is_relative_to(sandbox):
+            found.append(int(entry))
+    return found
+
+
+def test_a_pull_whose_instance_side_hangs_while_ssh_answers_is_ended_and_a_retry_resumes(
+        backend: SshBackend, key_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # rsync's --timeout counts its own keep-alives as traffic, and ssh's keepalive only sees a dead connection: an
+    # instance's rsync stuck (a hung disk) while its sshd answers held the pull, and the store's lock, for ever.
+    monkeypatch.setattr(sync, "PULL_STALL_S", 2.0)
+    monkeypatch.setattr(sync, "STALL_POLL_S", 0.2)
+    inst = start(backend, key_path, "i-stall", "rsync")
+    shard_size = 2 * MiB
+    burst_checkpoint.write_checkpoint(inst.sandbox / "ckpt", "step-00000100", shards(4, shard_size))
+    local = tmp_path / "local"
+    outcome: dict[str, object] = {}
+
+    def slow_pull() -> None:
+        try:
+            outcome["result"] = pull(inst, local, bwlimit_kib=512)  # ~16 s in all at 512 KiB/s
+        except SyncError as e:
+            outcome["error"] = e
+
+    puller = threading.Thread(target=slow_pull)
+    puller.start()
+    deadline = time.monotonic() + 60
+    while sync._bytes_under(local) < shard_size // 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    servers = _instance_rsyncs(inst.sandbox)
+    assert servers, "the instance's rsync was not found"
+    try:
+        for pid in servers:
+            os.kill(pid, signal.SIGSTOP)  # hung, its connection up
+        stopped = time.monotonic()
+        puller.join(60)
+        assert not puller.is_alive()
+        assert time.monotonic() - stopped < 20  # 2 s without a byte, then the next poll: not for ever
+        assert isinstance(outcome.get("error"), sync.TransferStalled), outcome
+        assert "nothing arrived for 2 s" in str(outcome["error"])
+    finally:
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert visible(local) == []  # nothing partial is visible, and what came is kept for the retry
+    retry = pull(inst, local)
+    assert retry == [local / "step-00000100"] and burst_checkpoint.verify(retry[0])
+    assert retry.stats.bytes_received < 4 * shard_size  # resumed: what had come was not fetched again
 
 
 @pytest.fixture

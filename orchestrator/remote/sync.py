@@ -337,7 +337,7 @@ def pull_files(target: Target, trust: HostKeyTrust, remote_dir: str, names: Sequ
                 how = ["--append", "--ignore-missing-args"] if append else []
                 src = _remote_spec(target, remote_dir) + "/"
                 stats = _rsync(target, trust, [*how, "--files-from=-", "--from0", src, f"{local}/"], what=what,
-                               stdin="".join(f"{n}\0" for n in names))
+                               stdin="".join(f"{n}\0" for n in names), grows=local)
             elif append:
                 stats = _sftp_append_files(_sftp(conn), remote_dir, names, local)
             else:
@@ -446,18 +446,47 @@ def _record(proc: subprocess.Popen[str]) -> Path | None:
     return None
 
 
-def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, str] | None = None
-                 ) -> subprocess.CompletedProcess[str]:
+class TransferStalled(SyncError):
+    """A pull whose destination did not grow for its stall limit: ended, what it brought kept for the next pull."""
+
+
+PULL_STALL_S = 600.0  # a pull whose files do not grow for this long is ended (at least; see `stall_limit_s`)
+STALL_POLL_S = 5.0
+BASIS_READ_B_S = 50e6  # the slowest a disk is assumed to read a basis file that rsync checksums before sending
+
+
+def stall_limit_s(largest_file_bytes: int = 0) -> float:
+    """How long a pull may bring nothing before it is taken for stalled. rsync reads a file's basis (its block
+    checksums) before the file starts to arrive: a multi-GB shard may take minutes of that, at disk speed."""
+    return max(PULL_STALL_S, largest_file_bytes / BASIS_READ_B_S)
+
+
+def _bytes_under(folder: Path) -> int:
+    """What the files under `folder` hold (rsync's temporary and partial files included): a pull's progress."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, str] | None = None,
+                 grows: Path | None = None, stall_s: float | None = None) -> subprocess.CompletedProcess[str]:
     """`subprocess.run(argv)` with its output captured, in a process group of its own (with the ssh it starts),
-    known to `stop_transfers` until it ends."""
+    known to `stop_transfers` until it ends. With `grows` (a pull's destination): ended, TransferStalled, once what
+    is under it has not grown for `stall_s` (PULL_STALL_S unless given). ssh's keepalive ends a pull from an
+    instance that is gone, and rsync's own --timeout counts its keep-alives as traffic: an instance whose rsync
+    hangs while its sshd answers would otherwise hold the pull, and the checkpoint store's lock, for ever."""
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     with _RUNNING_LOCK:
         _RUNNING.add(proc)
     record = _record(proc)
+    stall_s = PULL_STALL_S if stall_s is None else stall_s
     try:
-        out, err = proc.communicate(stdin)
+        out, err, stalled = _communicate(proc, stdin, grows, stall_s)
     except BaseException:  # interrupted (Ctrl-C in a foreground command): its group does not outlive it
         _end(proc)
         proc.wait()
@@ -467,7 +496,34 @@ def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, st
             _RUNNING.discard(proc)
         if record is not None:
             record.unlink(missing_ok=True)
+    if stalled:
+        raise TransferStalled(f"nothing arrived for {stall_s:.0f} s (the instance's side stalled while its SSH "
+                              "answered); ended, and the next pull resumes")
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _communicate(proc: subprocess.Popen[str], stdin: str | None, grows: Path | None, stall_s: float
+                 ) -> tuple[str, str, bool]:
+    """The process's output once it ends; with `grows`, ended at once what is under it stops growing for
+    `stall_s` (then True)."""
+    if grows is None:
+        out, err = proc.communicate(stdin)
+        return out, err, False
+    size, changed = _bytes_under(grows), time.monotonic()
+    given: str | None = stdin
+    while True:
+        try:
+            out, err = proc.communicate(given, timeout=min(STALL_POLL_S, stall_s))
+            return out, err, False
+        except subprocess.TimeoutExpired:
+            given = None  # sent with the first call: a retry takes no input
+        now = _bytes_under(grows)
+        if now != size:
+            size, changed = now, time.monotonic()
+        elif time.monotonic() - changed >= stall_s:
+            _end(proc)
+            out, err = proc.communicate()
+            return out, err, True
 
 
 SFTP_STALL_S = 60.0  # an SFTP read or write that gets no answer this long fails (a reclaimed instance says nothing)
@@ -497,12 +553,16 @@ def _end(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
 
 
-def _rsync(target: Target, trust: HostKeyTrust, args: list[str], *, what: str, stdin: str | None = None
-           ) -> SyncStats:
+def _rsync(target: Target, trust: HostKeyTrust, args: list[str], *, what: str, stdin: str | None = None,
+           grows: Path | None = None, stall_s: float | None = None) -> SyncStats:
+    """rsync over the pinned SSH; a pull names its destination (`grows`), ended if that stops growing."""
     with rsync_ssh_command(target, trust) as rsh:
         argv = ["rsync", "-rlpt", "--stats", "--no-human-readable", "-e", rsh, *args]
         # C locale: --stats and error texts are parsed; no secrets are in this environment's use.
-        proc = run_transfer(argv, stdin=stdin, env={**os.environ, "LC_ALL": "C"})
+        try:
+            proc = run_transfer(argv, stdin=stdin, env={**os.environ, "LC_ALL": "C"}, grows=grows, stall_s=stall_s)
+        except TransferStalled as exc:
+            raise TransferStalled(f"rsync while {what}: {exc}") from None
     if proc.returncode != 0:
         err = proc.stderr.strip()
         if "Host key verification failed" in err:
@@ -764,15 +824,17 @@ def _rsync_pull_checkpoint(target: Target, trust: HostKeyTrust, conn: fabric.Con
     stats = SyncStats("rsync", bytes_received=len(manifest_bytes))
     todo = stage_from_basis(files, staging, basis)
     delta = delta_basis(files, basis)
+    largest = max((int(files[rel]["size"]) for rel in todo), default=0)
     stats.add(_rsync_files(target, trust, _remote_spec(target, remote_path) + "/", f"{staging}/", todo,
                            basis=str(delta.resolve()) if delta is not None else None, bwlimit_kib=bwlimit_kib,
-                           what=what))
+                           what=what, grows=staging, stall_s=stall_limit_s(largest)))
     (staging / MANIFEST).write_bytes(manifest_bytes)  # last, as the trainer wrote it
     return stats
 
 
 def _rsync_files(target: Target, trust: HostKeyTrust, src: str, dest: str, todo: Sequence[str], *,
-                 basis: str | None, bwlimit_kib: int | None = None, what: str) -> SyncStats:
+                 basis: str | None, bwlimit_kib: int | None = None, what: str, grows: Path | None = None,
+                 stall_s: float | None = None) -> SyncStats:
     """rsync exactly `todo` (paths relative to `src`) into `dest`, each file sent whatever the one there (no quick
     check: `--ignore-times`), as a delta against the same file in `basis` when given (a `--copy-dest`, relative to
     `dest` or absolute), resuming from `--partial-dir`. Nothing to send: no rsync at all."""
@@ -781,7 +843,8 @@ def _rsync_files(target: Target, trust: HostKeyTrust, src: str, dest: str, todo:
     args = ["--ignore-times", f"--partial-dir={RSYNC_PARTIAL_DIR}", "--files-from=-", "--from0"]
     args += [f"--copy-dest={basis}"] if basis is not None else []
     args += [f"--bwlimit={bwlimit_kib}"] if bwlimit_kib else []
-    return _rsync(target, trust, [*args, src, dest], what=what, stdin="".join(f"{rel}\0" for rel in todo))
+    return _rsync(target, trust, [*args, src, dest], what=what, stdin="".join(f"{rel}\0" for rel in todo),
+                  grows=grows, stall_s=stall_s)
 
 
 def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: Path, basis: Path | None,
