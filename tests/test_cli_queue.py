@@ -357,6 +357,19 @@ def test_config_example_shows_every_setting_in_its_section() -> None:
     assert missing == []
 
 
+def test_the_settings_config_example_shows_commented_as_the_default_are_the_defaults() -> None:
+    # A line pasted as "the default" must not quietly change what is sent (it once left out budget.crossed).
+    import tomllib
+
+    from orchestrator.config import DEFAULT_NOTICES
+
+    text = (REPO / "config.example.toml").read_text()
+    block = re.search(r"^# events = (\[.*?\])", text, re.M | re.S)
+    assert block is not None
+    events = tomllib.loads("events = " + re.sub(r"(?m)^#\s*|#.*$", "", block.group(1)))["events"]
+    assert events == DEFAULT_NOTICES
+
+
 # --- bad input: exit 2, one line naming file and field, no traceback, nothing queued ----------------------------
 BAD_JOBS = {
     "missing-field": ({"local_throughput": None}, "local_throughput", "required"),
