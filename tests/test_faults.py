@@ -76,6 +76,32 @@ def test_a_throttling_failing_and_dropping_provider_api_still_gets_the_job_done_
     assert row["cost_usd"] is not None and row["billed_seconds"] > 0
 
 
+def test_a_provider_api_down_for_many_ticks_neither_fails_a_running_job_nor_loses_its_checkpoints(
+        tmp_path: Path) -> None:
+    # Every look at the instance answered 503 for many ticks (the API down, the instance fine): it was "gave up
+    # after 5 failed steps", the instance terminated without its last checkpoint and the job failed, for a blip.
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        job_id = enqueue(config, state, e2e_trainer_job(tmp_path, "api-blip", steps=300, every=20, step_s=0.05,
+                                                        interval_minutes=0.01))
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: events(state, "attempt.running"), 120, "the job to run on its instance")
+            sim_admin(url, "faults", {"kind": "server-error", "status": 503, "route": "instances", "count": 80})
+            wait_for(lambda: not httpx.get(f"{url}/_sim/faults", timeout=10).json()["data"], 120,
+                     "the API's 80 failures to be met")
+            wait_for(lambda: job(state, job_id)["state"] in ("done", "failed"), 120, "the job to end")
+        finally:
+            assert daemon.stop() == 0
+        assert job(state, job_id)["state"] == "done", job(state, job_id)["reason"]
+        assert len(sim_instances(url)) == 1, "the run carried on where it was: one instance"
+        assert_one_instance_per_attempt_and_all_gone(url)
+    said = [e["data"] for e in events(state, "attempt.error") if e["data"].get("carries_on")]
+    assert said and "HTTP 503" in said[0]["error"]  # said once the outage began
+    assert not [e for e in events(state, "attempt.") if "gave up" in json.dumps(e["data"])]
+
+
 def test_with_no_capacity_the_job_waits_with_a_clear_reason_and_runs_when_capacity_returns(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with simcloud(tmp_path) as url:

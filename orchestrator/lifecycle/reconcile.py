@@ -51,6 +51,8 @@ from providers.base import (
     OwnerTags,
     Provider,
     ProviderError,
+    Throttled,
+    Transient,
     category,
 )
 from state import schema as s
@@ -60,6 +62,9 @@ if TYPE_CHECKING:
 
 A = AttemptState
 MAX_STEP_ERRORS = 5
+# The provider did not answer (down, throttling, its retries spent): that says nothing of an instance, which SSH
+# still watches. Never a reason to give up an attempt that has one; an intent's launch is given up as before.
+UNANSWERED = (Throttled, Transient)
 # Why a queued local (or hybrid) job has not started: the local GPU is busy, or outside local.available_hours.
 LOCAL_GPU_BUSY = "waiting for the local GPU"
 LOCAL_GPU_HOURS = "waiting for the local GPU's hours (local.available_hours)"
@@ -205,6 +210,11 @@ class Reconciler:
                                      state=att["state"], error=error, count=info["errors"])
         att["info"] = info
         if info["errors"] < MAX_STEP_ERRORS:
+            return
+        if isinstance(exc, UNANSWERED) and att["where"] == "cloud" and att["state"] != A.INTENT.value:
+            # Its instance runs on, or not, whatever the API says now: given up, its last checkpoint would be left
+            # behind, its job failed, for a blip. SSH watches the run meanwhile (its heartbeat timeout still ends a
+            # lost one), and the provider is asked again each tick.
             return
         reason = f"gave up after {info['errors']} failed steps: {error}"
         if att["where"] == "cloud" and att["state"] == A.INTENT.value and info.get("launch_tried"):
@@ -449,11 +459,24 @@ class Reconciler:
 
     def _step_running(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         now = self.clock()
-        inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
-        if inst is None or inst.state.gone:
-            self._lost(att, job, provider, inst, f"provider reports {inst.state.value if inst else 'unknown'}"
-                       + (f" ({inst.reason})" if inst and inst.reason else ""))
-            return
+        try:
+            inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
+        except UNANSWERED as exc:
+            # The API is down or throttling: the run is watched over SSH meanwhile (heartbeat, notice, syncs), as
+            # if the provider had said nothing; said once an outage (`attempt.error`), never the run's end.
+            if "unanswered_since" not in att["info"]:
+                att["info"] = {**att["info"], "unanswered_since": now}
+                self.emit("attempt.error", job_id=job["id"], attempt_id=att["id"], state=att["state"],
+                          error=self.app.redactor.clip(f"{type(exc).__name__}: {exc}", 500),
+                          carries_on="the provider does not answer: the run is watched over SSH meanwhile")
+            inst = None
+        else:
+            if inst is None or inst.state.gone:
+                self._lost(att, job, provider, inst, f"provider reports {inst.state.value if inst else 'unknown'}"
+                           + (f" ({inst.reason})" if inst and inst.reason else ""))
+                return
+            if "unanswered_since" in att["info"]:
+                att["info"] = {k: v for k, v in att["info"].items() if k != "unanswered_since"}
         status = self.cloud_steps.status(att)
         info = dict(att["info"])
         if status is None:  # SSH unreachable
