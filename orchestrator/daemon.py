@@ -325,6 +325,10 @@ def _schedule(app: App, scheduler: BlockingScheduler, shut_down: Callable[[bool]
             return
         try:
             reconciler = reconciler_now()  # the config as it is now: its [[schedule]] tables too
+            if ticks == 0:
+                # What happened while no daemon ran is stepped first (a cycle that ended meanwhile is over), so
+                # that the schedules do not skip a slot for a previous cycle that only the state still calls running.
+                reconciler.tick()
             try:
                 fire_due(app)  # before the tick: a cycle queued now starts in it
             except Exception as exc:

@@ -72,6 +72,29 @@ def _run_to_its_end(app: App, tmp_path: Path, name: str, script: str, **fields: 
     return job_id, run
 
 
+def test_a_run_that_ended_while_no_daemon_watched_is_measured_to_its_end_not_to_when_it_was_seen(
+        tmp_path: Path) -> None:
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "unwatched", command=[sys.executable, "-c", "pass"],
+                                          local_throughput=1.0))
+    job = app.store.get_job(job_id)
+    assert job is not None
+    runner = LocalRunner(app)
+    assert runner.start(job)
+    run = runner.run_dir(only_attempt(app, job_id)["id"])
+    deadline = time.monotonic() + 30
+    while supervisor.read_status(run).get("exit") is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ended = supervisor.read_status(run)["exit"]["ended_at"]
+    time.sleep(2.0)  # the daemon down: it sees the end only now
+    runner.step(only_attempt(app, job_id), app.store.get_job(job_id))
+    att = only_attempt(app, job_id)
+    assert att["state"] == "succeeded" and att["ended_at"] == pytest.approx(ended, abs=1e-3)
+    (measured,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.measured"]
+    assert measured["run_h"] * 3600 < 1.5  # the run's own second or so, not the two more it went unseen
+    app.close()
+
+
 def test_a_failed_run_says_why_in_the_command_s_own_last_words_with_secrets_scrubbed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRAINER_TOKEN", "tok-5ecret-value")

@@ -316,16 +316,18 @@ class LocalRunner:
         succeeded = reason == "completed" and ex.get("exit_code") == 0
         # What this run wrote comes home however it ended: the next run (here, or on an instance) writes its own.
         self._outputs_home(att, job, info, finished=succeeded)
+        # When the run ended, as its supervisor wrote it down: a daemon restarted after that sees it only now.
+        ran_until = ex.get("ended_at") if isinstance(ex.get("ended_at"), int | float) else None
         if succeeded:
-            self._end(att, job, A.SUCCEEDED, "completed", info)
+            self._end(att, job, A.SUCCEEDED, "completed", info, ran_until)
         elif info.get("stop_reason") in ("hybrid-switch", LOCAL_HOURS_OVER):
-            self._end(att, job, A.PREEMPTED, info["stop_reason"], info)
+            self._end(att, job, A.PREEMPTED, info["stop_reason"], info, ran_until)
         elif info.get("stop_reason") == "cancelled":
-            self._end(att, job, A.ABORTED, "cancelled", info)
+            self._end(att, job, A.ABORTED, "cancelled", info, ran_until)
         elif reason == "terminated":
-            self._end(att, job, A.PREEMPTED, STOPPED_OUTSIDE, info)
+            self._end(att, job, A.PREEMPTED, STOPPED_OUTSIDE, info, ran_until)
         else:
-            self._end(att, job, A.FAILED, exit_reason(self.app, job, ex), info)
+            self._end(att, job, A.FAILED, exit_reason(self.app, job, ex), info, ran_until)
 
     def _outputs_home(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], *,
                       finished: bool = True) -> None:
@@ -498,11 +500,15 @@ class LocalRunner:
         return deaths
 
     def _end(self, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState, reason: str,
-             info: dict[str, Any]) -> None:
+             info: dict[str, Any], ran_until: float | None = None) -> None:
+        """End the attempt; `ran_until`, when its run ended as its supervisor recorded it (measured from then, not
+        from when this daemon saw it)."""
         now = time.time()
+        started = float(att.get("started_at") or att.get("created_at") or 0.0)
+        ended = now if ran_until is None else min(now, max(float(ran_until), started))
         info = {**info, "stop_reason": info.get("stop_reason") or reason}
         with self.app.store.tx() as conn:
-            if move(conn, att, outcome, info=info, reason=reason, ended_at=now):
+            if move(conn, att, outcome, info=info, reason=reason, ended_at=ended):
                 self.app.events.emit("attempt.ended", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      where="local", outcome=outcome.value, reason=reason)
                 job_after_attempt(self.app, conn, att, job, outcome, reason, now)
