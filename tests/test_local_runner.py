@@ -56,8 +56,10 @@ def test_a_local_run_stopped_by_a_signal_from_outside_burstctl_resumes_instead_o
     app.close()
 
 
-def _run_to_its_end(app: App, tmp_path: Path, name: str, script: str, **fields: object) -> tuple[str, Path]:
-    """A local job running `python -c script`, started, waited for and stepped once it exited: (its id, run dir)."""
+def _run_until_it_exits(app: App, tmp_path: Path, name: str, script: str, **fields: object
+                        ) -> tuple[str, LocalRunner, Path]:
+    """A local job running `python -c script`, started and waited for until its supervisor recorded its exit (not
+    yet stepped): (its id, the runner, its run dir)."""
     job_id, _, _ = enqueue(app, write_job(tmp_path, name, command=[sys.executable, "-c", script],
                                           local_throughput=1.0, **fields))
     job = app.store.get_job(job_id)
@@ -68,6 +70,12 @@ def _run_to_its_end(app: App, tmp_path: Path, name: str, script: str, **fields: 
     deadline = time.monotonic() + 30
     while supervisor.read_status(run).get("exit") is None and time.monotonic() < deadline:
         time.sleep(0.1)
+    return job_id, runner, run
+
+
+def _run_to_its_end(app: App, tmp_path: Path, name: str, script: str, **fields: object) -> tuple[str, Path]:
+    """The same, stepped once it exited: (its id, run dir)."""
+    job_id, runner, run = _run_until_it_exits(app, tmp_path, name, script, **fields)
     runner.step(only_attempt(app, job_id), app.store.get_job(job_id))
     return job_id, run
 
@@ -75,16 +83,7 @@ def _run_to_its_end(app: App, tmp_path: Path, name: str, script: str, **fields: 
 def test_a_run_that_ended_while_no_daemon_watched_is_measured_to_its_end_not_to_when_it_was_seen(
         tmp_path: Path) -> None:
     app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "unwatched", command=[sys.executable, "-c", "pass"],
-                                          local_throughput=1.0))
-    job = app.store.get_job(job_id)
-    assert job is not None
-    runner = LocalRunner(app)
-    assert runner.start(job)
-    run = runner.run_dir(only_attempt(app, job_id)["id"])
-    deadline = time.monotonic() + 30
-    while supervisor.read_status(run).get("exit") is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    job_id, runner, run = _run_until_it_exits(app, tmp_path, "unwatched", "pass")
     ended = supervisor.read_status(run)["exit"]["ended_at"]
     time.sleep(2.0)  # the daemon down: it sees the end only now
     runner.step(only_attempt(app, job_id), app.store.get_job(job_id))

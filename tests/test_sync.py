@@ -295,6 +295,21 @@ def test_auto_transport_is_rsync_when_both_sides_have_it(backend: SshBackend, ke
 
 
 @pytest.mark.skipif(not HAVE_RSYNC, reason="rsync/ssh not installed")
+def _pull_beside(inst: Instance, local: Path, *, bwlimit_kib: int) -> tuple[threading.Thread, dict[str, object]]:
+    """A rate-capped pull on a thread of its own, started; its outcome (`result` or `error`) once it ends."""
+    outcome: dict[str, object] = {}
+
+    def slow_pull() -> None:
+        try:
+            outcome["result"] = pull(inst, local, bwlimit_kib=bwlimit_kib)
+        except SyncError as e:
+            outcome["error"] = e
+
+    puller = threading.Thread(target=slow_pull)
+    puller.start()
+    return puller, outcome
+
+
 def test_rsync_killed_mid_pull_leaves_nothing_visible_and_a_retry_resumes(
         backend: SshBackend, key_path: Path, tmp_path: Path) -> None:
     inst = start(backend, key_path, "i-kill", "rsync")
@@ -302,16 +317,7 @@ def test_rsync_killed_mid_pull_leaves_nothing_visible_and_a_retry_resumes(
     burst_checkpoint.write_checkpoint(inst.sandbox / "ckpt", "step-00000100", shards(4, shard_size))
     local = tmp_path / "local"
     staging = local / f"{STAGING_PREFIX}step-00000100"
-    outcome: dict[str, object] = {}
-
-    def slow_pull() -> None:
-        try:
-            outcome["result"] = pull(inst, local, bwlimit_kib=1024)  # ~8 s in all at 1 MiB/s
-        except SyncError as e:
-            outcome["error"] = e
-
-    puller = threading.Thread(target=slow_pull)
-    puller.start()
+    puller, outcome = _pull_beside(inst, local, bwlimit_kib=1024)  # ~8 s in all at 1 MiB/s
     deadline = time.monotonic() + 120
     while not (staging / "model-00000.safetensors").exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # rsync renames a file into place only once it is whole
@@ -356,16 +362,7 @@ def test_a_pull_whose_instance_side_hangs_while_ssh_answers_is_ended_and_a_retry
     shard_size = 2 * MiB
     burst_checkpoint.write_checkpoint(inst.sandbox / "ckpt", "step-00000100", shards(4, shard_size))
     local = tmp_path / "local"
-    outcome: dict[str, object] = {}
-
-    def slow_pull() -> None:
-        try:
-            outcome["result"] = pull(inst, local, bwlimit_kib=512)  # ~16 s in all at 512 KiB/s
-        except SyncError as e:
-            outcome["error"] = e
-
-    puller = threading.Thread(target=slow_pull)
-    puller.start()
+    puller, outcome = _pull_beside(inst, local, bwlimit_kib=512)  # ~16 s in all at 512 KiB/s
     deadline = time.monotonic() + 60
     while sync._bytes_under(local) < shard_size // 2 and time.monotonic() < deadline:
         time.sleep(0.05)
