@@ -58,6 +58,9 @@ class JobOutcome:
     # `revert-local` brought it home against its cloud or hybrid plan: it ran on another plan than the one shown, so
     # it is not in the measured / expected ratios
     reverted_local: bool = False
+    # Its decision was made once part of its work was done (unblocked or retried from its checkpoint, re-planned
+    # while running): it prices what was left, the meter the whole run, so it is not in those ratios either
+    decided_midway: bool = False
 
     @property
     def measured_usd(self) -> float:
@@ -136,7 +139,8 @@ def outcomes(app: App, since: float | None, until: float, now: float) -> list[Jo
             late_h=(float(job["updated_at"]) - float(job["deadline_at"])) / 3600.0 if done else None,
             decisions=int(decision.get("decisions") or 1), first_plan=first.get("plan"),
             first_expected_usd=first.get("plan_cost_usd"), first_expected_h=first.get("hours"),
-            reverted_local=job["placement"] == "local" and decision.get("placement") in ("cloud", "hybrid")))
+            reverted_local=job["placement"] == "local" and decision.get("placement") in ("cloud", "hybrid"),
+            decided_midway=float(decision.get("work_done") or 0.0) > 0))
     return found
 
 
@@ -151,10 +155,10 @@ def _ratios(pairs: Iterable[tuple[float, float | None]]) -> dict[str, float] | N
 
 def totals(found: list[JobOutcome]) -> dict[str, Any]:
     """The window in figures. Expected against measured is over the done jobs that ran on their plan only: a
-    failed or cancelled run stopped short of what its plan priced, and one that revert-local brought home ran on
-    another."""
+    failed or cancelled run stopped short of what its plan priced, one that revert-local brought home ran on
+    another, and one decided again with part of its work done was priced on the rest only."""
     done = [o for o in found if o.state == JobState.DONE.value]
-    followed = [o for o in done if not o.reverted_local]
+    followed = [o for o in done if not o.reverted_local and not o.decided_midway]
     saved = [o.spot_saved_usd for o in found if o.spot_saved_usd is not None]
     by_state = {st: sum(1 for o in found if o.state == st) for st in REPORTED_STATES}
     compared = [o for o in followed if o.expected_usd is not None]
@@ -172,6 +176,7 @@ def totals(found: list[JobOutcome]) -> dict[str, Any]:
                                              or 0.0 for o in compared), 4),
         "decided_again": sum(1 for o in found if o.decisions > 1),
         "reverted_local": sum(1 for o in found if o.reverted_local),
+        "decided_midway": sum(1 for o in found if o.decided_midway),
         "done_measured_usd": round(sum(o.measured_usd for o in compared), 4),
         "cost_ratio": _ratios((o.measured_usd, o.expected_usd) for o in followed),
         "hours_ratio": _ratios((o.run_h, o.expected_h) for o in followed),

@@ -17,10 +17,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert, update
 
+from orchestrator import records
 from orchestrator.app import App
+from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.revert import revert_local
-from orchestrator.queue import enqueue, retry
+from orchestrator.queue import context, enqueue, redecide, retry
+from runbooks import burst_checkpoint
 from state import schema as s
 from tests.conftest import write_job
 
@@ -240,6 +243,33 @@ def test_a_job_revert_local_brought_home_says_so_and_is_not_set_beside_a_plan_it
     r = lab.cli("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--days", "1")
     assert "burst spot → local (revert-local)" in r.stdout
     assert re.search(r"brought home by revert-local +│ 1 \(their runs are not set beside", r.stdout)
+
+def test_a_job_decided_again_with_work_done_is_not_set_beside_its_whole_run(lab: Lab) -> None:
+    # On spot, planned 1.5 h; half its work ran (0.75 h, its checkpoint home), then it was decided again, as the
+    # daemon does an unblocked job: on the half left. That decision prices 0.75 h; the meter measures the whole
+    # run, 1.5 h. Set side by side they would say ×2 where the plan was right: it is counted apart.
+    job_id = lab.job("halfway", local_throughput=0, rented_throughput={"H100": 2.0}, work_units=3, deadline_hours=12,
+                     checkpoint={"resumable": True, "interval_minutes": 10})
+    lab.attempt(job_id, 1, "cloud", "preempted", 0, 0.75, market="spot", charge_usd=0.75)
+    with lab.app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(
+            info={"metrics": {"units_done": 1.5}}))
+    burst_checkpoint.write_checkpoint(checkpoints.store_dir(lab.app.config, job_id), "step-00000050", {"w": b"w"})
+    job = lab.app.store.get_job(job_id)
+    again = redecide(lab.app, job, context(lab.app, time.time()), time.time())
+    assert again.decision["work_done"] == pytest.approx(1.5)  # what redecide writes down
+    lab.app.store.update_job(job_id, decision=records.supersede(job["decision"], again.decision))
+    lab.attempt(job_id, 2, "cloud", "succeeded", 1.0, 0.75, market="spot", charge_usd=0.75)
+    lab.finish(job_id, "done", end_h=1.75, deadline_h=12)
+
+    got = lab.report("--days", "1")
+    (halfway,) = got["jobs"]
+    assert halfway["decided_midway"] is True and halfway["run_h"] == pytest.approx(1.5)
+    t = got["totals"]
+    assert (t["decided_midway"], t["cost_ratio"], t["hours_ratio"]) == (1, None, None)
+    r = lab.cli("--config", str(lab.config), "--state-dir", str(lab.state), "report", "--days", "1")
+    assert "decided again with work done" in r.stdout
+
 
 
 @pytest.mark.parametrize(("args", "expected"), [

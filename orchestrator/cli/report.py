@@ -105,6 +105,8 @@ def report_cmd(app: App, month: str | None, days: float | None, every: bool, lim
           if sums["decided_again"] else []),
         *([("brought home by revert-local", f"{sums['reverted_local']} (their runs are not set beside their "
             "plans in these figures)")] if sums["reverted_local"] else []),
+        *([("decided again with work done", f"{sums['decided_midway']} (priced on what was left: not set beside "
+            "their whole runs in these figures)")] if sums["decided_midway"] else []),
         ("cost, measured / expected", _ratio(sums["cost_ratio"])),
         ("hours, run / planned", _ratio(sums["hours_ratio"])),
         ("deadlines met", f"{met} of {met + missed}" if met + missed else "—"),
