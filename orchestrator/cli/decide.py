@@ -10,7 +10,6 @@ from typing import Any
 
 import click
 from rich.markup import escape
-from sqlalchemy import select
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
@@ -32,9 +31,8 @@ from orchestrator.jobspec import (
     too_much_work,
     too_slow,
 )
-from orchestrator.lifecycle.states import FINAL
+from orchestrator.lifecycle.states import JobState
 from orchestrator.queue import context, job_facts, record_decision
-from state import schema as s
 
 FLAG_GPU = "rented"
 
@@ -157,12 +155,9 @@ def decide_cmd(app: App, job_file: str | None, work: float | None, s_local: floa
 
 def _note_same_name_queued(app: App, name: str) -> None:
     """`decide` on a file already queued weighs it as one more job, behind its own copy: say so, not in silence."""
-    final = [state.value for state in FINAL]
-    with app.store.engine.connect() as c:
-        live = c.execute(select(s.jobs.c.id, s.jobs.c.state).where(
-            s.jobs.c.name == name, s.jobs.c.state.notin_(final))).all()
+    live = [j for j in app.store.find_jobs(name) if not JobState(j["state"]).final]
     if live:
-        ids = ", ".join(f"{job_id} ({state})" for job_id, state in live)
+        ids = ", ".join(f"{j['id']} ({j['state']})" for j in live)
         out.print(f"note: a job of this name is in the queue already ({ids}): this decision weighs the file as a new "
                   f"job beside it, so the local work queued ahead may be that job's own; `burstctl show {name}` has "
                   "its decision")

@@ -23,7 +23,7 @@ from orchestrator.cli.base import (
     say_config_problem_now,
     table,
 )
-from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h
+from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h, unpaid_hand_over
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.jobspec import MAX_DEADLINE_HOURS
@@ -316,11 +316,9 @@ def approve_cmd(app: App, job: str, as_json: bool) -> None:
                 if held_whole else "its local phase runs on, and the rest bursts at its hand-over")
     else:
         runs = "queued to burst" if held_whole else "it bursts the rest"
-    rented, cap = planned_rented_usd(j["decision"]), app.config.budget.monthly_cap_usd
-    if local_first and rented > cap + 1e-9:  # approved or not, no month's budget pays the hand-over: not promised
-        runs = (f"{local_first['hours']:.2f} h on the local GPU first; its cloud phase (${rented:.2f}) is more than "
-                f"the whole ${cap:.2f} monthly cap, so it runs on locally, late, unless budget.monthly_cap_usd is "
-                "raised")
+    unpaid = unpaid_hand_over(planned_rented_usd(j["decision"]), app.config.budget.monthly_cap_usd)
+    if local_first and unpaid:  # approved or not, no month's budget pays the hand-over: not promised
+        runs = f"{local_first['hours']:.2f} h on the local GPU first; {unpaid}"
     if held_whole:
         j = _set_state(app, job, JobState.QUEUED, "job.approved", approved=True,
                        reason=f"deadline price approved: {runs}")

@@ -101,3 +101,12 @@ def newly_crossed(spent_usd: float, cap_usd: float, fractions: Sequence[float], 
         return None
     reached = [f for f in fractions if spent_usd >= f * cap_usd - 1e-9]
     return max(reached) if reached and max(reached) > said else None
+
+
+def unpaid_hand_over(rented_usd: float, cap_usd: float) -> str | None:
+    """Why a hybrid's hand-over to the cloud is not promised, its cloud phase costing more than a whole month's cap
+    (no month pays it), else None. Its decision says the same in its own words."""
+    if rented_usd <= cap_usd + 1e-9:
+        return None
+    return (f"its cloud phase (${rented_usd:.2f}) is more than the whole ${cap_usd:.2f} monthly cap, so it runs on "
+            "locally, late, unless budget.monthly_cap_usd is raised")

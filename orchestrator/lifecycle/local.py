@@ -21,6 +21,7 @@ from sqlalchemy import select
 
 from orchestrator import records
 from orchestrator.app import App
+from orchestrator.core.budget import unpaid_hand_over
 from orchestrator.core.plan import latest_switch_at
 from orchestrator.core.replan import replan_late_local
 from orchestrator.jobspec import CheckpointSpec
@@ -388,11 +389,8 @@ class LocalRunner:
         info["switch_at"] = latest_switch_at(done=done, **_switch_args(terms))
         at = datetime.fromtimestamp(info["switch_at"], UTC).strftime("%H:%M:%S")
         plan = "hybrid plan, re-planned behind schedule" if terms.get("replanned_at") else "hybrid plan"
-        rented, cap = planned_rented_usd(job["decision"]), self.cfg.budget.monthly_cap_usd
-        then = (f"bursts the rest by {at} UTC to make the deadline" if rented <= cap + 1e-9 else
-                # No month's budget pays the hand-over: not promised (the decision said so too).
-                f"its cloud phase (${rented:.2f}) is more than the whole ${cap:.2f} monthly cap, so it runs on "
-                "locally, late, unless budget.monthly_cap_usd is raised")
+        unpaid = unpaid_hand_over(planned_rented_usd(job["decision"]), self.cfg.budget.monthly_cap_usd)
+        then = unpaid or f"bursts the rest by {at} UTC to make the deadline"
         return {"units_done": round(done, 6), "progress": basis, "switch_at": round(info["switch_at"], 3),
                 "reason": f"running locally ({plan}): {done:.4g} of {terms['work']:.4g} units done ({basis}); "
                           f"{then}"}
