@@ -68,6 +68,7 @@ _PHRASES = {
     "job.requeued_local": "brought home to run locally",
     "job.market_switch": "changes market",
     "instance.preempted": "preempted",
+    "checkpoint.lost": "lost a checkpoint with a preempted instance",
     # Of no job: said alone.
     "daemon.started": "daemon started",
     "daemon.stopping": "daemon stopping",

@@ -241,6 +241,10 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
         runs = progress["attempts_run"]
         out.print(f"logs: burstctl logs {j['id']} ({runs} attempt{'s' if runs != 1 else ''}, in "
                   f"{escape(str(app.config.state_dir / 'runs'))}/{j['id']}-a<N>/)")
+    for lost in progress["checkpoints_lost"]:
+        back_to = lost.get("resumes_from") or "the start"
+        out.print(f"lost: attempt {lost['attempt']}'s checkpoint {escape(lost['checkpoint'])} did not come home "
+                  f"before its instance was lost; the job went back to {escape(back_to)}")
     outputs = job_outputs_dir(app.config, j["id"])
     if outputs.is_dir():  # brought home from the instance it finished on
         count = sum(1 for f in outputs.rglob("*") if f.is_file())
@@ -254,14 +258,17 @@ def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
     """How far the job is, as its trainer last reported it (its newest attempt that said), and what its cloud
     instances have cost so far (the ledger: closed charges at cost, open ones at their rate until now)."""
     with app.store.engine.connect() as c:
-        rows = c.execute(select(s.attempts.c.info, s.attempts.c.started_at).where(s.attempts.c.job_id == j["id"])
-                         .order_by(s.attempts.c.n.desc())).all()
-    infos = [info or {} for info, _ in rows]
+        rows = c.execute(select(s.attempts.c.info, s.attempts.c.started_at, s.attempts.c.n)
+                         .where(s.attempts.c.job_id == j["id"]).order_by(s.attempts.c.n.desc())).all()
+    infos = [info or {} for info, _, _ in rows]
     said = next((i.get("metrics") for i in infos if reported(i.get("metrics"), "units_done") is not None), None)
     cloud, accruing = app.store.job_spend(j["id"])
     return {"units_done": reported(said, "units_done"), "throughput_units_h": reported(said, "throughput_units_h"),
             "cloud_usd": round(cloud, 4), "accruing_usd_h": round(accruing, 4),
-            "attempts_run": sum(1 for _, started in rows if started is not None)}
+            "attempts_run": sum(1 for _, started, _ in rows if started is not None),
+            # Checkpoints an attempt's instance held, newer than home, when it was lost (`checkpoint.lost`).
+            "checkpoints_lost": [{"attempt": n, **(info or {})["checkpoint_lost"]} for info, _, n in reversed(rows)
+                                 if (info or {}).get("checkpoint_lost")]}
 
 
 def _short(data: dict[str, Any], limit: int = 90) -> str:

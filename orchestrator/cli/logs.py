@@ -97,6 +97,10 @@ def logs_cmd(app: App, job: str, attempt_n: int | None, logs: tuple[str, ...], l
     path = attempt_run_dir(app.config, chosen["id"]) / log
     note = "" if chosen["where"] == "local" or AttemptState(chosen["state"]).final else \
         ", as of its last checkpoint sync"
+    lost = (chosen["info"] or {}).get("checkpoint_lost")
+    if lost:  # its log runs past the checkpoint the job went back to (`checkpoint.lost`)
+        note += (f"; its checkpoint {lost['checkpoint']} was lost with its instance, the job went back to "
+                 f"{lost.get('resumes_from') or 'the start'}")
     click.echo(f"# {found['name']} ({found['id']}), {_describe(chosen)}: {log}{note}", err=True)
     _print(app, chosen, path, lines, follow)
 

@@ -82,3 +82,18 @@ def trim_done(cfg: Config, job_id: str) -> list[Path]:
         return []
     with store_lock(cfg, job_id):
         return prune_store(cfg, job_id, keep=KEEP_DONE)
+
+
+def newest_name(*names: object) -> str | None:
+    """The newest of checkpoint names (the job contract makes them sort by progress: `step-%08d`), None given none.
+    Names an instance reported are kept only when they look like one (a string, no path, not absurdly long)."""
+    usable = [n for n in names if isinstance(n, str) and n and len(n) <= 255 and "/" not in n]
+    return max(usable, default=None)
+
+
+def lost_with_instance(on_instance: str | None, home: str | None) -> str | None:
+    """The checkpoint an attempt's instance held (its newest, as last seen) that is newer than the newest home: what
+    its loss threw away. None when home holds it, or a newer one."""
+    if on_instance is None or (home is not None and home >= on_instance):
+        return None
+    return on_instance

@@ -102,9 +102,12 @@ def _next_for_job(app: App, conn: Connection, att: dict[str, Any], job: dict[str
         why = f"preempted: {stop_reason}"
         if att["where"] == "local" and stop_reason == LOCAL_HOURS_OVER:
             why = "paused: the local GPU's hours (local.available_hours) are over; it resumes when they begin"
+        lost = (att.get("info") or {}).get("checkpoint_lost") or {}
+        if lost.get("checkpoint"):  # newer than what is home, it went with the instance (`checkpoint.lost`)
+            why += f"; its checkpoint {lost['checkpoint']} was lost with its instance"
         to(JobState.RESUMING, why, "job.resuming",
            checkpoint=ckpt.name if ckpt else None, lost_work_h=att.get("lost_work_h"),
-           instance=att.get("instance_id"))
+           instance=att.get("instance_id"), **({"checkpoint_lost": lost["checkpoint"]} if lost else {}))
     elif outcome is A.ABORTED:
         if stop_reason == "revert-local":
             if current["decision"].get("fits_locally"):

@@ -489,6 +489,12 @@ class Reconciler:
             watch_schedule(self.app, att, job, info, now)
         hb = status.get("heartbeat") or {}
         ex = status.get("exit")
+        # The newest complete checkpoint the instance holds, as its supervisor last said: what a preemption throws
+        # away if it is not home by then (`_lost` says so, `checkpoint.lost`).
+        on_instance = checkpoints.newest_name(info.get("instance_checkpoint"), hb.get("last_checkpoint"),
+                                              (ex or {}).get("last_checkpoint"))
+        if on_instance is not None:
+            info["instance_checkpoint"] = on_instance
         setup_s = hb.get("setup_s") or (ex or {}).get("setup_s")
         if setup_s is not None and "setup_s" not in info:  # the job's setup ran on this instance, this long
             info["setup_s"] = setup_s
@@ -710,6 +716,11 @@ class Reconciler:
             # What the instance uploaded to S3 is there still. A pull from the gone instance still hanging past the
             # wait is not waited for in the tick: the next attempt starts from S3 in-region all the same.
             self.syncs.pull_now(att, job, info)
+        # What the instance held that is not home now went with it: said, with what the job goes back to.
+        home = checkpoints.latest(self.cfg, job["id"], deep=False)
+        lost = checkpoints.lost_with_instance(info.get("instance_checkpoint"), home.name if home else None)
+        if lost is not None:
+            info["checkpoint_lost"] = {"checkpoint": lost, "resumes_from": home.name if home else None}
         last_ckpt = info.get("last_checkpoint_at") or att["started_at"] or now
         # Up to when the loss was seen, not the end of its last pull. Rounded once, here: the attempt,
         # instance.preempted and job.resuming then say the same figure.
@@ -723,6 +734,13 @@ class Reconciler:
                 self.app.events.emit("instance.preempted", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      instance=att["instance_id"], provider=att["provider"],
                                      lost_work_h=lost_h, reason=reason)
+                if lost is not None:
+                    back_to = home.name if home else None
+                    self.app.events.emit(
+                        "checkpoint.lost", job_id=job["id"], attempt_id=att["id"], conn=conn, checkpoint=lost,
+                        resumes_from=back_to, instance=att["instance_id"], provider=att["provider"],
+                        reason=f"{lost} did not come home before the instance was lost ({reason}); the job "
+                               f"resumes from {back_to or 'the start (no checkpoint is home)'}")
         if moved:
             self.step_terminating(att, job, provider)
 
