@@ -473,6 +473,11 @@ def test_a_notice_says_why_a_job_needs_a_person_and_any_event_in_words(tmp_path:
     assert notice_text("job.redecided", {"state": "queued", "reason": "a reason"}, "od-full") == \
         "burstctl: od-full decided again: a reason"
     assert notice_text("job.plan_restored", {}, "od-full") == "burstctl: od-full plan restored"
+    # A checkpoint thrown away with its instance (`checkpoint.lost`, for a notifier that names it): which, and why.
+    why = "step-00000143 did not come home before the instance was lost (spot interruption notice); the job " \
+          "resumes from step-00000120"
+    assert notice_text("checkpoint.lost", {"checkpoint": "step-00000143", "reason": why}, "trainer") == \
+        f"burstctl: trainer lost a checkpoint with a preempted instance: {why}"
     # Of no job: said in words, never as the raw type ("burstctl: daemon.config_reloaded").
     assert notice_text("daemon.config_reloaded", {}, None) == "burstctl: daemon reloaded its config file"
     assert notice_text("schedule.armed", {}, None) == "burstctl: schedule armed"
