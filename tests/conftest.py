@@ -11,12 +11,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from orchestrator.config import toml_value
 from tests.postgres import PostgresServer, find_bin_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
+
+# Hypothesis fails an example that takes longer than 200 ms by default: a timed assertion, which on a shared, loaded
+# machine failed a property test at 215 ms. The tests here specify behaviour; speed is measured in benchmarks/.
+settings.register_profile("burstctl", deadline=None)
+settings.load_profile("burstctl")
 
 # pytest-xdist's `--dist loadfile` deals whole files out in collection order (the Makefile turns off its default
 # reordering by test count, which dealt the few-test, minute-long end-to-end files last): the longest go first, so

@@ -58,6 +58,7 @@ def test_a_slow_checkpoint_pull_holds_up_no_other_attempt_and_a_stop_writes_it_d
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reclaimed", ["before it comes home", "after it came home"])
 def test_a_checkpoint_written_after_the_notices_pull_began_comes_home_or_is_said_lost(
         tmp_path: Path, reclaimed: str) -> None:
