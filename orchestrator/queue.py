@@ -22,7 +22,7 @@ from typing import Any
 from orchestrator import records
 from orchestrator.app import App, burst_enabled
 from orchestrator.config import Config
-from orchestrator.core.budget import Held, month_key
+from orchestrator.core.budget import Held
 from orchestrator.core.decision import (
     MEASURED_SETUP,
     UNMEASURED_SETUP,
@@ -268,9 +268,19 @@ def held_by_plans(app: App, now: float, exclude: str | None = None) -> Held:
     return Held(float(usd), int(jobs))
 
 
-def context(app: App, now: float, exclude: str | None = None) -> DecisionContext:
-    """What a decision weighs besides the job itself. `exclude`: the job being decided again (see `held_by_plans`)."""
+def context(app: App, now: float, exclude: str | None = None, tick_s: float | None = None) -> DecisionContext:
+    """What a decision weighs besides the job itself. `exclude`: the job being decided again (see `held_by_plans`).
+    `tick_s`: the daemon's tick, where the daemon decides (else the running daemon's, or the config's). The month's
+    spending is read as the launch's budget check reads it, so that a decision says "fits" only of a launch the
+    budget will take."""
+    from orchestrator.lifecycle.budget_guard import BudgetGuard
+
     cfg = app.config
+    if tick_s is None:
+        from orchestrator.daemon import daemon_tick_s
+
+        tick_s = daemon_tick_s(app)
+    spending = BudgetGuard(app, time.time, tick_s).spending(now)
     preemptions_per_h, basis, by_gpu = learned_preemptions_per_h(app, now)
     listed, shapes = offers_seen(app, now)
     return DecisionContext(
@@ -285,8 +295,11 @@ def context(app: App, now: float, exclude: str | None = None) -> DecisionContext
         hybrid_margin_h=cfg.policy.hybrid_margin_h,
         policy_tick_h=cfg.daemon.policy_tick_h,
         budget_cap_usd=cfg.budget.monthly_cap_usd,
-        spent_usd=app.store.month_spend(month_key(now), now),
+        spent_usd=spending.committed_usd,
+        kept_usd=spending.kept_usd,
         held=held_by_plans(app, now, exclude),
+        stop_tick_s=tick_s,
+        billing_minimum_s=Offer.billing_minimum_s,
         burst_enabled=burst_enabled(app),
         local_hours=local_hours(cfg, now),
         local_slots=cfg.daemon.local_concurrency,
@@ -587,7 +600,7 @@ def facts(spec: JobSpec, deadline_at: float, now: float, cfg: Config, source: st
         checkpoint_interval_h=spec.checkpoint.interval_minutes / 60.0, checkpoints=spec.checkpoint.resumable,
         fits_local_memory=fits_local, memory_why=memory_why, per_gpu_gb=per_gpu,
         setup_h=setup.hours if spec.setup else 0.0, setup_basis=setup.basis if spec.setup else "",
-        local_wait_h=local_wait_h,
+        local_wait_h=local_wait_h, stop_grace_s=spec.checkpoint.stop_grace_s,
     )
 
 
@@ -755,6 +768,14 @@ def reconsider(app: App, job: dict[str, Any], ctx: DecisionContext, now: float, 
     if here_meanwhile(again.decision, ctx, job["kind"]):
         target, placement = JobState.QUEUED, "local"
     if target.value == job["state"]:
+        # Still held, maybe for another reason now (bursting enabled again, and the budget holds it): said as the
+        # decision says it, without a record of its own for each tick's figures.
+        if (said := headline(again.decision)) and said != job["reason"]:
+            if conn is not None:
+                app.store.update_job(job["id"], conn, expect_state=job["state"], reason=said)
+            else:
+                with app.store.tx() as c:
+                    app.store.update_job(job["id"], c, expect_state=job["state"], reason=said)
         return None
     d = records.supersede(job["decision"], again.decision)
     d["reasons"].insert(0, f"decided again while {job['state']}" + (f" ({job['reason']})" if job["reason"] else ""))

@@ -52,15 +52,17 @@ def test_deadline_critical_job_bursts_without_asking_and_on_demand() -> None:
 def test_budget_cap_blocks_a_burst_whose_projection_exceeds_what_is_left() -> None:
     d = decide(replace(C, s_local=0.0), replace(CTX, budget_cap_usd=25.0, spent_usd=10.0))
     assert d.verdict is Verdict.BURST and d.action == "blocked"
-    assert "budget: projected rented $19.15 exceeds the $15.00 left of the $25.00 monthly budget ($10.00 spent)" in (
-        d.reasons)
+    # The plan's $19.15, and 120 s of the instance for its stop, as the launch's own check counts it.
+    assert ("budget: projected rented $19.25 (6.38 h at $3.00/h, plus 120 s to stop) exceeds the $15.00 left of the "
+            "$25.00 monthly budget ($10.00 spent or committed)") in d.reasons
 
 
 def test_a_burst_that_costs_more_than_the_whole_cap_is_told_no_month_pays_it_not_to_wait_for_one() -> None:
     d = decide(replace(C, s_local=0.0), replace(CTX, budget_cap_usd=15.0))
     assert d.action == "blocked"
-    assert ("budget: projected rented $19.15 is more than the whole $15.00 monthly budget: no month pays it; raise "
-            "budget.monthly_cap_usd, or give it less work or a later deadline") in d.reasons
+    assert ("budget: projected rented $19.25 (6.38 h at $3.00/h, plus 120 s to stop) is more than the whole $15.00 "
+            "monthly budget: no month pays it; raise budget.monthly_cap_usd, or give it less work or a later "
+            "deadline") in d.reasons
 
 
 def test_non_training_kinds_never_go_to_the_cloud_by_default() -> None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from orchestrator.core.budget import BudgetView, admits, cycle_prices, month_key
+from orchestrator.core.budget import BudgetView, Held, Launch, Spending, admits, cycle_prices, month_key
 from orchestrator.core.market import MarketInputs, choose_market
 from orchestrator.core.plan import hybrid_plan, latest_switch_at, latest_switch_h, projected_finish_at
 from orchestrator.core.spot_policy import Market, SpotState, safety_net_engaged
@@ -93,9 +93,21 @@ def test_the_seed_budget_picture_15_dollars_buys_10_spot_cycles_or_3_on_demand()
 
 
 def test_the_cap_is_hard() -> None:
-    assert admits(4.99, 15.0, 10.0)[0]
-    ok, why = admits(5.01, 15.0, 10.0)
+    assert admits(Launch(4.99, 1.0), 15.0, Spending(10.0))[0]
+    ok, why = admits(Launch(5.01, 1.0), 15.0, Spending(10.0))
     assert not ok and "exceeds" in why
+
+
+def test_a_launch_counts_its_billing_minimum_and_its_stop_and_the_cap_what_others_have_and_keep() -> None:
+    # One hour's work billed two hours at least, and 135 s to stop: $2.0375 at $1/h.
+    launch = Launch(1.0, 1.0, minimum_s=7200.0, horizon_h=135 / 3600)
+    assert launch.usd == pytest.approx(2.0375)
+    assert admits(launch, 15.0, Spending(12.9625))[0]
+    # What stopping the running instances takes and what admitted plans hold are not there to spend.
+    ok, why = admits(launch, 15.0, Spending(10.0, kept_usd=1.0, held=Held(2.0, 1)))
+    assert not ok and why == ("projected rented $2.04 (2 h at $1.00/h, plus 135 s to stop) exceeds the $2.00 left of "
+                              "the $15.00 monthly budget ($10.00 spent or committed, $1.00 kept for the running ones "
+                              "to stop, $2.00 held for 1 other admitted job's plan)")
 
 
 def test_month_key_is_utc() -> None:

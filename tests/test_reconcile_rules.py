@@ -389,8 +389,8 @@ def test_a_hybrid_local_phase_runs_on_while_the_budget_would_refuse_its_burst(tm
         app.use_config(full.model_copy(update={"budget": full.budget.model_copy(update={"monthly_cap_usd": 0.5})}))
         held = Reconciler(app, providers, cloud=CloudSteps(app, providers)).admission.hand_over_held(
             job, time.time())
-        assert held is not None and held.startswith("the budget would refuse the burst: $")
-        assert "exceeds the $0.50 left this month" in held  # the launch's own words
+        assert held is not None and held.startswith("the budget would refuse the burst: projected rented $")
+        assert "is more than the whole $0.50 monthly budget" in held  # the launch's own words
         app.use_config(full)
         assert Reconciler(app, providers, cloud=CloudSteps(app, providers)).admission.hand_over_held(
             job, time.time()) is None
@@ -719,10 +719,13 @@ def test_a_job_is_admitted_only_into_what_the_plans_already_admitted_leave_of_th
     first, d1, _ = enqueue(app, write_job(tmp_path, "first", **job))
     second, d2, _ = enqueue(app, write_job(tmp_path, "second", **job))
     assert app.store.get_job(first)["state"] == "queued"
-    assert d1.reasons[-1] == "budget: projected rented $31.50 fits the $50.00 left this month"
+    # $31.50 and the 135 s a stop of its instance takes (three 5 s ticks and 120 s), as the launch counts it.
+    assert d1.reasons[-1] == ("budget: projected rented $31.61 (10.5 h at $3.00/h, plus 135 s to stop) fits the "
+                              "$50.00 left this month")
     assert app.store.get_job(second)["state"] == "blocked"
-    assert d2.reasons[-1] == ("budget: projected rented $31.50 exceeds the $18.50 left of the $50.00 monthly budget "
-                              "($0.00 spent, $31.50 held for 1 other admitted job's plan)")
+    assert d2.reasons[-1] == ("budget: projected rented $31.61 (10.5 h at $3.00/h, plus 135 s to stop) exceeds the "
+                              "$18.50 left of the $50.00 monthly budget ($0.00 spent or committed, $31.50 held for 1 "
+                              "other admitted job's plan)")
 
     # What the first has spent comes off what its plan holds: $10 spent, $21.50 held, still $18.50 left.
     with app.store.tx() as c:
@@ -740,15 +743,70 @@ def test_a_job_is_admitted_only_into_what_the_plans_already_admitted_leave_of_th
     app.close()
 
 
-def test_a_launch_the_budget_refuses_names_every_term_of_its_projection(tmp_path: Path) -> None:
-    # The decision projected plan hours at the configured price; the launch check adds today's price, the billing
-    # minimum and the time to stop: a bigger figure, so each term is named.
+def test_a_job_decided_again_at_the_cap_s_edge_is_said_to_fit_only_when_its_launch_would_be_taken(
+        tmp_path: Path) -> None:
+    # Blocked while bursting was off, decided again after burst-enable with just its plan's price left of the $15
+    # cap: the decision said "fits" (the plan's hours at the listed price) and queued it, and the launch's check
+    # (the same, and 135 s for its stop) blocked it at once. Both ask budget.admits now: it stays blocked, saying why.
+    from orchestrator.queue import record_offers_seen
+
     app = App(state_dir_override=str(tmp_path / "state"))
+    with SimCloudServer(api_key="sim-rules-key") as sim:
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
+                               request_interval_s=0.0)
+        record_offers_seen(app, "sim", provider.offers(), time.time())  # decided at the price the launch pays
+        revert.set_burst_enabled(app, False, "revert-local")
+        job_id, blocked, _ = enqueue(app, write_job(tmp_path, "edge", local_throughput=0, market="on-demand"))
+        assert blocked.action == "blocked" and blocked.plan is not None
+        plan_usd = blocked.plan.rented_cost_usd  # 1 h at simcloud's $3.29
+        with app.store.tx() as c:  # spent this month: all but the plan's price and 5 cents
+            c.execute(insert(s.ledger).values(month=month_key(time.time()), job_id=None, attempt_id=None,
+                                              provider="sim", instance_id="i-0", instance_type="x",
+                                              market="on-demand", rate_usd_h=3.0, started_at=0.0, ended_at=1.0,
+                                              cost_usd=15.0 - plan_usd - 0.05))
+        revert.set_burst_enabled(app, True, "burst-enable")
+        rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}))
+        for _ in range(2):
+            rec.tick()
+        job = app.store.get_job(job_id)
+        said = [(e["type"], e["data"].get("state"), e["data"].get("reason")) for e in app.store.events(job_id=job_id)
+                if e["type"] in ("job.redecided", "job.blocked")]
+        assert not said, said  # neither "decided again: fits" nor a launch refused right after
+        assert job["state"] == "blocked" and not sim.instances()
+        assert job["reason"] == (f"budget: projected rented ${plan_usd + 3.29 * 135 / 3600:.2f} (1 h at $3.29/h, plus "
+                                 f"135 s to stop) exceeds the ${plan_usd + 0.05:.2f} left of the $15.00 monthly budget "
+                                 f"(${15.0 - plan_usd - 0.05:.2f} spent or committed)")
+        # A cap raised by what the stop takes pays the launch: decided again, queued and launched.
+        full = app.config
+        app.use_config(full.model_copy(update={"budget": full.budget.model_copy(update={"monthly_cap_usd": 15.1})}))
+        for _ in range(2):
+            rec.tick()
+        assert [e["data"]["state"] for e in app.store.events(job_id=job_id) if e["type"] == "job.redecided"] == [
+            "queued"]
+        assert app.store.get_job(job_id)["state"] == "running" and len(sim.instances()) == 1
+        rec.close()
+        provider.close()
+    app.close()
+
+
+def test_a_launch_the_budget_refuses_names_every_term_of_its_projection(tmp_path: Path) -> None:
+    # The launch counts today's price, the billing minimum and the time to stop beside the work: a bigger figure
+    # than the plan's hours at its price, so each term is named.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    with app.store.tx() as c:
+        c.execute(insert(s.ledger).values(month=month_key(time.time()), job_id=None, attempt_id=None, provider="sim",
+                                          instance_id="i-0", instance_type="x", market="on-demand", rate_usd_h=5.0,
+                                          started_at=0.0, ended_at=3600.0, cost_usd=5.0))
     rec = Reconciler(app, {}, cloud=None)
-    why = rec.budget.problem(time.time(), rate_usd_h=12.0, minimum_s=60.0, expected_h=1.5)
+    why = rec.budget.problem(time.time(), rate_usd_h=12.0, minimum_s=60.0, expected_h=1.0)
     horizon_s = rec.budget.horizon_h() * 3600
-    assert why == (f"budget: ${12.0 * (1.5 + horizon_s / 3600):.2f} projected for the rest (1.5 h at today's $12.00/h, "
-                   f"plus {horizon_s:.0f} s to stop) exceeds the $15.00 left this month ($0.00 spent or committed)")
+    assert why == (f"budget: projected rented ${12.0 * (1.0 + horizon_s / 3600):.2f} (1 h at $12.00/h, plus "
+                   f"{horizon_s:.0f} s to stop) exceeds the $10.00 left of the $15.00 monthly budget ($5.00 spent or "
+                   "committed)")
+    # Billed a minimum of two hours, a launch of one hour's work counts two.
+    why = rec.budget.problem(time.time(), rate_usd_h=6.0, minimum_s=7200.0, expected_h=1.0)
+    assert why is not None and why.startswith(f"budget: projected rented ${6.0 * (2.0 + horizon_s / 3600):.2f} (2 h "
+                                              "at $6.00/h")
     app.close()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 
@@ -61,23 +61,6 @@ def stop_horizon_h(tick_s: float, grace_s: float = DEFAULT_GRACE_S) -> float:
     return (3 * tick_s + 120 + max(0.0, grace_s - DEFAULT_GRACE_S)) / 3600.0
 
 
-def admits(projected_usd: float, cap_usd: float, spent_usd: float, held: Held | None = None) -> tuple[bool, str]:
-    """The hard cap: a job whose projected cost exceeds what is left is refused, with the reason. What is left is
-    the cap less what was spent and what the plans of jobs already admitted have still to spend (`held`): two jobs
-    that each fit alone but not together would both launch, and the cap would stop both before either finished."""
-    held = held or Held()
-    left = max(0.0, cap_usd - spent_usd - held.usd)
-    holds = f"${held.usd:.2f} held for {held.said('other ')}" if held.jobs else ""
-    if projected_usd > cap_usd + 1e-9:  # not a matter of waiting for a new month
-        return False, (f"projected rented ${projected_usd:.2f} is more than the whole ${cap_usd:.2f} monthly budget: "
-                       "no month pays it; raise budget.monthly_cap_usd, or give it less work or a later deadline")
-    if projected_usd > left + 1e-9:
-        return False, (f"projected rented ${projected_usd:.2f} exceeds the ${left:.2f} left of the ${cap_usd:.2f} "
-                       f"monthly budget (${spent_usd:.2f} spent{', ' + holds if holds else ''})")
-    return True, f"projected rented ${projected_usd:.2f} fits the ${left:.2f} left this month" + (
-        f" ({holds})" if holds else "")
-
-
 @dataclass(frozen=True)
 class Held:
     """What the plans of jobs admitted to the cloud (queued or running) have still to spend: their planned rented
@@ -92,6 +75,66 @@ class Held:
 
     def plus(self, usd: float) -> Held:
         return Held(self.usd + max(0.0, usd), self.jobs + 1)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A cloud run as the budget counts it before it starts: billed at `rate_usd_h` for the hours expected of it,
+    never fewer than its billing minimum, and for the stop horizon beyond them (the spending goes on until a stop
+    ends it). The launch's own check and a decision's count the same (`admits`): a decision that said "fits" for a
+    launch the cap then refused was blocked at the cap's edge right after being queued."""
+
+    rate_usd_h: float
+    hours: float
+    minimum_s: float = 0.0
+    horizon_h: float = 0.0
+
+    @property
+    def billed_h(self) -> float:
+        return max(self.hours, self.minimum_s / 3600.0)
+
+    @property
+    def usd(self) -> float:
+        return self.rate_usd_h * (self.billed_h + self.horizon_h)
+
+    def said(self) -> str:
+        return f"{self.billed_h:.3g} h at ${self.rate_usd_h:.2f}/h, plus {self.horizon_h * 3600:.0f} s to stop"
+
+
+@dataclass(frozen=True)
+class Spending:
+    """What the month's cap has already given to others when a launch asks: what is spent or committed (closed
+    charges at cost, open ones at no less than their billing minimum: what stopping them now would cost), what is
+    kept for the running instances to stop (each one's rate over its job's stop horizon), and what the plans of jobs
+    already admitted have still to spend (`held`; a decision counts them, so two jobs that each fit alone but not
+    together are not both queued for the cap to stop both)."""
+
+    committed_usd: float = 0.0
+    kept_usd: float = 0.0
+    held: Held = field(default_factory=Held)
+
+    def left_usd(self, cap_usd: float) -> float:
+        return max(0.0, cap_usd - self.committed_usd - self.kept_usd - self.held.usd)
+
+    def said(self) -> str:
+        kept = f", ${self.kept_usd:.2f} kept for the running ones to stop" if self.kept_usd > 0 else ""
+        holds = f", ${self.held.usd:.2f} held for {self.held.said('other ')}" if self.held.jobs else ""
+        return f"${self.committed_usd:.2f} spent or committed{kept}{holds}"
+
+
+def admits(launch: Launch, cap_usd: float, spending: Spending) -> tuple[bool, str]:
+    """The hard cap, asked by a launch and by every decision alike: a launch whose cost (`Launch.usd`) exceeds what
+    the month has left is refused, with the reason."""
+    usd, left = launch.usd, spending.left_usd(cap_usd)
+    projected = f"projected rented ${usd:.2f} ({launch.said()})"
+    if usd > cap_usd + 1e-9:  # not a matter of waiting for a new month
+        return False, (f"{projected} is more than the whole ${cap_usd:.2f} monthly budget: no month pays it; raise "
+                       "budget.monthly_cap_usd, or give it less work or a later deadline")
+    if usd > left + 1e-9:
+        return False, (f"{projected} exceeds the ${left:.2f} left of the ${cap_usd:.2f} monthly budget "
+                       f"({spending.said()})")
+    holds = f" (${spending.held.usd:.2f} held for {spending.held.said('other ')})" if spending.held.jobs else ""
+    return True, f"{projected} fits the ${left:.2f} left this month{holds}"
 
 
 def newly_crossed(spent_usd: float, cap_usd: float, fractions: Sequence[float], said: float) -> float | None:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from orchestrator.core.budget import Held, admits
+from orchestrator.core.budget import DEFAULT_GRACE_S, Held, Launch, Spending, admits, stop_horizon_h
 from orchestrator.core.gates import GateInputs, GateResult, Verdict, evaluate
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.core.market import NO_SPOT_OFFER, MarketChoice, MarketInputs, choose_market
@@ -67,6 +67,8 @@ class JobFacts:
     setup_basis: str = ""  # where setup_h comes from, for the record (`SetupEstimate.basis`); "" without a setup
     # Local work queued ahead of it (earlier deadlines) before the local GPU is free for it: gate 2's w.
     local_wait_h: float = 0.0
+    # checkpoint.stop_grace_s: a stop of its instance waits this long for its last checkpoint, billing meanwhile.
+    stop_grace_s: float = DEFAULT_GRACE_S
 
 
 MEASURED_SETUP = "measured on its earlier runs"
@@ -98,8 +100,13 @@ class DecisionContext:
     hybrid_margin_h: float = 0.25
     policy_tick_h: float = 0.0  # daemon.policy_tick_h: the spot policy's safety net rounds to it
     budget_cap_usd: float = math.inf
+    # The month's spend as the launch's budget check counts it (`BudgetGuard.spending`): closed charges, open ones at
+    # no less than their billing minimum; and what is kept for the running instances to stop.
     spent_usd: float = 0.0
+    kept_usd: float = 0.0
     held: Held = field(default_factory=Held)  # what admitted jobs' plans have still to spend (`queue.held_by_plans`)
+    stop_tick_s: float = 0.0  # the daemon's tick: a stop of the job's instance takes three of them (`stop_horizon_h`)
+    billing_minimum_s: float = 60.0  # what a launch is billed at least (every provider's offer says 60 s)
     burst_enabled: bool = True
     local_hours: LocalHours | None = None  # local.available_hours, and the local time now (None: always open)
     local_slots: int = 1  # daemon.local_concurrency: 0 starts no local run, so nothing is planned on the local GPU
@@ -227,6 +234,22 @@ def through_local_hours(job: JobFacts, ctx: DecisionContext) -> LocalRun:
         f"local GPU open {gpu_h:.2f} h of the {wall:.2f} h from {'now' if wait_h <= 0 else 'its turn'} to the end "
         f"of its run (local.available_hours{'' if job.checkpoints else ', in one sitting'}): effective s_L "
         f"{job.s_local * share:.4g} units/h"))
+
+
+def planned_launch(plan: Plan, job: JobFacts, ctx: DecisionContext) -> Launch:
+    """A plan's cloud run as the launch's budget check will count it: its hours at its rate (a spot plan's expected
+    rework included), never fewer than the billing minimum, and its stop horizon."""
+    cloud = next((p for p in plan.phases if p.where == "cloud"), None)
+    if cloud is None or cloud.hours <= 0:
+        return Launch(0.0, 0.0)
+    return Launch(cloud.cost_usd / cloud.hours, cloud.hours, ctx.billing_minimum_s,
+                  stop_horizon_h(ctx.stop_tick_s, job.stop_grace_s))
+
+
+def budget_admits(plan: Plan, job: JobFacts, ctx: DecisionContext) -> tuple[bool, str]:
+    """Whether the month's budget pays the plan's launch, asked as the launch will ask it (`budget.admits`), and why."""
+    return admits(planned_launch(plan, job, ctx), ctx.budget_cap_usd,
+                  Spending(ctx.spent_usd, ctx.kept_usd, ctx.held))
 
 
 def decide(job: JobFacts, ctx: DecisionContext) -> Decision:
@@ -396,7 +419,7 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         action = "blocked"
         reasons.append("bursting is disabled (revert-local): the job waits; `burstctl burst-enable` lifts it")
     else:
-        ok, why = admits(plan.rented_cost_usd, ctx.budget_cap_usd, ctx.spent_usd, ctx.held)
+        ok, why = budget_admits(plan, job, ctx)
         over_cap = plan.rented_cost_usd > ctx.budget_cap_usd + 1e-9  # no month's budget pays it
         if math.isfinite(ctx.budget_cap_usd) and not (over_cap and plan.kind == "hybrid"):  # a hybrid's says more
             reasons.append(f"budget: {why}")

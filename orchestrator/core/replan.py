@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from orchestrator.core.budget import admits
-from orchestrator.core.decision import Decision, DecisionContext, JobFacts, decide
+from orchestrator.core.decision import Decision, DecisionContext, JobFacts, budget_admits, decide
 from orchestrator.core.gates import Verdict
 
 # hybrid / burst: the job moves. The others keep the local run going: late (nothing meets the deadline),
@@ -55,7 +54,7 @@ def replan_late_local(job: JobFacts, ctx: DecisionContext, *, done: float, units
     d = decide(left, ctx)
     # A hybrid the budget cannot pay is queued at enqueue to run its free local phase; this job is already running
     # locally, so it is kept as it is, said blocked by the budget, and asked again at a later market check.
-    unpaid = d.plan is not None and not admits(d.plan.rented_cost_usd, ctx.budget_cap_usd, ctx.spent_usd, ctx.held)[0]
+    unpaid = d.plan is not None and not budget_admits(d.plan, left, ctx)[0]
     go = (d.action == "burst" or (d.action == "await-approval" and approved)) and not unpaid
     if go and d.plan is not None and d.plan.kind in ("hybrid", "burst"):
         cloud = next(p for p in d.plan.phases if p.where == "cloud")

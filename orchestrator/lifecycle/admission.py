@@ -318,7 +318,7 @@ class Admission:
                 late.append((job, finish_h is None))
         if not late:
             return
-        ctx = context(self.app, now)
+        ctx = context(self.app, now, tick_s=self.budget.tick_s)
         bursting = burst_enabled(self.app)
         for job, unfit in late:
             if not bursting and not unfit:  # local-only: here, late, is the one way left; asked again later
@@ -370,7 +370,7 @@ class Admission:
                 .order_by(s.jobs.c.updated_at).limit(self.cfg.daemon.redecide_per_tick)).mappings()]
         if not blocked:
             return
-        ctx = context(self.app, now)
+        ctx = context(self.app, now, tick_s=self.budget.tick_s)
         due = [job for job in self._readable(blocked)
                if job["spec"].get("_retry_at", 0) <= now and not self.budget.still_short(job, now)]
         # Measured s_R for the whole batch in one query (not one per job); jobs of one name may list other GPUs.

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from orchestrator.app import App
-from orchestrator.core.budget import month_key, stop_horizon_h
+from orchestrator.core.budget import Launch, Spending, admits, month_key, stop_horizon_h
 from orchestrator.core.plan import planned_cloud_hours
 from orchestrator.lifecycle.local import stop_grace_s
 from orchestrator.lifecycle.market_switch import cloud_attempts, cloud_hours_done
@@ -50,31 +50,38 @@ class BudgetGuard:
         to stop: each one's rate over its job's stop horizon). Committed counts closed charges at cost and open
         ones at no less than their billing minimum (what stopping now would cost). An open charge counts against
         the month it opened in, even after the calendar has moved on."""
+        led = s.ledger
         with self.app.store.engine.connect() as c:
-            open_months = {r[0] for r in c.execute(select(s.ledger.c.month).where(s.ledger.c.ended_at.is_(None)))}
-            months = open_months | {month_key(now)}
-            rows = c.execute(select(s.ledger, s.attempts.c.info).select_from(
-                s.ledger.outerjoin(s.attempts, s.attempts.c.id == s.ledger.c.attempt_id))
-                .where(s.ledger.c.month.in_(sorted(months)))).mappings().all()
-            running = {r["job_id"] for r in rows if r["cost_usd"] is None and r["job_id"]}
+            open_months = {r[0] for r in c.execute(select(led.c.month).where(led.c.ended_at.is_(None)))}
+            months = sorted(open_months | {month_key(now)})
+            # Summed in the database: every decision asks (`queue.context`), and a month holds thousands of charges.
+            closed = dict(c.execute(select(led.c.month, func.sum(led.c.cost_usd)).where(
+                led.c.month.in_(months), led.c.cost_usd.is_not(None)).group_by(led.c.month)).all())
+            rows = c.execute(select(led, s.attempts.c.info).select_from(
+                led.outerjoin(s.attempts, s.attempts.c.id == led.c.attempt_id))
+                .where(led.c.month.in_(months), led.c.cost_usd.is_(None))).mappings().all()
+            running = {r["job_id"] for r in rows if r["job_id"]}
             specs = {j: spec for j, spec in c.execute(select(s.jobs.c.id, s.jobs.c.spec).where(
                 s.jobs.c.id.in_(sorted(running))))} if running else {}
-        out = {m: (0.0, 0.0, 0.0) for m in months}
+        out = {m: (float(closed.get(m) or 0.0), 0.0, 0.0) for m in months}
         for r in rows:
             committed, accruing, kept = out[r["month"]]
-            if r["cost_usd"] is not None:
-                committed += r["cost_usd"]
-            else:
-                minimum_s = float((r["info"] or {}).get("billing_minimum_s", 0.0))
-                committed += r["rate_usd_h"] * max(minimum_s, now - r["started_at"]) / 3600.0
-                accruing += r["rate_usd_h"]
-                kept += r["rate_usd_h"] * self.horizon_h(specs.get(r["job_id"]))
+            minimum_s = float((r["info"] or {}).get("billing_minimum_s", 0.0))
+            committed += r["rate_usd_h"] * max(minimum_s, now - r["started_at"]) / 3600.0
+            accruing += r["rate_usd_h"]
+            kept += r["rate_usd_h"] * self.horizon_h(specs.get(r["job_id"]))
             out[r["month"]] = (committed, accruing, kept)
         return out
 
+    def spending(self, now: float) -> Spending:
+        """This month's spending as a launch is weighed against it (`budget.admits`); a decision weighs the same."""
+        committed, _, kept = self.exposure(now)[month_key(now)]
+        return Spending(committed, kept)
+
     def still_short(self, job: dict[str, Any], now: float) -> bool:
-        """A job the budget refused at launch still would be. Its decision projects less (no stop horizon, billing
-        minimum or live price), so deciding it again would queue it and the launch refuse it again every tick."""
+        """A job the budget refused at launch still would be. Its decision counts as the launch does, but at the
+        price last listed, not the live one it was refused at: deciding it again would queue it and the launch
+        refuse it again every tick."""
         refused = job["spec"].get("_budget_launch")
         if not refused:
             return False
@@ -91,22 +98,16 @@ class BudgetGuard:
                 expected_h: float = 0.0, spec: Mapping[str, Any] | None = None) -> str | None:
         """Why spending must not go on (or a launch at `rate_usd_h` must not start), or None. Every running
         instance may go on accruing for one stop horizon after this check, so that is reserved for all of them;
-        a new one must also fit its billing minimum and the work expected of it."""
+        a new one must also fit its billing minimum, the work expected of it and its own stop (`budget.admits`,
+        which every decision asks too)."""
         cap = self.app.config.budget.monthly_cap_usd
-        horizon_h = self.horizon_h(spec)
         this_month = month_key(now)
-        for month, (committed, accruing, kept) in sorted(self.exposure(now).items()):
-            reserved = committed + kept
+        for month, (committed, _, kept) in sorted(self.exposure(now).items()):
             if month == this_month and rate_usd_h > 0:
-                new_h = max(expected_h, minimum_s / 3600.0) + horizon_h
-                left = cap - reserved
-                if rate_usd_h * new_h > left + 1e-9:
-                    # Every term named: the decision's projection (plan hours at the configured price) is smaller.
-                    running = f", ${kept:.2f} kept for the running ones to stop" if accruing else ""
-                    hours = max(expected_h, minimum_s / 3600.0)
-                    return (f"budget: ${rate_usd_h * new_h:.2f} projected for the rest ({hours:.3g} h at today's "
-                            f"${rate_usd_h:.2f}/h, plus {horizon_h * 3600:.0f} s to stop) exceeds the "
-                            f"${max(left, 0.0):.2f} left this month (${committed:.2f} spent or committed{running})")
-            elif reserved >= cap:
-                return f"budget: ${reserved:.2f} committed in {month} reaches the ${cap:.2f} cap"
+                launch = Launch(rate_usd_h, expected_h, minimum_s, self.horizon_h(spec))
+                ok, why = admits(launch, cap, Spending(committed, kept))
+                if not ok:
+                    return f"budget: {why}"
+            elif committed + kept >= cap:
+                return f"budget: ${committed + kept:.2f} committed in {month} reaches the ${cap:.2f} cap"
         return None
