@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, select
 
 from orchestrator.app import App
 from orchestrator.core.decision import decide
@@ -164,4 +164,52 @@ def test_decisions_price_a_burst_at_what_the_providers_last_listed_and_skip_what
     # A day on, which machines are sold is no longer taken as known; a week on, nor are the prices.
     assert context(app, now + 2 * 86400).listed_shapes is None and context(app, now + 2 * 86400).listed
     assert context(app, now + 8 * 86400).listed == {}
+    app.close()
+
+
+@pytest.mark.parametrize("outage", [False, True])
+def test_a_boot_the_provider_did_not_answer_through_is_not_measured_into_later_decisions_overhead(
+        tmp_path: Path, outage: bool) -> None:
+    # The provider's API throttled every look at a booting instance for 25 minutes (5 ticks, 5 minutes apart). Its
+    # boot_s, launch to reachable, was those 25 minutes, and the median of boot_s is part of every later decision's
+    # t_ovh. Whether the instance was up before the API answered again is not known: the boot is not measured.
+    from orchestrator.lifecycle.cloud_steps import CloudSteps
+    from orchestrator.lifecycle.reconcile import Reconciler
+    from orchestrator.queue import enqueue
+    from providers.base import RetryPolicy
+    from providers.lambda_cloud import LambdaCloud
+    from providers.simcloud.api import SimCloudServer
+    from providers.simcloud.ssh_backend import SshBackend
+    from tests.conftest import write_job
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "booted", local_throughput=0, market="on-demand"))
+    now = [time.time()]
+    backend = SshBackend(tmp_path / "simcloud")
+    with SimCloudServer(api_key="sim-boot-key", backend=backend) as sim:
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-boot-key", regions=("us-east-1",),
+                               request_interval_s=0.0,
+                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
+        rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
+        if outage:
+            sim.inject("throttle", count=1000, route="instances")
+            for _ in range(5):
+                rec.tick()
+                now[0] += 300.0
+            sim.clear_faults()
+        for _ in range(5):
+            rec.tick()
+            if any(e["type"] == "instance.ready" for e in app.store.events(job_id=job_id)):
+                break
+        (ready,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "instance.ready"]
+        with app.store.engine.connect() as c:
+            measured = [r.value for r in c.execute(select(s.measurements).where(s.measurements.c.metric == "boot_s"))]
+        rec.close()
+        provider.close()
+    if outage:
+        assert measured == [] and measured_overhead_h(app) is None
+        assert ready["boot_s"] >= 1500.0  # what was seen, said as such
+        assert ready["not_measured"].startswith("the provider did not answer during the boot")
+    else:
+        assert measured == [pytest.approx(ready["boot_s"])] and ready["boot_s"] < 60.0 and "not_measured" not in ready
     app.close()

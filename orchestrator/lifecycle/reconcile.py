@@ -65,6 +65,9 @@ MAX_STEP_ERRORS = 5
 # The provider did not answer (down, throttling, its retries spent): that says nothing of an instance, which SSH
 # still watches. Never a reason to give up an attempt that has one; an intent's launch is given up as before.
 UNANSWERED = (Throttled, Transient)
+# The provider did not answer while an attempt's instance was launched or booting (its info's flag): how long the boot
+# took is not known, so it is not measured (`boot_s` feeds every later decision's t_ovh).
+BOOT_UNANSWERED = "boot_unanswered"
 # Why a queued local (or hybrid) job has not started: the local GPU is busy, or outside local.available_hours.
 LOCAL_GPU_BUSY = "waiting for the local GPU"
 LOCAL_GPU_HOURS = "waiting for the local GPU's hours (local.available_hours)"
@@ -202,6 +205,8 @@ class Reconciler:
         info = dict(att["info"])
         same = info.get("last_error") == error
         info["errors"] = int(info.get("errors", 0)) + 1
+        if isinstance(exc, UNANSWERED) and att["state"] in (A.INTENT.value, A.PROVISIONING.value):
+            info[BOOT_UNANSWERED] = True
         info["last_error"] = error
         with self.store.tx() as conn:
             self.store.set_attempt_info(att["id"], info, conn)
@@ -359,8 +364,11 @@ class Reconciler:
                         self._after_attempt(conn, att, job, A.LAUNCH_FAILED, reason)
                 return
             except ProviderError as exc:  # throttled/transient after retries: the outcome is unknown
-                self.emit("attempt.launch_unknown", job_id=job["id"], attempt_id=att["id"],
-                          error=type(exc).__name__)
+                att["info"] = {**info, BOOT_UNANSWERED: True}
+                with self.store.tx() as conn:
+                    self.store.set_attempt_info(att["id"], att["info"], conn)
+                    self.app.events.emit("attempt.launch_unknown", job_id=job["id"], attempt_id=att["id"],
+                                         conn=conn, error=type(exc).__name__)
                 return
         self.adopt(att, job, found, "adopted" if adopted else "launched")
 
@@ -420,15 +428,21 @@ class Reconciler:
                 self.stop(att, job, provider, "ssh-timeout")  # aborted: the job launches again
             return
         boot_s = now - att["created_at"]
+        # An outage during the boot is in `boot_s`, and whether the instance was up before it ended is not known:
+        # measured, one outage would lengthen every later decision's t_ovh (`queue.measured_overhead_h`).
+        unanswered = bool(att["info"].get(BOOT_UNANSWERED))
         with self.store.tx() as conn:
             info = {**att["info"], "host": inst.host, "port": inst.ssh_port, "user": inst.ssh_user, "boot_s": boot_s}
             if move(conn, att, A.BOOTSTRAPPING, info=info):
                 conn.execute(update(s.instances).where(s.instances.c.provider == att["provider"],
                                                        s.instances.c.id == inst.id)
                              .values(state=InstanceState.RUNNING.value))  # the row said what launch saw
-                self._measure(conn, att, "boot_s", boot_s)
+                if not unanswered:
+                    self._measure(conn, att, "boot_s", boot_s)
                 self.app.events.emit("instance.ready", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                                     instance=att["instance_id"], boot_s=round(boot_s, 3))
+                                     instance=att["instance_id"], boot_s=round(boot_s, 3),
+                                     **({"not_measured": "the provider did not answer during the boot: its time "
+                                                         "is not taken into t_ovh"} if unanswered else {}))
 
     def _step_bootstrapping(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         problem = passenv.unusable(job["spec"])
