@@ -509,6 +509,48 @@ def test_an_instance_that_never_comes_up_fails_the_launch_not_the_job(tmp_path: 
     app.close()
 
 
+def test_a_job_whose_launch_no_provider_has_confirmed_is_said_launching_not_running(
+        tmp_path: Path, burstctl_here: Callable[..., Any]) -> None:
+    # The launch was written down (its intent) and the provider answered 503: no instance is known. The job's state
+    # is `running` (the machine's), and `list` said so; `list`, `show` and `status` say it is launching.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "unconfirmed", local_throughput=0, market="on-demand"))
+    state = ["--state-dir", str(tmp_path / "state")]
+
+    def said() -> tuple[str, str, str, dict[str, Any]]:
+        row = next(line for line in burstctl_here(*state, "list").stdout.splitlines() if job_id in line)
+        (listed,) = json.loads(burstctl_here(*state, "list", "--json").stdout)
+        shown = burstctl_here(*state, "show", job_id).stdout.splitlines()[0]
+        jobs = next(line for line in burstctl_here(*state, "status").stdout.splitlines() if line.startswith("jobs:"))
+        return row, shown, jobs, listed
+
+    with SimCloudServer(api_key="sim-rules-key") as sim:
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
+                               request_interval_s=0.0, launch_interval_s=0.0,
+                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
+        rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}))
+        sim.inject("server-error", count=1000, route="instance-operations/launch", status=503)
+        rec.tick()
+        with app.store.engine.connect() as c:
+            (att,) = c.execute(select(s.attempts)).mappings()
+        assert att["state"] == "intent" and app.store.get_job(job_id)["state"] == "running" and not sim.instances()
+        row, shown, jobs, listed = said()
+        assert " launching " in row and " running " not in row, row
+        assert shown.startswith(f"unconfirmed ({job_id}) — train, launching"), shown
+        assert jobs == "jobs: launching 1", jobs
+        assert (listed["state"], listed["launching"]) == ("running", True)  # the machine's state, and what is true
+
+        sim.clear_faults()
+        rec.tick()  # launched and confirmed: running
+        assert len(sim.instances()) == 1
+        row, shown, jobs, listed = said()
+        assert " running " in row and shown.startswith(f"unconfirmed ({job_id}) — train, running"), (row, shown)
+        assert jobs == "jobs: running 1" and listed["launching"] is False
+        rec.close()
+        provider.close()
+    app.close()
+
+
 def test_a_job_cancelled_after_the_tick_read_it_gets_no_attempt(tmp_path: Path) -> None:
     app = App(state_dir_override=str(tmp_path / "state"))
     job_id, _, _ = enqueue(app, write_job(tmp_path, "cancelled", local_throughput=0, market="on-demand"))

@@ -28,6 +28,7 @@ from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.jobspec import MAX_DEADLINE_HOURS
 from orchestrator.lifecycle.homes import job_outputs_dir
+from orchestrator.lifecycle.machine import LAUNCHING, states_said
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import FINAL, JobState, awaits_approval, check_transition
 from orchestrator.records import fmt_h, fmt_usd, plan_name
@@ -64,9 +65,18 @@ def job_or_fail(app: App, ref: str, field: str = "JOB", *, newest: bool = False)
     raise BadInput(f"{len(active or found)} jobs are named '{ref}': give one of their ids: {choices}", field=field)
 
 
-def _public(job: dict[str, Any]) -> dict[str, Any]:
+def _states_said(app: App, jobs: list[dict[str, Any]]) -> dict[str, str]:
+    """Each job's state as `list` and `show` say it (`machine.states_said`: `launching` for a running job whose
+    launch no provider has confirmed yet)."""
+    with app.store.engine.connect() as c:
+        return states_said(c, jobs)
+
+
+def _public(job: dict[str, Any], said: str | None = None) -> dict[str, Any]:
+    """`said`: the job's state as the table says it, where known; `state` is the job state machine's."""
     return {
         "id": job["id"], "name": job["name"], "kind": job["kind"], "state": job["state"],
+        **({"launching": said == LAUNCHING} if said is not None else {}),
         "verdict": job["verdict"], "placement": job["placement"], "approved": bool(job["approved"]),
         "reason": job["reason"], "deadline": datetime.fromtimestamp(job["deadline_at"], UTC).isoformat(),
         "created": datetime.fromtimestamp(job["created_at"], UTC).isoformat(),
@@ -128,8 +138,9 @@ def list_cmd(app: App, states: tuple[str, ...], show_all: bool, as_json: bool) -
     the first 200 rows)."""
     jobs, hidden = _listed(app, states, show_all)
     note = f"{hidden} older finished job{'s' if hidden != 1 else ''} not shown (--all lists them)" if hidden else None
+    said = _states_said(app, jobs)
     if as_json:
-        print_json([{**_public(j), "plan": plan_name(j["decision"]),  # the table's columns, as numbers
+        print_json([{**_public(j, said[j["id"]]), "plan": plan_name(j["decision"]),  # the table's columns, as numbers
                      "plan_cost_usd": j["decision"].get("plan_cost_usd"),
                      "over_local_usd": _over_local_usd(j["decision"])} for j in jobs])
         if note:
@@ -140,7 +151,7 @@ def list_cmd(app: App, states: tuple[str, ...], show_all: bool, as_json: bool) -
         return
     rows = jobs if show_all else jobs[:LIST_ROWS]
     table(None, ["id", "name", "kind", "verdict", "state", "placement", "plan", "over local", "deadline (UTC)"],
-          [(j["id"], j["name"], j["kind"], j["verdict"], j["state"], j["placement"], _plan_txt(j["decision"]),
+          [(j["id"], j["name"], j["kind"], j["verdict"], said[j["id"]], j["placement"], _plan_txt(j["decision"]),
             _over_local(j["decision"]), _when(j["deadline_at"])) for j in rows])
     if len(rows) < len(jobs):
         out.print(f"[dim]{len(jobs) - len(rows)} more not shown: `burstctl status` counts them by state; --all "
@@ -207,12 +218,13 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
     # The table shows the newest 15: only those are read (a job that ran for weeks has thousands).
     evs = app.store.events(job_id=j["id"], newest=None if as_json else SHOW_EVENTS)
     progress = _progress(app, j)
+    state = _states_said(app, [j])[j["id"]]
     if as_json:
-        print_json({**_public(j), "spec": j["spec"], "decision": j["decision"], "progress": progress,
+        print_json({**_public(j, state), "spec": j["spec"], "decision": j["decision"], "progress": progress,
                     "events": [_event_public(e) for e in evs]})
         return
     d = j["decision"]
-    out.print(f"[bold]{j['name']}[/bold] ({j['id']}) — {j['kind']}, {j['state']}"
+    out.print(f"[bold]{j['name']}[/bold] ({j['id']}) — {j['kind']}, {state}"
               + (f": {escape(j['reason'])}" if j["reason"] else ""))
     # The decision as it was made (an approval, a revert-local or a hand-over since moves the job, not the record).
     out.print(f"decided: verdict {d['verdict']} → {d['action']}; T_L {fmt_h(d['t_local_h'])}, "

@@ -14,7 +14,7 @@ from orchestrator.app import App, burst_enabled
 from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
 from orchestrator.core.budget import month_key
 from orchestrator.daemon import CONFIG_SEEN_KEY, config_fingerprint, running_daemon
-from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, LAUNCHING, launching
 from orchestrator.lifecycle.states import JobState
 from orchestrator.records import fmt_usd
 from state import schema as s
@@ -31,6 +31,7 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
             s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
         instances = [dict(r) for r in c.execute(select(s.instances).where(
             s.instances.c.verified_gone.is_(False))).mappings()]
+        launching_jobs = len(launching(c))
     counts = app.store.count_jobs_by_state()
     active_states = (JobState.QUEUED, JobState.RUNNING, JobState.RESUMING, JobState.AWAITING_APPROVAL,
                      JobState.BLOCKED)
@@ -44,6 +45,8 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
         "cloud_health": app.store.get_setting("cloud_health") or {},
         "cloud_health_at": app.store.get_setting("cloud_health_at"),
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
+        # Of the running jobs, those whose launch no provider has confirmed yet: said as such (`machine.LAUNCHING`).
+        "launching_jobs": launching_jobs,
         "active_jobs": sum(counts.get(st.value, 0) for st in active_states),
         "attempts": [{"id": a["id"], "job": a["job_id"], "where": a["where"], "state": a["state"],
                       "provider": a["provider"], "instance": a["instance_id"], "market": a["market"],
@@ -208,7 +211,13 @@ def status_cmd(app: App, as_json: bool) -> None:
         elif d["mode"] == "local-only":  # the kill switch: the daemon asks no cloud while bursting is off
             when = f"last {when}, before bursting was turned off: not asked until `burstctl burst-enable`"
         out.print(f"cloud ({when}): {health}")
-    out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in d["jobs"].items() if v) if d["active_jobs"] or any(
+    said: dict[str, int] = {}  # the running jobs whose launch is not confirmed yet as `list` says them: launching
+    for k, v in d["jobs"].items():
+        if k == JobState.RUNNING.value:
+            said[LAUNCHING] = d["launching_jobs"]
+            v -= d["launching_jobs"]
+        said[k] = v
+    out.print("jobs: " + ", ".join(f"{k} {v}" for k, v in said.items() if v) if d["active_jobs"] or any(
         d["jobs"].values()) else "jobs: none")
     cap = "an unknown cap (the config file is not valid)" if d["config_problem"] else \
         fmt_usd(d["budget_cap_usd"], as_set=True)

@@ -31,10 +31,11 @@ attempt is closed only once the provider confirms the instance is gone.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, and_, case, func, insert, select, update
 
 from state import schema as s
 
@@ -119,3 +120,28 @@ def move(conn: Connection, attempt: dict[str, Any], target: AttemptState, **fiel
 def active_attempts(conn: Connection) -> list[dict[str, Any]]:
     q = select(s.attempts).where(s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES)).order_by(s.attempts.c.created_at)
     return [dict(r) for r in conn.execute(q).mappings()]
+
+
+# How `list`, `show` and `status` say a running job whose every live attempt is a cloud intent: a launch written
+# down that no provider has confirmed (made a moment ago, or its answer lost while the provider does not answer).
+# Its state stays `running` (the job state machine's); "running" said of it was not true.
+LAUNCHING = "launching"
+
+
+def launching(conn: Connection, job_ids: Sequence[str] | None = None) -> set[str]:
+    """The running jobs (of `job_ids`, else all) whose live attempts are all cloud intents (`LAUNCHING`)."""
+    a = s.attempts
+    confirmed = func.sum(case((and_(a.c.state == AttemptState.INTENT.value, a.c.where == "cloud"), 0), else_=1))
+    q = (select(a.c.job_id).select_from(a.join(s.jobs, s.jobs.c.id == a.c.job_id))
+         .where(a.c.state.in_(ACTIVE_ATTEMPT_STATES), s.jobs.c.state == "running")
+         .group_by(a.c.job_id).having(confirmed == 0))
+    if job_ids is not None:
+        q = q.where(a.c.job_id.in_(list(job_ids)))
+    return {r[0] for r in conn.execute(q)}
+
+
+def states_said(conn: Connection, jobs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Each job's state as the CLI says it (by id): its own, or `launching` (see `LAUNCHING`)."""
+    running = [j["id"] for j in jobs if j["state"] == "running"]
+    found = launching(conn, running) if running else set()
+    return {j["id"]: LAUNCHING if j["id"] in found else j["state"] for j in jobs}
