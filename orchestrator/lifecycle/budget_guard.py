@@ -3,8 +3,9 @@
 (`Reconciler.stop_reason`) and before a hybrid hands over (`handover`).
 
 Every running instance may go on accruing for one stop horizon after a check (a tick, then its stop's grace for its
-last checkpoint), so that is reserved for all of them; a new launch must also fit its billing minimum and the work
-expected of it.
+last checkpoint), so that is reserved for all of them; a new launch must also fit its billing minimum, the work
+expected of it and its own stop. Decisions ask the same (`budget.admits`, with `spending` read here), so that one
+that says a job fits is not refused at its launch.
 """
 
 from __future__ import annotations
