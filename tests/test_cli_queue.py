@@ -58,7 +58,8 @@ def test_decide_prints_the_gates_in_the_seed_scripts_words(burstctl) -> None:
     r = burstctl("decide", "--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12", *SEED_FLAGS)
     assert r.returncode == 0
     assert "GATE 2: local MISSES the deadline (30.30 h > 12.00 h)." in r.stdout
-    assert "price of the deadline: dC ~ $16.12 to save 23.92 h (all of it on-demand; approval weighs what the " \
+    assert "  rented makes it: 6.38 h ≤ 12.00 h." in r.stdout
+    assert "price of the deadline: ΔC ≈ $16.12 to save 23.92 h (all of it on-demand; approval weighs what the " \
         "plan below" in r.stdout
     # No provider is asked in flags mode: the market is --rate's, not "no spot offer from the enabled providers".
     reasons = json.loads(burstctl("decide", "--s-local", "0.033", "--s-rented", "0.17", "--deadline-h", "12",
@@ -67,9 +68,33 @@ def test_decide_prints_the_gates_in_the_seed_scripts_words(burstctl) -> None:
     assert not [r for r in reasons if "enabled providers" in r]
 
 
+def test_decide_writes_delta_c_and_arrows_as_the_readme_and_its_decision_record_do(burstctl) -> None:
+    # It printed the seed script's ASCII (dC ~ $16.12, -> RUN LOCAL, <=) beside its own ΔC, → and ≈ in the same
+    # output; the README and the decision records write ΔC, →, ≤ and ≈.
+    seen = ""
+    for name in ("a-grpo-smoke", "b-full-grpo-7b", "c-big-local-deadline"):
+        r = burstctl("decide", str(REPO / "examples" / "seed" / f"{name}.toml"))
+        assert r.returncode == 0, r.stderr
+        seen += r.stdout
+        for ascii_form in ("dC", "->", "<=", " ~ "):
+            assert ascii_form not in r.stdout, (ascii_form, r.stdout)
+    assert "GATE 2: local MAKES the deadline (3.03 h ≤ 24.00 h) → RUN LOCAL. Renting is waste." in seen
+    assert "GATE 1: does NOT fit locally → BURST (no local option)." in seen
+    assert "  rented wall-clock ≈ 6.38 h, cost ≈ $19.15 (on-demand;" in seen
+    assert "GATE 1: fits locally. local wall-clock ≈ 30.30 h, cost ≈ $3.03 (electricity)." in seen
+    assert "  price of the deadline: ΔC ≈ $16.12 to save 23.92 h" in seen
+    assert "verdict: PRICED → await-approval" in seen
+    record = next((burstctl.state_dir / "decisions").glob("*-c-big-local-deadline.md")).read_text()
+    assert "T_R = 6.38 h ≤ D; ΔC = $16.12 to save 23.92 h" in record and "→ await-approval" in record
+    # The JSON keeps its keys.
+    d = json.loads(burstctl("decide", str(REPO / "examples" / "seed" / "c-big-local-deadline.toml"), "--json",
+                            "--no-record").stdout)
+    assert d["delta_cost_usd"] == pytest.approx(16.12, abs=0.01) and d["action"] == "await-approval"
+
+
 def test_decide_says_why_a_job_does_not_fit_locally(burstctl, tmp_path: Path) -> None:
     r = burstctl("decide", "--s-local", "0", "--s-rented", "0.17", "--deadline-h", "48", *SEED_FLAGS)
-    assert "GATE 1: does NOT fit locally -> BURST (no local option).\n  why: local throughput is 0." in r.stdout
+    assert "GATE 1: does NOT fit locally → BURST (no local option).\n  why: local throughput is 0." in r.stdout
     (tmp_path / "slotless.toml").write_text("[daemon]\nlocal_concurrency = 0\n")
     job = write_job(tmp_path, "would-fit", local_throughput=0.5, rented_throughput={"H100": 0.17}, deadline_hours=48)
     r = burstctl("--config", str(tmp_path / "slotless.toml"), "decide", str(job))
@@ -78,8 +103,8 @@ def test_decide_says_why_a_job_does_not_fit_locally(burstctl, tmp_path: Path) ->
     huge = write_job(tmp_path, "huge", local_throughput=0.1, rented_throughput={"H100": 1.0},
                      model={"preset": "qwen2.5-7b", "method": "full"})
     r = burstctl("decide", str(huge), "--no-record")
-    assert "GATE 1: does NOT fit locally -> no local option, and no rented one (below)." in r.stdout
-    assert "-> BURST" not in r.stdout and "verdict: RETHINK" in r.stdout
+    assert "GATE 1: does NOT fit locally → no local option, and no rented one (below)." in r.stdout
+    assert "→ BURST" not in r.stdout and "verdict: RETHINK" in r.stdout
     # Memory: what the job needs against the local card as nvidia-smi reads it, less the margin; and a rented A10
     # (23028 MiB) keeps the same margin free, so 7B LoRA at 3584 tokens goes to the H100.
     big = write_job(tmp_path, "lora-7b", local_throughput=0.5, rented_throughput={"A10": 0.5, "H100": 2.0},
@@ -104,7 +129,7 @@ def test_a_local_run_just_past_the_deadline_is_printed_with_the_decimals_that_sh
     # LOCAL, late", for this local run that makes its deadline): the text never contradicts the verdict.
     r = burstctl("decide", "--s-local", "0.20000196001920818", "--deadline-h", "4.99996", "--rate", "3",
                  "--s-rented", "5", "--no-record")
-    assert "GATE 2: local MAKES the deadline (4.99995 h <= 4.99996 h) -> RUN LOCAL." in r.stdout
+    assert "GATE 2: local MAKES the deadline (4.99995 h ≤ 4.99996 h) → RUN LOCAL." in r.stdout
 
 
 def test_decide_on_candidate_c_reports_the_cheaper_hybrid_plan(burstctl) -> None:

@@ -151,7 +151,7 @@ def test_decide_says_what_a_job_would_wait_for_the_local_gpu(burstctl, tmp_path:
     assert d["local_wait_h"] == 4.0 and d["verdict"] == "local"
     # The text's gate 2 line is the same sum: the wait, then T_L, against D.
     text = burstctl("--config", str(tmp_path / "burstctl.toml"), "decide", str(path), "--no-record")
-    assert "GATE 2: local MAKES the deadline (8.00 h (4.00 h queued ahead + 4.00 h) <= 10.00 h)" in text.stdout
+    assert "GATE 2: local MAKES the deadline (8.00 h (4.00 h queued ahead + 4.00 h) ≤ 10.00 h)" in text.stdout
     tight = write_job(tmp_path, "tight", work_units=7, local_throughput=1.0, rented_throughput={"H100": 2.0},
                       deadline_hours=10)
     text = burstctl("--config", str(tmp_path / "burstctl.toml"), "decide", str(tight), "--no-record")

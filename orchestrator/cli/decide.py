@@ -177,23 +177,24 @@ def _apart(a: float, b: float) -> tuple[str, str]:
 
 
 def _print_human(job: JobFacts, d: dict[str, Any], gates: GateResult) -> None:
-    """The seed script's wording, then what burstctl adds (market, plan, budget, approval). Gate 2's comparison is
-    made on the gates' own figures: `d`'s are rounded, and could print a miss the gates did not see."""
+    """The seed script's wording, in the notation of the README and the decision records (ΔC, →, ≤, ≈, where the
+    script printed dC, ->, <= and ~), then what burstctl adds (market, plan, budget, approval). Gate 2's comparison
+    is made on the gates' own figures: `d`'s are rounded, and could print a miss the gates did not see."""
     p = out.print
     D = job.deadline_h
     if not d["fits_locally"]:
         # Where no rented GPU can run it either, gate 1 sends it nowhere: the verdict below says rethink.
-        p("GATE 1: does NOT fit locally -> " + ("BURST (no local option)." if d["t_rented_h"] is not None
+        p("GATE 1: does NOT fit locally → " + ("BURST (no local option)." if d["t_rented_h"] is not None
                                                 else "no local option, and no rented one (below)."))
         for r in d["reasons"]:  # why: memory, s_L = 0, the local GPU's hours, no local slot
             why = re.match(r"Gate 1: does not fit locally \((.*)\): burst", r)
             if why:
                 p(f"  why: {escape(why.group(1))}.")
         if d["t_rented_h"] is not None:
-            p(f"  rented wall-clock ~ {d['t_rented_h']:.2f} h, cost ~ ${d['c_rented_usd']:.2f} (on-demand; the plan "
+            p(f"  rented wall-clock ≈ {d['t_rented_h']:.2f} h, cost ≈ ${d['c_rented_usd']:.2f} (on-demand; the plan "
               "below is the cheapest safe way it runs).")
     else:
-        p(f"GATE 1: fits locally. local wall-clock ~ {d['t_local_h']:.2f} h, cost ~ ${d['c_local_usd']:.2f} "
+        p(f"GATE 1: fits locally. local wall-clock ≈ {d['t_local_h']:.2f} h, cost ≈ ${d['c_local_usd']:.2f} "
           "(electricity).")
         # Gate 2 asks when local is done: after the local work queued ahead of it (w), then T_L.
         wait = gates.local_wait_h or 0.0
@@ -201,12 +202,12 @@ def _print_human(job: JobFacts, d: dict[str, Any], gates: GateResult) -> None:
         shown = "{}" + (f" ({wait_words(wait, gates.local_queued_h)} + {d['t_local_h']:.2f} h)" if wait > 0 else "")
         if d["verdict"] == "local" and finish <= D:
             f, dl = _apart(finish, D)
-            p(f"GATE 2: local MAKES the deadline ({shown.format(f)} <= {dl}) -> RUN LOCAL. Renting is waste.")
+            p(f"GATE 2: local MAKES the deadline ({shown.format(f)} ≤ {dl}) → RUN LOCAL. Renting is waste.")
         elif d["verdict"] == "local":  # only the queue ahead makes it late, and renting misses too
             f, dl = _apart(finish, D)
             tr = d["t_rented_h"]
             rented = f"rented misses it too ({tr:.2f} h)" if tr is not None else "nothing rented can run it"
-            p(f"GATE 2: local MISSES the deadline ({shown.format(f)} > {dl}), but {rented} -> RUN LOCAL, late.")
+            p(f"GATE 2: local MISSES the deadline ({shown.format(f)} > {dl}), but {rented} → RUN LOCAL, late.")
         else:
             f, dl = _apart(finish, D)
             p(f"GATE 2: local MISSES the deadline ({shown.format(f)} > {dl}).")
@@ -215,9 +216,9 @@ def _print_human(job: JobFacts, d: dict[str, Any], gates: GateResult) -> None:
                 p(f"  ...but rented also misses ({tr:.2f} h). Rethink scope, not hardware." if tr is not None
                   else "  ...and none of the rented GPU types it names can run it (why below).")
             else:
-                p("  rented makes it: {} <= {}.".format(*_apart(gates.t_rented_h or 0.0, D)))
+                p("  rented makes it: {} ≤ {}.".format(*_apart(gates.t_rented_h or 0.0, D)))
                 if d["delta_cost_usd"] >= 0:
-                    p(f"  price of the deadline: dC ~ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h "
+                    p(f"  price of the deadline: ΔC ≈ ${d['delta_cost_usd']:.2f} to save {d['hours_saved']:.2f} h "
                       "(all of it on-demand; approval weighs what the plan below, the cheapest safe way it runs, "
                       "costs more than local).")
                 else:

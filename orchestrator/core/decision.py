@@ -427,7 +427,7 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
             action = "blocked"
         elif g.verdict is Verdict.PRICED and not job.deadline_critical:
             extra = plan.cost_usd - (g.c_local_usd or 0.0)
-            # The plan's cost against local's: what running it adds (dC above is the seed's all-on-demand figure).
+            # The plan's cost against local's: what running it adds (ΔC above is the seed's all-on-demand figure).
             versus = f"(its plan ${plan.cost_usd:.2f} against ${g.c_local_usd or 0.0:.2f} local)"
             if extra > ctx.max_auto_delta_usd:
                 action = "await-approval"
