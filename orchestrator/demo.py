@@ -32,6 +32,7 @@ from orchestrator.children import Children, free_port
 from orchestrator.config import toml_value
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import BadInput, OperationalError
+from orchestrator.jobspec import load_job
 from state import schema as s
 from state.store import Store
 
@@ -40,11 +41,11 @@ TRAINER = REPO / "examples" / "trainer.py"
 # The demo's notifier: the notice's line appended to the file in $0. The text comes in the environment, never into
 # the shell's script.
 NOTICE_TO_FILE = 'printf "%s\\n" "$BURSTCTL_NOTICE_TEXT" >> "$0"'
-SEED_CANDIDATES = [  # name, s_local, s_rented, deadline_h — the seed's lab, at $3.00/GPU-h
-    ("A-grpo-smoke", 0.33, 2.0, 24.0),
-    ("B-full-grpo-7b", 0.0, 0.17, 48.0),
-    ("C-big-local-job", 0.033, 0.17, 12.0),
-]
+# The seed's three candidates are its job files, one name for each in the demo's table and in examples/seed/; the
+# gates weigh them at the seed's lab figures (rate $3.00/GPU-h on-demand, t_ovh 0.5 h, local $0.10/h).
+SEED_DIR = REPO / "examples" / "seed"
+SEED_FILES = ("a-grpo-smoke.toml", "b-full-grpo-7b.toml", "c-big-local-deadline.toml")
+SEED_GPU = "H100"
 
 
 @dataclass
@@ -142,17 +143,7 @@ class Demo:
         return res
 
     def candidates(self) -> list[dict[str, Any]]:
-        out = []
-        for name, s_local, s_rented, deadline_h in SEED_CANDIDATES:
-            job = JobFacts(name=name, kind="train", work=1.0, s_local=s_local, rented={"H100": s_rented}, gpus=1,
-                           deadline_h=deadline_h, market="on-demand")
-            ctx = DecisionContext(local_usd_h=0.10, offers={"H100": GpuOffer("H100", 3.00, None, 85.9)},
-                                  overhead_h=0.5, hybrid_margin_h=0.25)
-            d = decide(job, ctx).to_dict()
-            out.append({"job": name, "verdict": d["verdict"], "t_local_h": d["t_local_h"],
-                        "t_rented_h": d["t_rented_h"], "delta_cost_usd": d["delta_cost_usd"],
-                        "hours_saved": d["hours_saved"], "plan_cost_usd": d["plan_cost_usd"]})
-        return out
+        return seed_candidates()
 
     def _write_config(self) -> None:
         self.config.write_text("\n".join([
@@ -254,6 +245,24 @@ class Demo:
                 "preemptions": sum(1 for a in atts if a["state"] == "preempted" and a["where"] == "cloud"),
                 "cost_usd": round(float(cost or 0.0), 4),
                 "outputs": sorted(str(f) for f in (self.state / "outputs" / job_id).rglob("*") if f.is_file())}
+
+
+def seed_candidates() -> list[dict[str, Any]]:
+    """The gates' verdicts on the seed's job files (examples/seed/), named as the files name them."""
+    now = time.time()
+    out = []
+    for file in SEED_FILES:
+        spec, deadline_at = load_job(SEED_DIR / file, now)
+        job = JobFacts(name=spec.name, kind="train", work=spec.work_units, s_local=spec.local_throughput,
+                       rented={SEED_GPU: spec.rented_throughput[SEED_GPU]}, gpus=1,
+                       deadline_h=(deadline_at - now) / 3600.0, market="on-demand")
+        ctx = DecisionContext(local_usd_h=0.10, offers={SEED_GPU: GpuOffer(SEED_GPU, 3.00, None, 85.9)},
+                              overhead_h=0.5, hybrid_margin_h=0.25)
+        d = decide(job, ctx).to_dict()
+        out.append({"job": spec.name, "file": str(SEED_DIR / file), "verdict": d["verdict"],
+                    "t_local_h": d["t_local_h"], "t_rented_h": d["t_rented_h"], "delta_cost_usd": d["delta_cost_usd"],
+                    "hours_saved": d["hours_saved"], "plan_cost_usd": d["plan_cost_usd"]})
+    return out
 
 
 def run_demo(say: Callable[[str], None], keep: bool = False, state_dir: Path | None = None) -> DemoResult:

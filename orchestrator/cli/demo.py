@@ -46,7 +46,7 @@ def demo_cmd(keep: bool, as_json: bool) -> None:
     if as_json:
         print_json(res.as_dict())
     else:
-        table("the seed's three candidates (rate $3.00/GPU-h, t_ovh 0.5 h, local $0.10/h)",
+        table("the seed's three candidates, examples/seed/<job>.toml (rate $3.00/GPU-h, t_ovh 0.5 h, local $0.10/h)",
               ["job", "verdict", "T_L", "T_R", "ΔC", "hours saved"],
               [(c["job"], c["verdict"], fmt_h(c["t_local_h"]), fmt_h(c["t_rented_h"]), fmt_usd(c["delta_cost_usd"]),
                 fmt_h(c["hours_saved"])) for c in res.candidates])
