@@ -6,21 +6,24 @@
 3. A second trainer that fits locally but misses its deadline bursts within the auto-approve ceiling; then
    `burstctl revert-local` brings it home: last checkpoint synced, instance terminated, the job finishes locally.
 4. A [[notify]] command tells of each job done (with its cloud cost), as it would tell your phone.
-Everything runs in a throwaway state directory (or the empty one given with --state-dir); simcloud and the daemon
-are child processes stopped at the end.
+Everything runs in one well-known directory, $XDG_CACHE_HOME/burstctl/demo (~/.cache/burstctl/demo), which each
+demo empties and runs in again: one run's state (records, event log) stays there to read until the next, and none
+piles up. The demo marks it (DEMO_MARKER) and empties only a directory so marked. Its state goes to the empty
+directory given with --state-dir instead. simcloud and the daemon are child processes stopped at the end.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,10 @@ TRAINER = REPO / "examples" / "trainer.py"
 # The demo's notifier: the notice's line appended to the file in $0. The text comes in the environment, never into
 # the shell's script.
 NOTICE_TO_FILE = 'printf "%s\\n" "$BURSTCTL_NOTICE_TEXT" >> "$0"'
+# The demo's directory holds this file from the moment it makes it: the demo empties no directory without it.
+DEMO_MARKER = ".burstctl-demo"
+DEMO_MARKER_TEXT = ("Made by `burstctl demo`, which empties this directory and runs in it again each time. Nothing "
+                    "else uses it: delete it whenever you like.\n")
 # The seed's three candidates are its job files, one name for each in the demo's table and in examples/seed/; the
 # gates weigh them at the seed's lab figures (rate $3.00/GPU-h on-demand, t_ovh 0.5 h, local $0.10/h).
 SEED_DIR = REPO / "examples" / "seed"
@@ -265,18 +272,81 @@ def seed_candidates() -> list[dict[str, Any]]:
     return out
 
 
-def run_demo(say: Callable[[str], None], keep: bool = False, state_dir: Path | None = None) -> DemoResult:
-    """The story; its state (records, event log) in `state_dir` when given (new or empty), else a throwaway one."""
+def demo_dir() -> Path:
+    """$XDG_CACHE_HOME/burstctl/demo, or ~/.cache/burstctl/demo (a relative $XDG_CACHE_HOME is ignored, as the XDG
+    base directory specification asks): the directory every demo runs in."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "burstctl" / "demo"
+
+
+@contextmanager
+def claimed(workdir: Path) -> Iterator[Path]:
+    """`workdir` for this demo alone, emptied of the last demo's files: an flock on `<workdir>.lock` beside it, held
+    until the block ends (a second demo meanwhile is refused, rather than empty the first one's directory under
+    it). A directory the demo did not make (no DEMO_MARKER in it) is never emptied: refused, unless it is empty."""
+    try:
+        workdir.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(workdir.parent / f"{workdir.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise OperationalError(f"cannot make the demo's directory {workdir}: {exc.strerror or exc}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OperationalError(f"another burstctl demo is running in {workdir}: wait for it to end (each demo "
+                                   "runs in that directory)") from None
+        _empty(workdir)
+        yield workdir
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
+def _empty(workdir: Path) -> None:
+    """Make `workdir` the demo's, empty but for its marker; remove only what a directory the demo marked holds."""
+    marker = workdir / DEMO_MARKER
+    if workdir.is_symlink() or (workdir.exists() and not workdir.is_dir()):
+        raise OperationalError(f"'{workdir}' is not a directory burstctl demo made (it is a "
+                               f"{'symbolic link' if workdir.is_symlink() else 'file'}): move it away, and the demo "
+                               "makes its directory there")
+    if workdir.is_dir() and not (marker.is_file() and not marker.is_symlink()) and any(workdir.iterdir()):
+        raise OperationalError(f"'{workdir}' holds files burstctl demo did not make (it has no {DEMO_MARKER}): move "
+                               "them away, and the demo makes its directory there")
+    try:
+        workdir.mkdir(mode=0o700, exist_ok=True)
+        for entry in workdir.iterdir():
+            if entry.name == DEMO_MARKER:
+                continue  # kept: a removal that fails halfway leaves the directory marked, for the next demo
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        if not marker.exists():
+            marker.write_text(DEMO_MARKER_TEXT)
+    except OSError as exc:
+        raise OperationalError(f"cannot empty the demo's directory {workdir} of the last demo's files: "
+                               f"{exc.strerror or exc}: {exc.filename or workdir}") from None
+
+
+def run_demo(say: Callable[[str], None], keep: bool = False, state_dir: Path | None = None,
+             workdir: Path | None = None) -> DemoResult:
+    """The story, in `workdir` (demo_dir() by default), emptied of the last demo's files first; its state (records,
+    event log) in `state_dir` when given (new or empty), else in `workdir`/state, there until the next demo."""
+    workdir = workdir or demo_dir()
     if state_dir is not None and state_dir.exists() and (not state_dir.is_dir() or any(state_dir.iterdir())):
         what = "is not empty" if state_dir.is_dir() else "is a file"
         raise BadInput(f"'{state_dir}' {what}: the demo keeps its state apart from yours; give a new directory, or "
                        "none", field="--state-dir")
-    workdir = Path(tempfile.mkdtemp(prefix="burstctl-demo-"))
-    demo = Demo(workdir, say, state_dir)
-    try:
-        return demo.run()
-    finally:
-        demo.stop_all()
-        if not keep:
-            # The state (records, event log) stays for reading; simcloud's sandboxes and logs go.
-            shutil.rmtree(workdir / "sim", ignore_errors=True)
+    if state_dir is not None and state_dir.resolve().is_relative_to(workdir.resolve()):
+        raise BadInput(f"'{state_dir}' is inside {workdir}, which each demo empties: give a directory elsewhere, or "
+                       "none", field="--state-dir")
+    with claimed(workdir):
+        say(f"in {workdir} (each demo empties it and runs there again)")
+        demo = Demo(workdir, say, state_dir)
+        try:
+            return demo.run()
+        finally:
+            demo.stop_all()
+            if not keep:
+                # The state (records, event log) stays for reading until the next demo; simcloud's sandboxes and
+                # logs go.
+                shutil.rmtree(workdir / "sim", ignore_errors=True)

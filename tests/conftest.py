@@ -60,6 +60,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)  # the demo's directory: in the test's HOME, below
     # Beside the test's directory, not in it: a job's workdir there must not hold the home (jobspec refuses it).
     home = tmp_path.with_name(f"{tmp_path.name}-home")
     monkeypatch.setenv("HOME", str(home))

@@ -75,9 +75,10 @@ def _running_under(folder: Path) -> list[str]:
 def test_a_demo_sent_sigterm_stops_its_children_before_it_exits(tmp_path: Path) -> None:
     # `timeout`, `kill` or a CI job's cancel signal the demo alone: its simcloud and daemon run in sessions of their
     # own, and used to run on for good, owned by init.
-    temp = tmp_path / "tmp"
+    temp = tmp_path / "cache"  # the demo's directory is in it, and named by every child's command line
     temp.mkdir()
-    demo = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "demo"], env={**os.environ, "TMPDIR": str(temp)},
+    demo = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "demo"],
+                            env={**os.environ, "XDG_CACHE_HOME": str(temp)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -93,5 +94,5 @@ def test_a_demo_sent_sigterm_stops_its_children_before_it_exits(tmp_path: Path) 
     while _running_under(temp) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _running_under(temp) == []
-    (workdir,) = temp.iterdir()  # what state it has stays for reading; its cloud's machines and logs are gone
-    assert not (workdir / "sim").exists()
+    workdir = temp / "burstctl" / "demo"  # what state it has stays for reading; its cloud's machines and logs go
+    assert (workdir / ".burstctl-demo").is_file() and not (workdir / "sim").exists()

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+from rich.markup import escape
 
 from orchestrator.app import App
 from orchestrator.cli.base import cli, json_option, out, print_json, table
@@ -28,11 +29,12 @@ def _this_burstctl() -> str:
 
 
 @cli.command("demo")
-@click.option("--keep", is_flag=True, help="Keep simcloud's sandboxes and logs too.")
+@click.option("--keep", is_flag=True, help="Keep simcloud's sandboxes and logs too (until the next demo).")
 @json_option
 def demo_cmd(keep: bool, as_json: bool) -> None:
     """Run the seed's candidates through the gates, burst a trainer to simulated spot, preempt and resume it,
-    then bring everything home with revert-local. Real processes, real SSH, nothing left running."""
+    then bring everything home with revert-local. Real processes, real SSH, nothing left running. It runs in
+    ~/.cache/burstctl/demo ($XDG_CACHE_HOME), which each demo empties and uses again."""
 
     def say(line: str) -> None:
         if as_json:
@@ -65,5 +67,7 @@ def demo_cmd(keep: bool, as_json: bool) -> None:
                   "show JOB, report)")
         if keep:
             out.print(f"simcloud's sandboxes and logs: {res.workdir}/sim")
+        out.print(f"[dim]{escape(res.workdir)} is the demo's own: the next demo empties it and runs there again; "
+                  "delete it whenever you like[/dim]")
     if res.instances_left != 0:
         raise OperationalError(f"{res.instances_left} simulated instance(s) were left running")
