@@ -71,8 +71,15 @@ class Children:
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._handlers: dict[int, Any] = {}  # the signal handlers spawn() replaced, restored by stop_all()
         self._stopping = False
+        self._starting = False  # spawn() between starting a child and listing it in self.procs
+        self._pending: int | None = None  # a stop signal that came meanwhile, raised once the child is listed
 
     def _on_stop_signal(self, signum: int, _frame: Any) -> None:
+        if self._starting:
+            # Raised now, it left the child just started out of self.procs: stop_all() never stopped it, and it ran
+            # on (a demo's daemon, SIGTERMed as it started).
+            self._pending = signum
+            return
         if not self._stopping:
             self._stopping = True
             raise SystemExit(128 + signum)
@@ -89,10 +96,18 @@ class Children:
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """`burstctl --config <private config> ARGS...` in the background, output to <log_dir>/<name>.log."""
         self._catch_stop_signals()
-        with self.log(name).open("w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--config", str(self.config), *args],
-                                    env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc))
+        self._starting = True
+        try:
+            with self.log(name).open("w") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--config", str(self.config),
+                                         *args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            self.procs.append((name, proc))
+        finally:
+            self._starting = False
+            signum, self._pending = self._pending, None
+            if signum is not None:
+                self._on_stop_signal(signum, None)
         return proc
 
     def check(self) -> None:
