@@ -12,12 +12,16 @@ right after the launch call, while finishing, while terminating — use the reco
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from orchestrator.lifecycle.reconcile import CHAOS_ENV, CHAOS_POINTS
+from state import schema as s
+from state.store import Store
 from tests.e2e import (
     GONE,
     CloudView,
@@ -28,6 +32,8 @@ from tests.e2e import (
     instances_per_attempt,
     job,
     ledger,
+    preempt,
+    store_url,
     trainer_job,
     wait_for,
 )
@@ -60,7 +66,9 @@ def finish(daemon: EnvDaemon, cloud: CloudView, state: Path, job_ids: list[str])
     daemon.start()
     try:
         for job_id in job_ids:
-            wait_for(lambda j=job_id: job(state, j)["state"] == "done", 120, f"{job_id} to finish after a restart")
+            wait_for(lambda j=job_id: job(state, j)["state"] in ("done", "failed", "cancelled"), 120,
+                     f"{job_id} to finish after a restart")
+            assert job(state, job_id)["state"] == "done", job(state, job_id)["reason"]
         # the last attempt's instance is confirmed gone before the job is done; give the sweep one pass
         wait_for(lambda: all(i["status"] in GONE for i in cloud.instances()), 30, "every instance to be gone")
     finally:
@@ -120,3 +128,39 @@ def test_sigkilled_while_a_step_is_under_way_the_restart_carries_on_safely(tmp_p
         daemon.kill(signal.SIGKILL)
         finish(daemon, c, state, [job_id])
         assert_safe(c, state, [job_id])
+
+
+def attempt_states(state: Path, job_id: str) -> dict[str, str]:
+    st = Store(store_url(state))
+    try:
+        with st.engine.connect() as c:
+            rows = c.execute(select(s.attempts.c.id, s.attempts.c.state).where(s.attempts.c.job_id == job_id))
+            return {r.id: r.state for r in rows}
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("kind", CLOUDS)
+def test_a_spot_instance_reclaimed_while_no_daemon_finished_its_bootstrap_is_a_preemption_the_job_resumes_from(
+        tmp_path: Path, kind: str) -> None:
+    # The daemon dies while it pushes the workdir (its attempt at bootstrapping), and the spot instance is reclaimed
+    # before a daemon is back. The restarted daemon's bootstrap finds no SSH there: that is the provider's reclaim,
+    # and the job goes on on another instance. It was taken for a failing step, and after 5 refused connections in
+    # about a second the attempt, and the job, were failed.
+    state = tmp_path / "state"
+    with cloud(kind, tmp_path) as c:
+        config = c.config(tmp_path, daemon={"tick_s": TICK_S})
+        job_id = enqueue(tmp_path, config, state, "reclaimed", c.gpu)
+        assert job(state, job_id)["decision"]["market"] == "spot"
+        (tmp_path / "work" / "data.bin").write_bytes(os.urandom(256 << 20))  # a push that lasts
+        daemon = EnvDaemon(tmp_path, config, state).start()
+        ready = wait_for(lambda: [e for e in events(state, "instance.ready") if e["job_id"] == job_id], 90,
+                         "the instance to be up", interval=0.05)
+        daemon.kill(signal.SIGKILL)
+        first = ready[0]["attempt_id"]
+        assert attempt_states(state, job_id) == {first: "bootstrapping"}, "killed before its bootstrap ended"
+        preempt(c.admin_url, ready[0]["data"]["instance"], notice_s=0.5)
+        finish(daemon, c, state, [job_id])
+        assert_safe(c, state, [job_id])
+        assert attempt_states(state, job_id)[first] == "preempted"
+        assert not [e for e in events(state, "job.failed") if e["job_id"] == job_id]

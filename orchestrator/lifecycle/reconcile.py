@@ -451,7 +451,17 @@ class Reconciler:
             self.stop(att, job, provider, problem, outcome=A.ABORTED)
             return
         resume_from = checkpoints.resume_point(self.app, job["id"])
-        timings = self.cloud_steps.bootstrap_and_start(att, job, resume_from)
+        try:
+            timings = self.cloud_steps.bootstrap_and_start(att, job, resume_from)
+        except HostKeyMismatch:
+            raise
+        except Exception:
+            # Failing on an instance the provider no longer runs (a spot reclaim, likeliest while no daemon watched
+            # a bootstrap cut short) is its loss, not a step to retry: the job resumes elsewhere.
+            if (gone := self._gone(att, provider)) is None:
+                raise
+            self._lost(att, job, provider, gone[0], f"instance gone while bootstrapping ({gone[1]})")
+            return
         now = self.clock()
         with self.store.tx() as conn:
             info = {**att["info"], "timings": timings, "resume_from": resume_from.name if resume_from else None,
@@ -470,6 +480,18 @@ class Reconciler:
                                          provider=att["provider"], market=att["market"])
                 self.app.events.emit("attempt.running", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      instance=att["instance_id"], timings=timings)
+
+    def _gone(self, att: dict[str, Any], provider: Provider) -> tuple[InstanceInfo | None, str] | None:
+        """The attempt's instance as the provider reports it, and what it says, when it is gone; None while it runs
+        or the provider does not answer."""
+        try:
+            inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
+        except ProviderError:
+            return None
+        if inst is not None and not inst.state.gone:
+            return None
+        said = f"provider reports {inst.state.value if inst else 'unknown'}"
+        return inst, said + (f" ({inst.reason})" if inst and inst.reason else "")
 
     def _step_running(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         now = self.clock()
