@@ -6,7 +6,7 @@ simcloud (Lambda-style REST) and the simulated EC2 (boto3 against moto's server)
 Trigger points are the events the dying daemon wrote (instance.launched → provisioning, instance.ready →
 bootstrapping, attempt.running → running). The windows no event marks — between the intent and the launch call,
 right after the launch call, while finishing, while terminating — use the reconciler's test-only hook
-`BURSTCTL_CHAOS_KILL_AT=<point>` (`orchestrator.lifecycle.reconcile.chaos_point`), which `os._exit(137)`s there.
+`BURSTCTL_CHAOS_KILL_AT=<point>` (`orchestrator.lifecycle.machine.chaos_point`), which `os._exit(137)`s there.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from orchestrator.lifecycle.reconcile import CHAOS_ENV, CHAOS_POINTS
+from orchestrator.lifecycle.machine import CHAOS_ENV, CHAOS_POINTS
 from state import schema as s
 from state.store import Store
 from tests.e2e import (

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import select
 
 from orchestrator.daemon import daemon_running
+from orchestrator.lifecycle.machine import CHAOS_ENV, LOCAL_CHAOS_POINTS
 from state import schema as s
 from state.store import Store
 from tests.e2e import (
@@ -95,6 +96,38 @@ def test_local_first_then_burst_the_rest_from_the_local_checkpoint(tmp_path: Pat
     # Real local progress was carried into the cloud: about 80 steps by the switch at the card's estimated speed,
     # fewer on a loaded machine (a trainer slow to start), never none and never the whole job.
     assert 0 < step < 200
+    assert len(instances) == 1 and instances[0]["status"] == "terminated"
+
+
+@pytest.mark.parametrize("point", LOCAL_CHAOS_POINTS)
+def test_a_daemon_killed_as_it_stops_the_local_phase_hands_over_on_restart_not_a_preemption(tmp_path: Path,
+                                                                                            point: str) -> None:
+    # The daemon dies as it ends the local phase: with why written down and the trainer not yet told, or just after
+    # the trainer was told (SIGTERM to its supervisor). The restarted daemon tells it (again: the supervisor acts on
+    # the first), and the run's end is the hand-over it was. The why had been written after the trainer was told, so
+    # a daemon killed in between took the trainer's end for a stop from outside burstctl: a preemption, the job
+    # "preempted" and started locally again before it burst.
+    state = tmp_path / "state"
+    spec = _two_speed_job(tmp_path, "hybrid", s_local=90, s_rented=180, deadline_hours=0.008778)
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url, policy={"overhead_h": 0.001, "hybrid_margin_h": 0.0,
+                                                     "default_market": "on-demand"})
+        daemon = EnvDaemon(tmp_path, config, state).start(env={"LOCAL_STEP_S": "0.2", CHAOS_ENV: point})
+        wait_for(lambda: daemon_running(state)[0], 60, "the daemon to run")
+        r = cli(config, state, "enqueue", str(spec), "--json")
+        assert r.returncode == 0, r.stderr
+        job_id = json.loads(r.stdout)["id"]
+        assert job(state, job_id)["placement"] == "hybrid"
+        assert daemon.wait_exit(90) == 137, f"the daemon never reached {point}"
+        instances = _run_to_the_end(tmp_path, url, config, state, job_id, 0.2)
+    (local,) = [e["data"] for e in events(state, "attempt.ended") if e["job_id"] == job_id]
+    assert (local["outcome"], local["reason"]) == ("preempted", "hybrid-switch"), local
+    assert [e["data"]["reason"] for e in events(state, "job.switching")] == ["local phase done: bursting the rest"]
+    assert not events(state, "job.resuming"), "a hand-over, not a preemption"
+    assert len(events(state, "attempt.running")) == 2, "the local phase, then the cloud's: not run locally again"
+    resumed = [e["data"] for e in events(state, "job.resumed")]
+    assert resumed and resumed[-1].get("provider") == "sim"  # the cloud phase, from the local checkpoint
+    assert job(state, job_id)["state"] == "done"
     assert len(instances) == 1 and instances[0]["status"] == "terminated"
 
 

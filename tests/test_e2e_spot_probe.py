@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import insert, select
 
 from orchestrator.app import App
-from orchestrator.lifecycle.reconcile import CHAOS_ENV
+from orchestrator.lifecycle.machine import CHAOS_ENV
 from orchestrator.lifecycle.service import build_reconciler
 from orchestrator.lifecycle.spot_probe import probe_spot
 from state import schema as s

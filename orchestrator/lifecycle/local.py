@@ -28,7 +28,7 @@ from orchestrator.jobspec import CheckpointSpec
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.finish import LOCAL_HOURS_OVER, exit_reason, job_after_attempt
 from orchestrator.lifecycle.homes import attempt_run_dir, job_outputs_dir
-from orchestrator.lifecycle.machine import AttemptState, move
+from orchestrator.lifecycle.machine import AttemptState, chaos_point, move
 from orchestrator.lifecycle.machine import create as create_attempt
 from orchestrator.lifecycle.schedule import behind, reported, watch_schedule
 from orchestrator.lifecycle.states import JobState
@@ -300,13 +300,22 @@ class LocalRunner:
                 else:
                     progress["reason"] = self._hold(att, job, info, held)
             if wanted and not info.get("stop_requested"):
-                # SIGTERM: the trainer writes a last checkpoint, in the job's grace (its supervisor's --grace-s)
-                supervisor.stop(run, grace_s=min(stop_grace_s(job["spec"]), IN_TICK_STOP_MAX_S))
+                # Why, written before the trainer is told: a daemon killed in between finds it on restart and asks
+                # again (below), instead of taking the run's end for a stop from outside burstctl (a preemption).
                 info["stop_requested"] = now
                 info["stop_reason"] = wanted
-                self.app.events.emit("attempt.stop_requested", job_id=job["id"], attempt_id=att["id"], reason=wanted,
-                                     **({k: v for k, v in progress.items() if k != "reason"}
-                                        if wanted == "hybrid-switch" else {}))
+                with self.app.store.tx() as conn:
+                    self.app.store.set_attempt_info(att["id"], info, conn)
+                    self.app.events.emit("attempt.stop_requested", job_id=job["id"], attempt_id=att["id"],
+                                         conn=conn, reason=wanted,
+                                         **({k: v for k, v in progress.items() if k != "reason"}
+                                            if wanted == "hybrid-switch" else {}))
+                chaos_point("local-stop-written")
+            if info.get("stop_requested"):
+                # SIGTERM: the trainer writes a last checkpoint, in the job's grace (its supervisor's --grace-s).
+                # Each look until the run has ended: its supervisor acts on the first and ignores the others.
+                supervisor.stop(run, grace_s=min(stop_grace_s(job["spec"]), IN_TICK_STOP_MAX_S))
+                chaos_point("local-stop-signalled")
             with self.app.store.tx() as conn:
                 self.app.store.set_attempt_info(att["id"], info, conn)
                 if progress and not wanted and job["reason"] != progress["reason"]:

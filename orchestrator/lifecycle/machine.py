@@ -30,6 +30,7 @@ attempt is closed only once the provider confirms the instance is gone.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
@@ -38,6 +39,17 @@ from typing import Any
 from sqlalchemy import Connection, and_, case, func, insert, select, update
 
 from state import schema as s
+
+CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
+CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")  # a cloud attempt's (tests/test_chaos.py)
+LOCAL_CHAOS_POINTS = ("local-stop-written", "local-stop-signalled")  # a local run's stop (tests/test_e2e_hybrid.py)
+
+
+def chaos_point(name: str) -> None:
+    """Test-only crash injection (tests/test_chaos.py): the process dies on the spot, like SIGKILL, when
+    BURSTCTL_CHAOS_KILL_AT names this point. Inert unless that variable is set."""
+    if os.environ.get(CHAOS_ENV) == name:
+        os._exit(137)
 
 
 class AttemptState(StrEnum):

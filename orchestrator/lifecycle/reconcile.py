@@ -14,7 +14,6 @@ attempts: launch, look, bootstrap, watch, move between markets, stop, and what a
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,7 @@ from orchestrator.lifecycle.attempt_syncs import CLOSE_WAIT_S, AttemptSyncs, not
 from orchestrator.lifecycle.budget_guard import BudgetGuard
 from orchestrator.lifecycle.finish import exit_reason
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_wait_s
-from orchestrator.lifecycle.machine import AttemptState, active_attempts, move
+from orchestrator.lifecycle.machine import AttemptState, active_attempts, chaos_point, move
 from orchestrator.lifecycle.market_switch import (
     TO_ON_DEMAND,
     TO_SPOT,
@@ -75,17 +74,8 @@ MAX_STEPS_PER_TICK = 4  # intent → provisioning → bootstrapping → running 
 LACKING_ENV_FORGET_S = 60.0  # how long a job lacking its pass_env is left out of the candidates before a new look
 LACKING_ENV_KEPT = 2000  # at most this many left out (each is a row more that the candidates' query reads)
 BOOT_WAIT_S, BOOT_POLL_S, BOOT_WAIT_WINDOW_S = 1.0, 0.2, 15.0  # brief in-tick polling of a just-launched instance
-CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
-CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")
 LOSS_PULL_MAX_S = 1800.0  # a lost run's last pull from an instance still there, at most (stalls end it sooner)
 NOTICE_SYNCS_S = 300.0  # after a spot notice, a sync each tick for this long (EC2 reclaims in 120 s, GCP in 30 s)
-
-
-def chaos_point(name: str) -> None:
-    """Test-only crash injection (tests/test_chaos.py): the process dies on the spot, like SIGKILL, when
-    BURSTCTL_CHAOS_KILL_AT names this point. Inert unless that variable is set."""
-    if os.environ.get(CHAOS_ENV) == name:
-        os._exit(137)
 
 
 class Reconciler:

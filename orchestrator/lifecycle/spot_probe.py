@@ -39,7 +39,7 @@ from sqlalchemy import select
 
 from orchestrator.lifecycle.finish import probe_interval_s
 from orchestrator.lifecycle.handover import no_room, wait_or_take_over
-from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, move
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, chaos_point, move
 from orchestrator.lifecycle.machine import create as create_attempt
 from providers.base import LAUNCH_REFUSALS, Market, Provider, ProviderError
 from state import schema as s
@@ -87,7 +87,7 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
     said = {"job_id": job["id"], "attempt_id": probe_id, "probe_for": att["id"]}
     try:
         inst = rec.launch(probe, job, provider)
-        _chaos_point("probe-up")  # the probe's instance exists; the database does not know its id
+        chaos_point("probe-up")  # the probe's instance exists; the database does not know its id
     except LAUNCH_REFUSALS as exc:
         wait_s = _next_probe(rec, job, facts, now)
         with rec.store.tx() as conn:
@@ -104,7 +104,7 @@ def probe_spot(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provid
     with rec.store.tx() as conn:
         rec.store.set_attempt_info(probe_id, probe["info"], conn)
         rec.app.events.emit("attempt.spot_probe", **said, conn=conn, result="up", instance=inst.id, kept=True)
-    _chaos_point("probe-kept")  # the probe is kept; the on-demand attempt has not been stopped
+    chaos_point("probe-kept")  # the probe is kept; the on-demand attempt has not been stopped
     return probe
 
 
@@ -159,12 +159,6 @@ def _step_kept(rec: Reconciler, probe: dict[str, Any], job: dict[str, Any], prov
     if why_not is not None:
         with contextlib.suppress(ProviderError):  # still terminating: `step_probe` asks again next tick
             _end(rec, probe, job, provider, why=why_not)
-
-
-def _chaos_point(name: str) -> None:
-    from orchestrator.lifecycle.reconcile import chaos_point  # the reconciler imports this module
-
-    chaos_point(name)
 
 
 def _end(rec: Reconciler, probe: dict[str, Any], job: dict[str, Any], provider: Provider, *,
