@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import select
 
@@ -75,12 +77,13 @@ def finish(daemon: EnvDaemon, cloud: CloudView, state: Path, job_ids: list[str])
         assert daemon.stop() == 0
 
 
-def assert_safe(cloud: CloudView, state: Path, job_ids: list[str]) -> None:
+def assert_safe(cloud: CloudView, state: Path, job_ids: list[str], steps: int = STEPS) -> None:
     """The invariants every crash must leave intact."""
     for job_id in job_ids:
         j = job(state, job_id)
         assert j["state"] == "done", (job_id, j["state"], j["reason"])
-        assert (state / "checkpoints" / job_id / f"step-{STEPS:08d}" / "state.json").exists()
+        assert len([e for e in events(state, "job.done") if e["job_id"] == job_id]) == 1
+        assert (state / "checkpoints" / job_id / f"step-{steps:08d}" / "state.json").exists()
     instances = cloud.instances()
     assert instances, "the job ran in the cloud"
     assert all(i["status"] in GONE for i in instances), instances
@@ -164,3 +167,37 @@ def test_a_spot_instance_reclaimed_while_no_daemon_finished_its_bootstrap_is_a_p
         assert_safe(c, state, [job_id])
         assert attempt_states(state, job_id)[first] == "preempted"
         assert not [e for e in events(state, "job.failed") if e["job_id"] == job_id]
+
+
+@pytest.mark.parametrize("kind", CLOUDS)
+def test_sigkilled_as_it_hears_a_spot_notice_and_reclaimed_while_down_the_job_resumes_once(tmp_path: Path,
+                                                                                       kind: str) -> None:
+    # The daemon dies as it hears the interruption notice (its successor being written, or launching), and the
+    # instance is reclaimed before a daemon is back: the restart ends the noticed attempt as preempted and the job
+    # resumes from what is home, on one instance per attempt, billed as the provider bills.
+    state = tmp_path / "state"
+    steps = 160  # 16 s of training: long enough to be noticed
+    with cloud(kind, tmp_path) as c:
+        config = c.config(tmp_path, daemon={"tick_s": TICK_S})
+        spec = trainer_job(tmp_path, "noticed", steps=steps, every=10, step_s=STEP_S, interval_minutes=0.01,
+                           gpu=c.gpu)
+        r = cli(config, state, "enqueue", str(spec), "--json")
+        assert r.returncode == 0, r.stderr
+        job_id = str(json.loads(r.stdout)["id"])
+        daemon = EnvDaemon(tmp_path, config, state).start()
+        running = wait_for(lambda: [e for e in events(state, "attempt.running") if e["job_id"] == job_id], 90,
+                           "the attempt to run")
+        first, instance = running[0]["attempt_id"], running[0]["data"]["instance"]
+        wait_for(lambda: job(state, job_id)["checkpoint"], 60, "a first checkpoint home")
+        httpx.post(f"{c.admin_url}/_sim/instances/{instance}/notice", json={"seconds": 3},
+                   timeout=10).raise_for_status()
+        wait_for(lambda: job_event(state, job_id, "instance.interruption_notice"), 30, "the notice to be heard",
+                 interval=0.02)
+        daemon.kill(signal.SIGKILL)
+        time.sleep(3)
+        reclaimed = httpx.post(f"{c.admin_url}/_sim/instances/{instance}/preempt", json={}, timeout=10)
+        assert reclaimed.status_code in (200, 404), reclaimed.text  # 404: already terminated by burstctl
+        finish(daemon, c, state, [job_id])
+        assert_safe(c, state, [job_id], steps=steps)
+        assert attempt_states(state, job_id)[first] == "preempted"
+        assert job_event(state, job_id, "job.resumed")
