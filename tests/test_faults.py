@@ -1,5 +1,6 @@
 """Fault injection, end to end with real processes: a misbehaving provider API (429 JSON and HTML, 5xx, dropped
-connections), no capacity, SSH dropping mid-run, a locked state database, and the daemon's own clock jumping.
+connections), no capacity, SSH dropping mid-run, SSH away for seconds during a bootstrap, a locked state database,
+and the daemon's own clock jumping.
 (The spot market's faults, spot refused or gone, are in tests/test_e2e_spot_market.py.)
 Each test states what must still hold: the job completes (or waits with a clear reason), nothing is launched twice,
 nothing crashes."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -167,6 +169,47 @@ def test_ssh_dropping_mid_run_ends_the_attempt_as_lost_and_the_job_resumes_elsew
     assert lost["instance"] == first and "heartbeat lost" in lost["reason"]
     resumed = events(state, "job.resumed")[0]["data"]
     assert resumed["instance"] != first and resumed["checkpoint"].startswith("step-")
+
+
+def test_an_instances_ssh_away_for_seconds_during_its_bootstrap_is_waited_out_and_the_job_finishes(
+        tmp_path: Path) -> None:
+    # The instance's sshd restarts mid-bootstrap: the push breaks, then connections are refused for 4 s. Each try
+    # failed at once and was tried again each tick: 5 in about 2 s gave the attempt up, its job failed. Tried again
+    # after 2 s, 4 s, ..., and given up only after 5 failures spanning the heartbeat timeout, it comes through.
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        job_id = enqueue(config, state, trainer_job(tmp_path, "flaky-ssh"))
+        (tmp_path / "work" / "data.bin").write_bytes(os.urandom(64 << 20))  # a push that takes a moment
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            def bootstrap_begun() -> Path | None:  # the bootstrap's first command has made the job's directories
+                return next((tmp_path / "sim" / "instances").glob(f"*/sandbox/burst/{job_id}/work"), None)
+
+            work = wait_for(bootstrap_begun, 120, "the bootstrap to begin", interval=0.01)
+            instance = work.parents[3].name
+            if not _sshd_pids(tmp_path / "sim", instance):
+                pytest.skip("simcloud runs the paramiko SSH backend here (no sshd to stop)")
+            sim_admin(url, f"instances/{instance}/ssh-outage", {"seconds": 4})
+            said = []  # what `show` says meanwhile
+
+            def ended() -> bool:
+                shown = json.loads(cli(config, state, "show", job_id, "--json").stdout)
+                said.append(shown["reason"] or "")
+                return shown["state"] in ("done", "failed")
+
+            wait_for(ended, 180, "the job to end", interval=0.05)
+        finally:
+            assert daemon.stop() == 0
+        assert job(state, job_id)["state"] == "done", job(state, job_id)["reason"]
+        assert [i["id"] for i in sim_instances(url)] == [instance], "the bootstrap went through on its instance"
+        assert_one_instance_per_attempt_and_all_gone(url)
+    failed = [e["data"] for e in events(state, "attempt.error") if e["data"]["state"] == "bootstrapping"]
+    assert failed, "the outage met the bootstrap"
+    assert failed[0]["next_try_in_s"] == 2.0 and all(e["count"] < 5 for e in failed)
+    failing = [r for r in said if r.startswith("bootstrap failed")]
+    assert failing and re.match(r"bootstrap failed [1-4] times? in a row, next try in (2|4|8) s: ", failing[0]), said
+    assert not [e for e in events(state, "attempt.") if "gave up" in json.dumps(e["data"])]
 
 
 HOLD_LOCK = """

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,15 +183,15 @@ def test_a_run_behind_schedule_is_said_once_and_its_reason_follows_the_measured_
     app.close()
 
 
-def _running_sleeper(tmp_path: Path) -> tuple[App, str, Any, Path]:
-    """A local job running `sleep 120` under a real supervisor, started by a reconciler: (app, job id, the
-    reconciler, the attempt's run dir)."""
+def _running_sleeper(tmp_path: Path, clock: Callable[[], float] = time.time) -> tuple[App, str, Any, Path]:
+    """A local job running `sleep 120` under a real supervisor, started by a reconciler (on `clock`): (app, job id,
+    the reconciler, the attempt's run dir)."""
     from orchestrator.lifecycle.reconcile import Reconciler
 
     app = App(state_dir_override=str(tmp_path / "state"))
     job_id, _, _ = enqueue(app, write_job(tmp_path, "sleeper", command=["sleep", "120"], deadline_hours=24,
                                           local_throughput=1.0))
-    rec = Reconciler(app, {}, cloud=None)
+    rec = Reconciler(app, {}, cloud=None, clock=clock)
     assert rec.local.start(app.store.get_job(job_id))
     rec.local.step(only_attempt(app, job_id), app.store.get_job(job_id))  # intent → running: supervisor, command
     return app, job_id, rec, rec.local.run_dir(only_attempt(app, job_id)["id"])
@@ -198,35 +199,48 @@ def _running_sleeper(tmp_path: Path) -> tuple[App, str, Any, Path]:
 
 def test_failed_steps_with_steps_that_went_through_between_them_do_not_give_the_attempt_up(tmp_path: Path) -> None:
     # Only failures in a row count: five glitches spread over a three-day run had failed the job.
-    from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS
+    from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS, STEP_FAILURE_KEYS, STEP_RETRY_FIRST_S
 
-    app, job_id, rec, run = _running_sleeper(tmp_path)
+    offset = [0.0]
+    app, job_id, rec, run = _running_sleeper(tmp_path, clock=lambda: time.time() + offset[0])
     try:
         for i in range(MAX_STEP_ERRORS + 1):
             rec._step_failed(only_attempt(app, job_id), app.store.get_job(job_id), RuntimeError(f"glitch {i}"))
             assert only_attempt(app, job_id)["info"]["errors"] == 1
+            assert app.store.get_job(job_id)["reason"].startswith("local run's step failed 1 time in a row")
+            rec._advance(only_attempt(app, job_id), app.store.get_job(job_id))  # not tried again yet: waits
+            assert only_attempt(app, job_id)["info"]["errors"] == 1
+            offset[0] += STEP_RETRY_FIRST_S + 0.1  # its next try is due
             rec._advance(only_attempt(app, job_id), app.store.get_job(job_id))  # a step that goes through
             att = only_attempt(app, job_id)
-            assert att["state"] == "running" and "errors" not in att["info"] and "last_error" not in att["info"]
+            assert att["state"] == "running" and not set(STEP_FAILURE_KEYS) & set(att["info"])
+            assert not (app.store.get_job(job_id)["reason"] or "").startswith("local run's step failed")
     finally:
         supervisor.stop(run, grace_s=5.0)
     app.close()
 
 
 def test_a_local_attempt_given_up_after_failing_steps_does_not_leave_its_trainer_running(tmp_path: Path) -> None:
-    # Five steps in a row failed (here: said so directly). The attempt is given up; its trainer must end with it,
-    # or it would hold the GPU and write into the checkpoint dir the job's next attempt starts from.
+    # Five steps in a row failed over more than the heartbeat timeout (here: said so directly). The attempt is given
+    # up; its trainer must end with it, or it would hold the GPU and write into the checkpoint dir the job's next
+    # attempt starts from. Five in a second are not enough: a blip is waited out.
     from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS
 
-    app, job_id, rec, run = _running_sleeper(tmp_path)
+    offset = [0.0]
+    app, job_id, rec, run = _running_sleeper(tmp_path, clock=lambda: time.time() + offset[0])
     att = only_attempt(app, job_id)
     assert att["state"] == "running" and supervisor.read_status(run)["child_alive"]
 
-    for _ in range(MAX_STEP_ERRORS):
+    for _ in range(MAX_STEP_ERRORS + 2):
         rec._step_failed(att, app.store.get_job(job_id), RuntimeError("the metrics file is unreadable"))
         att = only_attempt(app, job_id)
+    assert att["state"] == "running" and att["info"]["errors"] == MAX_STEP_ERRORS + 2
 
-    assert att["state"] == "failed" and att["reason"].startswith(f"gave up after {MAX_STEP_ERRORS} failed steps")
+    offset[0] += app.config.daemon.heartbeat_timeout_s
+    rec._step_failed(att, app.store.get_job(job_id), RuntimeError("the metrics file is unreadable"))
+    att = only_attempt(app, job_id)
+    assert att["state"] == "failed" and att["reason"].startswith(f"gave up after {MAX_STEP_ERRORS + 3} failed steps "
+                                                                 f"over {app.config.daemon.heartbeat_timeout_s:.0f} s")
     status = supervisor.read_status(run)
     assert not status["supervisor_alive"] and not status["child_alive"]
     app.close()

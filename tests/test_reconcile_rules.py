@@ -578,11 +578,14 @@ def test_a_launch_whose_outcome_is_unknown_is_never_given_up_while_the_provider_
         provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
                                request_interval_s=0.0, timeout_s=0.5,
                                retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
-        rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}))
+        offset = [0.0]  # each tick past the failed step's next try, and the failures past the heartbeat timeout
+        rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}),
+                         clock=lambda: time.time() + offset[0])
         sim.inject("delayed-response", route="instance-operations/launch", delay_s=2.0)  # made, answer lost
         sim.inject("throttle", count=1000, route="instances")
         for _ in range(reconcile.MAX_STEP_ERRORS + 2):
             rec.tick()
+            offset[0] += app.config.daemon.heartbeat_timeout_s
         with app.store.engine.connect() as c:
             (att,) = c.execute(select(s.attempts)).mappings()
         assert att["state"] == "intent" and att["info"]["errors"] > reconcile.MAX_STEP_ERRORS

@@ -52,7 +52,7 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
                       "provider": a["provider"], "instance": a["instance_id"], "market": a["market"],
                       "probe_for": (a["info"] or {}).get("probe_for"),
                       "probe_kept": bool((a["info"] or {}).get("probe_for") and (a["info"] or {}).get("kept")),
-                      "problem": _problem(a["info"] or {})}
+                      "problem": _problem(a["info"] or {}, now)}
                      for a in attempts],
         "instances": [{"provider": i["provider"], "id": i["id"], "attempt": i["attempt_id"], "state": i["state"],
                        "type": i["instance_type"], "market": i["market"]} for i in instances],
@@ -125,8 +125,13 @@ def _restart_needed(app: App) -> list[str]:
     return list(seen.get("restart_needed") or [])
 
 
-def _problem(info: dict[str, Any]) -> str | None:
-    """What keeps a live attempt from doing its job right now (e.g. checkpoints not coming home), or None."""
+def _problem(info: dict[str, Any], now: float) -> str | None:
+    """What keeps a live attempt from doing its job right now (a step failing, checkpoints not coming home), or
+    None."""
+    if info.get("errors") and info.get("last_error"):  # the reconciler's failure accounting (`_step_failed`)
+        n = int(info["errors"])
+        wait = max(0.0, float(info.get("retry_at") or now) - now)
+        return f"{n} step{'s' if n != 1 else ''} failed in a row, next try in {wait:.0f} s: {info['last_error']}"
     if info.get("sync_error"):
         return f"{info.get('sync_failures', 1)} checkpoint pull(s) failed in a row: {info['sync_error']}"
     return None

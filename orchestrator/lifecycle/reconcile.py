@@ -60,7 +60,20 @@ if TYPE_CHECKING:
     from orchestrator.lifecycle.cloud_steps import CloudSteps
 
 A = AttemptState
+# A step that fails (an SSH connection refused while the instance's sshd restarts, a reset, a provider's 500) is tried
+# again after a growing delay, STEP_RETRY_FIRST_S doubled at each failure in a row up to STEP_RETRY_MAX_S, whatever
+# the tick (the daemon also steps attempts between ticks); the attempt is given up once MAX_STEP_ERRORS have failed
+# in a row *and* the first of them is at least `daemon.heartbeat_timeout_s` ago (what a running attempt's instance
+# may be unreachable before it counts as lost). Failures that come back at once had reached the count in about a
+# second, and a blip of a second failed the job. The count, the first failure's time and the next try's are in the
+# attempt's info (STEP_FAILURE_KEYS): a restarted daemon carries on the same count and waits the same delay.
 MAX_STEP_ERRORS = 5
+STEP_RETRY_FIRST_S = 2.0
+STEP_RETRY_MAX_S = 15.0  # a running attempt in its wait is not watched: a 30 s spot notice is still seen
+STEP_FAILURE_KEYS = ("errors", "last_error", "failing_since", "retry_at", "step_reason", "reason_before")
+# What a failing step is called in the job's reason, by the attempt's state.
+STEP_NAMES = {"intent": "launch", "provisioning": "look at the booting instance", "bootstrapping": "bootstrap",
+              "running": "check on the run", "finishing": "final sync", "terminating": "terminate"}
 # The provider did not answer (down, throttling, its retries spent): that says nothing of an instance, which SSH
 # still watches. Never a reason to give up an attempt that has one; an intent's launch is given up as before.
 UNANSWERED = (Throttled, Transient)
@@ -143,6 +156,8 @@ class Reconciler:
         """Step an attempt, and keep stepping it within this tick while each step moves it on: a launch is
         followed at once by the look at the instance, a reachable instance at once by its bootstrap. A step that
         leaves the state as it was is waiting on the outside world; the next tick looks again."""
+        if self._retry_waits(att, job):
+            return  # its last step failed: not tried again before its next try's time
         waited = 0.0
         for _ in range(MAX_STEPS_PER_TICK + int(BOOT_WAIT_S / BOOT_POLL_S)):
             before = att["state"]
@@ -164,8 +179,7 @@ class Reconciler:
                 return
             att, job = dict(row), dict(fresh_job)
             if att["info"].get("errors"):  # a step went through: the failures counted were not consecutive
-                att["info"] = {k: v for k, v in att["info"].items() if k not in ("errors", "last_error")}
-                self.store.set_attempt_info(att["id"], att["info"])
+                self._failures_over(att, job)
             if row["state"] == before:
                 # An instance launched a moment ago is often up within a second: look again briefly rather than
                 # a whole tick later (bounded, so other attempts are not held up).
@@ -189,35 +203,83 @@ class Reconciler:
         except Exception as exc2:
             self._step_failed(att, job, exc2)
 
+    def _retry_waits(self, att: dict[str, Any], job: dict[str, Any]) -> bool:
+        """Whether the attempt's last step failed and its next try is not due yet. A stop due (cancel, revert-local,
+        the budget, ...) is not held up by it: that is another step. A next try further ahead than the longest delay
+        is due (the clock went back)."""
+        retry_at = att["info"].get("retry_at")
+        if retry_at is None:
+            return False
+        wait = float(retry_at) - self.clock()
+        if not 0 < wait <= STEP_RETRY_MAX_S:
+            return False
+        if job["state"] == JobState.CANCELLED.value:
+            return False
+        return not (att["where"] == "cloud" and att["state"] not in (A.INTENT.value, A.TERMINATING.value)
+                    and self.stop_reason(att, job) is not None)
+
+    def _failures_over(self, att: dict[str, Any], job: dict[str, Any]) -> None:
+        """A step went through after failures: their count and wait go, and the job's reason, if it is still the one
+        the failures wrote, is what it was before them."""
+        info = att["info"]
+        said, before = info.get("step_reason"), info.get("reason_before")
+        att["info"] = {k: v for k, v in info.items() if k not in STEP_FAILURE_KEYS}
+        with self.store.tx() as conn:
+            self.store.set_attempt_info(att["id"], att["info"], conn)
+            if said is not None and job.get("reason") == said and \
+                    self.store.update_job(job["id"], conn, expect_state=job["state"], reason=before):
+                job["reason"] = before
+
     def _step_failed(self, att: dict[str, Any], job: dict[str, Any], exc: Exception) -> None:
-        """Count consecutive failures of the same step; after MAX_STEP_ERRORS the attempt is given up."""
+        """Count consecutive failures of the same step, and set when it is tried again (STEP_RETRY_FIRST_S, doubled
+        at each failure, at most STEP_RETRY_MAX_S); the attempt is given up after MAX_STEP_ERRORS failures in a row
+        spanning at least `daemon.heartbeat_timeout_s`. Until then the job's reason says so."""
         error = self.app.redactor.clip(f"{type(exc).__name__}: {exc}", 500)
+        now = self.clock()
         info = dict(att["info"])
         same = info.get("last_error") == error
-        info["errors"] = int(info.get("errors", 0)) + 1
+        info["errors"] = errors = int(info.get("errors", 0)) + 1
         if isinstance(exc, UNANSWERED) and att["state"] in (A.INTENT.value, A.PROVISIONING.value):
             info[BOOT_UNANSWERED] = True
         info["last_error"] = error
+        info["failing_since"] = since = min(now, float(info.get("failing_since", now)))  # min: the clock went back
+        delay = min(STEP_RETRY_MAX_S, STEP_RETRY_FIRST_S * 2.0 ** (errors - 1))
+        info["retry_at"] = now + delay
+        give_up = errors >= MAX_STEP_ERRORS and now - since >= self.cfg.daemon.heartbeat_timeout_s
+        unknown_launch = att["where"] == "cloud" and att["state"] == A.INTENT.value and info.get("launch_tried")
+        said = None
+        if not give_up and not (errors >= MAX_STEP_ERRORS and unknown_launch) and not is_probe(att) \
+                and successor_of(att) is None and not JobState(job["state"]).final:
+            step = STEP_NAMES.get(att["state"], "step") if att["where"] == "cloud" else "local run's step"
+            said = (f"{step} failed {errors} time{'s' if errors != 1 else ''} in a row, next try in {delay:.0f} s: "
+                    f"{error}")
+            if "step_reason" not in info:
+                info["reason_before"] = job.get("reason")
+            info["step_reason"] = said
         with self.store.tx() as conn:
             self.store.set_attempt_info(att["id"], info, conn)
+            if said is not None and self.store.update_job(job["id"], conn, expect_state=job["state"], reason=said):
+                job["reason"] = said
             if not same:  # repeated identical errors are counted, not re-logged every tick
                 self.app.events.emit("attempt.error", job_id=att["job_id"], attempt_id=att["id"], conn=conn,
-                                     state=att["state"], error=error, count=info["errors"])
+                                     state=att["state"], error=error, count=errors, next_try_in_s=delay)
         att["info"] = info
-        if info["errors"] < MAX_STEP_ERRORS:
+        if errors < MAX_STEP_ERRORS:
             return
         if isinstance(exc, UNANSWERED) and att["where"] == "cloud" and att["state"] != A.INTENT.value:
             # Its instance runs on, or not, whatever the API says now: given up, its last checkpoint would be left
             # behind, its job failed, for a blip. SSH watches the run meanwhile (its heartbeat timeout still ends a
             # lost one), and the provider is asked again each tick.
             return
-        reason = f"gave up after {info['errors']} failed steps: {error}"
-        if att["where"] == "cloud" and att["state"] == A.INTENT.value and info.get("launch_tried"):
+        if unknown_launch:
             # Whether its launch made an instance is not known until the provider answers: given up now, one it made
             # would run, and bill, with no row or charge of ours until the sweep found it. It waits, and says so.
             note_waiting(self.app, job, f"the outcome of its launch on {att['provider']} is not known yet: {error}; "
                          "asked again each tick until the provider answers", same_as="the outcome of its launch")
             return
+        if not give_up:
+            return  # failing for less than the heartbeat timeout: a blip (an sshd restarting) is waited out
+        reason = f"gave up after {errors} failed steps over {now - since:.0f} s: {error}"
         if att["where"] == "local" and att["state"] != A.INTENT.value and not self.local.end_trainer(att):
             return  # its trainer still runs: given up once it is gone, not before (the next error tries again)
         if att["where"] == "local" or att["state"] == A.INTENT.value:

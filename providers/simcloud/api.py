@@ -7,7 +7,7 @@ connection, answer HTML — which the stdlib gives without a framework in the wa
 - `/api/v1/...` answers in the contract's shapes (`{"data": ...}` / `{"error": {code, message, suggestion}}`),
   behind `Authorization: Bearer <key>`. With a contract path, every request is checked against the OpenAPI
   document first; a violation answers 400 `global/invalid-parameters` and is recorded in `violations`.
-- `/_sim/...` are admin routes (no auth, no contract): faults, capacity, quota, preemption, spot notices,
+- `/_sim/...` are admin routes (no auth, no contract): faults, capacity, quota, preemption, spot notices, SSH outages,
   billing. Everything there is also a method, for in-process tests.
 
 Spot extension: a spot instance type is listed beside its on-demand type (`gpu_1x_h100_sxm5_spot` beside
@@ -371,6 +371,18 @@ class SimCloudServer:
             self._save_state()
         self.backend.stop(instance_id)
 
+    def interrupt_ssh(self, instance_id: str, seconds: float) -> None:
+        """The instance's SSH goes away for `seconds` (its sshd restarting, a network blip): sessions end, connections
+        are refused, then it answers again as before (`SshBackend.interrupt_ssh`). The API still reports it active."""
+        with self._lock:
+            inst = self._get_visible(instance_id)
+            if inst.status not in ("active", "unhealthy"):
+                raise ValueError(f"instance {instance_id} is {inst.status}: its SSH is not up to interrupt")
+        interrupt = getattr(self.backend, "interrupt_ssh", None)
+        if interrupt is None:
+            raise ValueError("this backend's instances have no SSH to interrupt")
+        interrupt(instance_id, seconds)
+
     def instance_action(self, instance_id: str) -> dict[str, str] | None:
         """The metadata route's answer: None (404) until a notice exists, EC2's semantics."""
         with self._lock:
@@ -646,6 +658,9 @@ class SimCloudServer:
             return _Reply.data({})
         if method == "GET" and sub == "/instances":
             return _Reply.data([asdict(i) for i in self.instances()])
+        if method == "POST" and (m := re.fullmatch(r"/instances/([^/]+)/ssh-outage", sub)):
+            self.interrupt_ssh(m.group(1), float(body["seconds"]))
+            return _Reply.data({})
         if method == "POST" and (m := re.fullmatch(r"/instances/([^/]+)/(preempt|notice|status)", sub)):
             instance_id, verb = m.groups()
             if verb == "preempt":

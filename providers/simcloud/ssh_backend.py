@@ -25,6 +25,7 @@ instance's disk (keep_sandboxes=True keeps it for debugging).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import re
@@ -174,6 +175,43 @@ class SshBackend:
         for m in machines:
             self.stop(m.instance_id)
 
+    # --- faults -----------------------------------------------------------------------------------------
+    def interrupt_ssh(self, instance_id: str, seconds: float) -> None:
+        """The instance's SSH goes away for `seconds`, as when its sshd restarts or its network blips: the listener
+        and every SSH session it serves end at once (a transfer under way breaks), connections are refused
+        meanwhile, then it listens again on the same address with the same host key. What runs on the instance
+        outside SSH (a daemonized supervisor, its trainer) carries on. OpenSSH endpoints only."""
+        with self._lock:
+            machine = self._machines.get(instance_id)
+        if machine is None or machine.stopped:
+            raise ValueError(f"instance {instance_id} has no machine up")
+        if machine.sshd is None:
+            raise ValueError("only an OpenSSH endpoint can be interrupted (this backend runs paramiko)")
+        with machine.lock:
+            listener = machine.sshd
+            for pid in _sshd_tree(listener.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            listener.wait()
+            sshd = find_sshd()
+            assert sshd is not None  # it ran this instance's listener
+            argv = [sshd, "-D", "-e", "-f", str(machine.root / "machine" / "sshd_config")]  # as `_start_sshd` does
+        threading.Thread(target=self._resume_ssh, args=(machine, listener, argv, seconds), daemon=True,
+                         name=f"simcloud-ssh-{instance_id}").start()
+
+    def _resume_ssh(self, machine: _Machine, was: subprocess.Popen[bytes], argv: list[str], seconds: float) -> None:
+        time.sleep(seconds)
+        with machine.lock:
+            if machine.stopped or machine.sshd is not was:
+                return
+            log_path = machine.root / "machine" / "sshd.log"
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), MARKER_VAR: machine.marker}
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                        start_new_session=True)
+            machine.sshd = proc
+            _wait_for_sshd(proc, machine.endpoint.host, machine.endpoint.port, log_path, self.start_timeout_s)
+
     # --- inspection (status, tests) ---------------------------------------------------------------------
     def endpoint(self, instance_id: str) -> Endpoint | None:
         with self._lock:
@@ -320,3 +358,27 @@ def _wait_for_sshd(proc: subprocess.Popen[bytes], host: str, port: int, log_path
                 pass
         time.sleep(0.02)
     return False
+
+
+def _sshd_tree(listener: int) -> list[int]:
+    """The listener and its sshd descendants (one per connection, and their privilege-separated children): not the
+    shells and commands the sessions run, which end when their connection does."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [listener]
+    while stack:
+        pid = stack.pop()
+        try:
+            comm = (Path("/proc") / str(pid) / "comm").read_text().strip()
+        except OSError:
+            continue
+        if pid == listener or comm.startswith("sshd"):
+            found.append(pid)
+            stack.extend(children.get(pid, ()))
+    return found
