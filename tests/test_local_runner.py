@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from orchestrator.app import App
+from orchestrator.cli.status import status_data
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner
 from orchestrator.queue import enqueue
 from runbooks import job_outputs, supervisor
@@ -208,6 +209,8 @@ def test_failed_steps_with_steps_that_went_through_between_them_do_not_give_the_
             rec._step_failed(only_attempt(app, job_id), app.store.get_job(job_id), RuntimeError(f"glitch {i}"))
             assert only_attempt(app, job_id)["info"]["errors"] == 1
             assert app.store.get_job(job_id)["reason"].startswith("local run's step failed 1 time in a row")
+            (problem,) = [a["problem"] for a in status_data(app, now=rec.clock())["attempts"]]
+            assert problem == f"1 step failed in a row, next try in 2 s: RuntimeError: glitch {i}"
             rec._advance(only_attempt(app, job_id), app.store.get_job(job_id))  # not tried again yet: waits
             assert only_attempt(app, job_id)["info"]["errors"] == 1
             offset[0] += STEP_RETRY_FIRST_S + 0.1  # its next try is due
