@@ -197,6 +197,12 @@ def test_a_boot_the_provider_did_not_answer_through_is_not_measured_into_later_d
                 rec.tick()
                 now[0] += 300.0
             sim.clear_faults()
+            # The instance booted meanwhile (its sshd started in real time): the first look after the outage finds it
+            # up. Otherwise that look, 25 minutes past its launch, ends it as over daemon.boot_timeout_s, and the
+            # job's next instance boots unhindered (so it went on a loaded machine).
+            until = time.monotonic() + 60
+            while not any(i.status == "active" for i in sim.instances()) and time.monotonic() < until:
+                time.sleep(0.05)
         for _ in range(5):
             rec.tick()
             if any(e["type"] == "instance.ready" for e in app.store.events(job_id=job_id)):
