@@ -21,7 +21,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from orchestrator.lifecycle.machine import CHAOS_ENV, CHAOS_POINTS
+from orchestrator.lifecycle.machine import CHAOS_ENV, CHAOS_POINTS, NOTICE_CHAOS_POINTS
 from state import schema as s
 from state.store import Store
 from tests.e2e import (
@@ -201,3 +201,40 @@ def test_sigkilled_as_it_hears_a_spot_notice_and_reclaimed_while_down_the_job_re
         assert_safe(c, state, [job_id], steps=steps)
         assert attempt_states(state, job_id)[first] == "preempted"
         assert job_event(state, job_id, "job.resumed")
+
+
+@pytest.mark.parametrize("kind", CLOUDS)
+def test_killed_between_a_spot_notice_and_its_successor_the_restart_launches_the_successor_before_the_end(
+        tmp_path: Path, kind: str) -> None:
+    # The daemon dies once the notice is written down, before the next instance is written (make before break).
+    # The restarted daemon launches it at its first look at the noticed attempt, while that one still ends (its
+    # last checkpoint coming home), and the job resumes on it. It had waited for the noticed attempt's end.
+    state = tmp_path / "state"
+    steps = 160
+    (point,) = NOTICE_CHAOS_POINTS
+    with cloud(kind, tmp_path) as c:
+        config = c.config(tmp_path, daemon={"tick_s": TICK_S})
+        spec = trainer_job(tmp_path, "noticed", steps=steps, every=10, step_s=STEP_S, interval_minutes=0.01,
+                           gpu=c.gpu)
+        job_id = str(json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"])
+        daemon = EnvDaemon(tmp_path, config, state).start(env={CHAOS_ENV: point})
+        running = wait_for(lambda: [e for e in events(state, "attempt.running") if e["job_id"] == job_id], 90,
+                           "the attempt to run")
+        first, instance = running[0]["attempt_id"], running[0]["data"]["instance"]
+        wait_for(lambda: job(state, job_id)["checkpoint"], 60, "a first checkpoint home")
+        httpx.post(f"{c.admin_url}/_sim/instances/{instance}/notice", json={"seconds": 120},
+                   timeout=10).raise_for_status()
+        assert daemon.wait_exit(60) == 137, f"the daemon never reached {point}"
+        assert attempt_states(state, job_id) == {first: "running"}, "killed before the successor was written"
+        finish(daemon, c, state, [job_id])
+        assert_safe(c, state, [job_id], steps=steps)
+    trail = [e for e in events(state) if e["job_id"] == job_id]
+    (preempted,) = (e for e in trail if e["type"] == "instance.preempted")
+    assert preempted["attempt_id"] == first
+    intents = [e for e in trail if e["type"] == "attempt.intent"]
+    assert len(intents) == 2, intents
+    assert intents[1]["data"].get("successor_for") == first, "the next instance was launched as a successor"
+    assert intents[1]["id"] < preempted["id"], "written before the noticed attempt ended"
+    (taken,) = (e for e in trail if e["type"] == "attempt.successor_taken_over")
+    assert taken["attempt_id"] == intents[1]["attempt_id"]
+    assert len([e for e in trail if e["type"] == "job.resumed"]) == 1

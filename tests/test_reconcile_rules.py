@@ -1506,6 +1506,46 @@ def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_bes
     app.close()
 
 
+@pytest.mark.parametrize("written", [False, True])
+def test_a_notice_written_down_without_its_successor_gets_one_at_the_next_look(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: bool) -> None:
+    # A daemon died after writing the notice down and before the next instance was written (or before it noted the
+    # one it wrote, `written`). The next daemon saw the notice as already handled and launched nothing until the
+    # reclaim ended the attempt. Now its look at the running attempt launches the successor, once: one already
+    # written (here ended, a refused launch) is noted, not written again.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
+    notice = {"time": "2026-12-04T03:00:00Z"}
+    now = time.time()
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(
+            info={"notice": {"reclaim_at": notice["time"]}, "notice_seen_at": now, "last_seen_at": now}))
+        if written:
+            c.execute(insert(s.attempts).values(id=f"{job_id}-a2", job_id=job_id, n=2, where="cloud",
+                                                state="launch_failed", provider="sim", instance_type="gpu_1x_h100",
+                                                market="spot", idempotency_key=f"{job_id}-k2",
+                                                info={"successor_for": f"{job_id}-a1"}, created_at=now))
+
+    class Noticed(_Stoppable):
+        def status(self, att: dict[str, Any]) -> dict[str, Any]:
+            return {"supervisor_alive": True, "exit": None, "heartbeat": {"ts": time.time(), "notice": notice}}
+
+    cloud = Noticed()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: None))
+    launched: list[str] = []
+    monkeypatch.setattr(reconcile, "launch_successor",
+                        lambda rec, att, job, now: launched.append(att["id"]) or f"{job_id}-a3")
+    for _ in range(2):
+        rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    assert launched == ([] if written else [f"{job_id}-a1"])
+    assert attempt()["info"]["notice"] == {"reclaim_at": notice["time"],
+                                           "successor": f"{job_id}-a2" if written else f"{job_id}-a3"}
+    assert app.store.get_job(job_id)["reason"].endswith("; its next instance is launching")
+    rec.close()
+    app.close()
+
+
 def test_a_run_found_finished_by_a_stop_brings_its_end_home_beside_the_tick_then_succeeds(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # revert-local (or the budget) finds a run that has just exited 0: it is finished, not stopped. Its final

@@ -38,7 +38,7 @@ from orchestrator.lifecycle.orphans import sweep_orphans
 from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
-from orchestrator.lifecycle.successor import launch_successor, successor_of, waits
+from orchestrator.lifecycle.successor import launch_successor, successor_of, waits, written_successor
 from orchestrator.queue import setup_key, throughput_key
 from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
@@ -600,6 +600,8 @@ class Reconciler:
             info["notice_seen_at"] = now
             self.syncs.sync(att, job, info, urgent=True)  # first: the newest checkpoint is what the reclaim would take
             self._on_notice(att, job, info, hb["notice"], now)
+        elif isinstance(info.get("notice"), dict) and "successor" not in info["notice"]:
+            self._successor_on_notice(att, job, info, now)  # a daemon died between the notice and its successor
         if ex is None and hb and mono - seen[1] > self.cfg.daemon.heartbeat_timeout_s:
             self._lost(att, job, provider, inst, "heartbeat lost (stale)")
             return
@@ -767,11 +769,23 @@ class Reconciler:
         info["notice"] = {"reclaim_at": when}
         with self.store.tx() as conn:
             self.store.set_attempt_info(att["id"], info, conn)
-        info["notice"]["successor"] = launch_successor(self, att, job, now)  # boots while this one checkpoints
+        chaos_point("notice-written")  # the notice is written down, its successor not yet
+        self._successor_on_notice(att, job, info, now)
+
+    def _successor_on_notice(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any],
+                             now: float) -> None:
+        """Make before break for a noticed attempt whose successor is not decided yet (`info.notice` has no
+        `successor`): at the notice, or at the next tick of any daemon after one that died in between. A successor
+        already written (the daemon died before noting its id) is noted, not written again; otherwise the next
+        instance is written and launched now (`launch_successor`; None when it waits for the reclaim). Persisted
+        here: `info` is also the caller's to persist."""
+        notice = info["notice"] = dict(info["notice"])
+        notice["successor"] = written_successor(self, att) or launch_successor(self, att, job, now)
         with self.store.tx() as conn:
+            self.store.set_attempt_info(att["id"], info, conn)
             self.store.update_job(job["id"], conn, expect_state=JobState.RUNNING.value,
-                                  reason=notice_reason(att, info, home))
-        if info["notice"]["successor"]:
+                                  reason=notice_reason(att, info, job.get("checkpoint")))
+        if notice["successor"]:
             self._advance_new_attempt(job["id"])  # launched now, not a tick later: every second of boot counts
 
     def _lost(self, att: dict[str, Any], job: dict[str, Any], provider: Provider, inst: InstanceInfo | None,

@@ -42,6 +42,15 @@ def successor_of(att: dict[str, Any]) -> str | None:
     return None if info.get("took_over") else info.get("successor_for")
 
 
+def written_successor(rec: Reconciler, att: dict[str, Any]) -> str | None:
+    """The id of a successor written for `att` (in any state), if one was: a daemon that died after writing it and
+    before noting its id in `att`'s notice has it found, not written again."""
+    with rec.store.engine.connect() as c:
+        rows = c.execute(select(s.attempts.c.id, s.attempts.c.info).where(
+            s.attempts.c.job_id == att["job_id"], s.attempts.c.id != att["id"])).mappings()
+        return next((str(r["id"]) for r in rows if (r["info"] or {}).get("successor_for") == att["id"]), None)
+
+
 def launch_successor(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], now: float) -> str | None:
     """Write the successor of `att` (noticed); its id, or None when the next launch waits for `att`'s end as before:
     turned off, bursting disabled, not resumable, no cloud attempt to spare, the policy waiting for spot or no offer
