@@ -219,3 +219,56 @@ def test_a_boot_the_provider_did_not_answer_through_is_not_measured_into_later_d
     else:
         assert measured == [pytest.approx(ready["boot_s"])] and ready["boot_s"] < 60.0 and "not_measured" not in ready
     app.close()
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+def test_a_boot_the_daemon_was_not_watching_throughout_is_not_measured_into_later_decisions_overhead(
+        tmp_path: Path, restarted: bool) -> None:
+    # A daemon launched the instance and died; the next one started 10 minutes later and found it up. boot_s,
+    # launch to reachable, held those 10 minutes of downtime, and went into every later decision's t_ovh. A boot
+    # launched before the daemon watching it started is not measured. A reconciler rebuilt on a config reload
+    # (`carry_over`) has watched throughout: its boot is measured.
+    from orchestrator.lifecycle.cloud_steps import CloudSteps
+    from orchestrator.lifecycle.reconcile import Reconciler
+    from orchestrator.queue import enqueue
+    from providers.lambda_cloud import LambdaCloud
+    from providers.simcloud.api import SimCloudServer
+    from providers.simcloud.ssh_backend import SshBackend
+    from tests.conftest import write_job
+
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "booted", local_throughput=0, market="on-demand"))
+    now = [time.time()]
+    backend = SshBackend(tmp_path / "simcloud")
+    with SimCloudServer(api_key="sim-boot-key", backend=backend, boot_delay_s=3.0) as sim:
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-boot-key", regions=("us-east-1",),
+                               request_interval_s=0.0)
+        first = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
+        first.tick()  # written down and launched; it boots for 3 s (the tick waits 1 s)
+        assert [e["type"] for e in app.store.events(job_id=job_id) if e["type"].startswith("instance.")] == \
+            ["instance.launched"]
+        if restarted:
+            first.abandon()  # killed: the next daemon starts after 10 minutes down
+            now[0] += 600.0
+            rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
+        else:
+            rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
+            now[0] += 600.0  # the config file read again, 10 minutes into a boot this process watched
+            rec.carry_over(first)
+        for _ in range(20):
+            rec.tick()
+            if any(e["type"] == "instance.ready" for e in app.store.events(job_id=job_id)):
+                break
+            time.sleep(0.2)
+        (ready,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "instance.ready"]
+        with app.store.engine.connect() as c:
+            measured = [r.value for r in c.execute(select(s.measurements).where(s.measurements.c.metric == "boot_s"))]
+        rec.close()
+        provider.close()
+    assert ready["boot_s"] >= 600.0  # what was seen, said as such
+    if restarted:
+        assert measured == [] and measured_overhead_h(app) is None
+        assert ready["not_measured"].startswith("the daemon started after the launch")
+    else:
+        assert measured == [pytest.approx(ready["boot_s"])] and "not_measured" not in ready
+    app.close()

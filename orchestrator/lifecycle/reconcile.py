@@ -102,6 +102,9 @@ class Reconciler:
         self.owner = app.orchestrator_id
         self.providers = dict(providers)
         self.clock = clock
+        # Since when this process has watched the attempts (carried over by a config reload's reconciler): a boot
+        # that began before it was not watched throughout, and is not measured (`_step_provisioning`).
+        self.watching_since = clock()
         self.cloud = cloud  # CloudSteps: SSH, runbooks, syncs (None: the cloud is not configured)
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
         self.unavailable: dict[str, str] = {}  # enabled providers that cannot be used → why (`build_reconciler`)
@@ -121,9 +124,10 @@ class Reconciler:
         return self.cloud
 
     def carry_over(self, before: Reconciler) -> None:
-        """Take over from the reconciler this one replaces (a config reload): when each heartbeat last moved, and
-        the syncs in flight."""
+        """Take over from the reconciler this one replaces (a config reload): when each heartbeat last moved, since
+        when the attempts are watched, and the syncs in flight."""
         self._heartbeats = before._heartbeats
+        self.watching_since = before.watching_since
         self.syncs.carry_over(before.syncs)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
@@ -481,20 +485,24 @@ class Reconciler:
             return
         boot_s = now - att["created_at"]
         # An outage during the boot is in `boot_s`, and whether the instance was up before it ended is not known:
-        # measured, one outage would lengthen every later decision's t_ovh (`queue.measured_overhead_h`).
-        unanswered = bool(att["info"].get(BOOT_UNANSWERED))
+        # measured, one outage would lengthen every later decision's t_ovh (`queue.measured_overhead_h`). So is a
+        # daemon's downtime, for a boot launched (or written down) before this daemon started: it was not watched.
+        not_measured = ("the provider did not answer during the boot: its time is not taken into t_ovh"
+                        if att["info"].get(BOOT_UNANSWERED) else
+                        "the daemon started after the launch: the boot was not watched throughout, and its time "
+                        "(which holds the daemon's downtime) is not taken into t_ovh"
+                        if att["created_at"] < self.watching_since else None)
         with self.store.tx() as conn:
             info = {**att["info"], "host": inst.host, "port": inst.ssh_port, "user": inst.ssh_user, "boot_s": boot_s}
             if move(conn, att, A.BOOTSTRAPPING, info=info):
                 conn.execute(update(s.instances).where(s.instances.c.provider == att["provider"],
                                                        s.instances.c.id == inst.id)
                              .values(state=InstanceState.RUNNING.value))  # the row said what launch saw
-                if not unanswered:
+                if not_measured is None:
                     self._measure(conn, att, "boot_s", boot_s)
                 self.app.events.emit("instance.ready", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      instance=att["instance_id"], boot_s=round(boot_s, 3),
-                                     **({"not_measured": "the provider did not answer during the boot: its time "
-                                                         "is not taken into t_ovh"} if unanswered else {}))
+                                     **({"not_measured": not_measured} if not_measured else {}))
 
     def _step_bootstrapping(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         problem = passenv.unusable(job["spec"])
