@@ -250,3 +250,55 @@ def test_transfers_of_a_process_killed_outright_are_ended_by_the_next_daemon_and
         owners["alive"].kill()
         owners["alive"].wait(10)
         end_orphaned_transfers(records)
+
+
+_PINNED_TRANSFER = """
+import sys
+from pathlib import Path
+
+from orchestrator.remote import sync
+from orchestrator.remote.ssh import MemoryHostKeyTrust, Target, rsync_ssh_command
+
+records, host_key, pidfile = Path(sys.argv[1]), Path(sys.argv[2]).read_text(), sys.argv[3]
+sync.record_transfers_in(records)
+target = Target("127.0.0.1", 2222, "ubuntu", Path(sys.argv[2]), host_key, "i-1")
+with rsync_ssh_command(target, MemoryHostKeyTrust()):  # what `_rsync` holds while its rsync runs
+    sync.run_transfer(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"])
+"""
+
+
+def test_a_transfer_killed_outright_leaves_no_known_hosts_file_once_the_next_daemon_has_started(
+        tmp_path: Path) -> None:
+    # Each rsync's ssh pins the host key through a private known_hosts file, removed when the transfer ends. A daemon
+    # killed during one left it in the system's temporary directory for good (67 had piled up). They are written in
+    # the state's transfers directory, named with their process: the next daemon removes a dead process's, and a live
+    # one's (a revert-local beside it) stays while it is used.
+    from orchestrator.remote.ssh import generate_keypair
+
+    prefix = "burstctl-known-hosts-"
+
+    records, systmp = tmp_path / "transfers", tmp_path / "systmp"
+    systmp.mkdir()
+    generate_keypair(tmp_path / "host")  # and host.pub, the line the transfers pin
+    pidfiles = {name: tmp_path / f"{name}.pid" for name in ("killed", "alive")}
+    owners = {name: subprocess.Popen([sys.executable, "-c", _PINNED_TRANSFER, str(records), str(tmp_path / "host.pub"),
+                                      str(pidfile)], env={**os.environ, "TMPDIR": str(systmp)})
+              for name, pidfile in pidfiles.items()}
+    deadline = time.monotonic() + 30
+    while not all(p.exists() and p.read_text().strip() for p in pidfiles.values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    owners["killed"].kill()
+    owners["killed"].wait(10)
+    try:
+        held = sorted(p.name for p in records.glob(f"{prefix}*"))
+        assert len(held) == 2 and not list(systmp.iterdir())  # one each, in the state, none in the system's tmp
+        assert end_orphaned_transfers(records) == 1  # what the daemon does as it starts
+        (left,) = records.glob(f"{prefix}*")
+        assert left.name.startswith(f"{prefix}{owners['alive'].pid}-")  # the live process's, in use
+        assert left.read_text().startswith("[127.0.0.1]:2222 ssh-ed25519 ")
+    finally:
+        owners["alive"].kill()
+        owners["alive"].wait(10)
+        end_orphaned_transfers(records)
+    assert not list(records.glob(f"{prefix}*")) and not list(systmp.iterdir())

@@ -84,6 +84,8 @@ def assert_safe(cloud: CloudView, state: Path, job_ids: list[str], steps: int = 
         assert j["state"] == "done", (job_id, j["state"], j["reason"])
         assert len([e for e in events(state, "job.done") if e["job_id"] == job_id]) == 1
         assert (state / "checkpoints" / job_id / f"step-{steps:08d}" / "state.json").exists()
+    # No transfer's private known_hosts file outlives its daemon: a killed one's are removed by the next daemon.
+    assert not list((state / "transfers").glob("burstctl-known-hosts-*"))
     instances = cloud.instances()
     assert instances, "the job ran in the cloud"
     assert all(i["status"] in GONE for i in instances), instances

@@ -44,7 +44,8 @@ def ssh_cmd(app: App, job_env: bool, job: str, command: tuple[str, ...]) -> None
     found = job_or_fail(app, job, newest=True)
     att = _logged_in_attempt(app, found)
     from orchestrator.lifecycle.cloud_steps import CloudSteps, DbHostKeyTrust
-    from orchestrator.remote.ssh import pinned_ssh_argv
+    from orchestrator.lifecycle.service import transfers_dir
+    from orchestrator.remote.ssh import keep_known_hosts_in, pinned_ssh_argv
 
     target = CloudSteps(app, {}).target(att)
     workdir = f"burst/{found['id']}/work"  # under the login's home (cloud_steps' remote layout)
@@ -55,6 +56,7 @@ def ssh_cmd(app: App, job_env: bool, job: str, command: tuple[str, ...]) -> None
         remote = f'cd {shlex.quote(workdir)} 2>/dev/null; exec {wrap}"${{SHELL:-/bin/sh}}" -l'
     click.echo(f"# {found['name']} ({found['id']}), attempt {att['n']} on {att['provider']} "
                f"{att['instance_type']} ({att['market']}), instance {att['instance_id']}", err=True)
+    keep_known_hosts_in(transfers_dir(app))  # the session's known_hosts file, where the next daemon finds it
     with pinned_ssh_argv(target, DbHostKeyTrust(app, att["provider"])) as argv:
         tty = ["-t"] if not command and sys.stdin.isatty() else []
         # Not exec: the known_hosts file is removed once ssh ends.

@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from orchestrator.errors import OperationalError
+from runbooks.supervisor import pid_alive, process_start_ticks
 
 _STDERR_TAIL_CHARS = 2000
 
@@ -349,6 +350,43 @@ def run(conn: fabric.Connection, argv: list[str], *, timeout: float | None = 300
 
 
 # --- OpenSSH command line for rsync --------------------------------------------------------------------------
+KNOWN_HOSTS_PREFIX = "burstctl-known-hosts-"
+# Where this process writes the private known_hosts files of its pinned ssh commands (`keep_known_hosts_in`); None:
+# the system's temporary directory.
+_KNOWN_HOSTS_DIR: Path | None = None
+
+
+def keep_known_hosts_in(directory: Path) -> None:
+    """Write this process's private known_hosts files (`pinned_ssh_argv`) under `directory`, the state's: one left by
+    a process killed outright (SIGKILL, the OOM killer: its `finally` never ran) is removed there by the next daemon
+    (`remove_orphaned_known_hosts`). In the system's temporary directory they piled up, one per killed transfer."""
+    global _KNOWN_HOSTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    _KNOWN_HOSTS_DIR = directory
+
+
+def _owner_prefix() -> str:
+    """A known_hosts file's name begins with the process that wrote it: its pid and its start (pids are reused; 0
+    where the start is not known, without /proc)."""
+    pid = os.getpid()
+    return f"{KNOWN_HOSTS_PREFIX}{pid}-{process_start_ticks(pid) or 0}-"
+
+
+def remove_orphaned_known_hosts(directory: Path) -> int:
+    """Remove the known_hosts files under `directory` whose process is gone (killed outright while a transfer ran);
+    a live process's (a revert-local beside the daemon) are its own. Returns how many were removed."""
+    removed = 0
+    for path in directory.glob(f"{KNOWN_HOSTS_PREFIX}*") if directory.is_dir() else []:
+        pid, _, rest = path.name[len(KNOWN_HOSTS_PREFIX):].partition("-")
+        start = rest.partition("-")[0]
+        if pid.isdigit() and start.isdigit() and pid_alive(int(pid), int(start) or None):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+    return removed
+
+
 def ssh_argv(target: Target, known_hosts: Path, *, connect_timeout_s: int = 10) -> list[str]:
     """`ssh` options that pin the host key in `known_hosts` and never prompt, guess or fall back."""
     return ["ssh", "-F", "none", "-p", str(target.port), "-i", str(target.key_path), "-l", target.user,
@@ -363,13 +401,15 @@ def pinned_ssh_argv(target: Target, trust: HostKeyTrust, *, connect_timeout_s: i
     """`ssh` and its options (`ssh_argv`; the host and a command go after them), with a private known_hosts file
     holding exactly the expected key.
 
-    The key must already be known (pinned, or recorded by a first `connect`); the file is removed on exit.
+    The key must already be known (pinned, or recorded by a first `connect`); the file is removed on exit, and,
+    under `keep_known_hosts_in`'s directory, by the next daemon if this process is killed before (its name says
+    whose it is).
     """
     expected = expected_host_key(target, trust)
     if expected is None:
         raise HostKeyMismatch(f"instance {target.instance_id}: no host key pinned or recorded yet; "
                               "connect() once first so it is trusted on first use")
-    fd, path = tempfile.mkstemp(prefix="burstctl-known-hosts-")
+    fd, path = tempfile.mkstemp(prefix=_owner_prefix(), dir=_KNOWN_HOSTS_DIR)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(f"{target.known_hosts_name} {expected}\n")

@@ -50,6 +50,8 @@ from orchestrator.remote.ssh import (
     SshUnavailable,
     Target,
     connect,
+    keep_known_hosts_in,
+    remove_orphaned_known_hosts,
     rsync_ssh_command,
     run,
 )
@@ -397,10 +399,12 @@ _RECORDS: Path | None = None
 
 
 def record_transfers_in(directory: Path) -> None:
-    """Write each transfer this process starts under `directory` while it runs (`end_orphaned_transfers`)."""
+    """Write each transfer this process starts under `directory` while it runs, and its ssh's private known_hosts
+    file there too (`end_orphaned_transfers`)."""
     global _RECORDS
     directory.mkdir(parents=True, exist_ok=True)
     _RECORDS = directory
+    keep_known_hosts_in(directory)
 
 
 ORPHAN_END_WAIT_S = 10.0  # an orphaned transfer SIGTERMed is SIGKILLed after this long
@@ -409,8 +413,10 @@ ORPHAN_END_WAIT_S = 10.0  # an orphaned transfer SIGTERMed is SIGKILLed after th
 def end_orphaned_transfers(directory: Path) -> int:
     """End the transfers written down under `directory` whose process is gone but which still run: left by a daemon
     or a revert-local killed outright, they wrote on into the staging directories this process's pulls of the same
-    checkpoints write, and a pull could move one into place while an orphan still wrote into it. A transfer of a
-    process still alive (a revert-local beside this daemon) is left alone. Returns how many it ended."""
+    checkpoints write, and a pull could move one into place while an orphan still wrote into it. The private
+    known_hosts files such a process left there go too. A transfer of a process still alive (a revert-local beside
+    this daemon) is left alone. Returns how many it ended."""
+    remove_orphaned_known_hosts(directory)
     ended: list[int] = []
     for record in directory.glob("*.json") if directory.is_dir() else []:
         try:
