@@ -149,6 +149,23 @@ def measured(state: Path, metric: str) -> list[float]:
         st.close()
 
 
+def noticed_job_running(c: CloudView, tmp_path: Path, state: Path, steps: int, env: dict[str, str] | None = None
+                        ) -> tuple[str, EnvDaemon, str, str]:
+    """A trainer job of `steps` steps enqueued and a daemon started (its environment plus `env`), waited for until
+    its first attempt runs and a first checkpoint is home: (the job's id, the daemon, that attempt's id, its
+    instance)."""
+    config = c.config(tmp_path, daemon={"tick_s": TICK_S})
+    spec = trainer_job(tmp_path, "noticed", steps=steps, every=10, step_s=STEP_S, interval_minutes=0.01, gpu=c.gpu)
+    r = cli(config, state, "enqueue", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    job_id = str(json.loads(r.stdout)["id"])
+    daemon = EnvDaemon(tmp_path, config, state).start(env=env)
+    running = wait_for(lambda: [e for e in events(state, "attempt.running") if e["job_id"] == job_id], 90,
+                       "the attempt to run")
+    wait_for(lambda: job(state, job_id)["checkpoint"], 60, "a first checkpoint home")
+    return job_id, daemon, running[0]["attempt_id"], running[0]["data"]["instance"]
+
+
 def attempt_states(state: Path, job_id: str) -> dict[str, str]:
     st = Store(store_url(state))
     try:
@@ -194,17 +211,7 @@ def test_sigkilled_as_it_hears_a_spot_notice_and_reclaimed_while_down_the_job_re
     state = tmp_path / "state"
     steps = 160  # 16 s of training: long enough to be noticed
     with cloud(kind, tmp_path) as c:
-        config = c.config(tmp_path, daemon={"tick_s": TICK_S})
-        spec = trainer_job(tmp_path, "noticed", steps=steps, every=10, step_s=STEP_S, interval_minutes=0.01,
-                           gpu=c.gpu)
-        r = cli(config, state, "enqueue", str(spec), "--json")
-        assert r.returncode == 0, r.stderr
-        job_id = str(json.loads(r.stdout)["id"])
-        daemon = EnvDaemon(tmp_path, config, state).start()
-        running = wait_for(lambda: [e for e in events(state, "attempt.running") if e["job_id"] == job_id], 90,
-                           "the attempt to run")
-        first, instance = running[0]["attempt_id"], running[0]["data"]["instance"]
-        wait_for(lambda: job(state, job_id)["checkpoint"], 60, "a first checkpoint home")
+        job_id, daemon, first, instance = noticed_job_running(c, tmp_path, state, steps)
         httpx.post(f"{c.admin_url}/_sim/instances/{instance}/notice", json={"seconds": 3},
                    timeout=10).raise_for_status()
         wait_for(lambda: job_event(state, job_id, "instance.interruption_notice"), 30, "the notice to be heard",
@@ -229,15 +236,7 @@ def test_killed_between_a_spot_notice_and_its_successor_the_restart_launches_the
     steps = 160
     (point,) = NOTICE_CHAOS_POINTS
     with cloud(kind, tmp_path) as c:
-        config = c.config(tmp_path, daemon={"tick_s": TICK_S})
-        spec = trainer_job(tmp_path, "noticed", steps=steps, every=10, step_s=STEP_S, interval_minutes=0.01,
-                           gpu=c.gpu)
-        job_id = str(json.loads(cli(config, state, "enqueue", str(spec), "--json").stdout)["id"])
-        daemon = EnvDaemon(tmp_path, config, state).start(env={CHAOS_ENV: point})
-        running = wait_for(lambda: [e for e in events(state, "attempt.running") if e["job_id"] == job_id], 90,
-                           "the attempt to run")
-        first, instance = running[0]["attempt_id"], running[0]["data"]["instance"]
-        wait_for(lambda: job(state, job_id)["checkpoint"], 60, "a first checkpoint home")
+        job_id, daemon, first, instance = noticed_job_running(c, tmp_path, state, steps, env={CHAOS_ENV: point})
         httpx.post(f"{c.admin_url}/_sim/instances/{instance}/notice", json={"seconds": 120},
                    timeout=10).raise_for_status()
         assert daemon.wait_exit(60) == 137, f"the daemon never reached {point}"

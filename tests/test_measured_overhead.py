@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import insert, select
 
 from orchestrator.app import App
 from orchestrator.core.decision import decide
-from orchestrator.queue import context, measured_overhead_h
+from orchestrator.lifecycle.cloud_steps import CloudSteps
+from orchestrator.lifecycle.reconcile import Reconciler
+from orchestrator.queue import context, enqueue, measured_overhead_h
+from providers.lambda_cloud import LambdaCloud
+from providers.simcloud.api import SimCloudServer
+from providers.simcloud.ssh_backend import SshBackend
 from state import schema as s
+from tests.conftest import write_job
 
 
 def test_decisions_use_the_configured_overhead_until_something_was_measured(tmp_path: Path) -> None:
@@ -167,23 +174,39 @@ def test_decisions_price_a_burst_at_what_the_providers_last_listed_and_skip_what
     app.close()
 
 
+def _a_job_to_boot(tmp_path: Path) -> tuple[App, str]:
+    """A cloud job (on-demand, no local run) queued in a fresh state: (the app, its id)."""
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "booted", local_throughput=0, market="on-demand"))
+    return app, job_id
+
+
+def _ticked_until_ready(app: App, job_id: str, rec: Reconciler, provider: LambdaCloud, ticks: int, pause_s: float
+                        ) -> tuple[dict[str, Any], list[float]]:
+    """Ticks `rec` until the job's instance is ready (at most `ticks`), then closes it and the provider: (the
+    instance.ready event's data, every boot_s measured)."""
+    for _ in range(ticks):
+        rec.tick()
+        if any(e["type"] == "instance.ready" for e in app.store.events(job_id=job_id)):
+            break
+        time.sleep(pause_s)
+    (ready,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "instance.ready"]
+    with app.store.engine.connect() as c:
+        measured = [r.value for r in c.execute(select(s.measurements).where(s.measurements.c.metric == "boot_s"))]
+    rec.close()
+    provider.close()
+    return ready, measured
+
+
 @pytest.mark.parametrize("outage", [False, True])
 def test_a_boot_the_provider_did_not_answer_through_is_not_measured_into_later_decisions_overhead(
         tmp_path: Path, outage: bool) -> None:
     # The provider's API throttled every look at a booting instance for 25 minutes (5 ticks, 5 minutes apart). Its
     # boot_s, launch to reachable, was those 25 minutes, and the median of boot_s is part of every later decision's
     # t_ovh. Whether the instance was up before the API answered again is not known: the boot is not measured.
-    from orchestrator.lifecycle.cloud_steps import CloudSteps
-    from orchestrator.lifecycle.reconcile import Reconciler
-    from orchestrator.queue import enqueue
     from providers.base import RetryPolicy
-    from providers.lambda_cloud import LambdaCloud
-    from providers.simcloud.api import SimCloudServer
-    from providers.simcloud.ssh_backend import SshBackend
-    from tests.conftest import write_job
 
-    app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "booted", local_throughput=0, market="on-demand"))
+    app, job_id = _a_job_to_boot(tmp_path)
     now = [time.time()]
     backend = SshBackend(tmp_path / "simcloud")
     with SimCloudServer(api_key="sim-boot-key", backend=backend) as sim:
@@ -203,15 +226,7 @@ def test_a_boot_the_provider_did_not_answer_through_is_not_measured_into_later_d
             until = time.monotonic() + 60
             while not any(i.status == "active" for i in sim.instances()) and time.monotonic() < until:
                 time.sleep(0.05)
-        for _ in range(5):
-            rec.tick()
-            if any(e["type"] == "instance.ready" for e in app.store.events(job_id=job_id)):
-                break
-        (ready,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "instance.ready"]
-        with app.store.engine.connect() as c:
-            measured = [r.value for r in c.execute(select(s.measurements).where(s.measurements.c.metric == "boot_s"))]
-        rec.close()
-        provider.close()
+        ready, measured = _ticked_until_ready(app, job_id, rec, provider, ticks=5, pause_s=0.0)
     if outage:
         assert measured == [] and measured_overhead_h(app) is None
         assert ready["boot_s"] >= 1500.0  # what was seen, said as such
@@ -228,16 +243,7 @@ def test_a_boot_the_daemon_was_not_watching_throughout_is_not_measured_into_late
     # launch to reachable, held those 10 minutes of downtime, and went into every later decision's t_ovh. A boot
     # launched before the daemon watching it started is not measured. A reconciler rebuilt on a config reload
     # (`carry_over`) has watched throughout: its boot is measured.
-    from orchestrator.lifecycle.cloud_steps import CloudSteps
-    from orchestrator.lifecycle.reconcile import Reconciler
-    from orchestrator.queue import enqueue
-    from providers.lambda_cloud import LambdaCloud
-    from providers.simcloud.api import SimCloudServer
-    from providers.simcloud.ssh_backend import SshBackend
-    from tests.conftest import write_job
-
-    app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, _, _ = enqueue(app, write_job(tmp_path, "booted", local_throughput=0, market="on-demand"))
+    app, job_id = _a_job_to_boot(tmp_path)
     now = [time.time()]
     backend = SshBackend(tmp_path / "simcloud")
     with SimCloudServer(api_key="sim-boot-key", backend=backend, boot_delay_s=3.0) as sim:
@@ -255,16 +261,7 @@ def test_a_boot_the_daemon_was_not_watching_throughout_is_not_measured_into_late
             rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
             now[0] += 600.0  # the config file read again, 10 minutes into a boot this process watched
             rec.carry_over(first)
-        for _ in range(20):
-            rec.tick()
-            if any(e["type"] == "instance.ready" for e in app.store.events(job_id=job_id)):
-                break
-            time.sleep(0.2)
-        (ready,) = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "instance.ready"]
-        with app.store.engine.connect() as c:
-            measured = [r.value for r in c.execute(select(s.measurements).where(s.measurements.c.metric == "boot_s"))]
-        rec.close()
-        provider.close()
+        ready, measured = _ticked_until_ready(app, job_id, rec, provider, ticks=20, pause_s=0.2)
     assert ready["boot_s"] >= 600.0  # what was seen, said as such
     if restarted:
         assert measured == [] and measured_overhead_h(app) is None
