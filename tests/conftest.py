@@ -39,6 +39,7 @@ LONGEST_FILES_FIRST = (
     "test_e2e_spot_probe.py",  # 125
     "test_e2e_hybrid.py",  # 112
     "test_e2e_burst.py",  # 110
+    "test_e2e_sync_beside_tick.py",  # ~150 (2026-12-05, with its two checkpoint.lost runs)
     "test_rehearse.py",  # 103
     "test_e2e_faults.py",  # 77
     "test_e2e_torchrun.py",  # 77
