@@ -234,10 +234,7 @@ def test_transfers_of_a_process_killed_outright_are_ended_by_the_next_daemon_and
                "sync.run_transfer(['sh', '-c', f'sleep 60 & echo $! > {sys.argv[2]}; wait'])")
     owners = {name: subprocess.Popen([sys.executable, "-c", starter, str(records), str(pidfile)])
               for name, pidfile in pidfiles.items()}
-    deadline = time.monotonic() + 30
-    while not all(p.exists() and p.read_text().strip() for p in pidfiles.values()):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _wait_until_both_transfers_are_written_down(records, pidfiles)
     children = {name: int(p.read_text()) for name, p in pidfiles.items()}
     owners["killed"].kill()
     owners["killed"].wait(10)
@@ -250,6 +247,16 @@ def test_transfers_of_a_process_killed_outright_are_ended_by_the_next_daemon_and
         owners["alive"].kill()
         owners["alive"].wait(10)
         end_orphaned_transfers(records)
+
+
+def _wait_until_both_transfers_are_written_down(records: Path, pidfiles: dict[str, Path]) -> None:
+    # Each transfer's child writes its pid file as it starts, and its owner writes the record once Popen returns: an
+    # owner killed between the two leaves nothing to end (which failed this on a loaded machine).
+    deadline = time.monotonic() + 30
+    while not (all(p.exists() and p.read_text().strip() for p in pidfiles.values())
+               and len(list(records.glob("*.json"))) == len(pidfiles)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 _PINNED_TRANSFER = """
@@ -284,10 +291,7 @@ def test_a_transfer_killed_outright_leaves_no_known_hosts_file_once_the_next_dae
     owners = {name: subprocess.Popen([sys.executable, "-c", _PINNED_TRANSFER, str(records), str(tmp_path / "host.pub"),
                                       str(pidfile)], env={**os.environ, "TMPDIR": str(systmp)})
               for name, pidfile in pidfiles.items()}
-    deadline = time.monotonic() + 30
-    while not all(p.exists() and p.read_text().strip() for p in pidfiles.values()):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _wait_until_both_transfers_are_written_down(records, pidfiles)
     owners["killed"].kill()
     owners["killed"].wait(10)
     try:
