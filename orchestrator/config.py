@@ -415,7 +415,10 @@ class DaemonSettings(Strict):
     heartbeat_timeout_s: Seconds = Field(
         60.0, description="A running attempt whose heartbeat is older than this is treated as preempted."
     )
-    boot_timeout_s: Seconds = Field(900.0, description="Give up on an instance that is not reachable by SSH.")
+    boot_timeout_s: Seconds = Field(
+        900.0, description="Give up on an instance that is not reachable by SSH this long after its launch (it is "
+        "terminated and launched again); the time the provider's API did not answer (throttled, failing) is not "
+        "counted.")
     max_cloud_attempts: Annotated[int, _count(1000)] = Field(
         4, description="Cloud attempts running at once, spot probes included.")
     max_launch_failures: Annotated[int, _count(1000)] = Field(

@@ -221,8 +221,7 @@ def test_a_boot_the_provider_did_not_answer_through_is_not_measured_into_later_d
                 now[0] += 300.0
             sim.clear_faults()
             # The instance booted meanwhile (its sshd started in real time): the first look after the outage finds it
-            # up. Otherwise that look, 25 minutes past its launch, ends it as over daemon.boot_timeout_s, and the
-            # job's next instance boots unhindered (so it went on a loaded machine).
+            # up, and the five ticks below need not wait for it.
             until = time.monotonic() + 60
             while not any(i.status == "active" for i in sim.instances()) and time.monotonic() < until:
                 time.sleep(0.05)
@@ -233,6 +232,45 @@ def test_a_boot_the_provider_did_not_answer_through_is_not_measured_into_later_d
         assert ready["not_measured"].startswith("the provider did not answer during the boot")
     else:
         assert measured == [pytest.approx(ready["boot_s"])] and ready["boot_s"] < 60.0 and "not_measured" not in ready
+    app.close()
+
+
+def test_an_api_outage_longer_than_boot_timeout_s_does_not_end_an_instance_still_booting_when_it_ends(
+        tmp_path: Path) -> None:
+    # The provider's API throttled every look at a booting instance for 25 minutes (5 ticks, 5 minutes apart), longer
+    # than daemon.boot_timeout_s (15 minutes), and the daemon was restarted meanwhile. The first look after the
+    # outage found the instance still booting and ended it as boot-timeout: the job launched, and paid for, a second
+    # instance. The boot's clock does not run while the provider does not answer: the same instance is waited for.
+    from providers.base import RetryPolicy
+
+    app, job_id = _a_job_to_boot(tmp_path)
+    now = [time.time()]
+    backend = SshBackend(tmp_path / "simcloud")
+    with SimCloudServer(api_key="sim-boot-key", backend=backend, boot_delay_s=2.0) as sim:
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-boot-key", regions=("us-east-1",),
+                               request_interval_s=0.0,
+                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
+
+        def reconciler() -> Reconciler:
+            return Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
+
+        rec = reconciler()
+        sim.inject("throttle", count=1000, route="instances")
+        for i in range(5):
+            if i == 3:
+                rec.abandon()  # killed; the next daemon starts within the outage
+                rec = reconciler()
+            rec.tick()
+            now[0] += 300.0
+        sim.clear_faults()
+        rec.tick()  # the first look after the outage: the instance still boots (for 2 s)
+        ready, _ = _ticked_until_ready(app, job_id, rec, provider, ticks=100, pause_s=0.1)
+        assert len(sim.instances()) == 1, "one instance launched"
+    assert ready["boot_s"] >= 1500.0
+    assert not [e for e in app.store.events(job_id=job_id) if e["type"] == "attempt.stopping"]
+    with app.store.engine.connect() as c:
+        (info,) = [r.info for r in c.execute(select(s.attempts).where(s.attempts.c.job_id == job_id))]
+    assert info["boot_unanswered_s"] >= 1500.0 and "boot_unanswered_since" not in info
     app.close()
 
 

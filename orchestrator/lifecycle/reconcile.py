@@ -80,6 +80,11 @@ UNANSWERED = (Throttled, Transient)
 # The provider did not answer while an attempt's instance was launched or booting (its info's flag): how long the boot
 # took is not known, so it is not measured (`boot_s` feeds every later decision's t_ovh).
 BOOT_UNANSWERED = "boot_unanswered"
+# Nor does `daemon.boot_timeout_s` count that time: a boot is timed from its launch less the time the provider did not
+# answer (since the first unanswered call, until the next look it answers), kept in the attempt's info so that a
+# restarted daemon counts the same. An outage longer than the timeout had ended, and launched again, an instance not
+# yet up at the first look after it.
+UNANSWERED_SINCE, UNANSWERED_S = "boot_unanswered_since", "boot_unanswered_s"
 # Why a queued local (or hybrid) job has not started: the local GPU is busy, or outside local.available_hours.
 LOCAL_GPU_BUSY = "waiting for the local GPU"
 LOCAL_GPU_HOURS = "waiting for the local GPU's hours (local.available_hours)"
@@ -245,6 +250,7 @@ class Reconciler:
         info["errors"] = errors = int(info.get("errors", 0)) + 1
         if isinstance(exc, UNANSWERED) and att["state"] in (A.INTENT.value, A.PROVISIONING.value):
             info[BOOT_UNANSWERED] = True
+            info.setdefault(UNANSWERED_SINCE, now)
         info["last_error"] = error
         info["failing_since"] = since = min(now, float(info.get("failing_since", now)))  # min: the clock went back
         delay = min(STEP_RETRY_MAX_S, STEP_RETRY_FIRST_S * 2.0 ** (errors - 1))
@@ -420,7 +426,7 @@ class Reconciler:
                         self._after_attempt(conn, att, job, A.LAUNCH_FAILED, reason)
                 return
             except ProviderError as exc:  # throttled/transient after retries: the outcome is unknown
-                att["info"] = {**info, BOOT_UNANSWERED: True}
+                att["info"] = {UNANSWERED_SINCE: self.clock(), **info, BOOT_UNANSWERED: True}
                 with self.store.tx() as conn:
                     self.store.set_attempt_info(att["id"], att["info"], conn)
                     self.app.events.emit("attempt.launch_unknown", job_id=job["id"], attempt_id=att["id"],
@@ -471,16 +477,18 @@ class Reconciler:
     def _step_provisioning(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
         now = self.clock()
+        self._answered_again(att, now)
         if inst is None or inst.state.gone:
             self._lost(att, job, provider, inst, "instance gone while provisioning")
             return
+        booting_s = now - att["created_at"] - float(att["info"].get(UNANSWERED_S, 0.0))
         if inst.state is not InstanceState.RUNNING or not inst.host:
-            if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
+            if booting_s > self.cfg.daemon.boot_timeout_s:
                 self.stop(att, job, provider, "boot-timeout")  # aborted: the job launches again
             return
         target = self.cloud_steps.target(att, inst)
         if not self.cloud_steps.reachable(att, target):
-            if now - att["created_at"] > self.cfg.daemon.boot_timeout_s:
+            if booting_s > self.cfg.daemon.boot_timeout_s:
                 self.stop(att, job, provider, "ssh-timeout")  # aborted: the job launches again
             return
         boot_s = now - att["created_at"]
@@ -503,6 +511,19 @@ class Reconciler:
                 self.app.events.emit("instance.ready", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                      instance=att["instance_id"], boot_s=round(boot_s, 3),
                                      **({"not_measured": not_measured} if not_measured else {}))
+
+    def _answered_again(self, att: dict[str, Any], now: float) -> None:
+        """The provider answered a look at a booting instance: the time since it first did not is written down as
+        not counted against `daemon.boot_timeout_s` (`UNANSWERED_S`)."""
+        info = att["info"]
+        if UNANSWERED_SINCE not in info:
+            return
+        silent_s = max(0.0, now - float(info[UNANSWERED_SINCE]))  # max: the clock went back
+        info = {k: v for k, v in info.items() if k != UNANSWERED_SINCE}
+        info[UNANSWERED_S] = float(info.get(UNANSWERED_S, 0.0)) + silent_s
+        with self.store.tx() as conn:
+            self.store.set_attempt_info(att["id"], info, conn)
+        att["info"] = info
 
     def _step_bootstrapping(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         problem = passenv.unusable(job["spec"])
