@@ -226,15 +226,12 @@ def test_sigkilled_as_it_hears_a_spot_notice_and_reclaimed_while_down_the_job_re
         assert job_event(state, job_id, "job.resumed")
 
 
-@pytest.mark.parametrize("kind", CLOUDS)
-def test_killed_between_a_spot_notice_and_its_successor_the_restart_launches_the_successor_before_the_end(
-        tmp_path: Path, kind: str) -> None:
-    # The daemon dies once the notice is written down, before the next instance is written (make before break).
-    # The restarted daemon launches it at its first look at the noticed attempt, while that one still ends (its
-    # last checkpoint coming home), and the job resumes on it. It had waited for the noticed attempt's end.
+def killed_at_a_notice_point(tmp_path: Path, kind: str, point: str) -> tuple[list[dict], str]:
+    """A noticed job's daemon killed at `point` (`NOTICE_CHAOS_POINTS`), restarted and run to the end, every crash
+    invariant checked: (the job's events, its noticed attempt's id)."""
+    assert point in NOTICE_CHAOS_POINTS
     state = tmp_path / "state"
     steps = 160
-    (point,) = NOTICE_CHAOS_POINTS
     with cloud(kind, tmp_path) as c:
         job_id, daemon, first, instance = noticed_job_running(c, tmp_path, state, steps, env={CHAOS_ENV: point})
         httpx.post(f"{c.admin_url}/_sim/instances/{instance}/notice", json={"seconds": 120},
@@ -243,7 +240,16 @@ def test_killed_between_a_spot_notice_and_its_successor_the_restart_launches_the
         assert attempt_states(state, job_id) == {first: "running"}, "killed before the successor was written"
         finish(daemon, c, state, [job_id])
         assert_safe(c, state, [job_id], steps=steps)
-    trail = [e for e in events(state) if e["job_id"] == job_id]
+    return [e for e in events(state) if e["job_id"] == job_id], first
+
+
+@pytest.mark.parametrize("kind", CLOUDS)
+def test_killed_between_a_spot_notice_and_its_successor_the_restart_launches_the_successor_before_the_end(
+        tmp_path: Path, kind: str) -> None:
+    # The daemon dies once the notice is written down, before the next instance is written (make before break).
+    # The restarted daemon launches it at its first look at the noticed attempt, while that one still ends (its
+    # last checkpoint coming home), and the job resumes on it. It had waited for the noticed attempt's end.
+    trail, first = killed_at_a_notice_point(tmp_path, kind, "notice-written")
     (preempted,) = (e for e in trail if e["type"] == "instance.preempted")
     assert preempted["attempt_id"] == first
     intents = [e for e in trail if e["type"] == "attempt.intent"]
@@ -253,3 +259,15 @@ def test_killed_between_a_spot_notice_and_its_successor_the_restart_launches_the
     (taken,) = (e for e in trail if e["type"] == "attempt.successor_taken_over")
     assert taken["attempt_id"] == intents[1]["attempt_id"]
     assert len([e for e in trail if e["type"] == "job.resumed"]) == 1
+
+
+def test_killed_as_it_says_a_spot_notice_the_restart_says_it_once(tmp_path: Path) -> None:
+    # The daemon dies once it has said the notice (`instance.interruption_notice`) and before it wrote the notice
+    # down. The restart heard the notice again and said it a second time (a [[notify]] on it sent two messages).
+    # Said and written down in one transaction, it is said once. The kill point is in the reconciler's code, the
+    # same for both clouds: simcloud only.
+    trail, first = killed_at_a_notice_point(tmp_path, "simcloud", "notice-said")
+    said = [e for e in trail if e["type"] == "instance.interruption_notice"]
+    assert [e["attempt_id"] for e in said] == [first], said
+    intents = [e for e in trail if e["type"] == "attempt.intent"]
+    assert len(intents) == 2 and intents[1]["data"].get("successor_for") == first, intents

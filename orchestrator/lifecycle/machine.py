@@ -43,7 +43,8 @@ from state import schema as s
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
 CHAOS_POINTS = ("before-launch", "after-launch", "finishing", "terminating")  # a cloud attempt's (tests/test_chaos.py)
 LOCAL_CHAOS_POINTS = ("local-stop-written", "local-stop-signalled")  # a local run's stop (tests/test_e2e_hybrid.py)
-NOTICE_CHAOS_POINTS = ("notice-written",)  # a spot notice written down, its successor not (tests/test_chaos.py)
+# A spot notice said, not yet written down; written down, its successor not (tests/test_chaos.py).
+NOTICE_CHAOS_POINTS = ("notice-said", "notice-written")
 
 
 def chaos_point(name: str) -> None:

@@ -792,11 +792,13 @@ class Reconciler:
         its launch nor any other attempt's notice. `info` is persisted by the caller, `_step_running`."""
         when = notice.get("time") if isinstance(notice, dict) else None
         home = job.get("checkpoint")
-        self.emit("instance.interruption_notice", job_id=job["id"], attempt_id=att["id"],
-                  instance=att["instance_id"], provider=att["provider"], reclaim_at=when,
-                  last_checkpoint_home=home)
         info["notice"] = {"reclaim_at": when}
         with self.store.tx() as conn:
+            # Said in the transaction that writes it down: a daemon killed between the two said it again on restart.
+            self.app.events.emit("instance.interruption_notice", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                 instance=att["instance_id"], provider=att["provider"], reclaim_at=when,
+                                 last_checkpoint_home=home)
+            chaos_point("notice-said")  # said, not yet committed with the notice
             self.store.set_attempt_info(att["id"], info, conn)
         chaos_point("notice-written")  # the notice is written down, its successor not yet
         self._successor_on_notice(att, job, info, now)
