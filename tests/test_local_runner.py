@@ -186,12 +186,14 @@ def test_a_run_behind_schedule_is_said_once_and_its_reason_follows_the_measured_
     app.close()
 
 
-def _running_sleeper(tmp_path: Path, clock: Callable[[], float] = time.time) -> tuple[App, str, Any, Path]:
-    """A local job running `sleep 120` under a real supervisor, started by a reconciler (on `clock`): (app, job id,
-    the reconciler, the attempt's run dir)."""
+def _running_sleeper(tmp_path: Path, clock: Callable[[], float] = time.time, config: str = ""
+                     ) -> tuple[App, str, Any, Path]:
+    """A local job running `sleep 120` under a real supervisor, started by a reconciler (on `clock`, with `config`
+    as its file): (app, job id, the reconciler, the attempt's run dir)."""
     from orchestrator.lifecycle.reconcile import Reconciler
 
-    app = App(state_dir_override=str(tmp_path / "state"))
+    (tmp_path / "burstctl.toml").write_text(config)
+    app = App(config_path=str(tmp_path / "burstctl.toml"), state_dir_override=str(tmp_path / "state"))
     job_id, _, _ = enqueue(app, write_job(tmp_path, "sleeper", command=["sleep", "120"], deadline_hours=24,
                                           local_throughput=1.0))
     rec = Reconciler(app, {}, cloud=None, clock=clock)
@@ -213,13 +215,36 @@ def test_failed_steps_with_steps_that_went_through_between_them_do_not_give_the_
             assert app.store.get_job(job_id)["reason"].startswith("local run's step failed 1 time in a row")
             (problem,) = [a["problem"] for a in status_data(app, now=rec.clock())["attempts"]]
             assert problem == f"1 step failed in a row, next try in 2 s: RuntimeError: glitch {i}"
-            rec._advance(only_attempt(app, job_id), app.store.get_job(job_id))  # not tried again yet: waits
-            assert only_attempt(app, job_id)["info"]["errors"] == 1
             offset[0] += STEP_RETRY_FIRST_S + 0.1  # its next try is due
             rec._advance(only_attempt(app, job_id), app.store.get_job(job_id))  # a step that goes through
             att = only_attempt(app, job_id)
             assert att["state"] == "running" and not set(STEP_FAILURE_KEYS) & set(att["info"])
             assert not (app.store.get_job(job_id)["reason"] or "").startswith("local run's step failed")
+    finally:
+        supervisor.stop(run, grace_s=5.0)
+    app.close()
+
+
+def test_a_local_run_whose_step_failed_is_still_stopped_for_its_hours_while_it_waits_for_its_next_try(
+        tmp_path: Path) -> None:
+    # A local run's step failed; for the wait before its next try (2 s, then up to 15 s) nothing looked at the run:
+    # the end of local.available_hours, a hybrid's hand-over waited for it (only a cancel did not). The run is still
+    # watched; failing again in the wait is the same failure, counted at its next try.
+    from orchestrator.lifecycle.reconcile import STEP_RETRY_FIRST_S
+
+    now = time.time()
+    opens = (time.gmtime(now).tm_hour + 2) % 24  # the GPU's hours begin in over an hour: they are over now
+    app, job_id, rec, run = _running_sleeper(tmp_path, clock=lambda: now, config=(
+        f'[local]\navailable_hours = ["{opens:02d}:00-{(opens + 1) % 24:02d}:00"]\ntimezone = "UTC"\n'))
+    try:
+        rec._step_failed(only_attempt(app, job_id), app.store.get_job(job_id), RuntimeError("glitch"))
+        att = only_attempt(app, job_id)
+        assert att["info"]["errors"] == 1 and att["info"]["retry_at"] == now + STEP_RETRY_FIRST_S
+        rec._advance(att, app.store.get_job(job_id))  # in the wait
+        att = only_attempt(app, job_id)
+        assert att["info"]["stop_reason"] == "local-hours" and "errors" not in att["info"]
+        (asked,) = app.store.events(type_prefix="attempt.stop_requested")
+        assert asked["data"]["reason"] == "local-hours"
     finally:
         supervisor.stop(run, grace_s=5.0)
     app.close()

@@ -1546,6 +1546,40 @@ def test_a_notice_written_down_without_its_successor_gets_one_at_the_next_look(
     app.close()
 
 
+def test_a_running_attempt_whose_step_failed_is_still_watched_and_hears_a_notice_while_it_waits_for_its_next_try(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A running attempt's step failed (here the look at its supervisor). For the wait before its next try (2 s, then
+    # up to 15 s) nothing looked at the run: a spot notice (30 s on GCP), a stale heartbeat, the syncs waited for it.
+    # The run is watched through the wait; failing again then is the same failure, counted at its next try.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
+    heard: dict[str, Any] = {}
+
+    class Failing(_Stoppable):
+        def status(self, att: dict[str, Any]) -> dict[str, Any]:
+            if not heard:
+                raise RuntimeError("the supervisor's status is unreadable")
+            return {"supervisor_alive": True, "exit": None, "heartbeat": {"ts": time.time(), **heard}}
+
+    cloud = Failing()
+    now = time.time()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud, clock=lambda: now)  # type: ignore[dict-item, arg-type]
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: None))
+    monkeypatch.setattr(reconcile, "launch_successor", lambda rec, att, job, now: None)
+
+    for _ in range(2):  # failed, then failed again in the wait: counted once
+        rec._advance(attempt(), app.store.get_job(job_id))
+        assert attempt()["info"]["errors"] == 1 and attempt()["info"]["retry_at"] > now
+    assert len(app.store.events(type_prefix="attempt.error")) == 1
+    heard["notice"] = {"time": "2026-12-04T03:00:00Z"}  # the supervisor reads again, and has heard a notice
+    rec._advance(attempt(), app.store.get_job(job_id))  # still in the wait
+    assert [e["attempt_id"] for e in app.store.events(type_prefix="instance.interruption_notice")] == [f"{job_id}-a1"]
+    info = attempt()["info"]
+    assert info["notice"]["reclaim_at"] == "2026-12-04T03:00:00Z" and "errors" not in info
+    rec.close()
+    app.close()
+
+
 def test_a_run_found_finished_by_a_stop_brings_its_end_home_beside_the_tick_then_succeeds(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # revert-local (or the budget) finds a run that has just exited 0: it is finished, not stopped. Its final

@@ -67,9 +67,11 @@ A = AttemptState
 # may be unreachable before it counts as lost). Failures that come back at once had reached the count in about a
 # second, and a blip of a second failed the job. The count, the first failure's time and the next try's are in the
 # attempt's info (STEP_FAILURE_KEYS): a restarted daemon carries on the same count and waits the same delay.
+# A running attempt's step is also its watch (heartbeat, spot notice, syncs; a local run's stops and hand-over): it is
+# taken every tick during the wait, and failing again then is the same failure, counted at the next try.
 MAX_STEP_ERRORS = 5
 STEP_RETRY_FIRST_S = 2.0
-STEP_RETRY_MAX_S = 15.0  # a running attempt in its wait is not watched: a 30 s spot notice is still seen
+STEP_RETRY_MAX_S = 15.0
 STEP_FAILURE_KEYS = ("errors", "last_error", "failing_since", "retry_at", "step_reason", "reason_before")
 # What a failing step is called in the job's reason, by the attempt's state.
 STEP_NAMES = {"intent": "launch", "provisioning": "look at the booting instance", "bootstrapping": "bootstrap",
@@ -165,8 +167,11 @@ class Reconciler:
         """Step an attempt, and keep stepping it within this tick while each step moves it on: a launch is
         followed at once by the look at the instance, a reachable instance at once by its bootstrap. A step that
         leaves the state as it was is waiting on the outside world; the next tick looks again."""
-        if self._retry_waits(att, job):
-            return  # its last step failed: not tried again before its next try's time
+        # Its last step failed and its next try is not due: not tried again before then, but a running attempt is
+        # still watched (a notice, a stale heartbeat or a stop in the wait's 15 s would have waited for it).
+        waiting = self._retry_waits(att, job)
+        if waiting and att["state"] != A.RUNNING.value:
+            return
         waited = 0.0
         for _ in range(MAX_STEPS_PER_TICK + int(BOOT_WAIT_S / BOOT_POLL_S)):
             before = att["state"]
@@ -179,7 +184,8 @@ class Reconciler:
                 self._host_key_changed(att, job, exc)
                 return
             except Exception as exc:  # one attempt's trouble never stops the others
-                self._step_failed(att, job, exc)
+                if not (waiting and before == A.RUNNING.value):  # else counted at its next try, as if not taken
+                    self._step_failed(att, job, exc)
                 return
             with self.store.engine.connect() as c:
                 row = c.execute(select(s.attempts).where(s.attempts.c.id == att["id"])).mappings().first()
@@ -214,8 +220,8 @@ class Reconciler:
 
     def _retry_waits(self, att: dict[str, Any], job: dict[str, Any]) -> bool:
         """Whether the attempt's last step failed and its next try is not due yet. A stop due (cancel, revert-local,
-        the budget, ...) is not held up by it: that is another step. A next try further ahead than the longest delay
-        is due (the clock went back)."""
+        the budget, ...) is not held up by it: that is another step; nor is a running attempt's watch (`_advance`). A
+        next try further ahead than the longest delay is due (the clock went back)."""
         retry_at = att["info"].get("retry_at")
         if retry_at is None:
             return False
