@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 import structlog
 
-from state.store import Store
+from state.store import Store, after_commit
 
 REDACTED = "***"
 
@@ -122,7 +122,8 @@ class JsonLines:
 
 class EventLog:
     """The trail: every event into the events table and, as a JSON line, into <state>/events.jsonl (`JsonLines`),
-    and to the console log when there is one."""
+    and to the console log when there is one. An event emitted in a transaction reaches the file and the console once
+    that commits (`state.store.after_commit`): they never tell of one that rolled back."""
 
     def __init__(self, store: Store, state_dir: Path, redactor: Redactor, console: TextIO | None = None, *,
                  max_bytes: int = 64 * 2**20, kept: int = 4, routine_calls: bool = False):
@@ -170,10 +171,13 @@ class EventLog:
         event_id = self.store.append_event(type_, _jsonable(data), job_id=job_id, attempt_id=attempt_id,
                                            ts=ts, conn=conn)
         ids = {k: v for k, v in (("job", job_id), ("attempt", attempt_id)) if v}
+        after_commit(conn, lambda: self._say(type_, event_id, ts, ids, data))  # not of a transaction rolled back
+        return event_id
+
+    def _say(self, type_: str, event_id: int, ts: float, ids: dict[str, str], data: dict[str, Any]) -> None:
         self._json.msg(event=type_, id=event_id, ts=ts, **ids, **data)
         if self._console is not None:
             self._console.msg(type_, **ids, **data)
-        return event_id
 
     def close(self) -> None:
         self._lines.close()

@@ -10,7 +10,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +88,20 @@ class DaemonLease:
     session: int | None = None
 
 
+_AFTER_COMMIT = "burstctl_after_commit"
+
+
+def after_commit(conn: Connection | None, action: Callable[[], None]) -> None:
+    """Run `action` once `conn`'s transaction (a `Store.tx`) has committed; now when there is none of ours. What is
+    said outside the database (events.jsonl, the console) must not tell of a transaction that then rolled back, or
+    of one a kill cut short."""
+    pending = conn.info.get(_AFTER_COMMIT) if conn is not None else None
+    if pending is None:
+        action()
+    else:
+        pending.append(action)
+
+
 class Store:
     def __init__(self, url: str):
         self.url = url
@@ -108,8 +122,17 @@ class Store:
     # --- plumbing -------------------------------------------------------------------------------------
     @contextmanager
     def tx(self) -> Iterator[Connection]:
+        """A transaction. What `after_commit` is given inside it runs once it has committed, in order, and not at all
+        if it rolls back."""
+        pending: list[Callable[[], None]] = []
         with self.engine.begin() as conn:
-            yield conn
+            conn.info[_AFTER_COMMIT] = pending
+            try:
+                yield conn
+            finally:
+                del conn.info[_AFTER_COMMIT]  # the DBAPI connection's dict: it outlives this transaction in the pool
+        for action in pending:
+            action()
 
     def migrate(self) -> int:
         """Bring the schema to the latest version. Processes that open a new database at once (the daemon and the

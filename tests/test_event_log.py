@@ -94,6 +94,27 @@ class Clock:
         return self.now
 
 
+def test_an_event_of_a_transaction_reaches_events_jsonl_and_the_console_once_it_commits_and_never_if_it_rolls_back(
+        tmp_path: Path, log: tuple[EventLog, io.StringIO, Store]) -> None:
+    # The events table holds only what committed; the file and the console said an event as it was emitted, so a
+    # transaction that failed after it (or a daemon killed inside it, which says it again at its restart) left a
+    # line there of what never happened.
+    events, console, store = log
+    with pytest.raises(RuntimeError), store.tx() as conn:
+        events.emit("instance.interruption_notice", job_id="j1", conn=conn)
+        raise RuntimeError("the write after it failed")
+    assert kept(tmp_path, store) == ([], []) and console.getvalue() == ""
+    with store.tx() as conn:
+        events.emit("instance.interruption_notice", job_id="j1", conn=conn)
+        events.emit("job.resuming", job_id="j1", conn=conn)
+        assert kept(tmp_path, store)[1] == [] and console.getvalue() == ""  # not yet committed
+    types = ["instance.interruption_notice", "job.resuming"]
+    assert kept(tmp_path, store) == (types, types)  # in the order emitted
+    assert [line.split()[2] for line in console.getvalue().splitlines()] == types
+    events.emit("job.done", job_id="j1")  # outside a transaction: at once, as before
+    assert kept(tmp_path, store)[1][-1] == "job.done"
+
+
 def test_following_prints_each_event_once_and_forgets_what_is_settled(db_url: str) -> None:
     store, clock = Store(db_url), Clock()
     tail = EventTail(store, clock=clock, grace_s=10.0)
