@@ -298,6 +298,7 @@ def context(app: App, now: float, exclude: str | None = None, tick_s: float | No
         spent_usd=spending.committed_usd,
         kept_usd=spending.kept_usd,
         held=held_by_plans(app, now, exclude),
+        earlier_usd=spending.earlier,
         stop_tick_s=tick_s,
         billing_minimum_s=Offer.billing_minimum_s,
         burst_enabled=burst_enabled(app),

@@ -98,6 +98,14 @@ def test_the_cap_is_hard() -> None:
     assert not ok and "exceeds" in why
 
 
+def test_a_launch_waits_while_last_month_s_open_charges_reach_its_cap_and_not_for_less() -> None:
+    # An instance launched last month counts against last month; while that month is at its cap it is being stopped.
+    assert admits(Launch(4.99, 1.0), 15.0, Spending(10.0, earlier=(("2026-11", 14.0),)))[0]
+    assert not admits(Launch(5.01, 1.0), 15.0, Spending(10.0, earlier=(("2026-11", 14.0),)))[0]
+    ok, why = admits(Launch(1.0, 1.0), 15.0, Spending(0.0, earlier=(("2026-11", 15.5),)))
+    assert not ok and why == "$15.50 committed in 2026-11 reaches the $15.00 cap"
+
+
 def test_a_launch_counts_its_billing_minimum_and_its_stop_and_the_cap_what_others_have_and_keep() -> None:
     # One hour's work billed two hours at least, and 135 s to stop: $2.0375 at $1/h.
     launch = Launch(1.0, 1.0, minimum_s=7200.0, horizon_h=135 / 3600)

@@ -754,6 +754,29 @@ def test_a_hybrid_no_month_pays_or_one_awaiting_approval_holds_no_money_from_oth
     app.close()
 
 
+def test_a_charge_still_open_in_last_month_at_its_cap_blocks_the_decision_as_it_blocks_the_launch(
+        tmp_path: Path) -> None:
+    # An instance launched last month still runs, $15.50 committed against last month's $15 cap: the guard stops it,
+    # and the launch's check refuses every launch meanwhile. The decision saw this month alone, said "fits" and queued
+    # the job, for the launch to block it at once.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    now = time.time()
+    last_month = month_key(now - 32 * 86400)
+    with app.store.tx() as c:
+        c.execute(insert(s.ledger).values(month=last_month, job_id=None, attempt_id=None, provider="sim",
+                                          instance_id="i-0", instance_type="x", market="on-demand", rate_usd_h=3.1,
+                                          started_at=now - 5 * 3600, ended_at=None, cost_usd=None))
+    job_id, d, _ = enqueue(app, write_job(tmp_path, "small", local_throughput=0, rented_throughput={"H100": 1.0},
+                                          work_units=0.5, market="on-demand"))
+    launch = Reconciler(app, {}, cloud=None).budget.problem(time.time(), rate_usd_h=3.0, minimum_s=60.0,
+                                                            expected_h=d.plan.phases[0].hours)
+    assert launch is not None and launch.startswith("budget: $15.") and f"committed in {last_month} reaches the " \
+        "$15.00 cap" in launch
+    assert d.action == "blocked" and app.store.get_job(job_id)["state"] == "blocked"
+    assert d.reasons[-1] == launch  # the decision's words are the launch's
+    app.close()
+
+
 def test_a_job_is_admitted_only_into_what_the_plans_already_admitted_leave_of_the_cap(tmp_path: Path) -> None:
     # $50 a month; each job plans 10.5 on-demand H100 hours at $3.00: $31.50. Each fits alone, not both: admitting
     # both would launch both, and the cap would stop both before either finished.

@@ -112,6 +112,9 @@ class Spending:
     committed_usd: float = 0.0
     kept_usd: float = 0.0
     held: Held = field(default_factory=Held)
+    # Earlier months a charge is still open in: (month, USD committed and kept there). An open charge counts against
+    # the month it opened in, and one that reaches that month's cap is being stopped: no launch while it is.
+    earlier: tuple[tuple[str, float], ...] = ()
 
     def left_usd(self, cap_usd: float) -> float:
         return max(0.0, cap_usd - self.committed_usd - self.kept_usd - self.held.usd)
@@ -124,12 +127,15 @@ class Spending:
 
 def admits(launch: Launch, cap_usd: float, spending: Spending) -> tuple[bool, str]:
     """The hard cap, asked by a launch and by every decision alike: a launch whose cost (`Launch.usd`) exceeds what
-    the month has left is refused, with the reason."""
+    the month has left, or made while an earlier month's open charges reach its cap, is refused, with the reason."""
     usd, left = launch.usd, spending.left_usd(cap_usd)
     projected = f"projected rented ${usd:.2f} ({launch.said()})"
     if usd > cap_usd + 1e-9:  # not a matter of waiting for a new month
         return False, (f"{projected} is more than the whole ${cap_usd:.2f} monthly budget: no month pays it; raise "
                        "budget.monthly_cap_usd, or give it less work or a later deadline")
+    for month, earlier_usd in spending.earlier:
+        if earlier_usd >= cap_usd:
+            return False, f"${earlier_usd:.2f} committed in {month} reaches the ${cap_usd:.2f} cap"
     if usd > left + 1e-9:
         return False, (f"{projected} exceeds the ${left:.2f} left of the ${cap_usd:.2f} monthly budget "
                        f"({spending.said()})")

@@ -105,6 +105,8 @@ class DecisionContext:
     spent_usd: float = 0.0
     kept_usd: float = 0.0
     held: Held = field(default_factory=Held)  # what admitted jobs' plans have still to spend (`queue.held_by_plans`)
+    # Earlier months a charge is still open in, and what each has committed and kept (`Spending.earlier`).
+    earlier_usd: tuple[tuple[str, float], ...] = ()
     stop_tick_s: float = 0.0  # the daemon's tick: a stop of the job's instance takes three of them (`stop_horizon_h`)
     billing_minimum_s: float = 60.0  # what a launch is billed at least (every provider's offer says 60 s)
     burst_enabled: bool = True
@@ -249,7 +251,7 @@ def planned_launch(plan: Plan, job: JobFacts, ctx: DecisionContext) -> Launch:
 def budget_admits(plan: Plan, job: JobFacts, ctx: DecisionContext) -> tuple[bool, str]:
     """Whether the month's budget pays the plan's launch, asked as the launch will ask it (`budget.admits`), and why."""
     return admits(planned_launch(plan, job, ctx), ctx.budget_cap_usd,
-                  Spending(ctx.spent_usd, ctx.kept_usd, ctx.held))
+                  Spending(ctx.spent_usd, ctx.kept_usd, ctx.held, ctx.earlier_usd))
 
 
 def decide(job: JobFacts, ctx: DecisionContext) -> Decision:

@@ -74,10 +74,14 @@ class BudgetGuard:
             out[r["month"]] = (committed, accruing, kept)
         return out
 
-    def spending(self, now: float) -> Spending:
-        """This month's spending as a launch is weighed against it (`budget.admits`); a decision weighs the same."""
-        committed, _, kept = self.exposure(now)[month_key(now)]
-        return Spending(committed, kept)
+    def spending(self, now: float, exposure: Mapping[str, tuple[float, float, float]] | None = None) -> Spending:
+        """This month's spending as a launch is weighed against it (`budget.admits`), with what the earlier months a
+        charge is still open in have committed; a decision weighs the same."""
+        months = self.exposure(now) if exposure is None else exposure
+        this_month = month_key(now)
+        committed, _, kept = months[this_month]
+        earlier = tuple((m, c + k) for m, (c, _, k) in sorted(months.items()) if m != this_month)
+        return Spending(committed, kept, earlier=earlier)
 
     def still_short(self, job: dict[str, Any], now: float) -> bool:
         """A job the budget refused at launch still would be. Its decision counts as the launch does, but at the
@@ -102,13 +106,12 @@ class BudgetGuard:
         a new one must also fit its billing minimum, the work expected of it and its own stop (`budget.admits`,
         which every decision asks too)."""
         cap = self.app.config.budget.monthly_cap_usd
-        this_month = month_key(now)
-        for month, (committed, _, kept) in sorted(self.exposure(now).items()):
-            if month == this_month and rate_usd_h > 0:
-                launch = Launch(rate_usd_h, expected_h, minimum_s, self.horizon_h(spec))
-                ok, why = admits(launch, cap, Spending(committed, kept))
-                if not ok:
-                    return f"budget: {why}"
-            elif committed + kept >= cap:
+        exposure = self.exposure(now)
+        if rate_usd_h > 0:  # a launch: the decisions' own check, earlier months' open charges included
+            launch = Launch(rate_usd_h, expected_h, minimum_s, self.horizon_h(spec))
+            ok, why = admits(launch, cap, self.spending(now, exposure))
+            return None if ok else f"budget: {why}"
+        for month, (committed, _, kept) in sorted(exposure.items()):
+            if committed + kept >= cap:
                 return f"budget: ${committed + kept:.2f} committed in {month} reaches the ${cap:.2f} cap"
         return None
