@@ -253,9 +253,11 @@ def held_by_plans(app: App, now: float, exclude: str | None = None) -> Held:
     admitted = select(j.c.id, j.c.rented_usd).where(
         j.c.state.in_((JobState.QUEUED.value, JobState.RUNNING.value, JobState.RESUMING.value)),
         j.c.placement.in_(("cloud", "hybrid")), j.c.rented_usd > 0,
-        # A plan no month's cap pays never hands over while the cap stands (its local phase runs on, late), and a
-        # hybrid whose price awaits `approve` hands over only once approved: neither holds money from other jobs.
-        j.c.rented_usd <= app.config.budget.monthly_cap_usd + 1e-9,
+        # A plan no month's cap pays (its launch, stop included) never hands over while the cap stands (its local
+        # phase runs on, late), and a hybrid whose price awaits `approve` hands over only once approved: neither holds
+        # money from other jobs.
+        func.coalesce(j.c.decision["launch_usd"].as_float(), j.c.rented_usd) <= app.config.budget.monthly_cap_usd
+        + 1e-9,
         or_(j.c.approved, func.coalesce(j.c.decision["action"].as_string(), "") != "await-approval"),
         *([j.c.id != exclude] if exclude is not None else [])).subquery()
     accrued = func.coalesce(led.c.cost_usd, led.c.rate_usd_h * (now - led.c.started_at) / 3600.0)

@@ -213,6 +213,13 @@ def planned_rented_usd(decision: dict[str, Any] | None) -> float:
     return sum(float(p.get("cost_usd") or 0.0) for p in (decision or {}).get("plan") or [] if p.get("where") == "cloud")
 
 
+def planned_launch_usd(decision: dict[str, Any] | None) -> float:
+    """What a stored decision's launch needs of a month's budget (`Decision.launch_usd`: the plan's price, its
+    billing minimum and its stop); its planned rented cost in a decision stored before it was kept."""
+    launch = (decision or {}).get("launch_usd")
+    return planned_rented_usd(decision) if launch is None else float(launch)
+
+
 def _v7(conn: Connection) -> None:
     # Each job's planned rented cost, a column (`jobs.rented_usd`): the budget sums what admitted plans hold at every
     # decision, and reading 10,000 queued jobs' decisions for it took about 120 ms (benchmarks/tick.py).

@@ -240,12 +240,25 @@ def test_a_hybrid_plan_the_budget_cannot_pay_yet_still_starts_its_free_local_pha
     # Against a $15 cap no month pays its cloud phase: it is said so, not promised for the month that turns.
     d = decide(C, replace(CTX, budget_cap_usd=15.0, max_auto_delta_usd=50.0))
     assert d.action == "burst" and d.placement == "hybrid"
-    assert f"budget: its cloud phase (${d.plan.rented_cost_usd:.2f}) is more than the whole $15.00 monthly cap, so " \
-           "no month pays it: it runs locally, late, and hands over only if budget.monthly_cap_usd is raised" \
-           in d.reasons
+    assert "budget: its cloud phase ($15.37: 5.09 h at $3.00/h, plus 120 s to stop) is more than the whole $15.00 " \
+           "monthly cap, so no month pays it: it runs locally, late, and hands over only if budget.monthly_cap_usd " \
+           "is raised" in d.reasons
     # A plan that rents from the start is still blocked by the same budget.
     d = decide(replace(C, s_local=0.0), replace(CTX, budget_cap_usd=15.0, max_auto_delta_usd=50.0))
     assert d.action == "blocked" and d.placement == "cloud"
+
+
+def test_a_hybrid_whose_cloud_phase_fits_the_cap_only_without_its_stop_is_said_to_be_over_the_whole_cap() -> None:
+    # Its cloud phase costs $15.27, under a $15.30 cap; its launch also pays the 120 s its instance takes to stop
+    # ($15.37), which no month's $15.30 pays. It was told its hand-over waits for the budget, as if a month would.
+    d = decide(C, replace(CTX, budget_cap_usd=15.30, max_auto_delta_usd=50.0))
+    assert d.plan is not None and d.plan.kind == "hybrid" and d.plan.rented_cost_usd < 15.30
+    assert d.action == "burst" and d.placement == "hybrid"
+    assert d.launch_usd == pytest.approx(d.plan.rented_cost_usd + 3.00 * 120 / 3600)
+    assert d.reasons[-1] == ("budget: its cloud phase ($15.37: 5.09 h at $3.00/h, plus 120 s to stop) is more than "
+                             "the whole $15.30 monthly cap, so no month pays it: it runs locally, late, and hands over "
+                             "only if budget.monthly_cap_usd is raised")
+    assert not any("waits until the budget allows it" in r for r in d.reasons)
 
 
 def test_a_jobs_measured_setup_is_part_of_every_instance_overhead() -> None:

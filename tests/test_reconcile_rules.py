@@ -401,8 +401,11 @@ def test_a_hybrid_local_phase_runs_on_while_the_budget_would_refuse_its_burst(tm
 @pytest.mark.parametrize(("cap", "then"), [
     (100.0, "bursts the rest by "),
     # No month pays the hand-over: the reason does not promise it (the decision's own words, where it was made).
-    (10.0, "its cloud phase ($15.27) is more than the whole $10.00 monthly cap, so it runs on locally, late, unless "
-           "budget.monthly_cap_usd is raised"),
+    (10.0, "its cloud phase ($15.38 with its stop) is more than the whole $10.00 monthly cap, so it runs on locally, "
+           "late, unless budget.monthly_cap_usd is raised"),
+    # $15.27 fits the cap; with the 135 s its instance takes to stop, as the launch counts it, no month pays it.
+    (15.30, "its cloud phase ($15.38 with its stop) is more than the whole $15.30 monthly cap, so it runs on locally, "
+            "late, unless budget.monthly_cap_usd is raised"),
 ])
 def test_a_hybrid_s_local_phase_promises_the_hand_over_only_when_a_month_s_budget_pays_it(
         tmp_path: Path, cap: float, then: str) -> None:
@@ -774,6 +777,20 @@ def test_a_charge_still_open_in_last_month_at_its_cap_blocks_the_decision_as_it_
         "$15.00 cap" in launch
     assert d.action == "blocked" and app.store.get_job(job_id)["state"] == "blocked"
     assert d.reasons[-1] == launch  # the decision's words are the launch's
+    app.close()
+
+
+def test_a_hybrid_whose_launch_no_month_pays_with_its_stop_holds_no_money_either(tmp_path: Path) -> None:
+    # Seed C's cloud phase ($15.27) fits a $15.30 cap only without the 135 s its instance takes to stop: it never
+    # hands over, so it must not keep that money from other jobs.
+    from orchestrator.queue import held_by_plans
+
+    (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 15.30\n[policy]\nmax_auto_delta_usd = 50.0\n")
+    app = App(config_path=str(tmp_path / "burstctl.toml"), state_dir_override=str(tmp_path / "state"))
+    c_id, d, _ = enqueue(app, REPO / "examples" / "seed" / "c-big-local-deadline.toml")
+    assert d.action == "burst" and app.store.get_job(c_id)["placement"] == "hybrid"
+    assert d.plan is not None and d.plan.rented_cost_usd < 15.30 < (d.launch_usd or 0.0)
+    assert held_by_plans(app, time.time()).jobs == 0
     app.close()
 
 

@@ -33,7 +33,7 @@ from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import FINAL, JobState, awaits_approval, check_transition
 from orchestrator.records import fmt_h, fmt_usd, plan_name
 from state import schema as s
-from state.schema import planned_rented_usd
+from state.schema import planned_launch_usd
 
 
 def _when(ts: float | None) -> str:
@@ -335,7 +335,7 @@ def approve_cmd(app: App, job: str, as_json: bool) -> None:
                 if held_whole else "its local phase runs on, and the rest bursts at its hand-over")
     else:
         runs = "queued to burst" if held_whole else "it bursts the rest"
-    unpaid = unpaid_hand_over(planned_rented_usd(j["decision"]), app.config.budget.monthly_cap_usd)
+    unpaid = unpaid_hand_over(planned_launch_usd(j["decision"]), app.config.budget.monthly_cap_usd)
     if local_first and unpaid:  # approved or not, no month's budget pays the hand-over: not promised
         runs = f"{local_first['hours']:.2f} h on the local GPU first; {unpaid}"
     if held_whole:

@@ -152,10 +152,11 @@ def newly_crossed(spent_usd: float, cap_usd: float, fractions: Sequence[float], 
     return max(reached) if reached and max(reached) > said else None
 
 
-def unpaid_hand_over(rented_usd: float, cap_usd: float) -> str | None:
-    """Why a hybrid's hand-over to the cloud is not promised, its cloud phase costing more than a whole month's cap
-    (no month pays it), else None. Its decision says the same in its own words."""
-    if rented_usd <= cap_usd + 1e-9:
+def unpaid_hand_over(launch_usd: float, cap_usd: float) -> str | None:
+    """Why a hybrid's hand-over to the cloud is not promised, its cloud phase's launch (`Launch.usd`: its price, its
+    billing minimum and its stop) needing more than a whole month's cap (no month pays it), else None. Its decision
+    says the same in its own words."""
+    if launch_usd <= cap_usd + 1e-9:
         return None
-    return (f"its cloud phase (${rented_usd:.2f}) is more than the whole ${cap_usd:.2f} monthly cap, so it runs on "
-            "locally, late, unless budget.monthly_cap_usd is raised")
+    return (f"its cloud phase (${launch_usd:.2f} with its stop) is more than the whole ${cap_usd:.2f} monthly cap, so "
+            "it runs on locally, late, unless budget.monthly_cap_usd is raised")

@@ -139,6 +139,9 @@ class Decision:
     # Why the verdict is what it is, where the last of the reasons is only a note (a price as listed, the local
     # GPU's hours): the job's reason, its notice's text (`to_dict`'s "headline"). None: the last reason.
     headline: str | None = None
+    # What its plan's launch needs of a month's budget (`planned_launch`): beside a cap it tells whether any month
+    # pays it (`budget.unpaid_hand_over`). None: it rents nothing.
+    launch_usd: float | None = None
 
     @property
     def placement(self) -> str:
@@ -184,6 +187,7 @@ class Decision:
             "plan_cost_usd": None if self.plan is None else _r(self.plan.cost_usd),
             "reasons": list(g.reasons) + list(self.reasons),
             "headline": self.headline or next(reversed([*g.reasons, *self.reasons]), None),
+            **({} if self.launch_usd is None else {"launch_usd": _r(self.launch_usd)}),
         }
 
 
@@ -413,6 +417,7 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
             plan = hybrid
 
     action: Action = "burst"
+    launch = planned_launch(plan, job, ctx)
     if job.kind not in ctx.cloud_kinds:
         action = "blocked"
         reasons.append(f"kind '{job.kind}' may not run in the cloud (policy.cloud_kinds = "
@@ -422,7 +427,9 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
         reasons.append("bursting is disabled (revert-local): the job waits; `burstctl burst-enable` lifts it")
     else:
         ok, why = budget_admits(plan, job, ctx)
-        over_cap = plan.rented_cost_usd > ctx.budget_cap_usd + 1e-9  # no month's budget pays it
+        # No month's budget pays it: what its launch needs (its billing minimum and its stop beside the plan's price)
+        # is more than the whole cap, as the launch's check counts it.
+        over_cap = launch.usd > ctx.budget_cap_usd + 1e-9
         if math.isfinite(ctx.budget_cap_usd) and not (over_cap and plan.kind == "hybrid"):  # a hybrid's says more
             reasons.append(f"budget: {why}")
         if not ok and plan.kind != "hybrid":
@@ -444,11 +451,11 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
             # A hybrid's local hours spend no cloud money: they start now, and the budget is asked again at the
             # hand-over (the launch's own check), which waits for it. The alternative is the local GPU idle.
             if over_cap:
-                reasons.append(f"budget: its cloud phase (${plan.rented_cost_usd:.2f}) is more than the whole "
-                               f"${ctx.budget_cap_usd:.2f} monthly cap, so no month pays it: it runs locally, late, "
-                               "and hands over only if budget.monthly_cap_usd is raised")
+                reasons.append(f"budget: its cloud phase (${launch.usd:.2f}: {launch.said()}) is more than the "
+                               f"whole ${ctx.budget_cap_usd:.2f} monthly cap, so no month pays it: it runs locally, "
+                               "late, and hands over only if budget.monthly_cap_usd is raised")
             else:
                 reasons.append("budget: the local phase runs first, and the hand-over to the cloud waits until the "
                                "budget allows it (raise the cap, or the month turns); until then it runs on locally, "
                                "late")
-    return Decision(g.verdict, action, g, gpu, rate, market, plan, reasons, overhead_h)
+    return Decision(g.verdict, action, g, gpu, rate, market, plan, reasons, overhead_h, launch_usd=launch.usd)

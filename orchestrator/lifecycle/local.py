@@ -44,7 +44,7 @@ from orchestrator.queue import (
 )
 from runbooks import job_outputs, supervisor
 from state import schema as s
-from state.schema import planned_rented_usd
+from state.schema import planned_launch_usd
 
 A = AttemptState
 RUNBOOKS = Path(__file__).resolve().parents[2] / "runbooks"
@@ -398,7 +398,7 @@ class LocalRunner:
         info["switch_at"] = latest_switch_at(done=done, **_switch_args(terms))
         at = datetime.fromtimestamp(info["switch_at"], UTC).strftime("%H:%M:%S")
         plan = "hybrid plan, re-planned behind schedule" if terms.get("replanned_at") else "hybrid plan"
-        unpaid = unpaid_hand_over(planned_rented_usd(job["decision"]), self.cfg.budget.monthly_cap_usd)
+        unpaid = unpaid_hand_over(planned_launch_usd(job["decision"]), self.cfg.budget.monthly_cap_usd)
         then = unpaid or f"bursts the rest by {at} UTC to make the deadline"
         return {"units_done": round(done, 6), "progress": basis, "switch_at": round(info["switch_at"], 3),
                 "reason": f"running locally ({plan}): {done:.4g} of {terms['work']:.4g} units done ({basis}); "
