@@ -613,7 +613,7 @@ EVENT_TYPES = frozenset({
     "attempt.successor_taken_over",
     "budget.crossed",
     "burst.disabled", "burst.enabled",
-    "checkpoint.corrupt", "checkpoint.lost", "checkpoint.sync_failed", "checkpoint.synced",
+    "checkpoint.corrupt", "checkpoint.lost", "checkpoint.lost_corrected", "checkpoint.sync_failed", "checkpoint.synced",
     "cloud.health",
     "daemon.config_rejected", "daemon.config_reloaded", "daemon.lock_lost", "daemon.notify_failed",
     "daemon.orphan_transfers_ended", "daemon.schedule_failed", "daemon.started", "daemon.stopped", "daemon.stopping",

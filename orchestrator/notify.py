@@ -69,6 +69,7 @@ _PHRASES = {
     "job.market_switch": "changes market",
     "instance.preempted": "preempted",
     "checkpoint.lost": "lost a checkpoint with a preempted instance",
+    "checkpoint.lost_corrected": "brought home after all the checkpoint said lost",
     # Of no job: said alone.
     "daemon.started": "daemon started",
     "daemon.stopping": "daemon stopping",

@@ -1708,6 +1708,57 @@ def test_a_pull_that_ends_after_the_loss_was_written_down_corrects_the_work_coun
     app.close()
 
 
+def test_a_pull_that_ends_after_the_loss_brings_home_the_checkpoint_said_lost_and_that_is_said_and_shown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, burstctl_here: Callable[..., Any]) -> None:
+    # The supervisor said the instance held step 50; step 40 was home when the reclaim was written down, so step 50
+    # was said lost (`checkpoint.lost`, the job's reason, show, logs). The pull under way then brought step 50 home
+    # after all, and they all went on saying it was lost and that the job went back to step 40.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=3600)
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000040", {"w.bin": b"4"})
+    with app.store.tx() as c:
+        app.store.set_attempt_info(f"{job_id}-a1", {"instance_checkpoint": "step-00000050"}, c)
+    now = [time.time()]
+    cloud = _Reclaimed()
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud, clock=lambda: now[0])  # type: ignore[dict-item, arg-type]
+    pulled = threading.Event()
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
+    rec.syncs.sync(attempt(), app.store.get_job(job_id), {}, urgent=True)
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    now[0] += app.config.daemon.heartbeat_timeout_s + 1  # the pull outlasts the loss's wait
+    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    job = app.store.get_job(job_id)
+    assert attempt()["state"] == "preempted" and job["state"] == "resuming"
+    assert job["reason"].endswith("; its checkpoint step-00000050 was lost with its instance")
+    state = ["--state-dir", str(tmp_path / "state")]
+    shown = burstctl_here(*state, "show", job_id).stdout
+    assert "lost: attempt 1's checkpoint step-00000050 did not come home" in shown
+    (run := tmp_path / "state" / "runs" / f"{job_id}-a1").mkdir(parents=True, exist_ok=True)
+    (run / "train.log").write_text("step 50\n")
+    assert "its checkpoint step-00000050 was lost" in burstctl_here(*state, "logs", job_id, "--attempt", "1").stderr
+
+    pulled.set()
+    _until_a_sync_finished(rec)
+    rec.syncs.collect()
+    job = app.store.get_job(job_id)
+    assert job["checkpoint"] == "step-00000050"
+    (corrected,) = [e for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.lost_corrected"]
+    assert corrected["attempt_id"] == f"{job_id}-a1"
+    assert {k: corrected["data"][k] for k in ("checkpoint", "said_resumes_from", "resumes_from")} == {
+        "checkpoint": "step-00000050", "said_resumes_from": "step-00000040", "resumes_from": "step-00000050"}
+    assert corrected["data"]["reason"] == ("step-00000050 came home after all, with a pull that ended after the "
+                                           "instance's loss was written down: the job resumes from it")
+    assert job["reason"].endswith("; its checkpoint step-00000050, said lost with its instance, came home after all")
+    shown = burstctl_here(*state, "show", job_id).stdout
+    assert "lost: attempt 1" not in shown
+    assert "home after all: attempt 1's checkpoint step-00000050, said lost with its instance, came home" in shown
+    logs = burstctl_here(*state, "logs", job_id, "--attempt", "1")
+    assert logs.returncode == 0 and "was lost" not in logs.stderr, logs.stderr
+    assert checkpoints.resume_point(app, job_id).name == "step-00000050"  # what the next attempt starts from
+    rec.close()
+    app.close()
+
+
 def test_a_run_lost_on_an_instance_still_there_brings_what_it_wrote_home_before_the_instance_goes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The trainer was stopped outside burstctl (an OOM kill, a reboot): the instance answers, with up to half a

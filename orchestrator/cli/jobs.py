@@ -257,6 +257,9 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
         back_to = lost.get("resumes_from") or "the start"
         out.print(f"lost: attempt {lost['attempt']}'s checkpoint {escape(lost['checkpoint'])} did not come home "
                   f"before its instance was lost; the job went back to {escape(back_to)}")
+    for late in progress["checkpoints_lost_came_home"]:
+        out.print(f"home after all: attempt {late['attempt']}'s checkpoint {escape(late['checkpoint'])}, said lost "
+                  "with its instance, came home with a pull that ended after the loss")
     outputs = job_outputs_dir(app.config, j["id"])
     if outputs.is_dir():  # brought home from the instance it finished on
         count = sum(1 for f in outputs.rglob("*") if f.is_file())
@@ -280,7 +283,11 @@ def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
             "attempts_run": sum(1 for _, started, _ in rows if started is not None),
             # Checkpoints an attempt's instance held, newer than home, when it was lost (`checkpoint.lost`).
             "checkpoints_lost": [{"attempt": n, **(info or {})["checkpoint_lost"]} for info, _, n in reversed(rows)
-                                 if (info or {}).get("checkpoint_lost")]}
+                                 if (info or {}).get("checkpoint_lost")],
+            # ...and those a pull that ended after the loss brought home all the same (`checkpoint.lost_corrected`).
+            "checkpoints_lost_came_home": [{"attempt": n, **(info or {})["checkpoint_lost_came_home"]}
+                                           for info, _, n in reversed(rows)
+                                           if (info or {}).get("checkpoint_lost_came_home")]}
 
 
 def _short(data: dict[str, Any], limit: int = 90) -> str:

@@ -5,7 +5,8 @@ A sync is started when due (`sync`; at once, on a thread of its own, after a spo
 next tick (`collect`), or by the attempt's own step when it is the run's last (`final`); a step that must have the
 newest checkpoint home now pulls it itself (`pull_now`), after the sync under way. A failed pull keeps the attempt
 going and is tried again at the next sync (`pull_failed`); what a sync saved after its attempt's loss was counted
-corrects the lost work. The reconciler decides when; this does the syncing and its bookkeeping.
+corrects the lost work, and the checkpoint said lost with the instance when it brings that one home. The reconciler
+decides when; this does the syncing and its bookkeeping.
 """
 
 from __future__ import annotations
@@ -267,6 +268,7 @@ class AttemptSyncs:
             if done.pulled:
                 self._checkpoint_home(att, job, done, None if isinstance(done.outputs, Exception) else done.outputs)
                 self._recount_lost_work(att, job, done)
+                self._lost_checkpoint_home(att, job, done)
             return
         info = dict(att["info"])
         self.write_down(att, job, info, done)
@@ -288,6 +290,36 @@ class AttemptSyncs:
             conn.execute(update(s.attempts).where(s.attempts.c.id == att["id"]).values(lost_work_h=lost_h))
             self.app.events.emit("attempt.lost_work_corrected", job_id=job["id"], attempt_id=att["id"], conn=conn,
                                  lost_work_h=lost_h, counted_before=lost_before, checkpoint=done.pulled[-1].name)
+
+    def _lost_checkpoint_home(self, att: dict[str, Any], job: dict[str, Any], done: SyncDone) -> None:
+        """A sync that ended after its attempt's loss was written down brought home the checkpoint said lost with the
+        instance (`checkpoint.lost`): said (`checkpoint.lost_corrected`), and taken out of the attempt (which `show`
+        and `logs` read) and of the job's reason. The job resumes from it, unless a later attempt already resumed
+        from an older one."""
+        lost = att["info"].get("checkpoint_lost") or {}
+        name = lost.get("checkpoint")
+        if not name or not done.pulled or checkpoints.lost_with_instance(name, done.pulled[-1].name) is not None:
+            return
+        info = {k: v for k, v in att["info"].items() if k != "checkpoint_lost"}
+        info["checkpoint_lost_came_home"] = {**lost, "at": round(done.at, 3)}
+        with self.store.tx() as conn:
+            later = conn.execute(select(s.attempts.c.n, s.attempts.c.info).where(
+                s.attempts.c.job_id == job["id"], s.attempts.c.n > att["n"], s.attempts.c.started_at.is_not(None))
+                .order_by(s.attempts.c.n)).first()
+            back_to = name if later is None else (later.info or {}).get("resume_from")
+            then = ("the job resumes from it" if later is None else
+                    f"attempt {later.n} had already resumed from {back_to or 'the start'}")
+            self.store.set_attempt_info(att["id"], info, conn)
+            reason = conn.execute(select(s.jobs.c.reason).where(s.jobs.c.id == job["id"])).scalar()
+            said = f"; its checkpoint {name} was lost with its instance"  # as `finish` wrote it in job.resuming
+            if reason and said in reason:  # compare-and-set: a reason written since is not this one's to correct
+                conn.execute(update(s.jobs).where(s.jobs.c.id == job["id"], s.jobs.c.reason == reason).values(
+                    reason=reason.replace(said, f"; its checkpoint {name}, said lost with its instance, came home "
+                                                "after all"), updated_at=time.time()))
+            self.app.events.emit("checkpoint.lost_corrected", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                 checkpoint=name, said_resumes_from=lost.get("resumes_from"), resumes_from=back_to,
+                                 reason=f"{name} came home after all, with a pull that ended after the instance's "
+                                        f"loss was written down: {then}")
 
     def outputs_home(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> bool:
         """The job's `outputs`, home with the run's last sync (`final_outputs`), written down once it has finished
