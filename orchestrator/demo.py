@@ -9,7 +9,9 @@
 Everything runs in one well-known directory, $XDG_CACHE_HOME/burstctl/demo (~/.cache/burstctl/demo), which each
 demo empties and runs in again: one run's state (records, event log) stays there to read until the next, and none
 piles up. The demo marks it (DEMO_MARKER) and empties only a directory so marked. Its state goes to the empty
-directory given with --state-dir instead. simcloud and the daemon are child processes stopped at the end.
+directory given with --state-dir instead. simcloud and the daemon are child processes stopped at the end, and
+written down in the directory (CHILDREN): a demo killed outright leaves them running, and the next one ends them
+before it empties the directory.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from orchestrator.children import Children, free_port
+from orchestrator.children import Children, end_left_over, free_port
 from orchestrator.config import toml_value
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import BadInput, OperationalError
@@ -46,6 +48,7 @@ TRAINER = REPO / "examples" / "trainer.py"
 NOTICE_TO_FILE = 'printf "%s\\n" "$BURSTCTL_NOTICE_TEXT" >> "$0"'
 # The demo's directory holds this file from the moment it makes it: the demo empties no directory without it.
 DEMO_MARKER = ".burstctl-demo"
+CHILDREN = "children"  # in the demo's directory: its simcloud's and daemon's pids and start ticks (`Children`)
 DEMO_MARKER_TEXT = ("Made by `burstctl demo`, which empties this directory and runs in it again each time. Nothing "
                     "else uses it: delete it whenever you like.\n")
 # The seed's three candidates are its job files, one name for each in the demo's table and in examples/seed/; the
@@ -82,7 +85,8 @@ class Demo:
         self.say = say
         self.key = "demo-" + secrets.token_hex(12)  # simcloud's API key, only in the children's environment
         self.config = workdir / "burstctl.toml"
-        self.children = Children(workdir, {**os.environ, "BURSTCTL_SIM_API_KEY": self.key}, self.config)
+        self.children = Children(workdir, {**os.environ, "BURSTCTL_SIM_API_KEY": self.key}, self.config,
+                                 records=workdir / CHILDREN)
         self.env = self.children.env  # without $BURSTCTL_CONFIG: the demo's commands read its config only
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -105,17 +109,13 @@ class Demo:
         res = DemoResult(state_dir=str(self.state), records_dir=str(self.state / "decisions"),
                          event_log=str(self.state / "events.jsonl"), notices_log=str(self.notices_log),
                          workdir=str(self.dir))
-        self._write_config()
         res.candidates = self.candidates()
 
         def wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
             """Fails at once, with the child's own error, if simcloud or the daemon dies; or with the job's reason
             if one of the demo's jobs has failed (not after the wait's timeout)."""
             return self.children.wait(lambda: self._none_failed() and pred(), timeout, what)
-        self.say("starting simcloud (real SSH endpoints on 127.0.0.1) and the daemon")
-        self.children.spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.dir / "sim"))
-        wait(self._sim_answers, 60, "simcloud to answer")
-        self.children.spawn("daemon", "--state-dir", str(self.state), "daemon")
+        self.start()
 
         work = self.dir / "work"
         work.mkdir()
@@ -148,6 +148,14 @@ class Demo:
         res.notices = self.notices_log.read_text().splitlines() if self.notices_log.exists() else []
         res.seconds = time.monotonic() - started
         return res
+
+    def start(self) -> None:
+        """Its config, then simcloud and the daemon, started and written down (`CHILDREN`)."""
+        self._write_config()
+        self.say("starting simcloud (real SSH endpoints on 127.0.0.1) and the daemon")
+        self.children.spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.dir / "sim"))
+        self.children.wait(self._sim_answers, 60, "simcloud to answer")
+        self.children.spawn("daemon", "--state-dir", str(self.state), "daemon")
 
     def candidates(self) -> list[dict[str, Any]]:
         return seed_candidates()
@@ -302,7 +310,9 @@ def claimed(workdir: Path) -> Iterator[Path]:
 
 
 def _empty(workdir: Path) -> None:
-    """Make `workdir` the demo's, empty but for its marker; remove only what a directory the demo marked holds."""
+    """Make `workdir` the demo's, empty but for its marker; remove only what a directory the demo marked holds. The
+    simcloud and daemon of a demo killed outright are ended first: they would run on in the files removed under
+    them (its flock went with it, so this demo holds it now)."""
     marker = workdir / DEMO_MARKER
     if workdir.is_symlink() or (workdir.exists() and not workdir.is_dir()):
         raise OperationalError(f"'{workdir}' is not a directory burstctl demo made (it is a "
@@ -311,6 +321,7 @@ def _empty(workdir: Path) -> None:
     if workdir.is_dir() and not (marker.is_file() and not marker.is_symlink()) and any(workdir.iterdir()):
         raise OperationalError(f"'{workdir}' holds files burstctl demo did not make (it has no {DEMO_MARKER}): move "
                                "them away, and the demo makes its directory there")
+    end_left_over(workdir / CHILDREN)
     try:
         workdir.mkdir(mode=0o700, exist_ok=True)
         for entry in workdir.iterdir():

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from orchestrator.demo import DEMO_MARKER, claimed, demo_dir
+from orchestrator.demo import CHILDREN, DEMO_MARKER, claimed, demo_dir
 from orchestrator.errors import OperationalError
 from tests.conftest import run_burstctl
 
@@ -152,6 +155,48 @@ def test_a_demo_never_empties_a_directory_it_did_not_make(tmp_path: Path) -> Non
             claimed(tmp_path / "linked"):
         pytest.fail("claimed a symbolic link")
     assert (workdir / DEMO_MARKER).is_file()
+
+
+def test_the_next_demo_ends_the_simcloud_and_daemon_a_demo_killed_outright_left_before_it_empties_their_directory(
+        tmp_path: Path) -> None:
+    # SIGKILL runs no `finally`: the demo's simcloud and daemon ran on, and the next demo emptied the directory they
+    # wrote in under them. A pid written down is ended only while it is the same process (its start ticks).
+    from runbooks.supervisor import pid_alive, process_start_ticks
+
+    workdir = tmp_path / "demo"
+    killed = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from orchestrator.demo import Demo, claimed\n"
+        "with claimed(Path(sys.argv[1])) as w:\n"
+        "    Demo(w, say=lambda line: None).start()\n"
+        "    print('started', flush=True)\n"
+        "    time.sleep(120)\n"), str(workdir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert killed.stdout is not None and killed.stdout.readline() == "started\n"
+        records = {r["name"]: (r["pid"], r["start"]) for r in
+                   (json.loads(f.read_text()) for f in (workdir / CHILDREN).glob("*.json"))}
+        assert set(records) == {"simcloud", "daemon"}
+    finally:
+        killed.kill()
+        killed.wait()
+    assert all(pid_alive(pid, start) for pid, start in records.values())  # left running
+    # A record whose pid is another process now (here: one started at another time) is not that process's.
+    other = subprocess.Popen(["sleep", "60"])
+    (workdir / CHILDREN / "00-reused.json").write_text(json.dumps(
+        {"name": "reused", "pid": other.pid, "start": (process_start_ticks(other.pid) or 0) - 1}))
+
+    try:
+        with claimed(workdir):  # the next demo
+            assert [f.name for f in workdir.iterdir()] == [DEMO_MARKER]
+            assert not any(pid_alive(pid, start) for pid, start in records.values())
+        assert other.poll() is None
+    finally:  # nothing of this test's left running, whatever failed
+        other.kill()
+        other.wait()
+        for pid, start in records.values():
+            if pid_alive(pid, start):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def test_a_second_demo_while_one_runs_is_refused_rather_than_empty_the_first_ones_directory(tmp_path: Path) -> None:
