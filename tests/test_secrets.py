@@ -186,12 +186,12 @@ ENV_NAME_EXPECTED = ("expected the NAME of an environment variable (letters, dig
 @pytest.mark.parametrize("section", ["sim", "lambda"])
 @pytest.mark.parametrize("value", [PASTED_KEY, "9" + PASTED_KEY.replace("-", "_"), "KEY WITH SPACES", ""],
                          ids=["pasted-key", "leading-digit", "spaces", "empty"])
-def test_an_api_key_env_that_is_not_a_variable_name_is_bad_input_and_never_echoed(tmp_path: Path, section: str,
-                                                                                   value: str) -> None:
+def test_an_api_key_env_that_is_not_a_variable_name_is_bad_input_and_never_echoed(burstctl_here, tmp_path: Path,
+                                                                                   section: str, value: str) -> None:
     config = tmp_path / "k.toml"
     config.write_text(f'[providers.{section}]\napi_key_env = "{value}"\n')
-    for args in (("providers",), ("budget",)):
-        r = run(config, tmp_path / "state", *args)
+    for args in (("providers",), ("budget",)):  # in this process: 16 interpreters' start-up a CI run
+        r = burstctl_here("--config", str(config), "--state-dir", str(tmp_path / "state"), *args)
         assert (r.returncode, r.stdout) == (2, "")
         assert r.stderr == f"burstctl: error: {config}: field 'providers.{section}.api_key_env': {ENV_NAME_EXPECTED}\n"
 

@@ -297,7 +297,7 @@ def test_cli_is_deterministic_for_a_seed_whatever_the_worker_count(tmp_path: Pat
     (["--trace", "ok.json", "--window", "1" + "0" * 120], "field '--window': is longer than the trace: expected at "
                                                           "most its 120 ticks, got a 121-digit number"),
 ])
-def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, extra: list[str], expect: str) -> None:
+def test_cli_bad_input_exits_2_with_one_line(burstctl_here, tmp_path: Path, extra: list[str], expect: str) -> None:
     write_trace(tmp_path / "ok.json", [1, 0] * 60)
     write_trace(tmp_path / "gang.json", [16, 1, 0, 12] * 30)
     (tmp_path / "bad.json").write_text("{not json")
@@ -308,21 +308,21 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, extra: list[str], e
         else:
             args += [flag, str(tmp_path / value) if flag == "--trace" else value]
     small = [x for flag, value in (("--starts", "5"), ("--workers", "1")) if flag not in args for x in (flag, value)]
-    result = burstctl("simulate", *args, *small)
+    result = burstctl_here("simulate", *args, *small)  # in this process: 19 interpreters' start-up a CI run
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expect in lines[0] and "Traceback" not in result.stderr
 
 
 def test_a_trace_that_is_a_pipe_or_an_empty_path_is_one_line_not_a_wait_or_the_current_directory(
-        tmp_path: Path) -> None:
+        burstctl_here, tmp_path: Path) -> None:
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)  # read, it waits for a writer for ever
     write_trace(tmp_path / "here.json", [1, 0] * 60)  # what an empty path, the current directory, would have read
     for given, expect in ((str(fifo), f"burstctl: error: {fifo}: is not a regular file: expected a JSON trace file"),
                           ("", "burstctl: error: field '--trace': is empty: expected a trace file or a directory of "
                                "them")):
-        r = burstctl("simulate", "--trace", given, *JOB_ARGS, "--starts", "5", "--workers", "1")
+        r = burstctl_here("simulate", "--trace", given, *JOB_ARGS, "--starts", "5", "--workers", "1")
         assert (r.returncode, r.stderr.strip()) == (2, expect)
 
 
