@@ -1679,13 +1679,11 @@ def test_a_loss_waits_for_the_sync_under_way_so_what_it_brings_home_is_not_lost_
     app.close()
 
 
-def test_a_pull_that_ends_after_the_loss_was_written_down_corrects_the_work_counted_lost(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The loss waits for a pull under way only up to the heartbeat timeout; one that lands later brought home work
-    # the attempt had counted as lost, and the figure (which the market switch's useful hours read) stayed an hour.
-    app = App(state_dir_override=str(tmp_path / "state"))
-    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=3600)
-
+def _lost_while_a_pull_outlasts_its_wait(app: App, job_id: str, attempt: Callable[[], dict[str, Any]],
+                                         monkeypatch: pytest.MonkeyPatch) -> tuple[Reconciler, threading.Event]:
+    """A pull of the running attempt's last checkpoint under way (held until the event is set) when its instance is
+    reclaimed, and the loss written down once the pull has outlasted the heartbeat timeout: (the reconciler, the
+    event that lets the pull end)."""
     now = [time.time()]
     cloud = _Reclaimed()
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud, clock=lambda: now[0])  # type: ignore[dict-item, arg-type]
@@ -1695,6 +1693,17 @@ def test_a_pull_that_ends_after_the_loss_was_written_down_corrects_the_work_coun
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
     now[0] += app.config.daemon.heartbeat_timeout_s + 1  # the pull outlasts the loss's wait
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    return rec, pulled
+
+
+def test_a_pull_that_ends_after_the_loss_was_written_down_corrects_the_work_counted_lost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loss waits for a pull under way only up to the heartbeat timeout; one that lands later brought home work
+    # the attempt had counted as lost, and the figure (which the market switch's useful hours read) stayed an hour.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=3600)
+
+    rec, pulled = _lost_while_a_pull_outlasts_its_wait(app, job_id, attempt, monkeypatch)
     assert attempt()["state"] == "preempted" and attempt()["lost_work_h"] == pytest.approx(1.0, abs=0.01)
 
     pulled.set()
@@ -1718,15 +1727,7 @@ def test_a_pull_that_ends_after_the_loss_brings_home_the_checkpoint_said_lost_an
     write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000040", {"w.bin": b"4"})
     with app.store.tx() as c:
         app.store.set_attempt_info(f"{job_id}-a1", {"instance_checkpoint": "step-00000050"}, c)
-    now = [time.time()]
-    cloud = _Reclaimed()
-    rec = Reconciler(app, {"sim": cloud}, cloud=cloud, clock=lambda: now[0])  # type: ignore[dict-item, arg-type]
-    pulled = threading.Event()
-    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
-    rec.syncs.sync(attempt(), app.store.get_job(job_id), {}, urgent=True)
-    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
-    now[0] += app.config.daemon.heartbeat_timeout_s + 1  # the pull outlasts the loss's wait
-    rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]
+    rec, pulled = _lost_while_a_pull_outlasts_its_wait(app, job_id, attempt, monkeypatch)
     job = app.store.get_job(job_id)
     assert attempt()["state"] == "preempted" and job["state"] == "resuming"
     assert job["reason"].endswith("; its checkpoint step-00000050 was lost with its instance")
