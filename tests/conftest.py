@@ -26,30 +26,30 @@ settings.load_profile("burstctl")
 
 # pytest-xdist's `--dist loadfile` deals whole files out in collection order (the Makefile turns off its default
 # reordering by test count, which dealt the few-test, minute-long end-to-end files last): the longest go first, so
-# that no long file starts near the end and sets the run's tail alone. Seconds per file summed from
-# `pytest --durations=0` on 2026-11-30; files not listed follow in their usual order.
+# that no long file starts near the end and sets the run's tail alone. Seconds per file summed from a CI run's
+# `pytest --durations=0` on 2026-12-05 (a loaded machine: about 1.3 times a quiet one's), less the runs since cut;
+# files not listed follow in their usual order.
 LONGEST_FILES_FIRST = (
-    "test_e2e_spot_market.py",  # 238
-    "test_chaos.py",  # 225
-    "test_e2e_revert.py",  # 186
-    "test_faults.py",  # 186
-    "test_cli_queue.py",  # 133
-    "test_chaos_random.py",  # 130
-    "test_simulate.py",  # 126
-    "test_e2e_spot_probe.py",  # 125
-    "test_e2e_hybrid.py",  # 112
-    "test_e2e_burst.py",  # 110
-    "test_e2e_sync_beside_tick.py",  # ~150 (2026-12-05, with its two checkpoint.lost runs)
-    "test_rehearse.py",  # 103
-    "test_e2e_faults.py",  # 77
-    "test_e2e_torchrun.py",  # 77
-    "test_demo.py",  # 64
-    "test_retry.py",  # ~55 (2026-12-02, its two runs end to end)
-    "test_secrets.py",  # 62
-    "test_simcloud_cli.py",  # 56
-    "test_e2e_ec2_s3.py",  # 50
-    "test_torchrun.py",  # 44
-    "test_notify.py",  # ~40 (2026-12-02)
+    "test_chaos.py",  # 535
+    "test_simulate.py",  # 435
+    "test_e2e_burst.py",  # 350
+    "test_e2e_revert.py",  # 276
+    "test_chaos_random.py",  # 253
+    "test_faults.py",  # 243
+    "test_rehearse.py",  # 238
+    "test_e2e_hybrid.py",  # 212
+    "test_e2e_spot_market.py",  # 194
+    "test_e2e_sync_beside_tick.py",  # 166
+    "test_e2e_spot_probe.py",  # 138
+    "test_e2e_torchrun.py",  # 136
+    "test_retry.py",  # 128
+    "test_simcloud_cli.py",  # 125
+    "test_e2e_faults.py",  # 112
+    "test_sync.py",  # 95
+    "test_secrets.py",  # 94
+    "test_demo.py",  # 77
+    "test_torchrun.py",  # 55
+    "test_e2e_ec2_s3.py",  # 54
 )
 
 
