@@ -58,6 +58,9 @@ _PHRASES = {
     "instance.terminate_unverified": "instance not confirmed gone: it may still bill",
     "instance.orphan_terminate_failed": "orphaned instance could not be terminated: it may still bill",
     "attempt.provider_unavailable": "runs on a provider the daemon cannot use: its instance is not watched",
+    "attempt.provider_refused": "its provider refuses to be asked (a refused API key?): watched over SSH, not "
+                                "stoppable until fixed",
+    "attempt.provider_answers": "its provider answers again",
     "daemon.config_rejected": "daemon rejected its config file",
     "daemon.lock_lost": "daemon lost its database lock and stopped",
     "notify.test": "test notice",

@@ -1,6 +1,6 @@
 """Fault injection, end to end with real processes: a misbehaving provider API (429 JSON and HTML, 5xx, dropped
-connections), no capacity, SSH dropping mid-run, SSH away for seconds during a bootstrap, a locked state database,
-and the daemon's own clock jumping.
+connections), its API key refused mid-run, no capacity, SSH dropping mid-run, SSH away for seconds during a
+bootstrap, a locked state database, and the daemon's own clock jumping.
 (The spot market's faults, spot refused or gone, are in tests/test_e2e_spot_market.py.)
 Each test states what must still hold: the job completes (or waits with a clear reason), nothing is launched twice,
 nothing crashes."""
@@ -102,6 +102,48 @@ def test_a_provider_api_down_for_many_ticks_neither_fails_a_running_job_nor_lose
     said = [e["data"] for e in events(state, "attempt.error") if e["data"].get("carries_on")]
     assert said and "HTTP 503" in said[0]["error"]  # said once the outage began
     assert not [e for e in events(state, "attempt.") if "gave up" in json.dumps(e["data"])]
+
+
+def test_a_provider_refusing_the_api_key_mid_run_leaves_the_run_watched_over_ssh_until_the_key_works_again(
+        tmp_path: Path) -> None:
+    # The user revokes the API key while the job runs: every look at the instance answers 401. The run was no longer
+    # watched over SSH (no checkpoint came home, a spot notice went unheard), then given up as failed with its
+    # instance left running, as its terminate was refused too. The instance is the user's and SSH needs no API.
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url, daemon={"tick_s": 0.3})
+        job_id = enqueue(config, state, e2e_trainer_job(tmp_path, "revoked", steps=100, every=10, step_s=0.1,
+                                                        interval_minutes=0.01))
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: events(state, "checkpoint.synced"), 120, "a checkpoint to come home")
+            sim_admin(url, "faults", {"kind": "invalid-key", "count": 1_000_000})  # 401 to everything
+            refused = wait_for(lambda: [e["ts"] for e in events(state, "provider.call") if e["data"]["call"] ==
+                                        "describe" and e["data"]["outcome"] == "AuthFailed"], 30, "a refused look")[0]
+            # Two syncs since (one may have been under way), within the step retries' first 15 s: a give-up's last
+            # sync (20 s on at the earliest) does not count.
+            wait_for(lambda: len([e for e in events(state, "checkpoint.synced") if e["ts"] > refused]) >= 2, 15,
+                     "checkpoints to come home while the key is refused")
+            wait_for(lambda: events(state, "attempt.provider_refused"), 10, "the refusal to be said")
+            status = json.loads(cli(config, state, "status", "--json").stdout)
+            (attempt,) = status["attempts"]
+            problem = attempt["problem"]
+            assert problem.startswith("providers.sim: its API key or credentials were refused (AuthFailed: "), problem
+            assert f"instance {attempt['instance']} keeps running and is watched over SSH" in problem
+            assert json.loads(cli(config, state, "show", job_id, "--json").stdout)["reason"] == problem
+            httpx.delete(f"{url}/_sim/faults", timeout=10).raise_for_status()  # the key works again
+            wait_for(lambda: job(state, job_id)["state"] in ("done", "failed"), 120, "the job to end")
+        finally:
+            assert daemon.stop() == 0
+        assert job(state, job_id)["state"] == "done", job(state, job_id)["reason"]
+        assert len(sim_instances(url)) == 1, "the run carried on where it was: one instance"
+        assert_one_instance_per_attempt_and_all_gone(url)
+    (said,) = [e["data"] for e in events(state, "attempt.provider_refused")]  # said once
+    assert said["error"] == "AuthFailed" and said["provider"] == "sim"
+    assert len(events(state, "attempt.provider_answers")) == 1
+    assert not [e for e in events(state, "attempt.") if "gave up" in json.dumps(e["data"])]
+    (row,) = ledger(state)
+    assert row["ended_at"] is not None and row["cost_usd"] is not None and row["billed_seconds"] > 0
 
 
 def test_with_no_capacity_the_job_waits_with_a_clear_reason_and_runs_when_capacity_returns(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from orchestrator.app import App
+from orchestrator.cli.status import status_data
 from orchestrator.core.budget import month_key
 from orchestrator.lifecycle import admission, attempt_syncs, checkpoints, handover, reconcile, revert
 from orchestrator.lifecycle.background_sync import SyncDone
@@ -24,7 +25,17 @@ from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.notify import notice_type
 from orchestrator.queue import enqueue
-from providers.base import AuthFailed, InstanceInfo, InstanceState, Market, Offer, RetryPolicy
+from providers.base import (
+    AuthFailed,
+    InstanceInfo,
+    InstanceState,
+    InvalidRequest,
+    Market,
+    Offer,
+    ProviderError,
+    QuotaExceeded,
+    RetryPolicy,
+)
 from providers.lambda_cloud import LambdaCloud
 from providers.simcloud.api import SimCloudServer
 from runbooks.burst_checkpoint import write_checkpoint
@@ -2084,6 +2095,87 @@ def test_the_meter_stops_when_an_instance_was_seen_gone_not_when_a_daemon_next_s
         rec._close_instance(c, attempt2(), "i-2", time.time())
     (second,) = app.store.ledger_rows()
     assert second["ended_at"] == start + 3600 and second["cost_usd"] == pytest.approx(3.0)
+    rec.close()
+    app.close()
+
+
+@pytest.mark.parametrize("refusal", [
+    AuthFailed("GET /instances/i-1: HTTP 401 global/invalid-api-key", provider="sim", code="global/invalid-api-key"),
+    QuotaExceeded("GET /instances/i-1: HTTP 400 global/quota-exceeded", provider="sim", code="global/quota-exceeded"),
+    InvalidRequest("GET /instances/i-1: 404 for instances the listing has live: i-1", provider="sim")],
+    ids=["AuthFailed", "QuotaExceeded", "InvalidRequest"])
+def test_a_run_that_finishes_while_its_provider_refuses_to_be_asked_is_not_said_done_until_its_instance_is_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: ProviderError) -> None:
+    # The user revoked the API key mid-run: every look at the instance skipped the run's SSH watch, and after five
+    # failures over the heartbeat timeout the attempt was given up, its terminate refused too, the instance left
+    # billing. The run is watched over SSH through the refusal, said once; a run that finishes meanwhile waits,
+    # `terminating`, its job not done and its charge open, until the provider answers and confirms the instance gone.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1", started_ago_s=60)
+    start = time.time() - 60
+    app.store.open_charge({"month": month_key(start), "job_id": job_id, "attempt_id": f"{job_id}-a1",
+                           "provider": "sim", "instance_id": "i-1", "rate_usd_h": 3.0, "started_at": start})
+    finished: list[bool] = []
+
+    class Refusing(_Stoppable):
+        error: ProviderError | None = refusal
+
+        def status(self, att: dict[str, Any]) -> dict[str, Any]:
+            if finished:
+                return {"supervisor_alive": False, "exit": {"reason": "completed", "exit_code": 0}}
+            return {"supervisor_alive": True, "exit": None, "heartbeat": {"ts": time.time()}}
+
+        def describe(self, ids: list[str]) -> dict[str, InstanceInfo]:
+            if self.error is not None:
+                raise self.error
+            return super().describe(ids)
+
+        def terminate(self, ids: list[str]) -> None:
+            if self.error is not None:
+                raise self.error
+            super().terminate(ids)
+
+    cloud = Refusing()
+    now = [time.time()]
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud, clock=lambda: now[0])  # type: ignore[dict-item, arg-type]
+    monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: None))
+    kind = type(refusal).__name__
+
+    def step(seconds: float) -> None:
+        now[0] += seconds
+        rec.syncs.collect()
+        rec._advance(attempt(), app.store.get_job(job_id))
+        _until_a_sync_finished(rec) if rec.syncs.pool.busy(f"{job_id}-a1") else None
+
+    for _ in range(8):  # five failures over the heartbeat timeout gave it up; a running attempt has none now
+        step(20.0)
+    job = app.store.get_job(job_id)
+    assert attempt()["state"] == "running" and "errors" not in attempt()["info"]
+    assert job["checkpoint"] == "step-00000050", "checkpoints come home over SSH meanwhile"
+    said = [e["data"] for e in app.store.events(type_prefix="attempt.provider_refused")]
+    assert len(said) == 1 and said[0]["error"] == kind and said[0]["provider"] == "sim"
+    assert job["reason"] == said[0]["problem"]
+    assert job["reason"].startswith("providers.sim: ") and f"({kind}: GET /instances/i-1" in job["reason"]
+    assert "instance i-1 keeps running and is watched over SSH" in job["reason"]
+    (shown,) = status_data(app, now[0])["attempts"]
+    assert shown["problem"] == job["reason"]
+
+    finished.append(True)  # the run ends well while the provider still refuses
+    for _ in range(8):
+        step(20.0)
+    job = app.store.get_job(job_id)
+    assert attempt()["state"] == "terminating" and job["state"] == "running", "not done: its instance may still run"
+    assert "instance i-1 could not be terminated and may still run, and bill" in job["reason"]
+    (shown,) = status_data(app, now[0])["attempts"]
+    assert shown["problem"] == job["reason"]
+    assert app.store.ledger_rows()[0]["ended_at"] is None
+    assert len(app.store.events(type_prefix="attempt.provider_refused")) == 1
+
+    cloud.error = None  # the key is fixed: the terminate that was due goes through at its next try
+    step(16.0)
+    job = app.store.get_job(job_id)
+    assert attempt()["state"] == "succeeded" and cloud.terminated == ["i-1"]
+    assert job["state"] == "done" and app.store.ledger_rows()[0]["ended_at"] is not None
     rec.close()
     app.close()
 

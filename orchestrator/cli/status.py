@@ -128,6 +128,9 @@ def _restart_needed(app: App) -> list[str]:
 def _problem(info: dict[str, Any], now: float) -> str | None:
     """What keeps a live attempt from doing its job right now (a step failing, checkpoints not coming home), or
     None."""
+    refused = info.get("provider_refused")  # its provider refuses to be asked (`reconcile.CANNOT_ASK`): what to do
+    if isinstance(refused, dict) and refused.get("said"):
+        return str(refused["said"])
     if info.get("errors") and info.get("last_error"):  # the reconciler's failure accounting (`_step_failed`)
         n = int(info["errors"])
         wait = max(0.0, float(info.get("retry_at") or now) - now)

@@ -43,13 +43,16 @@ from orchestrator.queue import setup_key, throughput_key
 from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
     LAUNCH_REFUSALS,
+    AuthFailed,
     InstanceInfo,
     InstanceState,
+    InvalidRequest,
     LaunchRequest,
     Market,
     OwnerTags,
     Provider,
     ProviderError,
+    QuotaExceeded,
     Throttled,
     Transient,
     category,
@@ -79,6 +82,19 @@ STEP_NAMES = {"intent": "launch", "provisioning": "look at the booting instance"
 # The provider did not answer (down, throttling, its retries spent): that says nothing of an instance, which SSH
 # still watches. Never a reason to give up an attempt that has one; an intent's launch is given up as before.
 UNANSWERED = (Throttled, Transient)
+# The provider answered, and would not say: its key refused or without permission (AuthFailed: the user rotated or
+# revoked it mid-run), an account limit on the call (QuotaExceeded), a request it calls wrong (InvalidRequest: a
+# wrong base_url or region). None of them is an instance gone: every adapter's describe maps one to TERMINATED
+# (Lambda's 404 once its listing confirms it, and a 404 for one the listing has live is an InvalidRequest; EC2's
+# instance-id filter skips unknown ids), and NoCapacity is only ever a launch's. Unlike UNANSWERED this will not pass
+# by itself: the user must act. It says nothing of the instance, which is the user's and reachable over SSH without
+# the API: a running attempt is watched there meanwhile (heartbeat, notice, checkpoint syncs), the problem is said
+# once (`attempt.provider_refused`) naming the provider and what to do, and is the job's reason and the attempt's
+# problem in `status` (its info's PROVIDER_REFUSED) until the provider answers again (`attempt.provider_answers`).
+# Never a reason to give up an attempt that has an instance: its terminate could not work either, and an attempt that
+# was to end (a run finished, a stop) stays `terminating`, its job not said over, until its instance is confirmed gone.
+CANNOT_ASK = (AuthFailed, QuotaExceeded, InvalidRequest)
+PROVIDER_REFUSED = "provider_refused"
 # The provider did not answer while an attempt's instance was launched or booting (its info's flag): how long the boot
 # took is not known, so it is not measured (`boot_s` feeds every later decision's t_ovh).
 BOOT_UNANSWERED = "boot_unanswered"
@@ -245,6 +261,51 @@ class Reconciler:
                     self.store.update_job(job["id"], conn, expect_state=job["state"], reason=before):
                 job["reason"] = before
 
+    def _provider_refused(self, att: dict[str, Any], job: dict[str, Any], exc: ProviderError,
+                         info: dict[str, Any]) -> None:
+        """The attempt's provider refused to be asked about its instance (CANNOT_ASK). Written in `info` (the
+        caller's working copy of the attempt's, persisted here) as PROVIDER_REFUSED, made the job's reason, and said
+        once (`attempt.provider_refused`, in the transaction that writes it down: a restarted daemon does not say it
+        again), and again only for another kind of refusal. What is said follows the attempt's state (watched over
+        SSH; or its instance not terminated)."""
+        kind = category(exc)
+        note = info.get(PROVIDER_REFUSED) or {}
+        said = refused_problem(att["provider"], kind, self.app.redactor.clip(str(exc), 300), att["instance_id"],
+                               att["state"])
+        if note.get("said") == said:
+            att["info"] = info
+            return
+        info[PROVIDER_REFUSED] = {"since": note.get("since", self.clock()), "error": kind, "said": said,
+                                  "reason_before": note["reason_before"] if note else job.get("reason")}
+        with self.store.tx() as conn:
+            self.store.set_attempt_info(att["id"], info, conn)
+            # A spot probe's or a successor's is said as theirs, not as the job's reason (as `_step_failed`'s count).
+            if not JobState(job["state"]).final and not is_probe(att) and successor_of(att) is None and \
+                    self.store.update_job(job["id"], conn, expect_state=job["state"], reason=said):
+                job["reason"] = said
+            if note.get("error") != kind:
+                self.app.events.emit("attempt.provider_refused", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                     provider=att["provider"], instance=att["instance_id"], error=kind,
+                                     code=exc.code, state=att["state"], problem=said)
+        att["info"] = info
+
+    def _provider_answers(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any]) -> None:
+        """The provider answered a look at the instance after refusing (PROVIDER_REFUSED in `info`, the caller's
+        working copy, persisted here): the refusal goes, said (`attempt.provider_answers`), and the job's reason, if
+        it is still the refusal's, is what it was before."""
+        note = info.pop(PROVIDER_REFUSED, None)
+        if note is None:
+            return
+        with self.store.tx() as conn:
+            self.store.set_attempt_info(att["id"], info, conn)
+            if job.get("reason") == note.get("said") and self.store.update_job(
+                    job["id"], conn, expect_state=job["state"], reason=note.get("reason_before")):
+                job["reason"] = note.get("reason_before")
+            self.app.events.emit("attempt.provider_answers", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                 provider=att["provider"], instance=att["instance_id"], error=note.get("error"),
+                                 refused_for_s=round(max(0.0, self.clock() - float(note.get("since") or 0)), 1))
+        att["info"] = info
+
     def _step_failed(self, att: dict[str, Any], job: dict[str, Any], exc: Exception) -> None:
         """Count consecutive failures of the same step, and set when it is tried again (STEP_RETRY_FIRST_S, doubled
         at each failure, at most STEP_RETRY_MAX_S); the attempt is given up after MAX_STEP_ERRORS failures in a row
@@ -263,8 +324,10 @@ class Reconciler:
         info["retry_at"] = now + delay
         give_up = errors >= MAX_STEP_ERRORS and now - since >= self.cfg.daemon.heartbeat_timeout_s
         unknown_launch = att["where"] == "cloud" and att["state"] == A.INTENT.value and info.get("launch_tried")
+        # Its instance's provider refuses to be asked (CANNOT_ASK): said as that, with what to do, not as a count.
+        refused = isinstance(exc, CANNOT_ASK) and att["where"] == "cloud" and bool(att.get("instance_id"))
         said = None
-        if not give_up and not (errors >= MAX_STEP_ERRORS and unknown_launch) and not is_probe(att) \
+        if not give_up and not refused and not (errors >= MAX_STEP_ERRORS and unknown_launch) and not is_probe(att) \
                 and successor_of(att) is None and not JobState(job["state"]).final:
             step = STEP_NAMES.get(att["state"], "step") if att["where"] == "cloud" else "local run's step"
             said = (f"{step} failed {errors} time{'s' if errors != 1 else ''} in a row, next try in {delay:.0f} s: "
@@ -280,6 +343,9 @@ class Reconciler:
                 self.app.events.emit("attempt.error", job_id=att["job_id"], attempt_id=att["id"], conn=conn,
                                      state=att["state"], error=error, count=errors, next_try_in_s=delay)
         att["info"] = info
+        if refused and isinstance(exc, ProviderError):
+            self._provider_refused(att, job, exc, dict(info))
+            return  # never given up: its terminate could not work either; tried again at each next try
         if errors < MAX_STEP_ERRORS:
             return
         if isinstance(exc, UNANSWERED) and att["where"] == "cloud" and att["state"] != A.INTENT.value:
@@ -484,6 +550,7 @@ class Reconciler:
         inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
         now = self.clock()
         self._answered_again(att, now)
+        self._provider_answers(att, job, dict(att["info"]))
         if inst is None or inst.state.gone:
             self._lost(att, job, provider, inst, "instance gone while provisioning")
             return
@@ -593,6 +660,11 @@ class Reconciler:
                           error=self.app.redactor.clip(f"{type(exc).__name__}: {exc}", 500),
                           carries_on="the provider does not answer: the run is watched over SSH meanwhile")
             inst = None
+        except CANNOT_ASK as exc:
+            # Its key refused, say: nothing is known of the instance either way, and the run is watched over SSH
+            # as above. Said once, with what to do, until the provider answers again.
+            self._provider_refused(att, job, exc, dict(att["info"]))
+            inst = None
         else:
             if inst is None or inst.state.gone:
                 self._lost(att, job, provider, inst, f"provider reports {inst.state.value if inst else 'unknown'}"
@@ -600,6 +672,7 @@ class Reconciler:
                 return
             if "unanswered_since" in att["info"]:
                 att["info"] = {k: v for k, v in att["info"].items() if k != "unanswered_since"}
+            self._provider_answers(att, job, dict(att["info"]))
         status = self.cloud_steps.status(att)
         info = dict(att["info"])
         if status is None:  # SSH unreachable
@@ -776,10 +849,18 @@ class Reconciler:
         tick (the budget cap and max_run_hours still stop it), unless the instance is gone or unreachable past the
         heartbeat timeout, which is a loss: the job resumes from what is home."""
         now = self.clock()
-        inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
-        if inst is None or inst.state.gone:
-            self._lost(att, job, provider, inst, f"instance gone before {what} came home", info=info)
-            return
+        try:
+            inst = provider.describe([att["instance_id"]]).get(att["instance_id"])
+        except UNANSWERED:
+            inst = None  # nothing known of the instance: SSH says whether it is there, below
+        except CANNOT_ASK as exc:
+            self._provider_refused(att, job, exc, info)
+            inst = None
+        else:
+            if inst is None or inst.state.gone:
+                self._lost(att, job, provider, inst, f"instance gone before {what} came home", info=info)
+                return
+            self._provider_answers(att, job, info)
         if self.cloud_steps.status(att) is not None:
             info["last_seen_at"] = now
         elif now - info.get("last_seen_at", now) > self.cfg.daemon.heartbeat_timeout_s:
@@ -975,3 +1056,23 @@ def _run_over(status: dict[str, Any] | None) -> bool:
     for then)."""
     return status is None or status.get("exit") is not None or not status.get("supervisor_alive")
 
+
+def refused_problem(provider: str, kind: str, error: str, instance: str | None, state: str) -> str:
+    """What is said of an attempt whose provider refuses to be asked about its instance (CANNOT_ASK, `kind` its
+    category): the provider, what it refused, what becomes of the instance meanwhile, and what to do."""
+    what, fix = {
+        "AuthFailed": ("its API key or credentials were refused",
+                       "fix the key (`burstctl providers` shows which it reads and whether it is accepted)"),
+        "QuotaExceeded": ("an account limit refused the call",
+                          "raise the limit with the provider, or wait for it to reset"),
+    }.get(kind, ("it refused the request as invalid", f"check [providers.{provider}] in the config (base_url, region)"))
+    if state == A.TERMINATING.value:
+        meanwhile = f"instance {instance} could not be terminated and may still run, and bill"
+        then = "it is terminated, and the attempt ends, once the provider answers"
+    elif state == A.PROVISIONING.value:
+        meanwhile = f"instance {instance} is left booting (where to reach it comes from the provider)"
+        then = "burstctl cannot stop it, or see when it stops billing, until then"
+    else:
+        meanwhile = f"instance {instance} keeps running and is watched over SSH, its checkpoints still come home"
+        then = "burstctl cannot stop it, or see when it stops billing, until then"
+    return f"providers.{provider}: {what} ({kind}: {error}): {meanwhile}; {fix} — {then}"
