@@ -9,15 +9,28 @@ the notice's pull began, reclaimed with its instance before it could come home, 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select
 
 from runbooks.burst_checkpoint import MANIFEST
-from tests.e2e import Daemon, cli, enqueue, events, pull_under_way, simcloud, trainer_job, wait_for, write_config
+from state import schema as s
+from state.store import Store
+from tests.e2e import (
+    Daemon,
+    cli,
+    enqueue,
+    events,
+    pull_under_way,
+    simcloud,
+    store_url,
+    trainer_job,
+    wait_for,
+    write_config,
+)
 
 SHARD_MIB, PULL_KIB_S = 12, 2048  # each of the large job's checkpoints takes about 6 s to come home
 
@@ -84,7 +97,10 @@ def test_a_checkpoint_written_after_the_notices_pull_began_comes_home_or_is_said
             sandbox = tmp_path / "sim" / "instances" / first / "sandbox"
             wait_for(lambda: any(sandbox.rglob("exit.json")), 30, "the trainer's last checkpoint and exit")
             newest = sorted(p.parent.name for p in sandbox.rglob(f"checkpoints/step-*/{MANIFEST}"))[-1]
-            time.sleep(1.0)  # five ticks: the daemon has read the supervisor's exit (its last checkpoint) by now
+            # The daemon has read the supervisor's last word (its last checkpoint). A second's sleep had not been
+            # enough on a loaded machine: the loss then named the checkpoint before the last.
+            wait_for(lambda: _attempt_info(state, f"{job_id}-a1").get("instance_checkpoint") == newest, 30,
+                     "the daemon to hear of the last checkpoint", interval=0.05)
             assert pull_under_way(state, job_id) == under_way < newest  # the last checkpoint came after it began
             if reclaimed == "before it comes home":
                 httpx.post(f"{url}/_sim/instances/{first}/preempt", json={}, timeout=10).raise_for_status()
@@ -116,3 +132,13 @@ def test_a_checkpoint_written_after_the_notices_pull_began_comes_home_or_is_said
     assert f"its checkpoint {newest} was lost with its instance, the job went back to {resumed['checkpoint']}" \
            in logs.stderr
     assert '"event": "checkpoint.lost"' in (state / "events.jsonl").read_text()  # the structured log says it too
+
+
+def _attempt_info(state: Path, attempt_id: str) -> dict[str, Any]:
+    store = Store(store_url(state))
+    try:
+        with store.engine.connect() as c:
+            info = c.execute(select(s.attempts.c.info).where(s.attempts.c.id == attempt_id)).scalar()
+        return dict(info or {})
+    finally:
+        store.close()
