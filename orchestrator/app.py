@@ -6,17 +6,16 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TextIO
-
-from sqlalchemy import select
-from sqlalchemy.exc import DBAPIError
+from typing import TYPE_CHECKING, TextIO
 
 from orchestrator.config import Config, load_config_for_state
 from orchestrator.errors import CONFIG_PROBLEMS, NOTES, BadInput, OperationalError
-from orchestrator.events import EventLog, Redactor
-from providers.registry import key_file_secrets
-from state import schema as s
-from state.store import Store
+
+# The database layer (SQLAlchemy, ~0.2 s to import), the event log and the providers are imported where first
+# used: a command that reads only the config (`size`, `simcloud serve`) never loads them.
+if TYPE_CHECKING:
+    from orchestrator.events import EventLog, Redactor
+    from state.store import Store
 
 # The kill switch (`revert-local` clears it, `burst-enable` sets it): a setting in the store, so the daemon and
 # every command see the same answer.
@@ -27,6 +26,10 @@ ORCHESTRATOR_ID_KEY = "orchestrator_id"
 
 def open_store(url: str, what: str) -> Store:
     """The store at `url`, migrated; an unreachable, refused or unknown database is one line naming `what`."""
+    from sqlalchemy.exc import DBAPIError
+
+    from state.store import Store
+
     try:
         return Store(url)
     except DBAPIError as exc:
@@ -80,6 +83,8 @@ class App:
     def use_config(self, cfg: Config) -> None:
         """Run on `cfg` from now on (the daemon's reload). The store and event log opened from the old one stay:
         `config_watch` keeps their settings as they were."""
+        from providers.registry import key_file_secrets
+
         self.__dict__["config"] = cfg
         self.redactor.add_env_names(cfg.secret_env_names())
         self.redactor.add_values(key_file_secrets(cfg))  # a rotated key file's new key, before any client uses it
@@ -101,12 +106,17 @@ class App:
 
     @cached_property
     def redactor(self) -> Redactor:
+        from orchestrator.events import Redactor
+        from providers.registry import key_file_secrets
+
         redactor = Redactor(self.config.secret_env_names())
         redactor.add_values(key_file_secrets(self.config))
         return redactor
 
     @cached_property
     def events(self) -> EventLog:
+        from orchestrator.events import EventLog
+
         state = self.config.state
         log = EventLog(self.store, self.config.state_dir, self.redactor, console=self.console,
                        max_bytes=int(state.events_file_max_mb * 2**20), kept=state.events_files_kept,
@@ -117,6 +127,10 @@ class App:
     @cached_property
     def orchestrator_id(self) -> str:
         """The owner tag of this installation's instances: the config's, else the one kept in the state."""
+        from sqlalchemy import select
+
+        from state import schema as s
+
         if self.config.orchestrator_id:
             return self.config.orchestrator_id
         kept = self.store.get_setting(ORCHESTRATOR_ID_KEY)

@@ -22,9 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from apscheduler.executors.pool import ThreadPoolExecutor
-from apscheduler.schedulers.blocking import BlockingScheduler
-
 from orchestrator.app import App
 from orchestrator.config import Config
 from orchestrator.config_watch import ConfigWatch
@@ -33,6 +30,8 @@ from state.flock import flock_held, try_flock
 from state.store import DaemonLease
 
 if TYPE_CHECKING:
+    from apscheduler.schedulers.blocking import BlockingScheduler
+
     from orchestrator.lifecycle.reconcile import Reconciler
 
 LOCK_NAME = "daemon.lock"
@@ -142,6 +141,10 @@ def _skipped_tick(record: logging.LogRecord) -> bool:
 
 def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idle: bool,
          on_tick: Callable[[int], None] | None, lease: DaemonLease, lost: threading.Event) -> int:
+    # Here, not at the top: `status`, `revert-local` and others read `running_daemon` without the scheduler.
+    from apscheduler.executors.pool import ThreadPoolExecutor
+    from apscheduler.schedulers.blocking import BlockingScheduler
+
     from orchestrator.lifecycle.service import build_reconciler
 
     stop = threading.Event()

@@ -15,8 +15,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
-import structlog
-
 from state.store import Store, after_commit
 
 REDACTED = "***"
@@ -133,6 +131,10 @@ class EventLog:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / "events.jsonl"
         self._lines = JsonLines(self.path, max_bytes=max_bytes, kept=kept)
+        # Here, not at the top: structlog loads its console renderer and rich's tracebacks (~45 ms), which the
+        # commands that only read the trail (`list`, `show`, `events`) never use.
+        import structlog
+
         self._json = structlog.wrap_logger(
             self._lines,
             processors=[structlog.processors.JSONRenderer(sort_keys=False, default=str)],

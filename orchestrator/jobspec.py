@@ -31,6 +31,7 @@ from orchestrator.config import (
     PassedEnvName,
     read_toml,
 )
+from orchestrator.core.gates import MAX_DEADLINE_HOURS, MAX_DEADLINE_YEARS
 from orchestrator.errors import BadInput, FieldValueError, format_validation_error, what_was_given
 
 Method = Literal["full", "lora", "qlora"]
@@ -38,11 +39,7 @@ Dtype = Literal["fp32", "bf16", "fp16", "int8", "int4"]
 Parallelism = Literal["ddp", "fsdp"]
 Attention = Literal["sdpa", "eager"]
 
-# The furthest deadline a job may have. A generous cap rather than "whatever a datetime can hold": no training job
-# plans a decade ahead, and every later step (events, records, `list`) can then format the instant.
-MAX_DEADLINE_YEARS = 10
 SHELL_OPERATORS = frozenset({"|", "||", "&&", ";", "&", ">", ">>", "<", "2>", "2>&1", "&>"})  # what a shell reads
-MAX_DEADLINE_HOURS = MAX_DEADLINE_YEARS * 365.25 * 24  # 87660 h
 MAX_STOP_GRACE_S = 3600.0  # a trainer's last checkpoint: an hour is more than any disk needs for one
 DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2026-12-01T09:00:00Z"
 DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 and at most {MAX_DEADLINE_HOURS:.0f} "

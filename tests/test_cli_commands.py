@@ -1,10 +1,11 @@
 """The command table: every command is found by name without importing the others, a command that only reads
-the state does not load the decision core, the simulator or the daemon's machinery, and no number option takes
-nan or infinity."""
+the state does not load the decision core, the simulator, the daemon's machinery or the event log's writer, --version
+and --help not even the config or the database layer, and no number option takes nan or infinity."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 import subprocess
 import sys
@@ -38,12 +39,32 @@ def test_the_command_list_in_help_loads_no_command_module() -> None:
     assert any(line.split()[:1] == ["simulate"] for line in lines)
 
 
-def test_reading_the_queue_loads_only_what_it_needs(tmp_path: Path) -> None:
-    probe = ("import sys; from orchestrator.cli import main; code = main(['--state-dir', sys.argv[1], 'list']); "
-             "heavy = sorted(m for m in ('numpy', 'apscheduler', 'paramiko', 'boto3', 'orchestrator.queue', "
-             "'orchestrator.simulate') if m in sys.modules); print(code, heavy)")
-    r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "state")], capture_output=True, text=True,
-                       timeout=60)
+# What no command that only reads loads: the daemon's scheduler, the event log's writer (structlog, and rich's
+# tracebacks under it), the providers' clients and SDKs, the decision core, the simulator and numpy.
+NOT_FOR_READING = ("structlog", "apscheduler", "providers.base", "httpx", "boto3", "botocore", "paramiko", "fabric",
+                   "numpy", "orchestrator.queue", "orchestrator.simulate")
+# A command that reads the state does not build the job file's models either.
+NOT_FOR_THE_STATE = (*NOT_FOR_READING, "orchestrator.jobspec")
+# --version and --help need neither the config's models, the database layer nor rich.
+NOT_FOR_HELP = (*NOT_FOR_READING, "orchestrator.app", "orchestrator.config", "pydantic", "sqlalchemy", "rich")
+
+
+@pytest.mark.parametrize(("args", "not_loaded"), [
+    (["--version"], NOT_FOR_HELP),
+    (["--help"], NOT_FOR_HELP),
+    (["status"], NOT_FOR_THE_STATE),
+    (["list"], NOT_FOR_THE_STATE),
+    (["events", "--limit", "5"], NOT_FOR_THE_STATE),
+    (["size", "--model", "qwen2.5-7b"], (*NOT_FOR_READING, "sqlalchemy")),
+], ids=["--version", "--help", "status", "list", "events", "size"])
+def test_a_command_loads_only_what_it_needs(args: list[str], not_loaded: tuple[str, ...], tmp_path: Path) -> None:
+    # Every command starts in a fresh interpreter: what it imports is paid by every run of it, in users' loops and
+    # by the tests' hundreds of CLI and daemon subprocesses (benchmarks/cli_start.py).
+    probe = ("import json, sys; from orchestrator.cli import main; "
+             "code = main(['--state-dir', sys.argv[1], *json.loads(sys.argv[2])]); "
+             "print(code, sorted(m for m in json.loads(sys.argv[3]) if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "state"), json.dumps(args),
+                        json.dumps(not_loaded)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "0 []"
 

@@ -1,31 +1,25 @@
 """The `burstctl` command group and the conventions every command follows.
 
-- Human tables by default (rich), `--json` for scripts.
+- Human tables by default (rich, `output.table`), `--json` for scripts (`output.print_json`).
 - Exit 0 on success, 1 on an operational failure, 2 on bad input: always one line on stderr, no traceback.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import math
-import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
-from orchestrator.app import App
 from orchestrator.errors import BadInput
 
-F = TypeVar("F", bound=Callable[..., Any])
+if TYPE_CHECKING:
+    from orchestrator.app import App
 
-# Pipes and CI get a wide fixed width so tables are not squeezed into 80 columns.
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 # Each command's module, imported only when that command runs: a command then loads what it needs and no more.
@@ -118,6 +112,9 @@ STATE_READERS = {"status", "list", "show", "events", "logs", "revert-local"}
 @click.pass_context
 def cli(ctx: click.Context, config_path: str | None, state_dir: str | None) -> None:
     """burstctl: decide whether each training job runs locally or bursts to a rented GPU, then run it."""
+    # Here, not at the top: the config's models and the database layer, which --version and --help never need.
+    from orchestrator.app import App
+
     for flag, value in (("--config", config_path), ("--state-dir", state_dir)):
         if value is not None and not value.strip():  # a script's unset variable: not the defaults, said
             raise BadInput("is empty: expected a path", field=flag)
@@ -137,7 +134,7 @@ def say_config_problem_now(app: App) -> None:
 @click.pass_context
 def said_config_problem(ctx: click.Context, *_: Any, **__: Any) -> None:
     """A state reader that ran on a config file that does not validate ends with the file's problem (exit 2)."""
-    app = ctx.find_object(App)
+    app: App | None = ctx.obj
     problem = app.config_problem if app is not None and app.state_only else None
     if app is not None and problem is not None:
         raise BadInput(f"{problem.detail}; what is above was read from the state alone{_daemons_clause(app)}",
@@ -153,25 +150,9 @@ def _daemons_clause(app: App) -> str:
     return ", and the running daemon keeps the settings it last read" if same and running_daemon(app) else ""
 
 
-pass_app = click.make_pass_decorator(App)
+# The group's App (`ctx.obj`, which every subcommand's context inherits).
+pass_app = click.pass_obj
 
 
 def json_option(f: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")(f)
-
-
-def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    """Cells are text, never markup: "[prices.H100]" or a job named "[exp]" print as they are (rich took them for
-    tags and printed nothing)."""
-    t = Table(title=None if title is None else escape(title), title_justify="left", header_style="bold")
-    for c in columns:
-        t.add_column(escape(c))
-    for r in rows:
-        t.add_row(*("" if v is None else escape(str(v)) for v in r))
-    out.print(t)
-
-

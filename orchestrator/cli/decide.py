@@ -12,7 +12,8 @@ import click
 from rich.markup import escape
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, json_option, out, pass_app, print_json
+from orchestrator.cli.base import cli, json_option, pass_app
+from orchestrator.cli.output import out, print_json
 from orchestrator.config import NAME_EXPECTED, NAME_MAX, NAME_PATTERN
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.core.gates import (

@@ -10,7 +10,8 @@ import click
 from rich.markup import escape
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, json_option, out, print_json, table
+from orchestrator.cli.base import cli, json_option
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.demo import run_demo
 from orchestrator.errors import OperationalError
 from orchestrator.records import fmt_h, fmt_usd

@@ -13,20 +13,12 @@ from rich.markup import escape
 from sqlalchemy import select
 
 from orchestrator.app import App, burst_enabled
-from orchestrator.cli.base import (
-    FiniteFloat,
-    cli,
-    json_option,
-    out,
-    pass_app,
-    print_json,
-    say_config_problem_now,
-    table,
-)
+from orchestrator.cli.base import FiniteFloat, cli, json_option, pass_app, say_config_problem_now
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h, unpaid_hand_over
+from orchestrator.core.gates import MAX_DEADLINE_HOURS
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
-from orchestrator.jobspec import MAX_DEADLINE_HOURS
 from orchestrator.lifecycle.homes import job_outputs_dir
 from orchestrator.lifecycle.machine import LAUNCHING, states_said
 from orchestrator.lifecycle.schedule import reported

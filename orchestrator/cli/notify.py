@@ -8,7 +8,8 @@ import time
 import click
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import cli, json_option, pass_app
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.notify import DeliveryFailed, deliver, trial_notice
 

@@ -8,7 +8,8 @@ import sys
 import click
 
 from orchestrator.app import App
-from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, pass_app
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.errors import OperationalError
 from orchestrator.records import fmt_usd
 from orchestrator.rehearse import RehearsalOptions, rehearse

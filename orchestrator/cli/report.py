@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 import click
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import cli, json_option, pass_app
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.core.budget import month_key
 from orchestrator.errors import BadInput
 from orchestrator.records import fmt_h, fmt_usd

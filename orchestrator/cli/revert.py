@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from orchestrator.app import App
-from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, pass_app
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.daemon import running_daemon
 from orchestrator.errors import OperationalError
 from orchestrator.lifecycle.revert import restore_plans, revert_local, set_burst_enabled

@@ -10,7 +10,8 @@ from typing import Any
 from rich.markup import escape
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import cli, json_option, pass_app
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.core.budget import month_end, month_key
 from orchestrator.errors import BadInput
 from orchestrator.jobspec import JobSpec

@@ -22,7 +22,8 @@ import click
 import httpx
 
 from orchestrator.app import App
-from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, pass_app
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.config import ENV_NAME, ENV_NAME_EXPECTED, toml_value
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.records import fmt_usd

@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orchestrator.app import App
-from orchestrator.cli.base import cli, json_option, pass_app, print_json, table
+from orchestrator.cli.base import cli, json_option, pass_app
+from orchestrator.cli.output import print_json, table
 from orchestrator.core.gates import MAX_OVERHEAD_H
 from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES
 from orchestrator.errors import BadInput, shown_count

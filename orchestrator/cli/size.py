@@ -9,7 +9,8 @@ import click
 from pydantic import ValidationError
 
 from orchestrator.app import App
-from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, pass_app
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.config import read_toml
 from orchestrator.core.sizing import (
     COMMON_GPU_SIZES_GB,

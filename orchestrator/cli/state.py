@@ -11,7 +11,8 @@ from rich.markup import escape
 from sqlalchemy import make_url
 
 from orchestrator.app import App, open_store
-from orchestrator.cli.base import FiniteFloat, cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import FiniteFloat, cli, json_option, pass_app
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.config import StateSettings
 from orchestrator.daemon import running_daemon
 from orchestrator.errors import BadInput, OperationalError, format_validation_error

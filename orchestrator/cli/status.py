@@ -11,7 +11,8 @@ from rich.markup import escape
 from sqlalchemy import select
 
 from orchestrator.app import App, burst_enabled
-from orchestrator.cli.base import cli, json_option, out, pass_app, print_json, table
+from orchestrator.cli.base import cli, json_option, pass_app
+from orchestrator.cli.output import out, print_json, table
 from orchestrator.core.budget import month_key
 from orchestrator.daemon import CONFIG_SEEN_KEY, config_fingerprint, running_daemon
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, LAUNCHING, launching

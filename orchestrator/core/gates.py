@@ -21,6 +21,12 @@ MAX_RATE_USD_GPU_H = 1000.0  # an H100 rents for $2-$12 a GPU-hour
 MAX_OVERHEAD_H = 24.0
 MAX_LOCAL_USD_H = 25.0
 MAX_GPUS = 64  # as a job file's `gpus`
+# The furthest deadline a job may have. A generous cap rather than "whatever a datetime can hold": no training job
+# plans a decade ahead, and every later step (events, records, `list`) can then format the instant. Here, not in
+# jobspec.py, so that `list`, `show` and `events` (whose module bounds `retry --deadline-hours`) do not build the job
+# file's models.
+MAX_DEADLINE_YEARS = 10
+MAX_DEADLINE_HOURS = MAX_DEADLINE_YEARS * 365.25 * 24  # 87660 h
 
 
 class Verdict(StrEnum):
