@@ -15,7 +15,7 @@ from orchestrator.lifecycle import revert
 from orchestrator.lifecycle.cloud_steps import CloudSteps
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.queue import enqueue
-from providers.base import LaunchRequest, Market, OwnerTags
+from providers.base import LaunchRequest, Market, OwnerTags, RetryPolicy
 from providers.lambda_cloud import LambdaCloud
 from providers.simcloud.api import SimCloudServer
 from state import schema as s
@@ -104,5 +104,38 @@ def test_revert_local_meters_the_orphans_it_terminates(tmp_path: Path) -> None:
         (charge,) = app.store.ledger_rows()
         assert (charge["instance_id"], charge["started_at"], charge["rate_usd_h"]) == (orphan, started, 2.49)
         assert charge["cost_usd"] >= 2.49 * 600 / 3600
+        provider.close()
+    app.close()
+
+
+def test_a_provider_the_sweep_cannot_list_is_said_once_an_outage_not_every_sweep(tmp_path: Path) -> None:
+    # A key refused for a day was said at every sweep (every 120 s: 720 provider.unreachable events a day). It is said
+    # once, again for another kind of error or after a sweep that listed the provider, and not again by a daemon
+    # restarted meanwhile.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    with SimCloudServer(api_key=KEY) as sim:
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key=KEY, regions=("us-east-1",),
+                               request_interval_s=0.0, orchestrator_id=app.orchestrator_id,
+                               retry=RetryPolicy(attempts=2, initial_s=0.01, max_wait_s=0.01))
+
+        def said() -> list[str]:
+            return [e["data"]["error"] for e in app.store.events() if e["type"] == "provider.unreachable"]
+
+        def sweeps(n: int) -> None:
+            for _ in range(n):  # a new reconciler each time: what was said is in the database, not in memory
+                assert Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider})).sweep() == {}
+
+        sim.inject("invalid-key", count=1000)
+        sweeps(3)
+        assert said() == ["AuthFailed"]
+        sim.clear_faults()
+        sim.inject("server-error", count=1000)
+        sweeps(2)
+        assert said() == ["AuthFailed", "Transient"]  # another kind of error
+        sim.clear_faults()
+        sweeps(1)  # listed: the outage is over
+        sim.inject("invalid-key", count=1000)
+        sweeps(2)
+        assert said() == ["AuthFailed", "Transient", "AuthFailed"]
         provider.close()
     app.close()

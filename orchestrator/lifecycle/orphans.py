@@ -22,6 +22,9 @@ from orchestrator.lifecycle.machine import AttemptState
 from providers.base import InstanceInfo, Offer, Provider, ProviderError
 from state import schema as s
 
+# The setting (per provider) that keeps what the sweep said of a provider it could not list (`_unreachable`).
+SWEEP_UNREACHABLE = "sweep.unreachable."
+
 
 def attempts_of(app: App, owned: list[InstanceInfo]) -> dict[str, dict[str, Any]]:
     """The attempts the instances are tagged with that this database knows, by id (one query for a provider's
@@ -92,8 +95,10 @@ def sweep_orphans(app: App, providers: Mapping[str, Provider], clock: Callable[[
         try:
             owned = provider.list_owned()
         except ProviderError as exc:
-            app.events.emit("provider.unreachable", provider=name, error=type(exc).__name__, during="sweep")
+            _unreachable(app, name, exc, clock())
             continue
+        if app.store.get_setting(SWEEP_UNREACHABLE + name) is not None:
+            app.store.delete_setting(SWEEP_UNREACHABLE + name)  # answered: its next outage is said again
         attempts = attempts_of(app, owned)
         offers = functools.cache(provider.offers)
         for inst in owned:
@@ -115,6 +120,19 @@ def sweep_orphans(app: App, providers: Mapping[str, Provider], clock: Callable[[
                             attempt_id=inst.attempt_id, reason=why, rate_usd_h=rate, metered_from=since)
     retry_unverified(app, providers, clock)
     return terminated
+
+
+def _unreachable(app: App, name: str, exc: ProviderError, now: float) -> None:
+    """A provider the sweep could not list: said once an outage (`provider.unreachable`), and again for another
+    kind of error, not every sweep (a key refused for a day was 720 events of it). What was said is kept in a setting
+    until a sweep lists the provider again, so a restarted daemon does not say it again either."""
+    error = type(exc).__name__
+    said = app.store.get_setting(SWEEP_UNREACHABLE + name)
+    if isinstance(said, dict) and said.get("error") == error:
+        return
+    with app.store.tx() as conn:
+        app.store.set_setting(SWEEP_UNREACHABLE + name, {"error": error, "since": now}, conn)
+        app.events.emit("provider.unreachable", provider=name, error=error, during="sweep", conn=conn)
 
 
 def retry_unverified(app: App, providers: Mapping[str, Provider], clock: Callable[[], float]) -> None:
