@@ -78,6 +78,14 @@ def test_a_throttling_failing_and_dropping_provider_api_still_gets_the_job_done_
     assert row["cost_usd"] is not None and row["billed_seconds"] > 0
 
 
+def done_where_it_ran(state: Path, job_id: str, url: str) -> None:
+    """The job ended done on the one instance it ran on, never given up meanwhile, and nothing is left running."""
+    assert job(state, job_id)["state"] == "done", job(state, job_id)["reason"]
+    assert len(sim_instances(url)) == 1, "the run carried on where it was: one instance"
+    assert_one_instance_per_attempt_and_all_gone(url)
+    assert not [e for e in events(state, "attempt.") if "gave up" in json.dumps(e["data"])]
+
+
 def test_a_provider_api_down_for_many_ticks_neither_fails_a_running_job_nor_loses_its_checkpoints(
         tmp_path: Path) -> None:
     # Every look at the instance answered 503 for many ticks (the API down, the instance fine): it was "gave up
@@ -96,12 +104,9 @@ def test_a_provider_api_down_for_many_ticks_neither_fails_a_running_job_nor_lose
             wait_for(lambda: job(state, job_id)["state"] in ("done", "failed"), 120, "the job to end")
         finally:
             assert daemon.stop() == 0
-        assert job(state, job_id)["state"] == "done", job(state, job_id)["reason"]
-        assert len(sim_instances(url)) == 1, "the run carried on where it was: one instance"
-        assert_one_instance_per_attempt_and_all_gone(url)
+        done_where_it_ran(state, job_id, url)
     said = [e["data"] for e in events(state, "attempt.error") if e["data"].get("carries_on")]
     assert said and "HTTP 503" in said[0]["error"]  # said once the outage began
-    assert not [e for e in events(state, "attempt.") if "gave up" in json.dumps(e["data"])]
 
 
 def test_a_provider_refusing_the_api_key_mid_run_leaves_the_run_watched_over_ssh_until_the_key_works_again(
@@ -135,13 +140,10 @@ def test_a_provider_refusing_the_api_key_mid_run_leaves_the_run_watched_over_ssh
             wait_for(lambda: job(state, job_id)["state"] in ("done", "failed"), 120, "the job to end")
         finally:
             assert daemon.stop() == 0
-        assert job(state, job_id)["state"] == "done", job(state, job_id)["reason"]
-        assert len(sim_instances(url)) == 1, "the run carried on where it was: one instance"
-        assert_one_instance_per_attempt_and_all_gone(url)
+        done_where_it_ran(state, job_id, url)
     (said,) = [e["data"] for e in events(state, "attempt.provider_refused")]  # said once
     assert said["error"] == "AuthFailed" and said["provider"] == "sim"
     assert len(events(state, "attempt.provider_answers")) == 1
-    assert not [e for e in events(state, "attempt.") if "gave up" in json.dumps(e["data"])]
     (row,) = ledger(state)
     assert row["ended_at"] is not None and row["cost_usd"] is not None and row["billed_seconds"] > 0
 
