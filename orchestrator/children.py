@@ -26,6 +26,13 @@ from runbooks import supervisor
 ERROR_PREFIX = "burstctl: error: "
 
 
+def cache_dir() -> Path:
+    """$XDG_CACHE_HOME/burstctl, or ~/.cache/burstctl (a relative $XDG_CACHE_HOME is ignored, as the XDG base
+    directory specification asks): where the demo runs and rehearsals are written down."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "burstctl"
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a child server."""
     with socket.socket() as sock:

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from orchestrator.children import Children, end_left_over, free_port
+from orchestrator.children import Children, cache_dir, end_left_over, free_port
 from orchestrator.config import toml_value
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import BadInput, OperationalError
@@ -281,10 +281,8 @@ def seed_candidates() -> list[dict[str, Any]]:
 
 
 def demo_dir() -> Path:
-    """$XDG_CACHE_HOME/burstctl/demo, or ~/.cache/burstctl/demo (a relative $XDG_CACHE_HOME is ignored, as the XDG
-    base directory specification asks): the directory every demo runs in."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "burstctl" / "demo"
+    """$XDG_CACHE_HOME/burstctl/demo, or ~/.cache/burstctl/demo (`cache_dir`): the directory every demo runs in."""
+    return cache_dir() / "demo"
 
 
 @contextmanager

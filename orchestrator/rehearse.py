@@ -14,6 +14,11 @@ What is observed, and where from:
   instance (manifest name, step, created_at) and the supervisor's exit.json are read while the instance lives.
   That is what tells a trainer that ignores BURST_RESUME_FROM (its first checkpoint after a resume is not past the
   checkpoint it was given) from one that resumes.
+
+Each rehearsal is written down while it runs (`workspace`): $XDG_CACHE_HOME/burstctl/rehearsals/<pid>-<start ticks>-…/
+names its directory and holds its children's pids and start ticks. One killed outright (SIGKILL, the OOM killer)
+runs no `finally`: its simcloud, daemon and simulated instances ran on, and its directory, a new one each run, was
+found by nothing. The next rehearsal ends them and removes its directory (`end_left_over_rehearsals`).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import os
 import random
 import secrets
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,11 +40,11 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from orchestrator.children import Children, free_port
+from orchestrator.children import Children, cache_dir, end_left_over, free_port
 from orchestrator.config import Config, toml_value
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.jobspec import JobSpec, _missing_script, load_job
-from runbooks import burst_checkpoint
+from runbooks import burst_checkpoint, supervisor
 from state import schema as s
 from state.store import Store
 
@@ -47,6 +54,13 @@ RELAXED_DEADLINE_H = 720.0  # a month: the rehearsal is about checkpoints, not a
 REHEARSAL_GPU = "H100"  # simcloud sells H100 spot; the job's own GPU types may not exist there
 JITTER = (0.75, 1.25)  # each preemption comes after this many times --every-s of running, seeded
 POLL_S = 0.15  # the observation loop's period: well under the daemon's tick, so no event is seen late
+
+# Every rehearsal's directory is a new temporary one with this prefix, marked from the start: a later rehearsal
+# removes a left-over directory only when both say it is a rehearsal's.
+DIR_PREFIX = "burstctl-rehearse-"
+DIR_MARKER = ".burstctl-rehearsal"
+OWNER = "rehearsal.json"  # in a rehearsal's registry entry: its directory, and whether --keep keeps it
+CHILDREN = "children"  # in a rehearsal's registry entry: its simcloud's and daemon's pids and start ticks
 
 VERDICT_OK = "resumes correctly"
 VERDICT_NO_CHECKPOINT = "loses all work on preemption: no checkpoint"
@@ -243,7 +257,7 @@ class Rehearsal:
     """One rehearsal: its throwaway directory, its two child processes and what it observed."""
 
     def __init__(self, spec_path: Path, opts: RehearsalOptions, say: Callable[[str], None], workdir: Path,
-                 keep: bool = False):
+                 keep: bool = False, records: Path | None = None):
         self.spec_path = spec_path
         self.keep = keep
         self.opts = opts
@@ -256,7 +270,7 @@ class Rehearsal:
         self.url = f"http://127.0.0.1:{self.port}"
         # simcloud's API key lives only in the children's environment; it is never printed.
         self.env = {**os.environ, "BURSTCTL_SIM_API_KEY": "rehearse-" + secrets.token_hex(12)}
-        self.children = Children(self.dir, self.env, self.config)
+        self.children = Children(self.dir, self.env, self.config, records=records)
         self.http = httpx.Client(timeout=10)
         self.store: Store | None = None
         self.attempts: dict[str, AttemptWatch] = {}
@@ -411,14 +425,8 @@ class Rehearsal:
         rng = random.Random(self.opts.seed)
         # Seeded jitter, so the preemptions do not always land on the same phase of the checkpoint cycle.
         delays = [every * rng.uniform(*JITTER) for _ in range(self.opts.preemptions)]
-        self._write_config()
-        self.say(f"starting a private simcloud and daemon in {self.dir}")
-        self.children.spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.sim_state),
-                    "--boot-delay", str(self.opts.boot_delay_s))
-        self._wait(self._sim_answers, 60, "simcloud to answer")
-        job_id = self._enqueue(spec)
-        self.children.spawn("daemon", "--state-dir", str(self.state), "daemon")
-        self.store = Store(f"sqlite:///{self.state / 'burstctl.db'}")
+        job_id = self.start(spec)
+        assert job_id is not None and self.store is not None  # a job was given; the daemon's store is open
         self.say(f"{spec.name} forced to burst to simulated spot; {self.opts.preemptions} preemption(s), "
                  f"about every {every:.1f} s of running")
 
@@ -465,6 +473,19 @@ class Rehearsal:
             finished=state == "done", attempts=attempts, cost_usd=cost, billed_usd=billed, instances_left=left,
             seconds=time.monotonic() - started, every_s=every, seed=self.opts.seed, notes=self.notes,
             workdir=None)
+
+    def start(self, spec: JobSpec | None) -> str | None:
+        """Its config, simcloud, the job enqueued (None: no job, an idle daemon) and the daemon: started, and written
+        down when the rehearsal is (`records`). The job's id."""
+        self._write_config()
+        self.say(f"starting a private simcloud and daemon in {self.dir}")
+        self.children.spawn("simcloud", "simcloud", "serve", "--port", str(self.port), "--state", str(self.sim_state),
+                            "--boot-delay", str(self.opts.boot_delay_s))
+        self._wait(self._sim_answers, 60, "simcloud to answer")
+        job_id = self._enqueue(spec) if spec is not None else None
+        self.children.spawn("daemon", "--state-dir", str(self.state), "daemon")
+        self.store = Store(f"sqlite:///{self.state / 'burstctl.db'}")
+        return job_id
 
     def _running(self, watch: AttemptWatch) -> bool:
         assert self.store is not None
@@ -612,7 +633,8 @@ def rehearse(spec_path: str | Path, opts: RehearsalOptions, say: Callable[[str],
              keep: bool = False, config: Config | None = None) -> RehearsalResult:
     """Rehearse the job in `spec_path` with `opts.preemptions` injected preemptions. Bad input raises BadInput
     before anything starts, that which `enqueue` would refuse under `config` too (a GPU type its [prices] lacks, an
-    unknown model preset); the children are always stopped; the throwaway directory is removed unless `keep`."""
+    unknown model preset); then what rehearsals killed outright left is cleaned up (`end_left_over_rehearsals`, said
+    on stderr); the children are always stopped; the throwaway directory is removed unless `keep`."""
     path = Path(spec_path)
     validate_options(opts)
     spec, deadline_at = load_job(path)  # bad input exits 2 before any process starts
@@ -622,13 +644,87 @@ def rehearse(spec_path: str | Path, opts: RehearsalOptions, say: Callable[[str],
         facts(spec, deadline_at, time.time(), config, path)
     check_rehearsable(spec, path)
     check_fits_the_timeout(spec, opts, path)
-    workdir = Path(tempfile.mkdtemp(prefix="burstctl-rehearse-"))
-    reh = Rehearsal(path, opts, say, workdir, keep=keep)
-    try:
-        res = reh.run()
-    finally:
-        reh.stop_all()
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+    for line in end_left_over_rehearsals():
+        print(f"burstctl: note: {line}", file=sys.stderr)
+    with workspace(keep) as (workdir, records):
+        reh = Rehearsal(path, opts, say, workdir, keep=keep, records=records)
+        try:
+            res = reh.run()
+        finally:
+            reh.stop_all()
     res.workdir = str(workdir) if keep else None
     return res
+
+
+def rehearsals_dir() -> Path:
+    """$XDG_CACHE_HOME/burstctl/rehearsals, or ~/.cache/burstctl/rehearsals: every running rehearsal, written down."""
+    return cache_dir() / "rehearsals"
+
+
+@contextmanager
+def workspace(keep: bool = False) -> Iterator[tuple[Path, Path | None]]:
+    """A new temporary directory for one rehearsal, and where its children are to be written down (`Children`'s
+    `records`; None where it cannot be written down): its entry in rehearsals_dir(), `<pid>-<start ticks>-<suffix of
+    the directory's name>`, named after this process (so a later rehearsal knows when it is gone) and holding
+    OWNER. The caller stops the children before the block ends; then the directory goes (unless `keep`) and the
+    entry goes."""
+    workdir = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))
+    entry: Path | None = None
+    try:
+        (workdir / DIR_MARKER).write_text("Made by `burstctl rehearse`, which removes it when it ends (or, if it is "
+                                          "killed, the next rehearsal does), unless given --keep.\n")
+        start = supervisor.process_start_ticks(os.getpid())
+        if start is not None:  # without it (no /proc), no later rehearsal could tell this one from a reused pid
+            with suppress(OSError):  # unregistered, a rehearsal still runs and stops its children
+                entry = rehearsals_dir() / f"{os.getpid()}-{start}-{workdir.name.removeprefix(DIR_PREFIX)}"
+                (entry / CHILDREN).mkdir(parents=True)
+                tmp = entry / f".{OWNER}"
+                tmp.write_text(json.dumps({"workdir": str(workdir), "keep": keep}))
+                tmp.replace(entry / OWNER)  # whole or not there: read by a later rehearsal
+        yield workdir, None if entry is None else entry / CHILDREN
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if entry is not None:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def end_left_over_rehearsals() -> list[str]:
+    """For every rehearsal in rehearsals_dir() whose process is gone (none runs with the pid and start ticks its
+    entry is named after; a zombie is gone): end its children still running (`end_left_over`: the daemon, then
+    simcloud, which stops its instances' processes), remove its directory (unless it was run with --keep, and only
+    one that is a rehearsal's: its name's prefix and DIR_MARKER), and its entry. A rehearsal still running is left
+    alone. One line per rehearsal cleaned up, saying what was done."""
+    registry = rehearsals_dir()
+    said: list[str] = []
+    for entry in sorted(registry.iterdir()) if registry.is_dir() else []:
+        try:
+            pid, start = (int(part) for part in entry.name.split("-")[:2])
+        except ValueError:
+            continue  # not an entry a rehearsal wrote
+        if entry.is_symlink() or not entry.is_dir() or supervisor.pid_alive(pid, start):
+            continue
+        ended = end_left_over(entry / CHILDREN)
+        owner = _read_json(entry / OWNER)
+        owner = owner if isinstance(owner, dict) else {}  # killed before it was written: no directory to remove
+        workdir = Path(owner["workdir"]) if isinstance(owner.get("workdir"), str) else None
+        removed = workdir is not None and not owner.get("keep") and _is_rehearsal_dir(workdir)
+        if removed and workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(entry, ignore_errors=True)
+        what = [f"ended the {' and '.join(reversed(ended))} it left running"] if ended else []
+        if removed:
+            what.append(f"removed its directory {workdir}")
+        elif workdir is not None and workdir.is_dir():
+            what.append(f"kept its directory {workdir}" + (" (--keep)" if owner.get("keep") else
+                                                            ", which is not a rehearsal's"))
+        if what:
+            said.append(f"a rehearsal killed outright (pid {pid}): {', '.join(what)}")
+    return said
+
+
+def _is_rehearsal_dir(path: Path) -> bool:
+    """A directory `workspace` made: a temporary one (its name's prefix) holding DIR_MARKER. Nothing else is
+    removed."""
+    return (path.is_absolute() and path.name.startswith(DIR_PREFIX) and path.is_dir() and not path.is_symlink()
+            and (path / DIR_MARKER).is_file())

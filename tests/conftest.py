@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -232,6 +233,29 @@ def child_processes(pid: int, comm: str) -> list[tuple[int, list[str]]]:
         if name == comm and ppid == pid:
             found.append((int(entry), argv))
     return found
+
+
+@contextmanager
+def children_left_by_a_kill(code: str, records: Callable[[], Path], *args: str) -> Iterator[dict[str, tuple[int, int]]]:
+    """Run `code` (with `args`) in a Python process until it prints "started", then SIGKILL it, which runs no
+    `finally`; yield the children it wrote down in `records()` (`Children(records=...)`) by name: (pid, start
+    ticks). What of them still runs once the block ends is killed, whatever the test found."""
+    from runbooks.supervisor import pid_alive
+
+    killed = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        assert killed.stdout is not None and killed.stdout.readline() == "started\n"
+        written = {r["name"]: (r["pid"], r["start"]) for r in
+                   (json.loads(f.read_text()) for f in records().glob("*.json"))}
+    finally:
+        killed.kill()
+        killed.wait()
+    try:
+        yield written
+    finally:
+        for pid, start in written.values():
+            if pid_alive(pid, start):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def assert_config_refused(burstctl, tmp_path: Path, text: str, command: str, field: str, says: str) -> None:

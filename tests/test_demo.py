@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from orchestrator.demo import CHILDREN, DEMO_MARKER, claimed, demo_dir
 from orchestrator.errors import OperationalError
-from tests.conftest import run_burstctl
+from tests.conftest import children_left_by_a_kill, run_burstctl
 
 
 def _processes_of(*marks: str) -> set[int]:
@@ -164,39 +162,29 @@ def test_the_next_demo_ends_the_simcloud_and_daemon_a_demo_killed_outright_left_
     from runbooks.supervisor import pid_alive, process_start_ticks
 
     workdir = tmp_path / "demo"
-    killed = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
-        "from pathlib import Path\n"
-        "from orchestrator.demo import Demo, claimed\n"
-        "with claimed(Path(sys.argv[1])) as w:\n"
-        "    Demo(w, say=lambda line: None).start()\n"
-        "    print('started', flush=True)\n"
-        "    time.sleep(120)\n"), str(workdir)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert killed.stdout is not None and killed.stdout.readline() == "started\n"
-        records = {r["name"]: (r["pid"], r["start"]) for r in
-                   (json.loads(f.read_text()) for f in (workdir / CHILDREN).glob("*.json"))}
+    with children_left_by_a_kill((
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from orchestrator.demo import Demo, claimed\n"
+            "with claimed(Path(sys.argv[1])) as w:\n"
+            "    Demo(w, say=lambda line: None).start()\n"
+            "    print('started', flush=True)\n"
+            "    time.sleep(120)\n"), lambda: workdir / CHILDREN, str(workdir)) as records:
         assert set(records) == {"simcloud", "daemon"}
-    finally:
-        killed.kill()
-        killed.wait()
-    assert all(pid_alive(pid, start) for pid, start in records.values())  # left running
-    # A record whose pid is another process now (here: one started at another time) is not that process's.
-    other = subprocess.Popen(["sleep", "60"])
-    (workdir / CHILDREN / "00-reused.json").write_text(json.dumps(
-        {"name": "reused", "pid": other.pid, "start": (process_start_ticks(other.pid) or 0) - 1}))
+        assert all(pid_alive(pid, start) for pid, start in records.values())  # left running
+        # A record whose pid is another process now (here: one started at another time) is not that process's.
+        other = subprocess.Popen(["sleep", "60"])
+        (workdir / CHILDREN / "00-reused.json").write_text(json.dumps(
+            {"name": "reused", "pid": other.pid, "start": (process_start_ticks(other.pid) or 0) - 1}))
 
-    try:
-        with claimed(workdir):  # the next demo
-            assert [f.name for f in workdir.iterdir()] == [DEMO_MARKER]
-            assert not any(pid_alive(pid, start) for pid, start in records.values())
-        assert other.poll() is None
-    finally:  # nothing of this test's left running, whatever failed
-        other.kill()
-        other.wait()
-        for pid, start in records.values():
-            if pid_alive(pid, start):
-                os.killpg(pid, signal.SIGKILL)
+        try:
+            with claimed(workdir):  # the next demo
+                assert [f.name for f in workdir.iterdir()] == [DEMO_MARKER]
+                assert not any(pid_alive(pid, start) for pid, start in records.values())
+            assert other.poll() is None
+        finally:
+            other.kill()
+            other.wait()
 
 
 def test_a_second_demo_while_one_runs_is_refused_rather_than_empty_the_first_ones_directory(tmp_path: Path) -> None:

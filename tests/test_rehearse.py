@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.rehearse import AttemptWatch, SeenCheckpoint, written_by
+from tests.conftest import children_left_by_a_kill
 
 REPO = Path(__file__).resolve().parent.parent
 SIM_RATE_USD_H = 1.00  # simcloud's H100 spot list price, which a rehearsal always rents
@@ -260,3 +261,45 @@ def test_a_trainer_that_started_over_is_caught_however_late_the_daemon_says_it_r
     later = SeenCheckpoint("step-00000040", 40, 120.0)
     assert written_by(on_its_disk, [pushed, later], None, pushed) == [later]
     assert written_by(on_its_disk, [pushed, later], 110.0, pushed) == []  # the next attempt's, not this one's
+
+
+def test_the_next_rehearsal_ends_what_a_rehearsal_killed_outright_left_running_and_removes_its_directory(
+        tmp_path: Path) -> None:
+    # SIGKILL (the OOM killer) runs no `finally`: the simcloud, the daemon ticking for ever and its instances ran on,
+    # and the rehearsal's directory, a new one each run, stayed; nothing told the next rehearsal where they were.
+    from orchestrator.rehearse import CHILDREN, OWNER, end_left_over_rehearsals, rehearsals_dir, workspace
+    from runbooks.supervisor import pid_alive
+
+    def entries() -> list[Path]:
+        return sorted(rehearsals_dir().iterdir())
+
+    with children_left_by_a_kill((
+            "import time\n"
+            "from pathlib import Path\n"
+            "from orchestrator.rehearse import Rehearsal, RehearsalOptions, workspace\n"
+            "with workspace() as (w, records):\n"
+            "    Rehearsal(Path('job.toml'), RehearsalOptions(), lambda _: None, w, records=records).start(None)\n"
+            "    print('started', flush=True)\n"
+            "    time.sleep(120)\n"), lambda: entries()[0] / CHILDREN) as children:
+        [killed] = entries()
+        workdir = Path(json.loads((killed / OWNER).read_text())["workdir"])
+        assert set(children) == {"simcloud", "daemon"} and workdir.is_dir()
+        assert all(pid_alive(pid, start) for pid, start in children.values())  # left running
+        # A dead rehearsal's entry naming a directory no rehearsal made: the entry goes, never the directory.
+        not_made = tmp_path / "burstctl-rehearse-not-made"
+        not_made.mkdir()
+        forged = rehearsals_dir() / f"{killed.name}-forged"
+        forged.mkdir()
+        (forged / OWNER).write_text(json.dumps({"workdir": str(not_made), "keep": False}))
+
+        with workspace() as (running, _):  # a rehearsal running meanwhile is left alone
+            [alive] = set(entries()) - {killed, forged}
+            said = end_left_over_rehearsals()
+            assert said == [f"a rehearsal killed outright (pid {killed.name.split('-')[0]}): ended the simcloud and "
+                            f"daemon it left running, removed its directory {workdir}",
+                            f"a rehearsal killed outright (pid {killed.name.split('-')[0]}): kept its directory "
+                            f"{not_made}, which is not a rehearsal's"]
+            assert not any(pid_alive(pid, start) for pid, start in children.values())
+            assert not workdir.exists() and not_made.is_dir()
+            assert entries() == [alive] and running.is_dir()
+        assert entries() == [] and not running.exists()  # a rehearsal that ends removes its own entry
