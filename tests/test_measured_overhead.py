@@ -198,21 +198,27 @@ def _ticked_until_ready(app: App, job_id: str, rec: Reconciler, provider: Lambda
     return ready, measured
 
 
+def _booting_on(sim: SimCloudServer, retried: bool = True) -> LambdaCloud:
+    """The adapter the boot tests look at `sim` through; not `retried`: a throttled call fails at once, as one whose
+    retries were spent (each tick of an outage is one failed look)."""
+    from providers.base import RetryPolicy
+
+    retry = {} if retried else {"retry": RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0)}
+    return LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-boot-key", regions=("us-east-1",),
+                       request_interval_s=0.0, **retry)
+
+
 @pytest.mark.parametrize("outage", [False, True])
 def test_a_boot_the_provider_did_not_answer_through_is_not_measured_into_later_decisions_overhead(
         tmp_path: Path, outage: bool) -> None:
     # The provider's API throttled every look at a booting instance for 25 minutes (5 ticks, 5 minutes apart). Its
     # boot_s, launch to reachable, was those 25 minutes, and the median of boot_s is part of every later decision's
     # t_ovh. Whether the instance was up before the API answered again is not known: the boot is not measured.
-    from providers.base import RetryPolicy
-
     app, job_id = _a_job_to_boot(tmp_path)
     now = [time.time()]
     backend = SshBackend(tmp_path / "simcloud")
     with SimCloudServer(api_key="sim-boot-key", backend=backend) as sim:
-        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-boot-key", regions=("us-east-1",),
-                               request_interval_s=0.0,
-                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
+        provider = _booting_on(sim, retried=False)
         rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
         if outage:
             sim.inject("throttle", count=1000, route="instances")
@@ -241,15 +247,11 @@ def test_an_api_outage_longer_than_boot_timeout_s_does_not_end_an_instance_still
     # than daemon.boot_timeout_s (15 minutes), and the daemon was restarted meanwhile. The first look after the
     # outage found the instance still booting and ended it as boot-timeout: the job launched, and paid for, a second
     # instance. The boot's clock does not run while the provider does not answer: the same instance is waited for.
-    from providers.base import RetryPolicy
-
     app, job_id = _a_job_to_boot(tmp_path)
     now = [time.time()]
     backend = SshBackend(tmp_path / "simcloud")
     with SimCloudServer(api_key="sim-boot-key", backend=backend, boot_delay_s=2.0) as sim:
-        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-boot-key", regions=("us-east-1",),
-                               request_interval_s=0.0,
-                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
+        provider = _booting_on(sim, retried=False)
 
         def reconciler() -> Reconciler:
             return Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
@@ -285,8 +287,7 @@ def test_a_boot_the_daemon_was_not_watching_throughout_is_not_measured_into_late
     now = [time.time()]
     backend = SshBackend(tmp_path / "simcloud")
     with SimCloudServer(api_key="sim-boot-key", backend=backend, boot_delay_s=3.0) as sim:
-        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-boot-key", regions=("us-east-1",),
-                               request_interval_s=0.0)
+        provider = _booting_on(sim)
         first = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
         first.tick()  # written down and launched; it boots for 3 s (the tick waits 1 s)
         assert [e["type"] for e in app.store.events(job_id=job_id) if e["type"].startswith("instance.")] == \

@@ -1512,6 +1512,17 @@ def test_a_stop_brings_the_last_checkpoint_home_beside_the_tick_then_ends_the_at
     app.close()
 
 
+class _Noticed(_Stoppable):
+    """A run going on whose supervisor has heard a spot interruption notice (`notice`, as its heartbeat says it)."""
+
+    def __init__(self, notice: dict[str, Any]) -> None:
+        super().__init__()
+        self.notice = notice
+
+    def status(self, att: dict[str, Any]) -> dict[str, Any]:
+        return {"supervisor_alive": True, "exit": None, "heartbeat": {"ts": time.time(), "notice": self.notice}}
+
+
 def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_beside_the_tick(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # On a spot notice the daemon pulled the newest checkpoint inside the tick, then launched the next instance: a
@@ -1521,12 +1532,7 @@ def test_a_notice_launches_the_next_instance_while_the_checkpoint_comes_home_bes
     app = App(state_dir_override=str(tmp_path / "state"))
     job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-1")
 
-    class Noticed(_Stoppable):
-        def status(self, att: dict[str, Any]) -> dict[str, Any]:
-            return {"supervisor_alive": True, "exit": None,
-                    "heartbeat": {"ts": time.time(), "notice": {"time": "2026-12-04T03:00:00Z"}}}
-
-    cloud = Noticed()
+    cloud = _Noticed({"time": "2026-12-04T03:00:00Z"})
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     pulled = threading.Event()
     pulls: list[float] = []
@@ -1577,11 +1583,7 @@ def test_a_notice_written_down_without_its_successor_gets_one_at_the_next_look(
                                                 market="spot", idempotency_key=f"{job_id}-k2",
                                                 info={"successor_for": f"{job_id}-a1"}, created_at=now))
 
-    class Noticed(_Stoppable):
-        def status(self, att: dict[str, Any]) -> dict[str, Any]:
-            return {"supervisor_alive": True, "exit": None, "heartbeat": {"ts": time.time(), "notice": notice}}
-
-    cloud = Noticed()
+    cloud = _Noticed(notice)
     rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
     monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: None))
     launched: list[str] = []
