@@ -61,9 +61,33 @@ else:  # an instance: beside burst_checkpoint.py and checkpoint_transfer.py on P
 
 MANIFEST = burst_checkpoint.MANIFEST
 
+# S3's answers that refuse the caller's credentials rather than fail the transfer, and botocore's own errors for
+# credentials that are missing or cannot be refreshed (an SSO session that expired mid-run): `S3Refused`.
+REFUSED_CODES = frozenset({"AccessDenied", "AccountProblem", "AllAccessDisabled", "ExpiredToken",
+                           "ExpiredTokenException", "InvalidAccessKeyId", "InvalidClientTokenId", "InvalidToken",
+                           "SignatureDoesNotMatch", "TokenRefreshRequired"})
+CREDENTIAL_ERRORS = (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError,
+                     botocore.exceptions.CredentialRetrievalError, botocore.exceptions.TokenRetrievalError,
+                     botocore.exceptions.SSOError, botocore.exceptions.NoAuthTokenError)
+_S3_ERRORS = (botocore.exceptions.ClientError, *CREDENTIAL_ERRORS)
+
 MiB = 1024 * 1024
 DEFAULT_TRANSFER_CONFIG = TransferConfig(multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB,
                                          max_concurrency=8, use_threads=True)
+
+
+class S3Refused(TransferError):
+    """S3 refused this process's credentials, or it has none: nothing was transferred. The checkpoints may well be
+    there; another way to them (the instance, over SSH) or the key mended is what it takes."""
+
+
+def _failed(what: str, exc: Exception) -> TransferError:
+    """`what` failed with `exc`: S3Refused for a refusal of the credentials, else TransferError. Only AWS's error code
+    is kept, or botocore's own text of a credential error: neither echoes a request or a secret."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        code = _code(exc)
+        return (S3Refused if code in REFUSED_CODES else TransferError)(f"{what}: {code}")
+    return S3Refused(f"{what}: {exc}")
 
 
 @dataclass
@@ -109,15 +133,15 @@ class S3CheckpointStore:
                     name, _, tail = rest.partition("/")
                     if tail == MANIFEST and not name.startswith("."):
                         names.add(name)
-        except botocore.exceptions.ClientError as e:
-            raise TransferError(f"listing s3://{self.bucket}/{base}: {_code(e)}") from None
+        except _S3_ERRORS as e:
+            raise _failed(f"listing s3://{self.bucket}/{base}", e) from None
         return sorted(names)
 
     def read_manifest(self, name: str) -> dict[str, Any]:
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=self._key(name, MANIFEST))["Body"].read()
-        except botocore.exceptions.ClientError as e:
-            raise TransferError(f"reading s3://{self.bucket}/{self._key(name, MANIFEST)}: {_code(e)}") from None
+        except _S3_ERRORS as e:
+            raise _failed(f"reading s3://{self.bucket}/{self._key(name, MANIFEST)}", e) from None
         manifest = json.loads(body)
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise TransferError(f"s3://{self.bucket}/{self._key(name, MANIFEST)} is not a checkpoint manifest")
@@ -158,9 +182,8 @@ class S3CheckpointStore:
             # Only now does the checkpoint exist for readers.
             self.client.put_object(Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=manifest_bytes,
                                    ContentType="application/json")
-        except botocore.exceptions.ClientError as e:
-            raise TransferError(f"uploading checkpoint {name} to s3://{self.bucket}/{self._key(name)}: "
-                            f"{_code(e)}") from None
+        except _S3_ERRORS as e:
+            raise _failed(f"uploading checkpoint {name} to s3://{self.bucket}/{self._key(name)}", e) from None
         stats.bytes_sent += len(manifest_bytes)
         stats.seconds = time.monotonic() - started
         return S3Upload(name, self._key(name), stats, files_copied_in_s3=copied)
@@ -201,9 +224,9 @@ class S3CheckpointStore:
                 raise TransferError(f"local disk full while downloading checkpoint {name} into {root}; "
                                 "nothing was made visible") from None
             raise TransferError(f"downloading checkpoint {name} into {root}: {e.strerror or e}") from None
-        except botocore.exceptions.ClientError as e:
+        except _S3_ERRORS as e:
             shutil.rmtree(staging, ignore_errors=True)
-            raise TransferError(f"downloading checkpoint {name} from s3://{self.bucket}: {_code(e)}") from None
+            raise _failed(f"downloading checkpoint {name} from s3://{self.bucket}", e) from None
         if problem is not None:
             shutil.rmtree(staging, ignore_errors=True)
             raise TransferError(f"checkpoint {name} from s3://{self.bucket}/{self._key(name)} failed verification: "
@@ -270,15 +293,17 @@ class S3CheckpointStore:
                 keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
                 if keys:
                     self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
-        except botocore.exceptions.ClientError as e:
-            raise TransferError(f"deleting s3://{self.bucket}/{self._key(name)}: {_code(e)}") from None
+        except _S3_ERRORS as e:
+            raise _failed(f"deleting s3://{self.bucket}/{self._key(name)}", e) from None
 
     def _get_manifest_bytes(self, name: str) -> bytes:
         try:
             body: bytes = self.client.get_object(Bucket=self.bucket, Key=self._key(name, MANIFEST))["Body"].read()
-        except botocore.exceptions.ClientError as e:
+        except _S3_ERRORS as e:
+            if not isinstance(e, botocore.exceptions.ClientError) or _code(e) in REFUSED_CODES:
+                raise _failed(f"reading s3://{self.bucket}/{self._key(name, MANIFEST)}", e) from None
             raise TransferError(f"checkpoint {name} is not complete in s3://{self.bucket}/{self._key(name)} "
-                            f"(no manifest: {_code(e)})") from None
+                                f"(no manifest: {_code(e)})") from None
         return body
 
 

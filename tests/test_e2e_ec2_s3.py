@@ -6,7 +6,6 @@ instead of having it pushed over SSH. An instance that cannot upload falls back 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import boto3
@@ -14,7 +13,7 @@ import pytest
 
 from runbooks import burst_checkpoint
 from runbooks.s3_checkpoints import S3CheckpointStore
-from tests.e2e import AWS_TEST_SECRET, Daemon, cli, events, job, sim_ec2, trainer_job, wait_for
+from tests.e2e import AWS_ENV, AWS_TEST_SECRET, Daemon, enqueue, events, job, sim_ec2, trainer_job, wait_for
 from tests.test_e2e_burst import EVERY, STEP_S, STEPS, uninterrupted_final_state
 from tests.test_e2e_ec2 import interrupted_spot_burst
 
@@ -61,9 +60,7 @@ def test_an_instance_that_cannot_upload_falls_back_to_ssh_and_the_job_finishes(t
         # No instance profile: the instances have no credentials, so their uploads fail.
         config = ec2.config(tmp_path, provider={k: v for k, v in s3_settings.items() if k != "instance_profile"})
         spec = trainer_job(tmp_path, "trainer", steps=60, every=EVERY, step_s=STEP_S, gpu=ec2.gpu)
-        r = cli(config, state, "enqueue", str(spec), "--json")
-        assert r.returncode == 0, r.stderr
-        job_id = json.loads(r.stdout)["id"]
+        job_id = enqueue(config, state, spec)
         daemon = Daemon(tmp_path, config, state).start()
         try:
             wait_for(lambda: job(state, job_id)["state"] == "done", 240, "the job to finish")
@@ -75,3 +72,41 @@ def test_an_instance_that_cannot_upload_falls_back_to_ssh_and_the_job_finishes(t
     assert "credentials" in unavailable[0]["data"]["error"].lower()
     assert {e["data"]["via"] for e in events(state, "checkpoint.synced")} <= {"rsync", "sftp"}
     assert burst_checkpoint.verify(state / "checkpoints" / job_id / "step-00000060")
+
+
+def test_a_key_s3_refuses_mid_run_brings_the_checkpoints_home_over_ssh_until_s3_takes_it_again(tmp_path: Path) -> None:
+    # The daemon's credentials stop working mid-run (an SSO session's last hour, a key rotated), while the instance's
+    # role goes on uploading. Before, no checkpoint came home until the key was mended, though every one of them was
+    # on the instance too: a reclaim meanwhile would have found the newest home an hour old, and revert-local none.
+    state = tmp_path / "state"
+    key = AWS_ENV["AWS_ACCESS_KEY_ID"]
+    with sim_ec2(tmp_path) as ec2:
+        s3_settings = ec2.sim.setup_checkpoint_bucket()
+        config = ec2.config(tmp_path, provider=s3_settings)
+        spec = trainer_job(tmp_path, "trainer", steps=400, every=EVERY, step_s=STEP_S, gpu=ec2.gpu)
+        job_id = enqueue(config, state, spec)
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: [e for e in events(state, "checkpoint.synced") if e["data"]["via"] == "s3"], 180,
+                     "a checkpoint home from S3")
+            ec2.sim.refuse_key(key)
+            refused = wait_for(lambda: events(state, "checkpoint.s3_refused"), 60, "S3's refusal to be said")[0]
+            over_ssh = wait_for(lambda: [e for e in events(state, "checkpoint.synced")
+                                         if e["ts"] > refused["ts"] and e["data"]["via"] != "s3"], 60,
+                                "a checkpoint home over SSH while S3 refuses the key")
+            ec2.sim.refuse_key(None)
+            answers = wait_for(lambda: events(state, "checkpoint.s3_answers"), 60, "S3 to take the key again")[0]
+            wait_for(lambda: job(state, job_id)["state"] in ("done", "failed"), 180, "the job to end")
+        finally:
+            assert daemon.stop() == 0
+
+    assert job(state, job_id)["state"] == "done"
+    assert refused["data"]["fallback"] == "ssh" and refused["data"]["error"].endswith(": InvalidAccessKeyId")
+    assert over_ssh[0]["data"]["via"] in ("rsync", "sftp")
+    # Said once each, though every sync in between met the refusal; and the checkpoints came through S3 again after.
+    assert len(events(state, "checkpoint.s3_refused")) == len(events(state, "checkpoint.s3_answers")) == 1
+    assert [e for e in events(state, "checkpoint.synced") if e["ts"] >= answers["ts"] and e["data"]["via"] == "s3"]
+    assert not events(state, "checkpoint.sync_failed")
+    assert burst_checkpoint.verify(state / "checkpoints" / job_id / "step-00000400")
+    trail = (state / "events.jsonl").read_text()
+    assert AWS_TEST_SECRET not in trail and "simulated-role-secret" not in trail

@@ -17,7 +17,7 @@ from moto import mock_aws
 
 from runbooks import burst_checkpoint
 from runbooks.checkpoint_transfer import TransferError
-from runbooks.s3_checkpoints import S3CheckpointStore
+from runbooks.s3_checkpoints import S3CheckpointStore, S3Refused
 
 MiB = 1024 * 1024
 BUCKET = "burstctl-ckpt"
@@ -157,6 +157,60 @@ def test_what_is_home_supersedes_is_dropped_and_anything_newer_is_kept(
     store.download("step-00000200", home)
     assert store.drop_superseded(home) == ["step-00000100", "step-00000200"]
     assert store.list_complete() == ["step-00000300"]  # newer than anything home: still needed
+
+
+class _Body:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def stream(self, **_: Any) -> Iterator[bytes]:
+        yield self.data
+
+
+def answered_by_s3_with(client: Any, code: str, status: int = 403) -> None:
+    """From now on, every request of `client` is answered by S3 with this error, as S3 answers it (its XML)."""
+    from botocore.awsrequest import AWSResponse
+
+    body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>no</Message></Error>'.encode()
+
+    def answer(request: Any, **_: Any) -> AWSResponse:
+        return AWSResponse(request.url, status, {"Content-Type": "application/xml"}, _Body(body))
+
+    client.meta.events.register_first("before-send.s3.*", answer)
+
+
+@pytest.mark.parametrize("code", ["InvalidAccessKeyId", "ExpiredToken", "SignatureDoesNotMatch", "AccessDenied"])
+def test_s3_refusing_the_credentials_is_a_refusal_not_a_failed_transfer(
+        store: S3CheckpointStore, s3: Any, tmp_path: Path, code: str) -> None:
+    # A key rotated or an SSO session expired mid-run: the daemon can then reach the checkpoints another way (the
+    # instance, over SSH), which a failed transfer would not tell it.
+    store.upload(burst_checkpoint.write_checkpoint(tmp_path / "trainer", "step-00000100", {"w.bin": b"w" * 100}))
+    answered_by_s3_with(s3, code)
+    for call in (lambda: store.pull_new(tmp_path / "home"), lambda: store.download("step-00000100", tmp_path / "home"),
+                 lambda: store.prune(keep=0)):
+        with pytest.raises(S3Refused, match=rf": {code}$"):
+            call()
+    assert not (tmp_path / "home").exists() or os.listdir(tmp_path / "home") == []
+
+
+def test_a_store_that_fails_otherwise_is_not_taken_for_a_refusal(
+        store: S3CheckpointStore, s3: Any, tmp_path: Path) -> None:
+    answered_by_s3_with(s3, "NoSuchBucket", status=404)
+    with pytest.raises(TransferError, match=r": NoSuchBucket$") as raised:
+        store.list_complete()
+    assert not isinstance(raised.value, S3Refused)
+
+
+def test_no_credentials_at_all_is_a_refusal_that_says_so(
+        s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    anonymous = boto3.Session().client("s3", region_name="us-east-1")
+    with pytest.raises(S3Refused, match="Unable to locate credentials"):
+        S3CheckpointStore(anonymous, BUCKET, "jobs/job-1/ckpt").list_complete()
 
 
 # --- the instance side: the supervisor uploads, a separate process (boto3 over HTTP, as on an instance) ---------

@@ -28,6 +28,7 @@ from orchestrator.lifecycle.states import JobState
 from orchestrator.remote.ssh import SharedConnection
 from orchestrator.remote.sync import stop_transfers
 from runbooks import burst_checkpoint, job_outputs
+from runbooks.s3_checkpoints import S3Refused
 from state import schema as s
 
 if TYPE_CHECKING:
@@ -177,24 +178,36 @@ class AttemptSyncs:
         """The transfers of a sync, and nothing else: the newest checkpoint, the outputs with a new one (or with
         `outputs`, whatever came), and with `logs` the logs. Failures are returned, not raised."""
         started = time.monotonic()
+        refused: S3Refused | None = None
         try:
-            new = self.cloud_steps.pull(att, job, shared)
+            try:
+                new = self.cloud_steps.pull(att, job, shared)
+            except S3Refused as exc:
+                # S3 refuses this daemon's credentials (a key rotated, an SSO session expired mid-run), not the
+                # instance's role: the instance still holds its checkpoints, so they come home over SSH meanwhile.
+                refused = exc
+                new = self.cloud_steps.pull(att, job, shared, over_ssh=True)
         except Exception as exc:
             if shared is not None:
                 shared.drop()
+            if refused is not None and exc is not refused:  # the instance gone too: the refusal is what to mend
+                exc = S3Refused(f"{refused}; over SSH instead: {type(exc).__name__}: {exc}")
             # The logs come home all the same: a checkpoint store that fails (S3, a full disk) is no reason to stop.
-            return SyncDone(error=exc, at=self.clock(), logs=self._logs_io(att, job, shared) if logs else None)
+            return SyncDone(error=exc, at=self.clock(), logs=self._logs_io(att, job, shared) if logs else None,
+                            s3_refused=None if refused is None else str(refused))
         took = time.monotonic() - started
         at = self.clock()
         pulled_outputs = self._outputs_io(att, job, shared) if new or outputs else None
         return SyncDone(pulled=new, took_s=took, at=at, outputs=pulled_outputs,
-                        logs=self._logs_io(att, job, shared) if logs else None)
+                        logs=self._logs_io(att, job, shared) if logs else None,
+                        s3_refused=None if refused is None else str(refused))
 
     def write_down(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], done: SyncDone) -> bool:
         """Write down what a sync did (`transfers`): its checkpoint home, or its failure; its outputs and logs.
         `info` is the attempt's, persisted by the caller. False when the checkpoint pull failed."""
         if done.logs is not None:
             self._logs_done(att, job, info, done.logs)
+        self._s3_refusal(att, job, info, done)
         if done.error is not None:
             self.pull_failed(att, job, info, done.error)
             return False
@@ -216,6 +229,17 @@ class AttemptSyncs:
             if newest is not None and newest.name != job.get("checkpoint"):
                 self.store.update_job(job["id"], checkpoint=newest.name)
         return True
+
+    def _s3_refusal(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], done: SyncDone) -> None:
+        """Said once: S3 refuses the daemon's credentials, and the checkpoints come over SSH (`checkpoint.s3_refused`);
+        and once more when a pull from S3 went through again (`checkpoint.s3_answers`)."""
+        if done.s3_refused is not None:
+            if "s3_refused" not in info:
+                info["s3_refused"] = self.app.redactor.clip(done.s3_refused, 300)
+                self.app.events.emit("checkpoint.s3_refused", job_id=job["id"], attempt_id=att["id"],
+                                     error=info["s3_refused"], fallback="ssh")
+        elif done.pulled is not None and done.pulled.stats.transport == "s3" and info.pop("s3_refused", None):
+            self.app.events.emit("checkpoint.s3_answers", job_id=job["id"], attempt_id=att["id"])
 
     def _checkpoint_home(self, att: dict[str, Any], job: dict[str, Any], done: SyncDone,
                          outputs: list[str] | None, info: dict[str, Any] | None = None) -> None:

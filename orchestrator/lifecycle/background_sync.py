@@ -40,6 +40,7 @@ class SyncDone:
     took_s: float = 0.0  # how long the checkpoint pull took
     outputs: list[str] | Exception | None = None  # with a new checkpoint: the outputs' paths, or their pull's failure
     logs: Exception | bool | None = None  # True: the logs came home; their failure; None: not tried
+    s3_refused: str | None = None  # S3 refused the daemon's credentials: the checkpoint was pulled over SSH instead
 
 
 def _do(future: Future[T], work: Callable[[], T]) -> None:

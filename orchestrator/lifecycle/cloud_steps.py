@@ -352,12 +352,13 @@ class CloudSteps:
         """One connection for the steps of a sync (`pull`, then `pull_logs`), opened when the first needs it."""
         return ssh.SharedConnection(self.target(att), self.trust(att))
 
-    def pull(self, att: dict[str, Any], job: dict[str, Any],
-             shared: ssh.SharedConnection | None = None) -> PulledCheckpoints:
-        """The newest checkpoint home: from S3 when the instance uploads there, else from the instance over SSH
-        (on `shared`'s connection when given)."""
+    def pull(self, att: dict[str, Any], job: dict[str, Any], shared: ssh.SharedConnection | None = None, *,
+             over_ssh: bool = False) -> PulledCheckpoints:
+        """The newest checkpoint home: from S3 when the instance uploads there (unless `over_ssh`), else from the
+        instance over SSH (on `shared`'s connection when given). S3Refused when S3 refuses this daemon's
+        credentials."""
         store = checkpoints.store_dir(self.app.config, job["id"])
-        s3 = self.s3_store(att, job)
+        s3 = None if over_ssh else self.s3_store(att, job)
         # The daemon and `revert-local` may pull the same job at once: one at a time per job's store.
         with checkpoints.store_lock(self.app.config, job["id"]):
             if s3 is not None:

@@ -70,6 +70,8 @@ _ADMIN = re.compile(r"^/_sim/instances/(?P<id>[A-Za-z0-9-]+)/(?P<verb>notice|pre
 _IMDS = re.compile(r"^/(?P<id>i-[0-9a-f]+)/latest/(?P<rest>.*)$")
 _CREDENTIALS = "meta-data/iam/security-credentials/"
 _MOTO_RUN_INSTANCES = InstanceResponse.run_instances
+# A request's access key and service, from its SigV4 Authorization header.
+_SIGNED_BY = re.compile(r"Credential=(?P<key>[^/,\s]+)/[^/]*/[^/]*/(?P<service>[^/,\s]+)/")
 
 
 @dataclass
@@ -111,6 +113,7 @@ class SimEc2:
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
         self.last_error: str | None = None  # of the reconcile loop, for whoever debugs a test
+        self.refused_key: str | None = None  # `refuse_key`
 
     # --- life -------------------------------------------------------------------------------------------------
     def start(self) -> SimEc2:
@@ -118,6 +121,10 @@ class SimEc2:
         _quote_spot_prices(self.spot_prices, self.zones)
         _refuse_spot_beyond_capacity(self)
         self._moto.start()
+        # moto's werkzeug server looks its app up at every request: wrapped, it can refuse a key (`refuse_key`).
+        server = self._moto._server
+        assert server is not None
+        server.app = _refusing(server.app, self)
         host, port = self._moto.get_host_and_port()
         self.endpoint_url = f"http://{host}:{port}"
         # moto's records outlive a server in this process: start from an empty account, as a fresh cloud would.
@@ -145,6 +152,12 @@ class SimEc2:
             self._http.shutdown()
             self._http.server_close()
         self._moto.stop()
+
+    def refuse_key(self, access_key_id: str | None) -> None:
+        """Refuse every request signed with `access_key_id` (None: refuse none), as AWS answers a key revoked or
+        rotated, or a session's that expired: EC2 with AuthFailure (401), S3 with InvalidAccessKeyId (403). An
+        instance role's credentials are other keys, and go on working."""
+        self.refused_key = access_key_id
 
     def setup_checkpoint_bucket(self, bucket: str = "burstctl-checkpoints",
                                 profile: str = "burstctl-checkpoints") -> dict[str, Any]:
@@ -410,6 +423,26 @@ def _refuse_spot_beyond_capacity(sim: SimEc2) -> None:
         return _MOTO_RUN_INSTANCES(self)
 
     InstanceResponse.run_instances = run_instances  # type: ignore[method-assign]
+
+
+def _refusing(app: Any, sim: SimEc2) -> Any:
+    """moto's WSGI app, refusing the requests signed with `sim.refused_key` as AWS does."""
+    def serve(environ: dict[str, Any], start_response: Any) -> Any:
+        signed = _SIGNED_BY.search(environ.get("HTTP_AUTHORIZATION", ""))
+        if sim.refused_key is None or signed is None or signed.group("key") != sim.refused_key:
+            return app(environ, start_response)
+        if signed.group("service") == "ec2":
+            status, body = "401 Unauthorized", (
+                "<Response><Errors><Error><Code>AuthFailure</Code><Message>AWS was not able to validate the provided "
+                "access credentials</Message></Error></Errors><RequestID>refused</RequestID></Response>")
+        else:
+            status, body = "403 Forbidden", (
+                "<Error><Code>InvalidAccessKeyId</Code><Message>The AWS Access Key Id you provided does not exist "
+                "in our records.</Message><RequestId>refused</RequestId></Error>")
+        data = ('<?xml version="1.0" encoding="UTF-8"?>' + body).encode()
+        start_response(status, [("Content-Type", "application/xml"), ("Content-Length", str(len(data)))])
+        return [data]
+    return serve
 
 
 def _loopback(ip: str | None) -> bool:
