@@ -413,12 +413,13 @@ class DaemonSettings(Strict):
         5.0, description="Reconcile tick in seconds: every job advances one step per tick.")
     sweep_s: Seconds = Field(120.0, description="How often every provider is swept for orphaned instances.")
     heartbeat_timeout_s: Seconds = Field(
-        60.0, description="A running attempt whose heartbeat is older than this is treated as preempted."
-    )
+        60.0, description="A running attempt whose heartbeat is older than this is treated as preempted (one SSH "
+        "does not answer: for this long while a daemon watched, the time it was stopped or its machine asleep not "
+        "counted); and a step that fails in a row for this long of watched time (five tries at least) is given up.")
     boot_timeout_s: Seconds = Field(
         900.0, description="Give up on an instance that is not reachable by SSH this long after its launch (it is "
-        "terminated and launched again); the time the provider's API did not answer (throttled, failing) is not "
-        "counted.")
+        "terminated and launched again); the time the provider's API did not answer (throttled, failing), and the time "
+        "no daemon watched (stopped, or its machine asleep), is not counted.")
     max_cloud_attempts: Annotated[int, _count(1000)] = Field(
         4, description="Cloud attempts running at once, spot probes included.")
     max_launch_failures: Annotated[int, _count(1000)] = Field(

@@ -185,7 +185,7 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
         watch = ConfigWatch(app.config_path, app.state_dir_override, app.config)
         ticks_fixed = tick_s is not None  # `daemon --tick`: a config edit does not change it
         tick_s = tick_s or app.config.daemon.tick_s
-        reconciler.budget.tick_s = tick_s
+        reconciler.tick_s = tick_s
         _record_tick(app, tick_s)
         app.events.emit("daemon.started", pid=os.getpid(), tick_s=tick_s,
                         providers=sorted(reconciler.providers), mode=reconciler.mode())
@@ -197,7 +197,7 @@ def _run(app: App, *, tick_s: float | None, max_ticks: int | None, exit_when_idl
             reread.clear()
             fresh = _reload(app, scheduler, reconciler, watch, force=force, ticks_fixed=ticks_fixed)
             if fresh is not reconciler:
-                fresh.budget.tick_s = tick_s if ticks_fixed else app.config.daemon.tick_s
+                fresh.tick_s = tick_s if ticks_fixed else app.config.daemon.tick_s
             reconciler = fresh
             return reconciler
 

@@ -254,7 +254,9 @@ def test_an_api_outage_longer_than_boot_timeout_s_does_not_end_an_instance_still
         provider = _booting_on(sim, retried=False)
 
         def reconciler() -> Reconciler:
-            return Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
+            rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
+            rec.tick_s = 300.0  # a daemon ticking every 5 minutes: the ticks below watched the whole outage
+            return rec
 
         rec = reconciler()
         sim.inject("throttle", count=1000, route="instances")
@@ -289,6 +291,7 @@ def test_a_boot_the_daemon_was_not_watching_throughout_is_not_measured_into_late
     with SimCloudServer(api_key="sim-boot-key", backend=backend, boot_delay_s=3.0) as sim:
         provider = _booting_on(sim)
         first = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
+        first.tick_s = 300.0  # 10 minutes between two of its looks are not a gap in its watch (`Watch`)
         first.tick()  # written down and launched; it boots for 3 s (the tick waits 1 s)
         assert [e["type"] for e in app.store.events(job_id=job_id) if e["type"].startswith("instance.")] == \
             ["instance.launched"]

@@ -1857,7 +1857,9 @@ def test_a_loss_that_heals_during_its_last_pull_leaves_that_pull_as_a_periodic_s
             return answers[-1]
 
     cloud = Flaky()
-    rec = Reconciler(app, {"sim": cloud}, cloud=cloud)  # type: ignore[dict-item, arg-type]
+    now = [time.time() - 3600]
+    rec = Reconciler(app, {"sim": cloud}, cloud=cloud, clock=lambda: now[0])  # type: ignore[dict-item, arg-type]
+    now[0] += 3600  # watched since the instance was last seen
     pulled = threading.Event()
     monkeypatch.setattr(rec.syncs, "beside", _last_checkpoint_beside(rec, app, lambda: pulled.wait(10)))
     rec._step_running(attempt(), app.store.get_job(job_id), cloud)  # type: ignore[arg-type]

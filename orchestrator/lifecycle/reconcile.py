@@ -39,6 +39,7 @@ from orchestrator.lifecycle.schedule import watch_schedule
 from orchestrator.lifecycle.spot_probe import is_probe, kept_probe_for, probe_due, probe_spot, step_probe
 from orchestrator.lifecycle.states import JobState
 from orchestrator.lifecycle.successor import launch_successor, successor_of, waits, written_successor
+from orchestrator.lifecycle.watch import Watch
 from orchestrator.queue import setup_key, throughput_key
 from orchestrator.remote.ssh import HostKeyMismatch
 from providers.base import (
@@ -66,10 +67,11 @@ A = AttemptState
 # A step that fails (an SSH connection refused while the instance's sshd restarts, a reset, a provider's 500) is tried
 # again after a growing delay, STEP_RETRY_FIRST_S doubled at each failure in a row up to STEP_RETRY_MAX_S, whatever
 # the tick (the daemon also steps attempts between ticks); the attempt is given up once MAX_STEP_ERRORS have failed
-# in a row *and* the first of them is at least `daemon.heartbeat_timeout_s` ago (what a running attempt's instance
-# may be unreachable before it counts as lost). Failures that come back at once had reached the count in about a
-# second, and a blip of a second failed the job. The count, the first failure's time and the next try's are in the
-# attempt's info (STEP_FAILURE_KEYS): a restarted daemon carries on the same count and waits the same delay.
+# in a row *and* the first of them is at least `daemon.heartbeat_timeout_s` of watched time ago (`Watch`: what a
+# running attempt's instance may be unreachable before it counts as lost). Failures that come back at once had
+# reached the count in about a second, and a blip of a second failed the job. The count, the first failure's time and
+# the next try's are in the attempt's info (STEP_FAILURE_KEYS): a restarted daemon carries on the same count and waits
+# the same delay.
 # A running attempt's step is also its watch (heartbeat, spot notice, syncs; a local run's stops and hand-over): it is
 # taken every tick during the wait, and failing again then is the same failure, counted at the next try.
 MAX_STEP_ERRORS = 5
@@ -101,7 +103,8 @@ BOOT_UNANSWERED = "boot_unanswered"
 # Nor does `daemon.boot_timeout_s` count that time: a boot is timed from its launch less the time the provider did not
 # answer (since the first unanswered call, until the next look it answers), kept in the attempt's info so that a
 # restarted daemon counts the same. An outage longer than the timeout had ended, and launched again, an instance not
-# yet up at the first look after it.
+# yet up at the first look after it. Both count only the time a daemon watched (`Watch`): one restarted, or woken,
+# an hour after the launch had ended the instance at its first look.
 UNANSWERED_SINCE, UNANSWERED_S = "boot_unanswered_since", "boot_unanswered_s"
 # Why a queued local (or hybrid) job has not started: the local GPU is busy, or outside local.available_hours.
 LOCAL_GPU_BUSY = "waiting for the local GPU"
@@ -128,6 +131,8 @@ class Reconciler:
         # Since when this process has watched the attempts (carried over by a config reload's reconciler): a boot
         # that began before it was not watched throughout, and is not measured (`_step_provisioning`).
         self.watching_since = clock()
+        # How long the attempts were watched (lifecycle/watch.py): what the timeouts that wait on an instance count.
+        self.watch = Watch(self.store, clock, self.cfg.daemon.tick_s)
         self.cloud = cloud  # CloudSteps: SSH, runbooks, syncs (None: the cloud is not configured)
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
         self.unavailable: dict[str, str] = {}  # enabled providers that cannot be used → why (`build_reconciler`)
@@ -148,9 +153,10 @@ class Reconciler:
 
     def carry_over(self, before: Reconciler) -> None:
         """Take over from the reconciler this one replaces (a config reload): when each heartbeat last moved, since
-        when the attempts are watched, and the syncs in flight."""
+        when the attempts are watched, and the gaps in the watch, and the syncs in flight."""
         self._heartbeats = before._heartbeats
         self.watching_since = before.watching_since
+        self.watch = before.watch
         self.syncs.carry_over(before.syncs)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
@@ -162,8 +168,24 @@ class Reconciler:
         """Once the ticks are over and nothing may be written down (`AttemptSyncs.abandon`)."""
         self.syncs.abandon()
 
+    @property
+    def tick_s(self) -> float:
+        """The tick the daemon runs this reconciler at (`daemon --tick`, else the config's)."""
+        return self.watch.tick_s
+
+    @tick_s.setter
+    def tick_s(self, tick_s: float) -> None:
+        self.budget.tick_s = self.watch.tick_s = tick_s
+
     # --- the tick -----------------------------------------------------------------------------------------
     def tick(self) -> None:
+        self.watch.look()
+        try:
+            self._tick()
+        finally:
+            self.watch.looked()
+
+    def _tick(self) -> None:
         self.syncs.collect()
         with self.store.tx() as conn:
             attempts = active_attempts(conn)
@@ -322,7 +344,9 @@ class Reconciler:
         info["failing_since"] = since = min(now, float(info.get("failing_since", now)))  # min: the clock went back
         delay = min(STEP_RETRY_MAX_S, STEP_RETRY_FIRST_S * 2.0 ** (errors - 1))
         info["retry_at"] = now + delay
-        give_up = errors >= MAX_STEP_ERRORS and now - since >= self.cfg.daemon.heartbeat_timeout_s
+        # Watched time: four failures, a night asleep and one more failure at waking are not a step failing all night.
+        failing_s = self.watch.watched_s(since, now)
+        give_up = errors >= MAX_STEP_ERRORS and failing_s >= self.cfg.daemon.heartbeat_timeout_s
         unknown_launch = att["where"] == "cloud" and att["state"] == A.INTENT.value and info.get("launch_tried")
         # Its instance's provider refuses to be asked (CANNOT_ASK): said as that, with what to do, not as a count.
         refused = isinstance(exc, CANNOT_ASK) and att["where"] == "cloud" and bool(att.get("instance_id"))
@@ -361,7 +385,7 @@ class Reconciler:
             return
         if not give_up:
             return  # failing for less than the heartbeat timeout: a blip (an sshd restarting) is waited out
-        reason = f"gave up after {errors} failed steps over {now - since:.0f} s: {error}"
+        reason = f"gave up after {errors} failed steps over {failing_s:.0f} s: {error}"
         if att["where"] == "local" and att["state"] != A.INTENT.value and not self.local.end_trainer(att):
             return  # its trainer still runs: given up once it is gone, not before (the next error tries again)
         if att["where"] == "local" or att["state"] == A.INTENT.value:
@@ -554,7 +578,7 @@ class Reconciler:
         if inst is None or inst.state.gone:
             self._lost(att, job, provider, inst, "instance gone while provisioning")
             return
-        booting_s = now - att["created_at"] - float(att["info"].get(UNANSWERED_S, 0.0))
+        booting_s = self.watch.watched_s(att["created_at"], now) - float(att["info"].get(UNANSWERED_S, 0.0))
         if inst.state is not InstanceState.RUNNING or not inst.host:
             if booting_s > self.cfg.daemon.boot_timeout_s:
                 self.stop(att, job, provider, "boot-timeout")  # aborted: the job launches again
@@ -567,12 +591,15 @@ class Reconciler:
         boot_s = now - att["created_at"]
         # An outage during the boot is in `boot_s`, and whether the instance was up before it ended is not known:
         # measured, one outage would lengthen every later decision's t_ovh (`queue.measured_overhead_h`). So is a
-        # daemon's downtime, for a boot launched (or written down) before this daemon started: it was not watched.
+        # daemon's downtime, for a boot launched (or written down) before this daemon started, and a sleep of its
+        # machine during the boot: it was not watched.
         not_measured = ("the provider did not answer during the boot: its time is not taken into t_ovh"
                         if att["info"].get(BOOT_UNANSWERED) else
                         "the daemon started after the launch: the boot was not watched throughout, and its time "
                         "(which holds the daemon's downtime) is not taken into t_ovh"
-                        if att["created_at"] < self.watching_since else None)
+                        if att["created_at"] < self.watching_since else
+                        "the daemon was not looking for part of the boot (its machine asleep): its time is not "
+                        "taken into t_ovh" if self.watch.watched_s(att["created_at"], now) < boot_s else None)
         with self.store.tx() as conn:
             info = {**att["info"], "host": inst.host, "port": inst.ssh_port, "user": inst.ssh_user, "boot_s": boot_s}
             if move(conn, att, A.BOOTSTRAPPING, info=info):
@@ -587,11 +614,12 @@ class Reconciler:
 
     def _answered_again(self, att: dict[str, Any], now: float) -> None:
         """The provider answered a look at a booting instance: the time since it first did not is written down as
-        not counted against `daemon.boot_timeout_s` (`UNANSWERED_S`)."""
+        not counted against `daemon.boot_timeout_s` (`UNANSWERED_S`): what of it was watched, the rest is not counted
+        anyway."""
         info = att["info"]
         if UNANSWERED_SINCE not in info:
             return
-        silent_s = max(0.0, now - float(info[UNANSWERED_SINCE]))  # max: the clock went back
+        silent_s = self.watch.watched_s(float(info[UNANSWERED_SINCE]), now)
         info = {k: v for k, v in info.items() if k != UNANSWERED_SINCE}
         info[UNANSWERED_S] = float(info.get(UNANSWERED_S, 0.0)) + silent_s
         with self.store.tx() as conn:
@@ -675,8 +703,8 @@ class Reconciler:
             self._provider_answers(att, job, dict(att["info"]))
         status = self.cloud_steps.status(att)
         info = dict(att["info"])
-        if status is None:  # SSH unreachable
-            if now - info.get("last_seen_at", now) > self.cfg.daemon.heartbeat_timeout_s:
+        if status is None:  # SSH unreachable, for the time a daemon asked (`Watch`), not since it last answered
+            if self.watch.watched_s(float(info.get("last_seen_at", now)), now) > self.cfg.daemon.heartbeat_timeout_s:
                 self._lost(att, job, provider, inst, "heartbeat lost (SSH unreachable)")
             return
         info["last_seen_at"] = now
@@ -699,7 +727,8 @@ class Reconciler:
         self.syncs.watch_s3_uploads(att, job, info, (ex or {}).get("s3") or status.get("s3"), exited=ex is not None)
         # Staleness is how long, on this process's monotonic clock, the instance's heartbeat has not changed:
         # comparing its timestamp with the wall clock calls a healthy run lost when either clock jumps. A
-        # restarted daemon watches for a full timeout again.
+        # restarted daemon watches for a full timeout again; a sleep of its machine does not count either (the
+        # monotonic clock stands still through a suspend on Linux and macOS).
         mono = time.monotonic()
         seen = self._heartbeats.get(att["id"])
         if seen is None or seen[0] != hb.get("ts"):
@@ -916,16 +945,18 @@ class Reconciler:
         if inst is not None and not inst.state.gone and not info.get("loss_synced") and not info.get("final_synced"):
             # The instance is still there (its trainer stopped outside, its heartbeat went stale, SSH dropped): one
             # last pull of what it wrote since the last sync, beside the tick, before it goes. Bounded by the
-            # transfers' own stall timeouts, and by LOSS_PULL_MAX_S for one that trickles.
+            # transfers' own stall timeouts, and by LOSS_PULL_MAX_S (watched: no pull runs while nobody does) for one
+            # that trickles.
             since = info.setdefault("loss_seen_at", now)
-            if 0 <= now - since < LOSS_PULL_MAX_S and not self.syncs.final(att, job, info, outputs=False):
+            pulling = since <= now and self.watch.watched_s(since, now) < LOSS_PULL_MAX_S
+            if pulling and not self.syncs.final(att, job, info, outputs=False):
                 with self.store.tx() as conn:
                     self.store.set_attempt_info(att["id"], info, conn)
                 return  # looked at again next tick
             info["loss_synced"] = True
         elif self.syncs.pool.busy(att["id"]) and not self.syncs.pool.finished_for(att["id"]):
             since = info.setdefault("loss_seen_at", now)
-            if 0 <= now - since < self.cfg.daemon.heartbeat_timeout_s:
+            if since <= now and self.watch.watched_s(since, now) < self.cfg.daemon.heartbeat_timeout_s:
                 with self.store.tx() as conn:
                     self.store.set_attempt_info(att["id"], info, conn)
                 return  # looked at again next tick; a sync still under way then is written down when it ends
