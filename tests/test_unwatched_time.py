@@ -11,6 +11,7 @@ from sqlalchemy import insert, select
 
 from orchestrator.app import App
 from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS, STEP_RETRY_MAX_S, Reconciler
+from orchestrator.lifecycle.watch import GAPS_KEPT, Watch
 from orchestrator.queue import enqueue
 from providers.base import InstanceInfo, InstanceState, Market, Offer
 from state import schema as s
@@ -237,3 +238,21 @@ def test_a_step_failing_before_and_after_the_daemon_was_away_is_given_up_only_af
         f"gave up after {MAX_STEP_ERRORS + 1} failed steps over {(MAX_STEP_ERRORS - 1) * every:.0f} s")
     assert instance.terminated == ["i-1"]
     daemon.close()
+
+
+def test_the_time_before_the_gaps_kept_counts_as_not_watched_for_a_restarted_daemon_too(tmp_path: Path) -> None:
+    # Only the last GAPS_KEPT gaps are kept: the watch before the oldest is not known any more, and is not counted
+    # (counted as watched, an instance would be given up for time nobody watched).
+    app = App(state_dir_override=str(tmp_path / "state"))
+    now = [T0]
+    watch = Watch(app.store, lambda: now[0], TICK_S)
+    for _ in range(GAPS_KEPT + 1):
+        watch.look()  # two looks a tick apart, then an hour away
+        now[0] += TICK_S
+        watch.look()
+        now[0] += HOUR_S
+    watch.look()
+    assert len(watch.gaps) == GAPS_KEPT
+    restarted = Watch(app.store, lambda: now[0], TICK_S)
+    assert watch.watched_s(T0, now[0]) == restarted.watched_s(T0, now[0]) == pytest.approx(GAPS_KEPT * TICK_S)
+    app.close()
