@@ -8,8 +8,6 @@ private cloud's."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import socket
@@ -20,8 +18,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from orchestrator.child_records import ChildRecord, write_down
 from orchestrator.errors import OperationalError
-from runbooks import supervisor
 
 ERROR_PREFIX = "burstctl: error: "
 
@@ -77,11 +75,12 @@ class Children:
     def __init__(self, log_dir: Path, env: Mapping[str, str], config: Path, records: Path | None = None):
         self.log_dir = log_dir
         self.config = config
-        # Where each child is written down (its pid and start ticks), for `end_left_over` to end it should this
-        # process be killed outright (SIGKILL runs no `finally`): None, not written down.
+        # Where each child is written down (`child_records`), for `end_left_over` to end it should this process be
+        # killed outright (SIGKILL runs no `finally`): None, not written down.
         self.records = records
         self.env = {k: v for k, v in env.items() if k != "BURSTCTL_CONFIG"}
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._written: list[ChildRecord] = []
         self._handlers: dict[int, Any] = {}  # the signal handlers spawn() replaced, restored by stop_all()
         self._stopping = False
         self._starting = False  # spawn() between starting a child and listing it in self.procs
@@ -111,30 +110,21 @@ class Children:
         self._catch_stop_signals()
         self._starting = True
         try:
+            # Written down before it starts: killed while it starts, this process leaves a child the next run finds.
+            record = write_down(self.records, name, prefix=f"{len(self.procs):02d}-{name}-")
+            self._written.append(record)
             with self.log(name).open("w") as log:
                 proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--config", str(self.config),
-                                         *args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         *args], env=record.env(self.env), stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
             self.procs.append((name, proc))
-            self._write_down(name, proc)
+            record.started(proc.pid)
         finally:
             self._starting = False
             signum, self._pending = self._pending, None
             if signum is not None:
                 self._on_stop_signal(signum, None)
         return proc
-
-    def _record(self, name: str) -> Path | None:
-        return None if self.records is None else self.records / f"{len(self.procs):02d}-{name}.json"
-
-    def _write_down(self, name: str, proc: subprocess.Popen[bytes]) -> None:
-        path = self._record(name)
-        if path is None:
-            return
-        with contextlib.suppress(OSError):  # unrecorded, a child is still stopped by stop_all()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"name": name, "pid": proc.pid,
-                                        "start": supervisor.process_start_ticks(proc.pid)}))
 
     def check(self) -> None:
         """OperationalError with the child's own last log line if any child has exited: none is meant to before
@@ -160,43 +150,9 @@ class Children:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(10)
         self.procs.clear()
-        if self.records is not None:
-            for record in self.records.glob("*.json"):
-                record.unlink(missing_ok=True)
+        for record in self._written:
+            record.forget()
+        self._written.clear()
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
         self._handlers, self._stopping = {}, False
-
-
-def end_left_over(records: Path, grace_s: float = 30.0) -> list[str]:
-    """End the children written down in `records` (`Children(records=...)`) that still run: left by a process
-    killed outright, they ran on, and the next run would empty their directory under them. In reverse order, as
-    `stop_all` does (the daemon before simcloud): SIGTERM to each one's session, SIGKILL after `grace_s`. A pid
-    whose process has another start time than the one written down is another process now, and is left alone.
-    The records go. Returns the names of those ended."""
-    ended: list[str] = []
-    for record in sorted(records.glob("*.json"), reverse=True) if records.is_dir() else []:
-        try:
-            seen = json.loads(record.read_text())
-            name, pid, start = str(seen["name"]), int(seen["pid"]), seen["start"]
-        except (OSError, ValueError, KeyError, TypeError):
-            record.unlink(missing_ok=True)
-            continue
-        if start is not None and supervisor.process_start_ticks(pid) == start:
-            _end_session(pid, start, grace_s)
-            ended.append(name)
-        record.unlink(missing_ok=True)
-    return ended
-
-
-def _end_session(pid: int, start: int, grace_s: float) -> None:
-    """SIGTERM to the session `pid` leads (each child starts its own), SIGKILL to what is left of it after
-    `grace_s`."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while (supervisor.pid_alive(pid, start) or supervisor.group_alive(pid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if supervisor.group_alive(pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)

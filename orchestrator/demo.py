@@ -33,7 +33,8 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from orchestrator.children import Children, cache_dir, end_left_over, free_port
+from orchestrator.child_records import end_left_over
+from orchestrator.children import Children, cache_dir, free_port
 from orchestrator.config import toml_value
 from orchestrator.core.decision import DecisionContext, GpuOffer, JobFacts, decide
 from orchestrator.errors import BadInput, OperationalError

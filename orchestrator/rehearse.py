@@ -40,7 +40,8 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from orchestrator.children import Children, cache_dir, end_left_over, free_port
+from orchestrator.child_records import end_left_over
+from orchestrator.children import Children, cache_dir, free_port
 from orchestrator.config import Config, toml_value
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.jobspec import JobSpec, _missing_script, load_job

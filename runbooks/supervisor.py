@@ -182,8 +182,13 @@ def attempt_processes(run_dir: Path, job_id: str, attempt: int) -> list[int]:
     BURST_METRICS_FILE): the command and everything it started, in its group or not. torchrun puts each worker in its
     own session, so a SIGKILL to the command's group misses them (and they outlive a killed torchrun). Linux only
     (/proc/PID/environ); elsewhere an empty list."""
-    wanted = {f"BURST_JOB_ID={job_id}".encode(), f"BURST_ATTEMPT={attempt}".encode(),
-              f"BURST_METRICS_FILE={Path(run_dir).resolve() / METRICS_FILE}".encode()}
+    return processes_with_env({f"BURST_JOB_ID={job_id}".encode(), f"BURST_ATTEMPT={attempt}".encode(),
+                               f"BURST_METRICS_FILE={Path(run_dir).resolve() / METRICS_FILE}".encode()})
+
+
+def processes_with_env(wanted: set[bytes]) -> list[int]:
+    """Live processes but this one whose environment (as they were started with it) holds every `NAME=value` entry in
+    `wanted`. Only this user's are readable. Linux only (/proc/PID/environ); elsewhere an empty list."""
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -201,6 +206,12 @@ def attempt_processes(run_dir: Path, job_id: str, attempt: int) -> list[int]:
         if wanted <= env and fields and fields[0] != "Z":
             found.append(int(entry))
     return found
+
+
+def parent_pid(pid: int) -> int | None:
+    """PID's parent (1, or a subreaper, once its own parent is gone), or None without the process or /proc."""
+    fields = _proc_stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def _signal_pids(pids: list[int], sig: int) -> list[int]:

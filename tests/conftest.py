@@ -258,6 +258,51 @@ def children_left_by_a_kill(code: str, records: Callable[[], Path], *args: str) 
                 os.killpg(pid, signal.SIGKILL)
 
 
+# Run before the owner's code: its first `subprocess.Popen` prints the pid of the child it started, then the owner
+# is SIGKILLed right there, before Popen's caller gets the child back (or, for an owner alive in that instant, stays
+# there).
+_STOPPED_AS_ITS_CHILD_STARTS = """
+import os, signal, subprocess, time
+
+
+class _StoppedOnceStarted(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        print(self.pid, flush=True)
+        if KILLED:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+
+
+subprocess.Popen = _StoppedOnceStarted
+"""
+
+
+@contextmanager
+def owner_stopped_as_its_child_starts(code: str, *args: str, killed: bool = True) -> Iterator[int]:
+    """Run `code` (with `args`) in a Python process stopped the instant its first `subprocess.Popen` has started a
+    child: SIGKILLed there (`killed`: no `finally`, nothing after Popen runs), or held there, alive. Yields the
+    child's pid, once a killed owner is gone. The owner, and what still runs of the child's session, are killed
+    when the block ends, whatever the test found."""
+    from runbooks.supervisor import pid_alive, process_start_ticks
+
+    prelude = f"KILLED = {killed}\n{_STOPPED_AS_ITS_CHILD_STARTS}"
+    owner = subprocess.Popen([sys.executable, "-c", prelude + code, *args], stdout=subprocess.PIPE, text=True)
+    child, start = 0, None
+    try:
+        assert owner.stdout is not None
+        child = int(owner.stdout.readline())
+        start = process_start_ticks(child)
+        if killed:
+            assert owner.wait(30) == -signal.SIGKILL
+        yield child
+    finally:
+        owner.kill()
+        owner.wait()
+        if pid_alive(child, start):
+            os.killpg(child, signal.SIGKILL)
+
+
 def assert_config_refused(burstctl, tmp_path: Path, text: str, command: str, field: str, says: str) -> None:
     """A config file that does not validate: `burstctl COMMAND` exits 2 with one line naming the file and the field,
     no traceback, and nothing is created in the state directory. COMMAND is not one that only reads the state

@@ -15,6 +15,7 @@ from orchestrator.app import App
 from orchestrator.lifecycle.background_sync import BackgroundSyncs
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.remote.sync import end_orphaned_transfers, run_transfer, stop_transfers
+from tests.conftest import owner_stopped_as_its_child_starts
 
 
 def test_a_sync_runs_on_a_thread_and_is_taken_once_when_it_has_finished() -> None:
@@ -247,6 +248,28 @@ def test_transfers_of_a_process_killed_outright_are_ended_by_the_next_daemon_and
         owners["alive"].kill()
         owners["alive"].wait(10)
         end_orphaned_transfers(records)
+
+
+def test_a_transfer_whose_daemon_was_killed_the_instant_it_started_it_is_ended_by_the_next_daemon(
+        tmp_path: Path) -> None:
+    # A daemon killed between starting an rsync and writing it down left that rsync written down nowhere, writing on
+    # for ever into a staging directory the next daemon's pull writes too. Only what the killed daemon started is
+    # ended: a transfer whose daemon is still starting it, and any other program's process, are left alone.
+    records = tmp_path / "transfers"
+    starter = ("import sys; from pathlib import Path; from orchestrator.remote import sync; "
+               "sync.record_transfers_in(Path(sys.argv[1])); sync.run_transfer(['sleep', '60'])")
+    unrelated = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        with owner_stopped_as_its_child_starts(starter, str(records)) as orphan, \
+                owner_stopped_as_its_child_starts(starter, str(records), killed=False) as starting:
+            assert _alive(orphan)  # its daemon is gone, it runs on
+            assert end_orphaned_transfers(records) == 1
+            assert not _alive(orphan)  # ended, not only signalled, before the daemon's first pull
+            assert _alive(starting) and len(list(records.glob("*.json"))) == 1  # a live process's own
+            assert unrelated.poll() is None
+    finally:
+        unrelated.kill()
+        unrelated.wait()
 
 
 def _wait_until_both_transfers_are_written_down(records: Path, pidfiles: dict[str, Path]) -> None:

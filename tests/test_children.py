@@ -16,6 +16,8 @@ import pytest
 
 from orchestrator.children import Children, free_port
 from orchestrator.errors import OperationalError
+from runbooks.supervisor import pid_alive
+from tests.conftest import owner_stopped_as_its_child_starts
 
 
 def _private_config(folder: Path, key_env: str) -> Path:
@@ -90,6 +92,31 @@ def test_a_stop_signal_as_a_child_starts_still_has_that_child_stopped(
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+def test_a_child_whose_owner_was_killed_the_instant_it_started_it_is_ended_by_the_next_run(tmp_path: Path) -> None:
+    # Killed between starting a child and writing it down (SIGKILL, the OOM killer), a demo or rehearsal left that
+    # simcloud or daemon written down nowhere: the next run could not end it, and it ran for ever. Any other
+    # program's process is left alone.
+    from orchestrator.child_records import end_left_over
+
+    records = tmp_path / "children"
+    starter = ("import os, sys; from pathlib import Path; from orchestrator.children import Children\n"
+               "kids = Children(Path(sys.argv[1]), {**os.environ, 'PRIVATE_SIM_KEY': 'k'}, Path(sys.argv[2]), "
+               "records=Path(sys.argv[3]))\n"
+               "kids.spawn('simcloud', 'simcloud', 'serve', '--port', sys.argv[4], '--state', sys.argv[5])\n")
+    config = _private_config(tmp_path, "PRIVATE_SIM_KEY")
+    unrelated = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        with owner_stopped_as_its_child_starts(starter, str(tmp_path), str(config), str(records), str(free_port()),
+                                               str(tmp_path / "sim")) as orphan:
+            assert pid_alive(orphan)  # its owner is gone, it runs on
+            assert end_left_over(records) == ["simcloud"]  # what the next demo or rehearsal does first
+            assert not pid_alive(orphan) and not list(records.iterdir())
+            assert unrelated.poll() is None
+    finally:
+        unrelated.kill()
+        unrelated.wait()
 
 
 def _running_under(folder: Path) -> list[str]:

@@ -43,6 +43,7 @@ from typing import Any, Literal
 import fabric
 import paramiko
 
+from orchestrator import child_records
 from orchestrator.remote.ssh import (
     HostKeyMismatch,
     HostKeyTrust,
@@ -55,7 +56,7 @@ from orchestrator.remote.ssh import (
     rsync_ssh_command,
     run,
 )
-from runbooks import burst_checkpoint, supervisor
+from runbooks import burst_checkpoint
 from runbooks.checkpoint_transfer import (
     RSYNC_PARTIAL_DIR,
     STAGING_PREFIX,
@@ -413,43 +414,12 @@ ORPHAN_END_WAIT_S = 10.0  # an orphaned transfer SIGTERMed is SIGKILLed after th
 def end_orphaned_transfers(directory: Path) -> int:
     """End the transfers written down under `directory` whose process is gone but which still run: left by a daemon
     or a revert-local killed outright, they wrote on into the staging directories this process's pulls of the same
-    checkpoints write, and a pull could move one into place while an orphan still wrote into it. The private
-    known_hosts files such a process left there go too. A transfer of a process still alive (a revert-local beside
-    this daemon) is left alone. Returns how many it ended."""
+    checkpoints write, and a pull could move one into place while an orphan still wrote into it. Each is written
+    down before it starts (`child_records`), so one whose process was killed as it started it is ended too. The
+    private known_hosts files such a process left there go too. A transfer of a process still alive (a revert-local
+    beside this daemon) is left alone. Returns how many it ended, each gone before this process's first pull."""
     remove_orphaned_known_hosts(directory)
-    ended: list[int] = []
-    for record in directory.glob("*.json") if directory.is_dir() else []:
-        try:
-            seen = json.loads(record.read_text())
-            owner, transfer = (int(seen["owner"]), seen["owner_start"]), (int(seen["pid"]), seen["start"])
-        except (OSError, ValueError, KeyError, TypeError):
-            record.unlink(missing_ok=True)
-            continue
-        if supervisor.process_start_ticks(owner[0]) == owner[1]:
-            continue  # its process runs: its own
-        if supervisor.process_start_ticks(transfer[0]) == transfer[1]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(transfer[0], signal.SIGTERM)
-                ended.append(transfer[0])
-        record.unlink(missing_ok=True)
-    deadline = time.monotonic() + ORPHAN_END_WAIT_S  # gone before this process's first pull, not just signalled
-    while any(supervisor.group_alive(pgid) for pgid in ended) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pgid in [pgid for pgid in ended if supervisor.group_alive(pgid)]:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-    return len(ended)
-
-
-def _record(proc: subprocess.Popen[str]) -> Path | None:
-    if _RECORDS is None:
-        return None
-    path = _RECORDS / f"{os.getpid()}-{proc.pid}.json"
-    with contextlib.suppress(OSError):
-        path.write_text(json.dumps({"owner": os.getpid(), "owner_start": supervisor.process_start_ticks(os.getpid()),
-                                    "pid": proc.pid, "start": supervisor.process_start_ticks(proc.pid)}))
-        return path
-    return None
+    return len(child_records.end_left_over(directory, grace_s=ORPHAN_END_WAIT_S))
 
 
 class TransferStalled(SyncError):
@@ -484,12 +454,18 @@ def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, st
     is under it has not grown for `stall_s` (PULL_STALL_S unless given). ssh's keepalive ends a pull from an
     instance that is gone, and rsync's own --timeout counts its keep-alives as traffic: an instance whose rsync
     hangs while its sshd answers would otherwise hold the pull, and the checkpoint store's lock, for ever."""
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    # Written down before it starts, and ssh's own process with it (its environment): see `child_records`.
+    record = child_records.write_down(_RECORDS, "rsync", prefix=f"{os.getpid()}-")
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=record.env(env),
+                                start_new_session=True)
+    except BaseException:
+        record.forget()
+        raise
     with _RUNNING_LOCK:
         _RUNNING.add(proc)
-    record = _record(proc)
+    record.started(proc.pid)
     stall_s = PULL_STALL_S if stall_s is None else stall_s
     try:
         out, err, stalled = _communicate(proc, stdin, grows, stall_s)
@@ -500,8 +476,7 @@ def run_transfer(argv: list[str], *, stdin: str | None = None, env: dict[str, st
     finally:
         with _RUNNING_LOCK:
             _RUNNING.discard(proc)
-        if record is not None:
-            record.unlink(missing_ok=True)
+        record.forget()
     if stalled:
         raise TransferStalled(f"nothing arrived for {stall_s:.0f} s (the instance's side stalled while its SSH "
                               "answered); ended, and the next pull resumes")
