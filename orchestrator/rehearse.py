@@ -16,7 +16,8 @@ What is observed, and where from:
   checkpoint it was given) from one that resumes.
 
 Each rehearsal is written down while it runs (`workspace`): $XDG_CACHE_HOME/burstctl/rehearsals/<pid>-<start ticks>-…/
-names its directory and holds its children's pids and start ticks. One killed outright (SIGKILL, the OOM killer)
+names its directory (before it is made) and holds its children's records (each written before it starts:
+`child_records`). One killed outright (SIGKILL, the OOM killer)
 runs no `finally`: its simcloud, daemon and simulated instances ran on, and its directory, a new one each run, was
 found by nothing. The next rehearsal ends them and removes its directory (`end_left_over_rehearsals`).
 """
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -667,27 +668,44 @@ def workspace(keep: bool = False) -> Iterator[tuple[Path, Path | None]]:
     """A new temporary directory for one rehearsal, and where its children are to be written down (`Children`'s
     `records`; None where it cannot be written down): its entry in rehearsals_dir(), `<pid>-<start ticks>-<suffix of
     the directory's name>`, named after this process (so a later rehearsal knows when it is gone) and holding
-    OWNER. The caller stops the children before the block ends; then the directory goes (unless `keep`) and the
-    entry goes."""
-    workdir = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))
-    entry: Path | None = None
+    OWNER. The entry names the directory before the directory is made: a rehearsal killed in between leaves none
+    that the next one does not find. The caller stops the children before the block ends; then the directory goes
+    (unless `keep`) and the entry goes."""
+    workdir = Path(tempfile.gettempdir()) / f"{DIR_PREFIX}{secrets.token_hex(6)}"
+    entry = _register(workdir, keep)
+    try:
+        workdir.mkdir(mode=0o700)  # as mkdtemp's: a name taken already (never guessed) is an error, not reused
+    except BaseException:
+        if entry is not None:
+            shutil.rmtree(entry, ignore_errors=True)
+        raise
     try:
         (workdir / DIR_MARKER).write_text("Made by `burstctl rehearse`, which removes it when it ends (or, if it is "
                                           "killed, the next rehearsal does), unless given --keep.\n")
-        start = supervisor.process_start_ticks(os.getpid())
-        if start is not None:  # without it (no /proc), no later rehearsal could tell this one from a reused pid
-            with suppress(OSError):  # unregistered, a rehearsal still runs and stops its children
-                entry = rehearsals_dir() / f"{os.getpid()}-{start}-{workdir.name.removeprefix(DIR_PREFIX)}"
-                (entry / CHILDREN).mkdir(parents=True)
-                tmp = entry / f".{OWNER}"
-                tmp.write_text(json.dumps({"workdir": str(workdir), "keep": keep}))
-                tmp.replace(entry / OWNER)  # whole or not there: read by a later rehearsal
         yield workdir, None if entry is None else entry / CHILDREN
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
         if entry is not None:
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _register(workdir: Path, keep: bool) -> Path | None:
+    """This rehearsal's entry in rehearsals_dir(), naming `workdir` (OWNER, whole or not there); None where it
+    cannot be written: unregistered, a rehearsal still runs and stops its children."""
+    start = supervisor.process_start_ticks(os.getpid())
+    if start is None:  # without it (no /proc), no later rehearsal could tell this one from a reused pid
+        return None
+    entry = rehearsals_dir() / f"{os.getpid()}-{start}-{workdir.name.removeprefix(DIR_PREFIX)}"
+    try:
+        (entry / CHILDREN).mkdir(parents=True)
+        tmp = entry / f".{OWNER}"
+        tmp.write_text(json.dumps({"workdir": str(workdir), "keep": keep}))
+        tmp.replace(entry / OWNER)  # whole or not there: read by a later rehearsal
+    except OSError:
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    return entry
 
 
 def end_left_over_rehearsals() -> list[str]:
@@ -709,9 +727,7 @@ def end_left_over_rehearsals() -> list[str]:
         owner = _read_json(entry / OWNER)
         owner = owner if isinstance(owner, dict) else {}  # killed before it was written: no directory to remove
         workdir = Path(owner["workdir"]) if isinstance(owner.get("workdir"), str) else None
-        removed = workdir is not None and not owner.get("keep") and _is_rehearsal_dir(workdir)
-        if removed and workdir is not None:
-            shutil.rmtree(workdir, ignore_errors=True)
+        removed = workdir is not None and not owner.get("keep") and _remove_rehearsal_dir(workdir, entry)
         shutil.rmtree(entry, ignore_errors=True)
         what = [f"ended the {' and '.join(reversed(ended))} it left running"] if ended else []
         if removed:
@@ -724,8 +740,19 @@ def end_left_over_rehearsals() -> list[str]:
     return said
 
 
-def _is_rehearsal_dir(path: Path) -> bool:
-    """A directory `workspace` made: a temporary one (its name's prefix) holding DIR_MARKER. Nothing else is
-    removed."""
-    return (path.is_absolute() and path.name.startswith(DIR_PREFIX) and path.is_dir() and not path.is_symlink()
-            and (path / DIR_MARKER).is_file())
+def _remove_rehearsal_dir(path: Path, entry: Path) -> bool:
+    """Remove a directory `workspace` made: a temporary one (its name's prefix) holding DIR_MARKER, or one still
+    empty that `entry` is named after (its rehearsal was killed before it marked it). Nothing else is removed.
+    Whether it was."""
+    if not (path.is_absolute() and path.name.startswith(DIR_PREFIX) and path.is_dir() and not path.is_symlink()):
+        return False
+    if (path / DIR_MARKER).is_file():
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    if entry.name.split("-", 2)[2:] != [path.name.removeprefix(DIR_PREFIX)]:
+        return False
+    try:
+        path.rmdir()  # only an empty one
+    except OSError:
+        return False
+    return True

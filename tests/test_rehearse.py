@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -303,3 +304,44 @@ def test_the_next_rehearsal_ends_what_a_rehearsal_killed_outright_left_running_a
             assert not workdir.exists() and not_made.is_dir()
             assert entries() == [alive] and running.is_dir()
         assert entries() == [] and not running.exists()  # a rehearsal that ends removes its own entry
+
+
+# A rehearsal killed the instant its temporary directory is made (SIGKILL, the OOM killer), before it can write
+# anything else; it prints the directory first.
+_KILLED_AS_ITS_DIRECTORY_IS_MADE = """
+import os, signal
+from orchestrator.rehearse import DIR_PREFIX, workspace
+
+made = os.mkdir
+
+
+def mkdir(path, *args, **kwargs):
+    made(path, *args, **kwargs)
+    if os.path.basename(path).startswith(DIR_PREFIX):
+        print(os.fspath(path), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+os.mkdir = mkdir
+with workspace():
+    pass
+"""
+
+
+def test_the_next_rehearsal_removes_the_directory_of_one_killed_the_instant_it_made_it(tmp_path: Path) -> None:
+    # Its directory was made, then written down: killed in between, a rehearsal left a directory in $TMPDIR that no
+    # later rehearsal knew of.
+    from orchestrator.rehearse import end_left_over_rehearsals, rehearsals_dir
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    killed = subprocess.Popen([sys.executable, "-c", _KILLED_AS_ITS_DIRECTORY_IS_MADE], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "TMPDIR": str(temp)})
+    out, _ = killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    workdir = Path(out.strip())
+    assert workdir.parent == temp and workdir.is_dir()  # left behind
+
+    assert end_left_over_rehearsals() == [f"a rehearsal killed outright (pid {killed.pid}): removed its directory "
+                                          f"{workdir}"]
+    assert list(temp.iterdir()) == [] and list(rehearsals_dir().iterdir()) == []
