@@ -29,6 +29,7 @@ from typing import Any
 from runbooks import supervisor
 
 OWNER_ENV = "BURSTCTL_OWNED_BY"
+KILLED_WAIT_S = 5.0  # what a process SIGKILLed may take to be gone (its memory freed, in uninterruptible I/O)
 
 
 @dataclass
@@ -77,13 +78,16 @@ def write_down(directory: Path | None, name: str, prefix: str = "") -> ChildReco
     return ChildRecord(path, token, fields)
 
 
-def end_left_over(directory: Path, grace_s: float = 30.0) -> list[str]:
+def end_left_over(directory: Path, grace_s: float = 30.0, *, in_order: bool = True) -> list[str]:
     """End the children written down in `directory` whose owner is gone but which still run, in reverse order of
-    the records' names: SIGTERM to each one's session, SIGKILL to what is left of it after `grace_s`. A child
+    the records' names: SIGTERM to each one's session, SIGKILL to what is left of it after `grace_s`. Without
+    `in_order` (children that do not depend on each other: transfers) all are signalled first, then waited for
+    together: a dozen orphaned rsyncs slow to go then take one grace, not a dozen. A child
     written down with its pid is ended only while that pid is the same process (its start ticks); one whose owner
     was killed before its pid was added, found by its token. The records of a live owner are left alone; the others
     go. Returns the names of the children ended."""
     ended: list[str] = []
+    signalled: list[tuple[int, int]] = []
     for path in sorted(directory.glob("*.json"), reverse=True) if directory.is_dir() else []:
         try:
             seen = json.loads(path.read_text())
@@ -99,10 +103,15 @@ def end_left_over(directory: Path, grace_s: float = 30.0) -> list[str]:
         else:
             running = _started_with(token) if isinstance(token, str) and token else []
         for leader, leader_start in running:
-            _end_session(leader, leader_start, grace_s)
+            _signal(leader)
+            if in_order:
+                _reap([(leader, leader_start)], grace_s)
+        signalled += running
         if running:
             ended.append(name)
         _remove(path)
+    if not in_order:
+        _reap(signalled, grace_s)
     return ended
 
 
@@ -118,17 +127,26 @@ def _started_with(token: str) -> list[tuple[int, int]]:
     return found
 
 
-def _end_session(pid: int, start: int, grace_s: float) -> None:
-    """SIGTERM to the session `pid` leads (each child starts its own), SIGKILL to what is left of it after
-    `grace_s`."""
+def _signal(pid: int) -> None:
+    """SIGTERM to the session `pid` leads (each child starts its own)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGTERM)
+
+
+def _reap(leaders: list[tuple[int, int]], grace_s: float) -> None:
+    """Wait up to `grace_s` for the sessions of these leaders (pid, start ticks) to be gone, then SIGKILL what is left
+    of each, and wait for that (at most KILLED_WAIT_S)."""
     deadline = time.monotonic() + grace_s
-    while (supervisor.pid_alive(pid, start) or supervisor.group_alive(pid)) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and any(supervisor.pid_alive(pid, start) or supervisor.group_alive(pid)
+                                              for pid, start in leaders):
         time.sleep(0.05)
-    if supervisor.group_alive(pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+    for pid, _ in leaders:
+        if supervisor.group_alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILLED_WAIT_S  # gone when this returns, not only sent SIGKILL
+    while time.monotonic() < deadline and any(supervisor.group_alive(pid) for pid, _ in leaders):
+        time.sleep(0.01)
 
 
 def _replace(path: Path, fields: dict[str, Any]) -> None:

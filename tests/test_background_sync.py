@@ -272,6 +272,32 @@ def test_a_transfer_whose_daemon_was_killed_the_instant_it_started_it_is_ended_b
         unrelated.wait()
 
 
+def test_orphaned_transfers_slow_to_go_are_all_signalled_before_any_is_killed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # rsyncs that take their time over SIGTERM (a multi-GB file being closed) are each given the grace at once, not
+    # one after another: a dozen of them held the next daemon's start for a dozen graces. Each notes, as it is told
+    # to go, how many of them are still there: all, when they are told together.
+    import orchestrator.remote.sync as sync
+
+    monkeypatch.setattr(sync, "ORPHAN_END_WAIT_S", 1.0)
+    records, said, pids = tmp_path / "transfers", tmp_path / "said", tmp_path / "pids"
+    # Builtins only in the trap (a fork of it would be counted as one of them); a zombie is gone.
+    slow = (f"echo $$ >> {pids}; trap 'n=0; while read p; do read -r _ _ st _ < /proc/$p/stat 2>/dev/null && "
+            f"[ $st != Z ] && n=$((n+1)); done < {pids}; echo $n >> {said}' TERM; while :; do sleep 0.05; done")
+    owner = ("import subprocess, sys, time; from pathlib import Path; from orchestrator import child_records\n"
+             "for n in range(3):\n"
+             "    record = child_records.write_down(Path(sys.argv[1]), f'rsync-{n}')\n"
+             f"    child = subprocess.Popen(['bash', '-c', {slow!r}], env=record.env(), start_new_session=True)\n"
+             "    record.started(child.pid)\n"
+             f"while len(Path({str(pids)!r}).read_text().split() if Path({str(pids)!r}).exists() else []) < 3:\n"
+             "    time.sleep(0.01)\n")
+    subprocess.run([sys.executable, "-c", owner, str(records)], check=True, timeout=60)  # gone, its rsyncs not
+
+    assert end_orphaned_transfers(records) == 3
+    assert said.read_text().split() == ["3", "3", "3"]
+    assert not any(_alive(int(pid)) for pid in pids.read_text().split())
+
+
 def _wait_until_both_transfers_are_written_down(records: Path, pidfiles: dict[str, Path]) -> None:
     # Each transfer's child writes its pid file as it starts, and its owner writes the record once Popen returns: an
     # owner killed between the two leaves nothing to end (which failed this on a loaded machine).

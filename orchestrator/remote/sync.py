@@ -419,7 +419,7 @@ def end_orphaned_transfers(directory: Path) -> int:
     private known_hosts files such a process left there go too. A transfer of a process still alive (a revert-local
     beside this daemon) is left alone. Returns how many it ended, each gone before this process's first pull."""
     remove_orphaned_known_hosts(directory)
-    return len(child_records.end_left_over(directory, grace_s=ORPHAN_END_WAIT_S))
+    return len(child_records.end_left_over(directory, grace_s=ORPHAN_END_WAIT_S, in_order=False))
 
 
 class TransferStalled(SyncError):
