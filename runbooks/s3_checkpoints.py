@@ -70,6 +70,8 @@ CREDENTIAL_ERRORS = (botocore.exceptions.NoCredentialsError, botocore.exceptions
                      botocore.exceptions.CredentialRetrievalError, botocore.exceptions.TokenRetrievalError,
                      botocore.exceptions.SSOError, botocore.exceptions.NoAuthTokenError)
 _S3_ERRORS = (botocore.exceptions.ClientError, *CREDENTIAL_ERRORS)
+_FIXED_TEXTS = (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError,
+                botocore.exceptions.UnauthorizedSSOTokenError, botocore.exceptions.NoAuthTokenError)
 
 MiB = 1024 * 1024
 DEFAULT_TRANSFER_CONFIG = TransferConfig(multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB,
@@ -87,7 +89,10 @@ def _failed(what: str, exc: Exception) -> TransferError:
     if isinstance(exc, botocore.exceptions.ClientError):
         code = _code(exc)
         return (S3Refused if code in REFUSED_CODES else TransferError)(f"{what}: {code}")
-    return S3Refused(f"{what}: {exc}")
+    # botocore's own text where it is fixed ("Unable to locate credentials", "The SSO session ... has expired ...");
+    # otherwise only its class: a failed credential_process's message is whatever that program printed.
+    said = str(exc) if isinstance(exc, _FIXED_TEXTS) else type(exc).__name__
+    return S3Refused(f"{what}: {said}")
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import botocore.exceptions
 import pytest
 from boto3.s3.transfer import TransferConfig
 from moto import mock_aws
@@ -211,6 +212,17 @@ def test_no_credentials_at_all_is_a_refusal_that_says_so(
     anonymous = boto3.Session().client("s3", region_name="us-east-1")
     with pytest.raises(S3Refused, match="Unable to locate credentials"):
         S3CheckpointStore(anonymous, BUCKET, "jobs/job-1/ckpt").list_complete()
+
+
+def test_a_credential_program_s_own_words_are_not_repeated(s3: Any) -> None:
+    # A credential_process that fails says whatever it prints, which may hold a token: only the error's kind is said.
+    def fail(**_: Any) -> None:
+        raise botocore.exceptions.CredentialRetrievalError(provider="custom-process", error_msg="token=s3cr3t-v4lue")
+
+    s3.meta.events.register_first("before-sign.s3.*", fail)
+    with pytest.raises(S3Refused) as raised:
+        S3CheckpointStore(s3, BUCKET, "jobs/job-1/ckpt").list_complete()
+    assert str(raised.value).endswith(": CredentialRetrievalError") and "s3cr3t" not in str(raised.value)
 
 
 # --- the instance side: the supervisor uploads, a separate process (boto3 over HTTP, as on an instance) ---------
