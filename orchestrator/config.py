@@ -622,7 +622,7 @@ EVENT_TYPES = frozenset({
     "cloud.health",
     "daemon.config_rejected", "daemon.config_reloaded", "daemon.lock_lost", "daemon.notify_failed",
     "daemon.orphan_transfers_ended", "daemon.schedule_failed", "daemon.started", "daemon.stopped", "daemon.stopping",
-    "daemon.sweep_failed", "daemon.tick_failed",
+    "daemon.sweep_failed", "daemon.tick_failed", "daemon.unwatched",
     "instance.adopted", "instance.host_key_recorded", "instance.interruption_notice", "instance.launched",
     "instance.orphan_terminate_failed", "instance.orphan_terminated", "instance.preempted", "instance.ready",
     "instance.terminate_retry", "instance.terminate_unverified", "instance.terminated",

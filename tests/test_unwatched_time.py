@@ -171,6 +171,9 @@ def test_a_boot_the_daemon_was_away_for_longer_than_boot_timeout_s_is_waited_for
     assert (att["state"], instance.bootstrapped, instance.terminated, daemon.stops()) == ("running", 1, [], [])
     (ready,) = [e["data"] for e in daemon.app.store.events(job_id=daemon.job_id) if e["type"] == "instance.ready"]
     assert ready["boot_s"] > HOUR_S and "not_measured" in ready  # the hour away is no boot time to learn from
+    # Said once, with its length: why the timeout waited longer than it is set to.
+    (unwatched,) = [e["data"] for e in daemon.app.store.events() if e["type"] == "daemon.unwatched"]
+    assert unwatched["seconds"] == pytest.approx(HOUR_S) and unwatched["until"] - unwatched["since"] == HOUR_S
     daemon.close()
 
 

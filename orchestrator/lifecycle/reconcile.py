@@ -132,7 +132,7 @@ class Reconciler:
         # that began before it was not watched throughout, and is not measured (`_step_provisioning`).
         self.watching_since = clock()
         # How long the attempts were watched (lifecycle/watch.py): what the timeouts that wait on an instance count.
-        self.watch = Watch(self.store, clock, self.cfg.daemon.tick_s)
+        self.watch = Watch(self.store, clock, self.cfg.daemon.tick_s, on_gap=self._unwatched)
         self.cloud = cloud  # CloudSteps: SSH, runbooks, syncs (None: the cloud is not configured)
         self._heartbeats: dict[str, tuple[Any, float]] = {}  # attempt id → (heartbeat ts, monotonic when it changed)
         self.unavailable: dict[str, str] = {}  # enabled providers that cannot be used → why (`build_reconciler`)
@@ -167,6 +167,12 @@ class Reconciler:
     def abandon(self) -> None:
         """Once the ticks are over and nothing may be written down (`AttemptSyncs.abandon`)."""
         self.syncs.abandon()
+
+    def _unwatched(self, since: float, until: float) -> None:
+        """Said: nobody watched the attempts from `since` to `until` (the daemon was stopped, or its machine slept),
+        and the timeouts that wait on an instance do not count that time."""
+        self.app.events.emit("daemon.unwatched", seconds=round(until - since, 1), since=round(since, 3),
+                             until=round(until, 3))
 
     @property
     def tick_s(self) -> float:

@@ -26,10 +26,12 @@ GAPS_KEPT = 200  # restarts and sleeps, a few a day; time before the oldest kept
 
 
 class Watch:
-    def __init__(self, store: Store, clock: Callable[[], float], tick_s: float):
+    def __init__(self, store: Store, clock: Callable[[], float], tick_s: float,
+                 on_gap: Callable[[float, float], None] | None = None):
         self.store = store
         self.clock = clock
         self.tick_s = tick_s
+        self.on_gap = on_gap  # told of each gap as it is found: (the last look before it, the first after)
         kept = store.get_setting(WATCH_KEY) or {}
         self.first = float(kept.get("first", clock()))  # the first look written down
         self.gaps: list[tuple[float, float]] = [(float(a), float(b)) for a, b in kept.get("gaps", ())]
@@ -43,12 +45,15 @@ class Watch:
     def look(self) -> None:
         """A tick begins: a gap since the last look (this daemon's, or the one before it) is written down."""
         now = self.clock()
-        if self.last is not None and now - self.last > self.gap_s:
-            self.gaps.append((self.last, now))
+        gap = None if self.last is None or now - self.last <= self.gap_s else (self.last, now)
+        if gap is not None:
+            self.gaps.append(gap)
             if len(self.gaps) > GAPS_KEPT:
                 self.first = max(self.first, self.gaps.pop(0)[1])
         self.last = now
         self.store.set_setting(WATCH_KEY, {"first": self.first, "last": now, "gaps": [list(g) for g in self.gaps]})
+        if gap is not None and self.on_gap is not None:  # once written down: a restart does not find it again
+            self.on_gap(*gap)
 
     def looked(self) -> None:
         """A tick ended: the next gap is measured from now (a long tick is a look, not a gap)."""
