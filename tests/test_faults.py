@@ -406,3 +406,28 @@ def test_a_full_disk_is_one_line_from_the_cli_and_one_line_a_change_from_the_dae
     assert len(said) == 1 and "OperationalError: database or disk is full (not recorded: OperationalError" in said[0]
     assert "Traceback" not in err
     app.close()
+
+
+def test_a_daemon_stopped_longer_than_boot_timeout_s_while_its_instance_boots_takes_that_instance_once_it_is_up(
+        tmp_path: Path) -> None:
+    # The daemon is stopped (a laptop shut down, the service restarted after an upgrade) just after it launched an
+    # instance, for longer than daemon.boot_timeout_s, while the instance boots on in the cloud. The next daemon's
+    # first look counted the downtime as boot time and ended the instance (boot-timeout), paying for another
+    # launch. Only the time a daemon watched counts: the same instance is taken once it is up.
+    state = tmp_path / "state"
+    with simcloud(tmp_path, "--boot-delay", "28") as url:
+        config = write_config(tmp_path, url, daemon={"tick_s": 0.3, "boot_timeout_s": 12.0})
+        job_id = enqueue(config, state, trainer_job(tmp_path, "restarted", steps=20))
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: events(state, "instance.launched"), 60, "the instance to be launched")
+            daemon.kill()
+            time.sleep(20)  # past the timeout, and past the gap (3 ticks + 15 s) that says nobody watched
+            daemon.start()
+            wait_for(lambda: job(state, job_id)["state"] in ("done", "failed"), 120, "the job to end")
+        finally:
+            assert daemon.stop() == 0
+        done_where_it_ran(state, job_id, url)
+    assert [e["data"]["reason"] for e in events(state, "attempt.stopping")] == ["completed"]
+    (unwatched,) = [e["data"] for e in events(state, "daemon.unwatched")]
+    assert unwatched["seconds"] >= 20

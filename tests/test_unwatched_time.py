@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import insert, select
 
 from orchestrator.app import App
+from orchestrator.lifecycle import watch as watch_module
 from orchestrator.lifecycle.reconcile import MAX_STEP_ERRORS, STEP_RETRY_MAX_S, Reconciler
 from orchestrator.lifecycle.watch import GAPS_KEPT, Watch
 from orchestrator.queue import enqueue
@@ -259,3 +260,38 @@ def test_the_time_before_the_gaps_kept_counts_as_not_watched_for_a_restarted_dae
     restarted = Watch(app.store, lambda: now[0], TICK_S)
     assert watch.watched_s(T0, now[0]) == restarted.watched_s(T0, now[0]) == pytest.approx(GAPS_KEPT * TICK_S)
     app.close()
+
+
+@pytest.mark.parametrize("suspended", [True, False])
+def test_an_hour_inside_one_tick_is_not_watched_if_the_machine_was_suspended_and_is_if_the_tick_was_slow(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suspended: bool) -> None:
+    # The laptop closed while a tick was looking at the instances: between that tick's start and its end an hour
+    # passed, which the wall clock between ticks does not show. The suspend is told by the machine's clocks (Linux's
+    # CLOCK_BOOTTIME counts it, CLOCK_MONOTONIC does not); an hour-long tick on a machine awake is a daemon stuck
+    # looking, and counts as watched, or a daemon whose every tick is slow would never give a stuck instance up.
+    instance = _Instance()
+    daemon = _Daemon(tmp_path, monkeypatch, instance, "provisioning")
+    assert daemon.tick()["state"] == "provisioning"
+    slept = [0.0]
+    monkeypatch.setattr(watch_module, "slept_s", lambda: slept[0])
+    describe = instance.describe
+
+    def an_hour_passes(ids: list[str]) -> dict[str, InstanceInfo]:
+        monkeypatch.setattr(instance, "describe", describe)  # once
+        daemon.now += HOUR_S
+        slept[0] += HOUR_S if suspended else 0.0
+        return describe(ids)
+
+    monkeypatch.setattr(instance, "describe", an_hour_passes)
+    att = daemon.tick()
+    if not suspended:
+        assert (daemon.stops(), att["state"]) == (["boot-timeout"], "aborted")
+        daemon.close()
+        return
+    assert att["state"] == "provisioning"  # the look after waking, in the tick the suspend fell in
+    assert daemon.ticks_for(TIMEOUT_S / 2)["state"] == "provisioning"  # and the ticks after it
+    instance.up = instance.ssh = True
+    assert (daemon.tick()["state"], instance.terminated, daemon.stops()) == ("running", [], [])
+    (unwatched,) = [e["data"] for e in daemon.app.store.events() if e["type"] == "daemon.unwatched"]
+    assert unwatched["seconds"] == pytest.approx(HOUR_S)
+    daemon.close()
