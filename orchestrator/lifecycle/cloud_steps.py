@@ -8,7 +8,7 @@ them home from S3 (whether or not the instance still exists), and a resumed atte
 in-region. An attempt whose instance cannot upload (no boto3, no credentials) falls back to SSH.
 
 Remote layout, under the login directory of the instance:
-    burst/runbooks/                 supervisor.py, burst_checkpoint.py (stdlib-only)
+    burst/runbooks/                 supervisor.py, burst_checkpoint.py (stdlib-only), burst_hf.py (for HF trainers)
     burst/<job>/work/               the job's workdir
     burst/<job>/setup/              the job's setup (spec `setup`): its lock, log and done record
     burst/<job>/checkpoints/<name>/ complete checkpoints (manifest last, atomic rename)
@@ -43,7 +43,7 @@ from state import schema as s
 
 RUNBOOKS = Path(__file__).resolve().parents[2] / "runbooks"
 RUNBOOK_FILES = ("bootstrap.sh", "supervisor.py", "burst_checkpoint.py", "checkpoint_transfer.py",
-                 "s3_checkpoints.py")
+                 "s3_checkpoints.py", "burst_hf.py")
 EXCLUDE = (".git", "__pycache__", "*.pyc", ".venv")  # at any depth, whatever the job says
 
 
