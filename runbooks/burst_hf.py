@@ -70,6 +70,19 @@ class BurstCallback(TrainerCallback):
         if self.stopped:
             control.should_save = True
             control.should_training_stop = True
+        return self._before_save(args, state, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
+        return self._before_save(args, state, control)
+
+    def _before_save(self, args: Any, state: Any, control: Any) -> Any:
+        """The Trainer is about to save (its own flow callback, called first, has decided): a folder of that step
+        left in `output_dir` by an earlier run (resumed from an older checkpoint) goes first. The Trainer writes into
+        it in place, and its files are the published checkpoint's, hard-linked: written through, they would no
+        longer match that checkpoint's manifest."""
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if control.should_save and self.checkpoint_dir is not None and folder.is_dir():
+            shutil.rmtree(folder)
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> Any:

@@ -83,3 +83,33 @@ def test_without_burstctl_the_trainer_runs_as_it_would_without_the_callback(tmp_
                    capture_output=True, timeout=300)
     assert json.loads((tmp_path / "result.json").read_text())["step"] == 6
     assert sorted(p.name for p in (tmp_path / "hf-out").iterdir()) == ["checkpoint-5", "checkpoint-6"]
+
+
+def test_a_step_saved_again_in_the_same_output_dir_leaves_the_published_checkpoint_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Published checkpoints share their files with the Trainer's folders (hard links). A run resumed from an older
+    # checkpoint in the same output_dir saves the same steps again, and the Trainer writes into an existing folder in
+    # place: through the shared files, into the published checkpoint, which no longer matched its manifest.
+    from types import SimpleNamespace
+
+    import runbooks.burst_hf as burst_hf
+
+    monkeypatch.setenv("BURST_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # this test process's own SIGTERM handler stays
+    callback = burst_hf.BurstCallback()
+    args, state = SimpleNamespace(output_dir=str(tmp_path / "out")), SimpleNamespace(global_step=10, max_steps=20)
+    folder = tmp_path / "out" / "checkpoint-10"
+
+    def trainer_saves(weights: bytes) -> None:  # as the Trainer does: into the folder, in place
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "model.safetensors", "wb") as fh:
+            fh.write(weights)
+
+    trainer_saves(b"first run")
+    callback.on_save(args, state, SimpleNamespace())
+    published = tmp_path / "ckpt" / "step-00000010"
+    assert bc.verify(published) and (published / "model.safetensors").stat().st_nlink == 2  # shared, not copied
+
+    callback.on_step_end(args, state, SimpleNamespace(should_save=True, should_training_stop=False))  # about to save
+    trainer_saves(b"the resumed run, saving step 10 again")
+    assert bc.verify(published) and (published / "model.safetensors").read_bytes() == b"first run"
