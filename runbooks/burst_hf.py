@@ -66,7 +66,7 @@ class BurstCallback(TrainerCallback):
         self.stopped = True  # acted on at the step's end: the Trainer is mid-step now
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
-        self._report(state.global_step, state.max_steps)
+        self._report(state)
         if self.stopped:
             control.should_save = True
             control.should_training_stop = True
@@ -81,13 +81,14 @@ class BurstCallback(TrainerCallback):
         it in place, and its files are the published checkpoint's, hard-linked: written through, they would no
         longer match that checkpoint's manifest."""
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if control.should_save and self.checkpoint_dir is not None and folder.is_dir():
+        if control.should_save and self.checkpoint_dir is not None and state.is_world_process_zero and folder.is_dir():
             shutil.rmtree(folder)
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if self.checkpoint_dir is not None and folder.is_dir():
+        # Under torchrun every rank is told; the folder is whole once the main one is (the Trainer waits for all).
+        if self.checkpoint_dir is not None and state.is_world_process_zero and folder.is_dir():
             bc.write_checkpoint(self.checkpoint_dir, f"step-{state.global_step:08d}",
                                 writer=lambda tmp: _link_tree(folder, tmp),
                                 meta={"step": state.global_step, "max_steps": state.max_steps})
@@ -99,8 +100,9 @@ class BurstCallback(TrainerCallback):
         if self.stopped:
             sys.exit(STOPPED_EXIT)
 
-    def _report(self, step: int, max_steps: int) -> None:
-        if self.metrics_file is None or max_steps <= 0:
+    def _report(self, state: Any) -> None:
+        step, max_steps = state.global_step, state.max_steps
+        if self.metrics_file is None or max_steps <= 0 or not state.is_world_process_zero:
             return
         tmp = f"{self.metrics_file}.tmp"
         with open(tmp, "w") as fh:
