@@ -97,8 +97,8 @@ def test_a_step_saved_again_in_the_same_output_dir_leaves_the_published_checkpoi
     monkeypatch.setenv("BURST_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
     monkeypatch.setattr(signal, "signal", lambda *_: None)  # this test process's own SIGTERM handler stays
     callback = burst_hf.BurstCallback()
-    args, state = SimpleNamespace(output_dir=str(tmp_path / "out")), SimpleNamespace(global_step=10, max_steps=20,
-                                                                          is_world_process_zero=True)
+    args = SimpleNamespace(output_dir=str(tmp_path / "out"))
+    state = SimpleNamespace(global_step=10, max_steps=20, is_world_process_zero=True)
     folder = tmp_path / "out" / "checkpoint-10"
 
     def trainer_saves(weights: bytes) -> None:  # as the Trainer does: into the folder, in place
