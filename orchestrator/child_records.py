@@ -79,13 +79,12 @@ def write_down(directory: Path | None, name: str, prefix: str = "") -> ChildReco
 
 
 def end_left_over(directory: Path, grace_s: float = 30.0, *, in_order: bool = True) -> list[str]:
-    """End the children written down in `directory` whose owner is gone but which still run, in reverse order of
-    the records' names: SIGTERM to each one's session, SIGKILL to what is left of it after `grace_s`. Without
-    `in_order` (children that do not depend on each other: transfers) all are signalled first, then waited for
-    together: a dozen orphaned rsyncs slow to go then take one grace, not a dozen. A child
-    written down with its pid is ended only while that pid is the same process (its start ticks); one whose owner
-    was killed before its pid was added, found by its token. The records of a live owner are left alone; the others
-    go. Returns the names of the children ended."""
+    """End the children written down in `directory` whose owner is gone but which still run, in reverse order of the
+    records' names: SIGTERM to each one's session, SIGKILL to what is left of it after `grace_s`. Without `in_order`
+    (children that do not depend on each other: transfers) all are signalled first, then waited for together: a dozen
+    orphaned rsyncs slow to go then take one grace, not a dozen. A child written down with its pid is ended only
+    while that pid is the same process (its start ticks); one whose owner was killed before its pid was added, found
+    by its token. The records of a live owner are left alone; the others go. Returns the names of the children ended."""
     ended: list[str] = []
     signalled: list[tuple[int, int]] = []
     for path in sorted(directory.glob("*.json"), reverse=True) if directory.is_dir() else []:

@@ -17,9 +17,9 @@ What is observed, and where from:
 
 Each rehearsal is written down while it runs (`workspace`): $XDG_CACHE_HOME/burstctl/rehearsals/<pid>-<start ticks>-…/
 names its directory (before it is made) and holds its children's records (each written before it starts:
-`child_records`). One killed outright (SIGKILL, the OOM killer)
-runs no `finally`: its simcloud, daemon and simulated instances ran on, and its directory, a new one each run, was
-found by nothing. The next rehearsal ends them and removes its directory (`end_left_over_rehearsals`).
+`child_records`). One killed outright (SIGKILL, the OOM killer) runs no `finally`: its simcloud, daemon and simulated
+instances ran on, and its directory, a new one each run, was found by nothing. The next rehearsal ends them and removes
+its directory (`end_left_over_rehearsals`).
 """
 
 from __future__ import annotations
