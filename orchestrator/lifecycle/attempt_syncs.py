@@ -178,29 +178,28 @@ class AttemptSyncs:
         """The transfers of a sync, and nothing else: the newest checkpoint, the outputs with a new one (or with
         `outputs`, whatever came), and with `logs` the logs. Failures are returned, not raised."""
         started = time.monotonic()
-        refused: S3Refused | None = None
+        refused: str | None = None
         try:
             try:
                 new = self.cloud_steps.pull(att, job, shared)
             except S3Refused as exc:
                 # S3 refuses this daemon's credentials (a key rotated, an SSO session expired mid-run), not the
                 # instance's role: the instance still holds its checkpoints, so they come home over SSH meanwhile.
-                refused = exc
+                refused = str(exc)
                 new = self.cloud_steps.pull(att, job, shared, over_ssh=True)
         except Exception as exc:
             if shared is not None:
                 shared.drop()
-            if refused is not None and exc is not refused:  # the instance gone too: the refusal is what to mend
+            if refused is not None:  # over SSH too (the instance gone): the refusal is what to mend
                 exc = S3Refused(f"{refused}; over SSH instead: {type(exc).__name__}: {exc}")
             # The logs come home all the same: a checkpoint store that fails (S3, a full disk) is no reason to stop.
             return SyncDone(error=exc, at=self.clock(), logs=self._logs_io(att, job, shared) if logs else None,
-                            s3_refused=None if refused is None else str(refused))
+                            s3_refused=refused)
         took = time.monotonic() - started
         at = self.clock()
         pulled_outputs = self._outputs_io(att, job, shared) if new or outputs else None
         return SyncDone(pulled=new, took_s=took, at=at, outputs=pulled_outputs,
-                        logs=self._logs_io(att, job, shared) if logs else None,
-                        s3_refused=None if refused is None else str(refused))
+                        logs=self._logs_io(att, job, shared) if logs else None, s3_refused=refused)
 
     def write_down(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], done: SyncDone) -> bool:
         """Write down what a sync did (`transfers`): its checkpoint home, or its failure; its outputs and logs.
