@@ -123,7 +123,10 @@ def test_a_checkpoint_written_after_the_notices_pull_began_comes_home_or_is_said
     assert said["attempt_id"] == f"{job_id}-a1"
     assert said["data"]["checkpoint"] == newest and said["data"]["resumes_from"] == resumed["checkpoint"]
     assert said["data"]["instance"] == first
-    assert said["data"]["reason"].startswith(f"{newest} did not come home before the instance was lost (provider ")
+    # Lost to the reclaim: seen by the provider (preempted), or first by the trainer's exit on the notice once its last
+    # sync ended, cut off by that same reclaim. Which of the two a tick meets first is a race this test cannot order.
+    assert said["data"]["reason"].startswith(tuple(f"{newest} did not come home before the instance was lost ({by}"
+                                                   for by in ("provider ", "spot interruption notice)"))), said
     types = [e["type"] for e in events(state) if e["job_id"] == job_id]
     assert types.index("instance.preempted") < types.index("checkpoint.lost") < types.index("job.resumed")
     assert resuming["checkpoint_lost"] == newest and f"its checkpoint {newest} was lost" in resuming["reason"]
