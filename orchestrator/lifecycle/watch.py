@@ -57,10 +57,14 @@ class Watch:
         """A tick ended: the next gap is measured from now. A long tick is a look, not a gap, unless its machine was
         suspended during it (which the wall clock between ticks would not show: the tick spans the suspend)."""
         now = self.clock()
-        asleep = slept_s() - self._slept if self.ticking else 0.0
+        asleep = self._asleep_in_tick()
         self.last, self.ticking = max(self.last or -float("inf"), now), False
         if asleep > self.gap_s:
             self._write_down((now - asleep, now))
+
+    def _asleep_in_tick(self) -> float:
+        """How long the machine has been suspended since the tick under way began (0 between ticks)."""
+        return slept_s() - self._slept if self.ticking else 0.0
 
     def _write_down(self, gap: tuple[float, float] | None) -> None:
         if gap is not None:
@@ -78,8 +82,7 @@ class Watch:
         the tick began); and what came before the first look."""
         unwatched = [(-float("inf"), self.first), *self.gaps]
         if self.ticking:
-            asleep = slept_s() - self._slept
-            if asleep > self.gap_s:
+            if (asleep := self._asleep_in_tick()) > self.gap_s:
                 unwatched.append((now - asleep, now))
         elif self.last is not None and now - self.last > self.gap_s:
             unwatched.append((self.last, now))
