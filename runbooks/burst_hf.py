@@ -80,13 +80,13 @@ class BurstCallback(TrainerCallback):
         left in `output_dir` by an earlier run (resumed from an older checkpoint) goes first. The Trainer writes into
         it in place, and its files are the published checkpoint's, hard-linked: written through, they would no
         longer match that checkpoint's manifest."""
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        folder = _trainer_folder(args, state)
         if control.should_save and self.checkpoint_dir is not None and state.is_world_process_zero and folder.is_dir():
             shutil.rmtree(folder)
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        folder = _trainer_folder(args, state)
         # Under torchrun every rank is told; the folder is whole once the main one is (the Trainer waits for all).
         if self.checkpoint_dir is not None and state.is_world_process_zero and folder.is_dir():
             bc.write_checkpoint(self.checkpoint_dir, f"step-{state.global_step:08d}",
@@ -108,6 +108,11 @@ class BurstCallback(TrainerCallback):
         with open(tmp, "w") as fh:
             json.dump({"units_done": min(step / max_steps, 1.0) * self.work_units, "step": step}, fh)
         os.replace(tmp, self.metrics_file)
+
+
+def _trainer_folder(args: Any, state: Any) -> Path:
+    """Where the Trainer saves (or has saved) the checkpoint of the step it is at."""
+    return Path(args.output_dir) / f"checkpoint-{state.global_step}"
 
 
 def _link_tree(src: Path, dest: Path) -> None:
