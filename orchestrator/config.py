@@ -522,9 +522,15 @@ class StateSettings(Strict):
 
         try:
             url = make_url(v)
-        except ArgumentError:
+            port = url.port
+        except (ArgumentError, ValueError):
+            # A ValueError is SQLAlchemy's int() of what it took for the port, and quotes it: in
+            # "postgresql://burst:PASSWORD/db" (no host) that is the password.
             raise ValueError("is not a database URL: expected e.g. 'postgresql+psycopg://burst@db.example/burstctl'"
                              " or 'sqlite:////var/lib/burstctl/burstctl.db'") from None
+        if port is not None and not 1 <= port <= 65535:
+            raise ValueError("has a port that is not one: expected a port from 1 to 65535 after the host, e.g. "
+                             "'postgresql+psycopg://burst@db.example:5432/burstctl'")
         if url.password is not None or any(k.lower() == "password" for k in url.query):
             raise ValueError("holds a password: secrets are never written inline; give it in PGPASSWORD or "
                              "~/.pgpass, which libpq reads") from None

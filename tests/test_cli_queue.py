@@ -911,6 +911,12 @@ def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: P
     # A password in the URL's query is as inline as one before the host; the line never quotes it.
     ("[state]\ndatabase_url = 'postgresql+psycopg://burst@127.0.0.1/x?password=SEKRIT99'\n", "state.database_url",
      "holds a password: secrets are never written inline"),
+    # With no host, SQLAlchemy takes what follows the user's ':' for the port, and its int() error quoted it.
+    ("[state]\ndatabase_url = 'postgresql+psycopg://burst:SEKRIT99/x'\n", "state.database_url",
+     "is not a database URL: expected e.g. 'postgresql+psycopg://burst@db.example/burstctl'"),
+    # libpq refused it only when the database was opened: exit 1, "cannot open the database".
+    ("[state]\ndatabase_url = 'postgresql+psycopg://burst@127.0.0.1:99999/x'\n", "state.database_url",
+     "has a port that is not one: expected a port from 1 to 65535"),
     ("[daemon]\nlocal_concurrency = 1000000000000\n", "daemon.local_concurrency", "less than or equal to 64"),
     ("orchestrator_id = 'has space/and;semicolon'\n", "orchestrator_id",
      "expected a name of letters, digits, '.', '_' and '-', starting with a letter or digit, at most 48 characters"),
@@ -931,7 +937,8 @@ def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: P
     ("[budget]\nmonthly_cap_usd = 1e308\n", "budget.monthly_cap_usd", "expected dollars, at most a million"),
     # Path("") is the current directory: the state was made wherever the command ran.
     ("[state]\ndir = ''\n", "state.dir", "is empty: expected a path"),
-], ids=["password-in-the-query", "a-local-gpu-count-no-machine-has", "an-owner-tag-no-cloud-takes",
+], ids=["password-in-the-query", "a-password-where-the-port-goes", "a-port-no-host-has",
+        "a-local-gpu-count-no-machine-has", "an-owner-tag-no-cloud-takes",
         "a-price-no-gpu-hour-has", "an-in-memory-database", "an-in-memory-database-by-default",
         "an-event-file-size-no-disk-has", "a-sweep-period-no-clock-holds", "a-preemption-rate-no-cloud-has",
         "more-attempts-than-sqlite-counts", "a-budget-no-lab-has", "an-empty-state-dir"])

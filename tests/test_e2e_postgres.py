@@ -93,6 +93,7 @@ def test_copy_state_refuses_bad_targets_with_one_line(burstctl) -> None:
     cases = {
         "postgresql+psycopg://burst:hunter2@127.0.0.1/x": (2, "holds a password"),
         "nonsense": (2, "is not a database URL"),
+        "postgresql+psycopg://burst:hunter2/x": (2, "is not a database URL"),  # no host: hunter2 read as the port
         f"sqlite:///{burstctl.state_dir / 'burstctl.db'}": (2, "in use now"),
         # "rows copied" into a database gone when the command ends
         "sqlite:///:memory:": (2, "is an in-memory database"),
