@@ -196,9 +196,14 @@ def test_an_api_key_env_that_is_not_a_variable_name_is_bad_input_and_never_echoe
         assert r.stderr == f"burstctl: error: {config}: field 'providers.{section}.api_key_env': {ENV_NAME_EXPECTED}\n"
 
 
-def test_simcloud_serve_rejects_a_key_given_as_its_api_key_env_without_echoing_it(tmp_path: Path) -> None:
+# A key shaped as keys are that is also a valid variable name: refused as such in the config, so here too.
+NAME_SHAPED_KEY = "sk_live_REALSECRET99abcdef"
+
+
+@pytest.mark.parametrize("key", [PASTED_KEY, NAME_SHAPED_KEY], ids=["not-a-name", "also-a-valid-name"])
+def test_simcloud_serve_rejects_a_key_given_as_its_api_key_env_without_echoing_it(tmp_path: Path, key: str) -> None:
     r = subprocess.run(burstctl_argv("--state-dir", str(tmp_path / "state"), "simcloud", "serve", "--api-key-env",
-                                     PASTED_KEY), capture_output=True, text=True, timeout=60)
+                                     key), capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr == f"burstctl: error: field '--api-key-env': {ENV_NAME_EXPECTED}\n"
 

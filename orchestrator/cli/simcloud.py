@@ -24,7 +24,7 @@ import httpx
 from orchestrator.app import App
 from orchestrator.cli.base import FiniteFloat, cli, json_option, pass_app
 from orchestrator.cli.output import out, print_json, table
-from orchestrator.config import ENV_NAME, ENV_NAME_EXPECTED, toml_value
+from orchestrator.config import ENV_NAME_EXPECTED, check_env_name, toml_value
 from orchestrator.errors import BadInput, OperationalError
 from orchestrator.records import fmt_usd
 
@@ -108,8 +108,11 @@ def serve_cmd(app: App, host: str, port: int, state: str | None, api_key_env: st
     _check_loopback(host)
     if preempt_trace is not None and preempt_per_hour is not None:
         raise BadInput("give --preempt-trace or --preempt-per-hour, not both", field="--preempt-trace")
-    if api_key_env is not None and not ENV_NAME.fullmatch(api_key_env):
-        raise BadInput(ENV_NAME_EXPECTED, field="--api-key-env")  # never the value: it may be the key itself
+    if api_key_env is not None:
+        try:  # as the config's api_key_env: a key pasted here may also be a valid name (sk_live_…, ghp_…)
+            check_env_name(api_key_env)
+        except ValueError:
+            raise BadInput(ENV_NAME_EXPECTED, field="--api-key-env") from None  # never the value: it may be the key
     key_env = api_key_env or app.config.providers.sim.api_key_env
     api_key = os.environ.get(key_env, "")
     if not api_key:
