@@ -210,6 +210,10 @@ def _post(target: Notify, payload: dict[str, Any]) -> None:
         raise DeliveryFailed(f"no answer within {target.timeout_s:g} s") from None
     except httpx.HTTPError as exc:
         raise DeliveryFailed(f"cannot reach the webhook ({type(exc).__name__})") from None
+    except (httpx.InvalidURL, ValueError):
+        # A port that is no number, a control character, an empty label in the host (idna's UnicodeError): httpx
+        # raises neither as an HTTPError, and its words quote part of the URL.
+        raise DeliveryFailed(f"{target.url_env} does not hold a valid http(s) URL") from None
     if not response.is_success:
         raise DeliveryFailed(f"the webhook answered HTTP {response.status_code}")
 

@@ -324,6 +324,25 @@ def test_a_webhook_that_cannot_be_reached_is_said_without_its_url(tmp_path: Path
     app.close()
 
 
+@pytest.mark.parametrize("url", [f"http://127.0.0.1:{TOKEN}/hooks", f"http://{TOKEN}..example/hooks",
+                                 f"http://127.0.0.1:1/hooks/\x01{TOKEN}"],
+                         ids=["a-port-that-is-no-number", "an-empty-label-in-the-host", "a-control-character"])
+def test_a_webhook_url_that_does_not_parse_is_said_without_it_and_holds_up_no_other_notifier(
+        tmp_path: Path, webhook: Webhook, monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    # httpx raised these as no HTTPError: the whole pass failed (`daemon.notify_failed`, every tick, quoting part
+    # of the URL), and notify-test with an internal error.
+    app = _webhook_app(tmp_path, f'\n[[notify]]\nname = "desk"\nurl_env = "{HOOK_ENV}_DESK"\n')
+    monkeypatch.setenv(f"{HOOK_ENV}_DESK", webhook.url)
+    notify_due(app)
+    monkeypatch.setenv(HOOK_ENV, url)
+    app.events.emit("job.done", reason="completed")
+    assert notify_due(app) == 1 and [n["type"] for n in webhook.notices()] == ["job.done"]
+    (failed,) = [d for ty, d in _events(app) if ty == "notify.failed"]
+    assert failed == {**failed, "notifier": "phone", "error": f"{HOOK_ENV} does not hold a valid http(s) URL"}
+    _nowhere_but_the_environment(app, TOKEN)
+    app.close()
+
+
 def test_a_command_gets_the_notice_on_stdin_and_in_its_arguments_and_a_failure_is_said_scrubbed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = tmp_path / "notifier.py"
