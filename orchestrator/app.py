@@ -35,6 +35,11 @@ def open_store(url: str, what: str) -> Store:
     except DBAPIError as exc:
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
         raise OperationalError(f"{what}: cannot open the database: {reason}") from None
+    except OSError as exc:  # a SQLite file's path: a directory, under a file, in a directory it cannot make
+        where = f" ({exc.filename})" if exc.filename else ""
+        # mkdir of its directory meeting a file says "File exists", of the file and not the directory it needed.
+        said = "Not a directory" if isinstance(exc, FileExistsError) else exc.strerror or type(exc).__name__
+        raise OperationalError(f"{what}: cannot open the database: {said}{where}") from None
 
 
 @dataclass

@@ -957,6 +957,20 @@ def test_a_config_file_that_cannot_be_read_and_an_empty_path_are_one_line_each(b
         assert (r.returncode, r.stderr.strip()) == (2, f"burstctl: error: field '{flag}': is empty: expected a path")
 
 
+@pytest.mark.parametrize("where", ["a-directory", "under-a-file"])
+def test_a_sqlite_database_url_that_names_no_file_that_can_be_made_is_one_line_naming_the_field(
+        burstctl, tmp_path: Path, where: str) -> None:
+    # Each was an internal error (IsADirectoryError, FileExistsError) from making the file private before opening it.
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path if where == "a-directory" else tmp_path / "a-file" / "burstctl.db"
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(f"[state]\ndatabase_url = 'sqlite:///{path}'\n")
+    r = burstctl("--config", str(cfg), "budget")
+    said = {"a-directory": f"Is a directory ({tmp_path})", "under-a-file": f"Not a directory ({tmp_path / 'a-file'})"}
+    assert (r.returncode, r.stderr) == (1, f"burstctl: error: {cfg}: field 'state.database_url': cannot open the "
+                                           f"database: {said[where]}\n")
+
+
 MISTYPED = "[budget]\nmonthy_cap_usd = 20\n"
 
 
