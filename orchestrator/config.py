@@ -130,7 +130,11 @@ def check_api_url(value: str) -> str:
     the clear; with a host. A URL may carry a password, so the error does not quote it."""
     import urllib.parse
 
-    url = urllib.parse.urlsplit(value)
+    try:
+        url = urllib.parse.urlsplit(value)
+        _ = url.port  # parsed only when asked: "Port could not be cast to integer value as 'abc'"
+    except ValueError:  # "Invalid IPv6 URL", a port that is no number: in words that quote it or say nothing
+        raise ValueError(API_URL_EXPECTED) from None
     loopback = url.hostname in ("127.0.0.1", "localhost", "::1")
     if not url.hostname or url.scheme not in ("https", "http") or (url.scheme == "http" and not loopback):
         raise ValueError(API_URL_EXPECTED)

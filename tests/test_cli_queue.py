@@ -917,6 +917,11 @@ def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: P
     # libpq refused it only when the database was opened: exit 1, "cannot open the database".
     ("[state]\ndatabase_url = 'postgresql+psycopg://burst@127.0.0.1:99999/x'\n", "state.database_url",
      "has a port that is not one: expected a port from 1 to 65535"),
+    # httpx parses the port only when the client is made: `burstctl providers` was an internal error (InvalidURL).
+    ("[providers.sim]\nbase_url = 'http://127.0.0.1:SEKRIT99/api/v1'\n", "providers.sim.base_url",
+     "expected the API's root as an https:// URL"),
+    ("[providers.lambda]\nbase_url = 'https://[::1/api/v1'\n", "providers.lambda.base_url",  # "Invalid IPv6 URL"
+     "expected the API's root as an https:// URL"),
     ("[daemon]\nlocal_concurrency = 1000000000000\n", "daemon.local_concurrency", "less than or equal to 64"),
     ("orchestrator_id = 'has space/and;semicolon'\n", "orchestrator_id",
      "expected a name of letters, digits, '.', '_' and '-', starting with a letter or digit, at most 48 characters"),
@@ -938,6 +943,7 @@ def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: P
     # Path("") is the current directory: the state was made wherever the command ran.
     ("[state]\ndir = ''\n", "state.dir", "is empty: expected a path"),
 ], ids=["password-in-the-query", "a-password-where-the-port-goes", "a-port-no-host-has",
+        "an-api-port-that-is-no-number", "an-api-host-that-does-not-parse",
         "a-local-gpu-count-no-machine-has", "an-owner-tag-no-cloud-takes",
         "a-price-no-gpu-hour-has", "an-in-memory-database", "an-in-memory-database-by-default",
         "an-event-file-size-no-disk-has", "a-sweep-period-no-clock-holds", "a-preemption-rate-no-cloud-has",
