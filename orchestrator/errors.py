@@ -65,7 +65,9 @@ class FieldValueError(ValueError):
 _EXPECTED_TYPE = {"float_type": "a number", "int_type": "an integer", "int_from_float": "an integer",
                   "bool_type": "true or false", "string_type": "a string", "list_type": "a list",
                   "dict_type": "a table", "model_type": "a table", "model_attributes_type": "a table",
-                  "datetime_type": "an ISO 8601 date and time"}
+                  "datetime_type": "an ISO 8601 date and time", "path_type": "a path (a string)",
+                  "time_type": "a time of day (a TOML time, 22:00:00)", "time_parsing": "a time of day (a TOML time, "
+                  "22:00:00)"}
 
 
 # A number out of its range, by pydantic's error type: its bound's name in the error's context, and the words.

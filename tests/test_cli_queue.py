@@ -895,6 +895,19 @@ def test_a_value_in_the_wrong_unit_is_refused_saying_which_unit_is_expected(
 
 
 @pytest.mark.parametrize(("text", "field", "says"), [
+    # pydantic's own words were "Input is not a valid path for <class 'pathlib.Path'>" and "Input should be a valid
+    # time": what the field takes, said as the file writes it.
+    ("[state]\ndir = 5\n", "state.dir", "expected a path (a string), got 5"),
+    ("[[schedule]]\njob = true\ncron = '@daily'\n", "schedule.0.job", "expected a path (a string), got true"),
+    ("[local]\navailable_hours = [{start = 22, end = 8}]\n", "local.available_hours.0.start",
+     "expected a time of day (a TOML time, 22:00:00), got 22"),
+], ids=["a-state-dir", "a-schedule-s-job", "a-window-s-hour"])
+def test_a_path_or_a_time_of_the_wrong_type_is_said_in_the_file_s_words(burstctl, tmp_path: Path, text: str,
+                                                                        field: str, says: str) -> None:
+    assert_config_refused(burstctl, tmp_path, text, "budget", field, says)
+
+
+@pytest.mark.parametrize(("text", "field", "says"), [
     ("[daemon]\ntick_ss = 5\n", "daemon.tick_ss", "is not a known field (did you mean 'tick_s'?)"),
     ("[providers.sim]\nbase_ur = 'http://127.0.0.1:1'\n", "providers.sim.base_ur", "(did you mean 'base_url'?)"),
     ("[budget]\nmonthly_cap = 20\n[daemon]\ntick_ss = 5\n", "budget.monthly_cap",
