@@ -76,13 +76,13 @@ ENV_NAME_EXPECTED = ("expected the NAME of an environment variable (letters, dig
 # The shapes of API keys and tokens that are also valid variable names (Stripe-style sk_live_…, GitHub ghp_…,
 # Slack xoxb…, AWS AKIA…, Hugging Face hf_…), and any long mix of upper and lower case and digits, which no one
 # names a variable: a secret pasted where its variable's name belongs.
-_SECRET_SHAPED = re.compile(r"(sk|rk|pk)_(live|test)_|gh[pousr]_|github_pat_|xox[abpr]|A[KS]IA[0-9A-Z]{12}|"
+SECRET_SHAPED = re.compile(r"(sk|rk|pk)_(live|test)_|gh[pousr]_|github_pat_|xox[abpr]|A[KS]IA[0-9A-Z]{12}|"
                             r"hf_[A-Za-z0-9]{20}")
 
 
 def _secret_shaped(value: str) -> bool:
     mixed = len(value) >= 20 and not value.isupper() and not value.islower() and any(c.isdigit() for c in value)
-    return mixed or _SECRET_SHAPED.match(value) is not None
+    return mixed or SECRET_SHAPED.match(value) is not None
 
 
 def check_env_name(value: str) -> str:

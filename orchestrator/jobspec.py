@@ -26,6 +26,7 @@ from orchestrator.config import (
     NAME_EXPECTED,
     NAME_MAX,
     NAME_PATTERN,
+    SECRET_SHAPED,
     JobKind,
     Market,
     PassedEnvName,
@@ -364,6 +365,17 @@ class JobSpec(BaseModel):
         return now + self.deadline_hours * 3600.0
 
 
+# The names a secret goes by (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, DB_PASSWORD), as whole words between
+# '_': not TOKENIZERS_PARALLELISM or MAX_TOKENS.
+_SECRET_NAME = re.compile(r"(^|_)(SECRET|PASSWORD|PASSWD)(_|$)|(^|_)TOKEN$|(^|_)(API|ACCESS|PRIVATE|SECRET)_?KEY$",
+                          re.IGNORECASE)
+
+
+def _looks_secret(name: str, value: str) -> bool:
+    """An [env] entry that is a secret: a secret's name, or a value shaped like an API key or token."""
+    return _SECRET_NAME.search(name) is not None or SECRET_SHAPED.match(value) is not None
+
+
 def too_much_work(work: float, rates: Iterable[float]) -> str | None:
     """Why no GPU given finishes `work` units within the longest deadline there is (10 years), or None. Such a job
     can meet no deadline, and its hours overflow every figure printed for it."""
@@ -415,6 +427,12 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
     except ValidationError as exc:
         raise format_validation_error(exc, path, JobSpec) from None
     # At intake only, not in the model: a job stored before this check was added must still load.
+    secret = next((name for name, value in spec.env.items() if value and _looks_secret(name, value)), None)
+    if secret is not None:
+        # [env] is kept in plain text (the database, `show --json`, the run's env file): never quoted back.
+        raise BadInput(f"'{secret}' looks like a secret (by its name or its value's shape), and [env] is stored in "
+                       "plain text: name the variable in pass_env instead, with its value in the daemon's "
+                       "environment", source=path, field=f"env.{secret}")
     why = too_much_work(spec.work_units, [spec.local_throughput, *(s_r * spec.gpus
                                                                    for s_r in spec.rented_throughput.values())])
     if why:

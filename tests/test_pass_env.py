@@ -87,6 +87,30 @@ def test_a_secret_pasted_in_place_of_its_name_is_refused_without_being_quoted(tm
     assert token not in r.stdout + r.stderr
 
 
+@pytest.mark.parametrize(("name", "value"), [
+    ("HF_TOKEN", "PlantedEnvSecret42"), ("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567"),
+    ("DB_PASSWORD", "PlantedEnvSecret42"), ("AWS_SECRET_ACCESS_KEY", "PlantedEnvSecret42"),
+    ("LOGIN", "ghp_PlantedEnvSecret42abcdef"), ("HUB", "hf_PlantedEnvSecret42abcdefgh"),
+], ids=["a-token-s-name", "an-api-key-s-name", "a-password-s-name", "a-secret-s-name", "a-github-token-s-shape",
+        "a-hugging-face-token-s-shape"])
+def test_a_secret_written_in_env_is_refused_without_being_quoted_and_nothing_is_recorded(
+        tmp_path: Path, name: str, value: str) -> None:
+    # [env] is stored in plain text (the database, `show --json`, the decision's run): a secret there reached them.
+    path = spec_file(tmp_path, "inline", extra=f'[env]\n{name} = "{value}"\n')
+    r = decide(path)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr.startswith(f"burstctl: error: {path}: field 'env.{name}': '{name}' looks like a secret")
+    assert "name the variable in pass_env instead" in r.stderr and value not in r.stderr
+    assert not (tmp_path / "state" / "decisions").exists() or not any((tmp_path / "state" / "decisions").iterdir())
+
+
+@pytest.mark.parametrize("entry", ['TOKENIZERS_PARALLELISM = "false"', 'MAX_TOKENS = "512"', 'HF_TOKEN = ""',
+                                   'MODEL = "Qwen/Qwen2.5-7B-Instruct"'])
+def test_env_values_that_are_no_secret_are_taken(tmp_path: Path, entry: str) -> None:
+    r = decide(spec_file(tmp_path, "plain", extra=f"[env]\n{entry}\n"))
+    assert r.returncode == 0, r.stderr
+
+
 def test_names_are_kept_once_and_enqueue_stores_names_never_values(tmp_path: Path) -> None:
     state = tmp_path / "state"
     config = write_config(tmp_path, None)
