@@ -142,6 +142,28 @@ def check_api_url(value: str) -> str:
 
 
 ApiUrl = Annotated[str, AfterValidator(check_api_url)]
+
+ENDPOINT_URL_EXPECTED = "expected an http(s) URL with a host, e.g. 'http://127.0.0.1:5000' or 'https://s3.example.com'"
+
+
+def check_endpoint_url(value: str | None) -> str | None:
+    """An AWS `endpoint_url`: botocore refused anything else only when the client was made, as an internal error
+    quoting it (a URL may carry credentials, so it is not quoted here)."""
+    import urllib.parse
+
+    if value is None:
+        return value
+    try:
+        url = urllib.parse.urlsplit(value)
+        _ = url.port
+    except ValueError:
+        raise ValueError(ENDPOINT_URL_EXPECTED) from None
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(ENDPOINT_URL_EXPECTED)
+    return value
+
+
+EndpointUrl = Annotated[str | None, AfterValidator(check_endpoint_url)]
 KEY_FILE_DESCRIPTION = (
     "A file whose first line is the API key, used instead of the environment variable: e.g. a systemd credential "
     "(LoadCredential=, then \"$CREDENTIALS_DIRECTORY/lambda_api_key\"). ~ and $VARS are expanded. The daemon "
@@ -361,7 +383,8 @@ class Ec2Provider(Strict):
     enabled: bool = Field(False, description="Use AWS EC2.")
     region: str = Field("us-east-1", description="AWS region.")
     profile: str | None = Field(None, description="AWS profile of the standard credential chain.")
-    endpoint_url: str | None = Field(None, description="Override endpoint (moto's server); AWS_ENDPOINT_URL works too.")
+    endpoint_url: EndpointUrl = Field(None, description="Override endpoint (moto's server); AWS_ENDPOINT_URL works "
+                                      "too.")
     ami: str = Field("ami-12c6146b", description="Image with the GPU driver and Python, in `region`. The default is "
                      "a placeholder (the tests' image): replace it.")
     key_name: str = Field("burstctl", description="EC2 key pair name.")
@@ -399,7 +422,7 @@ class Ec2Provider(Strict):
         "resumed attempt downloads its starting point in-region. If the instance cannot upload, the attempt "
         "falls back to SSH. Unset: checkpoints travel over SSH only.")
     checkpoint_prefix: str = Field("burstctl", description="Key prefix in the bucket; a job gets <prefix>/<job id>/.")
-    s3_endpoint_url: str | None = Field(
+    s3_endpoint_url: EndpointUrl = Field(
         None, description="S3 endpoint for the daemon (an S3-compatible store, or moto's server); "
         "AWS_ENDPOINT_URL_S3 works too.")
 

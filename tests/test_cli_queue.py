@@ -935,6 +935,11 @@ def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: P
      "expected the API's root as an https:// URL"),
     ("[providers.lambda]\nbase_url = 'https://[::1/api/v1'\n", "providers.lambda.base_url",  # "Invalid IPv6 URL"
      "expected the API's root as an https:// URL"),
+    # botocore refused them only when `burstctl providers` or the daemon made a client: an internal error quoting it.
+    ("[providers.ec2]\nendpoint_url = 'SEKRIT99@127.0.0.1:5000'\n", "providers.ec2.endpoint_url",
+     "expected an http(s) URL with a host"),
+    ("[providers.ec2]\ns3_endpoint_url = 'http://127.0.0.1:SEKRIT99'\n", "providers.ec2.s3_endpoint_url",
+     "expected an http(s) URL with a host"),
     ("[daemon]\nlocal_concurrency = 1000000000000\n", "daemon.local_concurrency", "less than or equal to 64"),
     ("orchestrator_id = 'has space/and;semicolon'\n", "orchestrator_id",
      "expected a name of letters, digits, '.', '_' and '-', starting with a letter or digit, at most 48 characters"),
@@ -956,7 +961,8 @@ def test_a_misspelt_setting_is_named_with_the_one_it_meant(burstctl, tmp_path: P
     # Path("") is the current directory: the state was made wherever the command ran.
     ("[state]\ndir = ''\n", "state.dir", "is empty: expected a path"),
 ], ids=["password-in-the-query", "a-password-where-the-port-goes", "a-port-no-host-has",
-        "an-api-port-that-is-no-number", "an-api-host-that-does-not-parse",
+        "an-api-port-that-is-no-number", "an-api-host-that-does-not-parse", "an-ec2-endpoint-without-scheme",
+        "an-s3-endpoint-port-that-is-no-number",
         "a-local-gpu-count-no-machine-has", "an-owner-tag-no-cloud-takes",
         "a-price-no-gpu-hour-has", "an-in-memory-database", "an-in-memory-database-by-default",
         "an-event-file-size-no-disk-has", "a-sweep-period-no-clock-holds", "a-preemption-rate-no-cloud-has",
