@@ -433,6 +433,14 @@ def load_job(path: str | Path, now: float | None = None) -> tuple[JobSpec, float
         raise BadInput(f"'{secret}' looks like a secret (by its name or its value's shape), and [env] is stored in "
                        "plain text: name the variable in pass_env instead, with its value in the daemon's "
                        "environment", source=path, field=f"env.{secret}")
+    # A ceiling no job has: past it a figure is a slip (1e308), which made the decision's spot figures 300 digits long.
+    if spec.checkpoint.interval_minutes > MAX_DEADLINE_HOURS * 60:
+        raise BadInput(f"{spec.checkpoint.interval_minutes:g} is more than {MAX_DEADLINE_HOURS * 60:.0f}: expected the "
+                       f"minutes between checkpoints, at most {MAX_DEADLINE_YEARS} years", source=path,
+                       field="checkpoint.interval_minutes")
+    if spec.max_run_hours is not None and spec.max_run_hours > MAX_DEADLINE_HOURS:
+        raise BadInput(f"{spec.max_run_hours:g} is more than {MAX_DEADLINE_HOURS:.0f}: expected hours, at most "
+                       f"{MAX_DEADLINE_YEARS} years (leave it out for no limit)", source=path, field="max_run_hours")
     why = too_much_work(spec.work_units, [spec.local_throughput, *(s_r * spec.gpus
                                                                    for s_r in spec.rented_throughput.values())])
     if why:

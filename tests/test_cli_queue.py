@@ -491,6 +491,13 @@ BAD_JOBS = {
                             "so $BURST_CHECKPOINT_DIR is not expanded; expected the program to read the variable "
                             "itself (os.environ[\"BURST_CHECKPOINT_DIR\"]), or a shell to expand it"),
     "variable-in-setup": ({"setup": "pip install -r $REQS"}, "setup.3", "so $REQS is not expanded"),
+    # No ceiling: a spot decision's expected cost and hours were 300 digits long, and the run's guard `--max-run-s inf`.
+    "checkpoint-interval-1e308": ({"checkpoint": {"resumable": True, "interval_minutes": 1e308}},
+                                  "checkpoint.interval_minutes",
+                                  "1e+308 is more than 5259600: expected the minutes between checkpoints, at most 10 "
+                                  "years"),
+    "max-run-hours-1e308": ({"max_run_hours": 1e308}, "max_run_hours",
+                            "1e+308 is more than 87660: expected hours, at most 10 years"),
 }
 
 
