@@ -42,6 +42,16 @@ def open_store(url: str, what: str) -> Store:
         raise OperationalError(f"{what}: cannot open the database: {said}{where}") from None
 
 
+def _new_sqlite_file(url: str) -> str | None:
+    """The file a SQLite `url` names when there is none there yet (opening it makes it), else None."""
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or not u.database or u.database == ":memory:":
+        return None
+    return None if os.path.lexists(u.database) else u.database
+
+
 @dataclass
 class App:
     config_path: str | None = None
@@ -102,6 +112,9 @@ class App:
             # A mistyped --state-dir otherwise shows an empty queue, or queues a job no daemon will ever see, without
             # a word.
             NOTES.append(f"{self.config.state_dir} did not exist: made it, a new and empty state directory")
+        elif self.says_notes and (made := _new_sqlite_file(self.config.database_url)):
+            # The same for a mistyped state.database_url: a SQLite file is made wherever it points.
+            NOTES.append(f"{made} did not exist: made it, a new and empty database (state.database_url)")
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.config.state_dir, 0o700)
         where = f"{self.config.source}: " if self.config.source else ""

@@ -325,6 +325,20 @@ def test_a_state_directory_that_did_not_exist_is_said_to_be_new(burstctl, tmp_pa
     assert "a-grpo-smoke" in burstctl("list").stdout
 
 
+def test_a_sqlite_database_that_did_not_exist_is_said_to_be_new(burstctl, tmp_path: Path) -> None:
+    # A mistyped state.database_url made an empty database wherever it pointed, without a word.
+    assert burstctl("enqueue", str(REPO / "examples" / "seed" / "a-grpo-smoke.toml")).returncode == 0
+    typo = tmp_path / "elsewhere" / "burstctl.db"
+    (tmp_path / "burstctl.toml").write_text(f'[state]\ndatabase_url = "sqlite:///{typo}"\n')
+    listed = burstctl("list")
+    assert listed.returncode == 0 and listed.stdout.strip() == "no jobs"
+    assert listed.stderr.strip() == (f"burstctl: note: {typo} did not exist: made it, a new and empty database "
+                                     "(state.database_url)")
+    assert burstctl("list").stderr == ""  # said once
+    (tmp_path / "burstctl.toml").write_text("")
+    assert "a-grpo-smoke" in burstctl("list").stdout
+
+
 def test_a_cap_set_to_a_fraction_of_a_cent_is_shown_as_set_not_rounded(burstctl, tmp_path: Path) -> None:
     (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 0.105\n")
     assert "monthly cap $0.105" in " ".join(burstctl("budget").stdout.replace("│", " ").split())
