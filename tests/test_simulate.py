@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -355,6 +356,32 @@ def test_a_job_file_stands_for_the_rented_run_its_decision_plans(burstctl_here, 
     looser = json.loads(burstctl_here(*app, *replay, "--job", str(SEED_C), "--deadline-hours", "24").stdout)
     assert looser["job"]["deadline_hours"] == 24 and looser["job"]["job_hours"] == job["job_hours"]
     assert looser["policies"]["greedy"]["mean_cost_usd"] < doc["policies"]["greedy"]["mean_cost_usd"]
+
+
+def test_a_job_file_is_replayed_at_the_prices_its_decision_used_the_providers_latest_listing(
+        burstctl_here, tmp_path: Path) -> None:
+    # The daemon keeps what the providers last listed, and a decision prices the burst at it ([prices] only where
+    # nothing was listed this week): the replay of that decision's rented run pays the same rates, not [prices]'.
+    from orchestrator.app import App
+    from orchestrator.queue import record_offers_seen
+    from providers.base import Offer
+
+    trace = write_trace(tmp_path / "z.json", [1] * 240)
+    (tmp_path / "c.toml").write_text(PRICED)
+    app = ("--config", str(tmp_path / "c.toml"), "--state-dir", str(tmp_path / "state"))
+    listing = App(config_path=str(tmp_path / "c.toml"), state_dir_override=str(tmp_path / "state"))
+    record_offers_seen(listing, "sim", [Offer(provider="sim", instance_type="gpu_1x_h100", gpu_model="H100",
+                                              gpu_count=1, vram_gib=80, vcpus=26, on_demand_usd_h=3.29,
+                                              spot_usd_h=1.1, regions=())], time.time() - 120)
+    listing.close()
+    decided = json.loads(burstctl_here(*app, "decide", str(SEED_C), "--no-record", "--json").stdout)
+    assert decided["market_costs"]["on_demand_usd_h"] == 3.29
+    r = burstctl_here(*app, "simulate", "--trace", str(trace), "--starts", "5", "--workers", "1", "--job", str(SEED_C))
+    assert r.returncode == 0, r.stderr
+    assert "on 1×H100; on-demand $3.29/h, spot $1.10/h, as sim 2 min ago listed 1×H100" in r.stdout
+    doc = json.loads(burstctl_here(*app, "simulate", "--trace", str(trace), "--starts", "5", "--workers", "1",
+                                   "--job", str(SEED_C), "--json").stdout)
+    assert (doc["job"]["od_price"], doc["job"]["spot_price"]) == (3.29, 1.1)
 
 
 def test_a_job_file_without_a_spot_price_or_time_to_rent_is_one_line(burstctl_here, tmp_path: Path) -> None:

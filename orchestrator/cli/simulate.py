@@ -187,7 +187,7 @@ def job_setting(app: App, job_file: str) -> dict[str, Any]:
     overhead (paid again at every switch), R the deadline less any local phase that comes first, and the prices
     its GPU's (per GPU, times the job's GPUs). Also what to say of it: `said` for the JSON, `summary` for the
     table."""
-    from orchestrator.core.decision import decide
+    from orchestrator.core.decision import as_listed, decide
     from orchestrator.core.plan import cloud_phase, planned_cloud_work_h
     from orchestrator.jobspec import load_job
     from orchestrator.queue import context, job_facts
@@ -206,7 +206,8 @@ def job_setting(app: App, job_file: str) -> dict[str, Any]:
     if gpu is None or C <= 0:
         raise BadInput(f"no rented run to replay: {d['headline'] or d['verdict']}", source=job_file,
                        field="rented_throughput")
-    offer = ctx.offers[gpu]
+    # Priced as the decision priced it: at what a provider last listed the job's machine for, else [prices].
+    offer, listed = as_listed(ctx, gpu, ctx.offers[gpu], job.gpus)
     if offer.spot_usd_per_gpu_h is None:
         raise BadInput(f"no spot price for {gpu} to replay: {offer.no_spot_why}", source=job_file,
                        field="rented_throughput")
@@ -221,7 +222,8 @@ def job_setting(app: App, job_file: str) -> dict[str, Any]:
         run = f"the all-rented run its decision weighed (its plan is {d['plan_kind'] or 'none'})"
     else:
         run = "the rented run its decision plans" + (f", after a {start_h:.2f} h local phase" if start_h > 0 else "")
+    priced = f"as {listed.seen} listed {job.gpus}×{gpu}" if listed is not None else f"[prices.{gpu}]"
     summary = (f"{spec.name} ({job_file}): {run}, on {job.gpus}×{gpu}; on-demand ${setting['--od-price']:.2f}/h, "
-               f"spot ${setting['--spot-price']:.2f}/h")
+               f"spot ${setting['--spot-price']:.2f}/h, {priced}")
     said = {"name": spec.name, "gpu": gpu, "gpus": job.gpus, "plan_kind": d["plan_kind"], "start_after_h": start_h}
     return {**setting, "said": said, "summary": summary}

@@ -122,6 +122,17 @@ class DecisionContext:
     listed_shapes: dict[str, tuple[int, ...]] | None = None
 
 
+def as_listed(ctx: DecisionContext, gpu: str, offer: GpuOffer, gpus: int) -> tuple[GpuOffer, ListedPrice | None]:
+    """[prices]' offer for a GPU type as a decision prices a machine of `gpus` of them: at what an enabled provider
+    last listed it for, where one did this week, with the listed card's memory if smaller than [prices]' figure (an
+    A100 of 40 GB where [prices] has 80); and that listing (None: [prices] stands)."""
+    listed = ctx.listed.get((gpu.upper(), gpus))
+    if listed is None:
+        return offer, None
+    return replace(offer, od_usd_per_gpu_h=listed.od_usd_per_gpu_h, spot_usd_per_gpu_h=listed.spot_usd_per_gpu_h,
+                   vram_gb=min(offer.vram_gb, listed.vram_gb or math.inf)), listed
+
+
 @dataclass(frozen=True)
 class Decision:
     verdict: Verdict
@@ -298,18 +309,14 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
             unsold = True
             continue
         notes = said.setdefault(gpu, [])
-        listed = ctx.listed.get((gpu.upper(), job.gpus))
-        if listed is not None:
-            if (listed.od_usd_per_gpu_h, listed.spot_usd_per_gpu_h) != (offer.od_usd_per_gpu_h,
-                                                                        offer.spot_usd_per_gpu_h):
-                spot = (f", spot ${listed.spot_usd_per_gpu_h:.2f}" if listed.spot_usd_per_gpu_h is not None
-                        else ", no spot market")
-                notes.append(f"{gpu}: ${listed.od_usd_per_gpu_h:.2f}/GPU-h on-demand{spot}, as {listed.seen} "
-                             f"listed {job.gpus}×{gpu} ([prices.{gpu}] says ${offer.od_usd_per_gpu_h:.2f})")
-            # The listed card's memory, if smaller than [prices]' figure (an A100 of 40 GB where [prices] has 80).
-            offer = replace(offer, od_usd_per_gpu_h=listed.od_usd_per_gpu_h,
-                            spot_usd_per_gpu_h=listed.spot_usd_per_gpu_h,
-                            vram_gb=min(offer.vram_gb, listed.vram_gb or math.inf))
+        reference = offer
+        offer, listed = as_listed(ctx, gpu, offer, job.gpus)
+        if listed is not None and (offer.od_usd_per_gpu_h, offer.spot_usd_per_gpu_h) != (
+                reference.od_usd_per_gpu_h, reference.spot_usd_per_gpu_h):
+            spot = (f", spot ${listed.spot_usd_per_gpu_h:.2f}" if listed.spot_usd_per_gpu_h is not None
+                    else ", no spot market")
+            notes.append(f"{gpu}: ${listed.od_usd_per_gpu_h:.2f}/GPU-h on-demand{spot}, as {listed.seen} "
+                         f"listed {job.gpus}×{gpu} ([prices.{gpu}] says ${reference.od_usd_per_gpu_h:.2f})")
         if job.per_gpu_gb is not None and job.per_gpu_gb + ctx.vram_margin_gb > offer.vram_gb:
             skipped.append(f"{gpu}: needs {job.per_gpu_gb:.1f} GB per GPU and {gb_and_gib(ctx.vram_margin_gb)} kept "
                            f"free, has {gb_and_gib(offer.vram_gb)}: skipped")
