@@ -635,6 +635,7 @@ def test_cli_may_move_needs_zones_on_one_clock(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "b_v100_1" in lines[0] and "one clock" in lines[0], lines
+    assert "field '--trace': --may-move needs zones on one clock" in lines[0]  # the flag, as every other line says
 
 
 def test_cli_may_move_reports_it_in_the_json(tmp_path: Path) -> None:

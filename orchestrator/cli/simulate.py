@@ -61,6 +61,13 @@ def _count_within(name: str, value: int) -> None:
                        field=name)
 
 
+def as_flag(exc: BadInput) -> BadInput:
+    """The library names its parameters (`trace`); here they are the flags the user typed (`--trace`)."""
+    if exc.field in ("nodes", "window", "trace"):
+        return BadInput(exc.detail, source=exc.source, field=f"--{exc.field}")
+    return exc
+
+
 def _ratio(value: float | None, spec: str) -> str:
     """A ratio of the report, or a dash where its denominator is $0 (prices of 0): no ratio to show."""
     return "—" if value is None else format(value, spec)
@@ -140,10 +147,8 @@ def simulate_cmd(app: App, trace_paths: tuple[str, ...], window: int | None, job
                      od_price=od_price, spot_price=spot_price)
     try:
         traces = load_traces(trace_paths, nodes=nodes, window=window)
-    except BadInput as exc:  # the library names its parameters; here they are flags
-        if exc.field in ("nodes", "window", "trace"):
-            raise BadInput(exc.detail, source=exc.source, field=f"--{exc.field}") from None
-        raise
+    except BadInput as exc:
+        raise as_flag(exc) from None
 
     batches = len(traces) * (len(names) + 1)
     # The bar goes to stderr, so --json's stdout stays pure JSON.
@@ -151,8 +156,11 @@ def simulate_cmd(app: App, trace_paths: tuple[str, ...], window: int | None, job
                   console=Console(file=sys.stderr), transient=True,
                   disable=not sys.stderr.isatty()) as progress:
         task = progress.add_task("replay", total=batches)
-        report = simulate(traces, names, job, starts=starts, seed=seed, workers=workers,
-                          on_step=lambda: progress.advance(task), may_move=may_move, exact_offline=exact_offline)
+        try:
+            report = simulate(traces, names, job, starts=starts, seed=seed, workers=workers,
+                              on_step=lambda: progress.advance(task), may_move=may_move, exact_offline=exact_offline)
+        except BadInput as exc:  # --may-move's zones on different clocks
+            raise as_flag(exc) from None
 
     doc = report.as_json(DEFAULT_POLICY)
     if from_job is not None:  # what the file stood for, with the figures replayed (a flag beside it wins)
