@@ -35,11 +35,17 @@ def open_store(url: str, what: str) -> Store:
     except DBAPIError as exc:
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
         raise OperationalError(f"{what}: cannot open the database: {reason}") from None
-    except OSError as exc:  # a SQLite file's path: a directory, under a file, in a directory it cannot make
-        where = f" ({exc.filename})" if exc.filename else ""
+    except IsADirectoryError as exc:  # a SQLite URL naming a directory
+        raise BadInput(f"{what}: '{exc.filename}' is a directory: expected a SQLite database file, or a path where "
+                       "one can be made") from None
+    except (NotADirectoryError, FileExistsError) as exc:  # a SQLite file's path under a file
         # mkdir of its directory meeting a file says "File exists", of the file and not the directory it needed.
-        said = "Not a directory" if isinstance(exc, FileExistsError) else exc.strerror or type(exc).__name__
-        raise OperationalError(f"{what}: cannot open the database: {said}{where}") from None
+        raise BadInput(f"{what}: '{exc.filename}' is not a directory: expected a SQLite database file, or a path "
+                       "where one can be made") from None
+    except OSError as exc:  # the SQLite file (or its directory) cannot be made or opened: the disk, permissions
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise OperationalError(f"{what}: cannot open the database: {exc.strerror or type(exc).__name__}{where}"
+                               ) from None
 
 
 def _new_sqlite_file(url: str) -> str | None:

@@ -1004,7 +1004,7 @@ def test_a_config_file_that_cannot_be_read_and_an_empty_path_are_one_line_each(b
 
 
 @pytest.mark.parametrize("where", ["a-directory", "under-a-file"])
-def test_a_sqlite_database_url_that_names_no_file_that_can_be_made_is_one_line_naming_the_field(
+def test_a_sqlite_database_url_that_names_no_file_that_can_be_made_is_bad_input_naming_the_field(
         burstctl, tmp_path: Path, where: str) -> None:
     # Each was an internal error (IsADirectoryError, FileExistsError) from making the file private before opening it.
     (tmp_path / "a-file").write_text("")
@@ -1012,9 +1012,10 @@ def test_a_sqlite_database_url_that_names_no_file_that_can_be_made_is_one_line_n
     cfg = tmp_path / "burstctl.toml"
     cfg.write_text(f"[state]\ndatabase_url = 'sqlite:///{path}'\n")
     r = burstctl("--config", str(cfg), "budget")
-    said = {"a-directory": f"Is a directory ({tmp_path})", "under-a-file": f"Not a directory ({tmp_path / 'a-file'})"}
-    assert (r.returncode, r.stderr) == (1, f"burstctl: error: {cfg}: field 'state.database_url': cannot open the "
-                                           f"database: {said[where]}\n")
+    said = {"a-directory": f"'{tmp_path}' is a directory",
+            "under-a-file": f"'{tmp_path / 'a-file'}' is not a directory"}
+    assert (r.returncode, r.stderr) == (2, f"burstctl: error: {cfg}: field 'state.database_url': {said[where]}: "
+                                           "expected a SQLite database file, or a path where one can be made\n")
 
 
 MISTYPED = "[budget]\nmonthy_cap_usd = 20\n"
@@ -1164,6 +1165,21 @@ def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path
     line = r.stderr.strip()
     assert r.returncode == 1 and "\n" not in line, line
     assert str(cfg) in line and "state.database_url" in line and "cannot open the database" in line, line
+
+
+def test_a_sqlite_database_that_names_a_directory_is_one_line_naming_the_field(burstctl, tmp_path: Path) -> None:
+    # It was an internal error (IsADirectoryError), in the config and in copy-state's --to alike.
+    (tmp_path / "burstctl.db").mkdir()
+    cfg = tmp_path / "dir.toml"
+    cfg.write_text(f"[state]\ndatabase_url = 'sqlite:///{tmp_path / 'burstctl.db'}'\n")
+    r = burstctl("--config", str(cfg), "list")
+    assert (r.returncode, r.stderr.strip()) == (2, f"burstctl: error: {cfg}: field 'state.database_url': "
+                                                   f"'{tmp_path / 'burstctl.db'}' is a directory: expected a SQLite "
+                                                   "database file, or a path where one can be made")
+    r = burstctl("copy-state", "--to", f"sqlite:///{tmp_path / 'burstctl.db'}")
+    assert (r.returncode, r.stderr.strip()) == (2, f"burstctl: error: --to: '{tmp_path / 'burstctl.db'}' is a "
+                                                   "directory: expected a SQLite database file, or a path where one "
+                                                   "can be made")
 
 
 def test_a_daemon_tick_past_the_config_s_ceiling_is_refused_before_the_daemon_starts(burstctl_subprocess) -> None:
