@@ -28,10 +28,13 @@ def open_store(url: str, what: str) -> Store:
     """The store at `url`, migrated; an unreachable, refused or unknown database is one line naming `what`."""
     from sqlalchemy.exc import DBAPIError
 
-    from state.store import Store
+    from state.store import NotADatabase, Store
 
     try:
         return Store(url)
+    except NotADatabase as exc:  # left as it was: its mode too
+        raise BadInput(f"{what}: '{exc.filename}' is not a SQLite database: expected a SQLite database file, or a "
+                       "path where one can be made") from None
     except DBAPIError as exc:
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
         raise OperationalError(f"{what}: cannot open the database: {reason}") from None

@@ -72,10 +72,30 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+class NotADatabase(Exception):
+    """A SQLite URL names a file that holds something else: left as it was, neither opened nor made private."""
+
+    def __init__(self, filename: str):
+        super().__init__(filename)
+        self.filename = filename
+
+
 def _ensure_private_file(path: Path) -> None:
+    """Make the SQLite file, or make the one there private (0600: it holds the jobs' specs), but only when it is a
+    SQLite database or empty: a URL naming another file (a typo, `/etc/passwd` as root) must not change its mode."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    os.close(fd)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError:
+        with open(path, "rb") as f:  # a directory: IsADirectoryError, said as that
+            head = f.read(len(_SQLITE_HEADER))
+        if head and head != _SQLITE_HEADER:
+            raise NotADatabase(str(path)) from None
+    else:
+        os.close(fd)
     os.chmod(path, 0o600)
 
 

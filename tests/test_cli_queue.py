@@ -1167,6 +1167,23 @@ def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path
     assert str(cfg) in line and "state.database_url" in line and "cannot open the database" in line, line
 
 
+def test_a_sqlite_database_url_naming_a_file_that_is_no_database_leaves_it_as_it_was(burstctl, tmp_path: Path) -> None:
+    # It was made private (0600) before SQLite found it no database: /etc/passwd, named as root, then locked every
+    # other user out of the system's user names.
+    other = tmp_path / "notes.txt"
+    other.write_text("not a database\n")
+    other.chmod(0o644)
+    cfg = tmp_path / "other.toml"
+    cfg.write_text(f"[state]\ndatabase_url = 'sqlite:///{other}'\n")
+    expected = (f"'{other}' is not a SQLite database: expected a SQLite database file, or a path where one can be "
+                "made")
+    r = burstctl("--config", str(cfg), "list")
+    assert (r.returncode, r.stderr.strip()) == (2, f"burstctl: error: {cfg}: field 'state.database_url': {expected}")
+    r = burstctl("copy-state", "--to", f"sqlite:///{other}")
+    assert (r.returncode, r.stderr.strip()) == (2, f"burstctl: error: --to: {expected}")
+    assert (other.stat().st_mode & 0o777, other.read_text()) == (0o644, "not a database\n")
+
+
 def test_a_sqlite_database_that_names_a_directory_is_one_line_naming_the_field(burstctl, tmp_path: Path) -> None:
     # It was an internal error (IsADirectoryError), in the config and in copy-state's --to alike.
     (tmp_path / "burstctl.db").mkdir()
