@@ -54,6 +54,13 @@ class PostgresServer:
             raise RuntimeError(f"{args[0]} failed ({res.returncode}): {(res.stderr or res.stdout).strip()[-800:]}")
 
     def start(self) -> PostgresServer:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()  # a cluster that did not start leaves no directory behind either
+            raise
+
+    def _start(self) -> PostgresServer:
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", ROLE, "-E", "UTF8", "--locale=C",
                   "--no-sync")
         for _ in range(5):  # a free port can be taken between the probe and the server's bind: try another
