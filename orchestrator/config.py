@@ -508,9 +508,11 @@ def default_state_dir() -> Path:
 
 class StateSettings(Strict):
     dir: Path = Field(default_factory=default_state_dir, strict=False,  # a TOML string is a path
-                      description="State directory: database, logs, records.")
+                      description="State directory: database, logs, records. A relative path is read from the config "
+                      "file's directory.")
     database_url: str | None = Field(
-        None, description="SQLAlchemy URL; default sqlite:///<dir>/burstctl.db. PostgreSQL works too "
+        None, description="SQLAlchemy URL; default sqlite:///<dir>/burstctl.db (a relative SQLite path is read "
+        "from the config file's directory). PostgreSQL works too "
         "(postgresql+psycopg://user@host/db, with `pip install burstctl[postgres]`). A password is never written "
         "here: libpq reads it from PGPASSWORD or ~/.pgpass.",
     )
@@ -831,13 +833,32 @@ class Config(Strict):
         base = Path(self.source).parent if self.source else Path.cwd()
         return (base / sched.job.expanduser()).resolve()
 
+    def from_config_file(self, path: Path) -> Path:
+        """A path the config file gives, relative to the file's directory (as a schedule's job is): a daemon started
+        elsewhere (systemd starts it in ~) and a command run here must find the same state."""
+        path = path.expanduser()
+        if path.is_absolute() or not self.source:
+            return path
+        return Path(os.path.abspath(self.source)).parent / path
+
     @property
     def state_dir(self) -> Path:
-        return self.state.dir.expanduser()
+        return self.from_config_file(self.state.dir)
 
     @property
     def database_url(self) -> str:
-        return self.state.database_url or f"sqlite:///{self.state_dir / 'burstctl.db'}"
+        url = self.state.database_url
+        if url is None:
+            return f"sqlite:///{self.state_dir / 'burstctl.db'}"
+        if not url.startswith("sqlite"):
+            return url
+        from sqlalchemy.engine import make_url
+
+        u = make_url(url)  # a SQLite file's path, relative to the config file too
+        if not u.database or u.database == ":memory:" or u.database.startswith("file:"):
+            return url
+        path = self.from_config_file(Path(u.database))
+        return url if str(path) == u.database else u.set(database=str(path)).render_as_string(hide_password=False)
 
     def secret_env_names(self) -> list[str]:
         p = self.providers
@@ -944,5 +965,7 @@ def load_config_for_state(explicit: str | None = None, state_dir: str | None = N
     else:
         cfg, problem = Config(), None
     if state_dir:
-        cfg = cfg.model_copy(update={"state": cfg.state.model_copy(update={"dir": Path(state_dir)})})
+        # A relative --state-dir is the shell's: from the current directory, not the config file's.
+        given = Path(state_dir).expanduser().absolute()
+        cfg = cfg.model_copy(update={"state": cfg.state.model_copy(update={"dir": given})})
     return cfg, problem

@@ -1167,6 +1167,30 @@ def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path
     assert str(cfg) in line and "state.database_url" in line and "cannot open the database" in line, line
 
 
+def test_a_relative_state_dir_or_sqlite_path_in_the_config_is_read_from_the_config_file_s_directory(
+        burstctl, tmp_path: Path) -> None:
+    # They were read from the current directory: a daemon under systemd (started in ~) and a command run in the
+    # checkout used two states without a word.
+    home, elsewhere = tmp_path / "conf", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    cfg = home / "burstctl.toml"
+    for state in ('dir = "relstate"', 'database_url = "sqlite:///rel/burstctl.db"'):
+        cfg.write_text(f"[state]\n{state}\n")
+        job = str(REPO / "examples" / "seed" / "a-grpo-smoke.toml")
+        assert burstctl("--config", str(cfg), "enqueue", job, cwd=home, state_dir=None).returncode == 0
+        listed = burstctl("--config", str(cfg), "list", "--json", cwd=elsewhere, state_dir=None)
+        assert [j["name"] for j in json.loads(listed.stdout)] == ["a-grpo-smoke"], listed.stderr
+        assert not any(elsewhere.iterdir())
+        burstctl("--config", str(cfg), "cancel", "a-grpo-smoke", cwd=home, state_dir=None)
+    cfg.write_text('[state]\ndir = "relstate"\n')
+    shown = json.loads(burstctl("--config", str(cfg), "status", "--json", cwd=elsewhere, state_dir=None).stdout)
+    assert shown["state_dir"] == str(home / "relstate")
+    # A relative --state-dir is the shell's, from where the command runs.
+    assert burstctl("--config", str(cfg), "--state-dir", "mine", "list", cwd=elsewhere, state_dir=None).returncode == 0
+    assert (elsewhere / "mine").is_dir()
+
+
 def test_a_sqlite_database_url_naming_a_file_that_is_no_database_leaves_it_as_it_was(burstctl, tmp_path: Path) -> None:
     # It was made private (0600) before SQLite found it no database: /etc/passwd, named as root, then locked every
     # other user out of the system's user names.
