@@ -1317,8 +1317,10 @@ def test_a_deadline_that_renting_meets_for_less_than_local_is_called_cheaper_not
     r = burstctl("decide", "--work", "0.5", "--s-local", "0.001", "--s-rented", "0.17", "--deadline-h", "12",
                  *SEED_FLAGS)
     assert r.returncode == 0, r.stderr
-    assert "price of the deadline: none: renting is $39.68 cheaper than local and saves 496.56 h." in r.stdout
-    assert "the deadline costs nothing: renting is $39.68 cheaper than local" in r.stdout
+    assert ("price of the deadline: none: renting, all of it on-demand, is $39.68 cheaper than local and saves "
+            "496.56 h.") in r.stdout
+    # The plan's figure is said as the plan's: with spot in it, it is not the on-demand one above.
+    assert "the deadline costs nothing: its plan is $39.68 cheaper than local (its plan $" in r.stdout
     assert "$-" not in r.stdout
     record = next((burstctl.state_dir / "decisions").glob("*.md")).read_text()
     assert "ΔC = −$39.68 to save 496.56 h" in record and "$-" not in record

@@ -223,8 +223,8 @@ def _print_human(job: JobFacts, d: dict[str, Any], gates: GateResult) -> None:
                       "(all of it on-demand; approval weighs what the plan below, the cheapest safe way it runs, "
                       "costs more than local).")
                 else:
-                    p(f"  price of the deadline: none: renting is ${-d['delta_cost_usd']:.2f} cheaper than local "
-                      f"and saves {d['hours_saved']:.2f} h.")
+                    p(f"  price of the deadline: none: renting, all of it on-demand, is ${-d['delta_cost_usd']:.2f} "
+                      f"cheaper than local and saves {d['hours_saved']:.2f} h.")
     p(f"[bold]verdict: {d['verdict'].upper()}[/bold] → {d['action']}")
     if d.get("plan"):
         phases = "; ".join(f"{ph['where']}{' ' + ph['market'] if ph['market'] else ''} {ph['hours']:.2f} h "

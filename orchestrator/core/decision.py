@@ -450,7 +450,7 @@ def _decide(job: JobFacts, ctx: DecisionContext, local: LocalRun) -> Decision:
                 reasons.append(f"its plan costs ${extra:.2f} more than local {versus}, above the "
                                f"${ctx.max_auto_delta_usd:.2f} approved without asking: `burstctl approve`")
             elif extra < 0:  # local's own hours cost more than renting (a slow card, a long job)
-                reasons.append(f"the deadline costs nothing: renting is ${-extra:.2f} cheaper than local")
+                reasons.append(f"the deadline costs nothing: its plan is ${-extra:.2f} cheaper than local {versus}")
             else:
                 reasons.append(f"its plan costs ${extra:.2f} more than local {versus}: within the "
                                f"${ctx.max_auto_delta_usd:.2f} approved without asking")
