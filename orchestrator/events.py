@@ -33,7 +33,9 @@ class Redactor:
 
     def add_values(self, values: Iterable[str]) -> None:
         """Scrub these secrets too (API keys read from files)."""
-        new = {v for v in values if len(v) >= 4} - set(self.secrets)
+        # Each as given and trimmed: an environment's key is used trimmed (`read_api_key`), and an echo of it holds no
+        # newline.
+        new = {x for v in values for x in (v, v.strip()) if len(x) >= 4} - set(self.secrets)
         if new:
             # Longest first, so a secret that contains another is replaced whole.
             self.secrets = sorted({*self.secrets, *new}, key=len, reverse=True)

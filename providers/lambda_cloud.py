@@ -459,7 +459,9 @@ def read_api_key(section: LambdaProvider | SimProvider, environ: Mapping[str, st
     provider = "sim" if isinstance(section, SimProvider) else "lambda"
     path = key_file_path(section, environ)
     if path is None:
-        value = environ.get(section.api_key_env, "")
+        # Trimmed as a key file's first line is: a key pasted with a space or a newline made every request fail as
+        # a connection error (httpx refuses such a header), retried for ever.
+        value = environ.get(section.api_key_env, "").strip()
         if not value:
             raise AuthFailed(f"no API key: set the environment variable {section.api_key_env}", provider=provider)
         return value

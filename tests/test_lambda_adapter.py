@@ -290,6 +290,19 @@ def test_missing_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> 
         from_config(SimProvider(), None)
 
 
+def test_a_key_in_the_environment_is_used_trimmed_and_scrubbed_trimmed_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pasted with a newline or a space, it made every request fail as a connection error (an illegal header), and a
+    # provider echoing the key it was sent would have echoed what the redactor did not know.
+    monkeypatch.setenv("LAMBDA_API_KEY", "  pasted-key-4d5e6f\n")
+    assert read_api_key(LambdaProvider()) == "pasted-key-4d5e6f"
+    from orchestrator.events import Redactor
+
+    assert Redactor(["LAMBDA_API_KEY"])("401: key pasted-key-4d5e6f refused") == "401: key *** refused"
+    monkeypatch.setenv("LAMBDA_API_KEY", " \n")
+    with pytest.raises(AuthFailed, match="no API key: set the environment variable LAMBDA_API_KEY"):
+        read_api_key(LambdaProvider())
+
+
 def test_a_key_file_is_read_instead_of_the_variable_and_its_problems_never_quote_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LAMBDA_API_KEY", "from-the-environment")
