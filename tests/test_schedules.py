@@ -433,12 +433,34 @@ def test_budget_leaves_out_the_cycles_of_a_schedule_whose_job_file_does_not_vali
                    + "".join(f'[[schedule]]\njob = "{name}.toml"\ncron = "0 3 * * *"\ntimezone = "UTC"\n\n'
                              for name in ("daily", "broken")))
     rows = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
-    assert [r["cycles_left_this_month"] for r in rows] == [21, 21] and "gpus" in rows[1]["problem"]
+    assert [r["cycles_left_this_month"] for r in rows] == [21, 0] and "gpus" in rows[1]["problem"]
     budget = json.loads(burstctl("--config", str(cfg), "budget", "--json").stdout)
     assert (budget["scheduled_cycles_left"], budget["schedules_skipped"]) == (21, [str(tmp_path / "broken.toml")])
     shown = burstctl("--config", str(cfg), "budget").stdout
     assert (f"not counted: 1 schedule(s) whose job file does not validate now, skipped at their slots "
             f"({tmp_path / 'broken.toml'}; `burstctl schedules` says why)") in shown.replace("\n", "")
+
+
+def test_a_schedule_whose_job_file_does_not_validate_has_no_cycles_left_as_budget_counts_it(
+        burstctl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The daemon skips its every slot until the file is fixed: `schedules` had counted them as cycles left this
+    # month (4 Mondays), while `budget` counted none and said the schedule queued nothing.
+    noon = SimpleNamespace(time=lambda: datetime(2031, 1, 3, 12, tzinfo=UTC).timestamp())  # a Friday: 4 Mondays left
+    monkeypatch.setattr("orchestrator.cli.schedules.time", noon)
+    monkeypatch.setattr("orchestrator.cli.jobs.time", noon)
+    write_job(tmp_path, "weekly", command=["true"], deadline_hours=10, local_throughput=1, gpus=0)
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text('[providers.sim]\nenabled = false\n\n[[schedule]]\njob = "weekly.toml"\ncron = "0 2 * * mon"\n'
+                   'timezone = "UTC"\n')
+    (row,) = json.loads(burstctl("--config", str(cfg), "schedules", "--json").stdout)
+    assert (row["slots_left_this_month"], row["cycles_left_this_month"]) == (4, 0)
+    assert row["plan_now"] is None and "gpus" in row["problem"]
+    shown = burstctl("--config", str(cfg), "schedules")
+    assert shown.returncode == 0, shown.stderr
+    assert "of 4 slots" not in shown.stdout and "│ 4 " not in shown.stdout
+    assert f"{tmp_path / 'weekly.toml'} would be skipped at its slot:" in shown.stdout.replace("\n", "")
+    budget = json.loads(burstctl("--config", str(cfg), "budget", "--json").stdout)
+    assert (budget["scheduled_cycles_left"], budget["schedules_skipped"]) == (0, [str(tmp_path / "weekly.toml")])
 
 
 def test_budget_weighs_what_the_scheduled_cycles_would_rent_against_what_is_free(

@@ -423,9 +423,9 @@ def budget_cmd(app: App, as_json: bool) -> None:
 
         rows = schedule_rows(app, now)
         # A schedule whose job file does not validate queues nothing at its slots (the daemon skips them, saying
-        # why) until the file is fixed: no cycles of its own to count.
+        # why) until the file is fixed: `schedule_rows` counts it no cycles left, and it is named.
         broken = [r["job_file"] for r in rows if r["problem"]]
-        scheduled = sum(r["cycles_left_this_month"] for r in rows if not r["problem"])
+        scheduled = sum(r["cycles_left_this_month"] for r in rows)
         scheduled_usd = cloud_usd_left(rows)
     data = {"month": month, "cap_usd": view.cap_usd, "spent_usd": round(view.spent_usd, 4),
             "remaining_usd": round(view.remaining_usd, 4), "held_usd": round(held.usd, 4), "held_jobs": held.jobs,

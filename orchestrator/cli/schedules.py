@@ -27,7 +27,8 @@ def _local(ts: float | None) -> str:
 def schedule_rows(app: App, now: float) -> list[dict[str, Any]]:
     """Each schedule as the daemon sees it: its next slot, its last cycle, the slots left this month (UTC, the
     budget's month) and the cycles they queue (with overlap "skip", none while the cycle before runs: a cycle
-    taking the hours a cycle queued now is planned to), and what is wrong with its job file now, if anything."""
+    taking the hours a cycle queued now is planned to; none at all while its job file does not validate, as the
+    daemon skips every slot until it is fixed), and what is wrong with its job file now, if anything."""
     rows = []
     for sched in app.config.schedule:
         path = app.config.schedule_job(sched)
@@ -54,7 +55,7 @@ def schedule_rows(app: App, now: float) -> list[dict[str, Any]]:
             "last_slot_at": rec.get("last_slot_at"), "last_job_id": rec.get("last_job_id"),
             "last_job_state": last_job["state"] if last_job else None,
             "slots_left_this_month": len(slots),
-            "cycles_left_this_month": cycles_among(slots, sched.overlap, cycle_h, busy_until),
+            "cycles_left_this_month": 0 if problem else cycles_among(slots, sched.overlap, cycle_h, busy_until),
             "last_cycle_cloud_usd": None if last_job is None else round(app.store.job_spend(last_job["id"])[0], 4),
             "plan_now": plan, "problem": problem})
     return rows
@@ -92,7 +93,7 @@ def schedules_cmd(app: App, as_json: bool) -> None:
         (escape(r["name"] or r["job_file"]), escape(f"{r['cron']} ({r['timezone']})"), _local(r["next_slot_at"]),
          _last(r), _plan_txt(r["plan_now"]), _left(r)) for r in rows])
     for r in rows:
-        if r["cycles_left_this_month"] != r["slots_left_this_month"]:
+        if r["plan_now"] and r["cycles_left_this_month"] != r["slots_left_this_month"]:
             out.print(f"[bold]{escape(r['name'] or r['job_file'])}[/bold]: a cycle takes about "
                       f"{r['plan_now']['hours']:.1f} h, so the slots that come while one runs are skipped (overlap = "
                       f"\"skip\"): {r['cycles_left_this_month']} cycles this month, of "
@@ -117,8 +118,9 @@ def cloud_usd_left(rows: list[dict[str, Any]]) -> float:
 
 
 def _left(r: dict[str, Any]) -> str:
-    """The cycles left this month, and the slots when a cycle outlasts the slots' spacing (overlap "skip")."""
-    if r["cycles_left_this_month"] == r["slots_left_this_month"]:
+    """The cycles left this month, and the slots when a cycle outlasts the slots' spacing (overlap "skip"). A job
+    file that does not validate queues none (said below the table)."""
+    if r["problem"] or r["cycles_left_this_month"] == r["slots_left_this_month"]:
         return str(r["cycles_left_this_month"])
     return f"{r['cycles_left_this_month']} of {r['slots_left_this_month']} slots"
 
