@@ -15,6 +15,10 @@ MEASURED_PLACEHOLDER = "- **Measured:** _(filled in after the run)_"
 # A rethink job's: it does not run unless retried, and a retry's record is then where its run is measured.
 MEASURED_RETHINK = ("- **Measured:** none: a rethink job does not run (`burstctl retry` with a later deadline "
                     "queues it again, and this line then names the retry's record)")
+# A job cancelled before any attempt of it: it never ran, and nothing of it was rented. A retry's record is then where
+# its run is measured.
+MEASURED_CANCELLED = ("- **Measured:** none: cancelled before it ran (`burstctl retry` queues it again, and this "
+                      "line then names the retry's record)")
 # A `burstctl decide` of a job file: a what-if, queued nowhere, so never measured.
 MEASURED_NEVER = "- **Measured:** never: a what-if (`burstctl decide`), not queued; `burstctl enqueue` runs it"
 
@@ -152,6 +156,6 @@ def superseded(old: str | Path | None, new: Path, what: str, now: float) -> None
     if not old or Path(old) == new or not Path(old).exists():
         return
     text = Path(old).read_text(encoding="utf-8")
-    if MEASURED_PLACEHOLDER in text or MEASURED_RETHINK in text:
+    if any(line in text for line in (MEASURED_PLACEHOLDER, MEASURED_RETHINK, MEASURED_CANCELLED)):
         when = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d %H:%M UTC")
         fill_measured(Path(old), f"{what}, {when}: see {new.name}")

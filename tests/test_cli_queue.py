@@ -1156,6 +1156,45 @@ def test_a_rethink_job_s_record_says_it_does_not_run_and_names_the_retry_s_recor
     assert "- **Measured:** _(filled in after the run)_" in later.read_text()
 
 
+def test_a_job_cancelled_before_it_ran_has_a_record_that_says_so_and_names_the_retry_s_record_once_retried(
+        burstctl, tmp_path: Path) -> None:
+    # Its Measured line had said "filled in after the run" for ever: no attempt's end ever fills it.
+    queued = json.loads(burstctl("enqueue", str(write_job(tmp_path, "never-ran")), "--json").stdout)
+    first = Path(json.loads(burstctl("show", queued["id"], "--json").stdout)["record"])
+    assert "- **Measured:** _(filled in after the run)_" in first.read_text()
+    assert burstctl("cancel", queued["id"]).returncode == 0
+    assert ("- **Measured:** none: cancelled before it ran (`burstctl retry` queues it again, and this line then "
+            "names the retry's record)") in first.read_text()
+    assert burstctl("retry", queued["id"]).returncode == 0
+    later = Path(json.loads(burstctl("show", queued["id"], "--json").stdout)["record"])
+    assert later != first and f": see {later.name}" in first.read_text()
+    assert "- **Measured:** _(filled in after the run)_" in later.read_text()
+
+
+def test_a_job_cancelled_between_attempts_is_measured_at_once_and_one_with_a_live_attempt_when_it_ends(
+        burstctl, tmp_path: Path) -> None:
+    # No attempt of it is live (its last ended: a failed launch, a preemption), so none will end to measure it.
+    ids = [json.loads(burstctl("enqueue", str(write_job(tmp_path, name)), "--json").stdout)["id"]
+           for name in ("between", "live")]
+    app = App(state_dir_override=str(burstctl.state_dir))
+    try:
+        with app.store.tx() as conn:
+            for job_id, state in zip(ids, ("launch_failed", "running"), strict=True):
+                conn.execute(insert(s.attempts).values(
+                    id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state=state, provider="sim",
+                    instance_type="h100x1", market="spot", idempotency_key=None, info={}, created_at=0.0,
+                    ended_at=1.0 if state == "launch_failed" else None))
+    finally:
+        app.close()
+    for job_id in ids:
+        assert burstctl("cancel", job_id).returncode == 0
+    between, live = (Path(json.loads(burstctl("show", job_id, "--json").stdout)["record"]).read_text()
+                     for job_id in ids)
+    assert "- **Measured:** cancelled: run 0.00 h, cost $0.00, " in between
+    assert "1 attempt(s), 0 preemption(s)" in between
+    assert "- **Measured:** _(filled in after the run)_" in live  # the daemon stops it, then measures it
+
+
 def test_an_unreachable_database_is_one_line_naming_the_field(burstctl, tmp_path: Path) -> None:
     from tests.e2e import free_port
 

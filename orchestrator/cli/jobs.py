@@ -5,12 +5,13 @@ from __future__ import annotations
 import difflib
 import json
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import click
 from rich.markup import escape
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 
 from orchestrator.app import App, burst_enabled
 from orchestrator.cli.base import FiniteFloat, cli, json_option, pass_app, say_config_problem_now
@@ -292,13 +293,18 @@ def _event_public(e: dict[str, Any]) -> dict[str, Any]:
             "job": e["job_id"], "attempt": e["attempt_id"], **e["data"]}
 
 
-def _set_state(app: App, ref: str, target: JobState, event: str, **extra: Any) -> dict[str, Any]:
+def _set_state(app: App, ref: str, target: JobState, event: str,
+               also: Callable[[Connection, dict[str, Any]], None] | None = None, **extra: Any) -> dict[str, Any]:
+    """Move the job to `target` and say so (`event`); `also`: more done in the same transaction, given the job as it
+    was read."""
     j = job_or_fail(app, ref)
     check_transition(j["state"], target.value, j["id"])
     with app.store.tx() as conn:
         if not app.store.update_job(j["id"], conn, expect_state=j["state"], state=target.value, **extra):
             raise BadInput(f"job {j['id']} changed state meanwhile; try again", field="JOB")
         app.events.emit(event, job_id=j["id"], conn=conn, previous=j["state"], state=target.value)
+        if also is not None:
+            also(conn, j)
     new = app.store.get_job(j["id"])
     assert new is not None
     return new
@@ -310,7 +316,11 @@ def _set_state(app: App, ref: str, target: JobState, event: str, **extra: Any) -
 @pass_app
 def cancel_cmd(app: App, job: str, as_json: bool) -> None:
     """Cancel a job that has not finished. A running job is stopped by the daemon on its next tick."""
-    j = _set_state(app, job, JobState.CANCELLED, "job.cancelled", reason="cancelled by the user")
+    from orchestrator.lifecycle.finish import measure_cancelled
+
+    # Its decision record's Measured line: now, unless an attempt still runs (measured once the daemon stops it).
+    j = _set_state(app, job, JobState.CANCELLED, "job.cancelled", reason="cancelled by the user",
+                   also=lambda conn, was: measure_cancelled(app, conn, was, time.time()))
     print_json(_public(j)) if as_json else out.print(f"{j['id']} cancelled")
 
 

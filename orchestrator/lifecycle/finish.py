@@ -143,6 +143,20 @@ def _next_for_job(app: App, conn: Connection, att: dict[str, Any], job: dict[str
         _fill_measured(app, conn, job, att, now, ended="failed")
 
 
+def measure_cancelled(app: App, conn: Connection, job: dict[str, Any], now: float) -> None:
+    """The Measured line of a job cancelled (`burstctl cancel`, in its transaction) while none of its attempts is
+    live, so that no attempt's end will fill it: "none" when it never had one, else what its ended attempts ran and
+    cost, as a cancelled run's is. One with a live attempt is measured once the daemon has stopped it."""
+    rows = conn.execute(select(s.attempts).where(s.attempts.c.job_id == job["id"])
+                        .order_by(s.attempts.c.n.desc())).mappings().all()
+    if any(not AttemptState(r["state"]).final for r in rows):
+        return
+    if rows:
+        _fill_measured(app, conn, job, dict(rows[0]), now, ended="cancelled")
+    elif job.get("record_path") and Path(job["record_path"]).exists():
+        records.fill_measured(Path(job["record_path"]), records.MEASURED_CANCELLED.removeprefix("- **Measured:** "))
+
+
 def probe_interval_s(app: App, policy: dict[str, Any]) -> float:
     """How long after a refusal a job that waits for spot, seen only by launching, tries spot again. The policy is
     still asked once a market_check_s meanwhile, so a move to on-demand is not delayed by it."""
