@@ -11,6 +11,7 @@ import os
 import re
 import sqlite3
 import stat
+import time
 import typing
 from pathlib import Path
 
@@ -289,6 +290,33 @@ def test_budget_shows_the_cadence_the_rest_of_the_month_buys(burstctl) -> None:
     assert b["cycles_left_spot"] == 10 and b["cycles_left_on_demand"] == 3
     # Where the price comes from is printed as it is: rich took "[prices.H100]" for a tag and printed nothing.
     assert "$/cycle on spot (1.5 H100-h, [prices.H100])" in burstctl("budget").stdout
+
+
+def test_money_in_json_is_rounded_to_the_places_of_the_rest(burstctl, tmp_path: Path) -> None:
+    # Each of these had a float's every digit: 1.5 h × $3.29 was 4.9350000000000005, $11.1932 − $1.6667 over local
+    # was 9.526499999999999, and a 3-GPU machine listed at $9.87/h was 3.2899999999999996 per GPU.
+    from orchestrator.queue import record_offers_seen
+    from providers.base import Offer
+
+    (tmp_path / "burstctl.toml").write_text(
+        "[budget]\ncycle_gpu_hours = 1.5\n\n[prices.H100]\non_demand_usd_h = 3.29\nspot_usd_h = 1.1\nvram_gib = 80\n")
+    budget = json.loads(burstctl("budget", "--json").stdout)
+    assert (budget["usd_per_cycle_on_demand"], budget["usd_per_cycle_spot"]) == (4.935, 1.65)
+    (tmp_path / "burstctl.toml").write_text("")  # the built-in [prices]
+    burstctl("enqueue", str(write_job(tmp_path, "priced", local_throughput=0.06, rented_throughput={"H100": 0.17},
+                                      deadline_hours=12, market="on-demand")))
+    (listed,) = json.loads(burstctl("list", "--json").stdout)
+    assert (listed["plan_cost_usd"], listed["over_local_usd"]) == (11.1932, 9.5265)
+    app = App(state_dir_override=str(burstctl.state_dir))
+    try:
+        record_offers_seen(app, "sim", [Offer(provider="sim", instance_type="gpu_3x_h100", gpu_model="H100",
+                                              gpu_count=3, vram_gib=80, vcpus=26, on_demand_usd_h=9.87,
+                                              spot_usd_h=None, regions=())], time.time())
+    finally:
+        app.close()
+    burstctl("enqueue", str(write_job(tmp_path, "three", local_throughput=0, gpus=3, market="on-demand")))
+    shown = json.loads(burstctl("show", "three", "--json").stdout)
+    assert shown["decision"]["rate_usd_per_gpu_h"] == 3.29
 
 
 def test_budget_counts_what_admitted_jobs_plans_hold_without_calling_them_other(burstctl) -> None:

@@ -185,7 +185,7 @@ def _over_local_usd(d: dict[str, Any]) -> float | None:
     (not the seed's all-on-demand ΔC, which `show` and `decide` print). None for a job that is not priced."""
     if d.get("verdict") != "priced" or d.get("plan_cost_usd") is None or d.get("c_local_usd") is None:
         return None
-    return float(d["plan_cost_usd"] - d["c_local_usd"])
+    return round(float(d["plan_cost_usd"] - d["c_local_usd"]), 4)  # as the two are: 9.5265, not 9.526499999999999
 
 
 def _over_local(d: dict[str, Any]) -> str:
@@ -441,7 +441,8 @@ def budget_cmd(app: App, as_json: bool) -> None:
             "remaining_usd": round(view.remaining_usd, 4), "held_usd": round(held.usd, 4), "held_jobs": held.jobs,
             "free_usd": round(free.remaining_usd, 4), "cycles_this_month": cycles,
             "cycle_gpu_hours": cfg.budget.cycle_gpu_hours, "reference_gpu": ref_gpu, "priced_by": priced_by,
-            "usd_per_cycle_spot": spot, "usd_per_cycle_on_demand": od, "accruing_usd_h": round(accruing, 4),
+            "usd_per_cycle_spot": None if spot is None else round(spot, 4), "usd_per_cycle_on_demand": round(od, 4),
+            "accruing_usd_h": round(accruing, 4),
             "kept_to_stop_running_usd": round(kept, 4),
             "cycles_left_spot": free.cycles_left_spot, "cycles_left_on_demand": free.cycles_left_on_demand,
             "scheduled_cycles_left": scheduled, "scheduled_cloud_usd": round(scheduled_usd, 4),

@@ -182,7 +182,9 @@ class Decision:
             "delta_cost_usd": _r(g.delta_cost_usd),
             "hours_saved": _r(g.hours_saved),
             "gpu": self.gpu,
-            "rate_usd_per_gpu_h": self.rate_usd_per_gpu_h,
+            # A rate, kept to the places of the instance's below: a listed machine's price per GPU (9.87 / 3 GPUs)
+            # had all of a float's digits.
+            "rate_usd_per_gpu_h": None if self.rate_usd_per_gpu_h is None else round(self.rate_usd_per_gpu_h, 6),
             "overhead_h": self.overhead_h,
             "market": m.market if m else None,
             "market_costs": None if m is None else {
