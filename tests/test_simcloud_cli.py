@@ -340,6 +340,9 @@ def test_preempt_succeeds_when_the_client_terminates_the_instance_on_the_notice(
     (["--capacity", "gpu_1x_a10=many"], {KEY_ENV: API_KEY}, "TYPE=N"),
     (["--host", "0.0.0.0"], {KEY_ENV: API_KEY}, "loopback only"),
     (["--preempt-trace", "README.md"], {KEY_ENV: API_KEY}, "not a spot-traces file"),
+    # Alternatives: the last one given had been taken.
+    (["--openssh", "--paramiko"], {KEY_ENV: API_KEY}, "give --openssh or --paramiko, not both"),
+    (["--paramiko", "--openssh"], {KEY_ENV: API_KEY}, "give --openssh or --paramiko, not both"),
 ])
 def test_serve_refuses_bad_input_with_one_line_and_exit_2(
         args: list[str], env: dict[str, str], expected: str, tmp_path: Path) -> None:
@@ -350,6 +353,13 @@ def test_serve_refuses_bad_input_with_one_line_and_exit_2(
     assert res.returncode == 2, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and expected in res.stderr
     assert "Traceback" not in res.stderr and API_KEY not in res.stderr
+
+
+def test_the_simulated_ec2_takes_one_ssh_server_not_both(tmp_path: Path) -> None:
+    res = burstctl("simcloud", "ec2", "--state", str(tmp_path / "s"), "--paramiko", "--openssh")
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "burstctl: error: field '--openssh': give --openssh or --paramiko, not both"]
+    assert not (tmp_path / "s").exists()  # refused before anything was made
 
 
 def test_status_and_preempt_without_a_server_fail_operationally(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
 import httpx
@@ -65,6 +65,14 @@ def _check_loopback(host: str) -> None:
         raise BadInput(f"simcloud serves on loopback only, not {host!r}", field="--host")
 
 
+def _ssh_mode(openssh: bool, paramiko: bool) -> Literal["auto", "openssh", "paramiko"]:
+    """The SSH server the machines run: --openssh or --paramiko, one of them at most (unset: OpenSSH when
+    installed). Both had been taken, the last one given winning."""
+    if openssh and paramiko:
+        raise BadInput("give --openssh or --paramiko, not both", field="--openssh")
+    return "openssh" if openssh else "paramiko" if paramiko else "auto"
+
+
 @simcloud.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Loopback address to serve on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
@@ -84,15 +92,15 @@ def _check_loopback(host: str) -> None:
 @click.option("--preempt-per-hour", type=FiniteFloat(min=0), default=None,
               help="Seeded random preemptions per (scaled) instance-hour instead of a trace.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for --preempt-per-hour.")
-@click.option("--openssh", "ssh_mode", flag_value="openssh", help="Instances run OpenSSH's sshd (must be installed).")
-@click.option("--paramiko", "ssh_mode", flag_value="paramiko", help="Instances run the pure-Python SSH server.")
+@click.option("--openssh", is_flag=True, help="Instances run OpenSSH's sshd (must be installed).")
+@click.option("--paramiko", is_flag=True, help="Instances run the pure-Python SSH server (not with --openssh).")
 @click.option("--contract", type=click.Path(dir_okay=False, exists=True), default=None,
               help="OpenAPI document to check every request against (violations answer 400).")
 @json_option
 @pass_app
 def serve_cmd(app: App, host: str, port: int, state: str | None, api_key_env: str | None, boot_delay: float,
               capacity: tuple[str, ...], preempt_trace: str | None, time_scale: float,
-              preempt_per_hour: float | None, seed: int, ssh_mode: str | None, contract: str | None,
+              preempt_per_hour: float | None, seed: int, openssh: bool, paramiko: bool, contract: str | None,
               as_json: bool) -> None:
     """Run simcloud in the foreground until SIGTERM/SIGINT."""
     from providers.simcloud.api import DEFAULT_CAPACITY_PER_REGION, DEFAULT_CATALOG, DEFAULT_REGIONS, SimCloudServer
@@ -106,6 +114,7 @@ def serve_cmd(app: App, host: str, port: int, state: str | None, api_key_env: st
     from providers.simcloud.ssh_backend import MachineStartError, SshBackend
 
     _check_loopback(host)
+    ssh_mode = _ssh_mode(openssh, paramiko)
     if preempt_trace is not None and preempt_per_hour is not None:
         raise BadInput("give --preempt-trace or --preempt-per-hour, not both", field="--preempt-trace")
     if api_key_env is not None:
@@ -135,7 +144,7 @@ def serve_cmd(app: App, host: str, port: int, state: str | None, api_key_env: st
         source = PoissonPreemptions(preempt_per_hour, seed=seed, time_scale=time_scale)
 
     try:
-        backend = SshBackend(state_dir, prefer=ssh_mode or "auto")  # type: ignore[arg-type]
+        backend = SshBackend(state_dir, prefer=ssh_mode)
     except MachineStartError as exc:
         raise BadInput(str(exc), field="--openssh") from exc
     try:
@@ -206,21 +215,22 @@ def _admin(method: str, root: str, path: str, body: dict[str, Any] | None = None
               help="State dir of its machines (default <state-dir>/simcloud-ec2).")
 @click.option("--s3-checkpoints", is_flag=True,
               help="Also make a checkpoint bucket and an instance profile, and print the settings that use them.")
-@click.option("--openssh", "ssh_mode", flag_value="openssh", help="Instances run OpenSSH's sshd (must be installed).")
-@click.option("--paramiko", "ssh_mode", flag_value="paramiko", help="Instances run the pure-Python SSH server.")
+@click.option("--openssh", is_flag=True, help="Instances run OpenSSH's sshd (must be installed).")
+@click.option("--paramiko", is_flag=True, help="Instances run the pure-Python SSH server (not with --openssh).")
 @json_option
 @pass_app
-def ec2_cmd(app: App, state: str | None, s3_checkpoints: bool, ssh_mode: str | None, as_json: bool) -> None:
+def ec2_cmd(app: App, state: str | None, s3_checkpoints: bool, openssh: bool, paramiko: bool, as_json: bool) -> None:
     """Run the simulated EC2 (moto's server, real machines behind it) in the foreground until SIGTERM/SIGINT, and
     print the [providers.ec2] settings that point burstctl at it."""
     from providers.simcloud.ec2_sim import SimEc2
     from providers.simcloud.ssh_backend import MachineStartError
 
+    ssh_mode = _ssh_mode(openssh, paramiko)
     state_dir = Path(state).expanduser() if state else app.config.state_dir / "simcloud-ec2"
     state_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(state_dir, 0o700)
     try:
-        sim = SimEc2(state_dir, prefer=ssh_mode or "auto").start()  # type: ignore[arg-type]
+        sim = SimEc2(state_dir, prefer=ssh_mode).start()
     except MachineStartError as exc:
         raise BadInput(str(exc), field="--openssh") from exc
     stop = threading.Event()
