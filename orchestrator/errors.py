@@ -10,6 +10,11 @@ import difflib
 from pathlib import Path
 from typing import Any
 
+# The instant messages and the README give as an example of a deadline: years ahead, so that one copied is not refused
+# as past (one a few days ahead, 2026-12-01, had gone stale within the week), and within the 10 years a deadline may
+# be ahead. tests/test_cli_queue.py holds it to a year ahead at least.
+EXAMPLE_INSTANT = "2035-01-01T09:00:00Z"
+
 
 class BurstctlError(Exception):
     exit_code = 1
@@ -150,7 +155,7 @@ def _one_problem(error: Any, model: Any) -> tuple[str, str]:
         if kind == "list_type" and len(path) == 1 and isinstance(error.get("input"), dict):
             msg += f" (a list of tables is written [[{path[0]}]], with two brackets)"
     elif kind in _DATETIME_ERRORS:
-        msg = "expected an ISO 8601 date and time with a time zone (2026-12-01T09:00:00Z)"
+        msg = f"expected an ISO 8601 date and time with a time zone ({EXAMPLE_INSTANT})"
     elif kind == "literal_error":  # pydantic's "Input should be 'a' or 'b'", in this file's words
         # The value given is not repeated: a string here may be anything pasted, a secret too.
         msg = f"expected {error.get('ctx', {}).get('expected', 'one of its values')}, got " + (

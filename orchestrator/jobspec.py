@@ -33,7 +33,13 @@ from orchestrator.config import (
     read_toml,
 )
 from orchestrator.core.gates import MAX_DEADLINE_HOURS, MAX_DEADLINE_YEARS
-from orchestrator.errors import BadInput, FieldValueError, format_validation_error, what_was_given
+from orchestrator.errors import (
+    EXAMPLE_INSTANT,
+    BadInput,
+    FieldValueError,
+    format_validation_error,
+    what_was_given,
+)
 
 Method = Literal["full", "lora", "qlora"]
 Dtype = Literal["fp32", "bf16", "fp16", "int8", "int4"]
@@ -42,7 +48,7 @@ Attention = Literal["sdpa", "eager"]
 
 SHELL_OPERATORS = frozenset({"|", "||", "&&", ";", "&", ">", ">>", "<", "2>", "2>&1", "&>"})  # what a shell reads
 MAX_STOP_GRACE_S = 3600.0  # a trainer's last checkpoint: an hour is more than any disk needs for one
-DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2026-12-01T09:00:00Z"
+DEADLINE_EXPECTED = f"expected an ISO 8601 date and time with a time zone, e.g. {EXAMPLE_INSTANT}"
 DEADLINE_HOURS_EXPECTED = (f"expected a finite number of hours greater than 0 and at most {MAX_DEADLINE_HOURS:.0f} "
                            f"({MAX_DEADLINE_YEARS} years)")
 JOB_ID = re.compile(r"j[0-9a-f]{8}")  # `queue.new_job_id`'s shape
@@ -355,7 +361,7 @@ class JobSpec(BaseModel):
             raise FieldValueError("deadline_hours", "cannot be given with 'deadline': give exactly one of them")
         if self.deadline is None and self.deadline_hours is None:
             raise FieldValueError("deadline", "is missing: give 'deadline', an ISO 8601 date and time with a time zone "
-                                              "(2026-12-01T09:00:00Z), or 'deadline_hours', hours from now")
+                                              f"({EXAMPLE_INSTANT}), or 'deadline_hours', hours from now")
         return self
 
     def deadline_at(self, now: float) -> float:

@@ -13,6 +13,7 @@ import sqlite3
 import stat
 import time
 import typing
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -828,7 +829,7 @@ def test_an_enqueue_whose_job_is_not_written_leaves_no_decision_record(tmp_path:
 
 
 # A model validator's error once named "field '(top level)'": the line names the field it is about.
-DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2026-12-01T09:00:00Z"
+DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2035-01-01T09:00:00Z"
 BAD_DEADLINES = {
     "bare-date": ("deadline = 2026-12-03\n", "deadline", f"is a date without a time: {DEADLINE_EXPECTED}"),
     "no-time-zone": ("deadline = 2026-12-03T09:00:00\n", "deadline", f"has no time zone: {DEADLINE_EXPECTED}"),
@@ -836,8 +837,27 @@ BAD_DEADLINES = {
     "both": ("deadline = 2026-12-03T09:00:00Z\ndeadline_hours = 3\n", "deadline_hours",
              "cannot be given with 'deadline': give exactly one of them"),
     "neither": ("", "deadline", "is missing: give 'deadline', an ISO 8601 date and time with a time zone "
-                                "(2026-12-01T09:00:00Z), or 'deadline_hours', hours from now"),
+                                "(2035-01-01T09:00:00Z), or 'deadline_hours', hours from now"),
 }
+
+
+def test_the_readme_s_example_job_file_is_taken_with_either_deadline_and_its_instant_is_years_ahead(
+        burstctl, tmp_path: Path) -> None:
+    # Its comment's `deadline = "2026-12-01T09:00:00Z"` was in the past within a week: copied, it was refused. The
+    # instant messages give as an example is the same one.
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"## A job file\n\n```toml\n(.*?)```", readme, re.S)
+    assert block is not None
+    (tmp_path / "job.toml").write_text(block.group(1))
+    instant = re.search(r'^deadline_hours = 12 +# or: deadline = "([^"]+)".*$', block.group(1), re.M)
+    assert instant is not None
+    (tmp_path / "instant.toml").write_text(block.group(1).replace(instant.group(0), f'deadline = "{instant[1]}"'))
+    for name in ("job.toml", "instant.toml"):
+        r = burstctl("decide", name, "--no-record")
+        assert r.returncode == 0, r.stderr
+    ahead = datetime.fromisoformat(instant[1]).timestamp() - time.time()
+    assert ahead > 365 * 86400, "the README's example deadline is less than a year ahead: move it on"
+    assert instant[1] in jobspec.DEADLINE_EXPECTED
 
 
 @pytest.mark.parametrize("case", sorted(BAD_DEADLINES))
