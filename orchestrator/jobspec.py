@@ -144,6 +144,17 @@ class CheckpointSpec(BaseModel):
                           "often (interval_minutes), or run it on-demand.")
 
 
+def _is_date(text: str) -> bool:
+    """Whether `text` is a calendar date alone, as pydantic reads one for a date and time (YYYY-MM-DD)."""
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
+        return False
+    try:
+        date.fromisoformat(text)
+    except ValueError:  # 2026-13-45: not a date, said as any text that is not an instant is
+        return False
+    return True
+
+
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)  # as ModelSpec
 
@@ -248,8 +259,9 @@ class JobSpec(BaseModel):
     def _not_a_bare_date(cls, v: object) -> object:
         if isinstance(v, int | float) and not isinstance(v, bool):  # pydantic would read seconds since 1970
             raise ValueError(f"is a number: {DEADLINE_EXPECTED} (or deadline_hours for hours from now)")
-        # TOML's `deadline = 2026-12-03` is a date, which pydantic would take as a naive midnight.
-        if isinstance(v, date) and not isinstance(v, datetime):
+        # TOML's `deadline = 2026-12-03` is a date, which pydantic would take as a naive midnight; so is the string
+        # "2026-12-03", which had been said to have no time zone.
+        if (isinstance(v, date) and not isinstance(v, datetime)) or (isinstance(v, str) and _is_date(v)):
             raise ValueError(f"is a date without a time: {DEADLINE_EXPECTED}")
         return v
 

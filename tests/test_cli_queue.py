@@ -832,6 +832,10 @@ def test_an_enqueue_whose_job_is_not_written_leaves_no_decision_record(tmp_path:
 DEADLINE_EXPECTED = "expected an ISO 8601 date and time with a time zone, e.g. 2035-01-01T09:00:00Z"
 BAD_DEADLINES = {
     "bare-date": ("deadline = 2026-12-03\n", "deadline", f"is a date without a time: {DEADLINE_EXPECTED}"),
+    # Quoted, it had been said to have no time zone.
+    "bare-date-string": ('deadline = "2026-12-03"\n', "deadline", f"is a date without a time: {DEADLINE_EXPECTED}"),
+    "no-date-string": ('deadline = "2026-13-45"\n', "deadline",
+                       "expected an ISO 8601 date and time with a time zone (2035-01-01T09:00:00Z)"),
     "no-time-zone": ("deadline = 2026-12-03T09:00:00\n", "deadline", f"has no time zone: {DEADLINE_EXPECTED}"),
     "no-time-zone-string": ('deadline = "2026-12-03T09:00:00"\n', "deadline", f"has no time zone: {DEADLINE_EXPECTED}"),
     "both": ("deadline = 2026-12-03T09:00:00Z\ndeadline_hours = 3\n", "deadline_hours",
