@@ -1463,6 +1463,28 @@ def test_status_lists_a_local_attempt_which_has_no_market(burstctl, tmp_path: Pa
     assert f"{job_id}-a1" in r.stdout and "local" in r.stdout
 
 
+def test_an_instance_s_host_key_recorded_at_first_use_is_one_of_its_job_s_events(burstctl, tmp_path: Path) -> None:
+    # It carried no job or attempt id, so `events --job` left it out.
+    from orchestrator.lifecycle.cloud_steps import CloudSteps
+
+    job_id = json.loads(burstctl("enqueue", str(write_job(tmp_path, "keyed")), "--json").stdout)["id"]
+    att = {"id": f"{job_id}-a1", "job_id": job_id, "provider": "sim", "instance_id": "i-1"}
+    app = App(state_dir_override=str(burstctl.state_dir))
+    try:
+        with app.store.tx() as conn:
+            conn.execute(insert(s.attempts).values(
+                id=att["id"], job_id=job_id, n=1, where="cloud", state="bootstrapping", provider="sim",
+                instance_type="gpu_1x_h100", market="spot", idempotency_key=None, info={}, created_at=0.0))
+            conn.execute(insert(s.instances).values(provider="sim", id="i-1", attempt_id=att["id"], state="running"))
+        CloudSteps(app, {}).trust(att).put("i-1", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey")
+    finally:
+        app.close()
+    listed = burstctl("events", "--job", job_id, "--type", "instance.", "--json").stdout
+    (said,) = [json.loads(line) for line in listed.splitlines()]
+    assert (said["type"], said["job"], said["attempt"]) == ("instance.host_key_recorded", job_id, att["id"])
+    assert (said["provider"], said["instance"], said["key_type"]) == ("sim", "i-1", "ssh-ed25519")
+
+
 def test_enqueue_notes_when_no_enabled_provider_can_be_used_from_this_shell_for_a_job_that_bursts(
         burstctl, tmp_path: Path) -> None:
     # "burst → queued" and nothing more, while no cloud could ever take it from here: said on stderr, not refused

@@ -57,7 +57,7 @@ def ssh_cmd(app: App, job_env: bool, job: str, command: tuple[str, ...]) -> None
     click.echo(f"# {found['name']} ({found['id']}), attempt {att['n']} on {att['provider']} "
                f"{att['instance_type']} ({att['market']}), instance {att['instance_id']}", err=True)
     keep_known_hosts_in(transfers_dir(app))  # the session's known_hosts file, where the next daemon finds it
-    with pinned_ssh_argv(target, DbHostKeyTrust(app, att["provider"])) as argv:
+    with pinned_ssh_argv(target, DbHostKeyTrust(app, att["provider"], att)) as argv:
         tty = ["-t"] if not command and sys.stdin.isatty() else []
         # Not exec: the known_hosts file is removed once ssh ends.
         code = subprocess.call([*argv, *tty, target.host, remote])

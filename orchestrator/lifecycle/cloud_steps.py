@@ -57,11 +57,13 @@ def push_exclude(spec: Mapping[str, Any]) -> list[str]:
 
 
 class DbHostKeyTrust:
-    """Trust-on-first-use host keys, recorded per instance in the instances table."""
+    """Trust-on-first-use host keys, recorded per instance in the instances table. `attempt`: the attempt whose
+    instance it is, whose job and attempt ids the `instance.host_key_recorded` event carries (`events --job`)."""
 
-    def __init__(self, app: App, provider: str):
+    def __init__(self, app: App, provider: str, attempt: Mapping[str, Any] | None = None):
         self.app = app
         self.provider = provider
+        self.ids = {"job_id": attempt["job_id"], "attempt_id": attempt["id"]} if attempt is not None else {}
 
     def get(self, instance_id: str) -> str | None:
         with self.app.store.engine.connect() as c:
@@ -73,7 +75,7 @@ class DbHostKeyTrust:
             c.execute(update(s.instances).where(s.instances.c.provider == self.provider,
                                                 s.instances.c.id == instance_id).values(host_key=key))
         self.app.events.emit("instance.host_key_recorded", provider=self.provider, instance=instance_id,
-                             key_type=key.split()[0])
+                             key_type=key.split()[0], **self.ids)
 
 
 def orchestrator_key(app: App) -> tuple[Path, str]:
@@ -148,7 +150,7 @@ class CloudSteps:
                           instance_id=att["instance_id"])
 
     def trust(self, att: dict[str, Any]) -> DbHostKeyTrust:
-        return DbHostKeyTrust(self.app, att["provider"])
+        return DbHostKeyTrust(self.app, att["provider"], att)
 
     def reachable(self, att: dict[str, Any], target: ssh.Target) -> bool:
         """One connection attempt; a changed host key raises (the attempt is aborted), unreachable is False."""
