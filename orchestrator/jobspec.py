@@ -257,7 +257,9 @@ class JobSpec(BaseModel):
     @field_validator("deadline", mode="before")
     @classmethod
     def _not_a_bare_date(cls, v: object) -> object:
-        if isinstance(v, int | float) and not isinstance(v, bool):  # pydantic would read seconds since 1970
+        # pydantic would read seconds since 1970, of a number and of a string of digits ("20261207") alike
+        numeric = isinstance(v, int | float) and not isinstance(v, bool)
+        if numeric or (isinstance(v, str) and re.fullmatch(r"\s*[-+]?\d+(\.\d*)?\s*", v)):
             raise ValueError(f"is a number: {DEADLINE_EXPECTED} (or deadline_hours for hours from now)")
         # TOML's `deadline = 2026-12-03` is a date, which pydantic would take as a naive midnight; so is the string
         # "2026-12-03", which had been said to have no time zone.

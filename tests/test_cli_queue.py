@@ -519,6 +519,9 @@ BAD_JOBS = {
     # Read as seconds since 1970: "in the past (1970-01-01...)".
     "deadline-a-number": ({"deadline_hours": None, "deadline": 5}, "deadline",
                           "is a number: expected an ISO 8601 date and time with a time zone"),
+    # So was a string of digits: "20261207" was "in the past (1970-08-23...)".
+    "deadline-digits-in-quotes": ({"deadline_hours": None, "deadline": "20261207"}, "deadline",
+                                  "is a number: expected an ISO 8601 date and time with a time zone"),
     # Hours so few that they round to now are said of deadline_hours, not of a deadline the file never gave.
     "deadline-hours-that-are-now": ({"deadline_hours": 1e-300}, "deadline_hours", "is 1e-300 hours, which is now"),
     # Path("") is the job file's own directory, and the missing script was reported under command.1.
