@@ -127,6 +127,8 @@ class Preemption:
     had_checkpoint: bool = False
     resumed_correctly: bool | None = None  # None: no checkpoint was written after resuming to tell
     first_checkpoint_after: str | None = None
+    # The attempt succeeded: the job finished on that instance during the notice, so nothing was preempted.
+    finished_before_reclaim: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -489,17 +491,20 @@ class Rehearsal:
         self.store = Store(f"sqlite:///{self.state / 'burstctl.db'}")
         return job_id
 
-    def _running(self, watch: AttemptWatch) -> bool:
+    def _attempt_state(self, attempt_id: str) -> str | None:
         assert self.store is not None
         with self.store.engine.connect() as c:
-            st = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == watch.attempt_id)).scalar()
-        return st == "running"
+            return c.execute(select(s.attempts.c.state).where(s.attempts.c.id == attempt_id)).scalar()
+
+    def _running(self, watch: AttemptWatch) -> bool:
+        return self._attempt_state(watch.attempt_id) == "running"
 
     def _settle(self, job_id: str) -> None:
         """Per preemption: what was lost, what it resumed from, and whether the resumed run went forward."""
         home = self._home_checkpoints(job_id)
         for p in self.preemptions:
             old = self.attempts[p.attempt_id]
+            p.finished_before_reclaim = p.next_attempt is None and self._attempt_state(p.attempt_id) == "succeeded"
             mine = self._written_by(old, home, job_id)
             p.had_checkpoint = bool(mine) or bool(old.resumed_from)
             on_disk = sorted({**{c.name: c for c in mine}, **old.checkpoints}.values(), key=lambda c: c.name)
@@ -518,6 +523,8 @@ class Rehearsal:
                 p.lost_steps = p.step_before - p.resumed_step
             elif p.step_before is not None and not p.resumed_from:
                 p.lost_steps = p.step_before  # started over from nothing
+            if p.finished_before_reclaim:  # it ended its work there: nothing to lose, nothing to resume
+                p.lost_steps, p.lost_work_s = 0, 0.0
             new = self.attempts.get(p.next_attempt or "")
             if new is None or not p.resumed_from:
                 continue
@@ -546,6 +553,11 @@ class Rehearsal:
         return [c for c in (_seen(p) for p in paths) if c is not None]
 
     def _verdict(self, state: str, timed_out: bool, left: int, reason: str | None = None) -> tuple[str, bool]:
+        finished = [p.n for p in self.preemptions if p.finished_before_reclaim]
+        if finished:  # the notice came as the trainer was finishing: it ended (exit 0) with nothing to resume
+            self.notes.append(f"the job finished on its instance during the notice of preemption(s) {finished}: "
+                              "nothing was preempted there")
+        preempted = [p for p in self.preemptions if not p.finished_before_reclaim]
         if state == "failed":  # the job's own failure first: "make it run longer" would hide it
             self.notes.append(f"the job failed: {reason or 'no reason recorded'}")
         elif not self.preemptions and timed_out:
@@ -558,23 +570,23 @@ class Rehearsal:
                               "before the job ended")
         if left:
             self.notes.append(f"{left} simulated instance(s) were still running at the end")
-        if any(not p.had_checkpoint for p in self.preemptions):
+        if any(not p.had_checkpoint for p in preempted):
             return VERDICT_NO_CHECKPOINT, False
-        if any(p.resumed_correctly is False for p in self.preemptions):
+        if any(p.resumed_correctly is False for p in preempted):
             return VERDICT_IGNORES_RESUME, False
         if timed_out:
             return f"did not finish within {self.opts.timeout_s:.0f} s", False
         if state != "done":
             return f"did not finish: job {state}", False
-        if not self.preemptions:
+        if not preempted:
             return "not rehearsed: no preemption happened", False
-        stranded = [p for p in self.preemptions if p.resumed_correctly is None and not p.resumed_from
+        stranded = [p for p in preempted if p.resumed_correctly is None and not p.resumed_from
                     and p.checkpoint_before]
         if stranded:  # written on the instance (often on the notice's SIGTERM) but never pulled home in time
             return (f"loses all work on preemption: {', '.join(p.checkpoint_before or '' for p in stranded)} "
                     f"did not come home before the reclaim (preemption(s) {[p.n for p in stranded]}); the next "
                     "attempt started over: checkpoint before the notice, or give a longer --notice-s"), False
-        unknown = [p.n for p in self.preemptions if p.resumed_correctly is None]
+        unknown = [p.n for p in preempted if p.resumed_correctly is None]
         if unknown:
             return f"resume not verified: no checkpoint written after preemption(s) {unknown}", False
         return VERDICT_OK, left == 0

@@ -345,3 +345,35 @@ def test_the_next_rehearsal_removes_the_directory_of_one_killed_the_instant_it_m
     assert end_left_over_rehearsals() == [f"a rehearsal killed outright (pid {killed.pid}): removed its directory "
                                           f"{workdir}"]
     assert list(temp.iterdir()) == [] and list(rehearsals_dir().iterdir()) == []
+
+
+def test_a_job_that_finished_during_a_notice_is_not_said_to_have_started_over(tmp_path: Path) -> None:
+    """The second notice came as the trainer was finishing: it wrote its last checkpoint, exited 0, and the job was
+    done on that attempt (no next attempt). The rehearsal said "loses all work on preemption: step-00000120 did not
+    come home before the reclaim ...; the next attempt started over" (exit 1) of a trainer that resumed correctly
+    after the first preemption, and counted all of its 120 steps as lost."""
+    from orchestrator.rehearse import Preemption, Rehearsal, RehearsalOptions
+
+    r = Rehearsal(tmp_path / "job.toml", RehearsalOptions(), say=lambda _: None, workdir=tmp_path)
+    c57, c60, c120 = (SeenCheckpoint(f"step-{n:08d}", n, 100.0 + n) for n in (57, 60, 120))
+    r.attempts = {
+        "j-a1": AttemptWatch("j-a1", "i1", running_at=100.0, checkpoints={c57.name: c57}, exited_at=157.5),
+        "j-a2": AttemptWatch("j-a2", "i2", running_at=161.0, resumed_from=c57.name,
+                             checkpoints={c57.name: c57, c60.name: c60, c120.name: c120}, exited_at=220.5),
+    }
+    resumed = Preemption(n=1, attempt_id="j-a1", instance="i1", running_at=100.0, notice_at=157.0, reclaim_due=159.0,
+                         reclaimed_at=159.0, next_attempt="j-a2", resumed_from=c57.name)
+    finished = Preemption(n=2, attempt_id="j-a2", instance="i2", running_at=161.0, notice_at=219.0,
+                          reclaim_due=221.0, reclaimed_at=221.0, released_by_daemon=True)
+    r.preemptions = [resumed, finished]
+    r._attempt_state = {"j-a1": "preempted", "j-a2": "succeeded"}.get  # type: ignore[method-assign]
+    r._settle("j")
+    assert resumed.resumed_correctly is True and resumed.first_checkpoint_after == c60.name
+    assert finished.finished_before_reclaim is True and finished.lost_steps == 0 and finished.lost_work_s == 0.0
+    verdict, ok = r._verdict("done", False, 0)
+    assert (verdict, ok) == ("resumes correctly", True)
+    assert any("finished on its instance during the notice of preemption(s) [2]" in n for n in r.notes), r.notes
+
+    # Every notice landing on a finishing trainer rehearsed nothing.
+    r.preemptions, r.notes = [finished], []
+    assert r._verdict("done", False, 0) == ("not rehearsed: no preemption happened", False)

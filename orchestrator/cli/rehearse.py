@@ -60,7 +60,8 @@ def rehearse_cmd(app: App, job_file: str, preemptions: int, seed: int, every_s: 
               ["#", "ran", "checkpoint before", "step reached", "resumed from", "step", "lost work", "resume took",
                "resumed correctly"],
               [(p.n, _s(p.notice_at - p.running_at), p.checkpoint_before or "none", _step(p.step_before),
-                p.resumed_from or "nothing (started over)", _step(p.resumed_step), _s(p.lost_work_s),
+                p.resumed_from or ("nothing (job finished)" if p.finished_before_reclaim else "nothing (started over)"),
+                _step(p.resumed_step), _s(p.lost_work_s),
                 _s(p.resumed_at - p.notice_at if p.resumed_at else None),
                 {True: "yes", False: "no", None: "unknown"}[p.resumed_correctly]) for p in res.preemptions])
         out.print(f"finished: {'yes' if res.finished else 'no'} ({res.state}), attempts {res.attempts}, "
