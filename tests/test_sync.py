@@ -273,6 +273,22 @@ def test_a_corrupted_remote_file_fails_verification_and_is_never_made_visible(
     assert os.listdir(local) == ["step-00000100"]  # nor is its staging dir kept
 
 
+def test_a_remote_file_shorter_than_its_manifest_says_is_rejected_not_a_failed_pull(
+        instance: Instance, tmp_path: Path) -> None:
+    """Over SFTP the read-ahead asked for the manifest's size: a file torn after its manifest was written (shorter)
+    failed the whole pull with an empty reason ("pulling checkpoint step-00000200 into ... failed: "), every sync,
+    and the good checkpoint before it never came home either."""
+    remote = instance.sandbox / "ckpt"
+    burst_checkpoint.write_checkpoint(remote, "step-00000100", {"w.bin": b"a" * 50_000})
+    torn = burst_checkpoint.write_checkpoint(remote, "step-00000200", {"w.bin": b"b" * 50_000})
+    (torn / "w.bin").write_bytes(b"b" * 20_000)
+    local = tmp_path / "local"
+    got = pull(instance, local)
+    assert got == [local / "step-00000100"]
+    assert got.rejected == {"step-00000200": "a file's size or sha256 differs from the manifest"}
+    assert os.listdir(local) == ["step-00000100"]
+
+
 def test_the_staging_dir_of_a_superseded_checkpoint_is_removed_by_the_next_pull(
         instance: Instance, tmp_path: Path) -> None:
     remote = instance.sandbox / "ckpt"

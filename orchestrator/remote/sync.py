@@ -843,7 +843,9 @@ def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: 
         offset = have if have < size else 0
         with sftp.open(f"{remote_path}/{rel}", "rb") as remote, open(dest, "ab" if offset else "wb") as local:
             remote.seek(offset)
-            remote.prefetch(size)
+            # Never past the file's end: a file torn after its manifest was written (shorter than listed) made
+            # paramiko's read-ahead fail the whole pull; copied as it is, verification rejects it.
+            remote.prefetch(min(size, remote.stat().st_size or 0))
             while True:
                 block = remote.read(_CHUNK)
                 if not block:
