@@ -289,6 +289,26 @@ def test_a_remote_file_shorter_than_its_manifest_says_is_rejected_not_a_failed_p
     assert os.listdir(local) == ["step-00000100"]
 
 
+def test_a_newest_checkpoint_that_fails_verification_does_not_keep_the_one_before_it_from_coming_home(
+        instance: Instance, tmp_path: Path) -> None:
+    """The daemon pulls the newest only. When that one did not verify (a file torn or rotted after its manifest was
+    written), it was rejected and nothing came home, sync after sync, so a preemption resumed from an older
+    checkpoint, or from the start, though a good newer one was on the instance."""
+    remote = instance.sandbox / "ckpt"
+    burst_checkpoint.write_checkpoint(remote, "step-00000100", {"w.bin": b"a" * 50_000})
+    burst_checkpoint.write_checkpoint(remote, "step-00000200", {"w.bin": b"b" * 50_000})
+    torn = burst_checkpoint.write_checkpoint(remote, "step-00000300", {"w.bin": b"c" * 50_000})
+    (torn / "w.bin").write_bytes(b"c" * 20_000)
+    local = tmp_path / "local"
+    got = pull(instance, local, newest_only=True)
+    assert got == [local / "step-00000200"]  # the newest that verifies, and only it
+    assert list(got.rejected) == ["step-00000300"]
+    assert os.listdir(local) == ["step-00000200"]
+    again = pull(instance, local, newest_only=True)  # step 200 home: nothing older is fetched
+    assert again == [] and list(again.rejected) == ["step-00000300"]
+    assert os.listdir(local) == ["step-00000200"]
+
+
 def test_the_staging_dir_of_a_superseded_checkpoint_is_removed_by_the_next_pull(
         instance: Instance, tmp_path: Path) -> None:
     remote = instance.sandbox / "ckpt"

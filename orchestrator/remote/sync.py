@@ -262,8 +262,9 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
                      newest_only: bool = False, conn: fabric.Connection | None = None) -> PulledCheckpoints:
     """Bring back every complete remote checkpoint not yet complete locally; return the new local ones.
 
-    With `newest_only`, just the newest: older ones are superseded, and a trainer pruning them while they are
-    being copied would otherwise fail the whole pull.
+    With `newest_only`, just the newest that verifies: older ones are superseded, and a trainer pruning them while
+    they are being copied would otherwise fail the whole pull. A newest one that fails verification is rejected and
+    the one before it is tried in its place.
 
     Each is verified (sizes + sha256 against its manifest) before it becomes visible. One that fails
     verification stays invisible and is listed in `.rejected`; transport failures raise SyncError (retry to
@@ -280,11 +281,15 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
         chosen = choose_transport(target, conn, transport)
         total = SyncStats(chosen)
         names = _remote_complete(conn, remote_ckpt_dir)
-        wanted = names[-1:] if newest_only else names
-        _drop_stale_staging(local_root, wanted)
-        for name in wanted:
+        _drop_stale_staging(local_root, names[-1:] if newest_only else names)
+        # Newest only: the newest that verifies. One that does not (a file torn or rotted after its manifest was
+        # written) is rejected and the one before it is tried, so a bad newest checkpoint does not keep every
+        # good one on the instance from coming home.
+        for name in reversed(names) if newest_only else names:
             final = local_root / name
             if burst_checkpoint.verify(final, deep=False):
+                if newest_only:
+                    break  # home already: anything older is superseded
                 continue  # only verified checkpoints are ever renamed into place: sizes suffice here
             basis = burst_checkpoint.latest_complete(local_root, deep=False)
             staging = local_root / f"{STAGING_PREFIX}{name}"
@@ -316,6 +321,8 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
                 rejected[name] = problem
                 continue
             pulled.append(make_visible(staging, final))
+            if newest_only:
+                break
     total.seconds = time.monotonic() - started
     return PulledCheckpoints(pulled, total, rejected)
 
