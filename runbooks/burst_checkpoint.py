@@ -73,8 +73,8 @@ def _write_bytes(path: Path, data: bytes) -> None:
 def _check_relpath(rel: str) -> str:
     parts = Path(rel).parts
     if not rel or Path(rel).is_absolute() or ".." in parts or rel == MANIFEST:
-        raise ValueError(f"checkpoint file name {rel!r} must be a relative path inside the checkpoint, "
-                         f"not {MANIFEST}")
+        raise ValueError(f"checkpoint file name {rel!r}: expected a relative path inside the checkpoint (not "
+                         f"absolute, no '..'), other than {MANIFEST}")
     return Path(rel).as_posix()
 
 
@@ -104,31 +104,37 @@ def write_checkpoint(ckpt_dir: str | os.PathLike[str], name: str, files: Mapping
     if tmp.exists():  # left by an earlier crash of a process that had our pid
         shutil.rmtree(tmp)
     tmp.mkdir()
-    for rel, data in (files or {}).items():
-        _write_bytes(tmp / _check_relpath(rel), data)
-    if writer is not None:
-        writer(tmp)
-    if (tmp / MANIFEST).exists():
-        raise ValueError(f"the writer must not create {MANIFEST}; write_checkpoint writes it last")
+    try:
+        for rel, data in (files or {}).items():
+            _write_bytes(tmp / _check_relpath(rel), data)
+        if writer is not None:
+            writer(tmp)
+        if (tmp / MANIFEST).exists():
+            raise ValueError(f"the writer must not create {MANIFEST}; write_checkpoint writes it last")
 
-    entries = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        rel = path.relative_to(tmp).as_posix()
-        with open(path, "rb") as fh:  # the writer may not have synced its own files
-            os.fsync(fh.fileno())
-        entries[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-    meta = dict(meta or {})
-    manifest = {
-        "format": FORMAT_VERSION,
-        "name": name,
-        "job_id": meta.get("job_id", os.environ.get("BURST_JOB_ID") or None),
-        "step": meta.get("step"),
-        "created_at": time.time(),
-        "files": entries,
-        "meta": meta,
-    }
-    _write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-    fsync_dir(tmp)
+        entries = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            rel = path.relative_to(tmp).as_posix()
+            with open(path, "rb") as fh:  # the writer may not have synced its own files
+                os.fsync(fh.fileno())
+            entries[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        meta = dict(meta or {})
+        manifest = {
+            "format": FORMAT_VERSION,
+            "name": name,
+            "job_id": meta.get("job_id", os.environ.get("BURST_JOB_ID") or None),
+            "step": meta.get("step"),
+            "created_at": time.time(),
+            "files": entries,
+            "meta": meta,
+        }
+        _write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        fsync_dir(tmp)
+    except BaseException:
+        # A bad file name, a writer that raised (a full disk): what was written so far goes, so a trainer that
+        # carries on does not keep a hidden temporary (multi-GB) that prune removes only once its pid is dead.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     final = root / name
     if final.exists():

@@ -172,6 +172,24 @@ def test_bad_file_paths_are_refused(tmp_path: Path, rel: str) -> None:
     assert bc.list_complete(tmp_path) == []
 
 
+def test_a_write_that_raises_leaves_no_temporary_behind(tmp_path: Path) -> None:
+    """A writer that raised (torch.save on a full disk) or a bad file name left `.tmp-<name>-<pid>` with whatever
+    was written so far; `prune` removes one only once its pid is dead, so a trainer that caught the error and
+    carried on kept it (gigabytes, on the disk that was full) for the rest of its run."""
+    def failing(tmp: Path) -> None:
+        (tmp / "shard.bin").write_bytes(b"\x01" * 4096)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        bc.write_checkpoint(tmp_path, "step-1", {"state.json": b"{}"}, writer=failing)
+    with pytest.raises(ValueError, match="relative path"):
+        bc.write_checkpoint(tmp_path, "step-2", {"a.bin": b"1", "/abs": b"1"})
+    with pytest.raises(ValueError, match=bc.MANIFEST):
+        bc.write_checkpoint(tmp_path, "step-3", writer=lambda tmp: (tmp / bc.MANIFEST).write_text("{}"))
+    assert os.listdir(tmp_path) == []
+    assert bc.prune(tmp_path, keep=1) == []
+
+
 def test_sigkill_mid_write_leaves_nothing_listed_and_prune_cleans_up(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     previous = bc.write_checkpoint(ckpt, "step-00000006", {"state.json": b"{}"}, meta={"step": 6})
