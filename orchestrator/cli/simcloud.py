@@ -33,6 +33,8 @@ DEFAULT_PORT = 8790
 # is done, and there is nothing left to reclaim.
 # simcloud's words, and EC2's (the simulated EC2's admin routes are the same)
 GONE_BEFORE_RECLAIM = ("terminating", "terminated", "shutting-down")
+# The simulated EC2's record of an instance it reclaimed: `terminated` too (as EC2 shows it), with this reason.
+EC2_SPOT_TERMINATION = "Server.SpotInstanceTermination"
 
 
 @cli.group("simcloud")
@@ -298,13 +300,16 @@ def preempt_cmd(app: App, instance_id: str, notice_seconds: float, url: str | No
         # daemon does) acted on the notice and terminated the instance, which is what a notice is for.
         refused = exc
     after = next((r for r in _records(root) if r["id"] == instance_id), None)
-    already_gone = after is not None and after["status"] in GONE_BEFORE_RECLAIM
+    # simcloud's record says `status_reason`, the simulated EC2's `reason`.
+    reason = (after.get("status_reason") or after.get("reason") or None) if after is not None else None
+    already_gone = (after is not None and after["status"] in GONE_BEFORE_RECLAIM
+                    and reason != EC2_SPOT_TERMINATION)  # terminated by this reclaim: EC2's word for preempted
     if after is None or (refused is not None and not already_gone):
         why = refused.detail if refused is not None else "the instance's record vanished"
         raise OperationalError(f"simcloud at {root} did not reclaim {instance_id}: {why}")
     if as_json:
         print_json({"instance_id": instance_id, "notice_time": notice["time"], "status": after["status"],
-                    "reason": after.get("status_reason"), "already_gone": already_gone})
+                    "reason": reason, "already_gone": already_gone})
     elif already_gone:
         out.print(f"already gone: {instance_id} was terminated during the notice (its client acted on it); "
                   "nothing left to reclaim")

@@ -1,0 +1,82 @@
+"""`burstctl simcloud preempt | status --url ADMIN_URL` against the simulated EC2, as README's "The simulated EC2"
+says they drive it: a spot instance launched through boto3 (moto's server), reclaimed by the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from tests.e2e import Ec2View, burstctl_argv, sim_ec2, wait_for
+
+SPOT_TERMINATION = "Server.SpotInstanceTermination"
+
+
+@pytest.fixture(scope="module")
+def ec2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ec2View]:
+    with sim_ec2(tmp_path_factory.mktemp("ec2")) as view:
+        yield view
+
+
+def launch(ec2: Ec2View, market: str = "spot") -> str:
+    """One p3.2xlarge in the first zone, as the adapter launches it (key pair, subnet, spot one-time)."""
+    sim = ec2.sim
+    client = boto3.client("ec2", region_name=sim.region, endpoint_url=sim.endpoint_url)
+    public = Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.OpenSSH, PublicFormat.OpenSSH)
+    name = f"k-{time.monotonic_ns()}"
+    client.import_key_pair(KeyName=name, PublicKeyMaterial=public)
+    extra: dict[str, Any] = ({"InstanceMarketOptions": {"MarketType": "spot", "SpotOptions": {
+        "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}} if market == "spot" else {})
+    reply = client.run_instances(ImageId="ami-12c6146b", InstanceType="p3.2xlarge", MinCount=1, MaxCount=1,
+                                 KeyName=name, SubnetId=sim.subnet_ids[sim.zones[0]], **extra)
+    iid = reply["Instances"][0]["InstanceId"]
+    wait_for(lambda: iid in sim.machines.instance_ids(), 30, "the instance's machine to boot")
+    return str(iid)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(burstctl_argv("simcloud", *args), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_preempt_of_a_running_ec2_spot_instance_says_it_reclaimed_it(ec2: Ec2View, as_json: bool) -> None:
+    iid = launch(ec2)
+    r = cli("preempt", iid, "--notice-seconds", "0", "--url", ec2.admin_url, *(["--json"] if as_json else []))
+    assert r.returncode == 0, r.stderr
+    # The simulated EC2 reclaimed it (a spot termination, billed as preempted), its client did nothing.
+    (inst,) = [i for i in ec2.instances() if i["id"] == iid]
+    assert inst["status"] == "terminated" and inst["reason"] == SPOT_TERMINATION and not inst["machine"]
+    assert next(b for b in ec2.billing() if b["instance_id"] == iid)["preempted"] is True
+    if as_json:
+        result = json.loads(r.stdout)
+        assert result["already_gone"] is False and result["status"] == "terminated"
+        assert result["reason"] == SPOT_TERMINATION
+    else:
+        assert f"preempted: {iid}" in r.stdout and "already gone" not in r.stdout
+
+
+def test_preempt_of_an_ec2_spot_instance_its_client_terminated_on_the_notice_is_already_gone(ec2: Ec2View) -> None:
+    iid = launch(ec2)
+    proc = subprocess.Popen(burstctl_argv("simcloud", "preempt", iid, "--notice-seconds", "3", "--url", ec2.admin_url,
+                                          "--json"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: iid in ec2.sim._notices, 30, "the notice")
+    boto3.client("ec2", region_name=ec2.sim.region, endpoint_url=ec2.sim.endpoint_url).terminate_instances(
+        InstanceIds=[iid])
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    result = json.loads(stdout)
+    assert result["already_gone"] is True and result["reason"] != SPOT_TERMINATION
+
+
+def test_preempt_of_an_ec2_on_demand_instance_is_bad_input(ec2: Ec2View) -> None:
+    iid = launch(ec2, market="on-demand")
+    r = cli("preempt", iid, "--notice-seconds", "0", "--url", ec2.admin_url)
+    assert r.returncode == 2 and "only spot instances" in r.stderr, r.stderr
+
