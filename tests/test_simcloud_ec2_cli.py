@@ -80,3 +80,17 @@ def test_preempt_of_an_ec2_on_demand_instance_is_bad_input(ec2: Ec2View) -> None
     r = cli("preempt", iid, "--notice-seconds", "0", "--url", ec2.admin_url)
     assert r.returncode == 2 and "only spot instances" in r.stderr, r.stderr
 
+
+def test_status_shows_an_ec2_instances_zone_ssh_endpoint_and_runtime(ec2: Ec2View) -> None:
+    iid = launch(ec2)
+    r = cli("status", "--url", ec2.admin_url, "--json")
+    assert r.returncode == 0, r.stderr
+    (record,) = [x for x in json.loads(r.stdout) if x["id"] == iid]
+    private_ip = record["private_ip"]
+    assert record["region"] == ec2.sim.zones[0]
+    assert (record["host"], record["ssh_port"], record["ssh_user"]) == (private_ip, ec2.sim.ssh_port,
+                                                                         ec2.sim.machines.user)
+    assert record["runtime_s"] is not None and record["runtime_s"] >= 0
+    table = cli("status", "--url", ec2.admin_url)
+    row = next(line for line in table.stdout.splitlines() if iid in line)
+    assert ec2.sim.zones[0] in row and f"{private_ip}:{ec2.sim.ssh_port}" in row

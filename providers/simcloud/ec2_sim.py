@@ -233,16 +233,21 @@ class SimEc2:
                 f"requested ({zone}). Our system will be working on provisioning additional capacity.")
 
     def instances(self) -> list[dict[str, Any]]:
+        """moto's instances with their machines; `region` (the zone), `host`, `ssh_port` and `ssh_user` as simcloud's
+        admin route names them, the SSH endpoint only while a machine is up."""
         with self._lock:
             out = []
+            machines = set(self.machines.instance_ids())
             for inst in self._backend().all_instances():
                 tags = [{"key": t["key"], "value": t["value"]} for t in inst.get_tags()]
+                up = inst.id in machines
                 out.append({"id": inst.id, "status": inst._state.name, "private_ip": inst.private_ip,
                             "name": next((t["value"] for t in tags if t["key"] == "Name"), ""),
-                            "instance_type": inst.instance_type,
+                            "instance_type": inst.instance_type, "region": inst.availability_zone,
                             "reason": inst.state_reason.code if inst.state_reason else None,
-                            "tags": tags,
-                            "machine": inst.id in self.machines.instance_ids()})
+                            "tags": tags, "machine": up,
+                            "host": inst.private_ip if up else None, "ssh_port": self.ssh_port if up else None,
+                            "ssh_user": self.machines.user if up else None})
             return out
 
     def billing(self) -> list[dict[str, Any]]:
@@ -255,6 +260,7 @@ class SimEc2:
                 prices = self.spot_prices if r.market == "spot" else self.on_demand_prices
                 rate = prices.get(r.instance_type, 0.0)
                 rows.append({"instance_id": r.instance_id, "instance_type": r.instance_type, "market": r.market,
+                             "runtime_s": round(max(0.0, (r.ended_at or now) - r.started_at), 3),
                              "billed_s": round(seconds, 3), "rate_usd_h": rate,
                              "cost_usd": round(seconds * rate / 3600, 6), "open": r.ended_at is None,
                              "preempted": r.preempted})
