@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -130,3 +132,15 @@ def test_status_shows_an_ec2_instances_zone_ssh_endpoint_and_runtime(ec2: Ec2) -
     table = cli("status", "--url", ec2.admin_url)
     row = next(line for line in table.stdout.splitlines() if iid in line)
     assert ec2.settings["zones"][0] in row and f"{private_ip}:{ec2.settings['ssh_port']}" in row
+
+
+def test_docs_ec2_tells_how_to_run_the_simulated_ec2_with_flags_it_has() -> None:
+    # docs/ec2.md described the simulated EC2 by its Python API only; the command a user runs was in README alone.
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "ec2.md").read_text()
+    section = doc[doc.index("## The simulated EC2"):doc.index("## Figures measured")]
+    assert "burstctl simcloud ec2" in section and "--s3-checkpoints" in section
+    for command in ("ec2", "status", "preempt"):
+        named = set(re.findall(rf"burstctl simcloud {command} ([^\n`]*)", section))
+        flags = {f for line in named for f in re.findall(r"--[a-z0-9-]+", line)}
+        helped = cli(command, "--help").stdout
+        assert flags and all(f in helped for f in flags), (command, flags)
