@@ -12,6 +12,9 @@ the offline optimum closed, beside the default's on the same starts. A hint is `
   ticks or fewer from its start (told while it is no older than that).
 - `stay_od_if_gone_within=N`: the same, whatever the window's age: stay if spot goes again within N ticks from now.
 - `idle_skip_spot_under=N`: idle with spot up, the plan starts spot: do not if spot goes again within N ticks.
+- `predicted=P` (with `--short-windows MINUTES`; not a hint, honest): on on-demand with spot up, the plan goes back
+  to spot: stay while the window is no older than MINUTES if the predictor below gives it a chance over P of
+  lasting no longer than that.
 - `recall=P`: each hint is given to a share P of the runs only (the others play the plan): a hint never wrong that
   comes for some windows only.
 - `noise=Q`: `stay_od_if_up_under`'s hint is wrong (short said long, or long said short) for a share Q of the up
@@ -42,6 +45,7 @@ from orchestrator.core import spot_policy as sp
 
 _NEVER = 10**9
 _TRACE: dict[str, Any] = {}  # the trace being replayed: starts, ticks until spot comes back / goes
+_PREDICTED: dict[str, Any] = {}  # per trace, the predicted chance of a short window by tick; and its minutes
 
 
 def _ticks_until(available: np.ndarray, state: bool) -> np.ndarray:
@@ -60,7 +64,7 @@ _replay_batch = sim.replay_batch
 def _replay_batch_seen(policy: sp.Policy, trace: sim.Trace, starts: Sequence[int] | np.ndarray, job: sim.JobSetting,
                        history: sim.TraceHistory | None = None, stats: sp.AvailabilityStats | None = None,
                        refits: Sequence[tuple[int, sp.AvailabilityStats]] = ()) -> sim.BatchOutcome:
-    _TRACE.update(starts=np.asarray(starts), back_in=_ticks_until(trace.available, True),
+    _TRACE.update(path=str(trace.path), starts=np.asarray(starts), back_in=_ticks_until(trace.available, True),
                   gone_in=_ticks_until(trace.available, False), tick_h=trace.gap_seconds / 3600.0)
     return _replay_batch(policy, trace, starts, job, history, stats, refits)
 
@@ -78,6 +82,7 @@ class Hinted(sp.SemiMarkovDP):
     stay_od_if_up_under: int = 0
     stay_od_if_gone_within: int = 0
     idle_skip_spot_under: int = 0
+    predicted: float = 0.0
     recall: float = 1.0
     noise: float = 0.0
 
@@ -101,6 +106,10 @@ class Hinted(sp.SemiMarkovDP):
             short ^= _wrong(t - age, _TRACE["starts"], self.noise) & (age <= self.stay_od_if_up_under)
         out[od & up & (out == sp.SPOT_CODE) & (short | (gone_in <= self.stay_od_if_gone_within))] = sp.OD_CODE
         out[idle & up & (out == sp.SPOT_CODE) & (gone_in <= self.idle_skip_spot_under)] = sp.IDLE_CODE
+        if self.predicted > 0:  # honest: the predictor of --short-windows, from what was known at the window's start
+            young = age * _TRACE["tick_h"] * 60.0 <= _PREDICTED["minutes"] + 1e-6
+            chance = _PREDICTED[_TRACE["path"]][t]
+            out[od & up & (out == sp.SPOT_CODE) & young & (chance > self.predicted)] = sp.OD_CODE
         return out
 
 
@@ -130,15 +139,28 @@ def _logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0) -> np.ndarray:
     return w
 
 
-def short_window_accuracy(traces: Sequence[sim.Trace], minutes: float) -> tuple[float, float, int]:
-    """How often the honest predictor of `--short-windows` is right, how often the past's majority is, over how
-    many up windows (those starting from the third day, each told from the windows ended before its day)."""
+@dataclasses.dataclass(frozen=True)
+class UpWindows:
+    """The up windows of a set of traces on one clock that follow an up and a down period, with what is known at
+    each one's start (`features`, for `_logistic`) and whether it lasted at most the minutes asked (`short`)."""
+
+    zone: np.ndarray
+    start: np.ndarray
+    end: np.ndarray  # the first tick down after it; for one still up as its trace ends, `_NEVER`
+    short: np.ndarray
+    features: np.ndarray
+
+
+def up_windows(traces: Sequence[sim.Trace], minutes: float) -> UpWindows:
+    """Each trace's up windows, the features a predictor reads at their start: the zone, the 12 h share regime and
+    flicker as the default reads them, the share itself, the lengths of the previous up and down periods, the share
+    of the other zones with spot up."""
     rows = []
     for i, trace in enumerate(traces):
         a = trace.available.astype(bool)
         history = sim.TraceHistory.of(a, trace.gap_seconds)
         bounds = np.concatenate(([0], np.flatnonzero(a[1:] != a[:-1]) + 1, [a.shape[0]]))
-        for j in range(2, bounds.shape[0] - 2):  # a window with a previous up and down period, that ends in the trace
+        for j in range(2, bounds.shape[0] - 1):
             start, end = bounds[j], bounds[j + 1]
             if not a[start]:
                 continue
@@ -146,22 +168,53 @@ def short_window_accuracy(traces: Sequence[sim.Trace], minutes: float) -> tuple[
             features = [*np.eye(len(traces))[i], history.recent_up_fraction[start] < sp.REGIME_EDGES[0],
                         history.recent_changes[start] >= sp.FLICKER_EDGES[0], history.recent_up_fraction[start],
                         np.log(bounds[j - 1] - bounds[j - 2]), np.log(start - bounds[j - 1]), others, 1.0]
-            rows.append((start, end, (end - start) * trace.gap_seconds <= minutes * 60 + 1e-6, features))
-    starts = np.array([r[0] for r in rows])
-    ends = np.array([r[1] for r in rows])
-    short = np.array([r[2] for r in rows], dtype=float)
-    x = np.array([r[3] for r in rows], dtype=float)
+            ended = end < a.shape[0]
+            rows.append((i, start, end if ended else _NEVER,
+                         ended and (end - start) * trace.gap_seconds <= minutes * 60 + 1e-6, features))
+    return UpWindows(*(np.array([r[k] for r in rows]) for k in range(4)),
+                     features=np.array([r[4] for r in rows], dtype=float))
+
+
+def predicted_short(windows: UpWindows, ticks_a_day: int) -> np.ndarray:
+    """Each window's chance of being short, from a model fitted on the windows that had ended when its day began
+    (NaN before there are 30 of them, of both kinds)."""
+    chance = np.full(windows.start.shape[0], np.nan)
+    short = windows.short.astype(float)
+    for first in range(0, int(windows.start.max()) + 1, ticks_a_day):
+        seen = windows.end <= first
+        ask = (windows.start >= first) & (windows.start < first + ticks_a_day)
+        if ask.any() and seen.sum() >= 30 and 0 < short[seen].sum() < seen.sum():
+            w = _logistic(windows.features[seen], short[seen])
+            chance[ask] = 1.0 / (1.0 + np.exp(-(windows.features[ask] @ w)))
+    return chance
+
+
+def short_window_accuracy(traces: Sequence[sim.Trace], minutes: float) -> tuple[float, float, int]:
+    """How often the honest predictor of `--short-windows` is right, how often the past's majority is, over how
+    many up windows (those that ended, starting from the third day, each told from the windows ended before its
+    day)."""
+    windows = up_windows(traces, minutes)
     day = round(86400 / traces[0].gap_seconds)
-    right = majority = told = 0
-    for first in range(2 * day, int(starts.max()) + 1, day):
-        seen, ask = ends <= first, (starts >= first) & (starts < first + day)
-        if not ask.any():
-            continue
-        w = _logistic(x[seen], short[seen])
-        right += int(((x[ask] @ w > 0) == (short[ask] > 0.5)).sum())
-        majority += int(((short[seen].mean() > 0.5) == (short[ask] > 0.5)).sum())
-        told += int(ask.sum())
-    return right / told, majority / told, told
+    chance = predicted_short(windows, day)
+    told = (windows.start >= 2 * day) & (windows.end < _NEVER) & ~np.isnan(chance)
+    majority = 0
+    for first in range(2 * day, int(windows.start.max()) + 1, day):
+        seen = windows.end <= first
+        ask = told & (windows.start >= first) & (windows.start < first + day)
+        majority += int(((windows.short[seen].mean() > 0.5) == windows.short[ask]).sum())
+    right = int(((chance[told] > 0.5) == windows.short[told]).sum())
+    return right / int(told.sum()), majority / int(told.sum()), int(told.sum())
+
+
+def _predicted_by_tick(traces: Sequence[sim.Trace], minutes: float) -> dict[str, np.ndarray]:
+    """Per trace and tick, the predicted chance that the up window the tick is in is short (0 where none is)."""
+    windows = up_windows(traces, minutes)
+    chance = np.nan_to_num(predicted_short(windows, round(86400 / traces[0].gap_seconds)))
+    by_tick = {str(t.path): np.zeros(len(t) + 1) for t in traces}
+    for zone, start, end, p in zip(windows.zone, windows.start, windows.end, chance, strict=True):
+        trace = traces[int(zone)]
+        by_tick[str(trace.path)][start:min(int(end), len(trace))] = p
+    return by_tick
 
 
 def hinted(spec: str) -> Hinted:
@@ -172,7 +225,7 @@ def hinted(spec: str) -> Hinted:
         key, _, value = part.partition("=")
         if key not in fields or key == "name":
             raise SystemExit(f"oracle_hints.py: unknown hint {key!r} in {spec!r}")
-        values[key] = float(value) if key in ("recall", "noise") else int(value)
+        values[key] = float(value) if key in ("recall", "noise", "predicted") else int(value)
     return Hinted(name=spec, **values)
 
 
@@ -192,6 +245,7 @@ def main() -> None:
         title, path, window = SETTINGS[key]
         traces = sim.load_traces([path], window=window)
         if args.short_windows:
+            _PREDICTED.update(_predicted_by_tick(traces, args.short_windows), minutes=args.short_windows)
             right, majority, told = short_window_accuracy(traces, args.short_windows)
             print(f"\nSetting ({key}): up windows of at most {args.short_windows:g} min told at their start: "
                   f"{right:.1%} right (the past's majority: {majority:.1%}), {told} windows")
