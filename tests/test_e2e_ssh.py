@@ -75,6 +75,9 @@ def test_a_command_runs_in_the_job_s_workdir_on_its_instance_and_exits_with_its_
             # Each argument arrives as it was given: spaces, quotes and $ are not the remote shell's to read.
             r = cli(config, state, "ssh", job_id, "--", "printf", "%s|", "a b", "it's", "$HOME")
             assert (r.returncode, r.stdout) == (0, "a b|it's|$HOME|"), r.stderr
+            # One word with spaces is a command line, as ssh runs it: by a shell.
+            r = cli(config, state, "ssh", job_id, "--", "ls trainer.py; exit 6")
+            assert (r.returncode, r.stdout) == (6, "trainer.py\n"), r.stderr
             # By its name, as every command that names a job.
             assert cli(config, state, "ssh", "sshed", "--", "true").returncode == 0
             # The job's env only when asked (before or after JOB), as given; the run's contract variables never.

@@ -32,7 +32,8 @@ LOGGED_IN_STATES = (A.BOOTSTRAPPING.value, A.RUNNING.value, A.FINISHING.value)
 @pass_app
 def ssh_cmd(app: App, job_env: bool, job: str, command: tuple[str, ...]) -> None:
     """Log in to the instance JOB's cloud attempt runs on, in the job's workdir there; or run COMMAND there
-    (`burstctl ssh JOB -- nvidia-smi`), exiting with its status.
+    (`burstctl ssh JOB -- nvidia-smi`), exiting with its status. Its words arrive as given; one word with spaces
+    is run by a shell, as ssh does (`burstctl ssh JOB -- 'nvidia-smi; df -h'`).
 
     The daemon's own key and the instance's pinned host key (a changed one is refused, never trusted). Without
     --job-env the job's env values are not set: they stay in the run's private env file on the instance.
@@ -50,6 +51,10 @@ def ssh_cmd(app: App, job_env: bool, job: str, command: tuple[str, ...]) -> None
     target = CloudSteps(app, {}).target(att)
     workdir = f"burst/{found['id']}/work"  # under the login's home (cloud_steps' remote layout)
     wrap = _with_job_env(found, att) if job_env else ""
+    if len(command) == 1 and any(c.isspace() for c in command[0]):
+        # One word with spaces is a command line, as ssh runs it (`burstctl ssh JOB -- 'nvidia-smi; df -h'`): by a
+        # shell, not as the name of a program with spaces in it.
+        command = ("sh", "-c", command[0])
     if command:
         remote = f"cd {shlex.quote(workdir)} && {wrap}{shlex.join(command)}"
     else:
