@@ -1192,6 +1192,24 @@ def test_a_checkpoint_a_sync_brought_home_but_never_wrote_down_is_the_jobs_at_th
     app.close()
 
 
+def test_a_checkpoint_that_fails_verification_on_its_way_home_is_said_once(tmp_path: Path) -> None:
+    # It stays on the instance and an older one comes in its place; it had been said nowhere, sync after sync.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "torn", local_throughput=0))
+    rec = Reconciler(app, {}, cloud=None)
+    job = app.store.get_job(job_id)
+    att = {"id": f"{job_id}-a1", "job_id": job_id, "state": "running", "info": {}}
+    info: dict[str, Any] = {}
+    torn = {"step-00000020": "w.bin: 3 bytes, its manifest says 8"}
+    for _ in range(2):  # every sync meets it again
+        done = SyncDone(at=time.time(), pulled=PulledCheckpoints([], TransferStats("rsync"), dict(torn)), logs=True)
+        assert rec.syncs.write_down(att, job, info, done)
+    said = app.store.events(job_id=job_id, type_prefix="checkpoint.rejected")
+    assert [(e["data"]["checkpoint"], e["data"]["problem"], e["attempt_id"]) for e in said] == [
+        ("step-00000020", "w.bin: 3 bytes, its manifest says 8", f"{job_id}-a1")]
+    app.close()
+
+
 def _running_in_the_cloud(app: App, tmp_path: Path, name: str) -> tuple[str, str]:
     """A job that does not fit locally, running on its first cloud attempt: (job id, attempt id)."""
     job_id, _, _ = enqueue(app, write_job(tmp_path, name, local_throughput=0))

@@ -211,6 +211,7 @@ class AttemptSyncs:
             self.pull_failed(att, job, info, done.error)
             return False
         info["last_sync_at"] = done.at
+        self._rejected(att, job, info, done)
         if info.pop("sync_error", None) is not None:
             info.pop("sync_failures", None)
             with self.store.tx() as conn:  # the job's reason as it was, unless something else set one since
@@ -228,6 +229,20 @@ class AttemptSyncs:
             if newest is not None and newest.name != job.get("checkpoint"):
                 self.store.update_job(job["id"], checkpoint=newest.name)
         return True
+
+    def _rejected(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], done: SyncDone) -> None:
+        """A checkpoint on the instance that failed verification on its way home (a file torn or rotted after its
+        manifest was written): it stays there, and an older one is pulled in its place. Said once per checkpoint
+        (`checkpoint.rejected`): every sync meets it again."""
+        if done.pulled is None or not done.pulled.rejected:
+            return
+        said: list[str] = info.setdefault("rejected_said", [])
+        for name, problem in done.pulled.rejected.items():
+            if name not in said:
+                said.append(name)
+                self.app.events.emit("checkpoint.rejected", job_id=job["id"], attempt_id=att["id"], checkpoint=name,
+                                     problem=self.app.redactor.clip(problem, 300))
+        del said[:-20]  # the newest few: a trainer writing bad checkpoints for days keeps its info small
 
     def _s3_refusal(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], done: SyncDone) -> None:
         """Said once: S3 refuses the daemon's credentials, and the checkpoints come over SSH (`checkpoint.s3_refused`);
