@@ -63,6 +63,16 @@ def simcloud(tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Itera
         log.close()
 
 
+def simcloud_ec2_printed(proc: subprocess.Popen[str]) -> list[str]:
+    """What a started `burstctl simcloud ec2` prints, read up to its last line, once everything is up."""
+    assert proc.stdout is not None
+    printed = [proc.stdout.readline()]
+    while not printed[-1].startswith("# preempt and status"):
+        printed.append(proc.stdout.readline())
+        assert printed[-1], proc.stderr.read() if proc.stderr else ""
+    return printed
+
+
 def _answers(url: str) -> bool:
     try:
         return httpx.get(f"{url}/_sim/instances", timeout=2).status_code < 500

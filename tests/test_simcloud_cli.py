@@ -31,6 +31,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from providers.simcloud.api import SimCloudServer
 from providers.simcloud.preemption import PoissonPreemptions, PreemptionScheduler, TracePreemptions
 from providers.simcloud.ssh_backend import openssh_available
+from tests.e2e import simcloud_ec2_printed
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
 ENTRY = [sys.executable, "-c", "from orchestrator.cli import entry; entry()"]
@@ -435,11 +436,7 @@ def test_simcloud_ec2_serves_the_simulated_ec2_and_prints_the_settings_that_reac
     proc = subprocess.Popen([*ENTRY, "--state-dir", str(state), "simcloud", "ec2"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None
-        printed = [proc.stdout.readline()]
-        while not printed[-1].startswith("# preempt and status"):  # its last line, once everything is up
-            printed.append(proc.stdout.readline())
-            assert printed[-1], proc.stderr.read() if proc.stderr else ""
+        printed = simcloud_ec2_printed(proc)
         settings = [line for line in printed if line.strip() and not line.startswith("#")]
         admin_url = printed[-1].split("--url ")[-1].strip()
         config = tmp_path / "burstctl.toml"

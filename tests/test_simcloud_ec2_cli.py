@@ -21,7 +21,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from tests.e2e import burstctl_argv, wait_for
+from tests.e2e import burstctl_argv, simcloud_ec2_printed, wait_for
 
 SPOT_TERMINATION = "Server.SpotInstanceTermination"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "simulated", "AWS_SECRET_ACCESS_KEY": "simulated"}
@@ -50,11 +50,7 @@ def ec2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ec2]:
     proc = subprocess.Popen(burstctl_argv("--state-dir", str(state), "simcloud", "ec2"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **CREDENTIALS})
     try:
-        assert proc.stdout is not None
-        printed = [proc.stdout.readline()]
-        while not printed[-1].startswith("# preempt and status"):  # its last line, once everything is up
-            printed.append(proc.stdout.readline())
-            assert printed[-1], proc.stderr.read() if proc.stderr else ""
+        printed = simcloud_ec2_printed(proc)
         settings = tomllib.loads("".join(printed))["providers"]["ec2"]
         yield Ec2(settings, printed[-1].split("--url ")[-1].strip())
     finally:
