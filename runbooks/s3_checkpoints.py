@@ -243,15 +243,18 @@ class S3CheckpointStore:
 
     def pull_new(self, local_ckpt_dir: str | Path, *, newest_only: bool = False) -> PulledCheckpoints:
         """Download every complete S3 checkpoint not complete locally (oldest first), like `sync.pull_checkpoints`;
-        with `newest_only`, just the newest (older ones are superseded)."""
+        with `newest_only`, just the newest that verifies (older ones are superseded; one that fails verification
+        does not keep the one before it from coming home)."""
         root = Path(local_ckpt_dir)
         started = time.monotonic()
         total = TransferStats("s3")
         pulled: list[Path] = []
         rejected: dict[str, str] = {}
         names = self.list_complete()
-        for name in names[-1:] if newest_only else names:
+        for name in reversed(names) if newest_only else names:
             if burst_checkpoint.verify(root / name, deep=False):
+                if newest_only:
+                    break  # home already: anything older is superseded
                 continue
             try:
                 path, stats = self.download(name, root)
@@ -262,6 +265,8 @@ class S3CheckpointStore:
                 continue
             total.add(stats)
             pulled.append(path)
+            if newest_only:
+                break
         total.seconds = time.monotonic() - started
         return PulledCheckpoints(pulled, total, rejected)
 

@@ -136,6 +136,19 @@ def test_a_corrupted_object_fails_verification_and_nothing_becomes_visible(
     assert os.listdir(local) == []
 
 
+def test_a_newest_checkpoint_that_fails_verification_does_not_keep_the_one_before_it_from_coming_home(
+        store: S3CheckpointStore, s3: Any, tmp_path: Path) -> None:
+    # The daemon pulls the newest only: when that one was rejected, nothing came home, sync after sync.
+    for step, byte in ((100, b"a"), (200, b"b")):
+        store.upload(burst_checkpoint.write_checkpoint(tmp_path / "trainer", f"step-{step:08d}", {"w.bin": byte * 64}))
+    s3.put_object(Bucket=BUCKET, Key="jobs/job-1/ckpt/step-00000200/w.bin", Body=b"B" * 64)
+    local = tmp_path / "local"
+    got = store.pull_new(local, newest_only=True)
+    assert [p.name for p in got] == ["step-00000100"] and list(got.rejected) == ["step-00000200"]
+    again = store.pull_new(local, newest_only=True)  # the next sync: home already, nothing downloaded
+    assert list(again) == [] and list(again.rejected) == ["step-00000200"]
+
+
 def test_prune_keeps_the_newest_and_deletes_each_manifest_first(
         store: S3CheckpointStore, s3: Any, tmp_path: Path) -> None:
     for step in (100, 200, 300):
