@@ -14,6 +14,7 @@ import json
 import os
 import re
 import tomllib
+import urllib.parse
 from datetime import UTC, datetime, time, timedelta
 from itertools import pairwise
 from pathlib import Path
@@ -125,16 +126,20 @@ API_URL_EXPECTED = ("expected the API's root as an https:// URL (plain http:// o
                     "localhost, as simcloud serves it: the API key goes in every request's header)")
 
 
-def check_api_url(value: str) -> str:
-    """A provider's `base_url`: https, or http on loopback only, so that the bearer key never crosses a network in
-    the clear; with a host. A URL may carry a password, so the error does not quote it."""
-    import urllib.parse
-
+def _split_url(value: str, expected: str) -> urllib.parse.SplitResult:
+    """`value` parsed, its port too; else ValueError(`expected`), never quoting it (a URL may carry a password)."""
     try:
         url = urllib.parse.urlsplit(value)
         _ = url.port  # parsed only when asked: "Port could not be cast to integer value as 'abc'"
     except ValueError:  # "Invalid IPv6 URL", a port that is no number: in words that quote it or say nothing
-        raise ValueError(API_URL_EXPECTED) from None
+        raise ValueError(expected) from None
+    return url
+
+
+def check_api_url(value: str) -> str:
+    """A provider's `base_url`: https, or http on loopback only, so that the bearer key never crosses a network in
+    the clear; with a host. A URL may carry a password, so the error does not quote it."""
+    url = _split_url(value, API_URL_EXPECTED)
     loopback = url.hostname in ("127.0.0.1", "localhost", "::1")
     if not url.hostname or url.scheme not in ("https", "http") or (url.scheme == "http" and not loopback):
         raise ValueError(API_URL_EXPECTED)
@@ -149,15 +154,9 @@ ENDPOINT_URL_EXPECTED = "expected an http(s) URL with a host, e.g. 'http://127.0
 def check_endpoint_url(value: str | None) -> str | None:
     """An AWS `endpoint_url`: botocore refused anything else only when the client was made, as an internal error
     quoting it (a URL may carry credentials, so it is not quoted here)."""
-    import urllib.parse
-
     if value is None:
         return value
-    try:
-        url = urllib.parse.urlsplit(value)
-        _ = url.port
-    except ValueError:
-        raise ValueError(ENDPOINT_URL_EXPECTED) from None
+    url = _split_url(value, ENDPOINT_URL_EXPECTED)
     if url.scheme not in ("http", "https") or not url.hostname:
         raise ValueError(ENDPOINT_URL_EXPECTED)
     return value
