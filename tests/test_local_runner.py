@@ -199,7 +199,13 @@ def _running_sleeper(tmp_path: Path, clock: Callable[[], float] = time.time, con
     rec = Reconciler(app, {}, cloud=None, clock=clock)
     assert rec.local.start(app.store.get_job(job_id))
     rec.local.step(only_attempt(app, job_id), app.store.get_job(job_id))  # intent → running: supervisor, command
-    return app, job_id, rec, rec.local.run_dir(only_attempt(app, job_id)["id"])
+    run = rec.local.run_dir(only_attempt(app, job_id)["id"])
+    # The supervisor writes its child down once it has started it: on a loaded machine, after `step` returns.
+    deadline = time.monotonic() + 30
+    while not supervisor.read_status(run).get("child_alive"):
+        assert time.monotonic() < deadline, "the supervisor did not start the command"
+        time.sleep(0.05)
+    return app, job_id, rec, run
 
 
 def test_failed_steps_with_steps_that_went_through_between_them_do_not_give_the_attempt_up(tmp_path: Path) -> None:
