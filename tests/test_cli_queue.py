@@ -343,6 +343,27 @@ def test_show_says_revert_local_brought_a_job_home_and_how_it_goes_back_on_its_p
     assert "now placed" not in burstctl("show", "c-big-local-deadline").stdout  # back on its plan
 
 
+def test_show_says_where_the_attempt_under_way_runs_now_beside_the_market_decided(burstctl, tmp_path: Path) -> None:
+    # A spot decision whose run the market policy moved to on-demand showed only "market spot" (the decision's).
+    (tmp_path / "burstctl.toml").write_text("[providers.sim]\nenabled = false\n")
+    job_file = write_job(tmp_path, "moved", local_throughput=0)
+    assert burstctl("enqueue", str(job_file)).returncode == 0
+    app = App(state_dir_override=str(burstctl.state_dir))
+    job_id = app.store.get_job("moved")["id"]
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="failed",
+                                            provider="sim", instance_type="gpu_1x_h100", market="spot",
+                                            instance_id="i-old", info={}, created_at=0.0))
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a2", job_id=job_id, n=2, where="cloud", state="running",
+                                            provider="sim", instance_type="gpu_1x_h100", market="on-demand",
+                                            instance_id="i-now", info={}, created_at=1.0))
+    app.close()
+    assert "now: attempt 2, running, on sim gpu_1x_h100 (on-demand), instance i-now" in burstctl("show", job_id).stdout
+    now = json.loads(burstctl("show", job_id, "--json").stdout)["progress"]["now"]
+    assert now == {"attempt": 2, "state": "running", "where": "cloud", "provider": "sim",
+                   "instance_type": "gpu_1x_h100", "market": "on-demand", "instance_id": "i-now"}
+
+
 def test_a_state_directory_that_did_not_exist_is_said_to_be_new(burstctl, tmp_path: Path) -> None:
     # A mistyped --state-dir showed an empty queue, or queued a job no daemon would see, without a word.
     assert burstctl("enqueue", str(REPO / "examples" / "seed" / "a-grpo-smoke.toml")).returncode == 0

@@ -21,7 +21,7 @@ from orchestrator.core.gates import MAX_DEADLINE_HOURS
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.lifecycle.homes import job_outputs_dir
-from orchestrator.lifecycle.machine import LAUNCHING, states_said
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, LAUNCHING, states_said
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import FINAL, JobState, awaits_approval, check_transition
 from orchestrator.records import fmt_h, fmt_usd, plan_name
@@ -242,6 +242,11 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
                     + (f", accruing ${progress['accruing_usd_h']:.2f}/h" if progress["accruing_usd_h"] else ""))
     if said:
         out.print("progress: " + "; ".join(said))
+    if (now := progress["now"]) is not None:
+        on = (f"on {now['provider']} {now['instance_type']} ({now['market'] or 'market not chosen yet'})"
+              + (f", instance {now['instance_id']}" if now["instance_id"] else "")
+              if now["where"] == "cloud" else "on the local GPU")
+        out.print(f"now: attempt {now['attempt']}, {now['state']}, {escape(on)}")
     if progress["attempts_run"]:
         runs = progress["attempts_run"]
         out.print(f"logs: burstctl logs {j['id']} ({runs} attempt{'s' if runs != 1 else ''}, in "
@@ -268,12 +273,20 @@ def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
     with app.store.engine.connect() as c:
         rows = c.execute(select(s.attempts.c.info, s.attempts.c.started_at, s.attempts.c.n)
                          .where(s.attempts.c.job_id == j["id"]).order_by(s.attempts.c.n.desc())).all()
+        live = c.execute(select(s.attempts.c.n, s.attempts.c.state, s.attempts.c.where, s.attempts.c.provider,
+                                s.attempts.c.instance_type, s.attempts.c.market, s.attempts.c.instance_id)
+                         .where(s.attempts.c.job_id == j["id"], s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))
+                         .order_by(s.attempts.c.n.desc()).limit(1)).mappings().first()
     infos = [info or {} for info, _, _ in rows]
     said = next((i.get("metrics") for i in infos if reported(i.get("metrics"), "units_done") is not None), None)
     cloud, accruing = app.store.job_spend(j["id"])
     return {"units_done": reported(said, "units_done"), "throughput_units_h": reported(said, "throughput_units_h"),
             "cloud_usd": round(cloud, 4), "accruing_usd_h": round(accruing, 4),
             "attempts_run": sum(1 for _, started, _ in rows if started is not None),
+            # The attempt under way: where it runs now, which may not be the market decided (a deadline come near
+            # moves a spot run to on-demand; a spot probe waits on it).
+            "now": None if live is None else {"attempt": live["n"], **{k: live[k] for k in (
+                "state", "where", "provider", "instance_type", "market", "instance_id")}},
             # Checkpoints an attempt's instance held, newer than home, when it was lost (`checkpoint.lost`).
             "checkpoints_lost": [{"attempt": n, **(info or {})["checkpoint_lost"]} for info, _, n in reversed(rows)
                                  if (info or {}).get("checkpoint_lost")],
