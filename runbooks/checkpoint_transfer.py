@@ -67,6 +67,23 @@ class PulledCheckpoints(list):  # list[Path]
         self.rejected = rejected  # checkpoint name → why it was not made visible (e.g. a sha256 mismatch)
 
 
+def to_pull(names: Iterable[str], root: Path, newest_only: bool) -> Iterator[str]:
+    """The complete checkpoints `names` (oldest first) that a pull into `root` brings home, in the order to try them:
+    each one not complete there, oldest first. With `newest_only`, newest first, until one is complete there or has
+    just been made so (anything older is superseded): one that failed verification on its way (a file torn or rotted
+    after its manifest was written) does not keep the one before it from coming home. Only verified checkpoints are
+    ever renamed into place, so sizes suffice to tell one home."""
+    if not newest_only:
+        yield from (name for name in names if not burst_checkpoint.verify(root / name, deep=False))
+        return
+    for name in reversed(list(names)):
+        if burst_checkpoint.verify(root / name, deep=False):
+            return  # home already
+        yield name
+        if burst_checkpoint.verify(root / name, deep=False):
+            return  # the caller brought it home
+
+
 def safe_relpath(rel: str) -> str:
     """A manifest entry as a relative path inside its checkpoint; TransferError for anything that escapes it."""
     parts = PurePosixPath(rel).parts

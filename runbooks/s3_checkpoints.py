@@ -44,6 +44,7 @@ if TYPE_CHECKING or __package__:  # the daemon: `runbooks.s3_checkpoints` (and m
         make_visible,
         safe_relpath,
         stage_from_basis,
+        to_pull,
         verify_and_fsync,
     )
 else:  # an instance: beside burst_checkpoint.py and checkpoint_transfer.py on PYTHONPATH
@@ -56,6 +57,7 @@ else:  # an instance: beside burst_checkpoint.py and checkpoint_transfer.py on P
         make_visible,
         safe_relpath,
         stage_from_basis,
+        to_pull,
         verify_and_fsync,
     )
 
@@ -251,11 +253,7 @@ class S3CheckpointStore:
         pulled: list[Path] = []
         rejected: dict[str, str] = {}
         names = self.list_complete()
-        for name in reversed(names) if newest_only else names:
-            if burst_checkpoint.verify(root / name, deep=False):
-                if newest_only:
-                    break  # home already: anything older is superseded
-                continue
+        for name in to_pull(names, root, newest_only):
             try:
                 path, stats = self.download(name, root)
             except TransferError as e:
@@ -265,8 +263,6 @@ class S3CheckpointStore:
                 continue
             total.add(stats)
             pulled.append(path)
-            if newest_only:
-                break
         total.seconds = time.monotonic() - started
         return PulledCheckpoints(pulled, total, rejected)
 

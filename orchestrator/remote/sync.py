@@ -67,6 +67,7 @@ from runbooks.checkpoint_transfer import (
     make_visible,
     safe_relpath,
     stage_from_basis,
+    to_pull,
     verify_and_fsync,
 )
 
@@ -282,15 +283,8 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
         total = SyncStats(chosen)
         names = _remote_complete(conn, remote_ckpt_dir)
         _drop_stale_staging(local_root, names[-1:] if newest_only else names)
-        # Newest only: the newest that verifies. One that does not (a file torn or rotted after its manifest was
-        # written) is rejected and the one before it is tried, so a bad newest checkpoint does not keep every
-        # good one on the instance from coming home.
-        for name in reversed(names) if newest_only else names:
+        for name in to_pull(names, local_root, newest_only):  # newest only: the newest that verifies
             final = local_root / name
-            if burst_checkpoint.verify(final, deep=False):
-                if newest_only:
-                    break  # home already: anything older is superseded
-                continue  # only verified checkpoints are ever renamed into place: sizes suffice here
             basis = burst_checkpoint.latest_complete(local_root, deep=False)
             staging = local_root / f"{STAGING_PREFIX}{name}"
             staging.mkdir(exist_ok=True)
@@ -321,8 +315,6 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
                 rejected[name] = problem
                 continue
             pulled.append(make_visible(staging, final))
-            if newest_only:
-                break
     total.seconds = time.monotonic() - started
     return PulledCheckpoints(pulled, total, rejected)
 
