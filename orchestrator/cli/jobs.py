@@ -270,30 +270,28 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
 def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
     """How far the job is, as its trainer last reported it (its newest attempt that said), and what its cloud
     instances have cost so far (the ledger: closed charges at cost, open ones at their rate until now)."""
+    now = ("state", "where", "provider", "instance_type", "market", "instance_id")  # of the attempt under way
     with app.store.engine.connect() as c:
-        rows = c.execute(select(s.attempts.c.info, s.attempts.c.started_at, s.attempts.c.n)
+        rows = c.execute(select(s.attempts.c.info, s.attempts.c.started_at, s.attempts.c.n,
+                                *(s.attempts.c[k] for k in now))
                          .where(s.attempts.c.job_id == j["id"]).order_by(s.attempts.c.n.desc())).all()
-        live = c.execute(select(s.attempts.c.n, s.attempts.c.state, s.attempts.c.where, s.attempts.c.provider,
-                                s.attempts.c.instance_type, s.attempts.c.market, s.attempts.c.instance_id)
-                         .where(s.attempts.c.job_id == j["id"], s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))
-                         .order_by(s.attempts.c.n.desc()).limit(1)).mappings().first()
-    infos = [info or {} for info, _, _ in rows]
+    live = next((r for r in rows if r.state in ACTIVE_ATTEMPT_STATES), None)
+    infos = [r.info or {} for r in rows]
     said = next((i.get("metrics") for i in infos if reported(i.get("metrics"), "units_done") is not None), None)
     cloud, accruing = app.store.job_spend(j["id"])
     return {"units_done": reported(said, "units_done"), "throughput_units_h": reported(said, "throughput_units_h"),
             "cloud_usd": round(cloud, 4), "accruing_usd_h": round(accruing, 4),
-            "attempts_run": sum(1 for _, started, _ in rows if started is not None),
+            "attempts_run": sum(1 for r in rows if r.started_at is not None),
             # The attempt under way: where it runs now, which may not be the market decided (a deadline come near
             # moves a spot run to on-demand; a spot probe waits on it).
-            "now": None if live is None else {"attempt": live["n"], **{k: live[k] for k in (
-                "state", "where", "provider", "instance_type", "market", "instance_id")}},
+            "now": None if live is None else {"attempt": live.n, **{k: getattr(live, k) for k in now}},
             # Checkpoints an attempt's instance held, newer than home, when it was lost (`checkpoint.lost`).
-            "checkpoints_lost": [{"attempt": n, **(info or {})["checkpoint_lost"]} for info, _, n in reversed(rows)
-                                 if (info or {}).get("checkpoint_lost")],
+            "checkpoints_lost": [{"attempt": r.n, **(r.info or {})["checkpoint_lost"]} for r in reversed(rows)
+                                 if (r.info or {}).get("checkpoint_lost")],
             # ...and those a pull that ended after the loss brought home all the same (`checkpoint.lost_corrected`).
-            "checkpoints_lost_came_home": [{"attempt": n, **(info or {})["checkpoint_lost_came_home"]}
-                                           for info, _, n in reversed(rows)
-                                           if (info or {}).get("checkpoint_lost_came_home")]}
+            "checkpoints_lost_came_home": [{"attempt": r.n, **(r.info or {})["checkpoint_lost_came_home"]}
+                                           for r in reversed(rows)
+                                           if (r.info or {}).get("checkpoint_lost_came_home")]}
 
 
 def _short(data: dict[str, Any], limit: int = 90) -> str:
