@@ -27,7 +27,12 @@ replay is `orchestrator.simulate`'s own: its `replay_batch` is wrapped so that a
 `--short-windows MINUTES` then says how often an honest predictor tells an up window of at most that long from a
 longer one at its start: a logistic model on the zone, the 12 h share regime and flicker (as the default reads
 them), the lengths of the previous up and down periods and the share of the other zones with spot up, refitted
-each day on every zone's windows that had ended by then; beside always saying the past's majority.
+each day on every zone's windows that had ended by then; beside always saying the past's majority. With it, the
+same model on a richer set of features (`--rich`: the two previous up and down periods, the median up and down
+period and the share of short up periods among the last five, spot's changes in 6 h and its share in 24 h, other
+zones whose spot came back in the last 3 ticks, the hour of the trace's day), and with `--gbm` gradient-boosted
+trees on them (needs scikit-learn, not a dependency: `pip install scikit-learn`). Each says its accuracy, the area
+under its ROC curve and, above a few thresholds, how many windows it called short and what share of them were.
 """
 
 from __future__ import annotations
@@ -142,51 +147,120 @@ def _logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class UpWindows:
     """The up windows of a set of traces on one clock that follow an up and a down period, with what is known at
-    each one's start (`features`, for `_logistic`) and whether it lasted at most the minutes asked (`short`)."""
+    each one's start (`features`, for `_logistic`; `rich`, for `--rich` and `--gbm`, the zone's index first) and
+    whether it lasted at most the minutes asked (`short`)."""
 
     zone: np.ndarray
     start: np.ndarray
     end: np.ndarray  # the first tick down after it; for one still up as its trace ends, `_NEVER`
     short: np.ndarray
     features: np.ndarray
+    rich: np.ndarray
 
 
 def up_windows(traces: Sequence[sim.Trace], minutes: float) -> UpWindows:
     """Each trace's up windows, the features a predictor reads at their start: the zone, the 12 h share regime and
     flicker as the default reads them, the share itself, the lengths of the previous up and down periods, the share
-    of the other zones with spot up."""
+    of the other zones with spot up; and the richer set of `--rich` (the module's text)."""
     rows = []
-    for i, trace in enumerate(traces):
-        a = trace.available.astype(bool)
-        history = sim.TraceHistory.of(a, trace.gap_seconds)
+    available = np.array([t.available.astype(bool) for t in traces])
+    came_back = np.zeros_like(available)
+    came_back[:, 1:] = available[:, 1:] & ~available[:, :-1]
+    gap = traces[0].gap_seconds
+    short_ticks = minutes * 60 / gap + 1e-6
+    for i in range(len(traces)):
+        a = available[i]
+        history = sim.TraceHistory.of(a, gap)
         bounds = np.concatenate(([0], np.flatnonzero(a[1:] != a[:-1]) + 1, [a.shape[0]]))
+        lengths = np.diff(bounds)
         for j in range(2, bounds.shape[0] - 1):
             start, end = bounds[j], bounds[j + 1]
             if not a[start]:
                 continue
-            others = np.mean([o.available[start] for k, o in enumerate(traces) if k != i])
+            others = np.mean(np.delete(available[:, start], i))
             features = [*np.eye(len(traces))[i], history.recent_up_fraction[start] < sp.REGIME_EDGES[0],
                         history.recent_changes[start] >= sp.FLICKER_EDGES[0], history.recent_up_fraction[start],
-                        np.log(bounds[j - 1] - bounds[j - 2]), np.log(start - bounds[j - 1]), others, 1.0]
+                        np.log(lengths[j - 2]), np.log(lengths[j - 1]), others, 1.0]
+            before = lengths[max(j - 10, 0):j][::-1]  # the periods before this window, the latest first
+            ups, downs = before[1::2], before[0::2]
+            six_h, day = a[max(start - round(6 * 3600 / gap), 0):start], a[max(start - round(86400 / gap), 0):start]
+            rich = [i, history.recent_up_fraction[start], history.recent_changes[start], np.log(lengths[j - 2]),
+                    np.log(lengths[j - 1]), np.log(lengths[max(j - 4, 0)]), np.log(lengths[max(j - 3, 0)]), others,
+                    np.mean(np.delete(came_back[:, max(start - 2, 0):start + 1].any(axis=1), i)),
+                    np.mean(ups <= short_ticks), np.log(np.median(ups)), np.log(np.median(downs)),
+                    (start * gap / 3600) % 24, np.count_nonzero(six_h[1:] != six_h[:-1]), day.mean()]
             ended = end < a.shape[0]
-            rows.append((i, start, end if ended else _NEVER,
-                         ended and (end - start) * trace.gap_seconds <= minutes * 60 + 1e-6, features))
+            rows.append((i, start, end if ended else _NEVER, ended and end - start <= short_ticks, features, rich))
     return UpWindows(*(np.array([r[k] for r in rows]) for k in range(4)),
-                     features=np.array([r[4] for r in rows], dtype=float))
+                     features=np.array([r[4] for r in rows], dtype=float),
+                     rich=np.array([r[5] for r in rows], dtype=float))
 
 
-def predicted_short(windows: UpWindows, ticks_a_day: int) -> np.ndarray:
-    """Each window's chance of being short, from a model fitted on the windows that had ended when its day began
-    (NaN before there are 30 of them, of both kinds)."""
+def _fitted_chance(model: str, x: np.ndarray, y: np.ndarray, ask: np.ndarray, zones: int) -> np.ndarray:
+    """The chance of a short window for the rows `ask`, from `model` fitted on the rows of x, y."""
+    if model == "basic":
+        return 1.0 / (1.0 + np.exp(-(ask @ _logistic(x, y))))
+    if model == "gbm":
+        from sklearn.ensemble import HistGradientBoostingClassifier  # optional: only for --gbm
+
+        trees = HistGradientBoostingClassifier(max_iter=150, learning_rate=0.05, max_leaf_nodes=8,
+                                               min_samples_leaf=20, l2_regularization=1.0, categorical_features=[0])
+        return trees.fit(x, y).predict_proba(ask)[:, 1]
+    mean, scale = x[:, 1:].mean(axis=0), x[:, 1:].std(axis=0) + 1e-9  # from the windows seen only
+
+    def design(rows: np.ndarray) -> np.ndarray:
+        return np.column_stack([np.eye(zones)[rows[:, 0].astype(int)], (rows[:, 1:] - mean) / scale,
+                                np.ones(rows.shape[0])])
+
+    return 1.0 / (1.0 + np.exp(-(design(ask) @ _logistic(design(x), y, l2=3.0))))
+
+
+def predicted_short(windows: UpWindows, ticks_a_day: int, model: str = "basic") -> np.ndarray:
+    """Each window's chance of being short, from a model (`basic`: the logistic on `features`; `rich`: the logistic
+    on `rich`; `gbm`: trees on `rich`) fitted on the windows that had ended when its day began (NaN before there are
+    30 of them, of both kinds)."""
     chance = np.full(windows.start.shape[0], np.nan)
     short = windows.short.astype(float)
+    x = windows.features if model == "basic" else windows.rich
+    zones = int(windows.zone.max()) + 1
     for first in range(0, int(windows.start.max()) + 1, ticks_a_day):
         seen = windows.end <= first
         ask = (windows.start >= first) & (windows.start < first + ticks_a_day)
         if ask.any() and seen.sum() >= 30 and 0 < short[seen].sum() < seen.sum():
-            w = _logistic(windows.features[seen], short[seen])
-            chance[ask] = 1.0 / (1.0 + np.exp(-(windows.features[ask] @ w)))
+            chance[ask] = _fitted_chance(model, x[seen], short[seen], x[ask], zones)
     return chance
+
+
+def _auc(chance: np.ndarray, short: np.ndarray) -> float:
+    """Area under the ROC curve: the chance a short window is given a higher chance than a long one (ties half)."""
+    values, inverse = np.unique(chance, return_inverse=True)
+    first = np.searchsorted(np.sort(chance), values)  # 0-based rank of each value's first occurrence
+    counts = np.bincount(inverse)
+    ranks = (first + (counts + 1) / 2.0)[inverse]  # tied values share their mean rank (1-based)
+    positives = int(short.sum())
+    negatives = short.shape[0] - positives
+    return float((ranks[short].sum() - positives * (positives + 1) / 2.0) / (positives * negatives))
+
+
+_THRESHOLDS = (0.6, 0.7, 0.8, 0.9)  # chances above which `compare_predictors` counts a window called short
+
+
+def compare_predictors(traces: Sequence[sim.Trace], minutes: float, models: Sequence[str]) -> None:
+    """Print, per model, how well it tells the up windows of at most `minutes` (those `short_window_accuracy`
+    counts): accuracy, ROC area, and above thresholds how many it called short and what share were."""
+    windows = up_windows(traces, minutes)
+    day = round(86400 / traces[0].gap_seconds)
+    chances = {m: predicted_short(windows, day, m) for m in models}
+    told = (windows.start >= 2 * day) & (windows.end < _NEVER) & ~np.isnan(chances[models[0]])
+    short = windows.short[told].astype(bool)
+    print("\n| model | right | ROC area | " + " | ".join(f"chance > {p}: called short, share short" for p in
+                                                        _THRESHOLDS) + " |")
+    print("|---" * (3 + len(_THRESHOLDS)) + "|")
+    for model, chance in chances.items():
+        c = chance[told]
+        cells = [f"{int((c > p).sum())}, {short[c > p].mean():.0%}" if (c > p).any() else "0, —" for p in _THRESHOLDS]
+        print(f"| {model} | {((c > 0.5) == short).mean():.1%} | {_auc(c, short):.3f} | " + " | ".join(cells) + " |")
+
 
 
 def short_window_accuracy(traces: Sequence[sim.Trace], minutes: float) -> tuple[float, float, int]:
@@ -236,6 +310,8 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=300)
     ap.add_argument("--short-windows", type=float, metavar="MINUTES",
                     help="also: how well an honest predictor tells up windows of at most this long (see above)")
+    ap.add_argument("--rich", action="store_true", help="with --short-windows: the richer features too")
+    ap.add_argument("--gbm", action="store_true", help="with --short-windows: trees on them (needs scikit-learn)")
     ap.add_argument("hints", nargs="*")
     args = ap.parse_args()
     variants = {spec: hinted(spec) for spec in args.hints}
@@ -249,6 +325,9 @@ def main() -> None:
             right, majority, told = short_window_accuracy(traces, args.short_windows)
             print(f"\nSetting ({key}): up windows of at most {args.short_windows:g} min told at their start: "
                   f"{right:.1%} right (the past's majority: {majority:.1%}), {told} windows")
+            if args.rich or args.gbm:
+                compare_predictors(traces, args.short_windows,
+                                   ["basic", *(["rich"] if args.rich else []), *(["gbm"] if args.gbm else [])])
         if not variants:
             continue
         report = sim.simulate(traces, names, JOB, starts=args.starts, seed=args.seed)
