@@ -14,6 +14,7 @@ it on an instance when pushing a checkpoint there (the instance's own checkpoint
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -61,18 +62,30 @@ class TransferStats:
 class PulledCheckpoints(list):  # list[Path]
     """The new complete local checkpoints (oldest first), plus what the pull cost and what it refused."""
 
-    def __init__(self, paths: Iterable[Path], stats: TransferStats, rejected: dict[str, str]) -> None:
+    def __init__(self, paths: Iterable[Path], stats: TransferStats, rejected: dict[str, str], *,
+                 rejected_manifests: Mapping[str, str] | None = None, passed_over: Iterable[str] = ()) -> None:
         super().__init__(paths)
         self.stats = stats
         self.rejected = rejected  # checkpoint name → why it was not made visible (e.g. a sha256 mismatch)
+        # Of those, each fetched whole → its `manifest_digest`: what to pass as `rejected_before` to later pulls. One
+        # rejected after resuming from what an earlier pull left in staging is not here: the leftover may be to blame.
+        self.rejected_manifests = dict(rejected_manifests or {})
+        self.passed_over = list(passed_over)  # in `rejected_before` with the manifest they have now: not fetched
+
+
+def manifest_digest(manifest_bytes: bytes) -> str:
+    """What tells a checkpoint rejected once from one written again under its name: the sha256 of its manifest's
+    bytes. The manifest lists every file's size and sha256 and the time it was written, so a checkpoint written
+    again has another; a few KB read, where its files are GBs."""
+    return hashlib.sha256(manifest_bytes).hexdigest()
 
 
 def to_pull(names: Iterable[str], root: Path, newest_only: bool) -> Iterator[str]:
     """The complete checkpoints `names` (oldest first) that a pull into `root` brings home, in the order to try them:
     each one not complete there, oldest first. With `newest_only`, newest first, until one is complete there or has
     just been made so (anything older is superseded): one that failed verification on its way (a file torn or rotted
-    after its manifest was written) does not keep the one before it from coming home. Only verified checkpoints are
-    ever renamed into place, so sizes suffice to tell one home."""
+    after its manifest was written), or that the caller passes over as rejected before, does not keep the one before
+    it from coming home. Only verified checkpoints are ever renamed into place, so sizes suffice to tell one home."""
     if not newest_only:
         yield from (name for name in names if not burst_checkpoint.verify(root / name, deep=False))
         return

@@ -25,6 +25,7 @@ import errno
 import json
 import shutil
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ if TYPE_CHECKING or __package__:  # the daemon: `runbooks.s3_checkpoints` (and m
         TransferError,
         TransferStats,
         make_visible,
+        manifest_digest,
         safe_relpath,
         stage_from_basis,
         to_pull,
@@ -55,6 +57,7 @@ else:  # an instance: beside burst_checkpoint.py and checkpoint_transfer.py on P
         TransferError,
         TransferStats,
         make_visible,
+        manifest_digest,
         safe_relpath,
         stage_from_basis,
         to_pull,
@@ -196,14 +199,17 @@ class S3CheckpointStore:
         return S3Upload(name, self._key(name), stats, files_copied_in_s3=copied)
 
     # --- download -------------------------------------------------------------------------------------------
-    def download(self, name: str, local_ckpt_dir: str | Path) -> tuple[Path, TransferStats]:
+    def download(self, name: str, local_ckpt_dir: str | Path, *,
+                 manifest_bytes: bytes | None = None) -> tuple[Path, TransferStats]:
         """Fetch complete checkpoint `name` into local_ckpt_dir/name, verified, atomically. TransferError if the
-        data does not match its manifest (nothing is made visible) or the local disk is full."""
+        data does not match its manifest (nothing is made visible) or the local disk is full. `manifest_bytes`: its
+        manifest, already read by the caller."""
         root = Path(local_ckpt_dir)
         root.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         stats = TransferStats("s3")
-        manifest_bytes = self._get_manifest_bytes(name)
+        if manifest_bytes is None:
+            manifest_bytes = self._get_manifest_bytes(name)
         try:
             files: dict[str, Any] = json.loads(manifest_bytes)["files"]
         except (ValueError, KeyError, TypeError):
@@ -243,28 +249,40 @@ class S3CheckpointStore:
         stats.seconds = time.monotonic() - started
         return final_path, stats
 
-    def pull_new(self, local_ckpt_dir: str | Path, *, newest_only: bool = False) -> PulledCheckpoints:
+    def pull_new(self, local_ckpt_dir: str | Path, *, newest_only: bool = False,
+                 rejected_before: Collection[tuple[str, str]] = ()) -> PulledCheckpoints:
         """Download every complete S3 checkpoint not complete locally (oldest first), like `sync.pull_checkpoints`;
         with `newest_only`, just the newest that verifies (older ones are superseded; one that fails verification
-        does not keep the one before it from coming home)."""
+        does not keep the one before it from coming home). One whose (name, `manifest_digest`) is in
+        `rejected_before` (an earlier pull's `.rejected_manifests`) is passed over with only its manifest read."""
         root = Path(local_ckpt_dir)
         started = time.monotonic()
         total = TransferStats("s3")
         pulled: list[Path] = []
         rejected: dict[str, str] = {}
+        rejected_manifests: dict[str, str] = {}
+        passed_over: list[str] = []
         names = self.list_complete()
         for name in to_pull(names, root, newest_only):
+            manifest_bytes = self._get_manifest_bytes(name)
+            digest = manifest_digest(manifest_bytes)
+            if (name, digest) in rejected_before:
+                total.bytes_received += len(manifest_bytes)
+                passed_over.append(name)
+                continue
             try:
-                path, stats = self.download(name, root)
+                path, stats = self.download(name, root, manifest_bytes=manifest_bytes)
             except TransferError as e:
                 if "failed verification" not in str(e):
                     raise
                 rejected[name] = str(e)
+                rejected_manifests[name] = digest  # always fetched whole: S3 downloads start from a clean staging
                 continue
             total.add(stats)
             pulled.append(path)
         total.seconds = time.monotonic() - started
-        return PulledCheckpoints(pulled, total, rejected)
+        return PulledCheckpoints(pulled, total, rejected, rejected_manifests=rejected_manifests,
+                                 passed_over=passed_over)
 
     def upload_newest(self, local_ckpt_dir: str | Path) -> S3Upload | None:
         """Upload the newest complete local checkpoint unless S3 has it (None when there is none locally)."""

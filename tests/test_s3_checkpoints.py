@@ -149,6 +149,31 @@ def test_a_newest_checkpoint_that_fails_verification_does_not_keep_the_one_befor
     assert list(again) == [] and list(again.rejected) == ["step-00000200"]
 
 
+def test_a_checkpoint_rejected_once_is_not_downloaded_again_until_it_is_written_again(
+        store: S3CheckpointStore, s3: Any, tmp_path: Path) -> None:
+    # A corrupt newest checkpoint stays in S3: every later sync downloaded it again before finding it wanting again.
+    for step, byte in ((100, b"a"), (200, b"b")):
+        store.upload(burst_checkpoint.write_checkpoint(tmp_path / "trainer", f"step-{step:08d}",
+                                                       {"w.bin": byte * (1 * MiB)}))
+    s3.put_object(Bucket=BUCKET, Key="jobs/job-1/ckpt/step-00000200/w.bin", Body=b"B" * MiB)
+    local = tmp_path / "local"
+    first = store.pull_new(local, newest_only=True)
+    assert [p.name for p in first] == ["step-00000100"] and list(first.rejected) == ["step-00000200"]
+    known = set(first.rejected_manifests.items())
+
+    calls = recorded_calls(s3)
+    again = store.pull_new(local, newest_only=True, rejected_before=known)
+    assert [key for op, key in calls if op == "GetObject"] == ["jobs/job-1/ckpt/step-00000200/manifest.json"]
+    assert list(again) == [] and again.rejected == {} and again.passed_over == ["step-00000200"]
+
+    # Written again under its name: S3 holds another manifest for it, and it comes home.
+    s3.delete_object(Bucket=BUCKET, Key="jobs/job-1/ckpt/step-00000200/manifest.json")
+    store.upload(burst_checkpoint.write_checkpoint(tmp_path / "trainer", "step-00000200", {"w.bin": b"c" * 64}))
+    rewritten = store.pull_new(local, newest_only=True, rejected_before=known)
+    assert [p.name for p in rewritten] == ["step-00000200"] and rewritten.passed_over == []
+    assert (local / "step-00000200" / "w.bin").read_bytes() == b"c" * 64
+
+
 def test_prune_keeps_the_newest_and_deletes_each_manifest_first(
         store: S3CheckpointStore, s3: Any, tmp_path: Path) -> None:
     for step in (100, 200, 300):

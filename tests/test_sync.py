@@ -309,6 +309,52 @@ def test_a_newest_checkpoint_that_fails_verification_does_not_keep_the_one_befor
     assert os.listdir(local) == ["step-00000200"]
 
 
+def test_a_checkpoint_rejected_once_is_not_fetched_again_until_it_is_written_again(
+        instance: Instance, tmp_path: Path) -> None:
+    """A torn newest checkpoint stays on the instance: the daemon's next pull, every few minutes, fetched its GBs
+    again before finding it wanting again. Passed over by its manifest's digest, only the manifest crosses; written
+    again under its name (another manifest), it is fetched."""
+    remote = instance.sandbox / "ckpt"
+    burst_checkpoint.write_checkpoint(remote, "step-00000100", {"w.bin": b"a" * 50_000})
+    torn = burst_checkpoint.write_checkpoint(remote, "step-00000200", shards(2, 1 * MiB))
+    (torn / "model-00001.safetensors").write_bytes(os.urandom(1 * MiB))  # rotted after its manifest was written
+    local = tmp_path / "local"
+    first = pull(instance, local, newest_only=True)
+    assert first == [local / "step-00000100"] and list(first.rejected) == ["step-00000200"]
+    assert first.stats.bytes_received >= 2 * MiB  # fetched whole once: that is how it was found wanting
+    known = set(first.rejected_manifests.items())
+
+    again = pull(instance, local, newest_only=True, rejected_before=known)
+    assert again.stats.bytes_received < 64 * 1024 and again.stats.files_transferred == 0  # its manifest only
+    assert again == [] and again.rejected == {} and again.passed_over == ["step-00000200"]
+    assert os.listdir(local) == ["step-00000100"]  # no staging dir for it either
+
+    burst_checkpoint.write_checkpoint(remote, "step-00000200", {"w.bin": b"b" * 50_000})  # written again, whole
+    rewritten = pull(instance, local, newest_only=True, rejected_before=known)
+    assert rewritten == [local / "step-00000200"] and rewritten.passed_over == [] and rewritten.rejected == {}
+
+
+def test_a_rejection_a_leftover_in_staging_may_have_caused_is_not_kept_against_the_checkpoint(
+        instance: Instance, tmp_path: Path) -> None:
+    """A pull resumes from what an interrupted one left whole in staging, and that may be what the checkpoint held
+    before the trainer wrote it again under its name. Rejected then, it is not listed to be passed over: the next
+    pull fetches it whole and it comes home."""
+    remote = instance.sandbox / "ckpt"
+    burst_checkpoint.write_checkpoint(remote, "step-00000100", {"w.bin": b"a" * 50_000})
+    burst_checkpoint.write_checkpoint(remote, "step-00000200", {"w.bin": b"b" * 50_000})
+    local = tmp_path / "local"
+    pull(instance, local, newest_only=True)
+    burst_checkpoint.write_checkpoint(remote, "step-00000300", {"w.bin": b"c" * 50_000})
+    leftover = local / f"{STAGING_PREFIX}step-00000300"  # a pull of the step 300 written before, cut short
+    leftover.mkdir()
+    (leftover / "w.bin").write_bytes(b"C" * 50_000)
+    got = pull(instance, local, newest_only=True)
+    assert got == [] and list(got.rejected) == ["step-00000300"]
+    assert got.rejected_manifests == {}
+    again = pull(instance, local, newest_only=True, rejected_before=set(got.rejected_manifests.items()))
+    assert again == [local / "step-00000300"] and burst_checkpoint.verify(again[0])
+
+
 def test_the_staging_dir_of_a_superseded_checkpoint_is_removed_by_the_next_pull(
         instance: Instance, tmp_path: Path) -> None:
     remote = instance.sandbox / "ckpt"

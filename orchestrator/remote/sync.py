@@ -35,7 +35,7 @@ import string
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -65,6 +65,7 @@ from runbooks.checkpoint_transfer import (
     TransferStats,
     delta_basis,
     make_visible,
+    manifest_digest,
     safe_relpath,
     stage_from_basis,
     to_pull,
@@ -260,7 +261,8 @@ def _connection(target: Target, trust: HostKeyTrust, conn: fabric.Connection | N
 
 def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, local_ckpt_dir: str | Path, *,
                      transport: Transport = "auto", bwlimit_kib: int | None = None,
-                     newest_only: bool = False, conn: fabric.Connection | None = None) -> PulledCheckpoints:
+                     newest_only: bool = False, conn: fabric.Connection | None = None,
+                     rejected_before: Collection[tuple[str, str]] = ()) -> PulledCheckpoints:
     """Bring back every complete remote checkpoint not yet complete locally; return the new local ones.
 
     With `newest_only`, just the newest that verifies: older ones are superseded, and a trainer pruning them while
@@ -268,8 +270,12 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
     the one before it is tried in its place.
 
     Each is verified (sizes + sha256 against its manifest) before it becomes visible. One that fails
-    verification stays invisible and is listed in `.rejected`; transport failures raise SyncError (retry to
-    resume) and a full local disk raises SyncError after removing that checkpoint's staging dir.
+    verification stays invisible and is listed in `.rejected` (and, when it was fetched whole, in
+    `.rejected_manifests` with its manifest's digest); transport failures raise SyncError (retry to resume) and a
+    full local disk raises SyncError after removing that checkpoint's staging dir. A checkpoint whose (name,
+    `manifest_digest`) is in `rejected_before` (an earlier pull's `.rejected_manifests`) is passed over with only
+    its manifest read, listed in `.passed_over`: its files are what failed then. Written again under its name, its
+    manifest differs and it is fetched.
     `bwlimit_kib` caps the transfer rate (KiB/s) so a pull does not starve the trainer's own traffic. `conn`: an
     open connection to use (the caller closes it), else one of its own.
     """
@@ -278,6 +284,8 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
     started = time.monotonic()
     pulled: list[Path] = []
     rejected: dict[str, str] = {}
+    rejected_manifests: dict[str, str] = {}
+    passed_over: list[str] = []
     with _connection(target, trust, conn) as conn:
         chosen = choose_transport(target, conn, transport)
         total = SyncStats(chosen)
@@ -285,16 +293,24 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
         _drop_stale_staging(local_root, names[-1:] if newest_only else names)
         for name in to_pull(names, local_root, newest_only):  # newest only: the newest that verifies
             final = local_root / name
-            basis = burst_checkpoint.latest_complete(local_root, deep=False)
             staging = local_root / f"{STAGING_PREFIX}{name}"
-            staging.mkdir(exist_ok=True)
             remote_path = f"{remote_ckpt_dir}/{name}"
             try:
+                manifest_bytes = _remote_manifest(conn, chosen, remote_path)
+                digest = manifest_digest(manifest_bytes)
+                if (name, digest) in rejected_before:
+                    total.bytes_received += len(manifest_bytes)
+                    passed_over.append(name)
+                    continue
+                basis = burst_checkpoint.latest_complete(local_root, deep=False)
+                resumed = staging.is_dir() and any(staging.iterdir())
+                staging.mkdir(exist_ok=True)
                 if chosen == "rsync":
-                    stats = _rsync_pull_checkpoint(target, trust, conn, remote_path, staging, basis,
+                    stats = _rsync_pull_checkpoint(target, trust, manifest_bytes, remote_path, staging, basis,
                                                    bwlimit_kib, what=f"pulling checkpoint {name} into {local_root}")
                 else:
-                    stats = _sftp_pull_checkpoint(_sftp(conn), remote_path, staging, basis, bwlimit_kib)
+                    stats = _sftp_pull_checkpoint(_sftp(conn), manifest_bytes, remote_path, staging, basis,
+                                                  bwlimit_kib)
                 total.add(stats)
                 problem = verify_and_fsync(staging, basis)
             except OSError as e:
@@ -313,10 +329,12 @@ def pull_checkpoints(target: Target, trust: HostKeyTrust, remote_ckpt_dir: str, 
             if problem is not None:
                 shutil.rmtree(staging, ignore_errors=True)  # a fresh attempt refetches everything
                 rejected[name] = problem
+                if not resumed:  # a file left whole in staging by a pull of what it was before may be the culprit
+                    rejected_manifests[name] = digest
                 continue
             pulled.append(make_visible(staging, final))
     total.seconds = time.monotonic() - started
-    return PulledCheckpoints(pulled, total, rejected)
+    return PulledCheckpoints(pulled, total, rejected, rejected_manifests=rejected_manifests, passed_over=passed_over)
 
 
 def pull_files(target: Target, trust: HostKeyTrust, remote_dir: str, names: Sequence[str], local_dir: str | Path, *,
@@ -787,7 +805,16 @@ def _manifest_files(manifest_bytes: bytes, remote_path: str) -> dict[str, dict[s
     return files
 
 
-def _rsync_pull_checkpoint(target: Target, trust: HostKeyTrust, conn: fabric.Connection, remote_path: str,
+def _remote_manifest(conn: fabric.Connection, chosen: Literal["rsync", "sftp"], remote_path: str) -> bytes:
+    """The remote checkpoint's manifest, as bytes. For rsync a small JSON read over the session already open (the
+    instance needs no SFTP server for that transport); else over SFTP."""
+    if chosen == "rsync":
+        return run(conn, ["cat", "--", f"{remote_path}/{MANIFEST}"], timeout=60).stdout.encode()
+    with _sftp(conn).open(f"{remote_path}/{MANIFEST}", "rb") as f:
+        return bytes(f.read())
+
+
+def _rsync_pull_checkpoint(target: Target, trust: HostKeyTrust, manifest_bytes: bytes, remote_path: str,
                            staging: Path, basis: Path | None, bwlimit_kib: int | None, *, what: str) -> SyncStats:
     """Hard-link what the basis holds (`stage_from_basis`, by the two manifests' size and sha256), rsync the rest.
 
@@ -797,9 +824,8 @@ def _rsync_pull_checkpoint(target: Target, trust: HostKeyTrust, conn: fabric.Con
     `--copy-dest`, for delta transfer only: with `--ignore-times` no file is "unchanged", so none is copied or
     linked from it (rsync(1): `--copy-dest` "... If a match is not found, a basis file from one of the DIRs will be
     selected to try to speed up the transfer"). A file already whole in staging is not listed (resume); a partial
-    one in `--partial-dir` is rsync's basis. The manifest (a small JSON, read over the session already open: the
-    instance needs no SFTP server for this transport) is written last, the bytes compared above."""
-    manifest_bytes = run(conn, ["cat", "--", f"{remote_path}/{MANIFEST}"], timeout=60).stdout.encode()
+    one in `--partial-dir` is rsync's basis. The manifest (`manifest_bytes`, read by `_remote_manifest`) is written
+    last, the bytes compared above."""
     files = _manifest_files(manifest_bytes, remote_path)
     stats = SyncStats("rsync", bytes_received=len(manifest_bytes))
     todo = stage_from_basis(files, staging, basis)
@@ -827,12 +853,10 @@ def _rsync_files(target: Target, trust: HostKeyTrust, src: str, dest: str, todo:
                   grows=grows, stall_s=stall_s)
 
 
-def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, remote_path: str, staging: Path, basis: Path | None,
-                          bwlimit_kib: int | None) -> SyncStats:
+def _sftp_pull_checkpoint(sftp: paramiko.SFTPClient, manifest_bytes: bytes, remote_path: str, staging: Path,
+                          basis: Path | None, bwlimit_kib: int | None) -> SyncStats:
     stats = SyncStats("sftp")
     limit = _RateLimit(bwlimit_kib)
-    with sftp.open(f"{remote_path}/{MANIFEST}", "rb") as f:
-        manifest_bytes = f.read()
     stats.bytes_received += len(manifest_bytes)
     files = _manifest_files(manifest_bytes, remote_path)
     for rel in stage_from_basis(files, staging, basis):
