@@ -1210,6 +1210,26 @@ def test_a_checkpoint_that_fails_verification_on_its_way_home_is_said_once(tmp_p
     app.close()
 
 
+def test_an_attempt_remembers_its_newest_twenty_rejections_each_for_where_it_was_pulled_from(tmp_path: Path) -> None:
+    # A trainer writing bad checkpoints for days keeps the attempt's info small. S3's copy of a checkpoint is not the
+    # instance's (it was verified before it went up): one rejected from S3 is still fetched from the instance when
+    # S3 refuses the daemon's key.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "rotting", local_throughput=0))
+    rec = Reconciler(app, {}, cloud=None)
+    job = app.store.get_job(job_id)
+    att = {"id": f"{job_id}-a1", "job_id": job_id, "state": "running", "info": {}}
+    info: dict[str, Any] = {}
+    for n in range(1, 26):
+        name = f"step-{n:08d}"
+        pulled = PulledCheckpoints([], TransferStats("s3"), {name: "torn"}, rejected_manifests={name: f"m{n}"})
+        assert rec.syncs.write_down(att, job, info, SyncDone(at=time.time(), pulled=pulled))
+    assert checkpoints.rejected_before(info, "s3") == {(f"step-{n:08d}", f"m{n}") for n in range(6, 26)}
+    assert checkpoints.rejected_before(info, "instance") == frozenset()
+    assert len(info["rejected_said"]) == 20
+    app.close()
+
+
 def _running_in_the_cloud(app: App, tmp_path: Path, name: str) -> tuple[str, str]:
     """A job that does not fit locally, running on its first cloud attempt: (job id, attempt id)."""
     job_id, _, _ = enqueue(app, write_job(tmp_path, name, local_throughput=0))

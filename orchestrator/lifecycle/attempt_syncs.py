@@ -233,9 +233,12 @@ class AttemptSyncs:
     def _rejected(self, att: dict[str, Any], job: dict[str, Any], info: dict[str, Any], done: SyncDone) -> None:
         """A checkpoint on the instance that failed verification on its way home (a file torn or rotted after its
         manifest was written): it stays there, and an older one is pulled in its place. Said once per checkpoint
-        (`checkpoint.rejected`): every sync meets it again."""
+        (`checkpoint.rejected`), and written down with its manifest's digest: later syncs pass it over without
+        fetching its files again (GBs, every sync), until the trainer writes it again under its name."""
         if done.pulled is None or not done.pulled.rejected:
             return
+        checkpoints.remember_rejected(info, "s3" if done.pulled.stats.transport == "s3" else "instance",
+                                      done.pulled.rejected_manifests)
         said: list[str] = info.setdefault("rejected_said", [])
         for name, problem in done.pulled.rejected.items():
             if name not in said:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 from orchestrator.config import Config
 from runbooks import burst_checkpoint
@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 KEEP = 3  # complete checkpoints kept per job in the local store while it may still resume
 KEEP_DONE = 1  # and once it is done: its final state (nothing resumes a done job)
+REJECTED_KEPT = 20  # rejected checkpoints an attempt remembers: a trainer writing bad ones for days keeps info small
+
+Source = Literal["instance", "s3"]  # where an attempt's checkpoints are pulled from
 
 
 def store_dir(cfg: Config, job_id: str) -> Path:
@@ -97,3 +100,23 @@ def lost_with_instance(on_instance: str | None, home: str | None) -> str | None:
     if on_instance is None or (home is not None and home >= on_instance):
         return None
     return on_instance
+
+
+def rejected_before(info: Mapping[str, Any], source: Source) -> frozenset[tuple[str, str]]:
+    """The checkpoints the attempt's pulls from `source` rejected, as (name, manifest digest): a pull passes them over
+    while their manifest is the one they were rejected with, and fetches one written again under its name. By
+    source: a copy in S3 and the instance's own are not the same bytes (S3's was verified before it went up)."""
+    return frozenset((str(e["checkpoint"]), str(e["manifest_sha256"])) for e in info.get("rejected_manifests") or []
+                     if isinstance(e, dict) and e.get("from") == source and "checkpoint" in e
+                     and "manifest_sha256" in e)
+
+
+def remember_rejected(info: dict[str, Any], source: Source, manifests: Mapping[str, str]) -> None:
+    """Write down in the attempt's `info` (persisted with it, so a restarted daemon passes them over too) the
+    checkpoints a pull from `source` rejected, name → manifest digest (`PulledCheckpoints.rejected_manifests`)."""
+    if not manifests:
+        return
+    kept = [e for e in info.get("rejected_manifests") or []
+            if isinstance(e, dict) and not (e.get("from") == source and e.get("checkpoint") in manifests)]
+    kept += [{"checkpoint": name, "from": source, "manifest_sha256": digest} for name, digest in manifests.items()]
+    info["rejected_manifests"] = kept[-REJECTED_KEPT:]  # a new list: a sync's snapshot of info shares the old one

@@ -358,19 +358,22 @@ class CloudSteps:
              over_ssh: bool = False) -> PulledCheckpoints:
         """The newest checkpoint home: from S3 when the instance uploads there (unless `over_ssh`), else from the
         instance over SSH (on `shared`'s connection when given). S3Refused when S3 refuses this daemon's
-        credentials."""
+        credentials. A checkpoint the attempt's pulls from there rejected is not fetched again while its manifest is
+        the same (`checkpoints.rejected_before`)."""
         store = checkpoints.store_dir(self.app.config, job["id"])
         s3 = None if over_ssh else self.s3_store(att, job)
         # The daemon and `revert-local` may pull the same job at once: one at a time per job's store.
         with checkpoints.store_lock(self.app.config, job["id"]):
             if s3 is not None:
-                pulled = s3.pull_new(store, newest_only=True)
+                pulled = s3.pull_new(store, newest_only=True,
+                                     rejected_before=checkpoints.rejected_before(att["info"], "s3"))
             else:
                 base, _ = self._remote(att)
                 pulled = sync.pull_checkpoints(self.target(att), self.trust(att),
                                                f"{base}/{job['id']}/checkpoints", store, newest_only=True,
                                                bwlimit_kib=self.app.config.daemon.pull_kib_s,
-                                               conn=shared.get() if shared is not None else None)
+                                               conn=shared.get() if shared is not None else None,
+                                               rejected_before=checkpoints.rejected_before(att["info"], "instance"))
             if pulled:
                 checkpoints.prune_store(self.app.config, job["id"])  # multi-GB checkpoints: keep the newest few
                 if s3 is not None:
