@@ -22,7 +22,6 @@ from typing import Any
 from orchestrator import records
 from orchestrator.app import App, burst_enabled
 from orchestrator.config import Config
-from orchestrator.core.budget import Held
 from orchestrator.core.decision import (
     MEASURED_SETUP,
     UNMEASURED_SETUP,
@@ -36,6 +35,7 @@ from orchestrator.core.decision import (
 )
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.errors import BadInput
+from orchestrator.holds import held_by_plans
 from orchestrator.jobspec import JobSpec, load_job
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import RETRIABLE, JobState, check_transition, state_for
@@ -238,36 +238,6 @@ def headline(d: dict[str, Any]) -> str | None:
     """A decision's one line: why its verdict is what it is (`Decision.headline`; the last reason in a decision
     stored before it had one)."""
     return d.get("headline") or (d["reasons"][-1] if d["reasons"] else None)
-
-
-def held_by_plans(app: App, now: float, exclude: str | None = None) -> Held:
-    """What the jobs admitted to the cloud, queued or running, have still to spend: each plan's rented cost less
-    what its instances have cost so far (`budget.admits` keeps it from the next job). `exclude`: the job being
-    decided again, which must not hold money against itself. Summed in the database (`jobs.rented_usd`): every
-    decision asks, and the queue may hold thousands."""
-    from sqlalchemy import case, func, or_, select
-
-    from state import schema as s
-
-    j, led = s.jobs, s.ledger
-    admitted = select(j.c.id, j.c.rented_usd).where(
-        j.c.state.in_((JobState.QUEUED.value, JobState.RUNNING.value, JobState.RESUMING.value)),
-        j.c.placement.in_(("cloud", "hybrid")), j.c.rented_usd > 0,
-        # A plan no month's cap pays (its launch, stop included) never hands over while the cap stands (its local
-        # phase runs on, late), and a hybrid whose price awaits `approve` hands over only once approved: neither holds
-        # money from other jobs.
-        func.coalesce(j.c.decision["launch_usd"].as_float(), j.c.rented_usd) <= app.config.budget.monthly_cap_usd
-        + 1e-9,
-        or_(j.c.approved, func.coalesce(j.c.decision["action"].as_string(), "") != "await-approval"),
-        *([j.c.id != exclude] if exclude is not None else [])).subquery()
-    accrued = func.coalesce(led.c.cost_usd, led.c.rate_usd_h * (now - led.c.started_at) / 3600.0)
-    spent = (select(led.c.job_id, func.sum(accrued).label("usd"))
-             .where(led.c.job_id.in_(select(admitted.c.id))).group_by(led.c.job_id).subquery())
-    rest = admitted.c.rented_usd - func.coalesce(spent.c.usd, 0.0)
-    with app.store.engine.connect() as c:
-        usd, jobs = c.execute(select(func.coalesce(func.sum(case((rest > 0, rest), else_=0.0)), 0.0), func.count())
-                              .select_from(admitted.outerjoin(spent, spent.c.job_id == admitted.c.id))).one()
-    return Held(float(usd), int(jobs))
 
 
 def context(app: App, now: float, exclude: str | None = None, tick_s: float | None = None) -> DecisionContext:

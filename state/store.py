@@ -329,6 +329,11 @@ class Store:
         with self.tx() as c:
             return c.execute(q).rowcount == 1
 
+    def set_hold(self, job_id: str, usd: float, conn: Connection) -> None:
+        """Set what the budget holds for a job (`jobs.rented_usd`, less what it spends from here on), in the caller's
+        transaction: the one that writes the attempt it holds it for. Not a change of the job's (`updated_at`)."""
+        conn.execute(update(s.jobs).where(s.jobs.c.id == job_id).values(rented_usd=usd))
+
     def set_attempt_info(self, attempt_id: str, info: dict[str, Any], conn: Connection | None = None) -> None:
         """Replace an attempt's `info` (what the lifecycle remembers of it between ticks)."""
         q = update(s.attempts).where(s.attempts.c.id == attempt_id).values(info=info)

@@ -320,6 +320,35 @@ def ledger(state: Path) -> list[dict[str, Any]]:
         st.close()
 
 
+def hold_from(state: Path, job_id: str, at: float, rate_usd_h: float) -> float:
+    """What the budget holds for a job whose attempt is written on a market billing `rate_usd_h` at `at` (a launch,
+    a move): what its instances had cost by then (closed charges at cost, open ones at their rate), and the rest of
+    its plan's cloud hours at that rate: less the useful hours its attempts had run, never less than its overhead,
+    billed at least a minute. Read from the state afterwards, as it stood at `at`."""
+    from sqlalchemy import select
+
+    from orchestrator.core.plan import planned_cloud_hours
+    from state import schema as s
+
+    st = Store(store_url(state))
+    try:
+        stored = st.get_job(job_id)
+        assert stored is not None
+        decision = stored["decision"]
+        with st.engine.connect() as c:
+            runs = c.execute(select(s.attempts.c.started_at, s.attempts.c.ended_at, s.attempts.c.lost_work_h)
+                             .where(s.attempts.c.job_id == job_id)).all()
+        charges = [r for r in st.ledger_rows() if r["job_id"] == job_id and r["started_at"] <= at]
+    finally:
+        st.close()
+    done_h = sum(max(0.0, min(ended or at, at) - started) / 3600.0 - (lost or 0.0 if ended and ended <= at else 0.0)
+                 for started, ended, lost in runs if started is not None and started <= at)
+    spent = sum(r["cost_usd"] if r["ended_at"] is not None and r["ended_at"] <= at
+                else r["rate_usd_h"] * (at - r["started_at"]) / 3600.0 for r in charges)
+    rest_h = max(planned_cloud_hours(decision)[0] - done_h, float(decision.get("overhead_h") or 0.0), 60 / 3600)
+    return spent + rate_usd_h * rest_h
+
+
 def sim_admin(url: str, route: str, body: dict[str, Any]) -> Any:
     """POST to one of simcloud's /_sim admin routes (faults, capacity, quota...)."""
     r = httpx.post(f"{url}/_sim/{route}", json=body, timeout=10)

@@ -320,10 +320,10 @@ def test_money_in_json_is_rounded_to_the_places_of_the_rest(burstctl, tmp_path: 
     assert shown["decision"]["rate_usd_per_gpu_h"] == 3.29
 
 
-def test_budget_counts_what_admitted_jobs_plans_hold_without_calling_them_other(burstctl) -> None:
+def test_budget_counts_what_admitted_jobs_hold_without_calling_them_other(burstctl) -> None:
     assert burstctl("enqueue", str(REPO / "examples" / "seed" / "b-full-grpo-7b.toml")).returncode == 0
     out = burstctl("budget").stdout
-    assert "held for 1 admitted job's plan" in out and "other" not in out  # no job is being admitted beside it
+    assert "held for 1 admitted job" in out and "other" not in out  # no job is being admitted beside it
 
 
 def test_show_says_revert_local_brought_a_job_home_and_how_it_goes_back_on_its_plan(burstctl, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from tests.e2e import (
     assert_one_instance_per_attempt_and_all_gone,
     enqueue,
     events,
+    hold_from,
     job,
     sim_admin,
     sim_instances,
@@ -82,10 +83,17 @@ def test_a_spot_attempt_whose_deadline_comes_near_is_checkpointed_and_moved_to_o
         spec = e2e_trainer_job(tmp_path, "deadline-near", steps=60, every=5, step_s=0.2, interval_minutes=0.01,
                                rented=50, deadline_hours=(72 + 183 + 1) / 3600)
         job_id = run_spot_job_to_done(tmp_path, config, state, spec)
-        markets = [e["data"]["market"] for e in events(state, "attempt.intent") if e["job_id"] == job_id]
-        assert markets == ["spot", "on-demand"], markets
+        intents = [e for e in events(state, "attempt.intent") if e["job_id"] == job_id]
+        assert [e["data"]["market"] for e in intents] == ["spot", "on-demand"], intents
         (switch,) = [e for e in events(state, "attempt.market_switch") if e["job_id"] == job_id]
         assert switch["data"]["to"] == "on-demand" and switch["data"]["market_policy"]["spot_seen"] == "up"
+        # From the move on, the job holds the rest of its run at the on-demand price, not its spot plan's: at the
+        # move (the spot instance still running) and at the on-demand launch (it gone, billed).
+        spot, on_demand = (e["data"]["rate_usd_h"] for e in intents)
+        assert (spot, on_demand) == (1.0, 3.29)
+        for said in (switch, intents[1]):
+            assert said["data"].get("hold_usd") == pytest.approx(hold_from(state, job_id, said["ts"], on_demand),
+                                                             abs=0.003), said
         (moved,) = [e for e in events(state, "job.market_switch") if e["job_id"] == job_id]
         assert moved["data"]["reason"].startswith("moving to on-demand")
         resumed = [e for e in events(state, "job.resumed") if e["job_id"] == job_id]

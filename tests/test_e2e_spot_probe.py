@@ -18,6 +18,8 @@ from orchestrator.lifecycle.service import build_reconciler
 from orchestrator.lifecycle.spot_probe import probe_spot
 from state import schema as s
 from tests.e2e import (
+    P3_OD,
+    P3_SPOT,
     SIM_KEY,
     CloudView,
     Daemon,
@@ -28,6 +30,7 @@ from tests.e2e import (
     cloud,
     enqueue,
     events,
+    hold_from,
     job,
     ledger,
     sim_instances,
@@ -128,6 +131,16 @@ def test_on_ec2_a_job_on_demand_probes_spot_and_the_probe_that_comes_up_takes_ov
         (switch,) = [e for e in events(state, "attempt.market_switch") if e["job_id"] == job_id]
         assert switch["attempt_id"] == on_demand["id"] and switch["data"]["to"] == "spot"
         assert switch["data"]["market_policy"]["probe"] is True, switch
+        # What the budget holds for the job follows the market it runs on: the on-demand price of its whole run
+        # when the policy gave up on spot and launched it on on-demand, the spot price of the rest from the move
+        # back to spot and at the probe's takeover.
+        od_intent = next(e for e in events(state, "attempt.intent") if e["attempt_id"] == on_demand["id"])
+        assert od_intent["data"].get("hold_usd") == pytest.approx(hold_from(state, job_id, od_intent["ts"], P3_OD),
+                                                              abs=0.003), od_intent
+        (over,) = [e for e in events(state, "attempt.probe_taken_over") if e["job_id"] == job_id]
+        for said in (switch, over):
+            assert said["data"].get("hold_usd") == pytest.approx(hold_from(state, job_id, said["ts"], P3_SPOT),
+                                                              abs=0.003), said
         # Make before break: the spot instance was up before the on-demand one was gone.
         launched = next(e["ts"] for e in events(state, "instance.launched") if e["attempt_id"] == taken["id"])
         gone = next(e["ts"] for e in events(state, "instance.terminated") if e["attempt_id"] == on_demand["id"])

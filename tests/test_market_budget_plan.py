@@ -115,7 +115,7 @@ def test_a_launch_counts_its_billing_minimum_and_its_stop_and_the_cap_what_other
     ok, why = admits(launch, 15.0, Spending(10.0, kept_usd=1.0, held=Held(2.0, 1)))
     assert not ok and why == ("projected rented $2.04 (2 h at $1.00/h, plus 135 s to stop) exceeds the $2.00 left of "
                               "the $15.00 monthly budget ($10.00 spent or committed, $1.00 kept for the running ones "
-                              "to stop, $2.00 held for 1 other admitted job's plan)")
+                              "to stop, $2.00 held for 1 other admitted job)")
 
 
 def test_month_key_is_utc() -> None:

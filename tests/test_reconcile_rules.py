@@ -757,7 +757,7 @@ def test_a_job_stopped_before_the_budget_cap_says_what_was_spent_and_what_came_h
 def test_a_hybrid_no_month_pays_or_one_awaiting_approval_holds_no_money_from_other_jobs(tmp_path: Path) -> None:
     # The seed's candidate C at a $15 cap: its cloud phase ($15.27) is more than the whole cap, so it runs locally
     # and never hands over; and its price awaits approval. It had held the $15.27 all the same, and every other
-    # burst was blocked for the month, "held for 1 other admitted job's plan".
+    # burst was blocked for the month, "held for 1 other admitted job".
     app = App(state_dir_override=str(tmp_path / "state"))
     c_id, c_decision, _ = enqueue(app, REPO / "examples" / "seed" / "c-big-local-deadline.toml")
     assert c_decision.action == "await-approval" and app.store.get_job(c_id)["placement"] == "hybrid"
@@ -794,7 +794,7 @@ def test_a_charge_still_open_in_last_month_at_its_cap_blocks_the_decision_as_it_
 def test_a_hybrid_whose_launch_no_month_pays_with_its_stop_holds_no_money_either(tmp_path: Path) -> None:
     # Seed C's cloud phase ($15.27) fits a $15.30 cap only without the 135 s its instance takes to stop: it never
     # hands over, so it must not keep that money from other jobs.
-    from orchestrator.queue import held_by_plans
+    from orchestrator.holds import held_by_plans
 
     (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 15.30\n[policy]\nmax_auto_delta_usd = 50.0\n")
     app = App(config_path=str(tmp_path / "burstctl.toml"), state_dir_override=str(tmp_path / "state"))
@@ -821,7 +821,7 @@ def test_a_job_is_admitted_only_into_what_the_plans_already_admitted_leave_of_th
     assert app.store.get_job(second)["state"] == "blocked"
     assert d2.reasons[-1] == ("budget: projected rented $31.61 (10.5 h at $3.00/h, plus 135 s to stop) exceeds the "
                               "$18.50 left of the $50.00 monthly budget ($0.00 spent or committed, $31.50 held for 1 "
-                              "other admitted job's plan)")
+                              "other admitted job)")
 
     # What the first has spent comes off what its plan holds: $10 spent, $21.50 held, still $18.50 left.
     with app.store.tx() as c:

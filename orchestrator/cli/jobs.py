@@ -408,7 +408,8 @@ def retry_cmd(app: App, job: str, deadline_hours: float | None, reread: bool, as
 def budget_cmd(app: App, as_json: bool) -> None:
     """Month-to-date spend, cycles, $/cycle on spot and on-demand, and the cycles the rest buys."""
     from orchestrator.daemon import daemon_tick_s
-    from orchestrator.queue import held_by_plans, offers_seen  # the decision core: only this command needs it
+    from orchestrator.holds import held_by_plans
+    from orchestrator.queue import offers_seen  # the decision core: only this command needs it
 
     cfg = app.config
     now = time.time()
@@ -433,7 +434,7 @@ def budget_cmd(app: App, as_json: bool) -> None:
     kept = sum(r["rate_usd_h"] * stop_horizon_h(tick_s, stop_grace_s((app.store.get_job(r["job_id"] or "") or {})
                                                                      .get("spec") or {}))
                for r in rows if r["ended_at"] is None)  # each its job's grace too, as the daemon keeps it
-    # What new cycles can have: less what admitted jobs' plans hold and what stopping the running ones takes.
+    # What new cycles can have: less what admitted jobs hold and what stopping the running ones takes.
     held = held_by_plans(app, now)
     free = BudgetView(month, view.cap_usd, view.spent_usd + held.usd + kept, cycles, spot, od)
     scheduled: int | None = None  # the cadence the schedules ask for, beside the one the budget buys

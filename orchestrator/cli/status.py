@@ -13,8 +13,9 @@ from sqlalchemy import select
 from orchestrator.app import App, burst_enabled
 from orchestrator.cli.base import cli, json_option, pass_app
 from orchestrator.cli.output import out, print_json, table
-from orchestrator.core.budget import month_key
+from orchestrator.core.budget import Held, month_key
 from orchestrator.daemon import CONFIG_SEEN_KEY, config_fingerprint, running_daemon
+from orchestrator.holds import held_by_plans
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, LAUNCHING, launching
 from orchestrator.lifecycle.states import JobState
 from orchestrator.records import fmt_usd
@@ -34,6 +35,7 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
             s.instances.c.verified_gone.is_(False))).mappings()]
         launching_jobs = len(launching(c))
     counts = app.store.count_jobs_by_state()
+    held = held_by_plans(app, now) if settings else None
     active_states = (JobState.QUEUED, JobState.RUNNING, JobState.RESUMING, JobState.AWAITING_APPROVAL,
                      JobState.BLOCKED)
     return {
@@ -60,6 +62,9 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
         "month": month_key(now),
         "month_to_date_usd": round(app.store.month_spend(month_key(now), now), 4),
         "budget_cap_usd": app.config.budget.monthly_cap_usd if settings else None,
+        # What admitted jobs have still to spend, as `budget` says it: the same sum, so the two never disagree.
+        "held_usd": None if held is None else round(held.usd, 4),
+        "held_jobs": None if held is None else held.jobs,
         "local_hours": _local_hours(app, now) if settings else None,
         "schedules": _next_slots(app, now) if settings else [],
         "notify": _notifiers(app, now) if settings else [],
@@ -230,7 +235,9 @@ def status_cmd(app: App, as_json: bool) -> None:
         d["jobs"].values()) else "jobs: none")
     cap = "an unknown cap (the config file is not valid)" if d["config_problem"] else \
         fmt_usd(d["budget_cap_usd"], as_set=True)
-    out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {cap}")
+    held = f"; {fmt_usd(d['held_usd'])} held for {Held(d['held_usd'], d['held_jobs']).said()} (`burstctl budget`)" \
+        if d["held_jobs"] else ""
+    out.print(f"spend {d['month']}: {fmt_usd(d['month_to_date_usd'])} of {cap}{held}")
     if d["local_hours"]:
         hours = d["local_hours"]
         until = "" if hours["until_local"] is None else \

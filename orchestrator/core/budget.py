@@ -63,15 +63,17 @@ def stop_horizon_h(tick_s: float, grace_s: float = DEFAULT_GRACE_S) -> float:
 
 @dataclass(frozen=True)
 class Held:
-    """What the plans of jobs admitted to the cloud (queued or running) have still to spend: their planned rented
-    cost less what their instances have cost so far."""
+    """What the jobs admitted to the cloud (queued or running) have still to spend: each one's hold (its plan's
+    rented cost, or, once an attempt of it is written on a market, what `held_on_market` says) less what its
+    instances have cost so far."""
 
     usd: float = 0.0
     jobs: int = 0
 
     def said(self, other: str = "") -> str:
-        """`1 admitted job's plan`; with `other` ("other "), beside the job being admitted."""
-        return f"1 {other}admitted job's plan" if self.jobs == 1 else f"{self.jobs} {other}admitted jobs' plans"
+        """`1 admitted job`; with `other` ("other "), beside the job being admitted. Not "plan": a job that runs
+        holds the rest of its run on the market it runs on, which may not be its plan's."""
+        return f"1 {other}admitted job" if self.jobs == 1 else f"{self.jobs} {other}admitted jobs"
 
     def plus(self, usd: float) -> Held:
         return Held(self.usd + max(0.0, usd), self.jobs + 1)
@@ -99,6 +101,15 @@ class Launch:
 
     def said(self) -> str:
         return f"{self.billed_h:.3g} h at ${self.rate_usd_h:.2f}/h, plus {self.horizon_h * 3600:.0f} s to stop"
+
+
+def held_on_market(spent_usd: float, launch: Launch) -> float:
+    """What a job holds of the month's budget once an attempt of it is written on a market (launched, or moved to
+    the other market): what it has spent, and the rest of its run as that launch's budget check counts it, the hours
+    its plan still expects at that market's rate, never fewer than the billing minimum. Not the stop: each running
+    instance's is kept apart (`Spending.kept_usd`). `Held` takes off what the job spends from here on, so a job moved
+    from spot to on-demand holds the on-demand price of what is left, not its spot plan's third of it."""
+    return max(0.0, spent_usd) + launch.rate_usd_h * launch.billed_h
 
 
 @dataclass(frozen=True)

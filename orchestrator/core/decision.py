@@ -104,7 +104,7 @@ class DecisionContext:
     # no less than their billing minimum; and what is kept for the running instances to stop.
     spent_usd: float = 0.0
     kept_usd: float = 0.0
-    held: Held = field(default_factory=Held)  # what admitted jobs' plans have still to spend (`queue.held_by_plans`)
+    held: Held = field(default_factory=Held)  # what admitted jobs have still to spend (`holds.held_by_plans`)
     # Earlier months a charge is still open in, and what each has committed and kept (`Spending.earlier`).
     earlier_usd: tuple[tuple[str, float], ...] = ()
     stop_tick_s: float = 0.0  # the daemon's tick: a stop of the job's instance takes three of them (`stop_horizon_h`)

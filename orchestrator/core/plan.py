@@ -72,6 +72,13 @@ def planned_cloud_hours(decision: Mapping[str, Any]) -> tuple[float, float]:
     return float(decision.get("t_rented_h") or 0.0), 0.0
 
 
+def remaining_cloud_h(decision: Mapping[str, Any], done_h: float) -> float:
+    """The cloud hours a decision's plan still expects once its cloud attempts have done `done_h` useful hours: its
+    cloud phase (or its rented time) less those, never less than its overhead (the next instance pays that)."""
+    hours, _ = planned_cloud_hours(decision)
+    return max(hours - done_h, float(decision.get("overhead_h") or 0.0))
+
+
 def planned_cloud_work_h(decision: Mapping[str, Any]) -> float:
     """The compute of the rented run a decision plans, in hours at its planned speed: without its overhead, and
     without the expected rework and restarts that a spot plan's hours also hold (`market.choose_market`). The spot

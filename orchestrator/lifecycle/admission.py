@@ -436,18 +436,22 @@ class Admission:
             return False
         # Spot goes first to the region whose capacity has been listed longest (the rule simulate --may-move replays).
         regions = spot_region_order(self.app, provider_name, offer, now) if market is Market.SPOT else ()
+        hold = self.budget.hold_usd(job, rate, offer.billing_minimum_s, now)
         with self.store.tx() as conn:
             if not self.store.update_job(job["id"], conn, expect_state=job["state"], state=JobState.RUNNING.value,
                                          reason=f"bursting to {provider_name} {offer.instance_type} ({market.value})"):
                 return False  # changed since it was read (a `cancel` beside the tick): no intent for it
-            self.write_intent(conn, job, provider_name, offer, market, market_facts, rate, regions, now)
+            self.write_intent(conn, job, provider_name, offer, market, market_facts, rate, regions, now, hold_usd=hold)
         return True
 
     def write_intent(self, conn: Connection, job: dict[str, Any], provider_name: str, offer: Offer, market: Market,
-                     market_facts: dict[str, Any], rate: float, regions: tuple[str, ...] | list[str], now: float,
-                     **info: Any) -> str:
+                     market_facts: dict[str, Any], rate: float, regions: tuple[str, ...] | list[str], now: float, *,
+                     hold_usd: float, **info: Any) -> str:
         """Write a cloud attempt's intent (launched by its next step, `Reconciler.step_intent`) and say so; its
-        id. `info`: more of the attempt's info (a successor's `successor_for`)."""
+        id. `hold_usd`: what the job holds of the budget on this market (`BudgetGuard.hold_usd`), written with it:
+        the spot policy may launch a spot plan on on-demand, at three times its price. `info`: more of the attempt's
+        info (a successor's `successor_for`)."""
+        self.store.set_hold(job["id"], hold_usd, conn)
         placed = {"region_order": list(regions)} if regions else {}
         attempt_id = create_attempt(
             conn, job["id"], where="cloud", provider=provider_name, instance_type=offer.instance_type,
@@ -457,7 +461,7 @@ class Admission:
                   **info})["id"]
         self.app.events.emit("attempt.intent", job_id=job["id"], attempt_id=attempt_id, conn=conn,
                              provider=provider_name, instance_type=offer.instance_type, market=market.value,
-                             rate_usd_h=rate,
+                             rate_usd_h=rate, hold_usd=round(hold_usd, 4),
                              # from a checkpoint, whatever the job waited as (resuming, queued, blocked)
                              resuming=checkpoints.latest(self.cfg, job["id"], deep=False) is not None,
                              **({"market_policy": market_facts} if market_facts else {}), **placed,

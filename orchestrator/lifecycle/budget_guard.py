@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy import func, select
 
 from orchestrator.app import App
-from orchestrator.core.budget import Launch, Spending, admits, month_key, stop_horizon_h
-from orchestrator.core.plan import planned_cloud_hours
+from orchestrator.core.budget import Launch, Spending, admits, held_on_market, month_key, stop_horizon_h
+from orchestrator.core.plan import remaining_cloud_h
 from orchestrator.lifecycle.local import stop_grace_s
 from orchestrator.lifecycle.market_switch import cloud_attempts, cloud_hours_done
 from providers.base import Market, Offer
@@ -25,12 +25,10 @@ from state import schema as s
 
 
 def expected_remaining_h(app: App, job: dict[str, Any], now: float) -> float:
-    """The cloud hours a job's plan still expects: its cloud phase (or its rented time) less what its cloud attempts
-    have run, and never less than its overhead."""
-    hours, _ = planned_cloud_hours(job["decision"])
+    """The cloud hours a job's plan still expects (`plan.remaining_cloud_h`), given what its cloud attempts have
+    run."""
     # Only cloud hours count against the plan's cloud phase (a hybrid's local phase is already outside it).
-    done = cloud_hours_done(cloud_attempts(app, job["id"]), now)
-    return max(hours - done, job["decision"].get("overhead_h") or 0.0)
+    return remaining_cloud_h(job["decision"], cloud_hours_done(cloud_attempts(app, job["id"]), now))
 
 
 class BudgetGuard:
@@ -98,6 +96,13 @@ class BudgetGuard:
         the hours of work left to it), or None."""
         return self.problem(now, rate_usd_h=offer.rate_usd_h(market), minimum_s=offer.billing_minimum_s,
                             expected_h=expected_remaining_h(self.app, job, now), spec=job["spec"])
+
+    def hold_usd(self, job: dict[str, Any], rate_usd_h: float, minimum_s: float, now: float) -> float:
+        """What `job` holds of the month's budget once an attempt of it runs at `rate_usd_h` (`budget.held_on_market`:
+        its spend so far, and its remaining hours as its launch's check counts them at that rate). Read before the
+        caller's transaction writes it (`Store.set_hold`), with the attempt."""
+        spent, _ = self.app.store.job_spend(job["id"], now)
+        return held_on_market(spent, Launch(rate_usd_h, expected_remaining_h(self.app, job, now), minimum_s))
 
     def problem(self, now: float, *, rate_usd_h: float = 0.0, minimum_s: float = 0.0,
                 expected_h: float = 0.0, spec: Mapping[str, Any] | None = None) -> str | None:

@@ -62,21 +62,23 @@ def wait_or_take_over(rec: Reconciler, att: dict[str, Any], job: dict[str, Any],
     if why_not is None and (fresh["placement"] != "cloud"
                             or fresh["state"] not in (JobState.QUEUED.value, JobState.RESUMING.value)):
         why_not = f"job {fresh['state']}"
+    now = rec.clock()
+    rate, minimum = float(att["info"].get("rate_usd_h") or 0.0), float(att["info"].get("billing_minimum_s", 60.0))
     if why_not is None:
-        now = rec.clock()
-        why_not = rec.budget.problem(now, rate_usd_h=float(att["info"].get("rate_usd_h") or 0.0),
-                                     minimum_s=float(att["info"].get("billing_minimum_s", 60.0)),
+        why_not = rec.budget.problem(now, rate_usd_h=rate, minimum_s=minimum,
                                      expected_h=expected_remaining_h(rec.app, fresh, now), spec=fresh["spec"])
     if why_not is not None:
         return why_not
+    hold = rec.budget.hold_usd(fresh, rate, minimum, now)  # on the market it takes over on (a probe's: spot)
     with rec.store.tx() as conn:
         if not rec.store.update_job(job["id"], conn, expect_state=fresh["state"], state=JobState.RUNNING.value,
                                     reason=reason):
             return None  # the job moved meanwhile: looked at again next tick
         rec.store.set_attempt_info(att["id"], info, conn)
+        rec.store.set_hold(job["id"], hold, conn)
         rec.app.events.emit(event, job_id=job["id"], attempt_id=att["id"], conn=conn, instance=att["instance_id"],
                             provider=att["provider"], market=att["market"],
-                            resuming=fresh["state"] == JobState.RESUMING.value, **said)
+                            resuming=fresh["state"] == JobState.RESUMING.value, hold_usd=round(hold, 4), **said)
     att["info"] = info
     job.update(state=JobState.RUNNING.value)
     return None

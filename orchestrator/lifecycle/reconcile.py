@@ -789,8 +789,14 @@ class Reconciler:
                     move_to = None  # spot would be worth it, but is not seen up (or the next probe is not due)
             if move_to is not None:
                 target, why = move_to
-                self.emit("attempt.market_switch", job_id=job["id"], attempt_id=att["id"], to=target.value,
-                          market_policy=why)
+                # From now on the job holds the rest of its run at the other market's rate: the stop may take
+                # minutes (the last checkpoint, its pull), and decisions meanwhile must not count the old price.
+                rate = float(why["on_demand_usd_h" if target is Market.ON_DEMAND else "spot_usd_h"])
+                hold = self.budget.hold_usd(job, rate, float(info.get("billing_minimum_s", 60.0)), now)
+                with self.store.tx() as conn:
+                    self.store.set_hold(job["id"], hold, conn)
+                    self.app.events.emit("attempt.market_switch", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                         to=target.value, market_policy=why, hold_usd=round(hold, 4))
                 self.stop(att, job, provider, TO_ON_DEMAND if target is Market.ON_DEMAND else TO_SPOT, info=info)
                 if kept is not None:
                     self._advance(kept, job)  # make before break: the kept probe takes over now, not next tick

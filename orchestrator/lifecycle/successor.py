@@ -73,6 +73,7 @@ def launch_successor(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], 
     if no_room(rec, now, rate_usd_h=rate, minimum_s=offer.billing_minimum_s,
                expected_h=expected_remaining_h(rec.app, job, now), spec=job["spec"]) is not None:
         return None
+    hold = rec.budget.hold_usd(job, rate, offer.billing_minimum_s, now)
     regions: list[str] = []
     if market is Market.SPOT:
         # The zone being reclaimed goes last: its capacity is what is being taken back.
@@ -81,7 +82,7 @@ def launch_successor(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], 
     with rec.store.tx() as conn:
         # A successor's refused launch is a sighting, not one of the job's launch failures.
         return rec.admission.write_intent(conn, job, provider_name, offer, market, facts, rate, regions, now,
-                                successor_for=att["id"], failure_counted=False)
+                                          hold_usd=hold, successor_for=att["id"], failure_counted=False)
 
 
 def waits(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> bool:
