@@ -47,9 +47,10 @@ jobs = Table(
     Column("record_path", Text, nullable=True),
     Column("checkpoint", Text, nullable=True),  # newest complete local checkpoint, if any
     # What the budget holds for the job, less what it has spent (`holds.held_by_plans` sums it in the database, not
-    # by reading every queued job's decision): its decision's planned rented cost (the cloud phases'), kept with
-    # `decision` by the store; once an attempt of it is written on a market, its spend then and the rest of its run
-    # at that market's rate (`budget.held_on_market`, `Store.set_hold`).
+    # by reading every queued job's decision): its spend when its decision was written and that decision's planned
+    # rented cost (the cloud phases': the work left), kept with `decision` by the store; once an attempt of it is
+    # written on a market, its spend then and the rest of its run at that market's rate (`budget.held_on_market`,
+    # `Store.set_hold`).
     Column("rented_usd", Float, nullable=False, default=0.0, server_default="0"),
     # Unix seconds before which a queued job is not a candidate to start: its spot policy waits for spot, or a launch
     # failed a moment ago. Read in the query, so that such jobs do not fill the few candidates a tick reads.

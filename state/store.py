@@ -322,7 +322,9 @@ class Store:
         if expect_state is not None:
             q = q.where(s.jobs.c.state == expect_state)
         if "decision" in fields:  # the column summed for the budget goes with the decision it is read from
-            fields["rented_usd"] = s.planned_rented_usd(fields["decision"])
+            # A decision made again plans the work left, and `holds.held_by_plans` takes off all the job has spent:
+            # counted in, so that what was spent before it does not come off its new plan too.
+            fields["rented_usd"] = s.planned_rented_usd(fields["decision"]) + self.job_spend(job_id, conn=conn)[0]
         q = q.values(updated_at=time.time(), **fields)
         if conn is not None:
             return conn.execute(q).rowcount == 1
@@ -527,14 +529,17 @@ class Store:
                                 .where(led.c.month == month, led.c.cost_usd.is_(None))).all()
         return float(closed or 0.0) + sum(rate * max(0.0, now - started) / 3600.0 for rate, started in running)
 
-    def job_spend(self, job_id: str, now: float | None = None) -> tuple[float, float]:
+    def job_spend(self, job_id: str, now: float | None = None, conn: Connection | None = None) -> tuple[float, float]:
         """What a job's cloud instances have cost (closed charges, open ones accrued up to now), and the $/h its open
-        ones still accrue."""
+        ones still accrue. `conn`: read in the caller's transaction."""
         now = now or time.time()
         led = s.ledger
-        with self.engine.connect() as c:
-            charges = c.execute(select(led.c.cost_usd, led.c.rate_usd_h, led.c.started_at)
-                                .where(led.c.job_id == job_id)).all()
+        query = select(led.c.cost_usd, led.c.rate_usd_h, led.c.started_at).where(led.c.job_id == job_id)
+        if conn is not None:
+            charges = conn.execute(query).all()
+        else:
+            with self.engine.connect() as c:
+                charges = c.execute(query).all()
         spent = sum(cost if cost is not None else rate * max(now - started, 0.0) / 3600.0
                     for cost, rate, started in charges)
         return spent, sum(rate for cost, rate, _ in charges if cost is None)

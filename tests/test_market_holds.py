@@ -1,7 +1,8 @@
 """What the budget holds for an admitted job follows the market it runs on. `burstctl decide` may choose spot, and
 the daemon's spot policy then launch the job (or move it) on on-demand, at three times the price: from then on the
 job holds the rest of its run at that price, which the next job's decision, `burstctl budget` and `burstctl status`
-all count. Checked against the real store, simcloud's offers and the daemon's own reconciler."""
+all count. A job decided again after it has spent holds its new plan (the work left) whole. Checked against the
+real store, simcloud's offers and the daemon's own reconciler."""
 
 from __future__ import annotations
 
@@ -10,17 +11,21 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import insert
 
 from orchestrator.app import App
 from orchestrator.cli import main
 from orchestrator.cli.status import status_data
-from orchestrator.core.budget import Launch, held_on_market
+from orchestrator.core.budget import Launch, held_on_market, month_key
 from orchestrator.holds import held_by_plans
+from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.cloud_steps import CloudSteps
 from orchestrator.lifecycle.reconcile import Reconciler
 from orchestrator.queue import enqueue, record_offers_seen
 from providers.lambda_cloud import LambdaCloud
 from providers.simcloud.api import SimCloudServer
+from runbooks.burst_checkpoint import write_checkpoint
+from state import schema as s
 from tests.conftest import write_job
 
 SIM_SPOT_USD_H, SIM_ON_DEMAND_USD_H = 1.00, 3.29  # simcloud's 1×H100
@@ -91,3 +96,30 @@ def test_a_spot_plan_the_spot_policy_launches_on_demand_holds_the_on_demand_pric
         assert main(["--config", config, "--state-dir", str(tmp_path / "state"), "status"]) == 0
         assert " held for 1 admitted job (`burstctl budget`)" in capsys.readouterr().out
         provider.close()
+
+
+def test_a_job_decided_again_after_spending_holds_its_new_plan_whole(tmp_path: Path) -> None:
+    # 80 % done on the cloud ($4.00 spent, that checkpoint home), its relaunches refused, then decided again on the
+    # 0.2 unit left: $5.04 on-demand. What it spent before was taken off that new plan too, and it held $1.04.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, _, _ = enqueue(app, write_job(tmp_path, "ran", local_throughput=0, rented_throughput={"H100": 0.17},
+                                          market="on-demand"))
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000800", {"state.json": b"{}"})
+    now = time.time()
+    with app.store.tx() as c:
+        c.execute(insert(s.attempts).values(id=f"{job_id}-a1", job_id=job_id, n=1, where="cloud", state="preempted",
+                                            provider="sim", instance_type="x", market="on-demand",
+                                            created_at=now - 7200, info={"metrics": {"units_done": 0.8}}))
+        c.execute(insert(s.ledger).values(month=month_key(now), job_id=job_id, attempt_id=f"{job_id}-a1",
+                                          provider="sim", instance_type="x", market="on-demand", rate_usd_h=3.0,
+                                          started_at=now - 7200, ended_at=now - 3600, cost_usd=4.0))
+    rec = Reconciler(app, {}, cloud=None)
+    rec.admission._block(app.store.get_job(job_id), "3 launches failed in a row (NoCapacity)")
+    rec.admission._redecide_blocked(time.time())
+    job = app.store.get_job(job_id)
+    assert job["state"] == "queued" and job["decision"]["work_done"] == 0.8, job["reason"]
+    plan_usd = job["decision"]["plan_cost_usd"]
+    assert plan_usd == pytest.approx(3.0 * (0.2 / 0.17 + 0.5), abs=1e-3)
+    assert held_by_plans(app, time.time()).usd == pytest.approx(plan_usd, abs=1e-3)
+    rec.close()
+    app.close()
