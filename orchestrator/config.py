@@ -1,7 +1,8 @@
 """burstctl's configuration: one pydantic model whose field descriptions are the reference docs.
 
 Resolution order: ``--config``, ``$BURSTCTL_CONFIG``, ``./burstctl.toml``, ``~/.config/burstctl/config.toml``;
-with none of them, built-in defaults that need no cloud (the simulated cloud only).
+with none of them, built-in defaults that need no cloud (the simulated cloud only). ``$BURSTCTL_CONFIG`` set but
+empty is bad input, as an empty ``--config`` is: not the defaults.
 
 Secrets are never inline: a provider names the *environment variable* that holds its key (``*_env``).
 """
@@ -885,12 +886,17 @@ def _closest_slots_s(sched: Schedule, looks: int = 64) -> float | None:
 
 
 def config_candidates(explicit: str | None) -> list[tuple[Path, bool]]:
-    """(path, must_exist) in resolution order."""
+    """(path, must_exist) in resolution order. A $BURSTCTL_CONFIG set but empty, where it would be read (no
+    `explicit` file), is bad input: an env file's `BURSTCTL_CONFIG=`, or a script's unset variable, meant a file, and
+    running on the defaults (another state, the simulated cloud only) would not say so."""
     out: list[tuple[Path, bool]] = []
     if explicit:
         out.append((Path(explicit), True))
     env = os.environ.get("BURSTCTL_CONFIG")
-    if env:
+    if env is not None and not env.strip() and not explicit:
+        raise BadInput("is set but empty: expected the path of a config file (unset it for ./burstctl.toml, "
+                       "~/.config/burstctl/config.toml or the built-in defaults)", source="$BURSTCTL_CONFIG")
+    if env and env.strip():
         out.append((Path(env), True))
     out.append((Path("burstctl.toml"), False))
     out.append((Path.home() / ".config" / "burstctl" / "config.toml", False))

@@ -26,12 +26,14 @@ def _private_config(folder: Path, key_env: str) -> Path:
     return path
 
 
+@pytest.mark.parametrize("user_env", ["env.toml", ""], ids=["a-file", "set-but-empty"])
 def test_a_child_reads_the_private_config_and_not_burstctl_config_or_the_cwds(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Both of the user's configs name a key variable that is unset; the private one names one that is set.
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, user_env: str) -> None:
+    # Both of the user's configs name a key variable that is unset; the private one names one that is set. A
+    # $BURSTCTL_CONFIG set but empty, bad input to the user's own commands, does not reach the child either.
     (tmp_path / "burstctl.toml").write_text('[providers.sim]\napi_key_env = "MY_SIM_KEY"\n')
     (tmp_path / "env.toml").write_text('[providers.sim]\napi_key_env = "MY_OTHER_SIM_KEY"\n')
-    monkeypatch.setenv("BURSTCTL_CONFIG", str(tmp_path / "env.toml"))
+    monkeypatch.setenv("BURSTCTL_CONFIG", str(tmp_path / user_env) if user_env else "")
     private = tmp_path / "private"
     private.mkdir()
     kids = Children(private, {**os.environ, "PRIVATE_SIM_KEY": "k"}, _private_config(private, "PRIVATE_SIM_KEY"))

@@ -414,6 +414,24 @@ def test_config_resolution_prefers_flag_then_env_then_cwd(burstctl, tmp_path: Pa
     assert json.loads(r.stdout)["cap_usd"] == 60
 
 
+EMPTY_CONFIG_ENV = ("burstctl: error: $BURSTCTL_CONFIG: is set but empty: expected the path of a config file (unset "
+                    "it for ./burstctl.toml, ~/.config/burstctl/config.toml or the built-in defaults)")
+
+
+@pytest.mark.parametrize("empty", ["", " \t"], ids=["empty", "blank"])
+def test_a_burstctl_config_set_but_empty_is_bad_input_not_the_defaults(burstctl, tmp_path: Path, empty: str) -> None:
+    # `BURSTCTL_CONFIG=` in an env file, or a script's variable that was never set, meant a file: the command ran on
+    # ./burstctl.toml or the built-in defaults (another state, the simulated cloud only) without a word.
+    (tmp_path / "burstctl.toml").write_text("[budget]\nmonthly_cap_usd = 30\n")
+    for args in (("budget", "--json"), ("status",), ("enqueue", str(write_job(tmp_path, "meant")))):
+        r = burstctl(*args, env={"BURSTCTL_CONFIG": empty})
+        assert (r.returncode, r.stdout, r.stderr.strip()) == (2, "", EMPTY_CONFIG_ENV), args
+    assert json.loads(burstctl("list", "--json").stdout) == []  # nothing was queued on the defaults
+    # `--config` names the file: the variable is not read, empty or not.
+    r = burstctl("--config", str(tmp_path / "burstctl.toml"), "budget", "--json", env={"BURSTCTL_CONFIG": empty})
+    assert r.returncode == 0 and json.loads(r.stdout)["cap_usd"] == 30
+
+
 def test_config_example_is_valid(burstctl) -> None:
     r = burstctl("--config", str(REPO / "config.example.toml"), "budget", "--json")
     assert r.returncode == 0, r.stderr
@@ -1343,6 +1361,15 @@ def test_a_daemon_tick_past_the_config_s_ceiling_is_refused_before_the_daemon_st
     r = burstctl_subprocess("daemon", "--tick", "1e308")
     assert r.returncode == 2 and "'--tick': 1e+308 is not in the range 0.05<=x<=600" in r.stderr, r.stderr
     assert not (burstctl_subprocess.state_dir / "burstctl.db").exists()
+
+
+def test_a_daemon_whose_burstctl_config_is_set_but_empty_does_not_start_on_the_defaults(
+        burstctl_subprocess) -> None:
+    # A systemd env file's `BURSTCTL_CONFIG=`: the daemon ran on the built-in defaults, with another state directory
+    # and the simulated cloud only. The real script: one line, exit 2, no traceback, nothing made.
+    r = burstctl_subprocess("daemon", env={"BURSTCTL_CONFIG": ""})
+    assert (r.returncode, r.stdout, r.stderr.splitlines()) == (2, "", [EMPTY_CONFIG_ENV]), r.stderr
+    assert not burstctl_subprocess.state_dir.exists()
 
 
 def test_unknown_job_is_bad_input(burstctl) -> None:
