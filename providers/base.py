@@ -20,22 +20,27 @@ from tenacity import (
     retry_if_exception_type,
     stop_after_attempt,
     stop_after_delay,
+    stop_any,
     wait_random_exponential,
 )
+from tenacity.stop import stop_base
 
 T = TypeVar("T")
 
 
 # --- error taxonomy ---------------------------------------------------------------------------------------
 class ProviderError(Exception):
-    """Base of the taxonomy. `code` is the vendor's error code (never its free-text message)."""
+    """Base of the taxonomy. `code` is the vendor's error code (never its free-text message); `retry_after_s`, how
+    long the provider asked to be left alone (its Retry-After), when it said."""
 
     retryable = False
 
-    def __init__(self, message: str, *, provider: str = "", code: str | None = None):
+    def __init__(self, message: str, *, provider: str = "", code: str | None = None,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.provider = provider
         self.code = code
+        self.retry_after_s = retry_after_s
 
 
 class NoCapacity(ProviderError):
@@ -245,10 +250,17 @@ def call(provider: str, verb: str, fn: Callable[[], T], *, sink: EventSink | Non
             sink("provider.retry", provider=provider, call=verb, attempt=state.attempt_number,
                  error=type(exc).__name__, code=getattr(exc, "code", None))
 
+    backoff = wait_random_exponential(multiplier=retry.initial_s, max=retry.max_wait_s)
+
+    def _wait(state: RetryCallState) -> float:
+        # The provider's Retry-After is a floor: a try sooner is refused again, and prolongs the throttling.
+        return max(backoff(state), _retry_after(state) or 0.0)
+
     retrying = Retrying(
         retry=retry_if_exception_type((Throttled, Transient)),
-        stop=stop_after_attempt(retry.attempts) | stop_after_delay(retry.max_total_s),
-        wait=wait_random_exponential(multiplier=retry.initial_s, max=retry.max_wait_s),
+        stop=stop_any(stop_after_attempt(retry.attempts), stop_after_delay(retry.max_total_s),
+                      _RetryAfterBeyond(retry)),
+        wait=_wait,
         reraise=True,
         sleep=sleep,
         before_sleep=_before_sleep,
@@ -272,3 +284,21 @@ def call(provider: str, verb: str, fn: Callable[[], T], *, sink: EventSink | Non
                 data["code"] = error.code
             sink("provider.call", **data)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _RetryAfterBeyond(stop_base):
+    """Stop when the provider's Retry-After is longer than one wait of the policy, or reaches past what the call may
+    take: it is not slept through here, holding up the daemon's tick; the caller (its next tick) asks again later."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        after = _retry_after(retry_state)
+        return after is not None and (after > self.policy.max_wait_s or
+                                      (retry_state.seconds_since_start or 0.0) + after > self.policy.max_total_s)
+
+
+def _retry_after(state: RetryCallState) -> float | None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    return exc.retry_after_s if isinstance(exc, ProviderError) else None

@@ -15,6 +15,8 @@ Lambda's v1 REST API.
 
 from __future__ import annotations
 
+import email.utils
+import math
 import os
 import re
 import threading
@@ -139,6 +141,8 @@ class LambdaCloud:
         self._request_pacer = Pacer(request_interval_s, clock=clock, sleep=sleep)
         self._launch_pacer = Pacer(launch_interval_s, clock=clock, sleep=sleep)
         self._key_names: dict[str, str] = {}  # public key -> the name it is registered under
+        self._clock = clock
+        self._quiet_until = -math.inf  # on `clock`: until when the API asked (Retry-After) to be left alone
         self._http = httpx.Client(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {api_key}", "Accept": "application/json"},
@@ -332,12 +336,16 @@ class LambdaCloud:
 
     def _request(self, method: str, path: str, body: Mapping[str, Any] | None = None, *, launch: bool = False) -> Any:
         """One HTTP exchange; returns the response's `data` or raises the taxonomy's error."""
+        what = f"{method} {path}"
+        if (quiet_s := self._quiet_until - self._clock()) > 0:
+            # Asked again before its Retry-After is up, the API refuses again and counts the request against us.
+            raise Throttled(f"{what}: not sent: the API asked to be left alone for {quiet_s:.0f} s more (Retry-After)",
+                            provider=self.name, code="retry-after", retry_after_s=quiet_s)
         self._request_pacer.wait()
         if launch:
             # Both limits apply; stamp the request pacer again so both count from the moment of sending.
             self._launch_pacer.wait()
             self._request_pacer.mark()
-        what = f"{method} {path}"
         try:
             resp = self._http.request(method, path, json=body) if body is not None else self._http.request(method, path)
         except httpx.TimeoutException as exc:
@@ -352,14 +360,18 @@ class LambdaCloud:
                 raise Transient(f"{what}: HTTP {resp.status_code} without a JSON data body", provider=self.name,
                                 code=f"http-{resp.status_code}")
             return payload["data"]
-        raise self._error(what, resp.status_code, payload)
+        error = self._error(what, resp.status_code, payload)
+        if isinstance(error, (Throttled, Transient)) and (after := retry_after_s(resp.headers.get("retry-after"))):
+            error.retry_after_s = after
+            self._quiet_until = max(self._quiet_until, self._clock() + after)
+        raise error
 
     def _error(self, what: str, status: int, payload: Any) -> ProviderError:
         err = payload.get("error") if isinstance(payload, dict) else None
         code = str(err.get("code")) if isinstance(err, dict) and err.get("code") else None
         message = str(err.get("message", "")) if isinstance(err, dict) else ""
         text = f"{what}: HTTP {status} {code or '(no JSON error body)'}" + (f": {message}" if message else "")
-        kw = {"provider": self.name, "code": code or f"http-{status}"}
+        kw: dict[str, Any] = {"provider": self.name, "code": code or f"http-{status}"}
         if status == 429:
             return Throttled(text, **kw)  # often an HTML page from the CDN: the status alone decides
         if status >= 500 or code == "global/internal-error" or (code or "").startswith("provider/"):
@@ -479,6 +491,29 @@ def read_api_key(section: LambdaProvider | SimProvider, environ: Mapping[str, st
     if not value:
         raise AuthFailed(f"the API key file {path} is empty", provider=provider)
     return value
+
+
+MAX_RETRY_AFTER_S = 300.0  # a Retry-After longer than this is taken as this: a terminate is not held back for hours
+
+
+def retry_after_s(value: str | None, now: float | None = None) -> float | None:
+    """Seconds a Retry-After header asks to wait (a number of seconds or an HTTP date), at most MAX_RETRY_AFTER_S;
+    None when there is none or it cannot be read."""
+    if not value:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if not math.isfinite(seconds) or seconds <= 0:
+        return None
+    return min(seconds, MAX_RETRY_AFTER_S)
 
 
 def parse_gpu_description(text: str) -> tuple[str, float]:

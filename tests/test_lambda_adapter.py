@@ -31,7 +31,16 @@ from providers.base import (
     Throttled,
     category,
 )
-from providers.lambda_cloud import InstanceGone, LambdaCloud, Pacer, from_config, parse_gpu_description, read_api_key
+from providers.lambda_cloud import (
+    MAX_RETRY_AFTER_S,
+    InstanceGone,
+    LambdaCloud,
+    Pacer,
+    from_config,
+    parse_gpu_description,
+    read_api_key,
+    retry_after_s,
+)
 from providers.simcloud.api import FaultKind, SimCloudServer
 
 CONTRACT = Path(__file__).resolve().parents[2] / "shared" / "contracts" / "lambda-cloud" / "openapi-1.8.3.json"
@@ -39,7 +48,7 @@ pytestmark = pytest.mark.skipif(not CONTRACT.exists(), reason="shared Lambda con
 
 API_KEY = "sk-sim-PLANTED-7f3a9c2e41d8b6"
 PUBKEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBurstctlTestKeyForSimcloudOnly000000000000 test@burstctl"
-FAST_RETRY = RetryPolicy(attempts=4, max_total_s=20.0, initial_s=0.01, max_wait_s=0.05)
+FAST_RETRY = RetryPolicy(attempts=4, max_total_s=20.0, initial_s=0.01, max_wait_s=1.0)  # waits out a Retry-After: 1
 
 
 class Events:
@@ -382,6 +391,48 @@ def test_throttling_is_retried_then_succeeds(sim: SimCloudServer, lam: LambdaClo
     assert (offers_call["outcome"], offers_call["tries"]) == ("ok", 3)
     retries = [d for t, d in events.items if t == "provider.retry"]
     assert [r["error"] for r in retries] == ["Throttled", "Throttled"]
+
+
+def test_a_throttled_call_is_tried_again_no_sooner_than_the_retry_after_the_api_asked_for(
+        sim: SimCloudServer, events: Events) -> None:
+    adapter = make_adapter(sim, events, retry=RetryPolicy(attempts=4, max_total_s=20.0, initial_s=0.01, max_wait_s=5))
+    sim.inject(FaultKind.THROTTLE, route="instance-types", retry_after_s=2)
+    assert adapter.offers()
+    [offers_call] = events.calls("offers")
+    assert offers_call["tries"] == 2
+    assert offers_call["duration_s"] >= 1.9, "tried again before the Retry-After was up: refused again"
+    adapter.close()
+
+
+def test_a_retry_after_longer_than_a_call_may_wait_ends_the_call_and_no_request_is_sent_until_it_is_up(
+        sim: SimCloudServer, events: Events) -> None:
+    clock = [1000.0]
+    adapter = make_adapter(sim, events, clock=lambda: clock[0])
+    sim.inject(FaultKind.THROTTLE, count=100, retry_after_s=30)
+    started = time.monotonic()
+    with pytest.raises(Throttled) as caught:
+        adapter.offers()
+    assert time.monotonic() - started < 5, "30 s is not slept through inside one call (the daemon's tick waits)"
+    assert caught.value.retry_after_s == 30
+    [fault] = sim.pending_faults()
+    assert fault.remaining == 99, "one request, not one per retry: each early one is refused and counted again"
+    clock[0] += 29  # the next tick, and the ones after: still asked to wait, so nothing is sent
+    for ask in (adapter.list_owned, lambda: adapter.describe(["i-1"]), lambda: adapter.terminate(["i-1"])):
+        with pytest.raises(Throttled, match="Retry-After"):
+            ask()
+    assert fault.remaining == 99
+    clock[0] += 2  # past it: asked again (and refused again here, for another 30 s)
+    with pytest.raises(Throttled):
+        adapter.offers()
+    assert fault.remaining == 98
+    adapter.close()
+
+
+def test_a_retry_after_is_read_in_seconds_or_as_an_http_date_and_bounded() -> None:
+    assert retry_after_s("7") == 7.0
+    assert retry_after_s("Thu, 01 Jan 2026 00:01:00 GMT", now=1767225600.0) == 60.0
+    assert retry_after_s("86400") == MAX_RETRY_AFTER_S  # a terminate is never held back for a day
+    assert [retry_after_s(v) for v in (None, "", "soon", "0", "-5", "nan")] == [None] * 6
 
 
 @pytest.mark.parametrize("status", [500, 502, 503])

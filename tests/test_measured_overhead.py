@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,14 +199,15 @@ def _ticked_until_ready(app: App, job_id: str, rec: Reconciler, provider: Lambda
     return ready, measured
 
 
-def _booting_on(sim: SimCloudServer, retried: bool = True) -> LambdaCloud:
+def _booting_on(sim: SimCloudServer, retried: bool = True, clock: Callable[[], float] | None = None) -> LambdaCloud:
     """The adapter the boot tests look at `sim` through; not `retried`: a throttled call fails at once, as one whose
-    retries were spent (each tick of an outage is one failed look)."""
+    retries were spent (each tick of an outage is one failed look). `clock`: the test's, on which the throttle's
+    Retry-After runs out between its ticks minutes apart."""
     from providers.base import RetryPolicy
 
     retry = {} if retried else {"retry": RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0)}
     return LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-boot-key", regions=("us-east-1",),
-                       request_interval_s=0.0, **retry)
+                       request_interval_s=0.0, **retry, **({"clock": clock} if clock else {}))
 
 
 @pytest.mark.parametrize("outage", [False, True])
@@ -218,7 +220,7 @@ def test_a_boot_the_provider_did_not_answer_through_is_not_measured_into_later_d
     now = [time.time()]
     backend = SshBackend(tmp_path / "simcloud")
     with SimCloudServer(api_key="sim-boot-key", backend=backend) as sim:
-        provider = _booting_on(sim, retried=False)
+        provider = _booting_on(sim, retried=False, clock=lambda: now[0])
         rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])
         if outage:
             sim.inject("throttle", count=1000, route="instances")
@@ -251,7 +253,7 @@ def test_an_api_outage_longer_than_boot_timeout_s_does_not_end_an_instance_still
     now = [time.time()]
     backend = SshBackend(tmp_path / "simcloud")
     with SimCloudServer(api_key="sim-boot-key", backend=backend, boot_delay_s=2.0) as sim:
-        provider = _booting_on(sim, retried=False)
+        provider = _booting_on(sim, retried=False, clock=lambda: now[0])
 
         def reconciler() -> Reconciler:
             rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}), clock=lambda: now[0])

@@ -589,10 +589,10 @@ def test_a_launch_whose_outcome_is_unknown_is_never_given_up_while_the_provider_
     app = App(state_dir_override=str(tmp_path / "state"))
     job_id, _, _ = enqueue(app, write_job(tmp_path, "unknown", local_throughput=0, market="on-demand"))
     with SimCloudServer(api_key="sim-rules-key") as sim:
-        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
-                               request_interval_s=0.0, timeout_s=0.5,
-                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
         offset = [0.0]  # each tick past the failed step's next try, and the failures past the heartbeat timeout
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
+                               request_interval_s=0.0, timeout_s=0.5, clock=lambda: time.monotonic() + offset[0],
+                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
         rec = Reconciler(app, {"sim": provider}, cloud=CloudSteps(app, {"sim": provider}),
                          clock=lambda: time.time() + offset[0])
         sim.inject("delayed-response", route="instance-operations/launch", delay_s=2.0)  # made, answer lost

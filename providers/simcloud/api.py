@@ -129,6 +129,7 @@ class Fault:
     status: int = 500
     delay_s: float = 5.0
     regions: tuple[str, ...] = ()
+    retry_after_s: int = 1  # the Retry-After header of a `throttle`
 
     def applies_to(self, path: str, body: Any) -> bool:
         if self.remaining <= 0:
@@ -311,10 +312,10 @@ class SimCloudServer:
 
     # --- admin: faults, capacity, quota -------------------------------------------------------------------
     def inject(self, kind: FaultKind | str, count: int = 1, *, route: str | None = None, status: int = 500,
-               delay_s: float = 5.0, regions: Iterable[str] = ()) -> Fault:
+               delay_s: float = 5.0, regions: Iterable[str] = (), retry_after_s: int = 1) -> Fault:
         """Make the next `count` matching requests fail as `kind`."""
         fault = Fault(kind=FaultKind(kind), remaining=count, route=route, status=status, delay_s=delay_s,
-                      regions=tuple(regions))
+                      regions=tuple(regions), retry_after_s=retry_after_s)
         if fault.kind is FaultKind.SERVER_ERROR and status not in (500, 502, 503):
             raise ValueError(f"server-error status must be 500, 502 or 503, not {status}")
         with self._lock:
@@ -465,7 +466,7 @@ class SimCloudServer:
     def _fault_reply(self, fault: Fault) -> _Reply | None:
         kind = fault.kind
         if kind is FaultKind.THROTTLE:
-            return _Reply.throttled_json()
+            return _Reply.throttled_json(fault.retry_after_s)
         if kind is FaultKind.THROTTLE_HTML:
             return _Reply(429, _CDN_429_PAGE, "text/html; charset=utf-8")
         if kind is FaultKind.SERVER_ERROR:
@@ -645,7 +646,7 @@ class SimCloudServer:
         if method == "POST" and sub == "/faults":
             fault = self.inject(body["kind"], int(body.get("count", 1)), route=body.get("route"),
                                 status=int(body.get("status", 500)), delay_s=float(body.get("delay_s", 5.0)),
-                                regions=body.get("regions", ()))
+                                regions=body.get("regions", ()), retry_after_s=int(body.get("retry_after_s", 1)))
             return _Reply.data(_fault_dict(fault))
         if method == "DELETE" and sub == "/faults":
             self.clear_faults()
@@ -781,10 +782,10 @@ class _Reply:
         return cls(err.status, json.dumps(err.body()).encode(), "application/json")
 
     @classmethod
-    def throttled_json(cls) -> _Reply:
+    def throttled_json(cls, retry_after_s: int = 1) -> _Reply:
         body = {"error": {"code": "global/too-many-requests", "message": "Too many requests.",
                           "suggestion": "Slow down: about 1 request per second, 1 launch per 12 seconds."}}
-        return cls(429, json.dumps(body).encode(), "application/json", headers={"Retry-After": "1"})
+        return cls(429, json.dumps(body).encode(), "application/json", headers={"Retry-After": str(retry_after_s)})
 
 
 def _make_handler(server: SimCloudServer) -> type[BaseHTTPRequestHandler]:
