@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 # The kill switch (`revert-local` clears it, `burst-enable` sets it): a setting in the store, so the daemon and
 # every command see the same answer.
 BURST_ENABLED_KEY = "burst_enabled"
+# The providers whose last listing the daemon asked for was refused (`OfferCache.refusals`: its key, say), and what
+# each said: `status` tells them from the unreachable ones.
+CLOUD_REFUSED_KEY = "cloud_refused"
 # This installation's owner tag when the config does not set one (`Config.orchestrator_id`).
 ORCHESTRATOR_ID_KEY = "orchestrator_id"
 

@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.e2e import (
@@ -23,6 +24,7 @@ from tests.e2e import (
     events,
     free_port,
     job,
+    sim_admin,
     sim_instances,
     simcloud,
     store_sections,
@@ -223,3 +225,30 @@ def test_status_tells_how_the_cloud_answers_now_with_nothing_queued_and_not_afte
     after = cli(config, state, "status")
     assert "mode: burst-enabled" in after.stdout  # a stopped daemon's last answer is not today's mode
     assert "by the daemon, which is not running): sim UNREACHABLE" in after.stdout
+
+
+def test_status_says_a_provider_that_refuses_the_daemons_key_refuses_it_and_why_not_that_it_is_unreachable(
+        tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        sim_admin(url, "faults", {"kind": "invalid-key", "count": 100000})  # the key revoked
+        config = write_config(tmp_path, url, daemon={"offers_ttl_s": 1.0})
+        daemon = Daemon(tmp_path, config, state).start()
+
+        def status() -> dict[str, object]:
+            return dict(json.loads(cli(config, state, "status", "--json").stdout))
+
+        try:
+            wait_for(lambda: status()["cloud_health"] == {"sim": False}, 30, "the daemon to ask sim")
+            refused = status()
+            assert refused["mode"] == "local-only (the cloud refuses the daemon's requests: see cloud)"
+            text = " ".join(cli(config, state, "status").stdout.split())
+            # What to do is about the key, not the network: said where the user looks first, naming where it is read.
+            assert "sim REFUSES: AuthFailed: GET /instance-types: HTTP 401 global/invalid-api-key" in text
+            assert "$BURSTCTL_SIM_API_KEY" in text and "UNREACHABLE" not in text and SIM_KEY not in text
+            httpx.delete(f"{url}/_sim/faults", timeout=10).raise_for_status()  # the key accepted again
+            wait_for(lambda: status()["mode"] == "burst-enabled", 30, "status to see sim answer again")
+            assert status()["cloud_refused"] == {}
+            assert "sim answers" in cli(config, state, "status").stdout
+        finally:
+            assert daemon.stop() == 0

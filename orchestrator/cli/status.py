@@ -10,7 +10,7 @@ from typing import Any
 from rich.markup import escape
 from sqlalchemy import select
 
-from orchestrator.app import App, burst_enabled
+from orchestrator.app import CLOUD_REFUSED_KEY, App, burst_enabled
 from orchestrator.cli.base import cli, json_option, pass_app
 from orchestrator.cli.output import out, print_json, table
 from orchestrator.core.budget import Held, month_key
@@ -47,6 +47,8 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
         "config_restart_needed": _restart_needed(app) if daemon is not None else [],
         "cloud_health": app.store.get_setting("cloud_health") or {},
         "cloud_health_at": app.store.get_setting("cloud_health_at"),
+        # Of the providers that did not answer with offers, those that answered with a refusal, and what it said.
+        "cloud_refused": app.store.get_setting(CLOUD_REFUSED_KEY) or {},
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
         # Of the running jobs, those whose launch no provider has confirmed yet: said as such (`machine.LAUNCHING`).
         "launching_jobs": launching_jobs,
@@ -155,8 +157,17 @@ def _mode(app: App, daemon_running: bool) -> str:
     if daemon_running and health == {}:
         return f"local-only ({NO_PROVIDER})"
     if daemon_running and health and not any(health.values()):
-        return "local-only (no cloud reachable)"
+        refused = app.store.get_setting(CLOUD_REFUSED_KEY) or {}
+        if all(name in refused for name in health):  # they answer, and refuse: the key, not the network
+            return "local-only (the cloud refuses the daemon's requests: see cloud)"
+        return "local-only (no cloud reachable)" if not refused else "local-only (no cloud usable: see cloud)"
     return "burst-enabled"
+
+
+def _health_txt(answers: bool, refused: str | None) -> str:
+    if answers:
+        return "answers"
+    return f"REFUSES: {escape(refused)}" if refused else "UNREACHABLE"
 
 
 def _market_txt(a: dict[str, Any]) -> str:
@@ -217,7 +228,7 @@ def status_cmd(app: App, as_json: bool) -> None:
         out.print(f"[yellow]the daemon applies {', '.join(d['config_restart_needed'])} only when it starts: "
                   "restart it to apply the change (it runs on the file's other settings)[/yellow]")
     if d["cloud_health"]:
-        health = ", ".join(f"{k} {'answers' if v else 'UNREACHABLE'}" for k, v in d["cloud_health"].items())
+        health = ", ".join(f"{k} {_health_txt(v, d['cloud_refused'].get(k))}" for k, v in d["cloud_health"].items())
         at = d["cloud_health_at"]
         when = f"asked {_ago(at, time.time())}" if at is not None else "asked"
         if not dmn["running"]:

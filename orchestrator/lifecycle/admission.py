@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, func, or_, select, update
 
-from orchestrator.app import App, burst_enabled
+from orchestrator.app import CLOUD_REFUSED_KEY, App, burst_enabled
 from orchestrator.core.decision import UNMEASURED_SETUP
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.core.sizing import gb_and_gib
@@ -34,7 +34,7 @@ from orchestrator.lifecycle.market_switch import market_for_attempt, record_spot
 from orchestrator.lifecycle.states import JobState, awaits_approval
 from orchestrator.queue import headline, local_hours, local_time, record_offers_seen
 from orchestrator.records import supersede, superseded
-from providers.base import Market, NoCapacity, Offer, Provider, ProviderError
+from providers.base import Market, NoCapacity, Offer, Provider, ProviderError, category
 from state import schema as s
 from state.schema import planned_rented_usd
 
@@ -77,6 +77,13 @@ class OfferCache:
 
     def health(self) -> dict[str, bool]:
         return {n: not isinstance(v, ProviderError) for n, v in self._offers.items()}
+
+    def refusals(self) -> dict[str, str]:
+        """The providers that answered their last listing with a refusal a retry will not change (its key refused,
+        an account limit, a request it calls wrong: not Throttled or Transient), and what it said. Such a provider is
+        not unreachable: what to do about it is not the network's."""
+        return {n: f"{category(v)}: {v}" for n, v in self._offers.items()
+                if isinstance(v, ProviderError) and not v.retryable}
 
     def checked_at(self) -> float | None:
         """When the least recently asked provider was last asked (None before any was)."""
@@ -277,6 +284,7 @@ class Admission:
             if self.store.get_setting("cloud_health") != {}:
                 with self.store.tx() as conn:
                     self.store.set_setting("cloud_health", {}, conn=conn)
+                    self.store.set_setting(CLOUD_REFUSED_KEY, {}, conn=conn)
                     self.store.set_setting("cloud_health_at", now, conn=conn)
                     self.app.events.emit("cloud.health", conn=conn, providers={})
             return
@@ -286,10 +294,14 @@ class Admission:
         health, at = self.offers.health(), self.offers.checked_at()
         if not health or self.store.get_setting("cloud_health_at") == at:
             return
+        refused = {n: self.app.redactor.clip(why, 300) for n, why in self.offers.refusals().items()}
         with self.store.tx() as conn:
-            if self.store.get_setting("cloud_health") != health:
-                self.store.set_setting("cloud_health", health, conn=conn)
-                self.app.events.emit("cloud.health", conn=conn, providers=health)
+            if self.store.get_setting("cloud_health") != health or \
+                    set(self.store.get_setting(CLOUD_REFUSED_KEY) or {}) != set(refused):
+                said: dict[str, Any] = {"refused": sorted(refused)} if refused else {}
+                self.app.events.emit("cloud.health", conn=conn, providers=health, **said)
+            self.store.set_setting("cloud_health", health, conn=conn)
+            self.store.set_setting(CLOUD_REFUSED_KEY, refused, conn=conn)
             self.store.set_setting("cloud_health_at", at, conn=conn)
 
     def _redecide_late_in_line(self, waiting: list[dict[str, Any]], now: float) -> None:
