@@ -21,6 +21,7 @@ import os
 import re
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -476,6 +477,7 @@ def read_api_key(section: LambdaProvider | SimProvider, environ: Mapping[str, st
         value = environ.get(section.api_key_env, "").strip()
         if not value:
             raise AuthFailed(f"no API key: set the environment variable {section.api_key_env}", provider=provider)
+        _sendable(value, f"the environment variable {section.api_key_env}", provider)
         return value
     try:
         mode = path.stat().st_mode
@@ -490,7 +492,19 @@ def read_api_key(section: LambdaProvider | SimProvider, environ: Mapping[str, st
     value = lines[0].strip() if lines else ""
     if not value:
         raise AuthFailed(f"the API key file {path} is empty", provider=provider)
+    _sendable(value, f"the API key file {path}", provider)
     return value
+
+
+def _sendable(key: str, where: str, provider: str) -> None:
+    """AuthFailed unless every character of the key can go in an HTTP header (printable ASCII): pasted with curly
+    quotes or a zero-width space, the HTTP client raised an error no adapter maps, and the daemon did not start (its
+    local jobs with it). Says which character, never the key."""
+    for i, ch in enumerate(key):
+        if ch < " " or ch >= "\x7f":
+            what = f"U+{ord(ch):04X} {unicodedata.name(ch, '')}".rstrip() if ord(ch) > 0x7F else "a control character"
+            raise AuthFailed(f"the API key in {where} cannot be sent in an HTTP header: its character {i + 1} is "
+                             f"{what} (pasted with quotes?)", provider=provider)
 
 
 MAX_RETRY_AFTER_S = 300.0  # a Retry-After longer than this is taken as this: a terminate is not held back for hours

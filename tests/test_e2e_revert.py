@@ -18,6 +18,7 @@ from tests.e2e import (
     GONE,
     SIM_KEY,
     Daemon,
+    EnvDaemon,
     burstctl_argv,
     cli,
     cloud,
@@ -252,3 +253,30 @@ def test_status_says_a_provider_that_refuses_the_daemons_key_refuses_it_and_why_
             assert "sim answers" in cli(config, state, "status").stdout
         finally:
             assert daemon.stop() == 0
+
+
+def test_a_cloud_key_no_http_header_can_carry_leaves_that_cloud_unusable_and_local_work_going_on(
+        tmp_path: Path) -> None:
+    # Pasted with curly quotes from a document: the HTTP client raised an error no adapter maps, the daemon did not
+    # start, and local jobs did not run with it, for a cloud that is additive.
+    state = tmp_path / "state"
+    config = write_config(tmp_path, f"http://127.0.0.1:{free_port()}")
+    pasted = f"\u201c{SIM_KEY}\u201d"
+    work = tmp_path / "w"
+    work.mkdir()
+    local = tmp_path / "local.toml"
+    local.write_text('name = "local-one"\ncommand = ["python3", "-c", "print(42)"]\nworkdir = "w"\n'
+                     'deadline_hours = 5\nlocal_throughput = 1\nrented_throughput = { H100 = 2 }\n')
+    daemon = EnvDaemon(tmp_path, config, state).start(env={"BURSTCTL_SIM_API_KEY": pasted})
+    try:
+        assert cli(config, state, "enqueue", str(local)).returncode == 0
+        wait_for(lambda: job(state, "local-one")["state"] == "done", 60, "the local job to finish")
+    finally:
+        assert daemon.stop() == 0
+    said = ("the API key in the environment variable BURSTCTL_SIM_API_KEY cannot be sent in an HTTP header: its "
+            "character 1 is U+201C LEFT DOUBLE QUOTATION MARK (pasted with quotes?)")
+    r = subprocess.run(burstctl_argv("--config", str(config), "--state-dir", str(state), "providers", "--json"),
+                       env={**os.environ, "BURSTCTL_SIM_API_KEY": pasted}, capture_output=True, text=True, timeout=60)
+    sim = next(p for p in json.loads(r.stdout)["providers"] if p["name"] == "sim")
+    assert sim["problem"] == said and r.returncode == 2 and "internal error" not in r.stderr
+    assert SIM_KEY not in r.stdout + r.stderr + (tmp_path / "daemon-1.log").read_text()

@@ -312,6 +312,23 @@ def test_a_key_in_the_environment_is_used_trimmed_and_scrubbed_trimmed_too(monke
         read_api_key(LambdaProvider())
 
 
+@pytest.mark.parametrize("pasted,what", [("\u201csk-key-4d5e\u201d", "1 is U+201C LEFT DOUBLE QUOTATION MARK"),
+                                         ("sk-key\u200b4d5e", "7 is U+200B ZERO WIDTH SPACE"),
+                                         ("sk-key\x004d5e", "7 is a control character")])
+def test_a_key_no_http_header_can_carry_is_refused_as_the_credentials_problem_naming_the_character_not_the_key(
+        tmp_path: Path, pasted: str, what: str) -> None:
+    with pytest.raises(AuthFailed) as refused:
+        read_api_key(LambdaProvider(), {"LAMBDA_API_KEY": pasted})
+    assert str(refused.value) == (f"the API key in the environment variable LAMBDA_API_KEY cannot be sent in an HTTP "
+                                  f"header: its character {what} (pasted with quotes?)")
+    assert "4d5e" not in str(refused.value)
+    key = tmp_path / "lambda_api_key"
+    key.write_text(pasted + "\n")
+    key.chmod(0o600)
+    with pytest.raises(AuthFailed, match=f"the API key in the API key file {key} cannot be sent"):
+        read_api_key(LambdaProvider(api_key_file=str(key)), {})
+
+
 def test_a_key_file_is_read_instead_of_the_variable_and_its_problems_never_quote_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LAMBDA_API_KEY", "from-the-environment")
