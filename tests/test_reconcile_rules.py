@@ -30,8 +30,10 @@ from providers.base import (
     InstanceInfo,
     InstanceState,
     InvalidRequest,
+    LaunchRequest,
     Market,
     Offer,
+    OwnerTags,
     ProviderError,
     QuotaExceeded,
     RetryPolicy,
@@ -2261,4 +2263,47 @@ def test_a_newest_checkpoint_whose_bytes_are_wrong_is_moved_aside_and_said_and_t
     assert checkpoints.latest(app.config, job_id, deep=False).name == "step-00000010"  # what revert-local names
     assert checkpoints.resume_point(app, job_id).name == "step-00000010"  # said once
     assert len([e for e in app.store.events(job_id=job_id) if e["type"] == "checkpoint.corrupt"]) == 1
+    app.close()
+
+
+def test_a_terminate_its_provider_does_not_answer_for_minutes_is_said_with_its_count_and_next_try_all_along(
+        tmp_path: Path) -> None:
+    # The run had ended and its instance was being terminated when the provider's API went down (503s) for minutes.
+    # The terminate is never given up (the instance may bill), but the job's reason, what `show` says, stayed at
+    # "terminate failed 4 times in a row, next try in 15 s" for the whole outage while `status` counted on.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path)
+    with SimCloudServer(api_key="sim-rules-key") as sim:
+        now = [time.time()]
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
+                               request_interval_s=0.0, clock=lambda: now[0],
+                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
+        instance = provider.launch(LaunchRequest("gpu_1x_h100_sxm5", Market.ON_DEMAND,
+                                                 OwnerTags("burstctl", job_id, f"{job_id}-a1"), "k",
+                                                 "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBurstctlRulesKey0000 test"))
+        with app.store.tx() as c:
+            c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1")
+                      .values(state="terminating", instance_id=instance.id))
+        app.store.open_charge({"month": month_key(now[0]), "job_id": job_id, "attempt_id": f"{job_id}-a1",
+                               "provider": "sim", "instance_id": instance.id, "rate_usd_h": 3.29, "started_at": now[0]})
+        sim.inject("server-error", count=1000, status=503)
+        rec = Reconciler(app, {"sim": provider}, cloud=None, clock=lambda: now[0])
+        for _ in range(8):  # each past the failed step's next try (at most 15 s), 8 failures over 2 minutes
+            now[0] += 16.0
+            rec._advance(attempt(), app.store.get_job(job_id))
+        job = app.store.get_job(job_id)
+        assert attempt()["state"] == "terminating" and job["state"] == "running"
+        assert app.store.ledger_rows()[0]["ended_at"] is None, "metered until the provider confirms it gone"
+        assert job["reason"].startswith("terminate failed 8 times in a row, next try in 15 s: Transient: POST "
+                                        "/instance-operations/terminate: HTTP 503")
+        (shown,) = status_data(app, now[0])["attempts"]
+        assert shown["problem"].startswith("8 steps failed in a row, next try in 15 s: Transient: POST")
+        sim.clear_faults()  # the API is back: the terminate due goes through
+        now[0] += 16.0
+        rec._advance(attempt(), app.store.get_job(job_id))
+        rec._advance(attempt(), app.store.get_job(job_id))
+        assert attempt()["state"] in ("succeeded", "failed", "aborted", "preempted")
+        assert app.store.ledger_rows()[0]["ended_at"] is not None
+        rec.close()
+        provider.close()
     app.close()

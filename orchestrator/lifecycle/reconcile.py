@@ -352,7 +352,10 @@ class Reconciler:
         info["retry_at"] = now + delay
         # Watched time: four failures, a night asleep and one more failure at waking are not a step failing all night.
         failing_s = self.watch.watched_s(since, now)
-        give_up = errors >= MAX_STEP_ERRORS and failing_s >= self.cfg.daemon.heartbeat_timeout_s
+        # A cloud step its provider does not answer, on an attempt past its launch, is never given up (below): its
+        # count and next try are said on, not left at the last before MAX_STEP_ERRORS for as long as the outage.
+        waited_out = isinstance(exc, UNANSWERED) and att["where"] == "cloud" and att["state"] != A.INTENT.value
+        give_up = errors >= MAX_STEP_ERRORS and failing_s >= self.cfg.daemon.heartbeat_timeout_s and not waited_out
         unknown_launch = att["where"] == "cloud" and att["state"] == A.INTENT.value and info.get("launch_tried")
         # Its instance's provider refuses to be asked (CANNOT_ASK): said as that, with what to do, not as a count.
         refused = isinstance(exc, CANNOT_ASK) and att["where"] == "cloud" and bool(att.get("instance_id"))
@@ -378,7 +381,7 @@ class Reconciler:
             return  # never given up: its terminate could not work either; tried again at each next try
         if errors < MAX_STEP_ERRORS:
             return
-        if isinstance(exc, UNANSWERED) and att["where"] == "cloud" and att["state"] != A.INTENT.value:
+        if waited_out:
             # Its instance runs on, or not, whatever the API says now: given up, its last checkpoint would be left
             # behind, its job failed, for a blip. SSH watches the run meanwhile (its heartbeat timeout still ends a
             # lost one), and the provider is asked again each tick.
