@@ -631,7 +631,7 @@ class Schedule(Strict):
 DEFAULT_NOTICES = ["job.done", "job.failed", "job.awaiting_approval", "job.rethink", "job.blocked",
                    "job.behind_schedule", "budget.crossed", "schedule.missed", "schedule.job_invalid",
                    "instance.terminate_unverified", "instance.orphan_terminate_failed", "attempt.provider_unavailable",
-                   "attempt.provider_refused", "daemon.config_rejected", "daemon.lock_lost"]
+                   "attempt.provider_refused", "attempt.release_held", "daemon.config_rejected", "daemon.lock_lost"]
 NOTIFIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # The kinds of event there are (the part of a type before its dot): a notifier's pattern naming none would never
 # match (`jobs.*`), unsaid. A test checks that every event emitted is of one of them.
@@ -645,7 +645,7 @@ EVENT_TYPES = frozenset({
     "attempt.last_checkpoint_failed", "attempt.launch_failed", "attempt.launch_unknown", "attempt.logs_pull_failed",
     "attempt.lost_work_corrected", "attempt.market_switch", "attempt.outputs_copy_failed",
     "attempt.outputs_pull_failed", "attempt.probe_taken_over", "attempt.provider_answers", "attempt.provider_refused",
-    "attempt.provider_unavailable", "attempt.running",
+    "attempt.provider_unavailable", "attempt.release_held", "attempt.released", "attempt.running",
     "attempt.setup_started_early", "attempt.spot_probe", "attempt.stop_requested", "attempt.stopping",
     "attempt.successor_taken_over",
     "budget.crossed",
@@ -669,7 +669,7 @@ EVENT_TYPES = frozenset({
     "preemption.error",
     "provider.call", "provider.launch_fallback", "provider.launch_found_existing", "provider.launched",
     "provider.offer_skipped", "provider.retry", "provider.unavailable", "provider.unreachable",
-    "revert_local.done",
+    "revert_local.done", "revert_local.resume_from_home",
     "schedule.armed", "schedule.job_invalid", "schedule.missed", "schedule.queued", "schedule.removed",
     "schedule.skipped",
     "spot.notice", "spot.preempted",

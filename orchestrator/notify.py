@@ -61,6 +61,9 @@ _PHRASES = {
     "attempt.provider_refused": "its provider refuses to be asked (a refused API key?): watched over SSH, not "
                                 "stoppable until fixed",
     "attempt.provider_answers": "its provider answers again",
+    "attempt.released": "came home while its cloud does not answer: its instance is terminated once it does",
+    "attempt.release_held": "not brought home: work would be left on an instance whose cloud does not answer "
+                            "(`burstctl revert-local --resume-from-home` gives it up)",
     "daemon.config_rejected": "daemon rejected its config file",
     "daemon.lock_lost": "daemon lost its database lock and stopped",
     "notify.test": "test notice",

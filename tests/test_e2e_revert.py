@@ -25,6 +25,7 @@ from tests.e2e import (
     events,
     free_port,
     job,
+    ledger,
     sim_admin,
     sim_instances,
     simcloud,
@@ -280,3 +281,62 @@ def test_a_cloud_key_no_http_header_can_carry_leaves_that_cloud_unusable_and_loc
     sim = next(p for p in json.loads(r.stdout)["providers"] if p["name"] == "sim")
     assert sim["problem"] == said and r.returncode == 2 and "internal error" not in r.stderr
     assert SIM_KEY not in r.stdout + r.stderr + (tmp_path / "daemon-1.log").read_text()
+
+
+def test_with_the_cloud_api_down_revert_local_brings_the_stopped_burst_home_to_finish_and_its_instance_goes_later(
+        tmp_path: Path) -> None:
+    # The user leaves the cloud while its API is down (503 on every call): revert-local stops the run over SSH and
+    # brings its last checkpoint home, but no terminate can be confirmed. The job must not wait for a cloud that may
+    # never come back: it finishes here from that checkpoint, while the daemon, restarted meanwhile, keeps its
+    # instance metered and keeps asking for its end, which comes once the API answers again.
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url, policy={"hybrid_margin_h": 5.0})
+        r = cli(config, state, "enqueue", str(priced_job(tmp_path, "abandoned-cloud", steps=300)), "--json")
+        job_id = json.loads(r.stdout)["id"]
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: events(state, "checkpoint.synced"), 120, "a checkpoint from the cloud")
+            (instance,) = [i["id"] for i in sim_instances(url)]
+            sim_admin(url, "faults", {"kind": "server-error", "status": 503, "count": 1_000_000})  # the API is down
+
+            r = cli(config, state, "revert-local", "--json", "--timeout", "90")
+            report = json.loads(r.stdout)
+            assert r.returncode == 1, r.stdout + r.stderr  # its instance is not confirmed gone, and says so
+            assert report["requeued_local"] == [job_id] and report["not_moved_home"] == {}
+            (row,) = report["instances"]
+            assert (row["instance"], row["terminated"]) == (instance, "unverified")
+            (released,) = events(state, "attempt.released")
+            home = released["data"]["checkpoint"]
+            assert home is not None and home == row["checkpoint_synced"] and released["data"]["run"] == "stopped"
+
+            # Nothing is held only in memory: a daemon killed now carries on from the database.
+            daemon.kill()
+            daemon.start()
+            wait_for(lambda: job(state, job_id)["state"] == "done", 240, "the job to finish locally, the API down")
+            # The provider never answered meanwhile: the instance is still being terminated, said and metered.
+            assert all(i["id"] == instance and i["status"] not in GONE for i in sim_instances(url))
+            status = json.loads(cli(config, state, "status", "--json").stdout)
+            assert [(a["id"], a["state"]) for a in status["attempts"]] == [(released["attempt_id"], "released")]
+            assert [i["id"] for i in status["instances"]] == [instance]
+            assert [c["ended_at"] for c in ledger(state) if c["instance_id"] == instance] == [None]
+            shown = " ".join(cli(config, state, "show", job_id).stdout.split())
+            assert f"instance sim {instance} (attempt 1): the job came home without it; being terminated" in shown
+
+            httpx.delete(f"{url}/_sim/faults", timeout=10).raise_for_status()  # the API is back
+            wait_for(lambda: all(i["status"] in GONE for i in sim_instances(url)), 90, "the instance terminated")
+            wait_for(lambda: all(c["ended_at"] is not None for c in ledger(state)), 60, "its charge closed")
+            wait_for(lambda: not json.loads(cli(config, state, "status", "--json").stdout)["instances"], 60,
+                     "status to see it gone")
+        finally:
+            assert daemon.stop() == 0
+    (ended,) = [e for e in events(state, "instance.terminated") if e["attempt_id"] == released["attempt_id"]]
+    assert ended["data"]["outcome"] == "aborted" and ended["data"]["released"] is True
+    assert not events(state, "job.failed") and len(events(state, "job.done")) == 1  # done once, by the local run
+    # It resumed here from the checkpoint the stopped run brought home, and nothing of the old instance came home
+    # after the job had moved.
+    (resumed,) = [e for e in events(state, "job.resumed") if e["data"].get("where") == "local"]
+    assert resumed["data"]["checkpoint"] == home and resumed["id"] > released["id"]
+    assert not [e for e in events(state, "checkpoint.synced")
+                if e["attempt_id"] == released["attempt_id"] and e["id"] > released["id"]]
+    assert not [e for e in events(state, "attempt.intent") if e["id"] > released["id"]]  # no launch meanwhile

@@ -2307,3 +2307,109 @@ def test_a_terminate_its_provider_does_not_answer_for_minutes_is_said_with_its_c
         rec.close()
         provider.close()
     app.close()
+
+
+def test_after_revert_local_a_terminate_its_provider_does_not_answer_releases_the_job_only_with_nothing_left_there(
+        tmp_path: Path) -> None:
+    # revert-local stopped the run, and its provider's API is down: its terminate cannot be confirmed. The job comes
+    # home once nothing of it is left on the instance; while the instance holds a newer checkpoint than home, it
+    # waits and says why and what to do (`--resume-from-home`), and with that leave it comes home from what is home.
+    # Either way the instance is still terminated, and metered, until the provider confirms it gone, and its end
+    # then does not move the job again.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path)
+    job_row = app.store.get_job(job_id)
+    with app.store.tx() as c:  # it fits locally: revert-local requeues it here
+        app.store.update_job(job_id, c, decision={**job_row["decision"], "fits_locally": True})
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000010", {"w.bin": b"1"})
+    with SimCloudServer(api_key="sim-rules-key") as sim:
+        now = [time.time()]
+        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
+                               request_interval_s=0.0, clock=lambda: now[0],
+                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
+        instance = provider.launch(LaunchRequest("gpu_1x_h100_sxm5", Market.ON_DEMAND,
+                                                 OwnerTags("burstctl", job_id, f"{job_id}-a1"), "k",
+                                                 "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBurstctlRulesKey0000 test"))
+        # Stopped by revert-local; its supervisor last said it held step-20, which did not come home.
+        with app.store.tx() as c:
+            c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(
+                state="terminating", instance_id=instance.id,
+                info={"outcome": "aborted", "stop_reason": "revert-local", "instance_checkpoint": "step-00000020"}))
+        app.store.open_charge({"month": month_key(now[0]), "job_id": job_id, "attempt_id": f"{job_id}-a1",
+                               "provider": "sim", "instance_id": instance.id, "rate_usd_h": 3.29, "started_at": now[0]})
+        revert.set_burst_enabled(app, False, "revert-local")
+        sim.inject("server-error", count=1000, status=503)
+        rec = Reconciler(app, {"sim": provider}, cloud=None, clock=lambda: now[0])  # no SSH: the instance unreachable
+
+        def step() -> None:
+            now[0] += 16.0  # past the failed step's next try
+            rec._advance(attempt(), app.store.get_job(job_id))
+
+        step()
+        step()
+        job = app.store.get_job(job_id)
+        assert attempt()["state"] == "terminating" and job["state"] == "running"
+        assert job["reason"].startswith("terminate failed 2 times in a row, next try in 4 s: Transient")
+        assert job["reason"].endswith(
+            "; not moved home: its newest checkpoint, step-00000020, is on the instance and not home (step-00000010 "
+            "is); burstctl revert-local --resume-from-home resumes it here from step-00000010, giving up the work "
+            "since")
+        assert len([e for e in app.store.events(job_id=job_id) if e["type"] == "attempt.release_held"]) == 1
+
+        # The user's leave (written down: a restarted daemon reads it too).
+        report = revert.revert_local(app, Reconciler(app, {"sim": provider}, cloud=None), timeout_s=5,
+                                     resume_from_home=True)
+        assert report.requeued_local == [job_id] and report.not_home == {}
+        assert [(r.instance, r.terminated) for r in report.rows] == [(instance.id, "unverified")]
+        job = app.store.get_job(job_id)
+        assert attempt()["state"] == "released"
+        assert (job["state"], job["placement"]) == ("queued", "local")
+        assert job["reason"] == "revert-local: requeued locally from its newest checkpoint, step-00000010"
+        assert app.store.ledger_rows()[0]["ended_at"] is None, "metered until the provider confirms it gone"
+        with app.store.tx() as c:  # the job runs here meanwhile
+            app.store.update_job(job_id, c, state="running")
+        step()
+        assert attempt()["state"] == "released" and app.store.get_job(job_id)["state"] == "running"
+        assert app.store.get_job(job_id)["reason"] == job["reason"], "the retried terminate is not the job's news"
+
+        sim.clear_faults()  # the API is back
+        step()
+        step()
+        assert attempt()["state"] == "aborted"
+        assert app.store.ledger_rows()[0]["ended_at"] is not None
+        assert app.store.get_job(job_id)["state"] == "running", "its end does not move the job again"
+        moves = ("job.requeued_local", "attempt.released")
+        assert [e["type"] for e in app.store.events(job_id=job_id) if e["type"] in moves] == list(reversed(moves))
+        assert revert.set_burst_enabled(app, True, "burst-enable")
+        assert app.store.get_setting(reconcile.RESUME_FROM_HOME_KEY) is None  # the leave was for that revert-local
+        rec.close()
+        provider.close()
+    app.close()
+
+
+def test_a_job_is_released_only_between_pulls_and_no_pull_from_its_old_instance_lands_in_its_store_after(
+        tmp_path: Path) -> None:
+    # The old instance must not write into the job's store once the job resumes here from it. A pull holds the job's
+    # store lock while it writes there (the daemon's and revert-local's alike): the release waits for it, and a pull
+    # that begins after the release finds the attempt released and brings nothing.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, "i-old")
+    job = app.store.get_job(job_id)
+    with app.store.tx() as c:
+        app.store.update_job(job_id, c, decision={**job["decision"], "fits_locally": True})
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(
+            state="terminating", info={"outcome": "aborted", "stop_reason": "revert-local"}))
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000010", {"w.bin": b"1"})
+    revert.set_burst_enabled(app, False, "revert-local")
+    rec = Reconciler(app, {}, cloud=None)
+    with checkpoints.store_lock(app.config, job_id):  # a pull from it is writing into the store
+        assert not rec.release_if_home(attempt(), app.store.get_job(job_id))
+    assert attempt()["state"] == "terminating" and "release_held" not in attempt()["info"]  # not news: a moment
+    assert rec.release_if_home(attempt(), app.store.get_job(job_id))
+    assert attempt()["state"] == "released" and app.store.get_job(job_id)["state"] == "queued"
+
+    steps = CloudSteps(app, {})
+    pulled = steps.pull(attempt(), app.store.get_job(job_id))  # no SSH is even tried: it would fail here
+    assert list(pulled) == [] and checkpoints.latest(app.config, job_id).name == "step-00000010"
+    rec.close()
+    app.close()

@@ -21,7 +21,7 @@ from orchestrator.core.gates import MAX_DEADLINE_HOURS
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.lifecycle.homes import job_outputs_dir
-from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, LAUNCHING, states_said
+from orchestrator.lifecycle.machine import HOLDING_ATTEMPT_STATES, LAUNCHING, AttemptState, states_said
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import FINAL, JobState, awaits_approval, check_transition
 from orchestrator.records import fmt_h, fmt_usd, plan_name
@@ -247,6 +247,10 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
               + (f", instance {now['instance_id']}" if now["instance_id"] else "")
               if now["where"] == "cloud" else "on the local GPU")
         out.print(f"now: attempt {now['attempt']}, {now['state']}, {escape(on)}")
+    for gone in progress["being_terminated"]:
+        out.print(f"instance {escape(str(gone['provider']))} {escape(str(gone['instance_id']))} (attempt "
+                  f"{gone['attempt']}): the job came home without it; being terminated, not yet confirmed gone (its "
+                  "provider does not answer), and metered until it is")
     if progress["attempts_run"]:
         runs = progress["attempts_run"]
         out.print(f"logs: burstctl logs {j['id']} ({runs} attempt{'s' if runs != 1 else ''}, in "
@@ -275,7 +279,7 @@ def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
         rows = c.execute(select(s.attempts.c.info, s.attempts.c.started_at, s.attempts.c.n,
                                 *(s.attempts.c[k] for k in now))
                          .where(s.attempts.c.job_id == j["id"]).order_by(s.attempts.c.n.desc())).all()
-    live = next((r for r in rows if r.state in ACTIVE_ATTEMPT_STATES), None)
+    live = next((r for r in rows if r.state in HOLDING_ATTEMPT_STATES), None)
     infos = [r.info or {} for r in rows]
     said = next((i.get("metrics") for i in infos if reported(i.get("metrics"), "units_done") is not None), None)
     cloud, accruing = app.store.job_spend(j["id"])
@@ -285,6 +289,10 @@ def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
             # The attempt under way: where it runs now, which may not be the market decided (a deadline come near
             # moves a spot run to on-demand; a spot probe waits on it).
             "now": None if live is None else {"attempt": live.n, **{k: getattr(live, k) for k in now}},
+            # Instances of attempts the job went on without (revert-local, their provider not answering): still
+            # being terminated, and metered, until the provider confirms them gone.
+            "being_terminated": [{"attempt": r.n, "provider": r.provider, "instance_id": r.instance_id}
+                                 for r in reversed(rows) if r.state == AttemptState.RELEASED.value],
             # Checkpoints an attempt's instance held, newer than home, when it was lost (`checkpoint.lost`).
             "checkpoints_lost": [{"attempt": r.n, **(r.info or {})["checkpoint_lost"]} for r in reversed(rows)
                                  if (r.info or {}).get("checkpoint_lost")],

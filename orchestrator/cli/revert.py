@@ -24,12 +24,18 @@ def _named(app: App, job_ids: list[str]) -> str:
               help="Bound on waiting for the last checkpoints and terminations (a last pull under way then is let "
                    "finish, and its instance goes after it). Default: 180 s, or a running job's "
                    "checkpoint.stop_grace_s and 150 s when that is longer.")
+@click.option("--resume-from-home", is_flag=True,
+              help="A job whose cloud provider does not answer its terminate comes home anyway, from the newest "
+                   "checkpoint home, even when its run there did not stop or its newest checkpoint is still there "
+                   "(that work is given up). Without it such a job waits, saying so.")
 @json_option
 @pass_app
-def revert_local_cmd(app: App, timeout_s: float | None, as_json: bool) -> None:
+def revert_local_cmd(app: App, timeout_s: float | None, resume_from_home: bool, as_json: bool) -> None:
     """Go back to local-only in one command: stop launching, bring checkpoints home, terminate every owned
-    instance (orphans too), requeue bursted jobs locally. Works with or without the daemon running: a running daemon
-    winds its cloud attempts down itself at its next tick, and this waits for it.
+    instance (orphans too), requeue bursted jobs locally. A job whose provider cannot confirm its instance gone comes
+    home once its run has stopped and its newest checkpoint is home; the instance is terminated in the background.
+    Works with or without the daemon running: a running daemon winds its cloud attempts down itself at its next tick,
+    and this waits for it.
 
     Exit 0 when every owned instance is confirmed gone, 1 otherwise (naming what is left, and every enabled provider
     this shell could not ask, e.g. without its API key)."""
@@ -38,7 +44,8 @@ def revert_local_cmd(app: App, timeout_s: float | None, as_json: bool) -> None:
     reconciler = build_reconciler(app)
     daemon = running_daemon(app)
     try:
-        report = revert_local(app, reconciler, timeout_s=timeout_s, daemon_running=daemon is not None)
+        report = revert_local(app, reconciler, timeout_s=timeout_s, daemon_running=daemon is not None,
+                              resume_from_home=resume_from_home)
     finally:  # every last sync has been taken by now, unless revert_local failed: nothing is left running then
         reconciler.close(wait_s=0)
     if as_json:
@@ -61,6 +68,8 @@ def revert_local_cmd(app: App, timeout_s: float | None, as_json: bool) -> None:
             out.print(f"queued locally by an earlier revert-local: {_named(app, report.already_local)}")
         if report.held:
             out.print(f"held until `burstctl burst-enable` (they do not fit locally): {_named(app, report.held)}")
+        for job_id, why in report.not_home.items():
+            out.print(f"not moved home: {_named(app, [job_id])}: its provider does not answer, and {why}")
         if report.daemon_winding_down:
             out.print(f"the running daemon is still winding down: {', '.join(report.daemon_winding_down)} "
                       "(`burstctl status`; run revert-local again to confirm)")

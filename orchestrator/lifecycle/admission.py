@@ -28,7 +28,7 @@ from orchestrator.jobspec import JobSpec, ModelSpec
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.budget_guard import BudgetGuard
 from orchestrator.lifecycle.finish import NEVER_CAME_UP, requeued_local_reason
-from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, HOLDING_ATTEMPT_STATES, AttemptState
 from orchestrator.lifecycle.machine import create as create_attempt
 from orchestrator.lifecycle.market_switch import market_for_attempt, record_spot_listings, spot_region_order
 from orchestrator.lifecycle.states import JobState, awaits_approval
@@ -211,8 +211,9 @@ class Admission:
         a failed launch) are not read until then, for the same reason; a job moved home meanwhile (revert-local) is
         not kept waiting by it. Nor are those known to lack their pass_env."""
         with self.store.engine.connect() as c:
+            # A released attempt (revert-local, its provider unreachable) holds its instance, not its job.
             busy_jobs = {r[0] for r in c.execute(
-                select(s.attempts.c.job_id).where(s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES)))}
+                select(s.attempts.c.job_id).where(s.attempts.c.state.in_(HOLDING_ATTEMPT_STATES)))}
 
             def candidates(placements: tuple[str, ...], slots: int, *only: Any) -> list[dict[str, Any]]:
                 # Those known to lack their pass_env are read and dropped here, not left out by the query: as many

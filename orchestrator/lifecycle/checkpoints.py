@@ -40,6 +40,24 @@ def store_lock(cfg: Config, job_id: str) -> Iterator[None]:
         os.close(fd)
 
 
+@contextmanager
+def try_store_lock(cfg: Config, job_id: str) -> Iterator[bool]:
+    """`store_lock` if it is free now (True), else nothing held (False): for a step in the tick, which must not wait
+    minutes for a multi-GB pull to end."""
+    folder = store_dir(cfg, job_id)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder.parent / f".{job_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
 def latest(cfg: Config, job_id: str, *, deep: bool = True) -> Path | None:
     """The newest complete (manifest-verified) local checkpoint of a job, if any. Never a partial one. `deep=False`
     checks sizes only, for a caller that only asks whether there is one (hashing multi-GB files would not pay)."""

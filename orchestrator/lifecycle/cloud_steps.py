@@ -34,10 +34,11 @@ from orchestrator.jobspec import JobSpec, rsync_exclude
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.homes import attempt_run_dir, job_outputs_dir
 from orchestrator.lifecycle.local import IN_TICK_STOP_MAX_S, stop_grace_s, work_units_env
+from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.remote import ssh, sync
 from providers.base import InstanceInfo, Provider
 from runbooks import supervisor
-from runbooks.checkpoint_transfer import PulledCheckpoints, TransferError
+from runbooks.checkpoint_transfer import PulledCheckpoints, TransferError, TransferStats
 from runbooks.s3_checkpoints import S3CheckpointStore
 from state import schema as s
 
@@ -364,6 +365,10 @@ class CloudSteps:
         s3 = None if over_ssh else self.s3_store(att, job)
         # The daemon and `revert-local` may pull the same job at once: one at a time per job's store.
         with checkpoints.store_lock(self.app.config, job["id"]):
+            if self._released(att["id"]):
+                # Its job went home and resumes there (`Reconciler.release_if_home`, under this lock): nothing of the
+                # old instance may land in its store now, over what the local run writes.
+                return PulledCheckpoints([], TransferStats(transport="none"), {})
             if s3 is not None:
                 pulled = s3.pull_new(store, newest_only=True,
                                      rejected_before=checkpoints.rejected_before(att["info"], "s3"))
@@ -379,6 +384,11 @@ class CloudSteps:
                 if s3 is not None:
                     s3.prune(keep=checkpoints.KEEP)  # what is home need not be paid for in S3 as well
         return pulled
+
+    def _released(self, attempt_id: str) -> bool:
+        with self.app.store.engine.connect() as c:
+            state = c.execute(select(s.attempts.c.state).where(s.attempts.c.id == attempt_id)).scalar()
+        return state == AttemptState.RELEASED.value
 
     def pull_logs(self, att: dict[str, Any], job: dict[str, Any],
                   shared: ssh.SharedConnection | None = None) -> sync.SyncStats:

@@ -12,6 +12,9 @@ A cloud attempt:
                         │ confirmed gone (ledger closed)
                         ▼
           succeeded | failed | preempted | aborted
+                        ▲
+    terminating ─► released ─┘ (revert-local, the provider not answering: the job went home, the instance is
+                                still terminated and metered until confirmed gone)
 
 A local attempt:   running ─► succeeded | failed | preempted (stopped for a planned burst) | aborted
 
@@ -22,6 +25,12 @@ A successor (launched at a spot interruption notice, `successor.py`) is a cloud 
 A stop burstctl asks of a running attempt (cancel, revert-local, budget, market switch) keeps it `running` while its
 trainer writes a last checkpoint (`info.stopping_for`, looked at again each tick for up to 60 s), then goes to
 `terminating`; one whose run had already exited 0 goes to `finishing`. Neither adds a state or a transition.
+
+`released` is `terminating` whose job no longer waits for it: after revert-local, its provider does not answer the
+terminate, its run stopped (or its instance cannot be reached either) and its newest checkpoint is home
+(`core/release.py`). Its job's next step (requeued locally, resuming) is taken as it goes `released`, not again at its
+end; it is never synced from again, so nothing of the old instance reaches the job's store once the job has moved.
+The daemon goes on terminating its instance, its charge open, until the provider confirms it gone.
 
 `intent` is written *before* the launch call, with the idempotency key; a daemon that dies right after the call
 finds the instance by its tags on restart (no second launch). `terminating` records the outcome to end with, so the
@@ -61,6 +70,7 @@ class AttemptState(StrEnum):
     RUNNING = "running"
     FINISHING = "finishing"
     TERMINATING = "terminating"
+    RELEASED = "released"  # terminating, its job gone home (revert-local with the provider unreachable)
     LAUNCH_FAILED = "launch_failed"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -75,6 +85,9 @@ class AttemptState(StrEnum):
 FINAL_ATTEMPT_STATES = frozenset({AttemptState.LAUNCH_FAILED, AttemptState.SUCCEEDED, AttemptState.FAILED,
                                   AttemptState.PREEMPTED, AttemptState.ABORTED})
 ACTIVE_ATTEMPT_STATES = tuple(a.value for a in AttemptState if not a.final)
+# Of those, the ones that hold their job (its run is, or may be, there): a released attempt holds only its instance,
+# which the daemon still terminates, while its job runs elsewhere.
+HOLDING_ATTEMPT_STATES = tuple(a for a in ACTIVE_ATTEMPT_STATES if a != AttemptState.RELEASED.value)
 
 # Outcomes an attempt may end with once its instance is confirmed gone.
 OUTCOMES = frozenset({AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.PREEMPTED, AttemptState.ABORTED})
@@ -86,7 +99,8 @@ TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
     A.BOOTSTRAPPING: frozenset({A.RUNNING, A.TERMINATING}),
     A.RUNNING: frozenset({A.FINISHING, A.TERMINATING, A.SUCCEEDED, A.FAILED, A.PREEMPTED, A.ABORTED}),
     A.FINISHING: frozenset({A.TERMINATING}),
-    A.TERMINATING: OUTCOMES,
+    A.TERMINATING: OUTCOMES | {A.RELEASED},
+    A.RELEASED: OUTCOMES,
     A.LAUNCH_FAILED: frozenset(),
     A.SUCCEEDED: frozenset(),
     A.FAILED: frozenset(),
@@ -147,7 +161,7 @@ def launching(conn: Connection, job_ids: Sequence[str] | None = None) -> set[str
     a = s.attempts
     confirmed = func.sum(case((and_(a.c.state == AttemptState.INTENT.value, a.c.where == "cloud"), 0), else_=1))
     q = (select(a.c.job_id).select_from(a.join(s.jobs, s.jobs.c.id == a.c.job_id))
-         .where(a.c.state.in_(ACTIVE_ATTEMPT_STATES), s.jobs.c.state == "running")
+         .where(a.c.state.in_(HOLDING_ATTEMPT_STATES), s.jobs.c.state == "running")
          .group_by(a.c.job_id).having(confirmed == 0))
     if job_ids is not None:
         q = q.where(a.c.job_id.in_(list(job_ids)))

@@ -22,6 +22,7 @@ from sqlalchemy import Connection, insert, select, update
 
 from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key
+from orchestrator.core.release import ReleaseFacts, RunSeen, decide_release
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.admission import Admission, note_waiting
 from orchestrator.lifecycle.attempt_syncs import CLOSE_WAIT_S, AttemptSyncs, notice_reason
@@ -80,7 +81,8 @@ STEP_RETRY_MAX_S = 15.0
 STEP_FAILURE_KEYS = ("errors", "last_error", "failing_since", "retry_at", "step_reason", "reason_before")
 # What a failing step is called in the job's reason, by the attempt's state.
 STEP_NAMES = {"intent": "launch", "provisioning": "look at the booting instance", "bootstrapping": "bootstrap",
-              "running": "check on the run", "finishing": "final sync", "terminating": "terminate"}
+              "running": "check on the run", "finishing": "final sync", "terminating": "terminate",
+              "released": "terminate"}
 # The provider did not answer (down, throttling, its retries spent): that says nothing of an instance, which SSH
 # still watches. Never a reason to give up an attempt that has one; an intent's launch is given up as before.
 UNANSWERED = (Throttled, Transient)
@@ -97,6 +99,12 @@ UNANSWERED = (Throttled, Transient)
 # was to end (a run finished, a stop) stays `terminating`, its job not said over, until its instance is confirmed gone.
 CANNOT_ASK = (AuthFailed, QuotaExceeded, InvalidRequest)
 PROVIDER_REFUSED = "provider_refused"
+# Why a terminating attempt's job is not released to this machine while its provider does not answer (revert-local;
+# `core/release.py`): said in the job's reason with the terminate's count, and once as `attempt.release_held`.
+RELEASE_HELD = "release_held"
+# The setting `revert-local --resume-from-home` writes: the user's leave to release such a job whatever the instance
+# holds. Until `burst-enable`.
+RESUME_FROM_HOME_KEY = "revert_local.resume_from_home"
 # The provider did not answer while an attempt's instance was launched or booting (its info's flag): how long the boot
 # took is not known, so it is not measured (`boot_s` feeds every later decision's t_ovh).
 BOOT_UNANSWERED = "boot_unanswered"
@@ -255,7 +263,7 @@ class Reconciler:
         self.emit("attempt.host_key_mismatch", job_id=job["id"], attempt_id=att["id"], instance=att["instance_id"],
                   error=error)
         provider = self.providers.get(att["provider"])
-        if provider is None or att["state"] == A.TERMINATING.value:
+        if provider is None or att["state"] in (A.TERMINATING.value, A.RELEASED.value):
             return
         try:
             self.stop(att, job, provider, "host key changed", outcome=A.ABORTED)
@@ -272,6 +280,8 @@ class Reconciler:
         wait = float(retry_at) - self.clock()
         if not 0 < wait <= STEP_RETRY_MAX_S:
             return False
+        if att["state"] == A.RELEASED.value:
+            return True  # its job has gone on without it: only its terminate is tried again, when due
         if job["state"] == JobState.CANCELLED.value:
             return False
         return not (att["where"] == "cloud" and att["state"] not in (A.INTENT.value, A.TERMINATING.value)
@@ -309,6 +319,7 @@ class Reconciler:
             self.store.set_attempt_info(att["id"], info, conn)
             # A spot probe's or a successor's is said as theirs, not as the job's reason (as `_step_failed`'s count).
             if not JobState(job["state"]).final and not is_probe(att) and successor_of(att) is None and \
+                    att["state"] != A.RELEASED.value and \
                     self.store.update_job(job["id"], conn, expect_state=job["state"], reason=said):
                 job["reason"] = said
             if note.get("error") != kind:
@@ -361,10 +372,12 @@ class Reconciler:
         refused = isinstance(exc, CANNOT_ASK) and att["where"] == "cloud" and bool(att.get("instance_id"))
         said = None
         if not give_up and not refused and not (errors >= MAX_STEP_ERRORS and unknown_launch) and not is_probe(att) \
-                and successor_of(att) is None and not JobState(job["state"]).final:
+                and successor_of(att) is None and not JobState(job["state"]).final and att["state"] != A.RELEASED.value:
             step = STEP_NAMES.get(att["state"], "step") if att["where"] == "cloud" else "local run's step"
             said = (f"{step} failed {errors} time{'s' if errors != 1 else ''} in a row, next try in {delay:.0f} s: "
                     f"{error}")
+            if info.get(RELEASE_HELD):  # revert-local could not bring it home: why, and what the user may do
+                said += f"; not moved home: {info[RELEASE_HELD]}"
             if "step_reason" not in info:
                 info["reason_before"] = job.get("reason")
             info["step_reason"] = said
@@ -404,7 +417,7 @@ class Reconciler:
                     self._after_attempt(conn, att, job, outcome, reason)
             return
         provider = self.providers.get(att["provider"])
-        if provider is not None and att["state"] != A.TERMINATING.value:
+        if provider is not None and att["state"] not in (A.TERMINATING.value, A.RELEASED.value):
             try:
                 self.stop(att, job, provider, reason, outcome=A.FAILED)
             except Exception as exc2:
@@ -468,7 +481,7 @@ class Reconciler:
         stop_reason = self.stop_reason(att, job)
         if st is A.INTENT:
             self.step_intent(att, job, provider, stop_reason)
-        elif st is A.TERMINATING:
+        elif st in (A.TERMINATING, A.RELEASED):
             self.step_terminating(att, job, provider)
         elif stop_reason is not None:
             self.wind_down(att, job, provider, stop_reason)
@@ -1053,12 +1066,22 @@ class Reconciler:
             self.step_terminating(att, job, provider)
 
     def step_terminating(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
+        """Terminate the instance and end the attempt once the provider confirms it gone (a `terminating` attempt's
+        step, and a `released` one's, whose job has already gone on). A provider that does not answer, after
+        revert-local, may release the job first (`release_if_home`); the failure is raised all the same, counted and
+        tried again (`_step_failed`)."""
         started = time.monotonic()
         inst_id = att["instance_id"]
+        released = att["state"] == A.RELEASED.value  # its job's next step was taken as it was released
         if inst_id:
-            provider.terminate([inst_id])
-            chaos_point("terminating")  # asked to terminate, not yet confirmed gone nor billed
-            inst = provider.describe([inst_id]).get(inst_id)
+            try:
+                provider.terminate([inst_id])
+                chaos_point("terminating")  # asked to terminate, not yet confirmed gone nor billed
+                inst = provider.describe([inst_id]).get(inst_id)
+            except (*UNANSWERED, *CANNOT_ASK):
+                if att["state"] == A.TERMINATING.value and not burst_enabled(self.app):  # else no SSH look: moot
+                    self.release_if_home(att, job)
+                raise
             if inst is not None and not inst.state.gone:
                 return  # confirmed next tick
         now = self.clock()
@@ -1070,8 +1093,60 @@ class Reconciler:
                 self._close_instance(conn, att, inst_id, now)
                 self._measure(conn, att, "teardown_s", time.monotonic() - started)
             self.app.events.emit("instance.terminated", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                                 instance=inst_id, outcome=outcome.value)
-            self._after_attempt(conn, att, job, outcome, att.get("reason"))
+                                 instance=inst_id, outcome=outcome.value, **({"released": True} if released else {}))
+            if not released:
+                self._after_attempt(conn, att, job, outcome, att.get("reason"))
+
+    def release_if_home(self, att: dict[str, Any], job: dict[str, Any]) -> bool:
+        """A terminating attempt whose provider does not answer (or refuses) its terminate: after revert-local, its
+        job is released to this machine when nothing of it is left on the instance (`core/release.py`): the attempt
+        goes `released` and its job takes, now, the step its end would have given it (requeued locally, resuming).
+        The instance is still terminated, and metered, until the provider confirms it gone. Otherwise why not is
+        written down (RELEASE_HELD, said once as `attempt.release_held`) for the job's reason. Returns whether it was
+        released."""
+        status = self._supervisor_status(att) if att["instance_id"] else None
+        run = RunSeen.UNREACHABLE if status is None else RunSeen.STOPPED if _run_over(status) else RunSeen.RUNNING
+        # Decided and moved under the job's store lock, which every pull holds while it writes there (the daemon's,
+        # revert-local's): a pull either brought its checkpoint home before (counted as home here) or, after, finds
+        # the attempt released and brings nothing (`CloudSteps.pull`). Not waited for: a pull under way is looked at
+        # again at the next try.
+        with checkpoints.try_store_lock(self.cfg, job["id"]) as free:
+            return self._release_locked(att, job, status, run, pulling=not free or self.syncs.pool.busy(att["id"]))
+
+    def _release_locked(self, att: dict[str, Any], job: dict[str, Any], status: dict[str, Any] | None,
+                        run: RunSeen, *, pulling: bool) -> bool:
+        """`release_if_home`, its job's store locked (unless `pulling`: then it is not released now)."""
+        info = dict(att["info"])
+        hb, ex = (status or {}).get("heartbeat") or {}, (status or {}).get("exit") or {}
+        on_instance = checkpoints.newest_name(info.get("instance_checkpoint"), hb.get("last_checkpoint"),
+                                              ex.get("last_checkpoint"))
+        home = checkpoints.latest(self.cfg, job["id"], deep=False)
+        verdict = decide_release(ReleaseFacts(
+            bursting_enabled=burst_enabled(self.app), outcome=str(info.get("outcome", A.ABORTED.value)),
+            stop_reason=info.get("stop_reason"), provider_answers=False, run=run, on_instance=on_instance,
+            home=home.name if home else None, pull_under_way=pulling,
+            resume_from_home=bool(self.store.get_setting(RESUME_FROM_HOME_KEY))))
+        if not verdict.release:
+            if verdict.held is not None and info.get(RELEASE_HELD) != verdict.held:
+                info[RELEASE_HELD] = verdict.held
+                with self.store.tx() as conn:
+                    self.store.set_attempt_info(att["id"], info, conn)
+                    self.app.events.emit("attempt.release_held", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                         instance=att["instance_id"], provider=att["provider"], why=verdict.held)
+                att["info"] = info
+            return False
+        info.pop(RELEASE_HELD, None)
+        info.update(released_at=self.clock(), released_with=home.name if home else None, released_run=run.value)
+        with self.store.tx() as conn:
+            moved = move(conn, att, A.RELEASED, info=info)
+            if moved:
+                self.app.events.emit("attempt.released", job_id=job["id"], attempt_id=att["id"], conn=conn,
+                                     instance=att["instance_id"], provider=att["provider"], run=run.value,
+                                     checkpoint=home.name if home else None,
+                                     reason="the provider does not answer its terminate: the job goes on without "
+                                            "it, and the instance is terminated once the provider answers")
+                self._after_attempt(conn, att, job, A(info.get("outcome", A.ABORTED.value)), att.get("reason"))
+        return moved
 
     def _close_instance(self, conn: Any, att: dict[str, Any], inst_id: str, now: float) -> None:
         """The instance is gone: its charge ends when it went, if another process (revert-local, with no daemon

@@ -12,6 +12,12 @@
 A provider that cannot be reached leaves its instances *unverified*: recorded, retried by the daemon's sweep with
 an event each time, and reported (exit 1) so nothing is silently left running. So does an enabled provider this
 process cannot use at all (its API key is not in this shell's environment, say): it was never asked what runs there.
+
+The job of a stopped run whose terminate its provider does not answer comes home all the same once nothing of it is
+left on the instance (its run stopped or unreachable, its newest checkpoint home): its attempt is `released` and its
+instance terminated in the background (`Reconciler.release_if_home`). One that would leave work behind waits, saying
+so, unless the user says to resume from what is home (`--resume-from-home`, RESUME_FROM_HOME_KEY, until
+`burst-enable`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from orchestrator.lifecycle.finish import REQUEUED_LOCAL, requeued_local_reason
 from orchestrator.lifecycle.local import stop_wait_s
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
 from orchestrator.lifecycle.orphans import attempts_of, meter_orphan
-from orchestrator.lifecycle.reconcile import Reconciler
+from orchestrator.lifecycle.reconcile import RELEASE_HELD, RESUME_FROM_HOME_KEY, Reconciler
 from orchestrator.lifecycle.states import JobState
 from providers.base import ProviderError
 from state import schema as s
@@ -56,6 +62,9 @@ class RevertReport:
     requeued_local: list[str] = field(default_factory=list)
     already_local: list[str] = field(default_factory=list)  # queued locally by an earlier revert-local, not yet run
     held: list[str] = field(default_factory=list)
+    # Jobs left on an instance whose provider does not answer, by why they were not brought home (work would be
+    # left behind): `revert-local --resume-from-home` brings them home from what is home.
+    not_home: dict[str, str] = field(default_factory=dict)
     unreachable: list[str] = field(default_factory=list)
     # Enabled providers this process cannot use (no API key in its environment, say), by why: never asked what
     # runs there, so nothing is confirmed gone on them.
@@ -79,7 +88,7 @@ class RevertReport:
     def as_dict(self) -> dict[str, Any]:
         return {"mode": "local-only", "instances": [r.as_dict() for r in self.rows],
                 "finished": self.finished, "requeued_local": self.requeued_local, "already_local": self.already_local,
-                "held_until_burst_enable": self.held,
+                "held_until_burst_enable": self.held, "not_moved_home": self.not_home,
                 "unreachable_providers": self.unreachable, "not_swept": self.not_swept,
                 "daemon_winding_down": self.daemon_winding_down, "not_asked_nothing_there": self.nothing_there,
                 "not_asked_daemon_sweeps": self.daemon_sweeps,
@@ -93,6 +102,8 @@ def set_burst_enabled(app: App, enabled: bool, why: str) -> bool:
         app.store.set_setting(BURST_ENABLED_KEY, enabled, conn=conn)
         if was != enabled:
             app.events.emit("burst.enabled" if enabled else "burst.disabled", conn=conn, reason=why)
+    if enabled and app.store.get_setting(RESUME_FROM_HOME_KEY) is not None:
+        app.store.delete_setting(RESUME_FROM_HOME_KEY)  # the leave was for that revert-local's jobs
     return was != enabled
 
 
@@ -131,12 +142,18 @@ def default_timeout_s(active: list[dict[str, Any]], specs: dict[str, dict[str, A
 
 
 def revert_local(app: App, reconciler: Reconciler, *, timeout_s: float | None = None,
-                 daemon_running: bool = False) -> RevertReport:
+                 daemon_running: bool = False, resume_from_home: bool = False) -> RevertReport:
     """`daemon_running`: a daemon runs on this state, and winds the cloud attempts down itself once it reads the
     switch (at its next tick); this process then waits for it instead of stepping them too: two processes stepping
     one attempt each write back what the other has just done (a finished run's outcome lost and the job run again,
-    an instance terminated under the other's last pull). The sweep then leaves alone what the daemon still holds."""
+    an instance terminated under the other's last pull). The sweep then leaves alone what the daemon still holds.
+    `resume_from_home`: a job whose instance's provider does not answer comes home from what is home even when its
+    run did not stop or its newest checkpoint is out there (written down: the daemon reads it too)."""
     set_burst_enabled(app, False, "revert-local")
+    if resume_from_home:
+        with app.store.tx() as conn:
+            app.store.set_setting(RESUME_FROM_HOME_KEY, {"at": time.time()}, conn=conn)
+            app.events.emit("revert_local.resume_from_home", conn=conn)
     report = RevertReport(not_swept=dict(reconciler.unavailable))
     # One this installation never left anything on need not be asked: every launch is written down before it is
     # made, so what runs there of its own has an attempt not yet ended or an instance not confirmed gone.
@@ -236,11 +253,18 @@ def _wait_for_daemon(app: App, rec: Reconciler, active: list[dict[str, Any]], de
     may be under way, and the daemon ends it."""
     waiting = {att["id"] for att in active}
     while waiting and time.monotonic() < deadline:
-        waiting = {i for i in waiting if not AttemptState(_attempt(app, i)["state"]).final}
+        waiting = {i for i in waiting if not _settled(_attempt(app, i))}
         if waiting:
             time.sleep(0.5)
     report.daemon_winding_down = sorted(waiting)
     return [_wound_down(app, rec, att, report, by_daemon=True) for att in active]
+
+
+def _settled(att: dict[str, Any]) -> bool:
+    """Whether a wound-down attempt is as far as it goes now: ended, or its job released home or held (its provider
+    does not answer: the daemon terminates its instance when it does)."""
+    return AttemptState(att["state"]).final or att["state"] == AttemptState.RELEASED.value or (
+        att["state"] == AttemptState.TERMINATING.value and bool(att["info"].get(RELEASE_HELD)))
 
 
 OVERTIME_TERMINATE_S = 30.0  # after a last pull let finish past the deadline: its instance's termination, confirmed
@@ -254,7 +278,7 @@ def _wind_down(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline
     short, its instance would be terminated by the sweep below with the checkpoint half home. A provider that fails
     a step leaves its attempt as it is (unverified)."""
     steps: dict[str, tuple[dict[str, Any], Any]] = {}  # attempt id → (job, provider), while it is stepped
-    current = {att["id"]: att for att in active}
+    current = {att["id"]: dict(att) for att in active}  # `active` keeps the states they began in (`_not_ended`)
     for att in active:
         provider = rec.providers.get(att["provider"])
         if provider is None:
@@ -279,7 +303,7 @@ def _wind_down(app: App, rec: Reconciler, active: list[dict[str, Any]], deadline
             try:
                 if att["state"] == AttemptState.INTENT.value:
                     rec.step_intent(att, job, provider, "revert-local")
-                elif att["state"] == AttemptState.TERMINATING.value:
+                elif att["state"] in (AttemptState.TERMINATING.value, AttemptState.RELEASED.value):
                     rec.step_terminating(att, job, provider)
                 else:  # a run that has already ended well is finished, not stopped
                     rec.wind_down(att, job, provider, "revert-local")
@@ -305,7 +329,11 @@ def _wound_down(app: App, rec: Reconciler, att: dict[str, Any], report: RevertRe
     if by_daemon:
         current = _attempt(app, att["id"])
         if not AttemptState(current["state"]).final:
-            return RevertRow(att["job_id"], att["provider"], current["instance_id"], _last_synced(app, att), "no")
+            status = "no"
+            if _settled(current):  # its provider does not answer: the daemon terminates it when it does
+                status = "unverified"
+                _not_ended(app, att, current, report)
+            return RevertRow(att["job_id"], att["provider"], current["instance_id"], _last_synced(app, att), status)
     elif att["provider"] not in rec.providers:
         if att["instance_id"]:
             _record_instance(app, att["provider"], att["instance_id"], att["id"], "unverified")
@@ -320,9 +348,19 @@ def _wound_down(app: App, rec: Reconciler, att: dict[str, Any], report: RevertRe
             rec.cloud.release_s3(current, job)
     else:
         status = "unverified" if att["provider"] in report.unreachable or att["provider"] in report.not_swept else "no"
+        _not_ended(app, att, current, report)
         if current["instance_id"]:
             _record_instance(app, att["provider"], current["instance_id"], att["id"], status)
     return RevertRow(att["job_id"], att["provider"], current["instance_id"], synced, status)
+
+
+def _not_ended(app: App, att: dict[str, Any], current: dict[str, Any], report: RevertReport) -> None:
+    """For the report, an attempt whose instance is not confirmed gone: its job released home by this revert-local
+    (requeued locally, or held), or left out there, and why."""
+    if current["state"] == AttemptState.RELEASED.value and att["state"] != AttemptState.RELEASED.value:
+        _job_after_wind_down(app, att, current, report)
+    elif current["state"] == AttemptState.TERMINATING.value and current["info"].get(RELEASE_HELD):
+        report.not_home[att["job_id"]] = str(current["info"][RELEASE_HELD])
 
 
 def _job_after_wind_down(app: App, att: dict[str, Any], ended: dict[str, Any], report: RevertReport) -> None:

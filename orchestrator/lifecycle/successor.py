@@ -25,7 +25,7 @@ from sqlalchemy import select
 from orchestrator.app import burst_enabled
 from orchestrator.lifecycle.budget_guard import expected_remaining_h
 from orchestrator.lifecycle.handover import no_room, wait_or_take_over
-from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
+from orchestrator.lifecycle.machine import HOLDING_ATTEMPT_STATES, AttemptState
 from orchestrator.lifecycle.market_switch import spot_region_order
 from providers.base import Market, Provider
 from state import schema as s
@@ -62,7 +62,7 @@ def launch_successor(rec: Reconciler, att: dict[str, Any], job: dict[str, Any], 
         return None
     with rec.store.engine.connect() as c:
         live = [dict(r) for r in c.execute(select(s.attempts).where(
-            s.attempts.c.job_id == job["id"], s.attempts.c.state.in_(ACTIVE_ATTEMPT_STATES))).mappings()]
+            s.attempts.c.job_id == job["id"], s.attempts.c.state.in_(HOLDING_ATTEMPT_STATES))).mappings()]
     if any(successor_of(a) == att["id"] for a in live):
         return None
     choice = rec.admission.choose_offer(job, now, quiet=True)

@@ -1,0 +1,71 @@
+"""Whether a cloud attempt whose instance cannot be confirmed gone may give its job back to this machine. Pure: facts
+in, a verdict out (the shell, `Reconciler.release_if_home`, gathers the facts and acts on it).
+
+After `revert-local` a stopped run's attempt waits, `terminating`, for its provider to confirm the instance gone. A
+provider that does not answer (down, or refusing the key) could keep the job "running" in a cloud the user has left
+for good. The job comes home (the attempt `released`, its instance still terminated and metered in the background)
+when nothing of it is left out there: its run has stopped, or its instance cannot be reached either, and the newest
+checkpoint it held, as last seen, is home. Otherwise the work on the instance would be thrown away without a word;
+the user decides that (`burstctl revert-local --resume-from-home`), and is told what it costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+# Where a released job goes: what the attempt's end says for it, now rather than once its instance is confirmed gone.
+# Only ends that give the job back to the queue; a run that ended (succeeded or failed) is not resumed anywhere.
+REVERT_LOCAL = "revert-local"
+RELEASABLE = frozenset({("aborted", REVERT_LOCAL), ("preempted", None)})  # (outcome, stop reason; None: any)
+RESUME_FROM_HOME_FLAG = "burstctl revert-local --resume-from-home"
+
+
+class RunSeen(StrEnum):
+    """The attempt's run as its supervisor says it now."""
+    STOPPED = "stopped"  # exited, or its supervisor is gone
+    RUNNING = "running"  # still training: it did not stop for the stop asked
+    UNREACHABLE = "unreachable"  # SSH does not answer either: nothing more can come home from it
+
+
+@dataclass(frozen=True)
+class ReleaseFacts:
+    bursting_enabled: bool
+    outcome: str  # what the attempt ends with (`info.outcome`)
+    stop_reason: str | None
+    provider_answers: bool  # False: its terminate, or the look after it, was not answered or was refused
+    run: RunSeen
+    on_instance: str | None  # the newest checkpoint the instance holds, as last seen
+    home: str | None  # the newest checkpoint home
+    pull_under_way: bool  # a pull from the instance still runs: it could write into the store after the job moved
+    resume_from_home: bool  # the user asked for it: resume here from what is home, whatever the instance holds
+
+
+@dataclass(frozen=True)
+class ReleaseVerdict:
+    release: bool
+    held: str | None = None  # why not, when only the user can change it (said, with what to do)
+
+
+def decide_release(f: ReleaseFacts) -> ReleaseVerdict:
+    """Release the job when bursting is off, the attempt's end gives the job back, its provider cannot confirm the
+    instance gone, no pull from it is under way, and nothing newer than home is, or may still be written, out there
+    (unless the user said to resume from home all the same)."""
+    if f.provider_answers or f.bursting_enabled:
+        return ReleaseVerdict(False)  # the terminate goes through, or the job may burst again: as before
+    if (f.outcome, f.stop_reason) not in RELEASABLE and (f.outcome, None) not in RELEASABLE:
+        return ReleaseVerdict(False)
+    if f.pull_under_way:
+        return ReleaseVerdict(False)  # looked at again once it has ended and is written down
+    if f.resume_from_home:
+        return ReleaseVerdict(True)
+    newer = f.on_instance is not None and (f.home is None or f.on_instance > f.home)
+    home = f.home or "nothing (it would start over)"
+    if f.run is RunSeen.RUNNING:
+        return ReleaseVerdict(False, f"its run on the instance did not stop, and may write checkpoints that would "
+                                     f"never come home; {RESUME_FROM_HOME_FLAG} resumes it here from {home}")
+    if newer:
+        return ReleaseVerdict(False, f"its newest checkpoint, {f.on_instance}, is on the instance and not home "
+                                     f"({home} is); {RESUME_FROM_HOME_FLAG} resumes it here from {home}, "
+                                     "giving up the work since")
+    return ReleaseVerdict(True)
