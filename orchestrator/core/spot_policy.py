@@ -645,7 +645,10 @@ class SemiMarkovDP:
     name: str = "semi-markov-dp"
     prior_uptime_h: float = 1.5
     prior_outage_h: float = 1.0
-    max_steps: int = 400  # longer horizons are planned on a coarser step (a multiple of the tick)
+    # Longer horizons are planned on a coarser step (a multiple of the tick). The policy is asked every tick, and a
+    # plan read between its steps rounds the steps left down and so the slack against the job: on setting (b)
+    # (60 h of 195-s ticks, 1,108 of them) a 3-tick step cost 2 points of UP's gap (docs/simulate.md).
+    max_steps: int = 1200
     max_slack_units: int = 400  # bound on the slack axis: finer is closer to exact, slower to plan
     # A changeover spans at most this many steps: the table holds a row per step of one (its phases). At the
     # daemon's 1-minute tick a 0.5 h changeover was 31 phases, and one plan 240 MB and 1.5 CPU-seconds; the
