@@ -71,7 +71,7 @@ def main() -> None:
         dflt = doc["policies"][DEFAULT_POLICY]["mean_cost_usd"]
         gap = up - off["mean_cost_usd"]
         print(f"\n{DEFAULT_POLICY} vs uniform-progress: {dflt - up:+.2f} $/run ({(dflt - up) / up:+.1%}); "
-              f"closes {(up - dflt) / gap:.0%} of UP's gap to the offline optimum.")
+              f"closes {(up - dflt) / gap:.1%} of UP's gap to the offline optimum.")
 
 
 if __name__ == "__main__":
