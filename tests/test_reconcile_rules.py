@@ -2266,6 +2266,24 @@ def test_a_newest_checkpoint_whose_bytes_are_wrong_is_moved_aside_and_said_and_t
     app.close()
 
 
+def _terminating_on(sim: SimCloudServer, app: App, job_id: str, now: list[float],
+                    info: dict[str, Any] | None = None) -> tuple[LambdaCloud, Any]:
+    """The job's attempt a1 terminating an instance launched on `sim` (its charge open), the provider on the clock
+    `now` and trying each call once, so that each failure is the tick's."""
+    provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
+                           request_interval_s=0.0, clock=lambda: now[0],
+                           retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
+    instance = provider.launch(LaunchRequest("gpu_1x_h100_sxm5", Market.ON_DEMAND,
+                                             OwnerTags("burstctl", job_id, f"{job_id}-a1"), "k",
+                                             "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBurstctlRulesKey0000 test"))
+    with app.store.tx() as c:
+        c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(
+            state="terminating", instance_id=instance.id, **({"info": info} if info is not None else {})))
+    app.store.open_charge({"month": month_key(now[0]), "job_id": job_id, "attempt_id": f"{job_id}-a1",
+                           "provider": "sim", "instance_id": instance.id, "rate_usd_h": 3.29, "started_at": now[0]})
+    return provider, instance
+
+
 def test_a_terminate_its_provider_does_not_answer_for_minutes_is_said_with_its_count_and_next_try_all_along(
         tmp_path: Path) -> None:
     # The run had ended and its instance was being terminated when the provider's API went down (503s) for minutes.
@@ -2275,17 +2293,7 @@ def test_a_terminate_its_provider_does_not_answer_for_minutes_is_said_with_its_c
     job_id, attempt = _running_on_the_cloud(app, tmp_path)
     with SimCloudServer(api_key="sim-rules-key") as sim:
         now = [time.time()]
-        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
-                               request_interval_s=0.0, clock=lambda: now[0],
-                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
-        instance = provider.launch(LaunchRequest("gpu_1x_h100_sxm5", Market.ON_DEMAND,
-                                                 OwnerTags("burstctl", job_id, f"{job_id}-a1"), "k",
-                                                 "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBurstctlRulesKey0000 test"))
-        with app.store.tx() as c:
-            c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1")
-                      .values(state="terminating", instance_id=instance.id))
-        app.store.open_charge({"month": month_key(now[0]), "job_id": job_id, "attempt_id": f"{job_id}-a1",
-                               "provider": "sim", "instance_id": instance.id, "rate_usd_h": 3.29, "started_at": now[0]})
+        provider, _ = _terminating_on(sim, app, job_id, now)
         sim.inject("server-error", count=1000, status=503)
         rec = Reconciler(app, {"sim": provider}, cloud=None, clock=lambda: now[0])
         for _ in range(8):  # each past the failed step's next try (at most 15 s), 8 failures over 2 minutes
@@ -2324,19 +2332,9 @@ def test_after_revert_local_a_terminate_its_provider_does_not_answer_releases_th
     write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000010", {"w.bin": b"1"})
     with SimCloudServer(api_key="sim-rules-key") as sim:
         now = [time.time()]
-        provider = LambdaCloud(name="sim", base_url=sim.api_url, api_key="sim-rules-key", regions=("us-east-1",),
-                               request_interval_s=0.0, clock=lambda: now[0],
-                               retry=RetryPolicy(attempts=1, max_total_s=0.0, initial_s=0.0, max_wait_s=0.0))
-        instance = provider.launch(LaunchRequest("gpu_1x_h100_sxm5", Market.ON_DEMAND,
-                                                 OwnerTags("burstctl", job_id, f"{job_id}-a1"), "k",
-                                                 "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBurstctlRulesKey0000 test"))
         # Stopped by revert-local; its supervisor last said it held step-20, which did not come home.
-        with app.store.tx() as c:
-            c.execute(update(s.attempts).where(s.attempts.c.id == f"{job_id}-a1").values(
-                state="terminating", instance_id=instance.id,
-                info={"outcome": "aborted", "stop_reason": "revert-local", "instance_checkpoint": "step-00000020"}))
-        app.store.open_charge({"month": month_key(now[0]), "job_id": job_id, "attempt_id": f"{job_id}-a1",
-                               "provider": "sim", "instance_id": instance.id, "rate_usd_h": 3.29, "started_at": now[0]})
+        provider, instance = _terminating_on(sim, app, job_id, now, info={
+            "outcome": "aborted", "stop_reason": "revert-local", "instance_checkpoint": "step-00000020"})
         revert.set_burst_enabled(app, False, "revert-local")
         sim.inject("server-error", count=1000, status=503)
         rec = Reconciler(app, {"sim": provider}, cloud=None, clock=lambda: now[0])  # no SSH: the instance unreachable
