@@ -262,7 +262,6 @@ def compare_predictors(traces: Sequence[sim.Trace], minutes: float, models: Sequ
         print(f"| {model} | {((c > 0.5) == short).mean():.1%} | {_auc(c, short):.3f} | " + " | ".join(cells) + " |")
 
 
-
 def short_window_accuracy(traces: Sequence[sim.Trace], minutes: float) -> tuple[float, float, int]:
     """How often the honest predictor of `--short-windows` is right, how often the past's majority is, over how
     many up windows (those that ended, starting from the third day, each told from the windows ended before its
