@@ -28,34 +28,36 @@ def store_dir(cfg: Config, job_id: str) -> Path:
 
 
 @contextmanager
-def store_lock(cfg: Config, job_id: str) -> Iterator[None]:
-    """An exclusive lock on a job's store while checkpoints are pulled into it or one is chosen to resume from."""
+def _store_lock_file(cfg: Config, job_id: str) -> Iterator[int]:
+    """The open lock file beside a job's store (its descriptor), which `store_lock` and `try_store_lock` flock."""
     folder = store_dir(cfg, job_id)
     folder.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder.parent / f".{job_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield fd
     finally:
         os.close(fd)
+
+
+@contextmanager
+def store_lock(cfg: Config, job_id: str) -> Iterator[None]:
+    """An exclusive lock on a job's store while checkpoints are pulled into it or one is chosen to resume from."""
+    with _store_lock_file(cfg, job_id) as fd:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
 
 
 @contextmanager
 def try_store_lock(cfg: Config, job_id: str) -> Iterator[bool]:
     """`store_lock` if it is free now (True), else nothing held (False): for a step in the tick, which must not wait
     minutes for a multi-GB pull to end."""
-    folder = store_dir(cfg, job_id)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder.parent / f".{job_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
+    with _store_lock_file(cfg, job_id) as fd:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             yield False
             return
         yield True
-    finally:
-        os.close(fd)
 
 
 def latest(cfg: Config, job_id: str, *, deep: bool = True) -> Path | None:
