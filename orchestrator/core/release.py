@@ -47,13 +47,19 @@ class ReleaseVerdict:
     held: str | None = None  # why not, when only the user can change it (said, with what to do)
 
 
+def releasable(outcome: str, stop_reason: str | None) -> bool:
+    """Whether an attempt ending with this outcome, stopped for this reason, gives its job back to the queue: the
+    shell asks before it looks at the run over SSH, which would tell nothing then."""
+    return (outcome, stop_reason) in RELEASABLE or (outcome, None) in RELEASABLE
+
+
 def decide_release(f: ReleaseFacts) -> ReleaseVerdict:
     """Release the job when bursting is off, the attempt's end gives the job back, its provider cannot confirm the
     instance gone, no pull from it is under way, and nothing newer than home is, or may still be written, out there
     (unless the user said to resume from home all the same)."""
     if f.provider_answers or f.bursting_enabled:
         return ReleaseVerdict(False)  # the terminate goes through, or the job may burst again: as before
-    if (f.outcome, f.stop_reason) not in RELEASABLE and (f.outcome, None) not in RELEASABLE:
+    if not releasable(f.outcome, f.stop_reason):
         return ReleaseVerdict(False)
     if f.pull_under_way:
         return ReleaseVerdict(False)  # looked at again once it has ended and is written down

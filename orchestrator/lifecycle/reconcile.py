@@ -22,7 +22,7 @@ from sqlalchemy import Connection, insert, select, update
 
 from orchestrator.app import App, burst_enabled
 from orchestrator.core.budget import month_key
-from orchestrator.core.release import ReleaseFacts, RunSeen, decide_release
+from orchestrator.core.release import ReleaseFacts, RunSeen, decide_release, releasable
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.admission import Admission, note_waiting
 from orchestrator.lifecycle.attempt_syncs import CLOSE_WAIT_S, AttemptSyncs, notice_reason
@@ -1104,6 +1104,10 @@ class Reconciler:
         The instance is still terminated, and metered, until the provider confirms it gone. Otherwise why not is
         written down (RELEASE_HELD, said once as `attempt.release_held`) for the job's reason. Returns whether it was
         released."""
+        info = att["info"]
+        if not releasable(str(info.get("outcome", A.ABORTED.value)), info.get("stop_reason")) \
+                or self.syncs.pool.busy(att["id"]):
+            return False  # as `decide_release` would say, without the SSH look below (up to ~35 s, at each try)
         status = self._supervisor_status(att) if att["instance_id"] else None
         run = RunSeen.UNREACHABLE if status is None else RunSeen.STOPPED if _run_over(status) else RunSeen.RUNNING
         # Decided and moved under the job's store lock, which every pull holds while it writes there (the daemon's,
