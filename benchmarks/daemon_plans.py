@@ -6,8 +6,9 @@ The daemon asks the policy once a `daemon.market_check_s` (60 s), so it plans on
 `PLANS_CACHED` plans. For a few job shapes (C hours of work, R to the deadline, d of changeover) each tree plans with
 a four-regime model at 10-minute ticks (the daemon's fitted model has four regimes: share × flicker, on listings
 resampled to 10 minutes), in a child process of its own per round, baseline first. Printed: the plan's step, the
-bytes it keeps (`DPPlan.packed`, else `actions`), the CPU seconds of `plan_for` (the fastest round), and the
-ratios against the baseline. The baseline is checked out into a temporary `git worktree`.
+bytes it keeps (`DPPlan.nbytes`, its compressed rows; `packed` or `actions` in older trees), the CPU seconds of
+`plan_for` (the fastest round), and the ratios against the baseline. The baseline is checked out into a temporary
+`git worktree`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def child(tree: str) -> None:
         t0 = time.process_time()
         plan = policy.plan_for(job_h, deadline_h, changeover_h, 1 / 60, 3.0, 1.0, stats)
         cpu = time.process_time() - t0
-        kept = plan.packed.nbytes if hasattr(plan, "packed") else plan.actions.nbytes
+        # What the tree's plans keep: compressed rows, else the packed table, else the table (older trees)
+        kept = plan.nbytes if hasattr(plan, "rows") else next(
+            getattr(plan, name).nbytes for name in ("packed", "actions") if hasattr(plan, name))
         print(json.dumps({"job": [job_h, deadline_h, changeover_h], "step_min": plan.step_h * 60, "bytes": kept,
                           "cpu_s": cpu}))
 

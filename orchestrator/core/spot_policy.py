@@ -321,10 +321,12 @@ class DPPlan:
     Time runs in DP steps of `step_h` (the decision tick); work and slack in units of step_h / `units_per_step`.
     `actions[k, j, a, r, b, s]` is a `MARKET_CODE`: k steps left, j the market index (0 idle, 1..phases spot,
     phases+1..2*phases on-demand, by ticks since the switch), a spot up now, r regime, b age bucket, s units of
-    slack. Kept as `packed`, four actions a byte (a code takes 2 bits): a quarter of the memory, for the plans a
-    replay or a daemon keeps (`PLANS_CACHED`); `read` takes entries out, `actions` the whole table. Each step's
-    row of n entries is packed as four quarters of n/4 bytes: entry i of a row is in byte i % (n/4), at bits
-    2·(i // (n/4)), so packing a row is four whole-slice operations (interleaved entries took 0.17 s a plan).
+    slack. Kept as `rows`, one a step, each as its runs: actions come in long stretches along the slack, so a row
+    of setting (b) (942,000 entries at its finest) holds about 8,000 runs. Each run is one uint32, where it starts
+    in the row shifted left 2 bits, its action (a code takes 2 bits) in the low 2: setting (b)'s plan keeps 36 MB
+    for 1.0 G entries (261 MB packed four a byte, as they were), in each of the plans a replay or a daemon keeps
+    (`PLANS_CACHED`). An entry is read by bisecting its row, so any entry can be read without unpacking anything
+    (rows compressed with zlib, 9.7 MB, had to be unpacked whole to read one: `simulate` on (b) took 1.4× the CPU).
     """
 
     step_h: float
@@ -332,19 +334,32 @@ class DPPlan:
     changeover_units: int
     phases: int
     shape: tuple[int, ...]
-    packed: np.ndarray = field(repr=False)  # uint8, (steps, row size / 4)
+    rows: tuple[np.ndarray, ...] = field(repr=False)  # per step: its runs, (start << 2) | code, ascending
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the plan keeps (its rows' runs)."""
+        return sum(row.nbytes for row in self.rows)
 
     @property
     def actions(self) -> np.ndarray:
         """The whole table, unpacked (int8, `shape`)."""
-        return self.read(np.arange(math.prod(self.shape))).reshape(self.shape)
+        n = math.prod(self.shape[1:])
+        return np.stack([np.repeat((row & 3).astype(np.int8), np.diff(row >> 2, append=n)) for row in self.rows]
+                        ).reshape(self.shape)
 
     def read(self, flat: np.ndarray) -> np.ndarray:
         """The actions at these places of the table flattened (`index`), as int8 market codes."""
-        quarter = self.packed.shape[1]
-        k, i = np.divmod(np.asarray(flat), 4 * quarter)
-        part, byte = np.divmod(i, quarter)
-        return ((self.packed[k, byte] >> (2 * part).astype(np.uint8)) & 3).astype(np.int8)
+        k, i = np.divmod(np.asarray(flat), math.prod(self.shape[1:]))
+        if k.size and k.min() == k.max():  # the usual case: a replay's runs share their steps left
+            row = self.rows[int(k.flat[0])]
+            return (row[np.searchsorted(row, (i << 2) | 3, side="right") - 1] & 3).astype(np.int8)
+        codes = np.empty(k.shape, dtype=np.int8)
+        for step in np.unique(k):
+            at = k == step
+            row = self.rows[int(step)]
+            codes[at] = row[np.searchsorted(row, (i[at] << 2) | 3, side="right") - 1] & 3
+        return codes
 
     def index(self, elapsed_h: np.ndarray | float, progress_h: np.ndarray | float, market: np.ndarray | int,
               spot_available: np.ndarray | bool, changeover_left_h: np.ndarray | float, age_h: np.ndarray | float,
@@ -486,13 +501,19 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
     # Changeover units an on-demand finish still pays, per market index: all of d unless already on on-demand.
     chg_left = np.full(n_markets, d_units)
     chg_left[1 + phases:] = np.maximum(d_units - m * np.arange(phases), 0)
-    # Each step's actions are chosen into `act`, then packed into their step's row of `packed` (`DPPlan`: a row
-    # holds 2 × 12 × ... entries, a multiple of 4).
+    # Each step's actions are chosen into `act`, then kept as their step's row of runs (`DPPlan`).
     act = np.empty((n_markets, *shape), dtype=np.int8)
-    packed = np.empty((k_max + 1, act.size // 4), dtype=np.uint8)
-    shifted_codes = np.empty(act.size // 4, dtype=np.uint8)
+    flat_act = act.reshape(-1)
+    run_dtype = np.uint32 if act.size < 2**30 else np.uint64
+    rows: list[np.ndarray] = []
+
+    def keep_row() -> None:
+        starts = np.flatnonzero(flat_act[1:] != flat_act[:-1]) + 1
+        starts = np.concatenate(([0], starts)).astype(run_dtype)
+        rows.append((starts << 2) | flat_act[starts].astype(run_dtype))
+
     act[...] = IDLE_CODE
-    _pack(act, packed[0], shifted_codes)
+    keep_row()
 
     def shifted(out: np.ndarray, price: np.float32, after_step: np.ndarray, by: int) -> None:
         """out = price + after_step at slack s - by (a step that spends `by` units of slack); below 0, a miss."""
@@ -600,19 +621,9 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
             value[..., done] = 0.0
             value_spot[..., done] = 0.0
             act[..., done] = IDLE_CODE
-        _pack(act, packed[k], shifted_codes)
+        keep_row()
     return DPPlan(step_h=step_h, units_per_step=m, changeover_units=d_units, phases=phases,
-                  shape=(k_max + 1, *act.shape), packed=packed)
-
-
-def _pack(act: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
-    """A step's market codes (0 to 2) four to a byte: its quarters, the first in the lowest two bits (`DPPlan`)."""
-    quarters = act.reshape(4, -1).view(np.uint8)
-    np.left_shift(quarters[3], 6, out=out)
-    for part in (2, 1):
-        np.left_shift(quarters[part], 2 * part, out=tmp)
-        out |= tmp
-    out |= quarters[0]
+                  shape=(k_max + 1, *act.shape), rows=tuple(rows))
 
 
 # Plans kept per process (a setting (a) plan keeps 11 MB; a daemon's 2-26 MB with four regimes, by the job's hours).
