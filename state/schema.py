@@ -240,6 +240,16 @@ def _v8(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE jobs ADD COLUMN wait_until FLOAT"))
 
 
+def _v9(conn: Connection) -> None:
+    # The ledger only grows (a charge per instance ever run, kept for the budget's meter), and only its month was
+    # indexed: each read of one job's charges scanned all of it. A job's spend is read at every decision written
+    # again, `show`, a launch's hold, a job's end and its notices (`Store.job_spend`), and by job for the budget's holds
+    # and `report`. The charges still open (`ended_at IS NULL`: the budget's check, every tick and every launch; an
+    # attempt's or an instance's charges closed when it ends) are a few, found through the second index.
+    conn.execute(text("CREATE INDEX IF NOT EXISTS ix_ledger_job ON ledger (job_id)"))
+    conn.execute(text("CREATE INDEX IF NOT EXISTS ix_ledger_ended ON ledger (ended_at)"))
+
+
 # (version, migration). Each runs once, in order, inside a transaction.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _v1),
@@ -250,6 +260,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (6, _v6),
     (7, _v7),
     (8, _v8),
+    (9, _v9),
 ]
 
 

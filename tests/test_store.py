@@ -11,11 +11,16 @@ import os
 import stat
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import insert, select, text
+from sqlalchemy import create_engine, event, insert, inspect, select, text
 
+from orchestrator.app import App
+from orchestrator.lifecycle.budget_guard import BudgetGuard
 from state import schema
 from state.store import Store
 
@@ -54,6 +59,86 @@ def test_a_database_from_before_jobs_kept_their_planned_rented_cost_gets_it_from
     # From then on the store keeps it with every decision it writes.
     again.update_job("j2", decision={"plan": [{"where": "cloud", "cost_usd": 3.0}]})
     assert again.get_job("j2")["rented_usd"] == 3.0
+
+
+def _a_database_of_version_8(url: str) -> None:
+    """What burstctl made before version 9: migrations 1 to 8 as they ran (the ledger indexed by its month only)."""
+    engine = create_engine(url)
+    with engine.begin() as c:
+        for version, step in schema.MIGRATIONS:
+            if version <= 8:
+                step(c)
+                c.execute(insert(schema.schema_version).values(version=version))
+    engine.dispose()
+
+
+def _plans_of_ledger_reads(st: Store, *reads: Callable[[], object]) -> list[str]:
+    """The query plan of each statement the reads sent that reads the ledger, one string each: SQLite's EXPLAIN
+    QUERY PLAN; PostgreSQL's EXPLAIN with sequential scans priced out, so that the plan of a table this small names
+    an index whenever one serves (and is a Seq Scan only where none does)."""
+    sent: list[tuple[str, Any]] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any, _many: bool) -> None:
+        sent.append((statement, parameters))
+
+    event.listen(st.engine, "before_cursor_execute", seen)
+    try:
+        for read in reads:
+            read()
+    finally:
+        event.remove(st.engine, "before_cursor_execute", seen)
+    plans = []
+    with st.engine.connect() as c:
+        if not st.is_sqlite:
+            c.exec_driver_sql("SET enable_seqscan = off")
+        for statement, parameters in sent:
+            if "FROM ledger" not in statement:
+                continue
+            explain = "EXPLAIN QUERY PLAN " if st.is_sqlite else "EXPLAIN "
+            rows = c.exec_driver_sql(explain + statement, parameters).all()
+            plans.append(" | ".join(str(r[-1]) for r in rows))
+    return plans
+
+
+def test_a_database_from_before_the_ledger_was_indexed_reads_a_jobs_spend_and_open_charges_through_indexes(
+        db_url: str, tmp_path: Path) -> None:
+    # The ledger only grows (a charge per instance ever run): a job's spend read by scanning all of it grew with
+    # every month of history. An existing database gets the indexes when it is opened, kept as it is otherwise.
+    _a_database_of_version_8(db_url)
+    engine = create_engine(db_url)
+    with engine.begin() as c:
+        c.execute(insert(schema.ledger), [
+            {"month": "2026-11", "job_id": f"j{k % 40}", "attempt_id": f"j{k % 40}-a{k}", "provider": "sim",
+             "instance_id": f"i-{k}", "rate_usd_h": 2.0, "started_at": 1000.0 * k,
+             "ended_at": None if k % 97 == 0 else 1000.0 * k + 600, "cost_usd": None if k % 97 == 0 else 1 / 3}
+            for k in range(400)])
+    engine.dispose()
+    cfg = tmp_path / "burstctl.toml"
+    cfg.write_text(f'[state]\ndatabase_url = "{db_url}"\n')
+    app = App(config_path=str(cfg), state_dir_override=str(tmp_path / "state"))
+    st = app.store
+    assert st.migrate() == schema.LATEST
+    indexes = {ix["name"]: ix["column_names"] for ix in inspect(st.engine).get_indexes("ledger")}
+    assert indexes["ix_ledger_job"] == ["job_id"]
+    assert st.job_spend("j3", now=4e5) == pytest.approx((10 / 3, 0.0))  # k = 3, 43, ..., 383: ten charges, closed
+    assert st.job_spend("j11", now=4e5) == pytest.approx((9 / 3 + 2.0 * (4e5 - 291e3) / 3600, 2.0))  # k = 291 open
+
+    [spend] = _plans_of_ledger_reads(st, lambda: st.job_spend("j3"))
+    assert "ix_ledger_job" in spend, spend
+    # What else reads the ledger by one job, attempt or instance, or for the charges still open (the budget's check,
+    # every tick): none of them reads the whole ledger either.
+    guard = BudgetGuard(app, clock=time.time, tick_s=5.0)
+
+    def close_open_charges() -> None:
+        with st.tx() as c:
+            st.close_open_charges(c, ended_at=2e6, attempt_id="j34-a194")
+            st.instance_gone(c, "sim", "i-291", gone_at=2e6)
+
+    plans = _plans_of_ledger_reads(st, close_open_charges, lambda: guard.exposure(2e6),
+                                   lambda: st.jobs_over_before(2e6, final_states=["done"], active_attempt_states=[]))
+    assert len(plans) >= 4
+    for plan in plans:
+        assert "SCAN ledger" not in plan and "Seq Scan on ledger" not in plan, plans
 
 
 def test_database_file_is_private(tmp_path: Path) -> None:
