@@ -23,6 +23,8 @@ BURST_ENABLED_KEY = "burst_enabled"
 # The providers whose last listing the daemon asked for was refused (`OfferCache.refusals`: its key, say), and what
 # each said: `status` tells them from the unreachable ones.
 CLOUD_REFUSED_KEY = "cloud_refused"
+# The providers that throttled the daemon's last listing (HTTP 429, Throttled), and when each is asked again (unix s).
+CLOUD_THROTTLED_KEY = "cloud_throttled"
 # This installation's owner tag when the config does not set one (`Config.orchestrator_id`).
 ORCHESTRATOR_ID_KEY = "orchestrator_id"
 

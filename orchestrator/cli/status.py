@@ -10,7 +10,7 @@ from typing import Any
 from rich.markup import escape
 from sqlalchemy import select
 
-from orchestrator.app import CLOUD_REFUSED_KEY, App, burst_enabled
+from orchestrator.app import CLOUD_REFUSED_KEY, CLOUD_THROTTLED_KEY, App, burst_enabled
 from orchestrator.cli.base import cli, json_option, pass_app
 from orchestrator.cli.output import out, print_json, table
 from orchestrator.core.budget import Held, month_key
@@ -49,6 +49,9 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
         "cloud_health_at": app.store.get_setting("cloud_health_at"),
         # Of the providers that did not answer with offers, those that answered with a refusal, and what it said.
         "cloud_refused": app.store.get_setting(CLOUD_REFUSED_KEY) or {},
+        # Of those, the ones that throttled the daemon (HTTP 429: up, and asking to be left alone a while), and when
+        # the daemon asks each again (unix seconds): the later of offers_ttl_s and the Retry-After it gave.
+        "cloud_throttled": app.store.get_setting(CLOUD_THROTTLED_KEY) or {},
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
         # Of the running jobs, those whose launch no provider has confirmed yet: said as such (`machine.LAUNCHING`).
         "launching_jobs": launching_jobs,
@@ -158,16 +161,33 @@ def _mode(app: App, daemon_running: bool) -> str:
         return f"local-only ({NO_PROVIDER})"
     if daemon_running and health and not any(health.values()):
         refused = app.store.get_setting(CLOUD_REFUSED_KEY) or {}
+        throttled = app.store.get_setting(CLOUD_THROTTLED_KEY) or {}
         if all(name in refused for name in health):  # they answer, and refuse: the key, not the network
             return "local-only (the cloud refuses the daemon's requests: see cloud)"
-        return "local-only (no cloud reachable)" if not refused else "local-only (no cloud usable: see cloud)"
+        if all(name in throttled for name in health):  # they answer, and ask to be left alone a while
+            return "local-only (the cloud throttles the daemon's requests: see cloud)"
+        return "local-only (no cloud reachable)" if not refused and not throttled else \
+            "local-only (no cloud usable: see cloud)"
     return "burst-enabled"
 
 
-def _health_txt(answers: bool, refused: str | None) -> str:
+def _health_txt(answers: bool, refused: str | None, throttled_until: float | None, now: float, asking: bool) -> str:
+    """How a provider answered the daemon's last listing. Throttled: when it is asked again, while a daemon asks."""
     if answers:
         return "answers"
-    return f"REFUSES: {escape(refused)}" if refused else "UNREACHABLE"
+    if refused:
+        return f"REFUSES: {escape(refused)}"
+    if throttled_until is not None:
+        if not asking:
+            return "THROTTLED"
+        wait = throttled_until - now
+        return f"THROTTLED: asked again in {_span(wait)}" if wait >= 1 else "THROTTLED: asked again at the next tick"
+    return "UNREACHABLE"
+
+
+def _span(s: float) -> str:
+    """A length of time as status says it: "42 s", "5 min", "3 h"."""
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.0f} h"
 
 
 def _market_txt(a: dict[str, Any]) -> str:
@@ -179,8 +199,7 @@ def _market_txt(a: dict[str, Any]) -> str:
 
 
 def _ago(ts: float, now: float) -> str:
-    s = max(now - ts, 0.0)
-    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.0f} h ago"
+    return f"{_span(max(now - ts, 0.0))} ago"
 
 
 def _notifiers(app: App, now: float) -> list[dict[str, Any]]:
@@ -228,9 +247,12 @@ def status_cmd(app: App, as_json: bool) -> None:
         out.print(f"[yellow]the daemon applies {', '.join(d['config_restart_needed'])} only when it starts: "
                   "restart it to apply the change (it runs on the file's other settings)[/yellow]")
     if d["cloud_health"]:
-        health = ", ".join(f"{k} {_health_txt(v, d['cloud_refused'].get(k))}" for k, v in d["cloud_health"].items())
+        asking, now = dmn["running"] and d["mode"] != "local-only", time.time()  # the kill switch: nothing is asked
+        health = ", ".join(
+            f"{k} {_health_txt(v, d['cloud_refused'].get(k), d['cloud_throttled'].get(k), now, asking)}"
+            for k, v in d["cloud_health"].items())
         at = d["cloud_health_at"]
-        when = f"asked {_ago(at, time.time())}" if at is not None else "asked"
+        when = f"asked {_ago(at, now)}" if at is not None else "asked"
         if not dmn["running"]:
             when = f"last {when} by the daemon, which is not running"
         elif d["mode"] == "local-only":  # the kill switch: the daemon asks no cloud while bursting is off
