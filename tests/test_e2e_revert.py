@@ -27,6 +27,7 @@ from tests.e2e import (
     job,
     ledger,
     sim_admin,
+    sim_billing,
     sim_instances,
     simcloud,
     store_sections,
@@ -340,3 +341,53 @@ def test_with_the_cloud_api_down_revert_local_brings_the_stopped_burst_home_to_f
     assert not [e for e in events(state, "checkpoint.synced")
                 if e["attempt_id"] == released["attempt_id"] and e["id"] > released["id"]]
     assert not [e for e in events(state, "attempt.intent") if e["id"] > released["id"]]  # no launch meanwhile
+
+
+def test_a_job_released_home_is_not_burst_again_until_its_instance_from_before_is_confirmed_gone(
+        tmp_path: Path) -> None:
+    # revert-local while the provider does not answer terminates (503s on that call alone): the stopped run's job is
+    # released (it does not fit locally, so it waits for burst-enable) and its instance goes on billing until the
+    # provider confirms it gone. The user turns bursting back on before that. The job must not be launched on a new
+    # instance beside the old one, which still bills and holds its cloud slot: it waits, saying for which instance,
+    # and so do burst-enable and status; once the provider confirms the old one gone it bursts again and finishes.
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url)
+        r = cli(config, state, "enqueue", str(trainer_job(tmp_path, "no-room-here", steps=300, every=10)), "--json")
+        job_id = json.loads(r.stdout)["id"]
+        assert not json.loads(r.stdout)["decision"]["fits_locally"]
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: events(state, "checkpoint.synced"), 120, "a checkpoint from the cloud")
+            (old,) = [i["id"] for i in sim_instances(url)]
+            sim_admin(url, "faults", {"kind": "server-error", "status": 503, "count": 1_000_000,
+                                      "route": "instance-operations/terminate"})
+            r = cli(config, state, "revert-local", "--json", "--timeout", "90")
+            assert r.returncode == 1, r.stdout + r.stderr
+            assert json.loads(r.stdout)["held_until_burst_enable"] == [job_id]
+            (released,) = events(state, "attempt.released")
+
+            r = cli(config, state, "burst-enable", "--json")
+            assert r.returncode == 0, r.stdout + r.stderr
+            said = json.loads(r.stdout)["held_for_released_instance"]
+            assert list(said) == [job_id] and f"sim {old}" in said[job_id]
+            wait_for(lambda: f"sim {old}" in (job(state, job_id)["reason"] or ""), 60,
+                     "the job to say it waits for its instance from before")
+            time.sleep(5)  # ten ticks of the daemon, which may launch
+            assert [i["id"] for i in sim_instances(url) if i["status"] not in GONE] == [old]
+            assert [e for e in events(state, "attempt.intent") if e["id"] > released["id"]] == []
+            status = json.loads(cli(config, state, "status", "--json").stdout)
+            (shown,) = status["attempts"]
+            assert shown["state"] == "released" and shown["problem"].startswith(
+                f"instance {old} from before revert-local is still being terminated")
+
+            httpx.delete(f"{url}/_sim/faults", timeout=10).raise_for_status()  # the terminate is answered again
+            wait_for(lambda: job(state, job_id)["state"] == "done", 240, "the job to burst again and finish")
+        finally:
+            assert daemon.stop() == 0
+        billed = {b["instance_id"]: b for b in sim_billing(url)}
+    (ended,) = [e for e in events(state, "instance.terminated") if e["attempt_id"] == released["attempt_id"]]
+    (new,) = [i for i in billed if i != old]
+    # The new instance was launched only after the old one was confirmed gone: never two billing at once.
+    assert billed[new]["launched_at"] >= billed[old]["ended_at"]
+    assert next(e for e in events(state, "attempt.intent") if e["id"] > released["id"])["id"] > ended["id"]

@@ -2411,3 +2411,62 @@ def test_a_job_is_released_only_between_pulls_and_no_pull_from_its_old_instance_
     assert list(pulled) == [] and checkpoints.latest(app.config, job_id).name == "step-00000010"
     rec.close()
     app.close()
+
+
+def _released_home(app: App, tmp_path: Path, sim: SimCloudServer, now: list[float], *, route: str | None = None,
+                   started_ago_s: float | None = None) -> tuple[str, Callable[[], dict[str, Any]], LambdaCloud, Any]:
+    """A job that fits locally, whose cloud run revert-local stopped with step-10 home, released home (`released`,
+    queued here) while `sim` answers its terminate (calls under `route`; None: every call) with 503s."""
+    job_id, attempt = _running_on_the_cloud(app, tmp_path, started_ago_s=started_ago_s)
+    job_row = app.store.get_job(job_id)
+    with app.store.tx() as c:
+        app.store.update_job(job_id, c, decision={**job_row["decision"], "fits_locally": True})
+    write_checkpoint(checkpoints.store_dir(app.config, job_id), "step-00000010", {"w.bin": b"1"})
+    provider, instance = _terminating_on(sim, app, job_id, now, info={"outcome": "aborted",
+                                                                      "stop_reason": "revert-local"})
+    sim.inject("server-error", count=1000, status=503, route=route)
+    report = revert.revert_local(app, Reconciler(app, {"sim": provider}, cloud=None), timeout_s=5)
+    assert report.requeued_local == [job_id] and attempt()["state"] == "released"
+    return job_id, attempt, provider, instance
+
+
+def test_burst_enable_keeps_a_job_released_home_here_until_its_instance_from_before_is_confirmed_gone(
+        tmp_path: Path, burstctl_in_process: Any) -> None:
+    # revert-local released the job home while its provider did not answer the terminate, and it has not started
+    # here yet (the local GPU busy) when the user turns bursting back on. Put back on its cloud plan it would burst on
+    # a new instance beside the old one, which still bills: it stays here until the old one is confirmed gone, and
+    # burst-enable says so; nor is it handed over to the cloud from a run here. Confirmed gone, it goes back to its
+    # plan.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    with SimCloudServer(api_key="sim-rules-key") as sim:
+        now = [time.time()]
+        job_id, attempt, provider, instance = _released_home(app, tmp_path, sim, now,
+                                                             route="instance-operations/terminate")
+        r = burstctl_in_process("burst-enable", "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        said = json.loads(r.stdout)
+        assert said["restored"] == [] and list(said["held_for_released_instance"]) == [job_id]
+        held = said["held_for_released_instance"][job_id]
+        assert held == (f"its instance from before revert-local, sim {instance.id}, is still being terminated (its "
+                        "provider has not confirmed it gone, and it bills until then): no other instance is launched "
+                        "for the job until it is")
+        job = app.store.get_job(job_id)
+        assert (job["state"], job["placement"]) == ("queued", "local")  # it runs here meanwhile
+        rec = Reconciler(app, {"sim": provider}, cloud=None, clock=lambda: now[0])
+        assert rec.admission.hand_over_held(job, now[0]) == held
+        # Its instance still holds a cloud slot, and its charge accrues against the month's budget.
+        assert rec.admission.attempts_active("cloud") == 1
+        assert rec.budget.exposure(now[0])[month_key(now[0])][1] == pytest.approx(3.29)
+
+        sim.clear_faults()  # the provider answers the terminate again
+        for _ in range(2):
+            now[0] += 16.0  # past the failed terminate's next try
+            rec._advance(attempt(), app.store.get_job(job_id))
+        assert attempt()["state"] == "aborted" and app.store.ledger_rows()[0]["ended_at"] is not None
+        job = app.store.get_job(job_id)
+        assert (job["state"], job["placement"]) == ("queued", job["decision"]["placement"])  # back on its plan
+        assert rec.admission.hand_over_held(job, now[0]) != held
+        rec.close()
+        provider.close()
+    app.close()
+

@@ -250,7 +250,8 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
     for gone in progress["being_terminated"]:
         out.print(f"instance {escape(str(gone['provider']))} {escape(str(gone['instance_id']))} (attempt "
                   f"{gone['attempt']}): the job came home without it; being terminated, not yet confirmed gone (its "
-                  "provider does not answer), and metered until it is")
+                  "provider does not answer), and metered until it is; no other instance is launched for the job "
+                  "until then")
     if progress["attempts_run"]:
         runs = progress["attempts_run"]
         out.print(f"logs: burstctl logs {j['id']} ({runs} attempt{'s' if runs != 1 else ''}, in "

@@ -9,7 +9,7 @@ from orchestrator.cli.base import FiniteFloat, cli, json_option, pass_app
 from orchestrator.cli.output import out, print_json, table
 from orchestrator.daemon import running_daemon
 from orchestrator.errors import OperationalError
-from orchestrator.lifecycle.revert import restore_plans, revert_local, set_burst_enabled
+from orchestrator.lifecycle.revert import held_for_released, restore_plans, revert_local, set_burst_enabled
 from orchestrator.lifecycle.service import build_reconciler
 
 
@@ -112,12 +112,18 @@ def _switch_only(app: App, as_json: bool) -> None:
 @pass_app
 def burst_enable_cmd(app: App, as_json: bool) -> None:
     """Lift the kill switch: queued jobs may burst again, and those revert-local requeued locally that have not
-    started there go back to their cloud or hybrid plan."""
+    started there go back to their cloud or hybrid plan. A job whose instance from before revert-local is not yet
+    confirmed gone (its provider did not answer the terminate) is not launched in the cloud again until it is: it
+    runs here meanwhile, or waits, and goes back to its plan then."""
     changed = set_burst_enabled(app, True, "burst-enable")
     restored = restore_plans(app)
+    held = held_for_released(app)
     if as_json:
-        print_json({"mode": "burst-enabled", "changed": changed, "restored": restored})
+        print_json({"mode": "burst-enabled", "changed": changed, "restored": restored,
+                    "held_for_released_instance": held})
     else:
         out.print("mode: burst-enabled" + ("" if changed else " (it already was)"))
         if restored:
             out.print(f"back to their plans: {', '.join(restored)}")
+        for job_id, why in held.items():
+            out.print(f"not launched in the cloud yet: {_named(app, [job_id])}: {why}")

@@ -16,7 +16,7 @@ from orchestrator.cli.output import out, print_json, table
 from orchestrator.core.budget import Held, month_key
 from orchestrator.daemon import CONFIG_SEEN_KEY, config_fingerprint, running_daemon
 from orchestrator.holds import held_by_plans
-from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, LAUNCHING, launching
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, LAUNCHING, AttemptState, launching
 from orchestrator.lifecycle.states import JobState
 from orchestrator.records import fmt_usd
 from state import schema as s
@@ -60,7 +60,7 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
                       "provider": a["provider"], "instance": a["instance_id"], "market": a["market"],
                       "probe_for": (a["info"] or {}).get("probe_for"),
                       "probe_kept": bool((a["info"] or {}).get("probe_for") and (a["info"] or {}).get("kept")),
-                      "problem": _problem(a["info"] or {}, now)}
+                      "problem": _problem(a, now)}
                      for a in attempts],
         "instances": [{"provider": i["provider"], "id": i["id"], "attempt": i["attempt_id"], "state": i["state"],
                        "type": i["instance_type"], "market": i["market"]} for i in instances],
@@ -136,9 +136,20 @@ def _restart_needed(app: App) -> list[str]:
     return list(seen.get("restart_needed") or [])
 
 
-def _problem(info: dict[str, Any], now: float) -> str | None:
+def _problem(att: dict[str, Any], now: float) -> str | None:
     """What keeps a live attempt from doing its job right now (a step failing, checkpoints not coming home), or
-    None."""
+    None. A released one's (revert-local, its provider not answering the terminate) is its instance still billing,
+    which keeps its job off the cloud (`core/release.relaunch_held`), and then why, if a step fails."""
+    said = _step_problem(att["info"] or {}, now)
+    if att["state"] != AttemptState.RELEASED.value:
+        return said
+    gone = (f"instance {att['instance_id']} from before revert-local is still being terminated (not confirmed gone: "
+            "it bills until it is); its job is not launched in the cloud again until then")
+    return gone if said is None else f"{gone}; {said}"
+
+
+def _step_problem(info: dict[str, Any], now: float) -> str | None:
+    """A live attempt's step failing, or its checkpoints not coming home, or None."""
     refused = info.get("provider_refused")  # its provider refuses to be asked (`reconcile.CANNOT_ASK`): what to do
     if isinstance(refused, dict) and refused.get("said"):
         return str(refused["said"])

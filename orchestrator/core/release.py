@@ -7,10 +7,16 @@ for good. The job comes home (the attempt `released`, its instance still termina
 when nothing of it is left out there: its run has stopped, or its instance cannot be reached either, and the newest
 checkpoint it held, as last seen, is home. Otherwise the work on the instance would be thrown away without a word;
 the user decides that (`burstctl revert-local --resume-from-home`), and is told what it costs.
+
+A released job is not launched in the cloud again while its instance from before is not confirmed gone
+(`relaunch_held`): that instance still bills, and still holds a cloud slot (`daemon.max_cloud_attempts`) and its
+charge's share of the budget; a second one for the same job beside it is the double billing revert-local was run to
+end. The job runs here meanwhile, or waits when it does not fit here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -75,3 +81,14 @@ def decide_release(f: ReleaseFacts) -> ReleaseVerdict:
                                      f"({home} is); {RESUME_FROM_HOME_FLAG} resumes it here from {home}, "
                                      "giving up the work since")
     return ReleaseVerdict(True)
+
+
+def relaunch_held(unconfirmed: Sequence[str]) -> str | None:
+    """Why a job may not be launched in the cloud now (a launch of its own, a plan put back by burst-enable, a
+    hand-over from a run here), or None. `unconfirmed`: the instances of its released attempts ("sim i-1"), which
+    their provider has not yet confirmed gone."""
+    if not unconfirmed:
+        return None
+    return (f"its instance from before revert-local, {', '.join(unconfirmed)}, is still being terminated (its "
+            "provider has not confirmed it gone, and it bills until then): no other instance is launched for the job "
+            "until it is")

@@ -22,13 +22,19 @@ from sqlalchemy import Connection, func, or_, select, update
 from orchestrator.app import CLOUD_REFUSED_KEY, CLOUD_THROTTLED_KEY, App, burst_enabled
 from orchestrator.core.decision import UNMEASURED_SETUP
 from orchestrator.core.local_hours import LocalHours
+from orchestrator.core.release import relaunch_held
 from orchestrator.core.sizing import gb_and_gib
 from orchestrator.errors import format_validation_error
 from orchestrator.jobspec import JobSpec, ModelSpec
 from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.budget_guard import BudgetGuard
 from orchestrator.lifecycle.finish import NEVER_CAME_UP, requeued_local_reason
-from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, HOLDING_ATTEMPT_STATES, AttemptState
+from orchestrator.lifecycle.machine import (
+    ACTIVE_ATTEMPT_STATES,
+    HOLDING_ATTEMPT_STATES,
+    AttemptState,
+    released_instances,
+)
 from orchestrator.lifecycle.machine import create as create_attempt
 from orchestrator.lifecycle.market_switch import market_for_attempt, record_spot_listings, spot_region_order
 from orchestrator.lifecycle.states import JobState, awaits_approval
@@ -440,6 +446,9 @@ class Admission:
             else:
                 self._block(job, "bursting is disabled (revert-local): `burstctl burst-enable` lifts it")
             return False
+        if (held := self.relaunch_held(job)) is not None:
+            self._note(job, held)  # its instance from before still bills: launched once that is confirmed gone
+            return False
         if not self.has_cloud or not self.providers:
             self._block(job, "no cloud provider is usable (check `burstctl providers`)", retry_at=retry_at)
             return False
@@ -601,6 +610,12 @@ class Admission:
                     info = {**r["info"], "failure_counted": False}
                     self.store.set_attempt_info(r["id"], info, conn)
 
+    def relaunch_held(self, job: dict[str, Any]) -> str | None:
+        """Why the job may not be launched in the cloud now for an instance of its from before (revert-local, its
+        provider not answering the terminate) that is not yet confirmed gone (`core/release.relaunch_held`)."""
+        with self.store.engine.connect() as c:
+            return relaunch_held(released_instances(c, [job["id"]]).get(job["id"], []))
+
     def hand_over_held(self, job: dict[str, Any], now: float) -> str | None:
         """Why a hybrid job's local phase cannot hand over now, else None. Stopping the local run for a burst
         that cannot launch (no capacity, or the monthly budget would refuse it) would leave the local GPU idle while
@@ -613,6 +628,8 @@ class Admission:
             return "bursting is disabled (revert-local)"
         if awaits_approval(job):
             return f"its price waits for approval: `burstctl approve {job['id']}`"
+        if (held := self.relaunch_held(job)) is not None:
+            return held
         if not self.has_cloud or not self.providers:
             return "no cloud provider is usable"
         offers, problems, too_small = self._offers_with_capacity(job, now)

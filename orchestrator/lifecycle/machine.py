@@ -30,7 +30,8 @@ trainer writes a last checkpoint (`info.stopping_for`, looked at again each tick
 terminate, its run stopped (or its instance cannot be reached either) and its newest checkpoint is home
 (`core/release.py`). Its job's next step (requeued locally, resuming) is taken as it goes `released`, not again at its
 end; it is never synced from again, so nothing of the old instance reaches the job's store once the job has moved.
-The daemon goes on terminating its instance, its charge open, until the provider confirms it gone.
+The daemon goes on terminating its instance, its charge open, until the provider confirms it gone; until then it
+still holds a cloud slot, and no other instance is launched for its job (`core/release.relaunch_held`).
 
 `intent` is written *before* the launch call, with the idempotency key; a daemon that dies right after the call
 finds the instance by its tags on restart (no second launch). `terminating` records the outcome to end with, so the
@@ -166,6 +167,19 @@ def launching(conn: Connection, job_ids: Sequence[str] | None = None) -> set[str
     if job_ids is not None:
         q = q.where(a.c.job_id.in_(list(job_ids)))
     return {r[0] for r in conn.execute(q)}
+
+
+def released_instances(conn: Connection, job_ids: Sequence[str] | None = None) -> dict[str, list[str]]:
+    """The jobs (of `job_ids`, else all) with a released attempt, each with its instances not yet confirmed gone
+    ("sim i-1"): what `core/release.relaunch_held` weighs."""
+    q = (select(s.attempts.c.job_id, s.attempts.c.provider, s.attempts.c.instance_id)
+         .where(s.attempts.c.state == AttemptState.RELEASED.value).order_by(s.attempts.c.n))
+    if job_ids is not None:
+        q = q.where(s.attempts.c.job_id.in_(list(job_ids)))
+    out: dict[str, list[str]] = {}
+    for job_id, provider, instance in conn.execute(q):
+        out.setdefault(job_id, []).append(f"{provider} {instance or '(no instance id)'}")
+    return out
 
 
 def states_said(conn: Connection, jobs: Sequence[Mapping[str, Any]]) -> dict[str, str]:

@@ -1096,6 +1096,12 @@ class Reconciler:
                                  instance=inst_id, outcome=outcome.value, **({"released": True} if released else {}))
             if not released:
                 self._after_attempt(conn, att, job, outcome, att.get("reason"))
+        if released and burst_enabled(self.app):
+            # Kept here by burst-enable while this instance might still bill (`core/release.relaunch_held`): now
+            # that it is gone, back to its plan, unless it has started here since.
+            from orchestrator.lifecycle.revert import restore_plans  # revert-local builds on this module
+
+            restore_plans(self.app, only=[job["id"]], why=f"its instance from before, {inst_id}, is confirmed gone")
 
     def release_if_home(self, att: dict[str, Any], job: dict[str, Any]) -> bool:
         """A terminating attempt whose provider does not answer (or refuses) its terminate: after revert-local, its

@@ -25,16 +25,18 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import insert, select, update
 
 from orchestrator.app import BURST_ENABLED_KEY, App
+from orchestrator.core.release import relaunch_held
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.finish import REQUEUED_LOCAL, requeued_local_reason
 from orchestrator.lifecycle.local import stop_wait_s
-from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, released_instances
 from orchestrator.lifecycle.orphans import attempts_of, meter_orphan
 from orchestrator.lifecycle.reconcile import RELEASE_HELD, RESUME_FROM_HOME_KEY, Reconciler
 from orchestrator.lifecycle.states import JobState
@@ -107,27 +109,41 @@ def set_burst_enabled(app: App, enabled: bool, why: str) -> bool:
     return was != enabled
 
 
-def restore_plans(app: App) -> list[str]:
-    """Undo revert-local's requeue for the jobs that are not running locally now: each goes back to the placement
-    its decision chose (cloud or hybrid), so `burst-enable` does not leave a job local that revert-local moved there
-    (one that misses its deadline locally by hours). Only revert-local places a job local against its decision (a
-    re-plan changes the decision too); its reason may since say it waits for the local GPU. A job running locally
-    stays, and is re-planned if it falls behind its deadline. Returns the ids restored."""
+def restore_plans(app: App, only: Collection[str] | None = None, why: str = "burst-enable") -> list[str]:
+    """Undo revert-local's requeue for the jobs (of `only`, else all) that are not running locally now: each goes
+    back to the placement its decision chose (cloud or hybrid), so `burst-enable` does not leave a job local that
+    revert-local moved there (one that misses its deadline locally by hours). Only revert-local places a job local
+    against its decision (a re-plan changes the decision too); its reason may since say it waits for the local GPU. A
+    job running locally stays, and is re-planned if it falls behind its deadline. A job whose instance from before is
+    not yet confirmed gone (`held_for_released`) stays here until it is: the daemon puts it back on its plan then.
+    Returns the ids restored."""
     with app.store.engine.connect() as c:
         jobs = [dict(r) for r in c.execute(select(s.jobs).where(
             s.jobs.c.state.in_([JobState.QUEUED.value, JobState.RESUMING.value]),
-            s.jobs.c.placement == "local")).mappings()]
+            s.jobs.c.placement == "local", *([s.jobs.c.id.in_(list(only))] if only is not None else []))).mappings()]
+        released = released_instances(c, [j["id"] for j in jobs])
     restored = []
     for job in jobs:
         placement = job["decision"].get("placement")
-        if placement not in ("cloud", "hybrid"):
+        if placement not in ("cloud", "hybrid") or relaunch_held(released.get(job["id"], [])) is not None:
             continue
         with app.store.tx() as conn:
             if app.store.update_job(job["id"], conn, expect_state=job["state"], placement=placement,
-                                    reason=f"burst-enable: back to its {placement} plan"):
+                                    reason=f"{why}: back to its {placement} plan"):
                 app.events.emit("job.plan_restored", job_id=job["id"], conn=conn, placement=placement)
                 restored.append(job["id"])
     return restored
+
+
+def held_for_released(app: App) -> dict[str, str]:
+    """The jobs not over with an instance from before revert-local (a released attempt's) not yet confirmed gone,
+    each with why no other instance is launched for it until it is (`core/release.relaunch_held`): what
+    `burst-enable` says."""
+    with app.store.engine.connect() as c:
+        released = released_instances(c)
+    return {job_id: why for job_id, instances in released.items()
+            if (why := relaunch_held(instances)) is not None
+            and not JobState((app.store.get_job(job_id) or {"state": "done"})["state"]).final}
 
 
 DEFAULT_TIMEOUT_S = 180.0  # a stop's wait for its last checkpoint (60 s by default), then its pull and termination
