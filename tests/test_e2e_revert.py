@@ -39,6 +39,12 @@ from tests.e2e import (
 pytestmark = pytest.mark.slow
 
 
+def measured_line(record: Path) -> str:
+    """A decision record's Measured line."""
+    (line,) = [ln for ln in record.read_text().splitlines() if ln.startswith("- **Measured:**")]
+    return line
+
+
 def priced_job(tmp: Path, name: str, steps: int = 400, gpu: str = "H100") -> Path:
     """Fits locally but misses its deadline there; the price of the deadline is within the auto-approve ceiling."""
     return trainer_job(tmp, name, steps=steps, every=10, local_throughput=0.1, rented=10, deadline_hours=2, gpu=gpu)
@@ -323,6 +329,9 @@ def test_with_the_cloud_api_down_revert_local_brings_the_stopped_burst_home_to_f
             assert [c["ended_at"] for c in ledger(state) if c["instance_id"] == instance] == [None]
             shown = " ".join(cli(config, state, "show", job_id).stdout.split())
             assert f"instance sim {instance} (attempt 1): the job came home without it; being terminated" in shown
+            # Its Measured line, written as it finished, says that instance's charge is still to come.
+            record = Path(job(state, job_id)["record_path"])
+            assert f"; instance sim {instance} is still being terminated: $" in measured_line(record)
 
             httpx.delete(f"{url}/_sim/faults", timeout=10).raise_for_status()  # the API is back
             wait_for(lambda: all(i["status"] in GONE for i in sim_instances(url)), 90, "the instance terminated")
@@ -333,6 +342,9 @@ def test_with_the_cloud_api_down_revert_local_brings_the_stopped_burst_home_to_f
             assert daemon.stop() == 0
     (ended,) = [e for e in events(state, "instance.terminated") if e["attempt_id"] == released["attempt_id"]]
     assert ended["data"]["outcome"] == "aborted" and ended["data"]["released"] is True
+    # Measured again once that charge was closed: the whole of it, as the ledger has it, in the job's cost.
+    line = measured_line(record)
+    assert f"cost ${sum(c['cost_usd'] for c in ledger(state)):.2f}" in line and "being terminated" not in line
     assert not events(state, "job.failed") and len(events(state, "job.done")) == 1  # done once, by the local run
     # It resumed here from the checkpoint the stopped run brought home, and nothing of the old instance came home
     # after the job had moved.

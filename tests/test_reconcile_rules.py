@@ -2470,3 +2470,37 @@ def test_burst_enable_keeps_a_job_released_home_here_until_its_instance_from_bef
         provider.close()
     app.close()
 
+
+def test_a_job_cancelled_while_its_only_attempt_is_released_is_measured_and_again_once_that_instance_is_gone(
+        tmp_path: Path, burstctl_in_process: Any) -> None:
+    # No attempt of the cancelled job will end to measure it: its released attempt's end does not move the job
+    # (it went on without it). Its Measured line is written at the cancel, saying what the instance still being
+    # terminated has cost so far; and written again with its charge once its provider confirms it gone.
+    app = App(state_dir_override=str(tmp_path / "state"))
+    with SimCloudServer(api_key="sim-rules-key") as sim:
+        now = [time.time()]
+        job_id, attempt, provider, instance = _released_home(app, tmp_path, sim, now, started_ago_s=600)
+        r = burstctl_in_process("cancel", job_id)
+        assert r.returncode == 0, r.stdout + r.stderr
+        record = Path(app.store.get_job(job_id)["record_path"])
+        (line,) = [ln for ln in record.read_text().splitlines() if ln.startswith("- **Measured:**")]
+        assert line.startswith("- **Measured:** cancelled: run 0.17 h, cost $0.00, ")
+        assert f"; instance sim {instance.id} is still being terminated: $" in line
+        assert line.endswith("so far, added here once its provider confirms it gone")
+
+        sim.clear_faults()  # the API is back
+        rec = Reconciler(app, {"sim": provider}, cloud=None, clock=lambda: now[0])
+        for _ in range(2):
+            now[0] += 16.0
+            rec._advance(attempt(), app.store.get_job(job_id))
+        assert attempt()["state"] == "aborted"
+        (charge,) = app.store.ledger_rows()
+        assert charge["cost_usd"] > 0
+        (line,) = [ln for ln in record.read_text().splitlines() if ln.startswith("- **Measured:**")]
+        assert line.startswith(f"- **Measured:** cancelled: run 0.17 h, cost ${charge['cost_usd']:.2f}, ")
+        assert "still being terminated" not in line
+        measured = [e["data"] for e in app.store.events(job_id=job_id) if e["type"] == "job.measured"]
+        assert [m["cost_usd"] for m in measured] == [0.0, round(charge["cost_usd"], 4)]
+        rec.close()
+        provider.close()
+    app.close()

@@ -146,15 +146,34 @@ def _next_for_job(app: App, conn: Connection, att: dict[str, Any], job: dict[str
 def measure_cancelled(app: App, conn: Connection, job: dict[str, Any], now: float) -> None:
     """The Measured line of a job cancelled (`burstctl cancel`, in its transaction) while none of its attempts is
     live, so that no attempt's end will fill it: "none" when it never had one, else what its ended attempts ran and
-    cost, as a cancelled run's is. One with a live attempt is measured once the daemon has stopped it."""
+    cost, as a cancelled run's is. One with a live attempt is measured once the daemon has stopped it. A released
+    attempt (revert-local, its provider not answering) is not live: its job went on without it, and its end does not
+    move the job; its instance's charge, still open, is said, and added once it is closed (`measure_again`)."""
     rows = conn.execute(select(s.attempts).where(s.attempts.c.job_id == job["id"])
                         .order_by(s.attempts.c.n.desc())).mappings().all()
-    if any(not AttemptState(r["state"]).final for r in rows):
+    if any(not AttemptState(r["state"]).final and r["state"] != A.RELEASED.value for r in rows):
         return
     if rows:
         _fill_measured(app, conn, job, dict(rows[0]), now, ended="cancelled")
     elif job.get("record_path") and Path(job["record_path"]).exists():
         records.fill_measured(Path(job["record_path"]), records.MEASURED_CANCELLED.removeprefix("- **Measured:** "))
+
+
+def measure_again(app: App, conn: Connection, job_id: str, now: float) -> None:
+    """A released attempt's instance is confirmed gone, its charge closed (in the caller's transaction): a job over
+    by then (done here, failed, cancelled) is measured again, so that its Measured line has the whole of that charge
+    rather than what it had cost when the job ended. The job's end, not now, is what the line dates and weighs
+    against the deadline. A job not over is measured at its end, as ever."""
+    row = conn.execute(select(s.jobs).where(s.jobs.c.id == job_id)).mappings().first()
+    if row is None or row["state"] not in (JobState.DONE.value, JobState.FAILED.value, JobState.CANCELLED.value):
+        return
+    job = dict(row)
+    before = conn.execute(select(s.events.c.ts, s.events.c.data).where(
+        s.events.c.job_id == job_id, s.events.c.type == "job.measured").order_by(s.events.c.id.desc())).first()
+    ended = str(before.data.get("ended") or "done") if before is not None else (
+        "done" if job["state"] == JobState.DONE.value else str(job["state"]))
+    _fill_measured(app, conn, job, {"info": {}}, float(before.ts) if before is not None else now, ended=ended,
+                   peak_vram_gb=before.data.get("peak_vram_gb") if before is not None else None, at=now)
 
 
 def probe_interval_s(app: App, policy: dict[str, Any]) -> float:
@@ -165,20 +184,36 @@ def probe_interval_s(app: App, policy: dict[str, Any]) -> float:
     return probe_after_s(outage_h, d.launch_backoff_s, d.spot_probe_max_s)
 
 
+def _ran_until(r: Any, now: float) -> float:
+    """When an attempt's run ended: a released one's when its job went on without it (its instance's time being
+    terminated after that is billed, in its charge, not run)."""
+    released_at = (r["info"] or {}).get("released_at")
+    return float(released_at) if released_at is not None else float(r["ended_at"] or now)
+
+
 def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[str, Any], now: float,
-                   ended: str = "done") -> None:
+                   ended: str = "done", *, peak_vram_gb: float | None = None, at: float | None = None) -> None:
     """The record's Measured line and a `job.measured` event, once the job is over however it ended: what a
-    cancelled or failed run spent is part of the trail too."""
+    cancelled or failed run spent is part of the trail too. `now`: when it ended. A released attempt's charge still
+    open (its instance not yet confirmed gone) is said apart, as accrued by `at` (default `now`), and added to the
+    cost once closed (`measure_again`)."""
     rows = conn.execute(select(s.attempts).where(s.attempts.c.job_id == job["id"])).mappings().all()
-    run_h = sum(((r["ended_at"] or now) - r["started_at"]) / 3600.0 for r in rows if r["started_at"])
+    run_h = sum((_ran_until(r, now) - r["started_at"]) / 3600.0 for r in rows if r["started_at"])
     cost, billed_s = conn.execute(select(func.coalesce(func.sum(s.ledger.c.cost_usd), 0.0),
                                          func.coalesce(func.sum(s.ledger.c.billed_seconds), 0.0))
                                   .where(s.ledger.c.job_id == job["id"])).one()
+    released = [r["id"] for r in rows if r["state"] == A.RELEASED.value]
+    open_charges = conn.execute(select(s.ledger.c.provider, s.ledger.c.instance_id, s.ledger.c.rate_usd_h,
+                                       s.ledger.c.started_at)
+                                .where(s.ledger.c.attempt_id.in_(released), s.ledger.c.cost_usd.is_(None))).all() \
+        if released else []
+    at = now if at is None else at
+    still_usd = sum(rate * max(0.0, at - started) / 3600.0 for _, _, rate, started in open_charges)
     where = ", ".join(sorted({f"{r['provider']} {r['instance_type']} {r['market']}" if r["where"] == "cloud"
                               else "local" for r in rows if r["started_at"]}))
     preemptions = sum(1 for r in rows if r["state"] == A.PREEMPTED.value and r["where"] == "cloud")
-    peak = att["info"].get("metrics", {}).get("peak_vram_gb")
-    local_h = sum(((r["ended_at"] or now) - r["started_at"]) / 3600.0 for r in rows
+    peak = att["info"].get("metrics", {}).get("peak_vram_gb", peak_vram_gb)
+    local_h = sum((_ran_until(r, now) - r["started_at"]) / 3600.0 for r in rows
                   if r["started_at"] and r["where"] == "local")
     date = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
     # The promise was the deadline: say whether it held, against the deadline the decision was made for.
@@ -201,16 +236,20 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
     local_usd = local_h * app.config.local.usd_per_hour
     costs = f"${cost:.2f}" + (f" cloud{minimum} + ${local_usd:.2f} local at "
                               f"{records.fmt_usd(app.config.local.usd_per_hour)}/h" if local_usd > 0 else minimum)
+    unconfirmed = "".join(f"; instance {provider} {instance} is still being terminated: "
+                          f"{records.fmt_usd(rate * max(0.0, at - started) / 3600.0)} so far, added here once its "
+                          "provider confirms it gone" for provider, instance, rate, started in open_charges)
     text = ("" if ended == "done" else f"{ended}: ") + (
         f"run {run_txt} h{split}, cost {costs}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
-        f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else "") + deadline)
+        f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else "") + deadline + unconfirmed)
     if job.get("record_path") and Path(job["record_path"]).exists():
         records.fill_measured(Path(job["record_path"]), app.redactor(text))  # what providers named, redacted
     app.events.emit("job.measured", job_id=job["id"], conn=conn, run_h=round(run_h, 4), cost_usd=round(cost, 4),
                     where=where, preemptions=preemptions, peak_vram_gb=peak, ended=ended,
                     local_h=round(local_h, 4), local_cost_usd=round(local_usd, 4),
                     deadline_met=None if late_h is None else late_h <= 0,
-                    late_h=None if late_h is None else round(late_h, 4))
+                    late_h=None if late_h is None else round(late_h, 4),
+                    **({"unconfirmed_usd": round(still_usd, 4)} if open_charges else {}))
 
 
 def exit_reason(app: App, job: dict[str, Any], ex: dict[str, Any], prefix: str = "exited") -> str:

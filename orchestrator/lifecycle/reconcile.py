@@ -27,7 +27,7 @@ from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.admission import Admission, note_waiting
 from orchestrator.lifecycle.attempt_syncs import CLOSE_WAIT_S, AttemptSyncs, notice_reason
 from orchestrator.lifecycle.budget_guard import BudgetGuard
-from orchestrator.lifecycle.finish import exit_reason
+from orchestrator.lifecycle.finish import exit_reason, measure_again
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_wait_s
 from orchestrator.lifecycle.machine import AttemptState, active_attempts, chaos_point, move
 from orchestrator.lifecycle.market_switch import (
@@ -1096,6 +1096,8 @@ class Reconciler:
                                  instance=inst_id, outcome=outcome.value, **({"released": True} if released else {}))
             if not released:
                 self._after_attempt(conn, att, job, outcome, att.get("reason"))
+            else:  # a job over since is measured again, this instance's charge now closed
+                measure_again(self.app, conn, job["id"], now)
         if released and burst_enabled(self.app):
             # Kept here by burst-enable while this instance might still bill (`core/release.relaunch_held`): now
             # that it is gone, back to its plan, unless it has started here since.
