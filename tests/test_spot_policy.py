@@ -227,12 +227,18 @@ def test_dp_policy_goes_back_to_spot_when_it_was_calm_but_not_for_a_flicker() ->
     assert regime_in(1, 0.1, FLICKER_EDGES[0]) == 0
 
 
-def test_dp_plan_charges_the_changeover_exactly_when_the_tick_allows_it() -> None:
+def test_dp_plan_charges_the_changeover_exactly_when_the_tick_allows_it_and_nearly_when_not() -> None:
     # Setting (a): 10-minute ticks, d = 12 min. The plan's unit of work must make d a whole number of units
     # (2-minute units), not round it up to the next 200 s (which overprices every switch by 80 s).
     dp = POLICIES[DEFAULT_POLICY]
     plan = dp.plan_for(48.0, 60.0, 0.2, 1 / 6, 3.06, 0.9731, None)
     assert plan.changeover_units * plan.step_h / plan.units_per_step == pytest.approx(0.2)
+    # Setting (b): 195-s ticks, which no unit within the slack axis divides 720 s by. Units of 48.75 s price a switch
+    # 11 s too high, where the tick's 195 s priced it 60 s too high (and read the work left to 195 s).
+    plan = dp.plan_for(48.0, 60.0, 0.2, 195 / 3600, 3.06, 0.9731, None)
+    unit_s = plan.step_h * 3600 / plan.units_per_step
+    assert unit_s == pytest.approx(48.75)
+    assert 0 <= plan.changeover_units * unit_s - 720 < 12
 
 
 def reference_actions(model: SpotModel, job_hours: float, deadline_hours: float, changeover_h: float, step_h: float,

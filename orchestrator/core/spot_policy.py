@@ -660,7 +660,9 @@ class SemiMarkovDP:
     # plan read between its steps rounds the steps left down and so the slack against the job: on setting (b)
     # (60 h of 195-s ticks, 1,108 of them) a 3-tick step cost 2 points of UP's gap (docs/simulate.md).
     max_steps: int = 1200
-    max_slack_units: int = 400  # bound on the slack axis: finer is closer to exact, slower to plan
+    # Bound on the slack axis: finer is closer to exact, slower to plan. On setting (b) (195-s ticks, 12 h of slack)
+    # 900 allows work units of 48.75 s, the changeover rounded up by 11 s instead of 60 s (400: 195-s units).
+    max_slack_units: int = 900
     # A changeover spans at most this many steps: the table holds a row per step of one (its phases). At the
     # daemon's 1-minute tick a 0.5 h changeover was 31 phases, and one plan 240 MB and 1.5 CPU-seconds; the
     # paper's settings (a 10-minute tick and 0.2 h, 195 s and 720 s) are within it and planned as before.
