@@ -123,21 +123,29 @@ def test_baselines_reproduce_the_papers_hours_on_setting_a(name: str, paper_od_h
     assert abs(np.mean([r.spot_work_hours for r in runs]) - paper_spot_h) <= 1.0
 
 
+# Spot's age: young windows (the short-window override's ages, its edge 0.5 h among them) as often as any age.
+AGES = st.one_of(st.sampled_from([0.1, 0.2, 0.3, 0.4, 0.5, 0.5 + 1e-7, 0.6]), st.floats(0.1, 30))
+# A run's predicted chance of a short window: unknown (NaN in a batch, None in a state) or a chance, often high.
+CHANCES = st.one_of(st.just(math.nan), st.floats(0, 1), st.sampled_from([0.8, 0.8 + 1e-9, 0.95]))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     runs=st.lists(st.tuples(st.floats(0, 14), st.floats(0, 10), st.sampled_from([0, 1, 2]), st.booleans(),
-                            st.sampled_from([0.0, 0.05, 0.1, 0.2]), st.floats(0.1, 30)), min_size=1, max_size=30),
+                            st.sampled_from([0.0, 0.05, 0.1, 0.2]), AGES, CHANCES), min_size=1, max_size=30),
     name=st.sampled_from(sorted(POLICIES)),
+    chances_given=st.booleans(),
 )
 def test_array_path_decides_exactly_as_the_scalar_path(
-    runs: list[tuple[float, float, int, bool, float, float]], name: str
+    runs: list[tuple[float, float, int, bool, float, float, float]], name: str, chances_given: bool
 ) -> None:
     # The daemon calls decide(state); replays call decide_batch(arrays). They must agree run for run.
     cols = list(zip(*runs, strict=True))
     batch = SpotBatch(job_hours=10.0, deadline_hours=14.0, changeover_h=0.2, tick_h=0.1, od_price=3.0,
                       spot_price=1.0, elapsed_h=np.array(cols[0]), progress_h=np.array(cols[1]),
                       market=np.array(cols[2], dtype=np.int8), spot_available=np.array(cols[3]),
-                      changeover_left_h=np.array(cols[4]), spot_state_for_h=np.array(cols[5]))
+                      changeover_left_h=np.array(cols[4]), spot_state_for_h=np.array(cols[5]),
+                      short_window_chance=np.array(cols[6]) if chances_given else None)
     policy = POLICIES[name]
     batched = [MARKETS[c] for c in policy.decide_batch(batch)]
     assert batched == [policy.decide(batch.state(i)) for i in range(len(runs))]
@@ -146,11 +154,11 @@ def test_array_path_decides_exactly_as_the_scalar_path(
 @settings(max_examples=25, deadline=None)
 @given(
     runs=st.lists(st.tuples(st.floats(0, 14), st.floats(0, 10), st.sampled_from([0, 1, 2]), st.booleans(),
-                            st.sampled_from([0.0, 0.05, 0.1, 0.2]), st.floats(0.1, 30), st.floats(0, 1),
-                            st.sampled_from([0, 1, 2, 3]), st.integers(0, 6)), min_size=1, max_size=30),
+                            st.sampled_from([0.0, 0.05, 0.1, 0.2]), AGES, st.floats(0, 1),
+                            st.sampled_from([0, 1, 2, 3]), st.integers(0, 6), CHANCES), min_size=1, max_size=30),
 )
 def test_dp_decides_runs_knowing_different_models_as_each_alone(
-    runs: list[tuple[float, float, int, bool, float, float, float, int, int]]
+    runs: list[tuple[float, float, int, bool, float, float, float, int, int, float]]
 ) -> None:
     # A replay's runs that have passed different refits are decided in one batch (`known`, `which`); each run
     # must get what the daemon's scalar path would decide knowing its own model.
@@ -171,7 +179,7 @@ def test_dp_decides_runs_knowing_different_models_as_each_alone(
                       market=np.array(cols[2], dtype=np.int8), spot_available=np.array(cols[3]),
                       changeover_left_h=np.array(cols[4]), spot_state_for_h=np.array(cols[5]),
                       recent_up_fraction=np.array(cols[6]), known=known, which=np.array(cols[7]),
-                      recent_changes=np.array(cols[8]))
+                      recent_changes=np.array(cols[8]), short_window_chance=np.array(cols[9]))
     dp = POLICIES[DEFAULT_POLICY]
     assert [MARKETS[c] for c in dp.decide_batch(batch)] == [dp.decide(batch.state(i)) for i in range(len(runs))]
 
@@ -225,6 +233,67 @@ def test_dp_policy_goes_back_to_spot_when_it_was_calm_but_not_for_a_flicker() ->
     assert regime_in(2, 0.9, FLICKER_EDGES[0]) == regime_in(2, 0.9, 0) == regime_of(0.9) == 1
     assert regime_in(REGIMES, 0.9, FLICKER_EDGES[0]) == 1 + SHARE_REGIMES
     assert regime_in(1, 0.1, FLICKER_EDGES[0]) == 0
+
+
+def _both_paths(policy: SemiMarkovDP, s: SpotState) -> Market:
+    """`policy`'s choice for `s`, checked to be the same on the batch path (the chance NaN there for None)."""
+    chance = math.nan if s.short_window_chance is None else s.short_window_chance
+    batch = SpotBatch(job_hours=s.job_hours, deadline_hours=s.deadline_hours, changeover_h=s.changeover_h,
+                      tick_h=s.tick_h, od_price=s.od_price, spot_price=s.spot_price, elapsed_h=np.array([s.elapsed_h]),
+                      progress_h=np.array([s.progress_h]), market=np.array([MARKETS.index(s.market)], dtype=np.int8),
+                      spot_available=np.array([s.spot_available]), changeover_left_h=np.array([s.changeover_left_h]),
+                      spot_state_for_h=np.array([s.spot_state_for_h]), stats=s.stats,
+                      recent_up_fraction=np.array([s.recent_up_fraction]), recent_changes=np.array([s.recent_changes]),
+                      short_window_chance=np.array([chance]))
+    choice = policy.decide(s)
+    assert MARKETS[int(policy.decide_batch(batch)[0])] is choice
+    return choice
+
+
+def test_dp_stays_on_on_demand_for_a_young_spot_window_predicted_short_and_only_then() -> None:
+    # On on-demand, spot back, the plan goes back to spot (a calm, plentiful zone). Told that the window is likely
+    # short (chance over `short_window_over`) while it is at most `short_window_h` old, the run stays on on-demand.
+    n = len(AGE_EDGES_H) + 1
+    model = SpotModel(tick_h=0.1, leave=(((0.05,) * n, (0.4,) * n), ((0.3,) * n, (0.01,) * n)),
+                      regime_switch=((0.999, 0.001), (0.001, 0.999)))
+    stats = AvailabilityStats(0.5, 1.0, 1.0, 100.0, model=model)
+    dp = SemiMarkovDP()
+    assert (dp.short_window_over, dp.short_window_h) == (0.8, 0.5)
+    back = state(elapsed_h=3.0, progress_h=2.5, market=Market.ON_DEMAND, spot_available=True, stats=stats,
+                 spot_state_for_h=0.1, recent_up_fraction=0.9)
+
+    def choice(policy: SemiMarkovDP = dp, **change: object) -> Market:
+        return _both_paths(policy, dataclasses.replace(back, **change))  # type: ignore[arg-type]
+
+    assert choice() is Market.SPOT, "the plan's own choice, no chance given"
+    assert choice(short_window_chance=0.81) is Market.ON_DEMAND
+    assert choice(short_window_chance=0.8) is Market.SPOT, "over the threshold, not at it"
+    assert choice(short_window_chance=math.nan) is Market.SPOT, "unknown"
+    # Its age: up to short_window_h, the current tick counted (3 ticks of 10 minutes is 0.5 h), and no older.
+    for age, stays in ((0.1, True), (0.3, True), (0.5, True), (0.5 + 1e-7, True), (0.5001, False), (0.6, False),
+                       (5.0, False)):
+        assert choice(spot_state_for_h=age) is Market.SPOT
+        assert choice(spot_state_for_h=age, short_window_chance=0.95) is (Market.ON_DEMAND if stays
+                                                                          else Market.SPOT), age
+    # The two fields move the rule.
+    assert choice(SemiMarkovDP(short_window_over=0.9), short_window_chance=0.85) is Market.SPOT
+    assert choice(SemiMarkovDP(short_window_h=1.0), spot_state_for_h=0.8, short_window_chance=0.85) \
+        is Market.ON_DEMAND
+    # Only from on-demand: idle (after a preemption or before the start) or already on spot, the plan's spot stands.
+    assert choice(market=Market.IDLE, short_window_chance=0.99) is Market.SPOT
+    assert choice(market=Market.SPOT, short_window_chance=0.99) is Market.SPOT
+    # Only where the plan chose spot: it never sends a run to spot or idle. In a scarce spell the plan keeps
+    # on-demand; with spot down it chooses as it would; a chance changes neither.
+    for change in ({"recent_up_fraction": 0.1}, {"spot_available": False}, {"spot_available": False,
+                                                                            "market": Market.IDLE}):
+        plain = choice(**change)
+        assert all(choice(**change, short_window_chance=c) is plain for c in (0.0, 0.5, 0.99))
+    assert choice(recent_up_fraction=0.1) is Market.ON_DEMAND
+    # The safety net and a finished job are as they were, whatever the chance.
+    net = dict(elapsed_h=10.6, progress_h=7.0)
+    assert choice(**net, short_window_chance=0.99) is choice(**net) is Market.ON_DEMAND
+    done = dict(elapsed_h=11.0, progress_h=10.0)
+    assert choice(**done, short_window_chance=0.99) is choice(**done) is Market.IDLE
 
 
 def test_dp_plan_charges_the_changeover_exactly_when_the_tick_allows_it_and_nearly_when_not() -> None:
