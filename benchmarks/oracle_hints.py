@@ -12,9 +12,10 @@ the offline optimum closed, beside the default's on the same starts. A hint is `
   ticks or fewer from its start (told while it is no older than that).
 - `stay_od_if_gone_within=N`: the same, whatever the window's age: stay if spot goes again within N ticks from now.
 - `idle_skip_spot_under=N`: idle with spot up, the plan starts spot: do not if spot goes again within N ticks.
-- `predicted=P` (with `--short-windows MINUTES`; not a hint, honest): on on-demand with spot up, the plan goes back
-  to spot: stay while the window is no older than MINUTES if the predictor below gives it a chance over P of
-  lasting no longer than that.
+- `predicted=P` (not a hint, honest; `SemiMarkovDP.short_window_over`, 0.8 in the default): on on-demand with spot
+  up, the plan goes back to spot: stay while the window is no older than MINUTES (`--short-windows`; else the
+  default's 30) if the predictor below gives it a chance over P of lasting no longer than that. The default does
+  this since it was built in (`core/short_windows.py`); `predicted=1` is the default without it.
 - `recall=P`: each hint is given to a share P of the runs only (the others play the plan): a hint never wrong that
   comes for some windows only.
 - `noise=Q`: `stay_od_if_up_under`'s hint is wrong (short said long, or long said short) for a share Q of the up
@@ -39,18 +40,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from policies import JOB, SETTINGS
 
 import orchestrator.simulate as sim
+from orchestrator.core import short_windows as sw
 from orchestrator.core import spot_policy as sp
 
 _NEVER = 10**9
 _TRACE: dict[str, Any] = {}  # the trace being replayed: starts, ticks until spot comes back / goes
-_PREDICTED: dict[str, Any] = {}  # per trace, the predicted chance of a short window by tick; and its minutes
 
 
 def _ticks_until(available: np.ndarray, state: bool) -> np.ndarray:
@@ -68,10 +69,11 @@ _replay_batch = sim.replay_batch
 
 def _replay_batch_seen(policy: sp.Policy, trace: sim.Trace, starts: Sequence[int] | np.ndarray, job: sim.JobSetting,
                        history: sim.TraceHistory | None = None, stats: sp.AvailabilityStats | None = None,
-                       refits: Sequence[tuple[int, sp.AvailabilityStats]] = ()) -> sim.BatchOutcome:
+                       refits: Sequence[tuple[int, sp.AvailabilityStats]] = (),
+                       short_window_chance: np.ndarray | None = None) -> sim.BatchOutcome:
     _TRACE.update(path=str(trace.path), starts=np.asarray(starts), back_in=_ticks_until(trace.available, True),
                   gone_in=_ticks_until(trace.available, False), tick_h=trace.gap_seconds / 3600.0)
-    return _replay_batch(policy, trace, starts, job, history, stats, refits)
+    return _replay_batch(policy, trace, starts, job, history, stats, refits, short_window_chance)
 
 
 sim.replay_batch = _replay_batch_seen  # workers are forked: they see it too
@@ -87,7 +89,6 @@ class Hinted(sp.SemiMarkovDP):
     stay_od_if_up_under: int = 0
     stay_od_if_gone_within: int = 0
     idle_skip_spot_under: int = 0
-    predicted: float = 0.0
     recall: float = 1.0
     noise: float = 0.0
 
@@ -111,10 +112,6 @@ class Hinted(sp.SemiMarkovDP):
             short ^= _wrong(t - age, _TRACE["starts"], self.noise) & (age <= self.stay_od_if_up_under)
         out[od & up & (out == sp.SPOT_CODE) & (short | (gone_in <= self.stay_od_if_gone_within))] = sp.OD_CODE
         out[idle & up & (out == sp.SPOT_CODE) & (gone_in <= self.idle_skip_spot_under)] = sp.IDLE_CODE
-        if self.predicted > 0:  # honest: the predictor of --short-windows, from what was known at the window's start
-            young = age * _TRACE["tick_h"] * 60.0 <= _PREDICTED["minutes"] + 1e-6
-            chance = _PREDICTED[_TRACE["path"]][t]
-            out[od & up & (out == sp.SPOT_CODE) & young & (chance > self.predicted)] = sp.OD_CODE
         return out
 
 
@@ -128,107 +125,79 @@ def _wrong(window: np.ndarray, start: np.ndarray, share: float) -> np.ndarray:
     return (mixed >> np.uint64(11)).astype(np.float64) / float(2**53) < share
 
 
-def _logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0) -> np.ndarray:
-    """Weights of an L2-penalised logistic regression (Newton's method; the last column is the unpenalised 1s)."""
-    w = np.zeros(x.shape[1])
-    penalty = np.full(x.shape[1], l2)
-    penalty[-1] = 0.0
-    for _ in range(50):
-        p = 1.0 / (1.0 + np.exp(-(x @ w)))
-        grad = x.T @ (p - y) + penalty * w
-        hess = (x * (p * (1 - p))[:, None]).T @ x + np.diag(penalty) + 1e-9 * np.eye(x.shape[1])
-        step = np.linalg.solve(hess, grad)
-        w -= step
-        if np.abs(step).max() < 1e-8:
-            break
-    return w
-
-
-@dataclasses.dataclass(frozen=True)
-class UpWindows:
-    """The up windows of a set of traces on one clock that follow an up and a down period, with what is known at
-    each one's start (`features`, for `_logistic`; `rich`, for `--rich` and `--gbm`, the zone's index first) and
-    whether it lasted at most the minutes asked (`short`)."""
-
-    zone: np.ndarray
-    start: np.ndarray
-    end: np.ndarray  # the first tick down after it; for one still up as its trace ends, `_NEVER`
-    short: np.ndarray
-    features: np.ndarray
-    rich: np.ndarray
-
-
-def up_windows(traces: Sequence[sim.Trace], minutes: float) -> UpWindows:
-    """Each trace's up windows, the features a predictor reads at their start: the zone, the 12 h share regime and
-    flicker as the default reads them, the share itself, the lengths of the previous up and down periods, the share
-    of the other zones with spot up; and the richer set of `--rich` (the module's text)."""
-    rows = []
+def rich_features(traces: Sequence[sim.Trace], windows: sw.UpWindows, minutes: float) -> np.ndarray:
+    """For `--rich` and `--gbm`, one row per window of `windows` (the zone's index first): the 12 h share, spot's
+    changes in 2 h, the two previous up and down periods' log lengths, the other zones' share up, the share of
+    other zones whose spot came back in the last 3 ticks, the share of short ones among the last five up periods,
+    the median up and down period, the hour of the trace's day, spot's changes in 6 h and its share in 24 h."""
     available = np.array([t.available.astype(bool) for t in traces])
     came_back = np.zeros_like(available)
     came_back[:, 1:] = available[:, 1:] & ~available[:, :-1]
     gap = traces[0].gap_seconds
     short_ticks = minutes * 60 / gap + 1e-6
-    for i in range(len(traces)):
-        a = available[i]
-        history = sim.TraceHistory.of(a, gap)
+    histories = [sim.TraceHistory.of(a, gap) for a in available]
+    periods = []
+    for a in available:
         bounds = np.concatenate(([0], np.flatnonzero(a[1:] != a[:-1]) + 1, [a.shape[0]]))
-        lengths = np.diff(bounds)
-        for j in range(2, bounds.shape[0] - 1):
-            start, end = bounds[j], bounds[j + 1]
-            if not a[start]:
-                continue
-            others = np.mean(np.delete(available[:, start], i))
-            features = [*np.eye(len(traces))[i], history.recent_up_fraction[start] < sp.REGIME_EDGES[0],
-                        history.recent_changes[start] >= sp.FLICKER_EDGES[0], history.recent_up_fraction[start],
-                        np.log(lengths[j - 2]), np.log(lengths[j - 1]), others, 1.0]
-            before = lengths[max(j - 10, 0):j][::-1]  # the periods before this window, the latest first
-            ups, downs = before[1::2], before[0::2]
-            six_h, day = a[max(start - round(6 * 3600 / gap), 0):start], a[max(start - round(86400 / gap), 0):start]
-            rich = [i, history.recent_up_fraction[start], history.recent_changes[start], np.log(lengths[j - 2]),
-                    np.log(lengths[j - 1]), np.log(lengths[max(j - 4, 0)]), np.log(lengths[max(j - 3, 0)]), others,
-                    np.mean(np.delete(came_back[:, max(start - 2, 0):start + 1].any(axis=1), i)),
-                    np.mean(ups <= short_ticks), np.log(np.median(ups)), np.log(np.median(downs)),
-                    (start * gap / 3600) % 24, np.count_nonzero(six_h[1:] != six_h[:-1]), day.mean()]
-            ended = end < a.shape[0]
-            rows.append((i, start, end if ended else _NEVER, ended and end - start <= short_ticks, features, rich))
-    return UpWindows(*(np.array([r[k] for r in rows]) for k in range(4)),
-                     features=np.array([r[4] for r in rows], dtype=float),
-                     rich=np.array([r[5] for r in rows], dtype=float))
+        periods.append((bounds, np.diff(bounds)))
+    rows = []
+    for i, start in zip(windows.zone, windows.start, strict=True):
+        a, history, (bounds, lengths) = available[i], histories[i], periods[i]
+        j = int(np.searchsorted(bounds, start))  # the window is period j
+        others = np.mean(np.delete(available[:, start], i))
+        before = lengths[max(j - 10, 0):j][::-1]  # the periods before this window, the latest first
+        ups, downs = before[1::2], before[0::2]
+        six_h, day = a[max(start - round(6 * 3600 / gap), 0):start], a[max(start - round(86400 / gap), 0):start]
+        rows.append([i, history.recent_up_fraction[start], history.recent_changes[start], np.log(lengths[j - 2]),
+                     np.log(lengths[j - 1]), np.log(lengths[max(j - 4, 0)]), np.log(lengths[max(j - 3, 0)]), others,
+                     np.mean(np.delete(came_back[:, max(start - 2, 0):start + 1].any(axis=1), i)),
+                     np.mean(ups <= short_ticks), np.log(np.median(ups)), np.log(np.median(downs)),
+                     (start * gap / 3600) % 24, np.count_nonzero(six_h[1:] != six_h[:-1]), day.mean()])
+    return np.array(rows, dtype=float)
 
 
-def _fitted_chance(model: str, x: np.ndarray, y: np.ndarray, ask: np.ndarray, zones: int) -> np.ndarray:
-    """The chance of a short window for the rows `ask`, from `model` fitted on the rows of x, y."""
+def up_windows(traces: Sequence[sim.Trace], minutes: float) -> sw.UpWindows:
+    """Each trace's up windows with the features the default's predictor reads at their start (`core.short_windows`),
+    the traces as zones on one clock."""
+    histories = [sim.TraceHistory.of(t.available, t.gap_seconds) for t in traces]
+    return sw.window_features(np.array([t.available for t in traces]),
+                              np.array([h.recent_up_fraction for h in histories]),
+                              np.array([h.recent_changes for h in histories]), traces[0].gap_seconds / 3600.0,
+                              minutes / 60.0)
+
+
+def _gbm_chance(x: np.ndarray, y: np.ndarray, ask: np.ndarray) -> np.ndarray:
+    from sklearn.ensemble import HistGradientBoostingClassifier  # optional: only for --gbm
+
+    trees = HistGradientBoostingClassifier(max_iter=150, learning_rate=0.05, max_leaf_nodes=8,
+                                           min_samples_leaf=20, l2_regularization=1.0, categorical_features=[0])
+    return trees.fit(x, y).predict_proba(ask)[:, 1]
+
+
+def _rich_logistic_chance(zones: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    def fitted(x: np.ndarray, y: np.ndarray, ask: np.ndarray) -> np.ndarray:
+        mean, scale = x[:, 1:].mean(axis=0), x[:, 1:].std(axis=0) + 1e-9  # from the windows seen only
+
+        def design(rows: np.ndarray) -> np.ndarray:
+            return np.column_stack([np.eye(zones)[rows[:, 0].astype(int)], (rows[:, 1:] - mean) / scale,
+                                    np.ones(rows.shape[0])])
+
+        return sw.chance_of(design(ask), sw.fit_logistic(design(x), y, l2=3.0))
+
+    return fitted
+
+
+def predicted_short(traces: Sequence[sim.Trace], windows: sw.UpWindows, minutes: float, model: str = "basic"
+                    ) -> np.ndarray:
+    """Each window's chance of being short, from a model (`basic`: the default's, `core.short_windows`; `rich`: the
+    logistic on `rich_features`; `gbm`: trees on them) fitted on the windows that had ended when its day began (NaN
+    before there are 30 of them, of both kinds)."""
+    day = round(86400 / traces[0].gap_seconds)
     if model == "basic":
-        return 1.0 / (1.0 + np.exp(-(ask @ _logistic(x, y))))
-    if model == "gbm":
-        from sklearn.ensemble import HistGradientBoostingClassifier  # optional: only for --gbm
-
-        trees = HistGradientBoostingClassifier(max_iter=150, learning_rate=0.05, max_leaf_nodes=8,
-                                               min_samples_leaf=20, l2_regularization=1.0, categorical_features=[0])
-        return trees.fit(x, y).predict_proba(ask)[:, 1]
-    mean, scale = x[:, 1:].mean(axis=0), x[:, 1:].std(axis=0) + 1e-9  # from the windows seen only
-
-    def design(rows: np.ndarray) -> np.ndarray:
-        return np.column_stack([np.eye(zones)[rows[:, 0].astype(int)], (rows[:, 1:] - mean) / scale,
-                                np.ones(rows.shape[0])])
-
-    return 1.0 / (1.0 + np.exp(-(design(ask) @ _logistic(design(x), y, l2=3.0))))
-
-
-def predicted_short(windows: UpWindows, ticks_a_day: int, model: str = "basic") -> np.ndarray:
-    """Each window's chance of being short, from a model (`basic`: the logistic on `features`; `rich`: the logistic
-    on `rich`; `gbm`: trees on `rich`) fitted on the windows that had ended when its day began (NaN before there are
-    30 of them, of both kinds)."""
-    chance = np.full(windows.start.shape[0], np.nan)
-    short = windows.short.astype(float)
-    x = windows.features if model == "basic" else windows.rich
-    zones = int(windows.zone.max()) + 1
-    for first in range(0, int(windows.start.max()) + 1, ticks_a_day):
-        seen = windows.end <= first
-        ask = (windows.start >= first) & (windows.start < first + ticks_a_day)
-        if ask.any() and seen.sum() >= 30 and 0 < short[seen].sum() < seen.sum():
-            chance[ask] = _fitted_chance(model, x[seen], short[seen], x[ask], zones)
-    return chance
+        return sw.predicted_short(windows, day)
+    rich = rich_features(traces, windows, minutes)
+    return sw.predicted_short(windows, day, rich,
+                              _gbm_chance if model == "gbm" else _rich_logistic_chance(len(traces)))
 
 
 def _auc(chance: np.ndarray, short: np.ndarray) -> float:
@@ -250,8 +219,8 @@ def compare_predictors(traces: Sequence[sim.Trace], minutes: float, models: Sequ
     counts): accuracy, ROC area, and above thresholds how many it called short and what share were."""
     windows = up_windows(traces, minutes)
     day = round(86400 / traces[0].gap_seconds)
-    chances = {m: predicted_short(windows, day, m) for m in models}
-    told = (windows.start >= 2 * day) & (windows.end < _NEVER) & ~np.isnan(chances[models[0]])
+    chances = {m: predicted_short(traces, windows, minutes, m) for m in models}
+    told = (windows.start >= 2 * day) & (windows.end < sw.OPEN_END) & ~np.isnan(chances[models[0]])
     short = windows.short[told].astype(bool)
     print("\n| model | right | ROC area | " + " | ".join(f"chance > {p}: called short, share short" for p in
                                                         _THRESHOLDS) + " |")
@@ -268,8 +237,8 @@ def short_window_accuracy(traces: Sequence[sim.Trace], minutes: float) -> tuple[
     day)."""
     windows = up_windows(traces, minutes)
     day = round(86400 / traces[0].gap_seconds)
-    chance = predicted_short(windows, day)
-    told = (windows.start >= 2 * day) & (windows.end < _NEVER) & ~np.isnan(chance)
+    chance = predicted_short(traces, windows, minutes)
+    told = (windows.start >= 2 * day) & (windows.end < sw.OPEN_END) & ~np.isnan(chance)
     majority = 0
     for first in range(2 * day, int(windows.start.max()) + 1, day):
         seen = windows.end <= first
@@ -279,26 +248,17 @@ def short_window_accuracy(traces: Sequence[sim.Trace], minutes: float) -> tuple[
     return right / int(told.sum()), majority / int(told.sum()), int(told.sum())
 
 
-def _predicted_by_tick(traces: Sequence[sim.Trace], minutes: float) -> dict[str, np.ndarray]:
-    """Per trace and tick, the predicted chance that the up window the tick is in is short (0 where none is)."""
-    windows = up_windows(traces, minutes)
-    chance = np.nan_to_num(predicted_short(windows, round(86400 / traces[0].gap_seconds)))
-    by_tick = {str(t.path): np.zeros(len(t) + 1) for t in traces}
-    for zone, start, end, p in zip(windows.zone, windows.start, windows.end, chance, strict=True):
-        trace = traces[int(zone)]
-        by_tick[str(trace.path)][start:min(int(end), len(trace))] = p
-    return by_tick
-
-
-def hinted(spec: str) -> Hinted:
-    """A `Hinted` policy from `key=value,...`."""
+def hinted(spec: str, short_minutes: float | None = None) -> Hinted:
+    """A `Hinted` policy from `key=value,...` (`predicted` is the default's `short_window_over`; `short_minutes`, its
+    `short_window_h` in minutes)."""
     fields = {f.name: f.type for f in dataclasses.fields(Hinted)}
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {} if short_minutes is None else {"short_window_h": short_minutes / 60.0}
     for part in spec.split(","):
         key, _, value = part.partition("=")
+        key = "short_window_over" if key == "predicted" else key
         if key not in fields or key == "name":
             raise SystemExit(f"oracle_hints.py: unknown hint {key!r} in {spec!r}")
-        values[key] = float(value) if key in ("recall", "noise", "predicted") else int(value)
+        values[key] = float(value) if key in ("recall", "noise", "short_window_over") else int(value)
     return Hinted(name=spec, **values)
 
 
@@ -313,14 +273,13 @@ def main() -> None:
     ap.add_argument("--gbm", action="store_true", help="with --short-windows: trees on them (needs scikit-learn)")
     ap.add_argument("hints", nargs="*")
     args = ap.parse_args()
-    variants = {spec: hinted(spec) for spec in args.hints}
+    variants = {spec: hinted(spec, args.short_windows) for spec in args.hints}
     sp.POLICIES.update(variants)
     names = ["uniform-progress", sp.DEFAULT_POLICY, *variants]
     for key in args.settings:
         title, path, window = SETTINGS[key]
         traces = sim.load_traces([path], window=window)
         if args.short_windows:
-            _PREDICTED.update(_predicted_by_tick(traces, args.short_windows), minutes=args.short_windows)
             right, majority, told = short_window_accuracy(traces, args.short_windows)
             print(f"\nSetting ({key}): up windows of at most {args.short_windows:g} min told at their start: "
                   f"{right:.1%} right (the past's majority: {majority:.1%}), {told} windows")

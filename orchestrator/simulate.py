@@ -23,6 +23,7 @@ from typing import cast
 
 import numpy as np
 
+from orchestrator.core.short_windows import short_window_chances
 from orchestrator.core.spot_policy import (
     AGE_EDGES_H,
     DEFAULT_POLICY,
@@ -422,10 +423,11 @@ class RunOutcome:
 
 
 def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: TraceHistory | None = None,
-           stats: AvailabilityStats | None = None) -> RunOutcome:
+           stats: AvailabilityStats | None = None, short_window_chance: np.ndarray | None = None) -> RunOutcome:
     """Run one job from tick `start` of `trace` under `policy`, by the paper's replay semantics.
 
-    The policy sees `stats` if given, else the running statistics of `history` at each tick.
+    The policy sees `stats` if given, else the running statistics of `history` at each tick; and at each tick the
+    chance that spot's up window is short (`short_window_chances`, one a tick; NaN or None: unknown).
     """
     gap = trace.gap_seconds
     gap_h = gap / 3600.0
@@ -474,6 +476,8 @@ def replay(policy: Policy, trace: Trace, start: int, job: JobSetting, history: T
                 recent_up_fraction=float(history.recent_up_fraction[t]) if history is not None else 1.0,
                 recent_changes=int(history.recent_changes[t]) if history is not None else 0,
                 stats=stats if stats is not None else history.stats_at(t) if history is not None else None,
+                short_window_chance=None if short_window_chance is None or math.isnan(short_window_chance[t])
+                else float(short_window_chance[t]),
             )
             action = policy.decide(state)
             if action is Market.SPOT and not up:
@@ -535,13 +539,15 @@ class BatchOutcome:
 
 def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarray, job: JobSetting,
                  history: TraceHistory | None = None, stats: AvailabilityStats | None = None,
-                 refits: Sequence[tuple[int, AvailabilityStats]] = ()) -> BatchOutcome:
+                 refits: Sequence[tuple[int, AvailabilityStats]] = (),
+                 short_window_chance: np.ndarray | None = None) -> BatchOutcome:
     """`replay` for many starts at once: all runs advance tick by tick together, the policy decides on arrays.
 
     Same semantics and arithmetic as `replay`, run for run. `history` gives the policy how long spot has been
     in its state and how often it changed lately; `stats` is what the policy knows of the zone, shared by these runs.
     `refits` — (tick, stats) sorted by tick — replaces `stats`: at trace tick t a run is decided with the stats
     of the last refit at or before t (learned from ticks before it), so a run's knowledge grows as it runs.
+    `short_window_chance` is as `replay`'s.
     """
     gap = trace.gap_seconds
     gap_h = gap / 3600.0
@@ -589,6 +595,7 @@ def replay_batch(policy: Policy, trace: Trace, starts: Sequence[int] | np.ndarra
             spot_state_for_h=history.run_age_h[t] if history is not None else np.zeros(runs), stats=stats,
             recent_up_fraction=history.recent_up_fraction[t] if history is not None else None,
             recent_changes=history.recent_changes[t] if history is not None else None, known=known,
+            short_window_chance=short_window_chance[t] if short_window_chance is not None else None,
             which=np.maximum(np.searchsorted(refit_ticks, t, side="right") - 1, 0) if refits else None)
         action = np.asarray(policy.decide_batch(batch), dtype=np.int8)
         bad = active & ~forced_od & (action == SPOT_CODE) & ~up
@@ -916,12 +923,31 @@ def refit_ticks(n: int, tick_h: float) -> np.ndarray:
     return np.array([t for t in ticks if t < n], dtype=np.int64)
 
 
+def trace_short_window_chances(traces: Sequence[Trace], short_h: float) -> list[np.ndarray]:
+    """Per trace and tick, the chance that spot's up window lasts at most `short_h` from its start, told at that
+    start (`core.short_windows`; NaN where unknown). The traces on one clock (same tick and length: the zones of
+    a set) are learned from together, every zone's windows that had ended by each day; a trace alone, from its
+    own."""
+    out: list[np.ndarray] = [np.empty(0)] * len(traces)
+    clocks: dict[tuple[float, int], list[int]] = {}
+    for i, t in enumerate(traces):
+        clocks.setdefault((t.gap_seconds, len(t)), []).append(i)
+    for (gap, _), idx in clocks.items():
+        histories = [TraceHistory.of(traces[i].available, gap) for i in idx]
+        chances = short_window_chances(np.array([traces[i].available for i in idx]),
+                                       np.array([h.recent_up_fraction for h in histories]),
+                                       np.array([h.recent_changes for h in histories]), gap / 3600.0, short_h)
+        for row, i in enumerate(idx):
+            out[i] = chances[row]
+    return out
+
+
 def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSetting,
-                others: Sequence[Trace] = ()) -> BatchOutcome:
+                others: Sequence[Trace] = (), short_window_chance: np.ndarray | None = None) -> BatchOutcome:
     policy = POLICIES[policy_name]
     history = TraceHistory.of_trace(trace)
     if not getattr(policy, "uses_history", False):
-        return replay_batch(policy, trace, starts, job, history)
+        return replay_batch(policy, trace, starts, job, history, short_window_chance=short_window_chance)
     gap_h = trace.gap_seconds / 3600.0
     seen_too = [(o, TraceHistory.of_trace(o)) for o in others]
     span = deadline_ticks(job, trace.gap_seconds)
@@ -945,15 +971,17 @@ def _replay_all(policy_name: str, trace: Trace, starts: np.ndarray, job: JobSett
             if int(tick) not in known:
                 known[int(tick)] = refit_stats(trace, history, seen_too, int(tick))
         refits = [(int(tick), known[int(tick)]) for tick in ticks]
-        parts.append((idx, replay_batch(policy, trace, starts[idx], job, history, refits=refits)))
+        parts.append((idx, replay_batch(policy, trace, starts[idx], job, history, refits=refits,
+                                        short_window_chance=short_window_chance)))
     return BatchOutcome.concat(parts, starts.shape[0])
 
 
 def _run_task(trace: Trace, starts: np.ndarray, job: JobSetting, others: Sequence[Trace], name: str | None,
-              offline_units: int = OFFLINE_UNITS) -> BatchOutcome | tuple[float, bool, float]:
+              offline_units: int = OFFLINE_UNITS, short_window_chance: np.ndarray | None = None
+              ) -> BatchOutcome | tuple[float, bool, float]:
     """One task of `simulate`: a policy's replay of one trace, or (name None) the trace's offline optimum."""
     return (_offline_all(trace, starts, job, offline_units) if name is None
-            else _replay_all(name, trace, starts, job, others))
+            else _replay_all(name, trace, starts, job, others, short_window_chance))
 
 
 def _offline_all(trace: Trace, starts: np.ndarray, job: JobSetting, units: int) -> tuple[float, bool, float]:
@@ -995,6 +1023,17 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
                   for key in dict.fromkeys(instance_of(t) for t in traces)}
         traces = [groups[instance_of(t)] for t in traces]
         others = [[g for g in groups.values() if g is not t and g.gap_seconds == t.gap_seconds] for t in traces]
+    # The chance that a spot window is short, for the policies that read it (`SemiMarkovDP.short_window_h`), per
+    # trace and tick, learned once here from every zone's past. A moving job's spot is its set's union: its windows
+    # are the union's, learned beside the other sets' unions on its clock, as its model is.
+    lengths = {h for n in policy_names if (h := getattr(POLICIES[n], "short_window_h", None)) is not None}
+    markets = list({id(t): t for t in traces}.values())  # each set's union once: the runs of its zones share it
+    chances = {h: dict(zip(map(id, markets), trace_short_window_chances(markets, h), strict=True))
+               for h in sorted(lengths)}
+
+    def chance(i: int, name: str | None) -> np.ndarray | None:
+        h = getattr(POLICIES[name], "short_window_h", None) if name is not None else None
+        return chances[h][id(traces[i])] if h is not None else None
     # One task per trace and policy, and one per trace for the offline optimum (name None). Longest first: a
     # policy that learns from history plans a model per refit, then the offline DP, then the cheap rules; so the
     # processes finish together instead of one waiting on a long task handed out last. The exact offline DP of a
@@ -1021,11 +1060,11 @@ def simulate(traces: Sequence[Trace], policy_names: Sequence[str], job: JobSetti
 
     if workers <= 1:
         for i, name in tasks:
-            collect((i, name), _run_task(traces[i], trace_starts[i], job, others[i], name, units))
+            collect((i, name), _run_task(traces[i], trace_starts[i], job, others[i], name, units, chance(i, name)))
     else:
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(_run_task, traces[i], trace_starts[i], job, others[i], name, units): (i, name)
-                       for i, name in tasks}
+            futures = {pool.submit(_run_task, traces[i], trace_starts[i], job, others[i], name, units,
+                                   chance(i, name)): (i, name) for i, name in tasks}
             for fut in as_completed(futures):
                 collect(futures[fut], fut.result())
     # Summed in trace order, whatever order the tasks finished in: the figures do not depend on `workers`.

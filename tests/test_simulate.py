@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES, SHARE_REGIMES, SpotModel
+import orchestrator.simulate as sim
+from orchestrator.core.spot_policy import DEFAULT_POLICY, POLICIES, SHARE_REGIMES, SemiMarkovDP, SpotModel
 from orchestrator.simulate import (
     FLICKER_ENDS,
     PRIOR_TICKS,
@@ -35,6 +36,7 @@ from orchestrator.simulate import (
     replay_batch,
     sample_starts,
     simulate,
+    trace_short_window_chances,
 )
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "spot-traces"
@@ -423,14 +425,17 @@ def test_default_policy_beats_uniform_progress_with_no_misses(setting: str, star
 
 
 @needs_traces
-def test_vectorised_replay_matches_the_scalar_replay_run_for_run() -> None:
-    trace = load_traces([SETTING_A_DIR / "us-west-2a_k80_8.json"], window=1781)[0]
+@pytest.mark.parametrize("with_chances", [False, True])
+def test_vectorised_replay_matches_the_scalar_replay_run_for_run(with_chances: bool) -> None:
+    traces = load_traces([SETTING_A_DIR], window=1781)
+    k = [t.name for t in traces].index("us-west-2b_v100_8" if with_chances else "us-west-2a_k80_8")
+    trace, chance = traces[k], trace_short_window_chances(traces, 0.5)[k] if with_chances else None
     history = TraceHistory.of(trace.available, trace.gap_seconds)
     starts = sample_starts(trace, PAPER_JOB, 12, np.random.default_rng(2))
     for name in POLICIES:
-        batch = replay_batch(POLICIES[name], trace, starts, PAPER_JOB, history)
+        batch = replay_batch(POLICIES[name], trace, starts, PAPER_JOB, history, short_window_chance=chance)
         for i, start in enumerate(starts):
-            single = replay(POLICIES[name], trace, int(start), PAPER_JOB, history)
+            single = replay(POLICIES[name], trace, int(start), PAPER_JOB, history, short_window_chance=chance)
             assert batch.outcome(i).missed == single.missed
             assert batch.cost_usd[i] == pytest.approx(single.cost_usd, abs=1e-9), (name, start)
             assert batch.od_work_hours[i] == pytest.approx(single.od_work_hours, abs=1e-9), (name, start)
@@ -677,3 +682,50 @@ def test_a_job_free_to_move_within_one_zone_is_the_pinned_job_run_for_run() -> N
         moving = replay_batch(POLICIES[name], alone, starts, PAPER_JOB, TraceHistory.of_trace(alone))
         assert np.array_equal(pinned.cost_usd, moving.cost_usd), name
     assert np.array_equal(offline_optimum(trace, starts, PAPER_JOB)[0], offline_optimum(alone, starts, PAPER_JOB)[0])
+
+
+@needs_traces
+def test_without_a_short_window_chance_the_default_replays_as_before() -> None:
+    # Unknown chances (None, or NaN at every tick) change nothing; known ones, in a policy whose threshold no chance
+    # passes, change nothing either: what differs with chances is the override alone.
+    traces = load_traces([SETTING_A_DIR], window=1781)
+    k = [t.name for t in traces].index("us-west-2a_v100_8")  # 70 ticks told a chance over 0.8 there
+    trace, chance = traces[k], trace_short_window_chances(traces, 0.5)[k]
+    history = TraceHistory.of_trace(trace)
+    starts = sample_starts(trace, PAPER_JOB, 40, np.random.default_rng(3))
+    refits = [(int(t), refit_stats(trace, history, [(o, TraceHistory.of_trace(o)) for o in traces if o is not trace],
+                                   int(t))) for t in refit_ticks(len(trace), trace.gap_seconds / 3600)[:8]]
+    dp = POLICIES[DEFAULT_POLICY]
+    assert isinstance(dp, SemiMarkovDP)
+    before = replay_batch(dp, trace, starts, PAPER_JOB, history, refits=refits)
+    for policy, given in ((dp, np.full(len(trace), np.nan)), (SemiMarkovDP(short_window_over=1.0), chance)):
+        again = replay_batch(policy, trace, starts, PAPER_JOB, history, refits=refits, short_window_chance=given)
+        assert np.array_equal(again.cost_usd, before.cost_usd) and np.array_equal(again.od_hours, before.od_hours)
+    told = replay_batch(dp, trace, starts, PAPER_JOB, history, refits=refits, short_window_chance=chance)
+    assert not np.array_equal(told.cost_usd, before.cost_usd), "the chances reach the policy"
+
+
+def test_simulate_hands_each_replay_its_traces_chances_learned_with_the_zones_on_its_clock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(11)
+    zones = [zone_trace(f"z{i}_{kind}", np.repeat(rng.random(400) < 0.5, rng.integers(1, 6, 400))[:1200].tolist())
+             for i, kind in enumerate(("v100_1", "v100_1", "k80_1"))]
+    given: dict[tuple[str, str], np.ndarray | None] = {}
+    replay_all = sim.replay_batch
+
+    def spy(policy: object, trace: Trace, *args: object, **kwargs: object) -> object:
+        given[(getattr(policy, "name"), trace.name)] = kwargs.get("short_window_chance")  # noqa: B009
+        return replay_all(policy, trace, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim, "replay_batch", spy)
+    for may_move in (False, True):
+        given.clear()
+        simulate(zones, [DEFAULT_POLICY, "greedy"], SHORT_JOB, starts=3, seed=1, workers=1, may_move=may_move)
+        # A moving job's spot is its set's union: the unions' windows, learned beside each other.
+        traces = ([may_move_between(zones[:2]), may_move_between(zones[2:])] if may_move else zones)
+        expected = trace_short_window_chances(traces, 0.5)
+        assert {name for _, name in given} == {t.name for t in traces}
+        for t, chance in zip(traces, expected, strict=True):
+            assert np.isfinite(chance).any()
+            assert np.array_equal(given[(DEFAULT_POLICY, t.name)], chance, equal_nan=True)  # type: ignore[arg-type]
+            assert given[("greedy", t.name)] is None
