@@ -374,7 +374,10 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
         spot_state_for_h=0.0 if assume_spot_up and not view.available else view.state_for_h,
         stats=fitted.stats if fitted else view.stats,
         recent_up_fraction=fitted.recent_up_fraction if fitted else 1.0,
-        recent_changes=fitted.recent_changes if fitted else 0)
+        recent_changes=fitted.recent_changes if fitted else 0,
+        # Not known here: `simulate` learns it from every zone's up windows (`core.short_windows`), the daemon does
+        # not, so the policy's short-window override does nothing in the daemon (docs/simulate.md).
+        short_window_chance=None)
     leaves = leaves_on_demand(app, offer)
     choice = (SEEING_POLICY if leaves else DAEMON_POLICY).decide(state)
     facts = {"policy": DEFAULT_POLICY if leaves else f"{DEFAULT_POLICY} (on-demand final)",
