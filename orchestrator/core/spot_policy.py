@@ -329,7 +329,7 @@ class DPPlan:
     phases+1..2*phases on-demand, by ticks since the switch), a spot up now, r regime, b age bucket, s units of
     slack. Kept as `rows`, one a step, each as its runs: actions come in long stretches along the slack, so a row
     of setting (b) (942,000 entries at its finest) holds about 8,000 runs. Each run is one uint32, where it starts
-    in the row shifted left 2 bits, its action (a code takes 2 bits) in the low 2: setting (b)'s plan keeps 36 MB
+    in the row shifted left 2 bits, its action (a code takes 2 bits) in the low 2: setting (b)'s plan keeps ~40 MB
     for 1.0 G entries (261 MB packed four a byte, as they were), in each of the plans a replay or a daemon keeps
     (`PLANS_CACHED`). An entry is read by bisecting its row, so any entry can be read without unpacking anything
     (rows compressed with zlib, 9.7 MB, had to be unpacked whole to read one: `simulate` on (b) took 1.4× the CPU).
@@ -632,7 +632,8 @@ def solve_plan(model: SpotModel, job_hours: float, deadline_hours: float, change
                   shape=(k_max + 1, *act.shape), rows=tuple(rows))
 
 
-# Plans kept per process (a setting (a) plan keeps 11 MB; a daemon's 2-26 MB with four regimes, by the job's hours).
+# Plans kept per process (kept as runs, a setting (b) plan keeps 40 MB; a daemon's 2-32 MB with four regimes, by the
+# job's hours).
 # Replays group their runs so that no group passes through more models than this, so each model is planned once.
 PLANS_CACHED = 6
 
@@ -656,7 +657,8 @@ class SemiMarkovDP:
     the regime read from `recent_up_fraction` and `recent_changes`. It waits out outages that are likely to end
     soon, buys on-demand early in outages that are likely to be long, and only pays a changeover when the expected
     saving covers it. Without a model it uses a memoryless one from `prior_uptime_h` / `prior_outage_h`.
-    Under it all, the shared safety net (also modelled inside the DP).
+    Beside the plan, the short-window rule (`short_window_h`): a young spot window predicted short is not worth
+    leaving on-demand for. Under it all, the shared safety net (also modelled inside the DP).
     """
 
     name: str = "semi-markov-dp"
