@@ -8,6 +8,7 @@ import pytest
 from orchestrator.core.short_windows import (
     MIN_WINDOWS,
     OPEN_END,
+    chance_now,
     fit_logistic,
     predicted_short,
     short_window_chances,
@@ -104,3 +105,16 @@ def test_the_features_read_at_a_windows_start_are_the_zone_its_regime_and_the_pe
     assert x[7] == 1.0  # the other zone's spot is up at tick 14
     alone = window_features(a[None], *_recent(a[None]), TICK_H, 0.5)
     assert alone.features[:, -2].tolist() == [0.0, 0.0], "one zone: no others"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_chance_now_is_the_last_ticks_chance_of_the_first_zone_with_one_fit(seed: int) -> None:
+    # The daemon asks at each check only about the window its type's spot is in now (`chance_now`): what
+    # `short_window_chances` tells at that tick, spot down (NaN) included, wherever the history ends.
+    available = flickering(np.random.default_rng(seed), 3, 5 * DAY)
+    for end in range(3 * DAY, 5 * DAY, 37):
+        part = available[:, :end]
+        histories = [TraceHistory.of(a, TICK_H * 3600) for a in part]
+        now = chance_now(part, np.array([h.recent_up_fraction for h in histories]),
+                         np.array([h.recent_changes for h in histories]), TICK_H, 0.5)
+        np.testing.assert_allclose(now, chances(part)[0, -1], rtol=1e-12, equal_nan=True)  # a 1-row product may round

@@ -17,6 +17,7 @@ Pure: arrays in, arrays out, numpy only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,20 +102,20 @@ def logistic_chance(x: np.ndarray, y: np.ndarray, ask: np.ndarray) -> np.ndarray
 
 
 def predicted_short(windows: UpWindows, ticks_per_fit: int, x: np.ndarray | None = None,
-                    fitted: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] = logistic_chance
-                    ) -> np.ndarray:
+                    fitted: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] = logistic_chance,
+                    only: np.ndarray | None = None) -> np.ndarray:
     """Each window's chance of being short, from the model fitted on the windows that had ended by the first tick
     of its fit period (periods of `ticks_per_fit` from tick 0). NaN where fewer than `MIN_WINDOWS` had, or only
-    of one kind. `x`: other features than `windows.features` (rows alike); `fitted(x, y, ask)`: another model."""
+    of one kind. `x`: other features than `windows.features` (rows alike); `fitted(x, y, ask)`: another model;
+    `only`: the windows to tell (NaN for the others), so that only their periods' models are fitted."""
     x = windows.features if x is None else x
     chance = np.full(windows.start.shape[0], np.nan)
-    if not windows.start.shape[0]:
-        return chance
+    wanted = np.ones(chance.shape[0], dtype=bool) if only is None else only
     short = windows.short.astype(float)
-    for first in range(0, int(windows.start.max()) + 1, ticks_per_fit):
+    for first in np.unique(windows.start[wanted] // ticks_per_fit * ticks_per_fit):
         seen = windows.end <= first
-        ask = (windows.start >= first) & (windows.start < first + ticks_per_fit)
-        if ask.any() and seen.sum() >= MIN_WINDOWS and 0 < short[seen].sum() < seen.sum():
+        ask = wanted & (windows.start >= first) & (windows.start < first + ticks_per_fit)
+        if seen.sum() >= MIN_WINDOWS and 0 < short[seen].sum() < seen.sum():
             chance[ask] = fitted(x[seen], short[seen], x[ask])
     return chance
 
@@ -126,6 +127,18 @@ def chance_by_tick(windows: UpWindows, chance: np.ndarray, shape: tuple[int, int
     for zone, start, end, p in zip(windows.zone, windows.start, windows.end, chance, strict=True):
         out[int(zone), int(start):min(int(end), shape[1])] = p
     return out
+
+
+def chance_now(available: np.ndarray, recent_up_fraction: np.ndarray, recent_changes: np.ndarray, tick_h: float,
+               short_h: float) -> float:
+    """`short_window_chances` at zone 0's last tick (NaN where unknown, spot down there included), with one model
+    fitted instead of one a day: what the daemon asks of its listings at a check."""
+    windows = window_features(available, recent_up_fraction, recent_changes, tick_h, short_h)
+    last = available.shape[1] - 1
+    now = (windows.zone == 0) & (windows.start <= last) & (windows.end > last)
+    if not now.any():
+        return math.nan
+    return float(predicted_short(windows, max(round(FIT_EVERY_H / tick_h), 1), only=now)[now][0])
 
 
 def short_window_chances(available: np.ndarray, recent_up_fraction: np.ndarray, recent_changes: np.ndarray,
