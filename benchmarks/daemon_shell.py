@@ -57,6 +57,7 @@ from orchestrator.simulate import (
     replay,
     sample_starts,
     simulate,
+    trace_short_window_chances,
 )
 
 # The daemon's defaults for the probe schedule.
@@ -69,7 +70,7 @@ class DaemonShell:
     name = "daemon-shell"
 
     def __init__(self, policy: SemiMarkovDP, prior_uptime_h: float, prior_outage_h: float, listed: bool,
-                 fitted: Callable[[float], tuple[AvailabilityStats, float, int] | None] | None = None,
+                 fitted: Callable[[float], tuple[AvailabilityStats, float, int, float | None] | None] | None = None,
                  probes_on_od: bool = False, listings: Sequence[tuple[float, bool]] = ()) -> None:
         self.policy = policy
         self.probes_on_od = probes_on_od  # seen only by launching: probe spot while on on-demand
@@ -112,7 +113,8 @@ class DaemonShell:
         age_h = view.state_for_h + (s.tick_h if self.listed and view.known else 0.0)
         seen = dataclasses.replace(s, spot_available=view.available if s.market is not Market.SPOT else True,
                                    spot_state_for_h=age_h, stats=fit[0] if fit else view.stats,
-                                   recent_up_fraction=fit[1] if fit else 1.0, recent_changes=fit[2] if fit else 0)
+                                   recent_up_fraction=fit[1] if fit else 1.0, recent_changes=fit[2] if fit else 0,
+                                   short_window_chance=fit[3] if fit and view.available else None)
         if s.market is Market.ON_DEMAND and not self.listed:
             # Would the plan go back to spot were it up now? Then a spot launch is the probe; one that comes up is
             # kept, and the job moves to it.
@@ -152,15 +154,20 @@ class DaemonShell:
 
 
 def _fitted_on_listing(trace: Trace, start: int, others: Sequence[tuple[Trace, TraceHistory]]
-                       ) -> Callable[[float], tuple[AvailabilityStats, float, int] | None]:
+                       ) -> Callable[[float], tuple[AvailabilityStats, float, int, float | None] | None]:
     """What `market_switch.listed_model` gives the daemon, for a daemon that has watched this zone's listing (and
     the other listed types', `others`) since the trace began: `simulate`'s `refit_stats` on `refit_ticks`'
-    schedule, and the regime now."""
+    schedule, the regime now, and the chance that the window spot is in is short (`listed_short_window_chance`:
+    learned from the listing and the other listed types', as `simulate` learns it from traces on one clock)."""
     history = TraceHistory.of(trace.available, trace.gap_seconds)
     schedule = refit_ticks(len(trace), trace.gap_seconds / 3600.0)
     fits = _FITS.setdefault(trace.name, {})
+    if trace.name not in _CHANCES:
+        _CHANCES[trace.name] = trace_short_window_chances([trace, *(o for o, _ in others)],
+                                                          SEEING_POLICY.short_window_h)[0]
+    chances = _CHANCES[trace.name]
 
-    def at(elapsed_h: float) -> tuple[AvailabilityStats, float, int] | None:
+    def at(elapsed_h: float) -> tuple[AvailabilityStats, float, int, float | None] | None:
         t = start + round(elapsed_h * 3600.0 / trace.gap_seconds)
         refit = int(schedule[np.searchsorted(schedule, t, side="right") - 1])
         if refit <= 0:
@@ -168,12 +175,15 @@ def _fitted_on_listing(trace: Trace, start: int, others: Sequence[tuple[Trace, T
         if refit not in fits:
             fits[refit] = refit_stats(trace, history, others, refit)
         now = min(t, len(trace) - 1)
-        return fits[refit], float(history.recent_up_fraction[now]), int(history.recent_changes[now])
+        chance = float(chances[now])
+        return (fits[refit], float(history.recent_up_fraction[now]), int(history.recent_changes[now]),
+                None if np.isnan(chance) else chance)
 
     return at
 
 
 _FITS: dict[str, dict[int, AvailabilityStats]] = {}
+_CHANCES: dict[str, np.ndarray] = {}  # per trace (one set of `others` per process)
 
 
 def _listed_before(trace: Trace, start: int) -> list[tuple[float, bool]]:

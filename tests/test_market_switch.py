@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from sqlalchemy import insert, select
 
@@ -26,6 +27,7 @@ from orchestrator.lifecycle.market_switch import (
     spot_region_order,
 )
 from orchestrator.queue import context, facts
+from orchestrator.simulate import Trace, trace_short_window_chances
 from providers.base import Market as CloudMarket
 from providers.base import Offer
 from state import schema as s
@@ -297,6 +299,34 @@ def test_with_hours_of_listings_the_daemon_plans_on_simulates_own_model_fitted_o
     _, facts = market_for_attempt(app, job, "sim", _offer(listed=("us-east-1",)), now=30 * H)
     assert facts["model"] == "semi-markov, fitted on 24 h of listings" and facts["spot_seen"] == "up", facts
     assert stats.model.restart == 0.0, "one region: nowhere to move to"
+
+
+def test_where_spot_is_listed_the_policy_is_told_the_short_window_chance_simulate_would_tell_it(app: App) -> None:
+    # simulate tells its runs how likely a spot window that has just opened is to be short (`core.short_windows`,
+    # learned from every zone's ended windows); the daemon, watching the provider's listings of its types from the
+    # same start, tells its policy the same chance, so the default's short-window rule works in both.
+    tick = 600.0
+    cycle = [1, 1, 0, 0, 0] * 4 + [1] * 18 + [0] * 6  # four 20-min windows after 30-min outages, then a 3 h one
+    h100 = np.array(cycle * 20, dtype=bool)[:441]  # three days of 10-min ticks and more, ending on a fresh window
+    a100 = np.array(([1] * 30 + [0] * 3) * 20, dtype=bool)[:h100.size]
+    assert h100[-1] and not h100[-2]
+    other = Offer(**{**_offer().__dict__, "instance_type": "gpu_1x_a100"})
+    for t in range(h100.size):
+        record_spot_listings(app, "sim", [_offer(listed=("us-east-1",) if h100[t] else ()),
+                                          dataclasses.replace(other, spot_regions=("us-east-1",) if a100[t] else ())],
+                             t * tick)
+    traces = [Trace(name=name, path=Path("-"), gap_seconds=tick, available=a) for name, a in
+              (("h100", h100), ("a100", a100))]
+    expected = trace_short_window_chances(traces, get_policy(DEFAULT_POLICY).short_window_h)[0][-1]
+    assert 0.0 < expected < 1.0, "a chance is known: windows of both lengths have ended, days before"
+    job = _job(app, cloud_h=2.0, deadline_at=h100.size * tick + 40 * H)
+    now = h100.size * tick + 1.0
+    _, said = market_for_attempt(app, job, "sim", _offer(listed=("us-east-1",)), now=now)
+    assert said["short_window_chance"] == pytest.approx(expected, abs=5e-4), said
+    # Spot listed as gone: no window, nothing told.
+    record_spot_listings(app, "sim", [_offer(listed=())], now + 60.0)
+    _, gone = market_for_attempt(app, job, "sim", _offer(listed=()), now=now + 120.0)
+    assert "short_window_chance" not in gone, gone
 
 
 def test_where_regions_take_turns_the_model_learns_that_a_run_s_region_goes_while_spot_stays(app: App) -> None:

@@ -16,6 +16,7 @@ from sqlalchemy import Connection, func, insert, select
 
 from orchestrator.app import App
 from orchestrator.core.plan import planned_cloud_work_h
+from orchestrator.core.short_windows import chance_now
 from orchestrator.core.spot_policy import (
     DEFAULT_POLICY,
     AvailabilityStats,
@@ -227,6 +228,9 @@ class ListedModel:
     recent_up_fraction: float  # share of the last REGIME_WINDOW_H listed up
     recent_changes: int  # times the listing went or came back in the last FLICKER_WINDOW_H
     hours: float  # of listings behind the fit
+    # The chance that the window spot is listed in now lasts at most the policy's `short_window_h` from its start,
+    # told at that start (`core.short_windows`); None: spot not listed now, or too few windows have ended yet.
+    short_window_chance: float | None = None
 
 
 def listed_model(app: App, provider: str, instance_type: str, now: float) -> ListedModel | None:
@@ -273,7 +277,33 @@ def listed_model(app: App, provider: str, instance_type: str, now: float) -> Lis
     # The regime now, from the listing up to now (not only to the refit), read as `simulate` reads it on a trace.
     now_history = TraceHistory.of(listed_series(listings, start, ticks, LISTED_TICK_S), LISTED_TICK_S)
     return ListedModel(_LISTED_MODELS[key], float(now_history.recent_up_fraction[-1]),
-                       int(now_history.recent_changes[-1]), refit * LISTED_TICK_S / 3600.0)
+                       int(now_history.recent_changes[-1]), refit * LISTED_TICK_S / 3600.0,
+                       listed_short_window_chance(every, instance_type, start, ticks))
+
+
+_SHORT_WINDOW_CHANCES: dict[tuple[object, ...], float | None] = {}
+
+
+def listed_short_window_chance(every: dict[str, list[tuple[float, bool]]], instance_type: str, start: float,
+                               ticks: int) -> float | None:
+    """The chance `simulate` would tell a run that the window spot is listed in now is short (`SpotState.
+    short_window_chance`): learned as simulate learns it from traces on one clock (`trace_short_window_chances`),
+    the type's listing and the provider's other types listed from the same start being the zones."""
+    short_h = getattr(SEEING_POLICY, "short_window_h", None)
+    if short_h is None or ticks <= 0:
+        return None
+    names = [instance_type, *sorted(n for n, changes in every.items()
+                                    if n != instance_type and changes[0][0] <= start + LISTED_TICK_S)]
+    key = (start, ticks, short_h, tuple((n, len(every[n])) for n in names))  # the changes so far: the same answer
+    if key not in _SHORT_WINDOW_CHANCES:
+        if len(_SHORT_WINDOW_CHANCES) > 64:
+            _SHORT_WINDOW_CHANCES.clear()
+        series = np.stack([listed_series(every[n], start, ticks, LISTED_TICK_S) for n in names])
+        histories = [TraceHistory.of(row, LISTED_TICK_S) for row in series]
+        chance = chance_now(series, np.stack([h.recent_up_fraction for h in histories]),
+                            np.stack([h.recent_changes for h in histories]), LISTED_TICK_S / 3600.0, short_h)
+        _SHORT_WINDOW_CHANCES[key] = None if math.isnan(chance) else float(chance)
+    return _SHORT_WINDOW_CHANCES[key]
 
 
 def market_for_attempt(app: App, job: dict[str, Any], provider: str, offer: Offer,
@@ -375,9 +405,8 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
         stats=fitted.stats if fitted else view.stats,
         recent_up_fraction=fitted.recent_up_fraction if fitted else 1.0,
         recent_changes=fitted.recent_changes if fitted else 0,
-        # Not known here: `simulate` learns it from every zone's up windows (`core.short_windows`), the daemon does
-        # not, so the policy's short-window override does nothing in the daemon (docs/simulate.md).
-        short_window_chance=None)
+        # Where spot is listed, as `simulate` tells it from the listing; unknown otherwise (the rule then does nothing)
+        short_window_chance=fitted.short_window_chance if fitted and view.available else None)
     leaves = leaves_on_demand(app, offer)
     choice = (SEEING_POLICY if leaves else DAEMON_POLICY).decide(state)
     facts = {"policy": DEFAULT_POLICY if leaves else f"{DEFAULT_POLICY} (on-demand final)",
@@ -389,6 +418,8 @@ def _ask_policy(app: App, job: dict[str, Any], provider: str, offer: Offer, now:
     if fitted:
         facts["recent_up_fraction"] = round(fitted.recent_up_fraction, 3)
         facts["recent_changes"] = fitted.recent_changes
+        if state.short_window_chance is not None:
+            facts["short_window_chance"] = round(state.short_window_chance, 3)
     if not math.isfinite(view.stats.mean_uptime_h):  # what as_record() put there
         facts["mean_uptime_h"] = None
     return choice, facts
