@@ -278,23 +278,24 @@ def listed_model(app: App, provider: str, instance_type: str, now: float) -> Lis
     now_history = TraceHistory.of(listed_series(listings, start, ticks, LISTED_TICK_S), LISTED_TICK_S)
     return ListedModel(_LISTED_MODELS[key], float(now_history.recent_up_fraction[-1]),
                        int(now_history.recent_changes[-1]), refit * LISTED_TICK_S / 3600.0,
-                       listed_short_window_chance(every, instance_type, start, ticks))
+                       listed_short_window_chance(every, instance_type, start, ticks, key[:2]))
 
 
 _SHORT_WINDOW_CHANCES: dict[tuple[object, ...], float | None] = {}
 
 
 def listed_short_window_chance(every: dict[str, list[tuple[float, bool]]], instance_type: str, start: float,
-                               ticks: int) -> float | None:
+                               ticks: int, scope: tuple[object, ...] = ()) -> float | None:
     """The chance `simulate` would tell a run that the window spot is listed in now is short (`SpotState.
     short_window_chance`): learned as simulate learns it from traces on one clock (`trace_short_window_chances`),
-    the type's listing and the provider's other types listed from the same start being the zones."""
+    the type's listing and the provider's other types listed from the same start being the zones. `scope` (the
+    store and the provider) keeps one listing's answer from another's."""
     short_h = getattr(SEEING_POLICY, "short_window_h", None)
     if short_h is None or ticks <= 0:
         return None
     names = [instance_type, *sorted(n for n, changes in every.items()
                                     if n != instance_type and changes[0][0] <= start + LISTED_TICK_S)]
-    key = (start, ticks, short_h, tuple((n, len(every[n])) for n in names))  # the changes so far: the same answer
+    key = (*scope, start, ticks, short_h, tuple((n, len(every[n])) for n in names))  # no new change: same answer
     if key not in _SHORT_WINDOW_CHANCES:
         if len(_SHORT_WINDOW_CHANCES) > 64:
             _SHORT_WINDOW_CHANCES.clear()
