@@ -208,7 +208,9 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
                                 .where(s.ledger.c.attempt_id.in_(released), s.ledger.c.cost_usd.is_(None))).all() \
         if released else []
     at = now if at is None else at
-    still_usd = sum(rate * max(0.0, at - started) / 3600.0 for _, _, rate, started in open_charges)
+    accrued = [(provider, instance, rate * max(0.0, at - started) / 3600.0)
+               for provider, instance, rate, started in open_charges]
+    still_usd = sum(usd for _, _, usd in accrued)
     where = ", ".join(sorted({f"{r['provider']} {r['instance_type']} {r['market']}" if r["where"] == "cloud"
                               else "local" for r in rows if r["started_at"]}))
     preemptions = sum(1 for r in rows if r["state"] == A.PREEMPTED.value and r["where"] == "cloud")
@@ -236,9 +238,8 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
     local_usd = local_h * app.config.local.usd_per_hour
     costs = f"${cost:.2f}" + (f" cloud{minimum} + ${local_usd:.2f} local at "
                               f"{records.fmt_usd(app.config.local.usd_per_hour)}/h" if local_usd > 0 else minimum)
-    unconfirmed = "".join(f"; instance {provider} {instance} is still being terminated: "
-                          f"{records.fmt_usd(rate * max(0.0, at - started) / 3600.0)} so far, added here once its "
-                          "provider confirms it gone" for provider, instance, rate, started in open_charges)
+    unconfirmed = "".join(f"; instance {provider} {instance} is still being terminated: {records.fmt_usd(usd)} so "
+                          "far, added here once its provider confirms it gone" for provider, instance, usd in accrued)
     text = ("" if ended == "done" else f"{ended}: ") + (
         f"run {run_txt} h{split}, cost {costs}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
         f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else "") + deadline + unconfirmed)
