@@ -5,6 +5,7 @@ PostgreSQL server (`db_url`, `postgres_server` in conftest)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -21,6 +22,8 @@ from sqlalchemy import create_engine, event, insert, inspect, select, text
 
 from orchestrator.app import App
 from orchestrator.lifecycle.budget_guard import BudgetGuard
+from orchestrator.lifecycle.orphans import last_charge, record_orphan
+from providers.base import InstanceInfo, InstanceState, Market
 from state import schema
 from state.store import Store
 
@@ -61,12 +64,13 @@ def test_a_database_from_before_jobs_kept_their_planned_rented_cost_gets_it_from
     assert again.get_job("j2")["rented_usd"] == 3.0
 
 
-def _a_database_of_version_8(url: str) -> None:
-    """What burstctl made before version 9: migrations 1 to 8 as they ran (the ledger indexed by its month only)."""
+def _a_database_of_version(url: str, last: int) -> None:
+    """What burstctl made before version `last` + 1: migrations 1 to `last` as they ran (at 8 the ledger indexed by its
+    month only; at 9 by job and open charges too, not by instance)."""
     engine = create_engine(url)
     with engine.begin() as c:
         for version, step in schema.MIGRATIONS:
-            if version <= 8:
+            if version <= last:
                 step(c)
                 c.execute(insert(schema.schema_version).values(version=version))
     engine.dispose()
@@ -100,11 +104,13 @@ def _plans_of_ledger_reads(st: Store, *reads: Callable[[], object]) -> list[str]
     return plans
 
 
-def test_a_database_from_before_the_ledger_was_indexed_reads_a_jobs_spend_and_open_charges_through_indexes(
-        db_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [8, 9])
+def test_a_database_from_before_the_ledger_was_indexed_reads_a_jobs_spend_open_charges_and_instances_through_indexes(
+        db_url: str, tmp_path: Path, version: int) -> None:
     # The ledger only grows (a charge per instance ever run): a job's spend read by scanning all of it grew with
-    # every month of history. An existing database gets the indexes when it is opened, kept as it is otherwise.
-    _a_database_of_version_8(db_url)
+    # every month of history. An existing database gets the indexes when it is opened, kept as it is otherwise:
+    # one from before any (version 8), and one indexed by job and open charges but not by instance (version 9).
+    _a_database_of_version(db_url, version)
     engine = create_engine(db_url)
     with engine.begin() as c:
         c.execute(insert(schema.ledger), [
@@ -120,6 +126,7 @@ def test_a_database_from_before_the_ledger_was_indexed_reads_a_jobs_spend_and_op
     assert st.migrate() == schema.LATEST
     indexes = {ix["name"]: ix["column_names"] for ix in inspect(st.engine).get_indexes("ledger")}
     assert indexes["ix_ledger_job"] == ["job_id"]
+    assert indexes["ix_ledger_instance"] == ["provider", "instance_id", "ended_at"]
     assert st.job_spend("j3", now=4e5) == pytest.approx((10 / 3, 0.0))  # k = 3, 43, ..., 383: ten charges, closed
     assert st.job_spend("j11", now=4e5) == pytest.approx((9 / 3 + 2.0 * (4e5 - 291e3) / 3600, 2.0))  # k = 291 open
 
@@ -139,6 +146,24 @@ def test_a_database_from_before_the_ledger_was_indexed_reads_a_jobs_spend_and_op
     assert len(plans) >= 4
     for plan in plans:
         assert "SCAN ledger" not in plan and "Seq Scan on ledger" not in plan, plans
+
+    # The sweep's look at an orphan's charges, by (provider, instance_id): one open (i-0), its last closed one (i-3),
+    # none ever (i-new). Without an index by instance its max(ended_at) walked ix_ledger_ended from the newest charge
+    # to the last of the instance's, all of it for one never charged, and neither backend's plan says it scans
+    # (SQLite's: `SEARCH ledger USING INDEX ix_ledger_ended`): the plan must name the instance's index.
+    def orphan(instance_id: str) -> None:
+        inst = InstanceInfo(id=instance_id, state=InstanceState.RUNNING, instance_type="t", market=Market.ON_DEMAND)
+        with st.tx() as c:
+            record_orphan(app, c, "sim", inst, None, 2.0, now=2e6)
+
+    with st.engine.connect() as c:
+        assert last_charge(c, "sim", "i-0") == (True, None)
+        assert last_charge(c, "sim", "i-3") == (False, 3600.0)
+        assert last_charge(c, "sim", "i-new") == (False, None)
+    orphan_plans = _plans_of_ledger_reads(st, *(functools.partial(orphan, i) for i in ("i-0", "i-3", "i-new")))
+    assert len(orphan_plans) == 5  # i-0: its open charge; the others: none open, then their last one's end
+    for plan in orphan_plans:
+        assert "ix_ledger_instance" in plan, orphan_plans
 
 
 def test_database_file_is_private(tmp_path: Path) -> None:

@@ -72,11 +72,11 @@ def record_orphan(app: App, conn: Connection, provider_name: str, inst: Instance
             port=inst.ssh_port, launched_at=inst.launched_at, verified_gone=False))
     else:  # known, and thought gone or going: it is not, so it is asked after again until it is
         conn.execute(update(s.instances).where(*where).values(state="unverified", verified_gone=False, gone_at=None))
-    led = s.ledger
-    mine = (led.c.provider == provider_name, led.c.instance_id == inst.id)
-    if rate is None or conn.execute(select(led.c.id).where(*mine, led.c.ended_at.is_(None))).first() is not None:
+    if rate is None:
         return None
-    metered_to = conn.execute(select(func.max(led.c.ended_at)).where(*mine)).scalar()
+    is_open, metered_to = last_charge(conn, provider_name, inst.id)
+    if is_open:
+        return None
     started = inst.launched_at if inst.launched_at is not None else (attempt or {}).get("created_at") or now
     started = min(max(started, metered_to or started), now)
     app.store.open_charge({
@@ -85,6 +85,16 @@ def record_orphan(app: App, conn: Connection, provider_name: str, inst: Instance
         "instance_type": inst.instance_type, "market": inst.market.value, "rate_usd_h": rate,
         "started_at": started}, conn=conn)
     return started
+
+
+def last_charge(conn: Connection, provider_name: str, instance_id: str) -> tuple[bool, float | None]:
+    """What the meter holds for an instance: whether a charge of it is open, and when its last closed one ended
+    (None: none). Read through `ix_ledger_instance` (migration 10), not by scanning months of charges."""
+    led = s.ledger
+    mine = (led.c.provider == provider_name, led.c.instance_id == instance_id)
+    if conn.execute(select(led.c.id).where(*mine, led.c.ended_at.is_(None))).first() is not None:
+        return True, None
+    return False, conn.execute(select(func.max(led.c.ended_at)).where(*mine)).scalar()
 
 
 def sweep_orphans(app: App, providers: Mapping[str, Provider], clock: Callable[[], float]) -> dict[str, list[str]]:
