@@ -11,6 +11,11 @@ process of its own, baseline first: opening is where this tree's store upgrades 
 printed). Then, the page cache warm, `Store.job_spend` for 200 jobs (the read behind every decision written again,
 `show`, a launch's hold, a job's end) and `BudgetGuard.exposure` 50 times (the budget's check: every tick, every
 launch and decision). Printed: the median of each (the fastest round's), and the ratios against the baseline.
+
+The orphan sweep's look at an instance's charges (`orphans.last_charge`, by provider and instance id: one open? the
+last one's end) is timed by this tree alone, for 100 instances charged and 100 never charged (a launch whose answer
+was lost), then again in the same process once `ix_ledger_instance` is dropped (the schema of migration 9: the baseline
+has neither the index nor the function); printed against that.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def populate(url: str, charges: int, jobs: int) -> None:
     store.close()
 
 
-def child(tree: str, url: str, jobs: int) -> None:
+def child(tree: str, url: str, jobs: int, charges: int) -> None:
     """Open the state with `tree`'s store (its migrations run), then time the reads; print one JSON line."""
     sys.path.insert(0, tree)
     import os
@@ -92,18 +97,37 @@ def child(tree: str, url: str, jobs: int) -> None:
         t = time.perf_counter()
         guard.exposure(time.time())
         exposure.append(time.perf_counter() - t)
+    timings = {"open_s": opened_s, "spend_ms": statistics.median(spend) * 1e3,
+               "exposure_ms": statistics.median(exposure) * 1e3}
+    from orchestrator.lifecycle import orphans
+
+    if hasattr(orphans, "last_charge"):
+        charged = [f"i-{rng.randrange(charges):07d}" for _ in range(100)]
+        never = [f"i-lost{n}" for n in range(100)]
+        for indexed in (True, False):
+            if not indexed:
+                with app.store.tx() as c:
+                    c.exec_driver_sql("DROP INDEX ix_ledger_instance")
+            for name, ids in (("charged", charged), ("never", never)):
+                took = []
+                with app.store.engine.connect() as c:
+                    orphans.last_charge(c, "lambda", ids[0])  # warm
+                    for instance_id in ids:
+                        t = time.perf_counter()
+                        orphans.last_charge(c, "lambda", instance_id)
+                        took.append(time.perf_counter() - t)
+                timings[f"orphan_{name}_{'indexed' if indexed else 'unindexed'}_ms"] = statistics.median(took) * 1e3
     app.store.close()
     shutil.rmtree(work, ignore_errors=True)
     import state.store
 
     assert Path(state.store.__file__).resolve().is_relative_to(Path(tree).resolve()), state.store.__file__
-    print(json.dumps({"open_s": opened_s, "spend_ms": statistics.median(spend) * 1e3,
-                      "exposure_ms": statistics.median(exposure) * 1e3}))
+    print(json.dumps(timings))
 
 
-def measure(tree: Path, url: str, jobs: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", str(tree), "--url", url, "--jobs", str(jobs)],
-                         capture_output=True, text=True, check=True, cwd=tree)
+def measure(tree: Path, url: str, jobs: int, charges: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", str(tree), "--url", url, "--jobs", str(jobs),
+                          "--charges", str(charges)], capture_output=True, text=True, check=True, cwd=tree)
     return dict(json.loads(out.stdout.splitlines()[-1]))
 
 
@@ -119,7 +143,7 @@ def main() -> None:
     ap.add_argument("--url", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.url, args.jobs)
+        child(args.child, args.url, args.jobs, args.charges)
         return
     if args.populate:
         sys.path.insert(0, args.populate)
@@ -154,7 +178,7 @@ def main() -> None:
                         copy = Path(tmp) / f"{name}-{r}.db"
                         shutil.copyfile(Path(tmp) / "built.db", copy)
                         url = f"sqlite:///{copy}"
-                    runs[name].append(measure(tree, url, args.jobs))
+                    runs[name].append(measure(tree, url, args.jobs, args.charges))
                     if server is None:
                         copy.unlink()
     finally:
@@ -171,6 +195,13 @@ def main() -> None:
         b = min(x[key] for x in runs["baseline"])
         n = min(x[key] for x in runs["now"])
         print(f"| {said} | {b:.3f} {unit} | {n:.3f} {unit} | {n / b:.3f}× |")
+    print("\n| read, this tree | without ix_ledger_instance | with it | ratio |")
+    print("|---|---|---|---|")
+    for name, said in (("charged", "an orphan's charges (`orphans.last_charge`), an instance charged"),
+                       ("never", "the same, an instance never charged")):
+        without = min(x[f"orphan_{name}_unindexed_ms"] for x in runs["now"])
+        with_ = min(x[f"orphan_{name}_indexed_ms"] for x in runs["now"])
+        print(f"| {said} | {without:.3f} ms | {with_:.3f} ms | {with_ / without:.3f}× |")
 
 
 if __name__ == "__main__":
