@@ -328,6 +328,18 @@ def test_faults_injected_over_http_fire_the_given_number_of_times(server: SimClo
     assert httpx.get(admin).json()["data"] == []
 
 
+def test_a_server_error_says_when_to_ask_again_only_when_told_to(server: SimCloudServer) -> None:
+    # A 503 for maintenance may carry Retry-After; the plain gateway error the other tests inject carries none.
+    admin = server.url + "/_sim/faults"
+    httpx.post(admin, json={"kind": "server-error", "status": 503, "retry_after_s": 42}).raise_for_status()
+    server.inject(FaultKind.SERVER_ERROR, status=500, retry_after_s=7)
+    server.inject(FaultKind.SERVER_ERROR, status=503)
+    with client(server) as c:
+        replies = [c.get("/instance-types") for _ in range(3)]
+    assert [(r.status_code, r.headers.get("retry-after")) for r in replies] == [(503, "42"), (500, "7"), (503, None)]
+    assert replies[1].json()["error"]["code"] == "global/internal-error"
+
+
 def test_regional_capacity_fault_only_hits_its_regions(server: SimCloudServer) -> None:
     server.inject(FaultKind.INSUFFICIENT_CAPACITY, count=5, regions=["us-east-1"])
     with client(server) as c:

@@ -129,7 +129,9 @@ class Fault:
     status: int = 500
     delay_s: float = 5.0
     regions: tuple[str, ...] = ()
-    retry_after_s: int = 1  # the Retry-After header of a `throttle`
+    # The Retry-After header: a `throttle`'s (1 s unless given); a `server-error`'s only when given (an outage that
+    # says when to ask again, as a 503 for maintenance does).
+    retry_after_s: int | None = None
 
     def applies_to(self, path: str, body: Any) -> bool:
         if self.remaining <= 0:
@@ -312,7 +314,7 @@ class SimCloudServer:
 
     # --- admin: faults, capacity, quota -------------------------------------------------------------------
     def inject(self, kind: FaultKind | str, count: int = 1, *, route: str | None = None, status: int = 500,
-               delay_s: float = 5.0, regions: Iterable[str] = (), retry_after_s: int = 1) -> Fault:
+               delay_s: float = 5.0, regions: Iterable[str] = (), retry_after_s: int | None = None) -> Fault:
         """Make the next `count` matching requests fail as `kind`."""
         fault = Fault(kind=FaultKind(kind), remaining=count, route=route, status=status, delay_s=delay_s,
                       regions=tuple(regions), retry_after_s=retry_after_s)
@@ -466,14 +468,18 @@ class SimCloudServer:
     def _fault_reply(self, fault: Fault) -> _Reply | None:
         kind = fault.kind
         if kind is FaultKind.THROTTLE:
-            return _Reply.throttled_json(fault.retry_after_s)
+            return _Reply.throttled_json(1 if fault.retry_after_s is None else fault.retry_after_s)
         if kind is FaultKind.THROTTLE_HTML:
             return _Reply(429, _CDN_429_PAGE, "text/html; charset=utf-8")
         if kind is FaultKind.SERVER_ERROR:
             if fault.status == 500:
-                return _Reply.error(ApiError(500, "global/internal-error", "An internal server error occurred.",
-                                             "Try again later. Contact Support if the problem persists."))
-            return _Reply(fault.status, _gateway_page(fault.status), "text/html")
+                reply = _Reply.error(ApiError(500, "global/internal-error", "An internal server error occurred.",
+                                              "Try again later. Contact Support if the problem persists."))
+            else:
+                reply = _Reply(fault.status, _gateway_page(fault.status), "text/html")
+            if fault.retry_after_s is not None:
+                reply.headers["Retry-After"] = str(fault.retry_after_s)
+            return reply
         if kind is FaultKind.TIMEOUT:
             return _Reply(0, b"", "", delay_s=fault.delay_s, drop=True)
         if kind is FaultKind.INSUFFICIENT_CAPACITY:
@@ -646,7 +652,8 @@ class SimCloudServer:
         if method == "POST" and sub == "/faults":
             fault = self.inject(body["kind"], int(body.get("count", 1)), route=body.get("route"),
                                 status=int(body.get("status", 500)), delay_s=float(body.get("delay_s", 5.0)),
-                                regions=body.get("regions", ()), retry_after_s=int(body.get("retry_after_s", 1)))
+                                regions=body.get("regions", ()),
+                                retry_after_s=None if body.get("retry_after_s") is None else int(body["retry_after_s"]))
             return _Reply.data(_fault_dict(fault))
         if method == "DELETE" and sub == "/faults":
             self.clear_faults()
