@@ -25,6 +25,9 @@ BURST_ENABLED_KEY = "burst_enabled"
 CLOUD_REFUSED_KEY = "cloud_refused"
 # The providers that throttled the daemon's last listing (HTTP 429, Throttled), and when each is asked again (unix s).
 CLOUD_THROTTLED_KEY = "cloud_throttled"
+# The providers that answered the daemon's last listing that they are unavailable (HTTP 5xx, Transient) and said when
+# to ask again (Retry-After), and when each is asked again (unix s): not unreachable, nor throttling the daemon.
+CLOUD_UNAVAILABLE_KEY = "cloud_unavailable"
 # This installation's owner tag when the config does not set one (`Config.orchestrator_id`).
 ORCHESTRATOR_ID_KEY = "orchestrator_id"
 

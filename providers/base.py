@@ -62,7 +62,9 @@ class Throttled(ProviderError):
 
 
 class Transient(ProviderError):
-    """5xx, timeout or connection failure; retried with backoff. The effect of the call is unknown."""
+    """5xx, timeout or connection failure; retried with backoff. The effect of the call is unknown (but for a request
+    an adapter held back until a 5xx's Retry-After is up: not sent). A 5xx with a Retry-After carries it in
+    `retry_after_s`: the provider answered that it is unavailable until then."""
 
     retryable = True
 

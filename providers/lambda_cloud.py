@@ -53,6 +53,8 @@ from providers.base import (
 REQUEST_INTERVAL_S = 1.0
 LAUNCH_INTERVAL_S = 12.0
 DEFAULT_RETRY = RetryPolicy()
+# The code of a request held back, not sent, while a Retry-After the API gave is not up: it had no effect.
+NOT_SENT = "retry-after"
 
 _STATES = {
     "booting": InstanceState.BOOTING,
@@ -144,6 +146,8 @@ class LambdaCloud:
         self._key_names: dict[str, str] = {}  # public key -> the name it is registered under
         self._clock = clock
         self._quiet_until = -math.inf  # on `clock`: until when the API asked (Retry-After) to be left alone
+        # What asked for it: a 429 (Throttled) or an outage, a 5xx (Transient), and its HTTP status.
+        self._quiet_asked: tuple[type[Throttled] | type[Transient], int] = (Throttled, 429)
         self._http = httpx.Client(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {api_key}", "Accept": "application/json"},
@@ -298,8 +302,8 @@ class LambdaCloud:
                     return str(existing["id"])
             try:
                 data = self._request("POST", "/instance-operations/launch", body, launch=True)
-            except Transient:
-                outcome_unknown = True
+            except Transient as exc:
+                outcome_unknown = outcome_unknown or exc.code != NOT_SENT  # one held back launched nothing
                 raise
             return str(data["instance_ids"][0])
 
@@ -339,9 +343,12 @@ class LambdaCloud:
         """One HTTP exchange; returns the response's `data` or raises the taxonomy's error."""
         what = f"{method} {path}"
         if (quiet_s := self._quiet_until - self._clock()) > 0:
-            # Asked again before its Retry-After is up, the API refuses again and counts the request against us.
-            raise Throttled(f"{what}: not sent: the API asked to be left alone for {quiet_s:.0f} s more (Retry-After)",
-                            provider=self.name, code="retry-after", retry_after_s=quiet_s)
+            # Asked again before its Retry-After is up, the API refuses again and counts the request against us. Not
+            # sent, it fails as the answer that asked for the wait did: throttled (429), or unavailable (5xx), which
+            # `status` says apart; either is retried, and neither says the provider is unreachable.
+            kind, status = self._quiet_asked
+            raise kind(f"{what}: not sent: the API asked (HTTP {status}, Retry-After) to be left alone for "
+                       f"{quiet_s:.0f} s more", provider=self.name, code=NOT_SENT, retry_after_s=quiet_s)
         self._request_pacer.wait()
         if launch:
             # Both limits apply; stamp the request pacer again so both count from the moment of sending.
@@ -364,7 +371,9 @@ class LambdaCloud:
         error = self._error(what, resp.status_code, payload)
         if isinstance(error, (Throttled, Transient)) and (after := retry_after_s(resp.headers.get("retry-after"))):
             error.retry_after_s = after
-            self._quiet_until = max(self._quiet_until, self._clock() + after)
+            if (until := self._clock() + after) > self._quiet_until:  # the wait ending last holds requests back
+                self._quiet_until = until
+                self._quiet_asked = (Throttled if isinstance(error, Throttled) else Transient, resp.status_code)
         raise error
 
     def _error(self, what: str, status: int, payload: Any) -> ProviderError:

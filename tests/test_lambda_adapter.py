@@ -29,6 +29,7 @@ from providers.base import (
     QuotaExceeded,
     RetryPolicy,
     Throttled,
+    Transient,
     category,
 )
 from providers.lambda_cloud import (
@@ -445,6 +446,31 @@ def test_a_retry_after_longer_than_a_call_may_wait_ends_the_call_and_no_request_
     adapter.close()
 
 
+def test_a_5xx_with_a_retry_after_holds_requests_back_as_that_outage_not_as_throttling(
+        sim: SimCloudServer, events: Events) -> None:
+    # A 503 that says when to ask again (maintenance): honoured as a 429's is, and each request held back meanwhile
+    # fails as the 503 did (Transient), so that `status` says the provider is unavailable, not throttling the daemon.
+    clock = [1000.0]
+    adapter = make_adapter(sim, events, clock=lambda: clock[0])
+    sim.inject(FaultKind.SERVER_ERROR, status=503, count=100, route="instance-types", retry_after_s=30)
+    with pytest.raises(Transient) as caught:
+        adapter.offers()
+    assert caught.value.retry_after_s == 30
+    [fault] = sim.pending_faults()
+    assert fault.remaining == 99
+    clock[0] += 29
+    for ask in (adapter.offers, adapter.list_owned, lambda: adapter.terminate(["i-1"])):
+        with pytest.raises(Transient, match=r"not sent: the API asked \(HTTP 503, Retry-After\)") as held:
+            ask()
+        assert not isinstance(held.value, Throttled) and held.value.retry_after_s == pytest.approx(1)
+    assert fault.remaining == 99
+    clock[0] += 2
+    with pytest.raises(Transient):
+        adapter.offers()
+    assert fault.remaining == 98
+    adapter.close()
+
+
 def test_a_retry_after_is_read_in_seconds_or_as_an_http_date_and_bounded() -> None:
     assert retry_after_s("7") == 7.0
     assert retry_after_s("Thu, 01 Jan 2026 00:01:00 GMT", now=1767225600.0) == 60.0
@@ -461,8 +487,6 @@ def test_server_errors_are_retried(sim: SimCloudServer, lam: LambdaCloud, events
 
 
 def test_persistent_server_errors_surface_as_transient(sim: SimCloudServer, lam: LambdaCloud) -> None:
-    from providers.base import Transient
-
     sim.inject(FaultKind.SERVER_ERROR, count=10, status=503)
     with pytest.raises(Transient):
         lam.offers()

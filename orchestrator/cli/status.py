@@ -10,7 +10,7 @@ from typing import Any
 from rich.markup import escape
 from sqlalchemy import select
 
-from orchestrator.app import CLOUD_REFUSED_KEY, CLOUD_THROTTLED_KEY, App, burst_enabled
+from orchestrator.app import CLOUD_REFUSED_KEY, CLOUD_THROTTLED_KEY, CLOUD_UNAVAILABLE_KEY, App, burst_enabled
 from orchestrator.cli.base import cli, json_option, pass_app
 from orchestrator.cli.output import out, print_json, table
 from orchestrator.core.budget import Held, month_key
@@ -52,6 +52,9 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
         # Of those, the ones that throttled the daemon (HTTP 429: up, and asking to be left alone a while), and when
         # the daemon asks each again (unix seconds): the later of offers_ttl_s and the Retry-After it gave.
         "cloud_throttled": app.store.get_setting(CLOUD_THROTTLED_KEY) or {},
+        # And those that answered they are unavailable (HTTP 5xx) and said when to ask again (Retry-After): when the
+        # daemon asks each again, as for cloud_throttled.
+        "cloud_unavailable": app.store.get_setting(CLOUD_UNAVAILABLE_KEY) or {},
         "jobs": {st.value: counts.get(st.value, 0) for st in JobState},
         # Of the running jobs, those whose launch no provider has confirmed yet: said as such (`machine.LAUNCHING`).
         "launching_jobs": launching_jobs,
@@ -173,26 +176,33 @@ def _mode(app: App, daemon_running: bool) -> str:
     if daemon_running and health and not any(health.values()):
         refused = app.store.get_setting(CLOUD_REFUSED_KEY) or {}
         throttled = app.store.get_setting(CLOUD_THROTTLED_KEY) or {}
+        unavailable = app.store.get_setting(CLOUD_UNAVAILABLE_KEY) or {}
         if all(name in refused for name in health):  # they answer, and refuse: the key, not the network
             return "local-only (the cloud refuses the daemon's requests: see cloud)"
         if all(name in throttled for name in health):  # they answer, and ask to be left alone a while
             return "local-only (the cloud throttles the daemon's requests: see cloud)"
-        return "local-only (no cloud reachable)" if not refused and not throttled else \
+        if all(name in unavailable for name in health):  # they answer that they are down, and until when
+            return "local-only (the cloud says it is unavailable: see cloud)"
+        return "local-only (no cloud reachable)" if not refused and not throttled and not unavailable else \
             "local-only (no cloud usable: see cloud)"
     return "burst-enabled"
 
 
-def _health_txt(answers: bool, refused: str | None, throttled_until: float | None, now: float, asking: bool) -> str:
-    """How a provider answered the daemon's last listing. Throttled: when it is asked again, while a daemon asks."""
+def _health_txt(answers: bool, refused: str | None, throttled_until: float | None, unavailable_until: float | None,
+                now: float, asking: bool) -> str:
+    """How a provider answered the daemon's last listing. Throttled (429), or unavailable (5xx) with a Retry-After:
+    when it is asked again, while a daemon asks."""
     if answers:
         return "answers"
     if refused:
         return f"REFUSES: {escape(refused)}"
-    if throttled_until is not None:
+    for said, until in (("THROTTLED", throttled_until), ("UNAVAILABLE", unavailable_until)):
+        if until is None:
+            continue
         if not asking:
-            return "THROTTLED"
-        wait = throttled_until - now
-        return f"THROTTLED: asked again in {_span(wait)}" if wait >= 1 else "THROTTLED: asked again at the next tick"
+            return said
+        wait = until - now
+        return f"{said}: asked again in {_span(wait)}" if wait >= 1 else f"{said}: asked again at the next tick"
     return "UNREACHABLE"
 
 
@@ -259,9 +269,9 @@ def status_cmd(app: App, as_json: bool) -> None:
                   "restart it to apply the change (it runs on the file's other settings)[/yellow]")
     if d["cloud_health"]:
         asking, now = dmn["running"] and d["mode"] != "local-only", time.time()  # the kill switch: nothing is asked
-        health = ", ".join(
-            f"{k} {_health_txt(v, d['cloud_refused'].get(k), d['cloud_throttled'].get(k), now, asking)}"
-            for k, v in d["cloud_health"].items())
+        health = ", ".join(f"{k} " + _health_txt(v, d["cloud_refused"].get(k), d["cloud_throttled"].get(k),
+                                                 d["cloud_unavailable"].get(k), now, asking)
+                           for k, v in d["cloud_health"].items())
         at = d["cloud_health_at"]
         when = f"asked {_ago(at, now)}" if at is not None else "asked"
         if not dmn["running"]:

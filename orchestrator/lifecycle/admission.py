@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, func, or_, select, update
 
-from orchestrator.app import CLOUD_REFUSED_KEY, CLOUD_THROTTLED_KEY, App, burst_enabled
+from orchestrator.app import CLOUD_REFUSED_KEY, CLOUD_THROTTLED_KEY, CLOUD_UNAVAILABLE_KEY, App, burst_enabled
 from orchestrator.core.decision import UNMEASURED_SETUP
 from orchestrator.core.local_hours import LocalHours
 from orchestrator.core.release import relaunch_held
@@ -40,7 +40,7 @@ from orchestrator.lifecycle.market_switch import market_for_attempt, record_spot
 from orchestrator.lifecycle.states import JobState, awaits_approval
 from orchestrator.queue import headline, local_hours, local_time, record_offers_seen
 from orchestrator.records import supersede, superseded
-from providers.base import Market, NoCapacity, Offer, Provider, ProviderError, Throttled, category
+from providers.base import Market, NoCapacity, Offer, Provider, ProviderError, Throttled, Transient, category
 from state import schema as s
 from state.schema import planned_rented_usd
 
@@ -96,8 +96,18 @@ class OfferCache:
         than a call waits), and when each is asked again: a `ttl_s` after it was asked, or once the Retry-After it
         gave is up if that is later (a call before then is not sent: `providers.base.call`, Lambda's quiet window).
         Such a provider is up and asks to be left alone a while, not unreachable."""
-        return {n: self._at[n] + max(self.ttl_s, v.retry_after_s or 0.0) for n, v in self._offers.items()
-                if isinstance(v, Throttled)}
+        return {n: self._asked_again(n, v) for n, v in self._offers.items() if isinstance(v, Throttled)}
+
+    def unavailable(self) -> dict[str, float]:
+        """The providers that answered their last listing that they are unavailable (a 5xx: Transient) and said when
+        to ask again (Retry-After), and when each is asked again, as `throttled` says it. Such a provider answered:
+        not unreachable (a timeout, a refused connection or a 5xx that says nothing more), nor throttling the daemon.
+        A listing held back by its Retry-After (Lambda's adapter sends nothing before) fails as the 5xx did."""
+        return {n: self._asked_again(n, v) for n, v in self._offers.items()
+                if isinstance(v, Transient) and v.retry_after_s is not None}
+
+    def _asked_again(self, name: str, error: ProviderError) -> float:
+        return self._at[name] + max(self.ttl_s, error.retry_after_s or 0.0)
 
     def checked_at(self) -> float | None:
         """When the least recently asked provider was last asked (None before any was)."""
@@ -301,6 +311,7 @@ class Admission:
                     self.store.set_setting("cloud_health", {}, conn=conn)
                     self.store.set_setting(CLOUD_REFUSED_KEY, {}, conn=conn)
                     self.store.set_setting(CLOUD_THROTTLED_KEY, {}, conn=conn)
+                    self.store.set_setting(CLOUD_UNAVAILABLE_KEY, {}, conn=conn)
                     self.store.set_setting("cloud_health_at", now, conn=conn)
                     self.app.events.emit("cloud.health", conn=conn, providers={})
             return
@@ -311,18 +322,22 @@ class Admission:
         if not health or self.store.get_setting("cloud_health_at") == at:
             return
         refused = {n: self.app.redactor.clip(why, 300) for n, why in self.offers.refusals().items()}
-        throttled = self.offers.throttled()
+        throttled, unavailable = self.offers.throttled(), self.offers.unavailable()
         with self.store.tx() as conn:
             if self.store.get_setting("cloud_health") != health or \
                     set(self.store.get_setting(CLOUD_REFUSED_KEY) or {}) != set(refused) or \
-                    set(self.store.get_setting(CLOUD_THROTTLED_KEY) or {}) != set(throttled):
+                    set(self.store.get_setting(CLOUD_THROTTLED_KEY) or {}) != set(throttled) or \
+                    set(self.store.get_setting(CLOUD_UNAVAILABLE_KEY) or {}) != set(unavailable):
                 said: dict[str, Any] = {"refused": sorted(refused)} if refused else {}
                 if throttled:
                     said["throttled"] = sorted(throttled)
+                if unavailable:
+                    said["unavailable"] = sorted(unavailable)
                 self.app.events.emit("cloud.health", conn=conn, providers=health, **said)
             self.store.set_setting("cloud_health", health, conn=conn)
             self.store.set_setting(CLOUD_REFUSED_KEY, refused, conn=conn)
             self.store.set_setting(CLOUD_THROTTLED_KEY, throttled, conn=conn)
+            self.store.set_setting(CLOUD_UNAVAILABLE_KEY, unavailable, conn=conn)
             self.store.set_setting("cloud_health_at", at, conn=conn)
 
     def _redecide_late_in_line(self, waiting: list[dict[str, Any]], now: float) -> None:
