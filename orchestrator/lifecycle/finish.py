@@ -205,7 +205,8 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
     released = [r["id"] for r in rows if r["state"] == A.RELEASED.value]
     open_charges = conn.execute(select(s.ledger.c.provider, s.ledger.c.instance_id, s.ledger.c.rate_usd_h,
                                        s.ledger.c.started_at)
-                                .where(s.ledger.c.attempt_id.in_(released), s.ledger.c.cost_usd.is_(None))).all() \
+                                .where(s.ledger.c.job_id == job["id"],  # through ix_ledger_job, not a scan
+                                       s.ledger.c.attempt_id.in_(released), s.ledger.c.cost_usd.is_(None))).all() \
         if released else []
     at = now if at is None else at
     accrued = [(provider, instance, rate * max(0.0, at - started) / 3600.0)
