@@ -95,8 +95,13 @@ def test_status_says_a_throttling_provider_is_throttled_and_when_it_is_asked_aga
         app.store.close()
 
 
-def test_status_says_a_provider_throttling_every_provider_asked_is_throttling_not_that_no_cloud_is_reachable(
-        sim: SimCloudServer, tmp_path: Path, burstctl) -> None:
+@pytest.mark.parametrize(("fault", "mode", "key", "said"), [
+    (dict(kind=FaultKind.THROTTLE), "the cloud throttles the daemon's requests", "cloud_throttled", "THROTTLED"),
+    (dict(kind=FaultKind.SERVER_ERROR, status=502), "the cloud says it is unavailable", "cloud_unavailable",
+     "UNAVAILABLE"),
+], ids=["429", "502"])
+def test_status_says_every_provider_asked_throttling_or_unavailable_so_not_that_no_cloud_is_reachable(
+        sim: SimCloudServer, tmp_path: Path, burstctl, fault: dict[str, Any], mode: str, key: str, said: str) -> None:
     state = tmp_path / "state"
     config = tmp_path / "burstctl.toml"
     config.write_text("[daemon]\noffers_ttl_s = 60\n")
@@ -104,25 +109,25 @@ def test_status_says_a_provider_throttling_every_provider_asked_is_throttling_no
     lam = LambdaCloud(name="lambda", base_url=sim.api_url, api_key=API_KEY, regions=("us-east-1",),
                       request_interval_s=0.0, retry=RETRY)
     rec = Reconciler(app, {"lambda": lam}, cloud=None)
-    sim.inject(FaultKind.THROTTLE, count=1000, route="instance-types", retry_after_s=1)  # retried, and still 429
+    sim.inject(count=1000, route="instance-types", retry_after_s=1, **fault)  # retried, and still refused so
     lock = DaemonLock(state)
     lock.acquire()
     try:
         rec.admission.schedule()
         asked = time.time()
         data = json.loads(burstctl("--config", str(config), "--state-dir", str(state), "status", "--json").stdout)
-        assert data["mode"] == "local-only (the cloud throttles the daemon's requests: see cloud)"
+        assert data["mode"] == f"local-only ({mode}: see cloud)"
         # A Retry-After shorter than offers_ttl_s: asked again a ttl after it was asked.
-        assert data["cloud_throttled"]["lambda"] == pytest.approx(asked + 60, abs=5)
+        assert data[key]["lambda"] == pytest.approx(asked + 60, abs=5)
         text = " ".join(burstctl("--config", str(config), "--state-dir", str(state), "status").stdout.split())
-        assert re.search(r"lambda THROTTLED: asked again in (5[5-9]|60) s", text), text
+        assert re.search(rf"lambda {said}: asked again in (5[5-9]|60) s", text), text
     finally:
         lock.release()
         lam.close()
         app.store.close()
-    # A daemon that is not running asks nobody: throttled, as it was last, and no time is promised.
+    # A daemon that is not running asks nobody: as it was last, and no time is promised.
     text = " ".join(burstctl("--config", str(config), "--state-dir", str(state), "status").stdout.split())
-    assert "by the daemon, which is not running): lambda THROTTLED" in text and "asked again in" not in text
+    assert f"by the daemon, which is not running): lambda {said}" in text and "asked again in" not in text
 
 
 def test_status_says_a_provider_that_answered_5xx_with_a_retry_after_is_unavailable_until_then_not_unreachable(
@@ -198,33 +203,3 @@ def test_status_says_a_provider_that_answered_5xx_with_a_retry_after_is_unavaila
         lam.close()
         down.close()
         app.store.close()
-
-
-def test_status_says_every_provider_asked_being_unavailable_so_and_a_stopped_daemon_promises_no_time(
-        sim: SimCloudServer, tmp_path: Path, burstctl) -> None:
-    state = tmp_path / "state"
-    config = tmp_path / "burstctl.toml"
-    config.write_text("[daemon]\noffers_ttl_s = 60\n")
-    app = App(config_path=str(config), state_dir_override=str(state))
-    lam = LambdaCloud(name="lambda", base_url=sim.api_url, api_key=API_KEY, regions=("us-east-1",),
-                      request_interval_s=0.0, retry=RETRY)
-    rec = Reconciler(app, {"lambda": lam}, cloud=None)
-    sim.inject(FaultKind.SERVER_ERROR, status=502, count=1000, route="instance-types", retry_after_s=1)  # retried
-    lock = DaemonLock(state)
-    lock.acquire()
-    try:
-        rec.admission.schedule()
-        asked = time.time()
-        data = json.loads(burstctl("--config", str(config), "--state-dir", str(state), "status", "--json").stdout)
-        assert data["mode"] == "local-only (the cloud says it is unavailable: see cloud)"
-        # A Retry-After shorter than offers_ttl_s: asked again a ttl after it was asked.
-        assert data["cloud_unavailable"]["lambda"] == pytest.approx(asked + 60, abs=5)
-        text = " ".join(burstctl("--config", str(config), "--state-dir", str(state), "status").stdout.split())
-        assert re.search(r"lambda UNAVAILABLE: asked again in (5[5-9]|60) s", text), text
-    finally:
-        lock.release()
-        lam.close()
-        app.store.close()
-    # A daemon that is not running asks nobody: unavailable, as it was last, and no time is promised.
-    text = " ".join(burstctl("--config", str(config), "--state-dir", str(state), "status").stdout.split())
-    assert "by the daemon, which is not running): lambda UNAVAILABLE" in text and "asked again in" not in text
