@@ -44,11 +44,13 @@ def sim() -> Iterator[SimCloudServer]:
         assert server.violations == [], "the adapter sent a request the Lambda contract does not allow"
 
 
-def test_status_says_a_throttling_provider_is_throttled_and_when_it_is_asked_again_and_a_down_one_unreachable(
-        sim: SimCloudServer, tmp_path: Path, burstctl) -> None:
+def _lambda_and_a_provider_down(sim: SimCloudServer, tmp_path: Path
+                                ) -> tuple[Path, Path, App, list[float], LambdaCloud, LambdaCloud, Reconciler]:
+    """A state, a config whose offers_ttl_s (5 s) is shorter than the Retry-Afters the tests give (they decide), the
+    Lambda contract server's provider and one nobody listens for, on a clock the test moves (`now[0]`)."""
     state = tmp_path / "state"
     config = tmp_path / "burstctl.toml"
-    config.write_text("[daemon]\noffers_ttl_s = 5\n")  # shorter than the Retry-After: the Retry-After decides
+    config.write_text("[daemon]\noffers_ttl_s = 5\n")
     app = App(config_path=str(config), state_dir_override=str(state))
     now = [time.time()]
     clock = lambda: now[0]  # noqa: E731
@@ -56,7 +58,12 @@ def test_status_says_a_throttling_provider_is_throttled_and_when_it_is_asked_aga
                       request_interval_s=0.0, retry=RETRY, clock=clock)
     down = LambdaCloud(name="down", base_url=f"http://127.0.0.1:{free_port()}", api_key=API_KEY,
                        regions=("us-east-1",), request_interval_s=0.0, retry=RETRY, clock=clock)
-    rec = Reconciler(app, {"lambda": lam, "down": down}, cloud=None, clock=clock)
+    return state, config, app, now, lam, down, Reconciler(app, {"lambda": lam, "down": down}, cloud=None, clock=clock)
+
+
+def test_status_says_a_throttling_provider_is_throttled_and_when_it_is_asked_again_and_a_down_one_unreachable(
+        sim: SimCloudServer, tmp_path: Path, burstctl) -> None:
+    state, config, app, now, lam, down, rec = _lambda_and_a_provider_down(sim, tmp_path)
     sim.inject(FaultKind.THROTTLE, count=1000, route="instance-types", retry_after_s=42)
     lock = DaemonLock(state)  # what a running daemon holds: status then says what it will do next
     lock.acquire()
@@ -134,17 +141,7 @@ def test_status_says_a_provider_that_answered_5xx_with_a_retry_after_is_unavaila
         sim: SimCloudServer, tmp_path: Path, burstctl) -> None:
     # A 503 with Retry-After (maintenance, an overloaded gateway): the API answered, and said when to ask again.
     # Neither UNREACHABLE (which sends one looking at the network) nor THROTTLED (the daemon's own request rate).
-    state = tmp_path / "state"
-    config = tmp_path / "burstctl.toml"
-    config.write_text("[daemon]\noffers_ttl_s = 5\n")  # shorter than the Retry-After: the Retry-After decides
-    app = App(config_path=str(config), state_dir_override=str(state))
-    now = [time.time()]
-    clock = lambda: now[0]  # noqa: E731
-    lam = LambdaCloud(name="lambda", base_url=sim.api_url, api_key=API_KEY, regions=("us-east-1",),
-                      request_interval_s=0.0, retry=RETRY, clock=clock)
-    down = LambdaCloud(name="down", base_url=f"http://127.0.0.1:{free_port()}", api_key=API_KEY,
-                       regions=("us-east-1",), request_interval_s=0.0, retry=RETRY, clock=clock)
-    rec = Reconciler(app, {"lambda": lam, "down": down}, cloud=None, clock=clock)
+    state, config, app, now, lam, down, rec = _lambda_and_a_provider_down(sim, tmp_path)
     sim.inject(FaultKind.SERVER_ERROR, status=503, count=1000, route="instance-types", retry_after_s=42)
 
     def status() -> str:
