@@ -97,6 +97,9 @@ instances = Table(
     Column("launched_at", Float, nullable=True),
     Column("gone_at", Float, nullable=True),
     Column("verified_gone", Boolean, nullable=False, default=False),
+    # Who confirmed it gone: its provider ("provider"), or the operator's word (`burstctl confirm-gone`: "operator")
+    # for a provider that will never answer again. None while it is not confirmed gone.
+    Column("gone_by", String(16), nullable=True),
 )
 
 events = Table(
@@ -258,6 +261,14 @@ def _v10(conn: Connection) -> None:
     conn.execute(text("CREATE INDEX IF NOT EXISTS ix_ledger_instance ON ledger (provider, instance_id, ended_at)"))
 
 
+def _v11(conn: Connection) -> None:
+    # `instances.gone_by`: an instance may be confirmed gone by the operator (`burstctl confirm-gone`) when its
+    # provider will never answer again; what is said of its charge then names who confirmed it.
+    if "gone_by" not in {c["name"] for c in inspect(conn).get_columns("instances")}:  # a database v1 made has it
+        conn.execute(text("ALTER TABLE instances ADD COLUMN gone_by VARCHAR(16)"))
+    conn.execute(update(instances).where(instances.c.verified_gone.is_(True)).values(gone_by="provider"))
+
+
 # (version, migration). Each runs once, in order, inside a transaction.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _v1),
@@ -270,6 +281,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (8, _v8),
     (9, _v9),
     (10, _v10),
+    (11, _v11),
 ]
 
 

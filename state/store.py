@@ -557,31 +557,39 @@ class Store:
         with self.tx() as c:
             return _inserted_id(c.execute(insert(s.ledger).values(**row)))
 
-    def instance_gone(self, conn: Connection, provider: str, instance_id: str, *, gone_at: float) -> None:
-        """The provider confirmed the instance gone: its row says so, and its open charges end at `gone_at`, each
-        billed at least its attempt's billing minimum (the offer's, kept in the attempt's info when it launched)."""
+    def instance_gone(self, conn: Connection, provider: str, instance_id: str, *, gone_at: float,
+                      by: str = "provider") -> list[dict[str, Any]]:
+        """The instance is confirmed gone, by its provider or (`by="operator"`, `burstctl confirm-gone`) by the
+        operator's word: its row says so and who said it, and its open charges end at `gone_at`, each billed at least
+        its attempt's billing minimum (the offer's, kept in the attempt's info when it launched). Returns the charges
+        it closed, as closed."""
         where = (s.instances.c.provider == provider, s.instances.c.id == instance_id)
         conn.execute(update(s.instances).where(*where).values(state="terminated", gone_at=gone_at,  # InstanceState
-                                                               verified_gone=True))
+                                                               verified_gone=True, gone_by=by))
         info = conn.execute(select(s.attempts.c.info).join(s.instances, s.instances.c.attempt_id == s.attempts.c.id)
                             .where(*where)).scalar()
-        self.close_open_charges(conn, ended_at=gone_at, instance=(provider, instance_id),
-                                minimum_s=float((info or {}).get("billing_minimum_s", 60.0)))
+        return self.close_open_charges(conn, ended_at=gone_at, instance=(provider, instance_id),
+                                       minimum_s=float((info or {}).get("billing_minimum_s", 60.0)))
 
     def close_open_charges(self, conn: Connection, *, ended_at: float, minimum_s: float = 60.0,
-                           attempt_id: str | None = None, instance: tuple[str, str] | None = None) -> None:
+                           attempt_id: str | None = None, instance: tuple[str, str] | None = None
+                           ) -> list[dict[str, Any]]:
         """End the charges still open for an attempt, or for an instance (provider, id), at `ended_at`, each billed
-        at least `minimum_s` (the provider's minimum)."""
+        at least `minimum_s` (the provider's minimum). Returns them, as closed."""
         led = s.ledger
         q = select(led).where(led.c.ended_at.is_(None))
         if attempt_id is not None:
             q = q.where(led.c.attempt_id == attempt_id)
         if instance is not None:
             q = q.where(led.c.provider == instance[0], led.c.instance_id == instance[1])
+        closed = []
         for r in conn.execute(q).mappings().all():
             billed = max(minimum_s, ended_at - r["started_at"])
-            self.close_charge(r["id"], ended_at=max(ended_at, r["started_at"]), billed_seconds=billed,
-                              cost_usd=r["rate_usd_h"] * billed / 3600.0, conn=conn)
+            values = {"ended_at": max(ended_at, r["started_at"]), "billed_seconds": billed,
+                      "cost_usd": r["rate_usd_h"] * billed / 3600.0}
+            self.close_charge(r["id"], **values, conn=conn)
+            closed.append({**r, **values})
+        return closed
 
     def close_charge(self, charge_id: int, *, ended_at: float, billed_seconds: float, cost_usd: float,
                      conn: Connection | None = None) -> None:

@@ -92,3 +92,11 @@ def relaunch_held(unconfirmed: Sequence[str]) -> str | None:
     return (f"its instance from before revert-local, {', '.join(unconfirmed)}, is still being terminated (its "
             "provider has not confirmed it gone, and it bills until then): no other instance is launched for the job "
             "until it is")
+
+
+# The states of an attempt whose instance waits only for its provider's word that it is gone: its run is over, and
+# its end (and, for a released one, its job's hold on the cloud) is taken once the instance is confirmed gone.
+WAITING_FOR_GONE = frozenset({"terminating", "released"})
+OPERATOR = "operator"  # who confirmed an instance gone when its provider will not (`burstctl confirm-gone`)
+PROVIDER = "provider"
+

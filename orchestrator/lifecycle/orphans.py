@@ -3,9 +3,11 @@
 An orphan bills like any instance (a launch whose answer was lost, an attempt ended while its instance lived on, a
 state restored from an old copy), so the meter counts it: `record_orphan` writes it down as an instance not yet
 confirmed gone, with a charge open from when it started; the charge closes when the provider confirms it gone
-(`Store.instance_gone`), as every instance's does. When it started: the provider's launch time, else (a provider
+(`gone.confirmed_gone`), as every instance's does. When it started: the provider's launch time, else (a provider
 that does not say, as Lambda's API) the start of the attempt it was launched for, else when it was found; never
-before the end of a charge the meter already holds for it.
+before the end of a charge the meter already holds for it. An instance the operator said was gone
+(`burstctl confirm-gone`) that its provider lists as running is one too: their word was wrong, and the meter picks
+up from where that word ended its charge.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from sqlalchemy import Connection, func, insert, select, update
 
 from orchestrator.app import App
 from orchestrator.core.budget import month_key
+from orchestrator.lifecycle.gone import confirmed_gone
 from orchestrator.lifecycle.machine import AttemptState
 from providers.base import InstanceInfo, Offer, Provider, ProviderError
 from state import schema as s
@@ -70,8 +73,10 @@ def record_orphan(app: App, conn: Connection, provider_name: str, inst: Instance
             provider=provider_name, id=inst.id, attempt_id=attempt["id"] if attempt else None, state="unverified",
             instance_type=inst.instance_type, market=inst.market.value, rate_usd_h=rate, host=inst.host,
             port=inst.ssh_port, launched_at=inst.launched_at, verified_gone=False))
-    else:  # known, and thought gone or going: it is not, so it is asked after again until it is
-        conn.execute(update(s.instances).where(*where).values(state="unverified", verified_gone=False, gone_at=None))
+    else:  # known, and thought gone or going (the operator's word too: `confirm-gone`): it is not, so it is asked
+        # after again until it is
+        conn.execute(update(s.instances).where(*where).values(state="unverified", verified_gone=False, gone_at=None,
+                                                              gone_by=None))
     if rate is None:
         return None
     is_open, metered_to = last_charge(conn, provider_name, inst.id)
@@ -159,8 +164,8 @@ def retry_unverified(app: App, providers: Mapping[str, Provider], clock: Callabl
                 provider.terminate([inst["id"]])
                 seen = provider.describe([inst["id"]]).get(inst["id"])
                 if seen is None or seen.state.gone:
-                    with app.store.tx() as c:
-                        app.store.instance_gone(c, inst["provider"], inst["id"], gone_at=clock())
+                    with app.store.tx() as c:  # and what waited for it goes on (an attempt revert-local released)
+                        confirmed_gone(app, c, inst["provider"], inst["id"], gone_at=clock(), now=clock())
                     outcome = "gone"
                 else:
                     outcome = seen.state.value

@@ -27,7 +27,8 @@ from orchestrator.lifecycle import checkpoints, passenv
 from orchestrator.lifecycle.admission import Admission, note_waiting
 from orchestrator.lifecycle.attempt_syncs import CLOSE_WAIT_S, AttemptSyncs, notice_reason
 from orchestrator.lifecycle.budget_guard import BudgetGuard
-from orchestrator.lifecycle.finish import exit_reason, measure_again
+from orchestrator.lifecycle.finish import exit_reason
+from orchestrator.lifecycle.gone import close_instance, confirmed_gone, job_after_end
 from orchestrator.lifecycle.local import STOPPED_OUTSIDE, LocalRunner, stop_wait_s
 from orchestrator.lifecycle.machine import AttemptState, active_attempts, chaos_point, move
 from orchestrator.lifecycle.market_switch import (
@@ -1067,12 +1068,12 @@ class Reconciler:
 
     def step_terminating(self, att: dict[str, Any], job: dict[str, Any], provider: Provider) -> None:
         """Terminate the instance and end the attempt once the provider confirms it gone (a `terminating` attempt's
-        step, and a `released` one's, whose job has already gone on). A provider that does not answer, after
-        revert-local, may release the job first (`release_if_home`); the failure is raised all the same, counted and
-        tried again (`_step_failed`)."""
+        step, and a `released` one's, whose job has already gone on): `gone.confirmed_gone`, as for every instance
+        confirmed gone. A provider that does not answer, after revert-local, may release the job first
+        (`release_if_home`); the failure is raised all the same, counted and tried again (`_step_failed`). One that
+        never answers again leaves it to the operator (`burstctl confirm-gone`)."""
         started = time.monotonic()
         inst_id = att["instance_id"]
-        released = att["state"] == A.RELEASED.value  # its job's next step was taken as it was released
         if inst_id:
             try:
                 provider.terminate([inst_id])
@@ -1085,25 +1086,9 @@ class Reconciler:
             if inst is not None and not inst.state.gone:
                 return  # confirmed next tick
         now = self.clock()
-        outcome = A(att["info"].get("outcome", A.ABORTED.value))
-        with self.store.tx() as conn:
-            if not move(conn, att, outcome):
-                return
-            if inst_id:
-                self._close_instance(conn, att, inst_id, now)
-                self._measure(conn, att, "teardown_s", time.monotonic() - started)
-            self.app.events.emit("instance.terminated", job_id=job["id"], attempt_id=att["id"], conn=conn,
-                                 instance=inst_id, outcome=outcome.value, **({"released": True} if released else {}))
-            if not released:
-                self._after_attempt(conn, att, job, outcome, att.get("reason"))
-            else:  # a job over since is measured again, this instance's charge now closed
-                measure_again(self.app, conn, job["id"], now)
-        if released and burst_enabled(self.app):
-            # Kept here by burst-enable while this instance might still bill (`core/release.relaunch_held`): now
-            # that it is gone, back to its plan, unless it has started here since.
-            from orchestrator.lifecycle.revert import restore_plans  # revert-local builds on this module
-
-            restore_plans(self.app, only=[job["id"]], why=f"its instance from before, {inst_id}, is confirmed gone")
+        with self.store.tx() as conn:  # what waited for it goes on: the attempt's end, its job's next step
+            confirmed_gone(self.app, conn, att["provider"], inst_id, gone_at=now, now=now, attempt=att, job=job,
+                           teardown_s=time.monotonic() - started if inst_id else None)
 
     def release_if_home(self, att: dict[str, Any], job: dict[str, Any]) -> bool:
         """A terminating attempt whose provider does not answer (or refuses) its terminate: after revert-local, its
@@ -1161,21 +1146,13 @@ class Reconciler:
         return moved
 
     def _close_instance(self, conn: Any, att: dict[str, Any], inst_id: str, now: float) -> None:
-        """The instance is gone: its charge ends when it went, if another process (revert-local, with no daemon
-        running) saw it go earlier, else now. Billed up to now, an instance gone for days was billed for them."""
-        seen_gone = conn.execute(select(s.instances.c.gone_at).where(s.instances.c.provider == att["provider"],
-                                                                     s.instances.c.id == inst_id)).scalar()
-        self.store.instance_gone(conn, att["provider"], inst_id,
-                                 gone_at=min(now, float(seen_gone)) if seen_gone is not None else now)
+        """The attempt's instance is gone (`gone.close_instance`), the attempt ended by the caller."""
+        close_instance(self.app, conn, att["provider"], inst_id, gone_at=now)
 
     def _after_attempt(self, conn: Any, att: dict[str, Any], job: dict[str, Any], outcome: AttemptState,
                        reason: str | None) -> None:
         """What an ended attempt means for its job."""
-        from orchestrator.lifecycle.finish import job_after_attempt
-
-        if is_probe(att) or successor_of(att) is not None:
-            return  # a spot probe's end is a sighting, a successor's before it took over is its predecessor's news
-        job_after_attempt(self.app, conn, att, job, outcome, reason, self.clock())
+        job_after_end(self.app, conn, att, job, outcome, reason, self.clock())
 
     def _measure(self, conn: Any, att: dict[str, Any], metric: str, value: float, key: str | None = None) -> None:
         """A measurement of the attempt's instance type (or of `key`: a job name's, say)."""

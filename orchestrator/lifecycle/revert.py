@@ -35,6 +35,7 @@ from orchestrator.app import BURST_ENABLED_KEY, App
 from orchestrator.core.release import relaunch_held
 from orchestrator.lifecycle import checkpoints
 from orchestrator.lifecycle.finish import REQUEUED_LOCAL, requeued_local_reason
+from orchestrator.lifecycle.gone import confirmed_gone
 from orchestrator.lifecycle.local import stop_wait_s
 from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, released_instances
 from orchestrator.lifecycle.orphans import attempts_of, meter_orphan
@@ -435,10 +436,10 @@ def _record_instance(app: App, provider: str, instance_id: str, attempt_id: str 
             c.execute(insert(s.instances).values(provider=provider, id=instance_id, attempt_id=attempt_id,
                                                  state="unverified", verified_gone=False))
         if gone:  # the meter stops now, not when a daemon next steps the attempt (days later, perhaps)
-            app.store.instance_gone(c, provider, instance_id, gone_at=now)
+            confirmed_gone(app, c, provider, instance_id, gone_at=now, now=now)
         else:
             c.execute(update(s.instances).where(s.instances.c.provider == provider, s.instances.c.id == instance_id)
-                      .values(verified_gone=False, state="unverified", gone_at=None))
+                      .values(verified_gone=False, state="unverified", gone_at=None, gone_by=None))
 
 
 def _requeue_local(app: App, report: RevertReport) -> None:
