@@ -19,7 +19,16 @@ from datetime import date, datetime
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from orchestrator.config import (
     ENV_NAME,
@@ -155,6 +164,40 @@ def _is_date(text: str) -> bool:
     return True
 
 
+def _not_a_bare_instant(v: object, alternative: str = "") -> object:
+    """An instant as given, before it is parsed (a deadline, `confirm-gone --at`): not a number or a date alone.
+    `alternative`: what else the user may give, said after what is expected."""
+    # pydantic would read seconds since 1970, of a number and of a string of digits ("20261207") alike
+    numeric = isinstance(v, int | float) and not isinstance(v, bool)
+    if numeric or (isinstance(v, str) and re.fullmatch(r"\s*[-+]?\d+(\.\d*)?\s*", v)):
+        raise ValueError(f"is a number: {DEADLINE_EXPECTED}{alternative}")
+    # TOML's `deadline = 2026-12-03` is a date, which pydantic would take as a naive midnight; so is the string
+    # "2026-12-03", which had been said to have no time zone.
+    if (isinstance(v, date) and not isinstance(v, datetime)) or (isinstance(v, str) and _is_date(v)):
+        raise ValueError(f"is a date without a time: {DEADLINE_EXPECTED}")
+    return v
+
+
+def _zoned_instant(v: datetime | None) -> datetime | None:
+    if v is not None and v.tzinfo is None:
+        raise ValueError(f"has no time zone: {DEADLINE_EXPECTED}")
+    return v
+
+
+def parse_instant(text: str) -> datetime:
+    """An instant given on the command line, in the forms a job file's `deadline` takes (ISO 8601 with a time zone,
+    `2035-01-01T09:00:00Z`, `2035-01-01 10:00+01:00`). Raises ValueError saying what is expected (not quoting
+    `text`, which may be anything pasted)."""
+    _not_a_bare_instant(text)
+    try:
+        when = TypeAdapter(datetime).validate_python(text.strip())  # lax, as the `deadline` field reads a string
+    except ValidationError:
+        raise ValueError(f"is not a date and time: {DEADLINE_EXPECTED}") from None
+    zoned = _zoned_instant(when)
+    assert zoned is not None
+    return zoned
+
+
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)  # as ModelSpec
 
@@ -257,22 +300,12 @@ class JobSpec(BaseModel):
     @field_validator("deadline", mode="before")
     @classmethod
     def _not_a_bare_date(cls, v: object) -> object:
-        # pydantic would read seconds since 1970, of a number and of a string of digits ("20261207") alike
-        numeric = isinstance(v, int | float) and not isinstance(v, bool)
-        if numeric or (isinstance(v, str) and re.fullmatch(r"\s*[-+]?\d+(\.\d*)?\s*", v)):
-            raise ValueError(f"is a number: {DEADLINE_EXPECTED} (or deadline_hours for hours from now)")
-        # TOML's `deadline = 2026-12-03` is a date, which pydantic would take as a naive midnight; so is the string
-        # "2026-12-03", which had been said to have no time zone.
-        if (isinstance(v, date) and not isinstance(v, datetime)) or (isinstance(v, str) and _is_date(v)):
-            raise ValueError(f"is a date without a time: {DEADLINE_EXPECTED}")
-        return v
+        return _not_a_bare_instant(v, " (or deadline_hours for hours from now)")
 
     @field_validator("deadline")
     @classmethod
     def _zoned(cls, v: datetime | None) -> datetime | None:
-        if v is not None and v.tzinfo is None:
-            raise ValueError(f"has no time zone: {DEADLINE_EXPECTED}")
-        return v
+        return _zoned_instant(v)
 
     @field_validator("command", "setup", mode="before")
     @classmethod

@@ -86,6 +86,7 @@ _PHRASES = {
     "provider.unreachable": "provider unreachable",
     "provider.unavailable": "provider cannot be used",
     "instance.orphan_terminated": "orphaned instance terminated",
+    "instance.confirmed_gone": "instance confirmed gone by the operator (burstctl confirm-gone)",
     "state.events_pruned": "old events pruned",
     "state.checkpoints_pruned": "old checkpoints pruned",
 }

@@ -31,7 +31,7 @@ COMMAND_MODULES = {
     "status": "status", "providers": "providers", "revert-local": "revert", "burst-enable": "revert",
     "copy-state": "state", "prune-events": "state", "simcloud": "simcloud", "rehearse": "rehearse", "demo": "demo",
     "report": "report", "logs": "logs", "schedules": "schedules",
-    "notify-test": "notify", "ssh": "shell",
+    "notify-test": "notify", "ssh": "shell", "confirm-gone": "gone",
 }
 
 # Each command's line in `burstctl --help`, so that listing them imports none (the docstring is the long help).
@@ -40,6 +40,7 @@ COMMAND_SUMMARIES = {
     "budget": "Month-to-date spend and the cycles the budget has left.",
     "burst-enable": "Lift the kill switch: queued jobs may burst again.",
     "cancel": "Cancel a job that has not finished.",
+    "confirm-gone": "Say an instance is gone when its provider never will.",
     "copy-state": "Copy the whole state into an unused database.",
     "daemon": "Run the orchestrator.",
     "decide": "Run the two gates on a job and print the verdict.",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 
 # Where a released job goes: what the attempt's end says for it, now rather than once its instance is confirmed gone.
@@ -100,3 +101,49 @@ WAITING_FOR_GONE = frozenset({"terminating", "released"})
 OPERATOR = "operator"  # who confirmed an instance gone when its provider will not (`burstctl confirm-gone`)
 PROVIDER = "provider"
 
+
+@dataclass(frozen=True)
+class GoneFacts:
+    """An instance burstctl knows, as the operator says it is gone (`burstctl confirm-gone`)."""
+    verified_gone: bool  # already confirmed gone (by its provider, or the operator before)
+    attempt: str | None  # the attempt not yet over whose instance it is (None: none, an orphan)
+    attempt_state: str | None
+    charge_from: float | None  # when its open charge started (the earliest, if several); None: it has none
+    at: float  # when the operator says it stopped billing (unix seconds)
+    now: float
+
+
+@dataclass(frozen=True)
+class GoneVerdict:
+    confirm: bool
+    already: bool = False  # confirmed gone before: nothing to do
+    field: str | None = None  # the argument that is wrong, when it is
+    problem: str | None = None  # what is expected instead
+
+
+def operator_gone(f: GoneFacts) -> GoneVerdict:
+    """Whether the operator's word that the instance is gone is taken: for an instance being terminated (its
+    attempt `terminating` or `released`, or an orphan) that is not confirmed gone yet, gone at a time from its charge's
+    start until now. An attempt still under way (its run watched over SSH, its stop not asked) is the daemon's to
+    end: taken gone, its run would be given up with its checkpoints unpulled."""
+    if f.verified_gone:
+        return GoneVerdict(False, already=True)
+    if f.attempt is not None and f.attempt_state not in WAITING_FOR_GONE:
+        return GoneVerdict(False, field="INSTANCE_ID", problem=(
+            f"is the instance of attempt {f.attempt}, which is {f.attempt_state}, not being terminated: the daemon "
+            "watches it and terminates it once it stops (`burstctl cancel JOB` or `burstctl revert-local` stops it); "
+            "expected an instance being terminated that its provider cannot confirm gone"))
+    if f.at > f.now:
+        return GoneVerdict(False, field="--at", problem=(
+            f"is in the future ({utc(f.at)}, now {utc(f.now)}): expected when the instance stopped billing, at or "
+            "before now"))
+    if f.charge_from is not None and f.at < f.charge_from:
+        return GoneVerdict(False, field="--at", problem=(
+            f"is before the instance's charge started ({utc(f.at)}, it started {utc(f.charge_from)}): expected when "
+            "the instance stopped billing, from then until now"))
+    return GoneVerdict(True)
+
+
+def utc(ts: float) -> str:
+    """A moment as the CLI says one: ISO 8601 in UTC, to the second."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

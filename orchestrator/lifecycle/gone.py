@@ -17,12 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, insert, select
+from sqlalchemy import Connection, func, insert, select
 
 from orchestrator.app import App, burst_enabled
-from orchestrator.core.release import OPERATOR, PROVIDER, WAITING_FOR_GONE
+from orchestrator.core.release import OPERATOR, PROVIDER, WAITING_FOR_GONE, GoneFacts, operator_gone
+from orchestrator.errors import BadInput
 from orchestrator.lifecycle.finish import job_after_attempt, measure_again
-from orchestrator.lifecycle.machine import AttemptState, move
+from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, AttemptState, move
 from orchestrator.lifecycle.spot_probe import is_probe
 from orchestrator.lifecycle.successor import successor_of
 from state import schema as s
@@ -128,3 +129,58 @@ def _back_to_plan(app: App, job_id: str, instance_id: str | None, by: str) -> No
     said = "confirmed gone by the operator" if by == OPERATOR else "confirmed gone"
     restore_plans(app, only=[job_id], why=f"its instance from before, {instance_id}, is {said}")
 
+
+@dataclass(frozen=True)
+class OperatorSaid:
+    """What `burstctl confirm-gone` did."""
+    provider: str
+    instance: str
+    already: bool  # confirmed gone before: nothing changed
+    by: str  # who confirmed it gone (the operator now; whoever did, when `already`)
+    at: float | None  # when it went, as confirmed
+    confirmed: Confirmed | None  # what this confirmation changed (None when `already`)
+
+
+def operator_confirms(app: App, provider: str, instance_id: str, *, at: float | None, now: float) -> OperatorSaid:
+    """The operator says the instance is gone (seen gone in the provider's console, or terminated there), `at` when
+    it stopped billing (None: now): `core/release.operator_gone` decides whether that is taken, and
+    `confirmed_gone` does what its provider's confirmation would, in one transaction. Raises BadInput, with nothing
+    changed, for an instance burstctl does not know, one still under way, or a time that cannot be when it went."""
+    at = now if at is None else at
+    with app.store.tx() as conn:
+        inst = conn.execute(select(s.instances).where(s.instances.c.provider == provider,
+                                                      s.instances.c.id == instance_id)).mappings().first()
+        if inst is None:
+            raise _unknown(conn, provider, instance_id)
+        live = conn.execute(select(s.attempts.c.id, s.attempts.c.state).where(
+            s.attempts.c.provider == provider, s.attempts.c.instance_id == instance_id,
+            s.attempts.c.state.in_(list(ACTIVE_ATTEMPT_STATES)))).first()
+        led = s.ledger
+        charge_from = conn.execute(select(func.min(led.c.started_at)).where(
+            led.c.provider == provider, led.c.instance_id == instance_id, led.c.ended_at.is_(None))).scalar()
+        verdict = operator_gone(GoneFacts(
+            verified_gone=bool(inst["verified_gone"]), attempt=live.id if live else None,
+            attempt_state=live.state if live else None,
+            charge_from=float(charge_from) if charge_from is not None else inst["launched_at"], at=at, now=now))
+        if verdict.problem is not None:
+            raise BadInput(verdict.problem, field=verdict.field)
+        if not verdict.already:
+            confirmed = confirmed_gone(app, conn, provider, instance_id, gone_at=at, now=now, by=OPERATOR)
+            if confirmed is not None:
+                return OperatorSaid(provider, instance_id, already=False, by=OPERATOR, at=at, confirmed=confirmed)
+        # Confirmed gone before, or by another process between the read and the write (its provider answered).
+        gone = conn.execute(select(s.instances.c.gone_by, s.instances.c.gone_at).where(
+            s.instances.c.provider == provider, s.instances.c.id == instance_id)).one()
+        return OperatorSaid(provider, instance_id, already=True, by=gone.gone_by or PROVIDER,
+                            at=gone.gone_at, confirmed=None)
+
+
+def _unknown(conn: Connection, provider: str, instance_id: str) -> BadInput:
+    """The argument an unknown instance is wrong in: its provider, when burstctl knows no instance there at all."""
+    providers = sorted({p for (p,) in conn.execute(select(s.instances.c.provider).distinct())})
+    if provider not in providers:
+        return BadInput(f"burstctl knows no instance on '{provider}': expected the provider of an instance it launched "
+                        f"or found ({', '.join(providers) or 'none yet'}; `burstctl status` lists those not confirmed "
+                        "gone)", field="PROVIDER")
+    return BadInput(f"burstctl knows no instance '{instance_id}' on {provider}: expected one it launched or found "
+                    "there (`burstctl status` lists those not confirmed gone)", field="INSTANCE_ID")
