@@ -6,10 +6,11 @@ plan it was queued on when it was decided again on the way — beside the meter'
 `local.board_power_w` × `local.electricity_usd_per_kwh`, as the plan priced them) and whether its deadline held;
 over them all, what was spent on which market, how measured compared with expected, and what spot saved against
 on-demand at the rate the decision priced on-demand at. A job that revert-local brought home says so, and is not
-set beside a plan it did not run on.
+set beside a plan it did not run on. One whose instance the operator confirmed gone (`burstctl confirm-gone`), its
+provider never having said, says so: its charge ends where the operator's word did.
 
-Read from jobs, attempts and the ledger, which `prune-events` never deletes, with one grouped query each: a month
-of 10,000 jobs is three queries, not thirty thousand.
+Read from jobs, attempts and the ledger (with its instances), which `prune-events` never deletes, with one grouped
+query each: a month of 10,000 jobs is three queries, not thirty thousand.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from dataclasses import asdict, dataclass
 from statistics import median
 from typing import Any
 
-from sqlalchemy import and_, case, func, select
+from sqlalchemy import and_, case, distinct, func, select
 
 from orchestrator.app import App
+from orchestrator.core.release import OPERATOR
 from orchestrator.lifecycle.machine import AttemptState
 from orchestrator.lifecycle.states import JobState
 from orchestrator.records import plan_of
@@ -61,6 +63,9 @@ class JobOutcome:
     # Its decision was made once part of its work was done (unblocked or retried from its checkpoint, re-planned
     # while running): it prices what was left, the meter the whole run, so it is not in those ratios either
     decided_midway: bool = False
+    # Its instances confirmed gone by the operator (`burstctl confirm-gone`), not by their provider: their charges end
+    # where the operator's word did
+    confirmed_by_operator: int = 0
 
     @property
     def measured_usd(self) -> float:
@@ -92,7 +97,7 @@ def on_demand_rate(decision: dict[str, Any]) -> float | None:
 
 def outcomes(app: App, since: float | None, until: float, now: float) -> list[JobOutcome]:
     """The jobs that ended in [since, until) and ran, newest first."""
-    j, a, led = s.jobs, s.attempts, s.ledger
+    j, a, led, inst = s.jobs, s.attempts, s.ledger, s.instances
     window = and_(j.c.state.in_(REPORTED_STATES), j.c.updated_at < until,
                   *([j.c.updated_at >= since] if since is not None else []))
     ids = select(j.c.id).where(window)
@@ -113,10 +118,17 @@ def outcomes(app: App, since: float | None, until: float, now: float) -> list[Jo
                    func.sum(case((and_(started, is_local), span), else_=0.0)).label("local_s"),
                    func.sum(case((preempted, 1), else_=0)).label("preemptions"))
             .where(a.c.job_id.in_(ids)).group_by(a.c.job_id))}
-        charges: dict[tuple[str, str], tuple[float, float]] = {
-            (r.job_id, r.market or "on-demand"): (float(r.usd or 0.0), float(r.seconds or 0.0)) for r in c.execute(
-                select(led.c.job_id, led.c.market, func.sum(cost).label("usd"), func.sum(billed_s).label("seconds"))
-                .where(led.c.job_id.in_(ids)).group_by(led.c.job_id, led.c.market))}
+        charges: dict[tuple[str, str], tuple[float, float]] = {}
+        by_operator: dict[str, int] = {}
+        operator_said = case((inst.c.gone_by == OPERATOR, led.c.instance_id))
+        for r in c.execute(
+                select(led.c.job_id, led.c.market, func.sum(cost).label("usd"), func.sum(billed_s).label("seconds"),
+                       func.count(distinct(operator_said)).label("by_operator"))
+                .select_from(led.outerjoin(inst, and_(inst.c.provider == led.c.provider,
+                                                      inst.c.id == led.c.instance_id)))
+                .where(led.c.job_id.in_(ids)).group_by(led.c.job_id, led.c.market)):
+            charges[(r.job_id, r.market or "on-demand")] = (float(r.usd or 0.0), float(r.seconds or 0.0))
+            by_operator[r.job_id] = by_operator.get(r.job_id, 0) + int(r.by_operator or 0)
     local_rate = app.config.local.usd_per_hour
     found = []
     for job in jobs:
@@ -140,7 +152,8 @@ def outcomes(app: App, since: float | None, until: float, now: float) -> list[Jo
             decisions=int(decision.get("decisions") or 1), first_plan=first.get("plan"),
             first_expected_usd=first.get("plan_cost_usd"), first_expected_h=first.get("hours"),
             reverted_local=job["placement"] == "local" and decision.get("placement") in ("cloud", "hybrid"),
-            decided_midway=float(decision.get("work_done") or 0.0) > 0))
+            decided_midway=float(decision.get("work_done") or 0.0) > 0,
+            confirmed_by_operator=by_operator.get(job["id"], 0)))
     return found
 
 
@@ -177,6 +190,7 @@ def totals(found: list[JobOutcome]) -> dict[str, Any]:
         "decided_again": sum(1 for o in found if o.decisions > 1),
         "reverted_local": sum(1 for o in found if o.reverted_local),
         "decided_midway": sum(1 for o in found if o.decided_midway),
+        "confirmed_by_operator": sum(1 for o in found if o.confirmed_by_operator),
         "done_measured_usd": round(sum(o.measured_usd for o in compared), 4),
         "cost_ratio": _ratios((o.measured_usd, o.expected_usd) for o in followed),
         "hours_ratio": _ratios((o.run_h, o.expected_h) for o in followed),

@@ -2449,7 +2449,8 @@ def test_burst_enable_keeps_a_job_released_home_here_until_its_instance_from_bef
         held = said["held_for_released_instance"][job_id]
         assert held == (f"its instance from before revert-local, sim {instance.id}, is still being terminated (its "
                         "provider has not confirmed it gone, and it bills until then): no other instance is launched "
-                        "for the job until it is")
+                        f"for the job until it is (`burstctl confirm-gone sim {instance.id}` once you have seen it "
+                        "gone in its provider's console)")
         job = app.store.get_job(job_id)
         assert (job["state"], job["placement"]) == ("queued", "local")  # it runs here meanwhile
         rec = Reconciler(app, {"sim": provider}, cloud=None, clock=lambda: now[0])

@@ -18,10 +18,17 @@ from orchestrator.cli.base import FiniteFloat, cli, json_option, pass_app, say_c
 from orchestrator.cli.output import out, print_json, table
 from orchestrator.core.budget import BudgetView, cycle_prices, month_key, stop_horizon_h, unpaid_hand_over
 from orchestrator.core.gates import MAX_DEADLINE_HOURS
+from orchestrator.core.release import utc
 from orchestrator.errors import BadInput
 from orchestrator.events import EventTail
 from orchestrator.lifecycle.homes import job_outputs_dir
-from orchestrator.lifecycle.machine import HOLDING_ATTEMPT_STATES, LAUNCHING, AttemptState, states_said
+from orchestrator.lifecycle.machine import (
+    HOLDING_ATTEMPT_STATES,
+    LAUNCHING,
+    AttemptState,
+    confirmed_by_operator,
+    states_said,
+)
 from orchestrator.lifecycle.schedule import reported
 from orchestrator.lifecycle.states import FINAL, JobState, awaits_approval, check_transition
 from orchestrator.records import fmt_h, fmt_usd, plan_name
@@ -248,10 +255,16 @@ def show_cmd(app: App, job: str, as_json: bool) -> None:
               if now["where"] == "cloud" else "on the local GPU")
         out.print(f"now: attempt {now['attempt']}, {now['state']}, {escape(on)}")
     for gone in progress["being_terminated"]:
-        out.print(f"instance {escape(str(gone['provider']))} {escape(str(gone['instance_id']))} (attempt "
-                  f"{gone['attempt']}): the job came home without it; being terminated, not yet confirmed gone (its "
-                  "provider does not answer), and metered until it is; no other instance is launched for the job "
-                  "until then")
+        named = f"{escape(str(gone['provider']))} {escape(str(gone['instance_id']))}"
+        out.print(f"instance {named} (attempt {gone['attempt']}): the job came home without it; being terminated, "
+                  "not yet confirmed gone (its provider does not answer), and metered until it is; no other instance "
+                  f"is launched for the job until then (`burstctl confirm-gone {named}` once you have seen it gone "
+                  "in its provider's console)")
+    for gone in progress["confirmed_gone_by_operator"]:
+        out.print(f"instance {escape(str(gone['provider']))} {escape(str(gone['instance']))}"
+                  + (f" (attempt {escape(str(gone['attempt']))})" if gone["attempt"] else "")
+                  + f": confirmed gone by the operator, not its provider, at {utc(gone['gone_at'])}; its charge "
+                  "ends then")
     if progress["attempts_run"]:
         runs = progress["attempts_run"]
         out.print(f"logs: burstctl logs {j['id']} ({runs} attempt{'s' if runs != 1 else ''}, in "
@@ -280,6 +293,7 @@ def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
         rows = c.execute(select(s.attempts.c.info, s.attempts.c.started_at, s.attempts.c.n,
                                 *(s.attempts.c[k] for k in now))
                          .where(s.attempts.c.job_id == j["id"]).order_by(s.attempts.c.n.desc())).all()
+        by_operator = confirmed_by_operator(c, job_ids=[j["id"]])
     live = next((r for r in rows if r.state in HOLDING_ATTEMPT_STATES), None)
     infos = [r.info or {} for r in rows]
     said = next((i.get("metrics") for i in infos if reported(i.get("metrics"), "units_done") is not None), None)
@@ -294,6 +308,9 @@ def _progress(app: App, j: dict[str, Any]) -> dict[str, Any]:
             # being terminated, and metered, until the provider confirms them gone.
             "being_terminated": [{"attempt": r.n, "provider": r.provider, "instance_id": r.instance_id}
                                  for r in reversed(rows) if r.state == AttemptState.RELEASED.value],
+            # ...and those the operator said were gone (`confirm-gone`), their provider never having said it.
+            "confirmed_gone_by_operator": [{k: g[k] for k in ("provider", "instance", "attempt", "gone_at")}
+                                           for g in by_operator],
             # Checkpoints an attempt's instance held, newer than home, when it was lost (`checkpoint.lost`).
             "checkpoints_lost": [{"attempt": r.n, **(r.info or {})["checkpoint_lost"]} for r in reversed(rows)
                                  if (r.info or {}).get("checkpoint_lost")],

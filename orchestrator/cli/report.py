@@ -17,6 +17,7 @@ from orchestrator.records import fmt_h, fmt_usd
 from orchestrator.report import JobOutcome, outcomes, totals
 
 MONTH = re.compile(r"^(\d{4})-(0[1-9]|1[0-2])$")
+OPERATOR_MARK = "†"  # beside what a job cost when its charge ends where the operator's word did (confirm-gone)
 
 
 def window(month: str | None, days: float | None, every: bool, now: float) -> tuple[str, float | None, float]:
@@ -90,8 +91,12 @@ def report_cmd(app: App, month: str | None, days: float | None, every: bool, lim
     counts = ", ".join(f"{sums[st]} {st}" for st in ("done", "failed", "cancelled") if sums[st])
     table(f"{label}: {sums['jobs']} job{'s' if sums['jobs'] != 1 else ''} finished ({counts})",
           ["id", "name", "state", "plan", "expected", "measured", "hours planned → run", "preempted", "deadline"],
-          [(o.id, o.name, o.state, _plan(o), fmt_usd(o.expected_usd), fmt_usd(o.measured_usd),
+          [(o.id, o.name, o.state, _plan(o), fmt_usd(o.expected_usd),
+            fmt_usd(o.measured_usd) + (OPERATOR_MARK if o.confirmed_by_operator else ""),
             f"{fmt_h(o.expected_h)} → {fmt_h(o.run_h)}", o.preemptions, _deadline(o)) for o in found[:limit]])
+    if any(o.confirmed_by_operator for o in found[:limit]):
+        out.print(f"[dim]{OPERATOR_MARK} an instance of it was confirmed gone by the operator, not its provider "
+                  "(`burstctl confirm-gone`): its charge ends where the operator said[/dim]")
     if len(found) > limit:
         out.print(f"[dim]{len(found) - limit} older not shown (--limit, or --json for every one)[/dim]")
     met, missed = sums["deadlines_met"], sums["deadlines_missed"]
@@ -106,6 +111,9 @@ def report_cmd(app: App, month: str | None, days: float | None, every: bool, lim
           if sums["decided_again"] else []),
         *([("brought home by revert-local", f"{sums['reverted_local']} (their runs are not set beside their "
             "plans in these figures)")] if sums["reverted_local"] else []),
+        *([("confirmed gone by the operator", f"{sums['confirmed_by_operator']} job"
+            f"{'s' if sums['confirmed_by_operator'] != 1 else ''}' instances, not by their provider (their charges end "
+            "where the operator said)")] if sums["confirmed_by_operator"] else []),
         *([("decided again with work done", f"{sums['decided_midway']} (priced on what was left: not set beside "
             "their whole runs in these figures)")] if sums["decided_midway"] else []),
         ("cost, measured / expected", _ratio(sums["cost_ratio"])),

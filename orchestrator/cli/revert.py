@@ -87,7 +87,9 @@ def revert_local_cmd(app: App, timeout_s: float | None, resume_from_home: bool, 
     problems += [f"{name} unreachable" for name in report.unreachable]
     if problems:
         raise OperationalError(f"not confirmed gone: {'; '.join(problems)}; a running daemon keeps sweeping with "
-                               "its own credentials (`burstctl status`), or run revert-local where they are set")
+                               "its own credentials (`burstctl status`), or run revert-local where they are set; an "
+                               "instance whose provider will never answer again and that you have seen gone in its "
+                               "console: `burstctl confirm-gone PROVIDER INSTANCE_ID`")
 
 
 def _switch_only(app: App, as_json: bool) -> None:

@@ -13,10 +13,17 @@ from sqlalchemy import select
 from orchestrator.app import CLOUD_REFUSED_KEY, CLOUD_THROTTLED_KEY, CLOUD_UNAVAILABLE_KEY, App, burst_enabled
 from orchestrator.cli.base import cli, json_option, pass_app
 from orchestrator.cli.output import out, print_json, table
-from orchestrator.core.budget import Held, month_key
+from orchestrator.core.budget import Held, month_key, month_start
+from orchestrator.core.release import utc
 from orchestrator.daemon import CONFIG_SEEN_KEY, config_fingerprint, running_daemon
 from orchestrator.holds import held_by_plans
-from orchestrator.lifecycle.machine import ACTIVE_ATTEMPT_STATES, LAUNCHING, AttemptState, launching
+from orchestrator.lifecycle.machine import (
+    ACTIVE_ATTEMPT_STATES,
+    LAUNCHING,
+    AttemptState,
+    confirmed_by_operator,
+    launching,
+)
 from orchestrator.lifecycle.states import JobState
 from orchestrator.records import fmt_usd
 from state import schema as s
@@ -34,6 +41,8 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
         instances = [dict(r) for r in c.execute(select(s.instances).where(
             s.instances.c.verified_gone.is_(False))).mappings()]
         launching_jobs = len(launching(c))
+        # The month's spend ends their charges where the operator's word did, not their provider's (confirm-gone).
+        by_operator = confirmed_by_operator(c, since=month_start(now))
     counts = app.store.count_jobs_by_state()
     held = held_by_plans(app, now) if settings else None
     active_states = (JobState.QUEUED, JobState.RUNNING, JobState.RESUMING, JobState.AWAITING_APPROVAL,
@@ -67,6 +76,8 @@ def status_data(app: App, now: float | None = None) -> dict[str, Any]:
                      for a in attempts],
         "instances": [{"provider": i["provider"], "id": i["id"], "attempt": i["attempt_id"], "state": i["state"],
                        "type": i["instance_type"], "market": i["market"]} for i in instances],
+        "confirmed_gone_by_operator": [{"provider": g["provider"], "id": g["instance"], "attempt": g["attempt"],
+                                        "job": g["job"], "gone_at": g["gone_at"]} for g in by_operator],
         "month": month_key(now),
         "month_to_date_usd": round(app.store.month_spend(month_key(now), now), 4),
         "budget_cap_usd": app.config.budget.monthly_cap_usd if settings else None,
@@ -147,7 +158,9 @@ def _problem(att: dict[str, Any], now: float) -> str | None:
     if att["state"] != AttemptState.RELEASED.value:
         return said
     gone = (f"instance {att['instance_id']} from before revert-local is still being terminated (not confirmed gone: "
-            "it bills until it is); its job is not launched in the cloud again until then")
+            "it bills until it is); its job is not launched in the cloud again until then; "
+            f"`burstctl confirm-gone {att['provider']} {att['instance_id']}` once you have seen it gone in its "
+            "provider's console")
     return gone if said is None else f"{gone}; {said}"
 
 
@@ -316,3 +329,7 @@ def status_cmd(app: App, as_json: bool) -> None:
         table("cloud instances: up, or not yet confirmed gone",
               ["provider", "instance", "attempt", "state", "type", "market"],
               [(i["provider"], i["id"], i["attempt"], i["state"], i["type"], i["market"]) for i in d["instances"]])
+    if d["confirmed_gone_by_operator"]:
+        gone = ", ".join(f"{g['provider']} {g['id']} at {utc(g['gone_at'])}" for g in d["confirmed_gone_by_operator"])
+        out.print(f"confirmed gone by the operator this month, not by their provider (`burstctl confirm-gone`): "
+                  f"{escape(gone)}; their charges end then")

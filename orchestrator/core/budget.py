@@ -13,6 +13,11 @@ def month_key(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m")
 
 
+def month_start(ts: float) -> float:
+    """When the budget's month (UTC) that `ts` is in began."""
+    return datetime.fromtimestamp(ts, UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
+
+
 def month_end(ts: float) -> float:
     """When the budget's month (UTC) that `ts` is in ends: the first instant of the next."""
     at = datetime.fromtimestamp(ts, UTC)

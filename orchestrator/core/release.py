@@ -92,7 +92,8 @@ def relaunch_held(unconfirmed: Sequence[str]) -> str | None:
         return None
     return (f"its instance from before revert-local, {', '.join(unconfirmed)}, is still being terminated (its "
             "provider has not confirmed it gone, and it bills until then): no other instance is launched for the job "
-            "until it is")
+            f"until it is (`burstctl confirm-gone {unconfirmed[0]}` once you have seen it gone in its provider's "
+            "console)")
 
 
 # The states of an attempt whose instance waits only for its provider's word that it is gone: its run is over, and

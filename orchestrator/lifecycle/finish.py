@@ -14,9 +14,10 @@ from sqlalchemy import Connection, func, select
 from orchestrator import records
 from orchestrator.app import App
 from orchestrator.core.budget import month_key
+from orchestrator.core.release import utc
 from orchestrator.core.spot_watch import probe_after_s
 from orchestrator.lifecycle import checkpoints
-from orchestrator.lifecycle.machine import AttemptState
+from orchestrator.lifecycle.machine import AttemptState, confirmed_by_operator
 from orchestrator.lifecycle.market_switch import TO_ON_DEMAND, TO_SPOT
 from orchestrator.lifecycle.states import JobState
 from state import schema as s
@@ -241,9 +242,14 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
                               f"{records.fmt_usd(app.config.local.usd_per_hour)}/h" if local_usd > 0 else minimum)
     unconfirmed = "".join(f"; instance {provider} {instance} is still being terminated: {records.fmt_usd(usd)} so "
                           "far, added here once its provider confirms it gone" for provider, instance, usd in accrued)
+    # Its provider never said: the cost above ends those charges where the operator's word did (`confirm-gone`).
+    by_operator = confirmed_by_operator(conn, job_ids=[job["id"]])
+    operator_said = "".join(f"; instance {g['provider']} {g['instance']} confirmed gone by the operator, not its "
+                            f"provider, at {utc(g['gone_at'])}: its charge ends then" for g in by_operator)
     text = ("" if ended == "done" else f"{ended}: ") + (
         f"run {run_txt} h{split}, cost {costs}, {date}, on {where or '—'}; {len(rows)} attempt(s), "
-        f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else "") + deadline + unconfirmed)
+        f"{preemptions} preemption(s)" + (f"; peak VRAM {peak:.1f} GB" if peak else "") + deadline + unconfirmed
+        + operator_said)
     if job.get("record_path") and Path(job["record_path"]).exists():
         records.fill_measured(Path(job["record_path"]), app.redactor(text))  # what providers named, redacted
     app.events.emit("job.measured", job_id=job["id"], conn=conn, run_h=round(run_h, 4), cost_usd=round(cost, 4),
@@ -251,7 +257,14 @@ def _fill_measured(app: App, conn: Connection, job: dict[str, Any], att: dict[st
                     local_h=round(local_h, 4), local_cost_usd=round(local_usd, 4),
                     deadline_met=None if late_h is None else late_h <= 0,
                     late_h=None if late_h is None else round(late_h, 4),
-                    **({"unconfirmed_usd": round(still_usd, 4)} if open_charges else {}))
+                    **({"unconfirmed_usd": round(still_usd, 4)} if open_charges else {}),
+                    **_said_by_operator(by_operator))
+
+
+def _said_by_operator(by_operator: list[dict[str, Any]]) -> dict[str, Any]:
+    """`job.measured`'s word on the instances of the job the operator confirmed gone, when there are any."""
+    return {"confirmed_gone_by_operator": [f"{g['provider']} {g['instance']}" for g in by_operator]} \
+        if by_operator else {}
 
 
 def exit_reason(app: App, job: dict[str, Any], ex: dict[str, Any], prefix: str = "exited") -> str:

@@ -48,6 +48,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, case, func, insert, select, update
 
+from orchestrator.core.release import OPERATOR
 from state import schema as s
 
 CHAOS_ENV = "BURSTCTL_CHAOS_KILL_AT"
@@ -187,3 +188,19 @@ def states_said(conn: Connection, jobs: Sequence[Mapping[str, Any]]) -> dict[str
     running = [j["id"] for j in jobs if j["state"] == "running"]
     found = launching(conn, running) if running else set()
     return {j["id"]: LAUNCHING if j["id"] in found else j["state"] for j in jobs}
+
+
+def confirmed_by_operator(conn: Connection, *, job_ids: Sequence[str] | None = None,
+                          since: float | None = None) -> list[dict[str, Any]]:
+    """The instances confirmed gone by the operator (`burstctl confirm-gone`), not by their provider: of the jobs
+    `job_ids` (by their charges), or gone since `since`; each with its job, attempt and when it went."""
+    i, led = s.instances, s.ledger
+    q = (select(i.c.provider, i.c.id, i.c.attempt_id, i.c.gone_at, led.c.job_id)
+         .select_from(i.outerjoin(led, and_(led.c.provider == i.c.provider, led.c.instance_id == i.c.id)))
+         .where(i.c.gone_by == OPERATOR, i.c.verified_gone.is_(True)).distinct().order_by(i.c.gone_at, i.c.id))
+    if job_ids is not None:
+        q = q.where(led.c.job_id.in_(list(job_ids)))
+    if since is not None:
+        q = q.where(i.c.gone_at >= since)
+    return [{"provider": p, "instance": inst, "attempt": att, "gone_at": gone_at, "job": job}
+            for p, inst, att, gone_at, job in conn.execute(q)]
