@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -403,3 +404,91 @@ def test_a_job_released_home_is_not_burst_again_until_its_instance_from_before_i
     # The new instance was launched only after the old one was confirmed gone: never two billing at once.
     assert billed[new]["launched_at"] >= billed[old]["ended_at"]
     assert next(e for e in events(state, "attempt.intent") if e["id"] > released["id"])["id"] > ended["id"]
+
+
+def test_instances_their_provider_never_confirms_gone_are_confirmed_gone_by_the_operator_and_what_waited_goes_on(
+        tmp_path: Path) -> None:
+    # revert-local while the provider's API is down (503 on every call), two spot runs stopped and their last
+    # checkpoints home: one job finishes here, measured with its instance's charge still open; the other does not fit
+    # here and is held off the cloud while its instance from before is not confirmed gone. The provider never
+    # confirms either: its console shows both gone (reclaimed), and the operator says so with when. Each charge ends
+    # then, as the provider's word would have ended it, and the month's spend stops growing; the attempts end; the job
+    # done is measured again with its whole charge; the held job goes back to its plan and, once the provider answers
+    # again, bursts on a new instance and finishes. The daemon runs throughout: it sees the operator's word at its
+    # next tick.
+    state = tmp_path / "state"
+    with simcloud(tmp_path) as url:
+        config = write_config(tmp_path, url, policy={"hybrid_margin_h": 5.0, "default_market": "spot"})
+        here = json.loads(cli(config, state, "enqueue", str(priced_job(tmp_path, "comes-home", steps=600)),
+                              "--json").stdout)["id"]
+        away = json.loads(cli(config, state, "enqueue", str(trainer_job(tmp_path, "no-room-here", steps=600, every=10)),
+                              "--json").stdout)["id"]
+        assert not job(state, away)["decision"]["fits_locally"]
+        daemon = Daemon(tmp_path, config, state).start()
+        try:
+            wait_for(lambda: {e["job_id"] for e in events(state, "checkpoint.synced")} == {here, away}, 180,
+                     "a checkpoint of each from the cloud")
+            launched = {e["job_id"]: e["data"]["instance"] for e in events(state, "instance.launched")}
+            sim_admin(url, "faults", {"kind": "server-error", "status": 503, "count": 1_000_000})  # the API is down
+            r = cli(config, state, "revert-local", "--json", "--timeout", "90")
+            assert r.returncode == 1, r.stdout + r.stderr
+            report = json.loads(r.stdout)
+            assert (report["requeued_local"], report["held_until_burst_enable"]) == ([here], [away])
+            assert "`burstctl confirm-gone PROVIDER INSTANCE_ID`" in r.stderr
+            released = {e["job_id"]: e for e in events(state, "attempt.released")}
+            wait_for(lambda: job(state, here)["state"] == "done", 240, "the job that fits to finish here")
+            record = Path(job(state, here)["record_path"])
+            assert f"; instance sim {launched[here]} is still being terminated: $" in measured_line(record)
+            shown = " ".join(cli(config, state, "show", away).stdout.split())
+            assert f"(`burstctl confirm-gone sim {launched[away]}` once you have seen it gone" in shown
+
+            # The operator sees both gone in the console (reclaimed, its API still down), and says so.
+            for instance in launched.values():
+                httpx.post(f"{url}/_sim/instances/{instance}/preempt", json={}, timeout=10).raise_for_status()
+            gone_at = float(int(time.time()) - 1)
+            for instance in launched.values():
+                r = cli(config, state, "confirm-gone", "sim", instance, "--at",
+                        datetime.fromtimestamp(gone_at, UTC).isoformat(), "--json")
+                assert r.returncode == 0, r.stdout + r.stderr
+                assert json.loads(r.stdout)["by"] == "operator" and SIM_KEY not in r.stdout + r.stderr
+            charges = {c["instance_id"]: c for c in ledger(state)}
+            for job_id, instance in launched.items():
+                charge = charges[instance]
+                assert charge["ended_at"] == gone_at
+                assert charge["cost_usd"] == pytest.approx(charge["rate_usd_h"] * (gone_at - charge["started_at"])
+                                                           / 3600)
+                (ended,) = [e for e in events(state, "instance.terminated")
+                            if e["attempt_id"] == released[job_id]["attempt_id"]]
+                assert (ended["data"]["outcome"], ended["data"]["confirmed_by"]) == ("aborted", "operator")
+            said = [e for e in events(state, "instance.confirmed_gone")]
+            assert sorted(e["data"]["instance"] for e in said) == sorted(launched.values())
+            assert all((e["data"]["by"], e["data"]["at"]) == ("operator", gone_at) for e in said)
+            status = json.loads(cli(config, state, "status", "--json").stdout)
+            assert status["instances"] == [] and status["attempts"] == []
+            assert sorted(g["id"] for g in status["confirmed_gone_by_operator"]) == sorted(launched.values())
+            spent = status["month_to_date_usd"]
+            time.sleep(2)  # the meter: no charge is open, so nothing accrues
+            assert json.loads(cli(config, state, "status", "--json").stdout)["month_to_date_usd"] == spent
+            # The job done is measured again, with the whole charge, and says whose word ended it.
+            line = measured_line(record)
+            assert f"cost ${charges[launched[here]]['cost_usd']:.2f}" in line and "being terminated" not in line
+            assert line.endswith(f"instance sim {launched[here]} confirmed gone by the operator, not its provider, "
+                                 f"at {datetime.fromtimestamp(gone_at, UTC):%Y-%m-%dT%H:%M:%SZ}: its charge ends then")
+
+            # The held job is held no more: burst-enable puts it back on its plan, and it bursts once the API answers.
+            r = cli(config, state, "burst-enable", "--json")
+            assert r.returncode == 0 and json.loads(r.stdout)["held_for_released_instance"] == {}, r.stdout
+            time.sleep(3)
+            assert sorted(i["id"] for i in sim_instances(url)) == sorted(launched.values())  # the API is down
+            httpx.delete(f"{url}/_sim/faults", timeout=10).raise_for_status()
+            wait_for(lambda: job(state, away)["state"] == "done", 240, "the held job to burst again and finish")
+        finally:
+            assert daemon.stop() == 0
+        billed = {b["instance_id"]: b for b in sim_billing(url)}
+    (new,) = [i for i in billed if i not in launched.values()]
+    assert billed[new]["launched_at"] >= billed[launched[away]]["ended_at"]  # never two of its instances at once
+    # The operator was right: nothing of the old instances was found again, or billed twice.
+    assert [c["instance_id"] for c in ledger(state)].count(launched[away]) == 1
+    assert not [e for e in events(state, "instance.orphan") if e["data"]["instance"] in launched.values()]
+    assert f"cost ${sum(c['cost_usd'] for c in ledger(state) if c['job_id'] == away):.2f}" in measured_line(
+        Path(job(state, away)["record_path"]))
