@@ -12,6 +12,10 @@ A released job is not launched in the cloud again while its instance from before
 (`relaunch_held`): that instance still bills, and still holds a cloud slot (`daemon.max_cloud_attempts`) and its
 charge's share of the budget; a second one for the same job beside it is the double billing revert-local was run to
 end. The job runs here meanwhile, or waits when it does not fit here.
+
+A provider that will never answer again (the account closed, the vendor gone) would hold that job off the cloud,
+and meter its instance, for ever: the operator may say the instance is gone instead (`burstctl confirm-gone`), and
+`operator_gone` decides whether their word is taken.
 """
 
 from __future__ import annotations

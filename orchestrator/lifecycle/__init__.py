@@ -23,6 +23,7 @@ A tick, and who does what in it:
     handover.py      an instance launched ahead of time taking its job over
     schedule.py      whether a running attempt will end by its deadline, at the measured speed
     finish.py        what an ended attempt means for its job
+    gone.py          an instance confirmed gone (by its provider, or the operator: `confirm-gone`), and what waited
     watch.py         Watch: how long the attempts were watched, what the timeouts that wait on an instance count
 
 Beside the tick:

@@ -30,7 +30,8 @@ trainer writes a last checkpoint (`info.stopping_for`, looked at again each tick
 terminate, its run stopped (or its instance cannot be reached either) and its newest checkpoint is home
 (`core/release.py`). Its job's next step (requeued locally, resuming) is taken as it goes `released`, not again at its
 end; it is never synced from again, so nothing of the old instance reaches the job's store once the job has moved.
-The daemon goes on terminating its instance, its charge open, until the provider confirms it gone; until then it
+The daemon goes on terminating its instance, its charge open, until the provider confirms it gone (or the operator
+does, for a provider that never will: `burstctl confirm-gone`; both through `gone.confirmed_gone`); until then it
 still holds a cloud slot, and no other instance is launched for its job (`core/release.relaunch_held`).
 
 `intent` is written *before* the launch call, with the idempotency key; a daemon that dies right after the call
